@@ -1,0 +1,31 @@
+# Set-up on a fresh machine. Torch is pinned to the CPU build that lies on this disk; users on GPUs keep their own.
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+TORCH_PIN = torch==2.13.0
+
+.PHONY: install demo test test-slow lint bench
+
+$(BIN)/llmem: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	echo "$(TORCH_PIN)" > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev]'
+	touch $(BIN)/llmem
+
+install: $(BIN)/llmem
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/llmem estimate meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --method fsdp --seq-len 4096 --batch-size 1 --precision bf16-mixed --grad-ckpt
+	HF_HUB_OFFLINE=1 $(BIN)/llmem plan meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --seq-len 4096 --grad-ckpt
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+test-slow: install
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check llmem tests benchmarks

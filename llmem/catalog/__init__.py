@@ -1,0 +1,46 @@
+"""The bundled model catalog: real `config.json` values of popular models, so llmem runs offline.
+
+`models.json` lists each entry: its hub id, short aliases, the config file in `configs/`, and the parameter count the
+model's publisher states (tests check that building the config on the meta device gives exactly that count).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    hub_id: str
+    config_file: str
+    published_params: int
+    aliases: tuple[str, ...] = ()
+    source: str = ""
+
+
+@cache
+def catalog() -> dict[str, CatalogEntry]:
+    """hub id -> entry, in file order."""
+    raw = json.loads(resources.files(__package__).joinpath("models.json").read_text())
+    return {
+        item["id"]: CatalogEntry(item["id"], item["config"], int(item["published_params"]),
+                                 tuple(item.get("aliases", ())), item.get("source", ""))
+        for item in raw["models"]
+    }
+
+
+def find_entry(name: str) -> CatalogEntry | None:
+    """Match a hub id, the part after the org, or an alias, case-insensitively."""
+    key = name.strip().lower()
+    for entry in catalog().values():
+        names = {entry.hub_id.lower(), entry.hub_id.split("/")[-1].lower(), *(a.lower() for a in entry.aliases)}
+        if key in names:
+            return entry
+    return None
+
+
+def load_config_dict(entry: CatalogEntry) -> dict:
+    return json.loads(resources.files(__package__).joinpath("configs", entry.config_file).read_text())

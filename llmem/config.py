@@ -1,0 +1,67 @@
+"""The training set-up a user asks about, as one plain dataclass, and its validation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from llmem.errors import LlmemError
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "sgd-momentum")
+ATTENTIONS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One fine-tuning step as the user describes it. Sizes are per GPU (batch_size is the micro-batch)."""
+    model: str
+    method: str = "single"
+    gpus: int = 1
+    gpus_per_node: int | None = None
+    tp: int | None = None
+    batch_size: int = 1
+    seq_len: int = 2048
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    grad_ckpt: bool = False
+    attn: str = "sdpa"
+    gpu: str = "A100-80GB"
+    gpu_memory: str | None = None       # overrides the catalog's capacity, e.g. "80GiB"
+    cuda_context: str | None = None     # overrides the CUDA-context assumption, e.g. "500MiB"
+    expandable_segments: bool = False   # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise LlmemError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.seq_len < 1:
+            raise LlmemError(f"--seq-len must be >= 1, got {self.seq_len}")
+        if self.precision not in PRECISIONS:
+            raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.attn not in ATTENTIONS:
+            raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 master weights with low-precision compute (autocast / FSDP MixedPrecisionPolicy)."""
+        return self.precision.endswith("-mixed")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the stored parameters, their gradients and optimizer states."""
+        return 2 if self.precision in ("bf16", "fp16") else 4
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations (matmul outputs)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def compute_dtype(self) -> str:
+        return {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16",
+                "fp16-mixed": "float16", "fp16": "float16"}[self.precision]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

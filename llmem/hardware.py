@@ -1,0 +1,86 @@
+"""GPU catalog: memory capacity, the CUDA context assumption, compute and link speeds.
+
+Memory is the total that nvidia-smi / `torch.cuda.get_device_properties().total_memory` reports.
+The CUDA context (driver context, kernel images loaded lazily, cuBLAS/cuDNN handles) lives outside PyTorch's caching
+allocator, so it appears in `device_used` but not in `max_memory_reserved`. Its size depends on the driver, the CUDA
+version and which kernels load; the values below are typical of PyTorch 2.x with CUDA 12 and lazy module loading
+(CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7) and are an **assumption** the user can override with
+`--cuda-context`. The cuBLAS workspace, in contrast, is taken from the caching allocator (PyTorch >= 2.1), so it is
+counted inside allocated/reserved; its default size follows CUBLAS_WORKSPACE_CONFIG's defaults in PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.units import KIB, MIB, parse_bytes
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int
+    cuda_context_bytes: int       # outside the caching allocator (nvidia-smi shows it, torch does not)
+    cublas_workspace_bytes: int   # inside the caching allocator, one per stream/handle used by the step
+    bf16_tflops: float            # dense peak for matrix work, fp16 where the GPU lacks bf16
+    link_gbps: float              # per-GPU bandwidth to peers inside a node, GB/s, one direction
+    compute_capability: tuple[int, int] = (8, 0)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 1024**3
+
+
+# cuBLAS workspace: PyTorch's default CUBLAS_WORKSPACE_CONFIG is ":4096:8" (8 x 4 MiB... taken as one 32 MiB
+# block) on Hopper and newer, ":4096:2:16:8" (2 x 4 MiB + 8 x 16 KiB) before it.
+_WS_HOPPER = 32 * MIB
+_WS_PRE_HOPPER = 2 * 4096 * KIB + 8 * 16 * KIB
+
+GPU_CATALOG: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0)),
+        GpuSpec("V100-32GB", 32768 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0)),
+        GpuSpec("T4", 15360 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5)),
+        GpuSpec("A10G", 23028 * MIB, 420 * MIB, _WS_PRE_HOPPER, 70.0, 16.0, (8, 6)),
+        GpuSpec("RTX3090", 24576 * MIB, 420 * MIB, _WS_PRE_HOPPER, 71.0, 25.0, (8, 6)),
+        GpuSpec("RTX4090", 24564 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9)),
+        GpuSpec("L4", 23034 * MIB, 420 * MIB, _WS_PRE_HOPPER, 121.0, 25.0, (8, 9)),
+        GpuSpec("L40S", 46068 * MIB, 420 * MIB, _WS_PRE_HOPPER, 362.0, 25.0, (8, 9)),
+        GpuSpec("A100-40GB", 40960 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0)),
+        GpuSpec("A100-80GB", 81920 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0)),
+        GpuSpec("H100-80GB", 81559 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0)),
+        GpuSpec("H200", 143771 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0)),
+        GpuSpec("B200", 183359 * MIB, 600 * MIB, _WS_HOPPER, 2250.0, 900.0, (10, 0)),
+        GpuSpec("MI300X", 196592 * MIB, 600 * MIB, _WS_HOPPER, 1307.0, 448.0, (9, 4)),
+    )
+}
+
+_ALIASES = {
+    "V100": "V100-16GB", "A100": "A100-80GB", "H100": "H100-80GB", "A10": "A10G",
+    "RTX-3090": "RTX3090", "RTX-4090": "RTX4090", "4090": "RTX4090", "3090": "RTX3090",
+    "H200-141GB": "H200", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
+}
+
+
+def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
+                cuda_context: str | int | None = None) -> GpuSpec:
+    """Catalog look-up, case-insensitive, with `--gpu-memory` / `--cuda-context` overrides."""
+    key = {k.upper(): k for k in GPU_CATALOG}.get(name.upper())
+    key = key or _ALIASES.get(name) or {k.upper(): v for k, v in _ALIASES.items()}.get(name.upper())
+    if key is None:
+        if memory is None:
+            raise LlmemError(f"unknown GPU {name!r}: choose one of {', '.join(GPU_CATALOG)} or give --gpu-memory")
+        base = GpuSpec(name, 0, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0)
+    else:
+        base = GPU_CATALOG[key]
+    changes = {}
+    if memory is not None:
+        changes["memory_bytes"] = parse_bytes(memory)
+    if cuda_context is not None:
+        changes["cuda_context_bytes"] = 0 if str(cuda_context) in ("0", "0B") else parse_bytes(cuda_context)
+    if changes:
+        from dataclasses import replace
+        base = replace(base, **changes)
+    return base
