@@ -59,6 +59,7 @@ class ModelAnatomy:
     tie_word_embeddings: bool
     params: tuple[ParamInfo, ...]          # unique parameters only (a tied weight appears once)
     tied_names: tuple[str, ...] = ()       # names that alias an earlier parameter
+    supports_sdpa: bool = True             # HF class accepts attn_implementation="sdpa" (else eager runs)
     config: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -193,11 +194,12 @@ def inventory(model, name: str) -> ModelAnatomy:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     hidden = _first(text, "hidden_size", "n_embd", "d_model")
     heads = _first(text, "num_attention_heads", "n_head", "num_heads")
-    kv_heads = _first(text, "num_key_value_heads", "num_kv_heads", default=None)
+    if cfg.model_type == "falcon" and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1 if getattr(text, "multi_query", True) else heads   # num_kv_heads is ignored by the model
+    else:
+        kv_heads = _first(text, "num_key_value_heads", "num_kv_heads", default=None)
     if kv_heads is None:
         kv_heads = 1 if getattr(text, "multi_query", False) else heads
-        if getattr(text, "model_type", "") == "falcon" and not getattr(text, "new_decoder_architecture", False):
-            kv_heads = 1 if getattr(text, "multi_query", True) else heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     inter = _first(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", default=None) or 4 * hidden
     num_layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
@@ -206,7 +208,8 @@ def inventory(model, name: str) -> ModelAnatomy:
         family=FAMILY_BY_MODEL_TYPE.get(cfg.model_type, "llama"),
         hidden_size=hidden, num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=inter, vocab_size=text.vocab_size,
-        tie_word_embeddings=bool(tied), params=tuple(params), tied_names=tuple(tied), config=cfg.to_dict(),
+        tie_word_embeddings=bool(tied), params=tuple(params), tied_names=tuple(tied),
+        supports_sdpa=bool(getattr(type(model), "_supports_sdpa", False)), config=cfg.to_dict(),
     )
 
 

@@ -29,6 +29,10 @@ class TrainingSetup:
     gpu_memory: str | None = None       # overrides the catalog's capacity, e.g. "80GiB"
     cuda_context: str | None = None     # overrides the CUDA-context assumption, e.g. "500MiB"
     expandable_segments: bool = False   # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    offload_optimizer: bool = False     # optimizer states and the update on the CPU (ZeRO-Offload style)
+    lora_rank: int = 0                  # 0: full fine-tuning; > 0: LoRA adapters of this rank, base frozen
+    lora_alpha: int = 16
+    lora_targets: str = "q_proj,v_proj" # comma-separated module names, or "all-linear"
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -40,6 +44,8 @@ class TrainingSetup:
             raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.lora_rank < 0:
+            raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
 

@@ -84,3 +84,14 @@ def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
         from dataclasses import replace
         base = replace(base, **changes)
     return base
+
+
+# NCCL allocates its channel buffers with cudaMalloc, outside PyTorch's allocator: roughly NCCL_BUFFSIZE (4 MiB) per
+# channel and protocol for each peer connection. We assume 256 MiB per GPU once a process group with peers exists
+# (typical for 8 GPUs on NVLink with NCCL 2.18+); it is part of what nvidia-smi shows, not of torch's counters.
+NCCL_BUFFER_BYTES = 256 * MIB
+
+
+def outside_allocator_bytes(gpu: GpuSpec, world_size: int) -> int:
+    """Device memory in use that PyTorch's counters never see: the CUDA context and NCCL's buffers."""
+    return gpu.cuda_context_bytes + (NCCL_BUFFER_BYTES if world_size > 1 else 0)

@@ -1,0 +1,350 @@
+"""Activation memory of one training step, per GPU, from the model's structure and PyTorch's kernels.
+
+Every formula counts the tensors that autograd keeps for backward (the "saved tensors") of the HF implementation of a
+decoder layer, as they are on CUDA:
+- the CUDA autocast policy: matmuls (linear, addmm, bmm, baddbmm, SDPA) run in the low-precision dtype, while
+  layer_norm, softmax, log_softmax, pow, nll_loss run in fp32; autocast casts each activation input of a matmul
+  again for every matmul that consumes it (only leaf weights are cached), and a bf16 tensor plus an fp32 tensor
+  promotes to fp32 (so under autocast the residual stream stays fp32);
+- dropout is `native_dropout`: its output plus a bool mask (1 byte per element) is saved; p = 0 is a no-op;
+- SDPA runs the flash / memory-efficient kernels: they save q, k, v, the output and an fp32 logsumexp (B, H, S),
+  never the S x S matrix, with or without dropout; GQA runs natively (no repeated k/v) when no mask is passed;
+- nn.Linear saves its input; `F.silu`/`F.gelu`/`relu`/`tanh` save their input or output as their backward needs.
+
+Three regimes decide the dtypes:
+- fp32: everything in fp32.
+- lowp: parameters in bf16/fp16 (pure low precision, or FSDP's MixedPrecisionPolicy that gathers bf16 weights).
+- autocast: fp32 parameters with `torch.autocast` (single GPU, DDP and TP under *-mixed precision).
+
+Sizes are in bytes, per GPU, for one micro-batch. With tensor parallelism (no sequence parallelism) the column-
+parallel outputs (heads, MLP intermediate) are split tp ways and everything else stays replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.anatomy import ModelAnatomy
+from llmem.config import TrainingSetup
+
+F32 = 4
+MASK = 1  # CUDA dropout keeps a bool mask
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str        # fp32 / lowp / autocast
+    res: int         # bytes per element of the residual stream (embedding output dtype)
+    mm: int          # bytes per element of matmul outputs
+
+    @property
+    def autocast(self) -> bool:
+        return self.name == "autocast"
+
+
+def regime_for(setup: TrainingSetup, method: str) -> Regime:
+    if setup.precision == "fp32":
+        return Regime("fp32", 4, 4)
+    if setup.mixed and method not in ("fsdp", "zero2", "fsdp+tp"):
+        return Regime("autocast", 4, 2)
+    return Regime("lowp", 2, 2)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-GPU shapes of one micro-batch."""
+    b: int
+    s: int
+    h: int
+    i: int           # MLP intermediate, local to this GPU under tp
+    qd: int          # query width (heads x head_dim), local under tp
+    kvd: int         # key/value width, local under tp
+    heads: int       # local query heads
+    vocab: int
+    layers: int
+    tp: int
+
+    @property
+    def t(self) -> int:
+        return self.b * self.s
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What the forward keeps, and the transient peaks around it, in bytes per GPU."""
+    per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
+    checkpoint_saved: int      # kept per layer under gradient checkpointing (the layer input)
+    embed_saved: int           # kept by the embedding block (outside the layers)
+    head_saved: int            # kept by the final norm and the lm_head input
+    shared_saved: int          # shared by every layer: rotary cos/sin, attention mask
+    loss_peak: int             # logits, their fp32 upcast, log-softmax and their gradients at the loss backward
+    layer_backward_extra: int  # transient gradients inside one layer's backward
+    grad_ckpt: bool
+    layers: int
+
+    @property
+    def saved_at_loss(self) -> int:
+        """Everything kept for backward when the loss backward starts (the usual activation peak)."""
+        per_layer = self.checkpoint_saved if self.grad_ckpt else self.per_layer_saved
+        return self.embed_saved + self.layers * per_layer + self.head_saved + self.shared_saved
+
+
+def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
+    return Dims(
+        b=setup.batch_size, s=setup.seq_len, h=anatomy.hidden_size,
+        i=_ceil_div(anatomy.intermediate_size, tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
+        kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
+        vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
+    )
+
+
+def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
+    """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2)."""
+    return setup.attn if anatomy.supports_sdpa else "eager"
+
+
+def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str, tp: int) -> ActivationProfile:
+    regime = regime_for(setup, method)
+    d = dims_for(anatomy, setup, tp)
+    attn = effective_attention(anatomy, setup)
+    family = _FAMILIES.get(anatomy.model_type, _llama_like)
+    layer, embed, head, shared, bwd_extra = family(anatomy, d, regime, attn)
+    return ActivationProfile(
+        per_layer_saved=layer,
+        checkpoint_saved=d.t * d.h * regime.res,
+        embed_saved=embed, head_saved=head, shared_saved=shared,
+        loss_peak=loss_peak_bytes(d),
+        layer_backward_extra=bwd_extra,
+        grad_ckpt=setup.grad_ckpt, layers=d.layers,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks. Each returns bytes kept for backward; `t` = tokens (batch x sequence) of the micro-batch.
+
+def loss_peak_bytes(d: Dims) -> int:
+    """HF's ForCausalLMLoss: logits.float() -> cross_entropy = log_softmax + nll_loss.
+
+    At the nll_loss backward three fp32 [tokens, vocab] tensors are live at once: the saved log-softmax output,
+    nll_loss's gradient (zeros + scatter) and log_softmax's input gradient. The logits themselves are dropped with
+    the model output before backward (as HF Trainer does), so they do not add here. Logits are full-vocab under
+    tensor parallelism (the lm_head output is gathered).
+    """
+    return 3 * F32 * d.t * d.vocab
+
+
+def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tuple[int, int]:
+    """(bytes kept, bytes of its output) for a norm whose input is the residual stream.
+
+    layernorm (F.layer_norm; fp32 under autocast): saves its input, mean and rstd (fp32 [t]); output in residual
+    dtype (fp32 under autocast).
+    rmsnorm (HF Llama): x.to(fp32); x * rsqrt(mean(x^2) + eps); weight * y.to(input dtype). Saves the fp32 input
+    (a copy when the stream is low precision), rsqrt (fp32 [t]), the normalised tensor in the stream dtype.
+    rmsnorm_gemma: x.float() normalised in fp32 then * (1 + w) in fp32, cast back: saves the fp32 input, rsqrt,
+    the fp32 normalised tensor.
+    Output size is returned so the caller can count who keeps it (the next linears).
+    """
+    stream_in = 0 if input_counted else t * h * r.res
+    if kind == "layernorm":
+        out_bytes = F32 if r.autocast else r.res
+        return stream_in + 2 * F32 * t, t * h * out_bytes
+    if kind == "rmsnorm":
+        if r.res == F32:   # .to(fp32) is a no-op: pow keeps the input itself; weight*n keeps n (fp32)
+            return stream_in + F32 * t + F32 * t * h, t * h * F32
+        return F32 * t * h + F32 * t + r.res * t * h, t * h * r.res
+    if kind == "rmsnorm_gemma":
+        if r.res == F32:
+            return stream_in + F32 * t + F32 * t * h, t * h * F32
+        return F32 * t * h + F32 * t + F32 * t * h, t * h * r.res
+    raise ValueError(kind)
+
+
+def linear_inputs_saved(r: Regime, t: int, width: int, consumers: int, out_of_norm_bytes: int) -> int:
+    """Bytes kept for the inputs of `consumers` linears that read one tensor of [t, width].
+
+    fp32/lowp: the tensor itself is kept once. Autocast: each linear keeps its own low-precision cast of an fp32
+    input (activations are not in autocast's cache); a low-precision input is kept once.
+    """
+    if r.autocast and out_of_norm_bytes // max(t * width, 1) == F32:
+        return consumers * t * width * r.mm
+    return out_of_norm_bytes
+
+
+def dropout_saved(p: float, elements: int) -> int:
+    return MASK * elements if p > 0 else 0
+
+
+def sdpa_saved(r: Regime, d: Dims, q_kept: int, k_kept: int, v_kept: int) -> int:
+    """Flash / memory-efficient SDPA: q, k, v (as passed, low precision under autocast), the output, fp32 lse."""
+    out = d.t * d.qd * r.mm
+    lse = F32 * d.b * d.heads * d.s
+    return q_kept + k_kept + v_kept + out + lse
+
+
+def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool, softmax_fp32: bool,
+                          mask_promotes: bool) -> int:
+    """Eager attention: matmul(q, k^T) -> (+mask) -> softmax -> [cast] -> dropout -> matmul(p, v) -> contiguous.
+
+    Saved: q and k (low precision), the softmax output (fp32 when softmax runs in fp32), its cast back to the
+    value dtype, the dropout mask (bool) and output, v, and the merged-heads copy that o_proj keeps.
+    """
+    scores = d.b * d.heads * d.s * d.s
+    softmax_bytes = F32 if (softmax_fp32 or r.autocast or r.mm == F32) else r.mm
+    kept = scores * softmax_bytes
+    if softmax_bytes != r.mm:
+        kept += scores * r.mm                       # .to(value dtype)
+    if dropout_p > 0:
+        kept += scores * (MASK + r.mm)              # native_dropout output is what matmul(p, v) keeps
+    qk = d.t * d.qd * r.mm * 2 if repeat_kv else d.t * (d.qd + d.kvd) * r.mm
+    v = d.t * (d.qd if repeat_kv else d.kvd) * r.mm
+    merged = d.t * d.qd * r.mm
+    return kept + qk + v + merged
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cfg(anatomy: ModelAnatomy, *names: str, default=0.0):
+    for n in names:
+        v = anatomy.config.get(n)
+        if v is not None:
+            return v
+    return default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Families. Each returns (per_layer_saved, embed_saved, head_saved, shared_saved, layer_backward_extra).
+
+def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+    """Llama, Mistral, Qwen2, Phi-3, Mixtral, Gemma-2: RMSNorm, RoPE, SwiGLU / GeGLU gated MLP, no dropout."""
+    t = d.t
+    norm = "rmsnorm_gemma" if a.model_type == "gemma2" else "rmsnorm"
+    fused_qkv = a.model_type == "phi3"
+    kept, out1 = norm_saved(norm, r, t, d.h, input_counted=False)
+    kept += linear_inputs_saved(r, t, d.h, 1 if fused_qkv else 3, out1)
+    # RoPE makes new q, k (fp32 under autocast, cos/sin follow the fp32 stream); SDPA/eager keep casts of them
+    if fused_qkv:  # v is a view of the fused qkv output, which therefore stays alive whole
+        kept += t * (d.qd + 2 * d.kvd) * r.mm - t * d.kvd * r.mm
+    if attn == "sdpa":
+        kept += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+    else:
+        p_attn = float(_cfg(a, "attention_dropout"))
+        kept += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True,
+                                      mask_promotes=r.autocast)
+    if a.model_type == "gemma2":  # post-attention and post-feedforward norms
+        extra, _ = norm_saved(norm, r, t, d.h, input_counted=False)
+        kept += 2 * extra
+    k2, out2 = norm_saved(norm, r, t, d.h, input_counted=False)
+    if r.res == F32:
+        k2 += 0  # h1 is the norm's saved input (counted by norm_saved as stream_in)
+    kept += k2 + linear_inputs_saved(r, t, d.h, 1 if fused_qkv else 2, out2)
+    experts = int(_cfg(a, "num_experts_per_tok", default=1)) if a.model_type == "mixtral" else 1
+    mlp = 4 * t * d.i * r.mm * experts
+    if a.model_type == "mixtral":
+        mlp += t * int(_cfg(a, "num_local_experts", default=8)) * F32 * 2  # router logits and softmax
+    kept += mlp
+    embed = t * d.h * r.res if r.res == F32 else 0  # lowp: the first norm keeps an fp32 copy, not the input
+    head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
+    head = head_kept + (t * d.h * r.mm if r.autocast else head_out)
+    shared = 2 * d.s * a.head_dim * r.res  # rotary cos and sin, shared by every layer
+    bwd_extra = 3 * t * d.i * r.mm * experts
+    return kept, embed, head, shared, bwd_extra
+
+
+def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+    """GPT-2 and GPT-BigCode: LayerNorm, fused c_attn, dropout on attention/residual/embeddings, gelu_new MLP."""
+    t = d.t
+    p_resid = float(_cfg(a, "resid_pdrop"))
+    p_attn = float(_cfg(a, "attn_pdrop"))
+    p_embd = float(_cfg(a, "embd_pdrop"))
+    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += linear_inputs_saved(r, t, d.h, 1, out1)
+    qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v are views of one c_attn output, kept whole
+    if attn == "sdpa":
+        kept += qkv + t * d.qd * r.mm + F32 * d.b * d.heads * d.s
+    else:
+        kept += qkv - t * (d.qd + 2 * d.kvd) * r.mm + eager_attention_saved(
+            r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
+    kept += dropout_saved(p_resid, t * d.h)
+    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
+    kept += _mlp_act_saved(a, r, t * d.i)
+    kept += dropout_saved(p_resid, t * d.h)
+    embed = dropout_saved(p_embd, t * d.h)
+    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out) - t * d.h * r.res
+    bwd_extra = 2 * t * d.i * r.mm
+    return kept, embed, head + t * d.h * r.res, 0, bwd_extra
+
+
+def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+    """OPT and BioGPT: LayerNorm (pre-LN), separate q/k/v, dropout on residual branches, ReLU/GELU MLP."""
+    t = d.t
+    p = float(_cfg(a, "dropout", "hidden_dropout_prob"))
+    p_attn = float(_cfg(a, "attention_dropout", "attention_probs_dropout_prob"))
+    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += linear_inputs_saved(r, t, d.h, 3, out1)
+    if attn == "sdpa":
+        kept += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+    else:
+        kept += eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
+    kept += dropout_saved(p, t * d.h)
+    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
+    kept += _mlp_act_saved(a, r, t * d.i)
+    kept += dropout_saved(p, t * d.h)
+    embed = dropout_saved(p, t * d.h)
+    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
+    bwd_extra = 2 * t * d.i * r.mm
+    return kept, embed, head, 0, bwd_extra
+
+
+def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+    """BLOOM: LayerNorm, fused query_key_value, ALiBi baddbmm eager attention, custom GeLU autograd function."""
+    t = d.t
+    p = float(_cfg(a, "hidden_dropout"))
+    p_attn = float(_cfg(a, "attention_dropout"))
+    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += linear_inputs_saved(r, t, d.h, 1, out1)
+    kept += t * (d.qd + 2 * d.kvd) * r.mm - t * (d.qd + 2 * d.kvd) * r.mm  # q/k/v reshaped copies below
+    kept += eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=True, mask_promotes=False)
+    kept += dropout_saved(p, t * d.h)
+    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
+    kept += t * d.i * r.mm * 2          # GeLUFunction keeps its input; dense_4h_to_h keeps the output
+    kept += dropout_saved(p, t * d.h)
+    embed_norm, _ = norm_saved("layernorm", r, t, d.h, input_counted=False)  # word_embeddings_layernorm
+    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
+    shared = d.b * d.heads * d.s * r.res    # alibi
+    bwd_extra = 2 * t * d.i * r.mm
+    return kept, embed_norm, head, shared, bwd_extra
+
+
+def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> int:
+    """Bytes kept by the MLP activation of n = tokens x intermediate elements (fc output to fc2 input).
+
+    gelu_new (GPT-2, CodeGen, GPT-Neo): the python tanh formula keeps x (fp32 under autocast: pow upcasts),
+    tanh's output, 1 + tanh, 0.5 * x and the product (cast for c_proj under autocast).
+    gelu / gelu_pytorch_tanh (F.gelu): keeps its input; the output is kept by the next linear.
+    relu: keeps its output, which is also the next linear's input.
+    """
+    act = str(_cfg(a, "activation_function", "hidden_act", "activation", default="gelu_new"))
+    if act == "gelu_new":
+        if r.autocast:
+            return n * (F32 + F32 + F32 + r.mm + r.mm)
+        return 5 * n * r.mm
+    if act == "relu":
+        return n * r.mm
+    return 2 * n * r.mm
+
+
+_FAMILIES = {
+    "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "phi3": _llama_like,
+    "mixtral": _llama_like, "gemma2": _llama_like,
+    "gpt2": _gpt2, "gpt_bigcode": _gpt2, "gpt_neo": _gpt2, "codegen": _gpt2,
+    "opt": _opt, "biogpt": _opt,
+    "bloom": _bloom, "falcon": _llama_like,
+}

@@ -1,0 +1,324 @@
+"""The fast analytic estimator: per-GPU peak memory of one fine-tuning step under PyTorch-native training.
+
+LLMem's equations (paper.md §3-4) generalised to modern PyTorch:
+- model states per GPU follow the method's real sharding (FSDP2 pads dim 0 to the data-parallel degree; DTensor
+  tensor parallelism splits column/row-parallel weights, rank 0 taking the larger chunk);
+- the optimizer step is a peak of its own: weights + gradients + states + the implementation's temporaries
+  (AdamW foreach keeps sqrt(exp_avg_sq) for every parameter at once);
+- the forward/backward peak is evaluated at the moments it can occur: the end of forward, the loss backward, the
+  backward of the top decoder layer and of the bottom one (memory is linear in the layer index between them);
+- method buffers: DDP's gradient buckets; FSDP2's gathered root and current unit, the prefetched unit's
+  all-gather output and the reduce-scatter input; autocast's cached low-precision weight copies;
+- allocator overhead from the caching allocator's rounding and segment sizes, and the CUDA context outside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.activations import F32, ActivationProfile, activation_profile, regime_for
+from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy
+from llmem.config import TrainingSetup
+from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
+from llmem.methods import Layout, resolve_layout
+from llmem.result import MemoryResult
+from llmem.units import MIB
+
+# Module names whose weights tensor parallelism splits by output (column) or by input (row) features.
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_attn", "c_fc", "query_key_value",
+           "dense_h_to_4h", "qkv_proj", "gate_up_proj", "w1", "w3", "q_attn")
+ROWWISE = ("o_proj", "down_proj", "out_proj", "fc2", "c_proj", "dense", "dense_4h_to_h", "w2")
+MATMUL_KINDS = ("Linear", "Conv1D")
+
+
+def tp_split_dim(p: ParamInfo) -> int | None:
+    """Which dimension of this parameter tensor parallelism shards (None: replicated)."""
+    parts = p.name.split(".")
+    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    conv1d = p.module_kind == "Conv1D"  # GPT-2's Conv1D stores weight as [in, out]
+    if p.module_kind.endswith("Embedding") and p.layer_index is None and p.shape[0] > 8192:
+        return 0                         # vocab-parallel embedding (RowwiseParallel on nn.Embedding)
+    if module == "lm_head":
+        return 0                         # ColwiseParallel: vocab split
+    if module in COLWISE:
+        return (1 if conv1d else 0) if leaf == "weight" else 0
+    if module in ROWWISE and leaf == "weight":
+        return 0 if conv1d else 1
+    return None
+
+
+def local_numel(p: ParamInfo, layout: Layout) -> int:
+    """Elements of `p` held by rank 0: TP chunk (torch.chunk: rank 0 gets the ceil), then FSDP2's dim-0 shard."""
+    shape = list(p.shape)
+    if layout.tp > 1:
+        dim = tp_split_dim(p)
+        if dim is not None and dim < len(shape):
+            shape[dim] = -(-shape[dim] // layout.tp)
+    if layout.shards_model_states and layout.dp > 1 and shape:
+        shape[0] = -(-shape[0] // layout.dp)   # FSDP2 pads dim 0 to a multiple of the shard count
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def tp_local_numel(p: ParamInfo, layout: Layout) -> int:
+    """Elements after tensor parallelism only (what FSDP all-gathers back per GPU)."""
+    return local_numel(p, Layout(layout.method if layout.method == "tp" else "tp", 1, layout.tp,
+                                 layout.gpus_per_node))
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per GPU of the model states and the method's buffers."""
+    weights: int
+    gradients: int
+    optimizer_states: int
+    optimizer_temporaries: int
+    ddp_buckets: int
+    autocast_weight_copies: int      # all low-precision weight copies in autocast's cache (forward)
+    autocast_bias_copies: int
+    head_grads: int                  # gradients produced first in backward: lm_head, final norm
+    layer_grads: int                 # gradients of one decoder layer
+    embed_grads: int
+    fsdp_root_gathered: int          # unsharded root parameters (embeddings, norm, lm_head), param dtype
+    fsdp_layer_gathered: int         # one decoder layer unsharded, param dtype
+    fsdp_layer_reduce: int           # reduce-scatter input of one layer (reduce dtype)
+    fsdp_root_reduce: int
+    tp_embed_grad_excess: int        # vocab-parallel embedding's gradient comes back replicated (full size)
+
+
+def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> ModelStates:
+    pb = setup.param_bytes
+    params = anatomy.params
+    trainable = [p for p in params if p.trainable]
+    local = {p.name: local_numel(p, layout) for p in params}
+    weights = sum(local[p.name] for p in params) * pb
+    grads = sum(local[p.name] for p in trainable) * pb
+    states_per_param = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
+    opt_states = states_per_param[setup.optimizer] * grads
+    if setup.optimizer == "adamw":
+        # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state at once
+        opt_temp = grads
+    elif setup.optimizer == "adamw-forloop":
+        # for-loop: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of the largest parameter
+        opt_temp = 2 * max((local[p.name] for p in trainable), default=0) * pb
+    else:
+        opt_temp = 0   # fused AdamW and SGD update in place
+    ddp_buckets = grads if layout.method == "ddp" else 0   # gradient_as_bucket_view=False: a second copy
+
+    regime = regime_for(setup, layout.method)
+    matmul = [p for p in trainable if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+              or p.tied_to is not None and p.tied_to.startswith("lm_head")]
+    ac_w = ac_b = 0
+    if regime.autocast:
+        for p in matmul:
+            n = tp_local_numel(p, layout) * regime.mm
+            if p.name.endswith("bias"):
+                ac_b += n
+            else:
+                ac_w += n
+
+    head = [p for p in trainable if p.layer_index is None and not _is_embedding(p)]
+    embed = [p for p in trainable if p.layer_index is None and _is_embedding(p)]
+    layer0 = [p for p in trainable if p.layer_index == 0]
+    head_grads = sum(local[p.name] for p in head) * pb
+    embed_grads = sum(local[p.name] for p in embed) * pb
+    layer_grads = sum(local[p.name] for p in layer0) * pb
+
+    root_gathered = layer_gathered = layer_reduce = root_reduce = 0
+    if layout.shards_model_states:
+        gather_bytes = setup.compute_bytes if setup.mixed else pb
+        root = [p for p in params if p.layer_index is None]
+        layer_gathered = _fsdp_unit_numel(layer0, layout) * gather_bytes
+        root_gathered = _fsdp_unit_numel(root, layout) * gather_bytes
+        reduce_bytes = F32 if setup.mixed else pb
+        layer_reduce = _fsdp_unit_numel(layer0, layout) * reduce_bytes
+        root_reduce = _fsdp_unit_numel(root, layout) * reduce_bytes
+    tp_excess = 0
+    if layout.tp > 1:
+        for p in embed:
+            if tp_split_dim(p) == 0:
+                tp_excess += (p.numel // (layout.dp if layout.shards_model_states else 1)
+                              - tp_local_numel(p, layout)) * pb
+    return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
+                       embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0))
+
+
+def _is_embedding(p: ParamInfo) -> bool:
+    return p.module_kind.endswith("Embedding")
+
+
+def _fsdp_unit_numel(unit: list[ParamInfo], layout: Layout) -> int:
+    """Unsharded size of an FSDP unit as all-gathered: each TP-local parameter padded to a multiple of dp."""
+    total = 0
+    for p in unit:
+        n = tp_local_numel(p, layout)
+        dim0 = p.shape[0] if p.shape else 1
+        if layout.tp > 1 and tp_split_dim(p) == 0:
+            dim0 = -(-dim0 // layout.tp)
+        rest = n // max(dim0, 1)
+        total += -(-dim0 // layout.dp) * layout.dp * rest
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step's peak
+
+@dataclass(frozen=True)
+class Moment:
+    phase: str
+    components: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+
+def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: GpuSpec) -> list[Moment]:
+    """Memory at each moment where the step's peak can occur (second iteration: optimizer states exist)."""
+    ms = model_states(anatomy, setup, layout)
+    act = activation_profile(anatomy, setup, layout.method, layout.tp)
+    d_tokens_vocab = setup.batch_size * setup.seq_len * anatomy.vocab_size
+    regime = regime_for(setup, layout.method)
+    static = {
+        "weights": ms.weights,
+        "optimizer_states": ms.optimizer_states,
+        "communication_buffers": ms.ddp_buckets,
+        "cuda_workspaces": gpu.cublas_workspace_bytes,
+    }
+    fsdp = layout.shards_model_states
+    reshard = layout.method != "zero2"
+    layers = anatomy.num_layers
+
+    def gathered(current_layers: int, prefetch: bool) -> tuple[int, int]:
+        """(gathered weights, all-gather buffer of the prefetched unit) under FSDP."""
+        if not fsdp:
+            return 0, 0
+        held = ms.fsdp_root_gathered + current_layers * ms.fsdp_layer_gathered
+        return held, ms.fsdp_layer_gathered if prefetch else 0
+
+    moments: list[Moment] = []
+    lm_logits = d_tokens_vocab * regime.mm
+    # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output
+    fwd_loss = lm_logits + (d_tokens_vocab * F32 if regime.mm != F32 else 0) + d_tokens_vocab * F32
+    g_fwd, _ = gathered(0 if reshard else layers, False)
+    moments.append(Moment("forward", {
+        **static,
+        "gathered_weights": g_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
+        "activations": act.saved_at_loss,
+        "logits_and_loss": fwd_loss,
+    }))
+    # 2. loss backward: three fp32 [tokens, vocab] tensors; the autograd graph still holds the weight copies
+    kept_copies = _autocast_copies_in_backward(ms, act, anatomy, layout)
+    moments.append(Moment("backward", {
+        **static,
+        "gathered_weights": g_fwd + kept_copies,
+        "activations": act.saved_at_loss,
+        "logits_and_loss": act.loss_peak,
+    }))
+    # 3. backward of the top decoder layer: head gradients exist, all layers' activations still kept
+    per_layer = act.checkpoint_saved if act.grad_ckpt else act.per_layer_saved
+    recompute = act.per_layer_saved if act.grad_ckpt else 0
+    g_top, prefetch = gathered(1 if reshard else layers, True)
+    top_grads = ms.head_grads + ms.layer_grads
+    comm_top = ms.fsdp_root_reduce * 0 + (ms.fsdp_layer_reduce if fsdp else 0)
+    moments.append(Moment("backward", {
+        **static,
+        "gathered_weights": g_top + kept_copies,
+        "gradients": top_grads + (ms.fsdp_layer_gathered if fsdp else 0) + ms.tp_embed_grad_excess * 0,
+        "activations": act.saved_at_loss - act.head_saved + recompute + act.layer_backward_extra,
+        "communication_buffers": static["communication_buffers"] + prefetch + comm_top,
+    }))
+    # 4. backward of the bottom decoder layer: nearly all gradients exist, one layer's activations left
+    bottom_copies = kept_copies // max(layers, 1) if kept_copies else 0
+    g_bottom, prefetch_root = gathered(1 if reshard else layers, False)
+    grads_bottom = ms.gradients - ms.embed_grads
+    moments.append(Moment("backward", {
+        **static,
+        "gathered_weights": g_bottom + bottom_copies,
+        "gradients": grads_bottom + (ms.fsdp_layer_gathered if fsdp else 0),
+        "activations": act.embed_saved + act.shared_saved + per_layer + recompute + act.layer_backward_extra,
+        "communication_buffers": static["communication_buffers"] + (ms.fsdp_layer_reduce if fsdp else 0),
+    }))
+    # 5. optimizer step: every gradient, the states and the implementation's temporaries
+    moments.append(Moment("optimizer_step", {
+        **static,
+        "gradients": ms.gradients,
+        "optimizer_temporaries": ms.optimizer_temporaries,
+    }))
+    return moments
+
+
+def _autocast_copies_in_backward(ms: ModelStates, act: ActivationProfile, anatomy: ModelAnatomy,
+                                 layout: Layout) -> int:
+    """Low-precision weight copies still referenced by the autograd graph when backward starts.
+
+    Linear saves the weight it multiplied (the bf16 copy) for grad_input; bias copies are not saved. Under
+    gradient checkpointing the layers' saved tensors are dropped, so only the lm_head copy (outside any
+    checkpointed layer) survives until backward.
+    """
+    if not ms.autocast_weight_copies:
+        return 0
+    if not act.grad_ckpt:
+        return ms.autocast_weight_copies
+    head = sum(tp_local_numel(p, layout) for p in anatomy.params
+               if p.name.startswith("lm_head") or (p.tied_to or "").startswith("lm_head"))
+    return head * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def allocator_overhead_bytes(peak_allocated: int, moment: Moment) -> int:
+    """Reserved minus allocated at the peak: the caching allocator's rounding and cached free blocks.
+
+    Large requests (> 1 MiB) are served from segments rounded to 2 MiB (20 MiB for requests under 10 MiB), and
+    segments freed by one phase are reused by the next only where sizes fit; what stays cached but unused is the
+    overhead. We take half a 2 MiB page per large live tensor family plus one 20 MiB segment of slack.
+    """
+    return 20 * MIB + 2 * MIB
+
+
+def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> MemoryResult:
+    """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown."""
+    anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
+    gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
+    layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
+                            anatomy.num_heads, anatomy.num_kv_heads)
+    moments = step_moments(anatomy, setup, layout, gpu)
+    peak = max(moments, key=lambda m: m.total)
+    peak_allocated = peak.total
+    overhead = allocator_overhead_bytes(peak_allocated, peak)
+    context = outside_allocator_bytes(gpu, layout.world_size)
+    components = {name: 0 for name in (
+        "weights", "gathered_weights", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
+        "logits_and_loss", "communication_buffers", "cuda_workspaces")}
+    components.update(peak.components)
+    components["allocator_overhead"] = overhead
+    components["cuda_context"] = context
+    notes = []
+    if not anatomy.supports_sdpa and setup.attn == "sdpa":
+        notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
+    return MemoryResult(
+        engine="llmem",
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_allocated + overhead,
+        device_used_bytes=peak_allocated + overhead + context,
+        gpu_memory_bytes=gpu.memory_bytes,
+        components=components,
+        setup=resolved_setup(setup, anatomy, layout, gpu),
+        peak_phase=peak.phase,
+        notes=notes,
+    )
+
+
+def resolved_setup(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> dict:
+    out = setup.to_dict()
+    out.update({
+        "model": anatomy.name, "model_type": anatomy.model_type, "total_params": anatomy.total_params,
+        "trainable_params": anatomy.trainable_params, "method": layout.method, "dp": layout.dp, "tp": layout.tp,
+        "gpus": layout.world_size, "gpus_per_node": layout.gpus_per_node, "nodes": layout.nodes,
+        "gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes, "cuda_context_bytes": gpu.cuda_context_bytes,
+        "attn": setup.attn if anatomy.supports_sdpa else "eager",
+    })
+    return out
