@@ -78,7 +78,7 @@ class ActivationProfile:
     head_saved: int            # kept by the final norm and the lm_head input
     shared_saved: int          # shared by every layer: rotary cos/sin, attention mask
     loss_peak: int             # logits, their fp32 upcast, log-softmax and their gradients at the loss backward
-    layer_backward_extra: int  # transient gradients inside one layer's backward
+    blocks: tuple[Block, ...]  # one decoder layer, forward order
     grad_ckpt: bool
     layers: int
 
@@ -108,13 +108,14 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     d = dims_for(anatomy, setup, tp)
     attn = effective_attention(anatomy, setup)
     family = _FAMILIES.get(anatomy.model_type, _llama_like)
-    layer, embed, head, shared, bwd_extra = family(anatomy, d, regime, attn)
+    recipe = family(anatomy, d, regime, attn)
     return ActivationProfile(
-        per_layer_saved=layer,
+        per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.t * d.h * regime.res,
-        embed_saved=embed, head_saved=head, shared_saved=shared,
-        loss_peak=loss_peak_bytes(d),
-        layer_backward_extra=bwd_extra,
+        embed_saved=recipe.embed, head_saved=recipe.head, shared_saved=recipe.shared,
+        loss_peak=loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
+                                                                           default=None) else 0),
+        blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers,
     )
 
@@ -214,113 +215,151 @@ def _cfg(anatomy: ModelAnatomy, *names: str, default=0.0):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Families. Each returns (per_layer_saved, embed_saved, head_saved, shared_saved, layer_backward_extra).
+# Families. Each describes one decoder layer as blocks in forward order, plus what the embedding block, the final
+# norm and lm_head input, and the tensors shared by all layers keep.
 
-def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+@dataclass(frozen=True)
+class Block:
+    """A stretch of a decoder layer: what it keeps for backward, whose weights it owns, its backward transient."""
+    name: str
+    saved: int
+    params: tuple[str, ...] = ()   # substrings of the parameter names (within a layer) this block owns
+    transient: int = 0             # largest extra memory while its backward runs (input gradients, temporaries)
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    blocks: tuple[Block, ...]
+    embed: int
+    head: int
+    shared: int
+
+
+def _norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:
+    kept, out = norm_saved(kind, r, t, h, input_counted=False)
+    transient = t * h * (2 * F32 if kind.startswith("rmsnorm") else r.res)
+    return Block(name, kept, params, transient), out
+
+
+def _proj_block(name: str, r: Regime, t: int, width: int, consumers: int, source_bytes: int,
+                params: tuple[str, ...]) -> Block:
+    return Block(name, linear_inputs_saved(r, t, width, consumers, source_bytes), params, consumers * t * width * r.mm)
+
+
+def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     """Llama, Mistral, Qwen2, Phi-3, Mixtral, Gemma-2: RMSNorm, RoPE, SwiGLU / GeGLU gated MLP, no dropout."""
     t = d.t
     norm = "rmsnorm_gemma" if a.model_type == "gemma2" else "rmsnorm"
-    fused_qkv = a.model_type == "phi3"
-    kept, out1 = norm_saved(norm, r, t, d.h, input_counted=False)
-    kept += linear_inputs_saved(r, t, d.h, 1 if fused_qkv else 3, out1)
-    # RoPE makes new q, k (fp32 under autocast, cos/sin follow the fp32 stream); SDPA/eager keep casts of them
-    if fused_qkv:  # v is a view of the fused qkv output, which therefore stays alive whole
-        kept += t * (d.qd + 2 * d.kvd) * r.mm - t * d.kvd * r.mm
+    fused = a.model_type == "phi3"
+    n1, out1 = _norm_block("input_norm", norm, r, t, d.h, ("input_layernorm",))
+    qkv = _proj_block("qkv_proj", r, t, d.h, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"))
+    # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
+    core = t * (d.qd + d.kvd) * r.mm if fused else 0   # phi3: v is a view of the fused qkv, kept whole
     if attn == "sdpa":
-        kept += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+        core += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+        core_transient = t * (d.qd + 2 * d.kvd) * r.mm
     else:
         p_attn = float(_cfg(a, "attention_dropout"))
-        kept += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True,
+        core += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True,
                                       mask_promotes=r.autocast)
+        if _cfg(a, "attn_logit_softcapping", default=None):   # tanh(scores / cap) keeps its output
+            core += d.b * d.heads * d.s * d.s * r.mm
+        core_transient = 2 * d.b * d.heads * d.s * d.s * F32
+    blocks = [n1, qkv, Block("attention", core, (), core_transient),
+              Block("o_proj", 0, ("o_proj",), t * d.qd * r.mm)]
     if a.model_type == "gemma2":  # post-attention and post-feedforward norms
-        extra, _ = norm_saved(norm, r, t, d.h, input_counted=False)
-        kept += 2 * extra
-    k2, out2 = norm_saved(norm, r, t, d.h, input_counted=False)
-    if r.res == F32:
-        k2 += 0  # h1 is the norm's saved input (counted by norm_saved as stream_in)
-    kept += k2 + linear_inputs_saved(r, t, d.h, 1 if fused_qkv else 2, out2)
+        post, _ = _norm_block("post_norms", norm, r, t, d.h, ("post_attention_layernorm", "post_feedforward"))
+        blocks.append(Block(post.name, 2 * post.saved, post.params, post.transient))
+    n2, out2 = _norm_block("mlp_norm", norm, r, t, d.h, ("post_attention_layernorm", "pre_feedforward_layernorm"))
+    if a.model_type == "gemma2":
+        n2 = Block(n2.name, n2.saved, ("pre_feedforward_layernorm",), n2.transient)
+    blocks.append(n2)
+    blocks.append(_proj_block("gate_up_proj", r, t, d.h, 1 if fused else 2, out2,
+                              ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight")))
     experts = int(_cfg(a, "num_experts_per_tok", default=1)) if a.model_type == "mixtral" else 1
     mlp = 4 * t * d.i * r.mm * experts
     if a.model_type == "mixtral":
         mlp += t * int(_cfg(a, "num_local_experts", default=8)) * F32 * 2  # router logits and softmax
-    kept += mlp
-    embed = t * d.h * r.res if r.res == F32 else 0  # lowp: the first norm keeps an fp32 copy, not the input
+    blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts))
+    blocks.append(Block("down_proj", 0, ("down_proj", "w2", "experts"), t * d.i * r.mm))
     head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
     head = head_kept + (t * d.h * r.mm if r.autocast else head_out)
-    shared = 2 * d.s * a.head_dim * r.res  # rotary cos and sin, shared by every layer
-    bwd_extra = 3 * t * d.i * r.mm * experts
-    return kept, embed, head, shared, bwd_extra
+    # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
+    return LayerRecipe(tuple(blocks), 0, head, 2 * d.s * a.head_dim * r.res)
 
 
-def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
-    """GPT-2 and GPT-BigCode: LayerNorm, fused c_attn, dropout on attention/residual/embeddings, gelu_new MLP."""
+def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+    """GPT-2, GPT-BigCode, GPT-Neo: LayerNorm, fused c_attn (GPT-Neo: q/k/v), dropouts, gelu_new MLP."""
     t = d.t
-    p_resid = float(_cfg(a, "resid_pdrop"))
-    p_attn = float(_cfg(a, "attn_pdrop"))
-    p_embd = float(_cfg(a, "embd_pdrop"))
-    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += linear_inputs_saved(r, t, d.h, 1, out1)
-    qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v are views of one c_attn output, kept whole
+    p_resid = float(_cfg(a, "resid_pdrop", "resid_dropout"))
+    p_attn = float(_cfg(a, "attn_pdrop", "attention_dropout"))
+    p_embd = float(_cfg(a, "embd_pdrop", "embed_dropout"))
+    separate_qkv = a.model_type == "gpt_neo"
+    n1, out1 = _norm_block("ln_1", "layernorm", r, t, d.h, ("ln_1",))
+    proj = _proj_block("c_attn", r, t, d.h, 3 if separate_qkv else 1, out1,
+                       ("attn.c_attn", "q_attn", "attention.q_proj", "attention.k_proj", "attention.v_proj"))
+    qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v (views of one c_attn output, kept whole)
     if attn == "sdpa":
-        kept += qkv + t * d.qd * r.mm + F32 * d.b * d.heads * d.s
+        core = qkv + t * d.qd * r.mm + F32 * d.b * d.heads * d.s
     else:
-        kept += qkv - t * (d.qd + 2 * d.kvd) * r.mm + eager_attention_saved(
-            r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
-    kept += dropout_saved(p_resid, t * d.h)
-    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
-    kept += _mlp_act_saved(a, r, t * d.i)
-    kept += dropout_saved(p_resid, t * d.h)
-    embed = dropout_saved(p_embd, t * d.h)
+        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv,
+                                     mask_promotes=False)
+    core += dropout_saved(p_resid, t * d.h)
+    n2, out2 = _norm_block("ln_2", "layernorm", r, t, d.h, ("ln_2",))
+    blocks = (n1, proj, Block("attention", core, (), t * (d.qd + 2 * d.kvd) * r.mm),
+              Block("attn_out", 0, ("attn.c_proj", "attention.out_proj"), t * d.qd * r.mm),
+              n2, _proj_block("c_fc", r, t, d.h, 1, out2, ("mlp.c_fc",)),
+              Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p_resid, t * d.h), (),
+                    2 * t * d.i * (F32 if r.autocast else r.mm)),
+              Block("mlp_out", 0, ("mlp.c_proj",), t * d.i * r.mm))
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out) - t * d.h * r.res
-    bwd_extra = 2 * t * d.i * r.mm
-    return kept, embed, head + t * d.h * r.res, 0, bwd_extra
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
+    return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, 0)
 
 
-def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     """OPT and BioGPT: LayerNorm (pre-LN), separate q/k/v, dropout on residual branches, ReLU/GELU MLP."""
     t = d.t
     p = float(_cfg(a, "dropout", "hidden_dropout_prob"))
     p_attn = float(_cfg(a, "attention_dropout", "attention_probs_dropout_prob"))
-    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += linear_inputs_saved(r, t, d.h, 3, out1)
+    n1, out1 = _norm_block("attn_norm", "layernorm", r, t, d.h, ("self_attn_layer_norm",))
     if attn == "sdpa":
-        kept += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+        core = sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
     else:
-        kept += eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
-    kept += dropout_saved(p, t * d.h)
-    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
-    kept += _mlp_act_saved(a, r, t * d.i)
-    kept += dropout_saved(p, t * d.h)
-    embed = dropout_saved(p, t * d.h)
+        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
+    core += dropout_saved(p, t * d.h)
+    n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("final_layer_norm",))
+    blocks = (n1, _proj_block("qkv_proj", r, t, d.h, 3, out1, ("q_proj", "k_proj", "v_proj")),
+              Block("attention", core, (), 3 * t * d.qd * r.mm),
+              Block("out_proj", 0, ("out_proj",), t * d.qd * r.mm),
+              n2, _proj_block("fc1", r, t, d.h, 1, out2, ("fc1",)),
+              Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p, t * d.h), (), t * d.i * r.mm),
+              Block("fc2", 0, ("fc2",), t * d.i * r.mm))
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    bwd_extra = 2 * t * d.i * r.mm
-    return kept, embed, head, 0, bwd_extra
+    return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, 0)
 
 
-def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str):
+def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     """BLOOM: LayerNorm, fused query_key_value, ALiBi baddbmm eager attention, custom GeLU autograd function."""
     t = d.t
     p = float(_cfg(a, "hidden_dropout"))
     p_attn = float(_cfg(a, "attention_dropout"))
-    kept, out1 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += linear_inputs_saved(r, t, d.h, 1, out1)
-    kept += t * (d.qd + 2 * d.kvd) * r.mm - t * (d.qd + 2 * d.kvd) * r.mm  # q/k/v reshaped copies below
-    kept += eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=True, mask_promotes=False)
-    kept += dropout_saved(p, t * d.h)
-    k2, out2 = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    kept += k2 + linear_inputs_saved(r, t, d.h, 1, out2)
-    kept += t * d.i * r.mm * 2          # GeLUFunction keeps its input; dense_4h_to_h keeps the output
-    kept += dropout_saved(p, t * d.h)
+    n1, out1 = _norm_block("input_norm", "layernorm", r, t, d.h, ("input_layernorm",))
+    core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=True, mask_promotes=False)
+    core += dropout_saved(p, t * d.h)
+    n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("post_attention_layernorm",))
+    blocks = (n1, _proj_block("query_key_value", r, t, d.h, 1, out1, ("query_key_value",)),
+              Block("attention", core, (), 2 * d.b * d.heads * d.s * d.s * F32),
+              Block("dense", 0, ("self_attention.dense",), t * d.qd * r.mm),
+              n2, _proj_block("dense_h_to_4h", r, t, d.h, 1, out2, ("dense_h_to_4h",)),
+              # GeLUFunction keeps its input; dense_4h_to_h keeps the output
+              Block("gelu", 2 * t * d.i * r.mm + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm),
+              Block("dense_4h_to_h", 0, ("dense_4h_to_h",), t * d.i * r.mm))
     embed_norm, _ = norm_saved("layernorm", r, t, d.h, input_counted=False)  # word_embeddings_layernorm
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    shared = d.b * d.heads * d.s * r.res    # alibi
-    bwd_extra = 2 * t * d.i * r.mm
-    return kept, embed_norm, head, shared, bwd_extra
+    return LayerRecipe(blocks, embed_norm, head, d.b * d.heads * d.s * r.res)   # shared: alibi
 
 
 def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> int:
@@ -341,10 +380,42 @@ def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> int:
     return 2 * n * r.mm
 
 
+def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+    """Falcon (7B: multi-query, parallel attention + MLP from one LayerNorm) and CodeGen (GPT-J style).
+
+    One LayerNorm feeds both the fused qkv projection and the MLP. Falcon with one kv head cannot use the flash /
+    memory-efficient kernels (head counts differ), so SDPA takes the math path and keeps the S x S softmax.
+    CodeGen splits its fused qkv with a reshape that copies q, k and v; gelu_new as in GPT-2.
+    """
+    t = d.t
+    n1, out1 = _norm_block("input_norm", "layernorm", r, t, d.h, ("input_layernorm", "ln_1"))
+    proj = _proj_block("qkv_and_fc_in", r, t, d.h, 2, out1,
+                       ("query_key_value", "qkv_proj", "dense_h_to_4h", "fc_in"))
+    if a.model_type == "falcon":
+        core = t * (d.qd + 2 * d.kvd) * r.mm + t * (d.qd + d.kvd) * r.mm     # fused qkv (v view), roped q, k
+        core += d.b * d.heads * d.s * d.s * r.mm + 2 * t * d.qd * r.mm         # softmax; output + merged heads
+        mlp = 2 * t * d.i * r.mm                                                # F.gelu input, fc2 input
+    else:
+        core = 3 * t * d.qd * r.mm                                              # q, k (roped), v copies
+        if attn == "sdpa":
+            core += t * d.qd * r.mm + F32 * d.b * d.heads * d.s
+        else:
+            core += eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True, mask_promotes=False) \
+                - 2 * t * d.qd * r.mm
+        mlp = _mlp_act_saved(a, r, t * d.i)
+    blocks = (n1, proj, Block("attention", core, (), 3 * t * d.qd * r.mm),
+              Block("attn_out", 0, ("self_attention.dense", "out_proj"), t * d.qd * r.mm),
+              Block("mlp_act", mlp, (), 3 * t * d.i * r.mm),
+              Block("mlp_out", 0, ("dense_4h_to_h", "fc_out"), t * d.i * r.mm))
+    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
+    return LayerRecipe(blocks, 0, head, 2 * d.s * a.head_dim * r.res)
+
+
 _FAMILIES = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "phi3": _llama_like,
     "mixtral": _llama_like, "gemma2": _llama_like,
-    "gpt2": _gpt2, "gpt_bigcode": _gpt2, "gpt_neo": _gpt2, "codegen": _gpt2,
+    "gpt2": _gpt2, "gpt_bigcode": _gpt2, "gpt_neo": _gpt2,
     "opt": _opt, "biogpt": _opt,
-    "bloom": _bloom, "falcon": _llama_like,
+    "bloom": _bloom, "falcon": _parallel_block, "codegen": _parallel_block,
 }

@@ -97,7 +97,9 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     grads = sum(local[p.name] for p in trainable) * pb
     states_per_param = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
     opt_states = states_per_param[setup.optimizer] * grads
-    if setup.optimizer == "adamw":
+    if setup.offload_optimizer:
+        opt_states = opt_temp = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP CPU offload)
+    elif setup.optimizer == "adamw":
         # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state at once
         opt_temp = grads
     elif setup.optimizer == "adamw-forloop":
@@ -175,96 +177,168 @@ class Moment:
         return sum(self.components.values())
 
 
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-block bytes of one decoder layer, in forward order."""
+    saved: tuple[int, ...]          # activations kept for backward (autocast weight copies excluded)
+    copies: tuple[int, ...]         # autocast low-precision weight copies the block's linears keep
+    grads_live: tuple[int, ...]     # gradient bytes the block's backward creates (unsharded under FSDP)
+    transient: tuple[int, ...]
+
+
+def layer_costs(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
+                regime) -> LayerCosts:
+    """Assign layer 0's parameters to the activation recipe's blocks and price each block."""
+    layer0 = [p for p in anatomy.params if p.layer_index == 0 and p.trainable]
+    owner: dict[str, int] = {}
+    for p in layer0:
+        inner = p.name.split(".", 1)[1] if "." in p.name else p.name
+        idx = next((i for i, b in enumerate(act.blocks) if any(k in inner for k in b.params)), len(act.blocks) - 1)
+        owner[p.name] = idx
+    n = len(act.blocks)
+    grads = [0] * n
+    copies = [0] * n
+    fsdp = layout.shards_model_states
+    gather_bytes = setup.compute_bytes if setup.mixed else setup.param_bytes
+    for p in layer0:
+        i = owner[p.name]
+        if fsdp:
+            grads[i] += _fsdp_unit_numel([p], layout) * gather_bytes
+        else:
+            grads[i] += local_numel(p, layout) * setup.param_bytes
+        if regime.autocast and p.module_kind in MATMUL_KINDS and not p.name.endswith("bias"):
+            copies[i] += tp_local_numel(p, layout) * regime.mm
+    transient = [b.transient + (copies[i] if regime.autocast else 0) for i, b in enumerate(act.blocks)]
+    return LayerCosts(tuple(b.saved for b in act.blocks), tuple(copies), tuple(grads), tuple(transient))
+
+
+def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> tuple[int, int]:
+    """Backward through one layer's blocks in reverse. Returns (peak inside the layer, bytes held after it).
+
+    `base` already holds everything outside this layer. Each block's backward allocates its weight gradients and
+    a transient, then frees what the block kept for backward.
+    """
+    held = base + sum(costs.saved) + (sum(costs.copies) if keep_copies else 0)
+    peak = held
+    for i in reversed(range(len(costs.saved))):
+        peak = max(peak, held + costs.grads_live[i] + costs.transient[i])
+        held += costs.grads_live[i] - costs.saved[i] - (costs.copies[i] if keep_copies else 0)
+    return peak, held
+
+
 def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: GpuSpec) -> list[Moment]:
-    """Memory at each moment where the step's peak can occur (second iteration: optimizer states exist)."""
+    """Memory at each moment where the step's peak can occur (second iteration: optimizer states exist).
+
+    Forward end and loss backward are whole-model sums; the backward of the top and the bottom decoder layer is
+    walked block by block (memory is linear in the layer index between them); then the embedding's backward and
+    the optimizer step.
+    """
     ms = model_states(anatomy, setup, layout)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
-    d_tokens_vocab = setup.batch_size * setup.seq_len * anatomy.vocab_size
     regime = regime_for(setup, layout.method)
+    costs = layer_costs(anatomy, setup, layout, act, regime)
+    tokens_vocab = setup.batch_size * setup.seq_len * anatomy.vocab_size
+    layers = anatomy.num_layers
+    fsdp = layout.shards_model_states
+    reshard = layout.method != "zero2"
+    ckpt = act.grad_ckpt
     static = {
         "weights": ms.weights,
         "optimizer_states": ms.optimizer_states,
         "communication_buffers": ms.ddp_buckets,
         "cuda_workspaces": gpu.cublas_workspace_bytes,
     }
-    fsdp = layout.shards_model_states
-    reshard = layout.method != "zero2"
-    layers = anatomy.num_layers
-
-    def gathered(current_layers: int, prefetch: bool) -> tuple[int, int]:
-        """(gathered weights, all-gather buffer of the prefetched unit) under FSDP."""
-        if not fsdp:
-            return 0, 0
-        held = ms.fsdp_root_gathered + current_layers * ms.fsdp_layer_gathered
-        return held, ms.fsdp_layer_gathered if prefetch else 0
+    layer_copies = sum(costs.copies)
+    head_copy = ms.autocast_weight_copies - layers * layer_copies     # lm_head (and anything outside layers)
+    root_gathered = ms.fsdp_root_gathered if fsdp else 0
+    layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
+    all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
+    per_layer = act.checkpoint_saved if ckpt else act.per_layer_saved
+    gather_bytes = setup.compute_bytes if setup.mixed else setup.param_bytes
+    # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
+    head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
+                   and (not _is_embedding(p) or p.tied_to is not None)]
+    embed_params = [p for p in anatomy.params if p.layer_index is None and p.trainable and _is_embedding(p)
+                    and p.tied_to is None]
+    if fsdp:
+        head_live = _fsdp_unit_numel(head_params, layout) * gather_bytes
+        embed_live = _fsdp_unit_numel(embed_params, layout) * gather_bytes
+    else:
+        head_live = ms.head_grads + (ms.embed_grads if anatomy.tie_word_embeddings else 0)
+        embed_live = ms.embed_grads - (ms.embed_grads if anatomy.tie_word_embeddings else 0)
+    layer_final_grads = sum(local_numel(p, layout) for p in anatomy.params
+                            if p.layer_index == 0 and p.trainable) * setup.param_bytes
 
     moments: list[Moment] = []
-    lm_logits = d_tokens_vocab * regime.mm
-    # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output
-    fwd_loss = lm_logits + (d_tokens_vocab * F32 if regime.mm != F32 else 0) + d_tokens_vocab * F32
-    g_fwd, _ = gathered(0 if reshard else layers, False)
+    # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
+    fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
+    gathered_fwd = root_gathered + all_layers_gathered
+    saved_layers = act.embed_saved + layers * per_layer + act.head_saved + act.shared_saved
     moments.append(Moment("forward", {
         **static,
-        "gathered_weights": g_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
-        "activations": act.saved_at_loss,
+        "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
+        "activations": saved_layers,
         "logits_and_loss": fwd_loss,
     }))
-    # 2. loss backward: three fp32 [tokens, vocab] tensors; the autograd graph still holds the weight copies
-    kept_copies = _autocast_copies_in_backward(ms, act, anatomy, layout)
+    # 2. loss backward: three fp32 [tokens, vocab] tensors; the graph still holds the weight copies it saved
+    kept_copies = head_copy + (0 if ckpt else layers * layer_copies)
     moments.append(Moment("backward", {
         **static,
-        "gathered_weights": g_fwd + kept_copies,
-        "activations": act.saved_at_loss,
+        "gathered_weights": gathered_fwd + kept_copies,
+        "activations": saved_layers,
         "logits_and_loss": act.loss_peak,
     }))
-    # 3. backward of the top decoder layer: head gradients exist, all layers' activations still kept
-    per_layer = act.checkpoint_saved if act.grad_ckpt else act.per_layer_saved
-    recompute = act.per_layer_saved if act.grad_ckpt else 0
-    g_top, prefetch = gathered(1 if reshard else layers, True)
-    top_grads = ms.head_grads + ms.layer_grads
-    comm_top = ms.fsdp_root_reduce * 0 + (ms.fsdp_layer_reduce if fsdp else 0)
+    # 3. top decoder layer: head gradients exist; the layers below still hold their activations
+    others = act.embed_saved + act.shared_saved + (layers - 1) * per_layer
+    other_copies = 0 if ckpt else (layers - 1) * layer_copies
+    gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
+    prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
+    base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch
+    top_peak, _ = _walk_layer_backward(base_top, costs, keep_copies=regime.autocast)
+    moments.append(_lump("backward", static, top_peak, {
+        "gathered_weights": gathered_top + other_copies, "gradients": head_live,
+        "communication_buffers": static["communication_buffers"] + prefetch}))
+    # 4. bottom decoder layer: every other layer's final gradients exist
+    below_grads = (layers - 1) * layer_final_grads
+    rs_prev = (_fsdp_unit_numel([p for p in anatomy.params if p.layer_index == 0], layout)
+               * (F32 if setup.mixed else setup.param_bytes)) if fsdp and layers > 1 else 0
+    base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
+        + below_grads + act.embed_saved + act.shared_saved + rs_prev
+    bottom_peak, after_layers = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
+    moments.append(_lump("backward", static, bottom_peak, {
+        "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
+        "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
+    # 5. embedding backward, end of backward: all layer gradients final
+    all_layer_grads = layers * layer_final_grads
+    tied_extra = 0
+    if anatomy.tie_word_embeddings and not fsdp:
+        # AccumulateGrad adds the embedding's gradient to the lm_head's one out of place: old + new + sum
+        tied_extra = 2 * sum(local_numel(p, layout) for p in anatomy.params
+                             if _is_embedding(p) and p.tied_to is not None) * setup.param_bytes
+    root_reduce = ms.fsdp_root_reduce if fsdp else 0
+    end_grads = all_layer_grads + head_live + embed_live
     moments.append(Moment("backward", {
         **static,
-        "gathered_weights": g_top + kept_copies,
-        "gradients": top_grads + (ms.fsdp_layer_gathered if fsdp else 0) + ms.tp_embed_grad_excess * 0,
-        "activations": act.saved_at_loss - act.head_saved + recompute + act.layer_backward_extra,
-        "communication_buffers": static["communication_buffers"] + prefetch + comm_top,
+        "gathered_weights": root_gathered + all_layers_gathered,
+        "gradients": end_grads + tied_extra + ms.tp_embed_grad_excess,
+        "activations": act.shared_saved,
+        "communication_buffers": static["communication_buffers"] + root_reduce,
     }))
-    # 4. backward of the bottom decoder layer: nearly all gradients exist, one layer's activations left
-    bottom_copies = kept_copies // max(layers, 1) if kept_copies else 0
-    g_bottom, prefetch_root = gathered(1 if reshard else layers, False)
-    grads_bottom = ms.gradients - ms.embed_grads
-    moments.append(Moment("backward", {
-        **static,
-        "gathered_weights": g_bottom + bottom_copies,
-        "gradients": grads_bottom + (ms.fsdp_layer_gathered if fsdp else 0),
-        "activations": act.embed_saved + act.shared_saved + per_layer + recompute + act.layer_backward_extra,
-        "communication_buffers": static["communication_buffers"] + (ms.fsdp_layer_reduce if fsdp else 0),
-    }))
-    # 5. optimizer step: every gradient, the states and the implementation's temporaries
+    # 6. optimizer step: every gradient, the states and the implementation's temporaries
     moments.append(Moment("optimizer_step", {
         **static,
-        "gradients": ms.gradients,
+        "gradients": ms.gradients + ms.tp_embed_grad_excess,
         "optimizer_temporaries": ms.optimizer_temporaries,
     }))
+    del after_layers
     return moments
 
 
-def _autocast_copies_in_backward(ms: ModelStates, act: ActivationProfile, anatomy: ModelAnatomy,
-                                 layout: Layout) -> int:
-    """Low-precision weight copies still referenced by the autograd graph when backward starts.
-
-    Linear saves the weight it multiplied (the bf16 copy) for grad_input; bias copies are not saved. Under
-    gradient checkpointing the layers' saved tensors are dropped, so only the lm_head copy (outside any
-    checkpointed layer) survives until backward.
-    """
-    if not ms.autocast_weight_copies:
-        return 0
-    if not act.grad_ckpt:
-        return ms.autocast_weight_copies
-    head = sum(tp_local_numel(p, layout) for p in anatomy.params
-               if p.name.startswith("lm_head") or (p.tied_to or "").startswith("lm_head"))
-    return head * 2
+def _lump(phase: str, static: dict[str, int], total: int, known: dict[str, int]) -> Moment:
+    """A moment whose total comes from a walk: the known parts by name, the rest is activations."""
+    comps = {**static, **known}
+    comps["activations"] = total - sum(comps.values())
+    return Moment(phase, comps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,6 +371,11 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     components["allocator_overhead"] = overhead
     components["cuda_context"] = context
     notes = []
+    if setup.offload_optimizer:
+        ms = model_states(anatomy, setup.__class__(**{**setup.to_dict(), "offload_optimizer": False}), layout)
+        notes.append(f"optimizer states offloaded: the CPU needs about "
+                     f"{(ms.optimizer_states + ms.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
+                     "master weights")
     if not anatomy.supports_sdpa and setup.attn == "sdpa":
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(
@@ -309,6 +388,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         setup=resolved_setup(setup, anatomy, layout, gpu),
         peak_phase=peak.phase,
         notes=notes,
+        moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
     )
 
 

@@ -43,6 +43,7 @@ class MemoryResult:
     peak_phase: str = ""                 # forward / backward / optimizer_step
     notes: list[str] = field(default_factory=list)
     timeline: list[dict] | None = None   # trace only: [{t, allocated, reserved, phase}]
+    moments: list[dict] = field(default_factory=list)  # estimate: allocated bytes at each candidate peak moment
 
     @property
     def fits(self) -> bool:
