@@ -51,7 +51,6 @@ def setup_from_args(args: argparse.Namespace):
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from llmem import report
     from llmem.anatomy import load_anatomy
     from llmem.estimator import estimate
     from llmem.hardware import resolve_gpu
