@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from llmem.catalog import find_entry, load_config_dict
+from llmem.catalog import find_entry, load_config_dict, tiny_config_dict
 from llmem.errors import LlmemError
 
 # Families whose decoder layers share one activation recipe (see estimator.activation_recipe).
@@ -108,6 +108,9 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     entry = find_entry(model)
     if entry is not None:
         return entry.hub_id, _config_from_dict(load_config_dict(entry), entry.hub_id)
+    tiny = tiny_config_dict(model) if model.lower().startswith("tiny-") else None
+    if tiny is not None:
+        return model.lower(), _config_from_dict(tiny, model)
     path = Path(os.path.expanduser(model))
     if path.is_file():
         return str(path), _config_from_dict(_read_json(path), str(path))

@@ -42,5 +42,11 @@ def find_entry(name: str) -> CatalogEntry | None:
     return None
 
 
+def tiny_config_dict(name: str) -> dict | None:
+    """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom) for fast validation."""
+    path = resources.files(__package__).joinpath("tiny", f"{name.strip().lower()}.json")
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def load_config_dict(entry: CatalogEntry) -> dict:
     return json.loads(resources.files(__package__).joinpath("configs", entry.config_file).read_text())

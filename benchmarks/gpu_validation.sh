@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One prepared script for one GPU (sized for an H200: 32 configurations, 125M to 8B, every method with its ranks
+# emulated on the one device through a fake process group; under 8 minutes). It measures the three counters
+# (max_memory_allocated, max_memory_reserved, NVML device-used) of the real training step and compares them with
+# the estimate. Results: benchmarks/results/gpu_<gpu>.json and .png (and copies under $OUT when it is set).
+#
+#   bash benchmarks/gpu_validation.sh            # uses the python3 that holds a CUDA build of torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[-1])" 2>/dev/null || echo none)
+[ "$gpu" = none ] && { echo "no CUDA device visible to $PY"; exit 2; }
+mkdir -p benchmarks/results
+out=benchmarks/results/gpu_${gpu,,}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out.nvidia-smi.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$out.nvidia-smi.txt"
+status=0
+timeout 470 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
+    --out "$out.json" --plot "$out.png" || status=$?
+if [ -n "${OUT:-}" ]; then cp "$out".* "$OUT"/ 2>/dev/null || true; fi
+exit $status

@@ -1,0 +1,250 @@
+"""`llmem validate`: the estimator against the trace (every CI run) or a real measurement (wherever a GPU is).
+
+A matrix is a named list of set-ups. For each, the estimate and the truth give the three counters; the error is
+(estimate - truth) / truth. The command prints a table, writes JSON and a PNG, and exits 1 when any error on the
+compared counters exceeds --max-error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
+from llmem.result import MemoryResult
+
+
+def _s(model: str, method: str = "single", gpus: int = 1, **kw) -> TrainingSetup:
+    return TrainingSetup(model=model, method=method, gpus=gpus, gpu="H100-80GB", **kw)
+
+
+# Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
+# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW and SGD; SDPA and eager.
+CI_MATRIX: list[TrainingSetup] = [
+    _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
+    _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("gpt2", "ddp", 2, precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=128),
+    _s("gpt2", "fsdp", 2, precision="bf16", optimizer="sgd-momentum", batch_size=2, seq_len=128),
+    _s("facebook/opt-125m", precision="bf16", batch_size=2, seq_len=256),
+    _s("facebook/opt-125m", "fsdp", 4, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("facebook/opt-125m", precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=256),
+    _s("facebook/opt-350m", precision="fp32", optimizer="sgd", grad_ckpt=True, batch_size=1, seq_len=256),
+    _s("tiny-llama", precision="fp32", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256),
+    _s("tiny-llama", "tp", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", "fsdp+tp", 4, tp=2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, batch_size=2, seq_len=256),
+    _s("tiny-mistral", "zero2", 4, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-mistral", "tp", 2, precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=256),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", batch_size=2, seq_len=128),
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16", optimizer="sgd", grad_ckpt=True, batch_size=2, seq_len=256),
+    _s("tiny-bloom", precision="bf16", optimizer="sgd", batch_size=2, seq_len=128),
+    _s("tiny-bloom", "fsdp", 2, precision="fp32", batch_size=1, seq_len=128),
+    _s("Qwen/Qwen2.5-0.5B", precision="bf16", optimizer="sgd", batch_size=1, seq_len=256),
+    _s("meta-llama/Llama-3.2-1B", "fsdp", 8, precision="bf16-mixed", grad_ckpt=True, batch_size=1, seq_len=256),
+]
+
+# The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
+LARGE_MODELS = ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-3.1-8B", "mistralai/Mistral-7B-v0.1",
+                "Qwen/Qwen2.5-7B", "meta-llama/Llama-2-70b-hf")
+_LARGE_TP = {"Qwen/Qwen2.5-7B": 4}   # 28 query / 4 kv heads: pure 8-way TP is impossible, fsdp+tp uses tp 4
+LARGE_MATRIX: list[TrainingSetup] = [
+    _s(m, method, 8, tp=tp, precision="bf16-mixed", batch_size=1, seq_len=1024)
+    for m in LARGE_MODELS
+    for method, tp in (("ddp", None), ("fsdp", None), ("zero2", None), ("tp", 8), ("fsdp+tp", _LARGE_TP.get(m, 2)))
+    if not (m.endswith("70b-hf") and method in ("ddp", "zero2"))   # 70B replicas: > 1 TB per GPU, nothing to learn
+    and not (method == "tp" and m in _LARGE_TP)
+] + [_s("meta-llama/Llama-2-7b-hf", "fsdp", 8, precision="bf16-mixed", batch_size=1, seq_len=1024, grad_ckpt=True)]
+
+# For a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
+GPU_MATRIX: list[TrainingSetup] = [
+    TrainingSetup(model=m, method=method, gpus=g, tp=tp, precision=prec, batch_size=b, seq_len=s_, gpu="H200",
+                  grad_ckpt=ckpt, optimizer=opt)
+    for (m, method, g, tp, prec, b, s_, ckpt, opt) in [
+        ("gpt2", "single", 1, None, "fp32", 4, 512, False, "adamw"),
+        ("gpt2", "single", 1, None, "bf16-mixed", 8, 1024, False, "adamw"),
+        ("gpt2", "ddp", 4, None, "bf16-mixed", 8, 1024, False, "adamw"),
+        ("facebook/opt-125m", "single", 1, None, "bf16", 8, 1024, False, "sgd"),
+        ("facebook/opt-350m", "single", 1, None, "bf16-mixed", 8, 1024, True, "adamw"),
+        ("facebook/opt-1.3b", "single", 1, None, "bf16-mixed", 4, 1024, False, "adamw"),
+        ("facebook/opt-1.3b", "fsdp", 4, None, "bf16-mixed", 4, 1024, False, "adamw"),
+        ("bigscience/bloom-560m", "single", 1, None, "bf16-mixed", 4, 512, False, "adamw"),
+        ("bigscience/bloom-1b1", "fsdp", 4, None, "bf16-mixed", 4, 512, True, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16", 8, 2048, True, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "tp", 2, 2, "bf16-mixed", 2, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "sgd"),
+        ("meta-llama/Llama-3.2-1B", "ddp", 8, None, "bf16-mixed", 4, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "zero2", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "tp", 4, 4, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "fsdp+tp", 8, 2, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "fsdp", 8, None, "bf16-mixed", 2, 4096, True, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "tp", 8, 8, "bf16", 2, 4096, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "single", 1, None, "bf16", 1, 2048, True, "sgd"),
+        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 2, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "zero2", 8, None, "bf16-mixed", 1, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "tp", 8, 8, "bf16-mixed", 1, 4096, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "fsdp+tp", 8, 2, "bf16-mixed", 1, 4096, True, "adamw"),
+        ("mistralai/Mistral-7B-v0.1", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw-fused"),
+        ("mistralai/Mistral-7B-v0.1", "fsdp+tp", 8, 4, "bf16-mixed", 1, 4096, False, "adamw"),
+    ]
+]
+
+MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
+COUNTERS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")
+
+
+@dataclass
+class Row:
+    setup: TrainingSetup
+    estimate: MemoryResult
+    truth: MemoryResult | None
+    seconds: float
+    error: str = ""
+
+    def error_pct(self, counter: str) -> float | None:
+        if self.truth is None:
+            return None
+        truth = getattr(self.truth, counter)
+        return 100.0 * (getattr(self.estimate, counter) - truth) / truth if truth else None
+
+    def to_dict(self) -> dict:
+        out = {"setup": self.setup.to_dict(), "seconds": round(self.seconds, 2), "error": self.error,
+               "estimate": {c: getattr(self.estimate, c) for c in COUNTERS}}
+        if self.truth is not None:
+            out["truth"] = {c: getattr(self.truth, c) for c in COUNTERS}
+            out["truth_engine"] = self.truth.engine
+            out["error_pct"] = {c: self.error_pct(c) for c in COUNTERS}
+            out["truth_components"] = self.truth.components
+        out["estimate_components"] = self.estimate.components
+        return out
+
+
+def label(s: TrainingSetup) -> str:
+    layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
+    extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
+        + (["eager"] if s.attn == "eager" else [])
+    return f"{s.model} {layout} {' '.join(extras)}"
+
+
+def compared_counters(against: str) -> tuple[str, ...]:
+    """The trace has no real CUDA context, so its device_used repeats our assumption: compare what it knows."""
+    return COUNTERS[:2] if against == "trace" else COUNTERS
+
+
+def run_matrix(setups: list[TrainingSetup], against: str, device: str | None = None,
+               on_row=None) -> list[Row]:
+    from llmem.estimator import estimate
+
+    rows = []
+    for setup in setups:
+        est = estimate(setup)
+        start = time.perf_counter()
+        truth, error = None, ""
+        try:
+            if against == "trace":
+                from llmem.tracer import trace
+
+                truth = trace(setup)
+            else:
+                from llmem.measure import measure
+
+                truth = measure(setup, device=device)
+        except LlmemError as exc:
+            error = str(exc)
+        row = Row(setup, est, truth, time.perf_counter() - start, error)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+def worst_error(rows: list[Row], counters: tuple[str, ...]) -> float:
+    errors = [abs(e) for r in rows for c in counters if (e := r.error_pct(c)) is not None]
+    return max(errors, default=0.0)
+
+
+def run_validation(against: str, matrix: str, max_error_pct: float, json_out: str | None, plot: str | None,
+                   as_json: bool, device: str | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from llmem.units import format_bytes
+
+    if matrix not in MATRICES:
+        raise LlmemError(f"unknown matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
+    setups = MATRICES[matrix]
+    counters = compared_counters(against)
+    console = Console(stderr=as_json)
+    with Progress(console=console, transient=True, disable=as_json) as progress:
+        task = progress.add_task(f"{against} x {len(setups)}", total=len(setups))
+        rows = run_matrix(setups, against, device, on_row=lambda r: progress.advance(task))
+    worst = worst_error(rows, counters)
+    failed = [r for r in rows if r.error or any(abs(e) > max_error_pct for c in counters
+                                                  if (e := r.error_pct(c)) is not None)]
+    summary = {"against": against, "matrix": matrix, "max_error_pct": max_error_pct, "worst_error_pct": worst,
+               "passed": not failed, "rows": [r.to_dict() for r in rows]}
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(summary, fh, indent=2)
+    if plot:
+        plot_validation(rows, counters, plot)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        table = Table(title=f"estimate vs {against}, matrix {matrix} (error = (estimate - truth) / truth)")
+        table.add_column("configuration")
+        for c in counters:
+            name = c.replace("_bytes", "")
+            table.add_column(f"{name} est", justify="right")
+            table.add_column(f"{name} {against}", justify="right")
+            table.add_column("err %", justify="right")
+        table.add_column("s", justify="right")
+        for r in rows:
+            cells = [label(r.setup)]
+            for c in counters:
+                e = r.error_pct(c)
+                truth = format_bytes(getattr(r.truth, c)) if r.truth else r.error[:40]
+                colour = "red" if e is None or abs(e) > max_error_pct else "green"
+                cells += [format_bytes(getattr(r.estimate, c)), truth,
+                          f"[{colour}]{e:+.2f}[/]" if e is not None else "[red]n/a[/]"]
+            cells.append(f"{r.seconds:.1f}")
+            table.add_row(*cells)
+        console.print(table)
+        console.print(f"worst error {worst:.2f}% (limit {max_error_pct}%): "
+                      + ("[green]pass[/]" if not failed else f"[red]{len(failed)} configuration(s) fail[/]"))
+    return 0 if not failed else 1
+
+
+def plot_validation(rows: list[Row], counters: tuple[str, ...], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    for c, marker in zip(counters, "osd", strict=False):
+        xs = [getattr(r.truth, c) / 2**30 for r in rows if r.truth]
+        ys = [getattr(r.estimate, c) / 2**30 for r in rows if r.truth]
+        ax.scatter(xs, ys, marker=marker, label=c.replace("_bytes", ""), alpha=0.7)
+    top = max([getattr(r.truth, c) / 2**30 for r in rows if r.truth for c in counters] + [1])
+    ax.plot([0, top], [0, top], "k--", lw=0.8, label="estimate = truth")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("truth (GiB)")
+    ax.set_ylabel("estimate (GiB)")
+    ax.legend()
+    ax.set_title("llmem estimate vs truth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,456 @@
+"""`llmem plan`: batch search, candidates, LLMem's Table 3 (Algorithm 1), the time model, suggestions, exports."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from llmem.anatomy import load_anatomy
+from llmem.config import TrainingSetup
+from llmem.hardware import resolve_gpu
+from llmem.methods import Layout
+from llmem.planner import (
+    COLLECTIVE_LATENCY_S,
+    CPU_OFFLOADING,
+    ExportPlan,
+    PlanOptions,
+    accumulation_for,
+    candidate_layouts,
+    export_accelerate,
+    export_deepspeed,
+    export_plan,
+    export_torchrun,
+    lora_adapter_params,
+    lora_fallback,
+    max_batch_size,
+    memory_function,
+    paper_eval,
+    plan,
+    ring_allreduce_time_s,
+    search_candidate,
+    setup_for,
+    step_flops,
+    step_time,
+)
+from llmem.units import MIB
+
+# ------------------------------------------------------------------------------------------------ batch search
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 5, 7, 8, 9, 100, 1023, 1024, 1025, 4095, 4096, 9000])
+def test_max_batch_size_equals_linear_scan_on_thresholds(threshold):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= threshold
+
+    cap = 4096
+    linear = 0
+    for b in range(1, cap + 1):
+        if not fits(b):
+            break
+        linear = b
+    calls.clear()
+    assert max_batch_size(fits, cap) == linear
+    assert len(calls) <= 2 * math.log2(cap) + 3   # exponential probe + bisection, not a scan
+
+
+def _linear_scan(mem, base, layout, limit, cap=4096):
+    best = 0
+    for b in range(1, cap + 1):
+        if mem(setup_for(base, layout, b)).device_used_bytes > limit:
+            break
+        best = b
+    return best
+
+
+@pytest.mark.parametrize("model,gpu,gpus,method,tp,seq,engine", [
+    ("Qwen/Qwen2.5-0.5B", "A100-40GB", 2, "fsdp", None, 1024, "llmem"),
+    ("gpt2", "RTX4090", 1, "single", None, 1024, "llmem"),
+    ("meta-llama/Llama-3.2-1B", "A100-80GB", 4, "fsdp+tp", 2, 2048, "llmem"),
+    ("facebook/opt-1.3b", "V100-16GB", 4, "tp", 4, 512, "paper"),
+])
+def test_search_equals_brute_force_over_the_engine(model, gpu, gpus, method, tp, seq, engine):
+    anatomy = load_anatomy(model)
+    spec = resolve_gpu(gpu)
+    base = TrainingSetup(model=model, gpus=gpus, seq_len=seq, gpu=gpu, grad_ckpt=True, precision="fp16-mixed")
+    layout = [lay for lay in candidate_layouts(gpus, None, 0, 0) if lay.method == method and
+              (tp is None or lay.tp == tp)][0]
+    mem = memory_function(engine, anatomy, spec)
+    limit = int(spec.memory_bytes * 0.95)
+    found = search_candidate(base, layout, mem, limit)
+    assert found.max_batch_size == _linear_scan(mem, base, layout, limit) > 0
+    assert found.memory.device_used_bytes <= limit
+
+
+# ------------------------------------------------------------------------------------------------ candidates
+
+
+def _labels(layouts):
+    return [(lay.method, lay.dp, lay.tp) for lay in layouts]
+
+
+def test_candidates_one_node_of_eight():
+    got = _labels(candidate_layouts(8, None, 32, 8))
+    assert got == [("ddp", 8, 1), ("fsdp", 8, 1), ("zero2", 8, 1), ("tp", 1, 8), ("fsdp+tp", 4, 2),
+                   ("fsdp+tp", 2, 4)]
+
+
+def test_candidates_skip_tp_that_does_not_divide_heads_and_tp_across_nodes():
+    # gpt2: 12 heads -> tp 8 is skipped silently; tp 2 and 4 stay
+    assert _labels(candidate_layouts(8, None, 12, 12)) == [
+        ("ddp", 8, 1), ("fsdp", 8, 1), ("zero2", 8, 1), ("fsdp+tp", 4, 2), ("fsdp+tp", 2, 4)]
+    # 16 GPUs on 2 nodes of 8: no pure tp; fsdp+tp with tp inside a node
+    assert _labels(candidate_layouts(16, 8, 32, 8)) == [
+        ("ddp", 16, 1), ("fsdp", 16, 1), ("zero2", 16, 1), ("fsdp+tp", 8, 2), ("fsdp+tp", 4, 4),
+        ("fsdp+tp", 2, 8)]
+    assert _labels(candidate_layouts(1, None, 32, 8)) == [("single", 1, 1)]
+
+
+# ------------------------------------------------------------------------------------------------ Table 3
+
+TABLE3 = [  # (model, the method LLMem selected in the paper's Table 3)
+    ("facebook/opt-1.3b", "fsdp"),
+    pytest.param("facebook/opt-2.7b", "tp", marks=pytest.mark.xfail(strict=True, reason=(
+        "paper engine with the default V100 m_base (600 MiB) gives ADP 6, TP 18, 2DP+2TP 14 -> eval 24/18/28 "
+        "-> DP+TP; Table 3 has 4TP (and 4DP OOM). Only m_base ~3.4 GB reproduces it; reported, not fudged"))),
+    ("bigscience/bloom-1b1", "fsdp"),
+    ("bigscience/bloom-3b", "tp"),
+    ("bigcode/gpt_bigcode-santacoder", "fsdp"),
+    ("EleutherAI/gpt-neo-1.3B", "fsdp"),
+    ("huggyllama/llama-7b", CPU_OFFLOADING),
+]
+
+
+def _paper_plan(model):
+    setup = TrainingSetup(model=model, gpus=4, seq_len=512, precision="fp16-mixed", grad_ckpt=True,
+                          gpu="V100-16GB")
+    return plan(setup, PlanOptions(engine="paper", ranking="paper"))
+
+
+def _selected(p):
+    return p.recommended.method if p.recommended is not None else p.recommendation
+
+
+@pytest.mark.parametrize("model,expected", TABLE3)
+def test_table3_selection(model, expected):
+    assert _selected(_paper_plan(model)) == expected
+
+
+TABLE3_MODELS = ["facebook/opt-1.3b", "facebook/opt-2.7b", "bigscience/bloom-1b1", "bigscience/bloom-3b",
+                 "bigcode/gpt_bigcode-santacoder", "EleutherAI/gpt-neo-1.3B", "huggyllama/llama-7b"]
+
+
+@pytest.mark.parametrize("model", TABLE3_MODELS)
+def test_table3_arithmetic(model):
+    """Per-method max batch (= Algorithm 1's linear search in paper.py), eval recomputed here, argmax."""
+    from llmem.paper import paper_select
+
+    p = _paper_plan(model)
+    ref = paper_select(load_anatomy(model), resolve_gpu("V100-16GB"), 4, 512)
+    by = {c.method: c for c in p.candidates}
+    assert set(by) == {"ddp", "fsdp", "zero2", "tp", "fsdp+tp"}
+    assert by["fsdp+tp"].layout.dp == 2 and by["tp"].layout.tp == 4
+    paper_name = {"ddp": "CDP", "fsdp": "ADP", "zero2": "ADP", "tp": "TP", "fsdp+tp": "DP+TP"}
+    gpu_n = 4
+    for c in p.candidates:
+        assert c.max_batch_size == ref["methods"][paper_name[c.method]]["max_batch"]
+        bs = c.max_batch_size
+        expected = {"ddp": bs * gpu_n * 1.5, "fsdp": bs * gpu_n, "zero2": bs * gpu_n, "tp": bs,
+                    "fsdp+tp": bs * 2}[c.method]
+        assert c.eval == expected
+    evals = [(by[m].eval, -i, m) for i, m in enumerate(("ddp", "fsdp", "zero2", "tp", "fsdp+tp"))]
+    top = max(evals)
+    assert _selected(p) == (top[2] if top[0] > 0 else CPU_OFFLOADING)
+    assert _selected(p) == (ref["selected_method"] or CPU_OFFLOADING)
+
+
+def test_paper_eval_formula():
+    assert paper_eval(Layout("ddp", 4, 1, 4), 10) == 60
+    assert paper_eval(Layout("fsdp", 4, 1, 4), 10) == 40
+    assert paper_eval(Layout("tp", 1, 4, 4), 10) == 10
+    assert paper_eval(Layout("fsdp+tp", 2, 2, 4), 10) == 20
+
+
+# ------------------------------------------------------------------------------------------------ time model
+
+
+def test_ddp_comm_time_is_the_ring_formula():
+    anatomy = load_anatomy("Qwen/Qwen2.5-0.5B")
+    gpu = resolve_gpu("H100-80GB")
+    setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", method="ddp", gpus=8, seq_len=2048, gpu="H100-80GB")
+    layout = Layout("ddp", 8, 1, 8)
+    t = step_time(anatomy, setup, layout, gpu, 4)
+    grad_bytes = anatomy.total_params * 4            # fp32 gradients under bf16-mixed
+    hand = 2 * 7 / 8 * grad_bytes / 450e9 + COLLECTIVE_LATENCY_S
+    assert t.dp_comm_s == pytest.approx(hand, rel=1e-12)
+    assert ring_allreduce_time_s(1e9, 4, 100) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9 + COLLECTIVE_LATENCY_S)
+    # across nodes the network sets the pace
+    t16 = step_time(anatomy, replace(setup, gpus=16, gpus_per_node=8), Layout("ddp", 16, 1, 8), gpu, 4,
+                    inter_node_gbps=25)
+    assert t16.dp_comm_s == pytest.approx(2 * 15 / 16 * grad_bytes / 25e9 + COLLECTIVE_LATENCY_S)
+
+
+def test_flops_hand_count_gpt2():
+    a = load_anatomy("gpt2")
+    tokens, s = 4 * 1024, 1024
+    matmul = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 50257 * 768
+    attn_fwd = 12 * 4 * s * 768 / 2                   # causal kernels skip half
+    f = step_flops(a, tokens, s, grad_ckpt=False, causal_skip=True)
+    assert f.forward == pytest.approx((2 * matmul + attn_fwd) * tokens)
+    assert f.backward == pytest.approx((4 * matmul + 2 * attn_fwd) * tokens)
+    assert f.recompute == 0
+    ck = step_flops(a, tokens, s, grad_ckpt=True, causal_skip=True)
+    assert ck.recompute == pytest.approx((2 * (matmul - 50257 * 768) + attn_fwd) * tokens)
+
+
+@pytest.mark.parametrize("model,seq", [("Qwen/Qwen2.5-0.5B", 2048), ("gpt2", 1024)])
+def test_small_model_on_8xH100_prefers_ddp(model, seq):
+    p = plan(TrainingSetup(model=model, gpus=8, seq_len=seq, gpu="H100-80GB"))
+    by = {c.layout.label: c for c in p.candidates}
+    ddp, fsdp = by["ddp (8)"], by["fsdp (8)"]
+    assert p.recommended is ddp
+    # why: both are compute-bound (all comm hides behind backward), so tokens/s = tokens / (compute + exposed)
+    # and compute per token is the same; DDP exposes only its last 25 MiB bucket, FSDP its root unit's gather and
+    # reduce-scatter, a larger share of its step.
+    for c in (ddp, fsdp):
+        assert c.time.dp_comm_s < c.time.compute_s
+    assert ddp.time.dp_exposed_s / ddp.time.step_s < fsdp.time.dp_exposed_s / fsdp.time.step_s
+    per_token = [c.time.compute_s / c.time.tokens_per_step for c in (ddp, fsdp)]
+    assert per_token[0] == pytest.approx(per_token[1])
+    # tensor parallelism pays its all-reduces on the critical path
+    for c in p.candidates:
+        if c.layout.tp > 1:
+            assert c.time.tp_comm_s > 0 and c.time.tokens_per_s < ddp.time.tokens_per_s
+
+
+def test_llama8b_on_8xA100_prefers_fsdp_over_tp():
+    p = plan(TrainingSetup(model="meta-llama/Llama-3.1-8B", gpus=8, seq_len=4096, gpu="A100-80GB"))
+    by = {c.layout.label: c for c in p.candidates}
+    assert not by["ddp (8)"].fits                    # 8B x 16+ bytes of states per GPU > 80 GB
+    assert by["fsdp (8)"].fits and by["tp (8)"].fits
+    assert p.recommended.method == "fsdp"
+    fsdp, tp = by["fsdp (8)"], by["tp (8)"]
+    # FSDP's gathers/reduce-scatters hide behind compute; TP's activation all-reduces add to it
+    assert fsdp.time.dp_comm_s < fsdp.time.compute_s
+    assert tp.time.tp_comm_s > 0.05 * tp.time.compute_s
+    assert fsdp.time.tokens_per_s > tp.time.tokens_per_s
+
+
+def test_global_batch_accumulation():
+    assert accumulation_for(None, 7, 8) == (7, 1)
+    assert accumulation_for(512, 7, 8) == (7, 10)        # ceil(512 / 56) = 10; ceil(512 / 80) = 7
+    assert accumulation_for(64, 16, 8) == (8, 1)         # one step suffices with a smaller micro-batch
+    p = plan(TrainingSetup(model="meta-llama/Llama-3.2-1B", gpus=4, seq_len=2048, gpu="A100-80GB",
+                           grad_ckpt=True), PlanOptions(global_batch=1000, dataset_tokens=10**9))
+    best = p.recommended
+    t = best.time
+    assert t.micro_batch_size <= best.max_batch_size
+    assert t.global_batch_size >= 1000
+    assert t.global_batch_size - 1000 < t.accumulation_steps * best.layout.dp
+    assert t.tokens_per_step == t.global_batch_size * 2048
+    assert p.dataset_time_s == pytest.approx(1e9 / t.tokens_per_s)
+
+
+def test_headroom_limits_the_batch():
+    setup = TrainingSetup(model="meta-llama/Llama-3.2-1B", gpus=2, seq_len=2048, gpu="A100-40GB")
+    loose = plan(setup, PlanOptions(headroom=0.0))
+    tight = plan(setup, PlanOptions(headroom=0.2))
+    for a, b in zip(loose.candidates, tight.candidates, strict=True):
+        assert b.max_batch_size <= a.max_batch_size
+        if b.fits:
+            assert b.memory.device_used_bytes <= 0.8 * 40960 * MIB
+
+
+# ------------------------------------------------------------------------------------------------ nothing fits
+
+
+def test_nothing_fits_suggestions_70b_on_one_4090():
+    p = plan(TrainingSetup(model="meta-llama/Llama-3.1-70B", gpus=1, seq_len=2048, gpu="RTX4090"))
+    assert p.recommended is None and not any(c.fits for c in p.candidates)
+    kinds = {s["kind"]: s for s in p.suggestions}
+    assert set(kinds) >= {"grad_ckpt", "seq_len", "lora", "offload_optimizer", "gpus"}
+    for kind in ("grad_ckpt", "lora", "offload_optimizer"):
+        assert kinds[kind]["device_used_bytes"] > 0 and kinds[kind]["text"]
+    # LoRA keeps only adapters' gradients and states: far below full fine-tuning, but the base alone is too big
+    full = p.candidates[0].memory.device_used_bytes
+    assert kinds["lora"]["device_used_bytes"] < full / 3
+    assert kinds["offload_optimizer"]["cpu_ram_bytes_per_gpu"] > 70e9 * 12   # fp32 master + two Adam states
+    assert "RTX4090" in kinds["gpus"]["text"]
+    data = p.to_dict()
+    json.dumps(data)
+    assert data["recommended"]["method"] is None and data["suggestions"]
+
+
+def test_seq_len_suggestion_is_the_longest_that_fits():
+    # 0.5B parameters fit a 24 GB A10G, but 131072 x 151936 logits do not
+    setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", gpus=1, seq_len=131072, gpu="A10G", grad_ckpt=True)
+    p = plan(setup)
+    assert not any(c.fits for c in p.candidates)
+    s = next(x for x in p.suggestions if x["kind"] == "seq_len")
+    mem = memory_function("llmem", p.anatomy, p.gpu)
+    lay = p.candidates[0].layout
+    n = s["seq_len"]
+    assert 0 < n < 131072
+    assert mem(setup_for(replace(setup, seq_len=n), lay, 1)).device_used_bytes <= p.limit_bytes
+    assert mem(setup_for(replace(setup, seq_len=n + 1), lay, 1)).device_used_bytes > p.limit_bytes
+
+
+def test_lora_adapter_count_and_fallback():
+    a = load_anatomy("meta-llama/Llama-3.2-1B")       # 16 layers, h 2048, kv 512, i 8192
+    per_layer = 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2 + (2048 + 8192) * 3)
+    assert lora_adapter_params(a, 16, "all-linear") == 16 * per_layer
+    assert lora_adapter_params(a, 16, "q_proj,v_proj") == 16 * 16 * ((2048 + 2048) + (2048 + 512))
+    from llmem.estimator import estimate
+
+    gpu = resolve_gpu("A100-80GB")
+    setup = TrainingSetup(model="meta-llama/Llama-3.2-1B", seq_len=2048, gpu="A100-80GB")
+    full = estimate(setup, a, gpu)
+    lora = lora_fallback(setup, a, gpu, full)
+    assert lora.device_used_bytes < full.device_used_bytes
+    assert lora.device_used_bytes > full.components["weights"]
+
+
+# ------------------------------------------------------------------------------------------------ exports
+
+
+def _export_for(method, dp, tp, per_node=8, offload=False, precision="bf16-mixed"):
+    return ExportPlan("meta-llama/Llama-3.1-8B", "LlamaForCausalLM", Layout(method, dp, tp, per_node), 2, 4, 4096,
+                      precision, True, offload)
+
+
+@pytest.mark.parametrize("method,dp,tp", [("fsdp", 8, 1), ("zero2", 8, 1), ("fsdp+tp", 4, 2), ("tp", 1, 8),
+                                          ("ddp", 16, 1)])
+def test_accelerate_export_loads_with_accelerate(tmp_path, method, dp, tp):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_accelerate(_export_for(method, dp, tp), "LlamaDecoderLayer"))
+    cfg = load_config_from_file(str(path))
+    assert cfg.num_processes == dp * tp and cfg.num_machines == -(-dp * tp // 8)
+    assert cfg.mixed_precision == "bf16"
+    if method == "ddp":
+        assert cfg.distributed_type.value == "MULTI_GPU"
+    else:
+        assert cfg.distributed_type.value == "FSDP"
+        assert cfg.fsdp_config["fsdp_version"] == 2
+        assert cfg.fsdp_config["fsdp_reshard_after_forward"] is (method != "zero2")
+        assert cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    if tp > 1:
+        assert cfg.parallelism_config["parallelism_config_tp_size"] == tp
+        assert cfg.parallelism_config["parallelism_config_dp_shard_size"] == (dp if method == "fsdp+tp" else 1)
+    # accelerate's launcher accepts it and reads the same plan
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "t.py"]))
+    assert args.num_processes == dp * tp
+    if tp > 1:
+        assert args.parallelism_config_tp_size == tp and args.use_parallelism_config
+
+
+@pytest.mark.parametrize("method,dp,tp,nodes", [("fsdp", 8, 1, 1), ("ddp", 16, 1, 2), ("fsdp+tp", 2, 4, 1)])
+def test_torchrun_export_parses(method, dp, tp, nodes):
+    text = export_torchrun(_export_for(method, dp, tp))
+    line = next(x for x in text.splitlines() if x.startswith("torchrun"))
+    argv = shlex.split(line)
+    assert argv[argv.index("--nproc_per_node") + 1] == str(dp * tp // nodes)
+    assert argv[argv.index("--nnodes") + 1] == str(nodes)
+    assert argv[argv.index("--micro-batch-size") + 1] == "2"
+    assert argv[argv.index("--gradient-accumulation-steps") + 1] == "4"
+    assert argv[argv.index("--method") + 1] == method
+    assert text.startswith("#!/usr/bin/env bash")
+
+
+@pytest.mark.parametrize("method,dp,tp,offload,stage", [("fsdp", 8, 1, False, 3), ("zero2", 8, 1, True, 2),
+                                                        ("ddp", 8, 1, False, 0), ("ddp", 8, 1, True, 1),
+                                                        ("tp", 1, 8, False, 0)])
+def test_deepspeed_export_parses_with_deepspeed(tmp_path, monkeypatch, method, dp, tp, offload, stage):
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(export_deepspeed(_export_for(method, dp, tp, offload=offload)))
+    # DeepSpeed reads the data-parallel world size from torch.distributed; give it the plan's world
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: dp * tp)
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return dp
+
+        def get_model_parallel_world_size(self):
+            return tp
+
+    cfg = ds_config.DeepSpeedConfig(str(path), mpu=Mpu())
+    assert cfg.zero_optimization_stage == stage
+    assert cfg.train_micro_batch_size_per_gpu == 2 and cfg.gradient_accumulation_steps == 4
+    assert cfg.train_batch_size == 2 * 4 * dp
+    assert cfg.bfloat16_config.enabled
+    assert (cfg.zero_config.offload_optimizer is not None) is offload
+    assert cfg.tensor_parallel_config.autotp_size == (tp if tp > 1 else 0)
+
+
+def test_deepspeed_refuses_fsdp_tp():
+    from llmem.errors import LlmemError
+
+    with pytest.raises(LlmemError, match="AutoTP"):
+        export_deepspeed(_export_for("fsdp+tp", 4, 2))
+
+
+def test_export_plan_uses_offload_when_nothing_else_fits():
+    # Llama-3.2-1B full fine-tuning: ~1.24e9 x (4 weights + 4 grads + 8 Adam + 4 foreach temp) B > 24 GB;
+    # with the optimizer on the CPU, weights + gradients (~10 GB) + activations fit
+    p = plan(TrainingSetup(model="meta-llama/Llama-3.2-1B", gpus=1, seq_len=1024, gpu="A10G", grad_ckpt=True))
+    assert p.recommended is None
+    off = next(s for s in p.suggestions if s["kind"] == "offload_optimizer")
+    assert off["fits"] and off["device_used_bytes"] <= p.limit_bytes
+    assert off["cpu_ram_bytes_per_gpu"] == p.anatomy.trainable_params * 4 * 3
+    assert off["step_time_s"] > 0
+    e = export_plan(p)
+    assert e.offload_optimizer and e.layout.method == "single" and e.micro_batch_size == off["max_batch_size"]
+    cfg = json.loads(export_deepspeed(e))
+    assert cfg["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_plan_json_plot_and_export(tmp_path, capsys):
+    from llmem.cli import main
+
+    png, yaml_path = tmp_path / "plan.png", tmp_path / "acc.yaml"
+    rc = main(["plan", "facebook/opt-1.3b", "--gpu", "V100-16GB", "--gpus", "4", "--seq-len", "512",
+               "--precision", "fp16-mixed", "--grad-ckpt", "--json", "--headroom", "5%", "--global-batch", "256",
+               "--dataset-tokens", "26M", "--plot", str(png), "--export", "accelerate", str(yaml_path)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"methods", "recommended", "suggestions", "setup"}
+    row = out["methods"][0]
+    for key in ("method", "dp", "tp", "max_batch_size", "peak_reserved_bytes", "device_used_bytes", "step_time_s",
+                "tokens_per_s", "fits"):
+        assert key in row
+    assert out["setup"]["headroom"] == pytest.approx(0.05)
+    assert out["setup"]["dataset_tokens"] == 26_000_000
+    assert out["recommended"]["dataset_time_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = yaml_path.read_text()
+    assert "OPTDecoderLayer" in text and "num_processes: 4" in text
+
+
+def test_cli_plan_table(capsys):
+    from llmem.cli import main
+
+    assert main(["plan", "gpt2", "--gpus", "2", "--seq-len", "512", "--gpu", "A100-40GB"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended" in out and "ddp (2)" in out
+
+
+def test_decoder_layer_class_without_no_split_modules():
+    from llmem.planner import decoder_layer_class
+
+    assert decoder_layer_class(load_anatomy("microsoft/biogpt")) == "BioGptDecoderLayer"
+    assert decoder_layer_class(load_anatomy("meta-llama/Llama-3.1-8B")) == "LlamaDecoderLayer"
