@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH_PIN = torch==2.13.0
 
-.PHONY: install demo test test-slow lint bench
+.PHONY: install demo test test-slow lint bench validate
 
 $(BIN)/llmem: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,6 +12,8 @@ $(BIN)/llmem: pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
 	echo "$(TORCH_PIN)" > $(VENV)/torch-pin.txt
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev]'
+	# DeepSpeed only to check exported configs with its own parser (tests); no CUDA ops are built
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation -c $(VENV)/torch-pin.txt deepspeed
 	touch $(BIN)/llmem
 
 install: $(BIN)/llmem
@@ -29,3 +31,10 @@ test-slow: install
 
 lint: install
 	$(BIN)/ruff check llmem tests benchmarks
+
+bench: install
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/estimate_speed.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/plan_speed.py
+
+validate: install
+	HF_HUB_OFFLINE=1 $(BIN)/llmem validate --against trace --matrix ci --max-error 2

@@ -81,6 +81,9 @@ class ActivationProfile:
     blocks: tuple[Block, ...]  # one decoder layer, forward order
     grad_ckpt: bool
     layers: int
+    embed_tensors: tuple[int, ...] = ()
+    head_tensors: tuple[int, ...] = ()
+    shared_tensors: tuple[int, ...] = ()
 
     @property
     def saved_at_loss(self) -> int:
@@ -112,7 +115,8 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     return ActivationProfile(
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.t * d.h * regime.res,
-        embed_saved=recipe.embed, head_saved=recipe.head, shared_saved=recipe.shared,
+        embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
+        embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
         loss_peak=loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
                                                                            default=None) else 0),
         blocks=recipe.blocks,
@@ -134,8 +138,11 @@ def loss_peak_bytes(d: Dims) -> int:
     return 3 * F32 * d.t * d.vocab
 
 
-def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tuple[int, int]:
-    """(bytes kept, bytes of its output) for a norm whose input is the residual stream.
+Sizes = tuple[int, ...]   # the byte sizes of individual tensors
+
+
+def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tuple[Sizes, int]:
+    """(tensors kept, bytes of its output) for a norm whose input is the residual stream.
 
     layernorm (F.layer_norm; fp32 under autocast): saves its input, mean and rstd (fp32 [t]); output in residual
     dtype (fp32 under autocast).
@@ -145,45 +152,45 @@ def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tup
     the fp32 normalised tensor.
     Output size is returned so the caller can count who keeps it (the next linears).
     """
-    stream_in = 0 if input_counted else t * h * r.res
+    stream_in: Sizes = () if input_counted else (t * h * r.res,)
     if kind == "layernorm":
         out_bytes = F32 if r.autocast else r.res
-        return stream_in + 2 * F32 * t, t * h * out_bytes
+        return stream_in + (F32 * t, F32 * t), t * h * out_bytes
     if kind == "rmsnorm":
         if r.res == F32:   # .to(fp32) is a no-op: pow keeps the input itself; weight*n keeps n (fp32)
-            return stream_in + F32 * t + F32 * t * h, t * h * F32
-        return F32 * t * h + F32 * t + r.res * t * h, t * h * r.res
+            return stream_in + (F32 * t, F32 * t * h), t * h * F32
+        return (F32 * t * h, F32 * t, r.res * t * h), t * h * r.res
     if kind == "rmsnorm_gemma":
         if r.res == F32:
-            return stream_in + F32 * t + F32 * t * h, t * h * F32
-        return F32 * t * h + F32 * t + F32 * t * h, t * h * r.res
+            return stream_in + (F32 * t, F32 * t * h), t * h * F32
+        return (F32 * t * h, F32 * t, F32 * t * h), t * h * r.res
     raise ValueError(kind)
 
 
-def linear_inputs_saved(r: Regime, t: int, width: int, consumers: int, out_of_norm_bytes: int) -> int:
-    """Bytes kept for the inputs of `consumers` linears that read one tensor of [t, width].
+def linear_inputs_saved(r: Regime, t: int, width: int, consumers: int, out_of_norm_bytes: int) -> Sizes:
+    """Tensors kept for the inputs of `consumers` linears that read one tensor of [t, width].
 
     fp32/lowp: the tensor itself is kept once. Autocast: each linear keeps its own low-precision cast of an fp32
     input (activations are not in autocast's cache); a low-precision input is kept once.
     """
     if r.autocast and out_of_norm_bytes // max(t * width, 1) == F32:
-        return consumers * t * width * r.mm
-    return out_of_norm_bytes
+        return (t * width * r.mm,) * consumers
+    return (out_of_norm_bytes,)
 
 
-def dropout_saved(p: float, elements: int) -> int:
-    return MASK * elements if p > 0 else 0
+def dropout_saved(p: float, elements: int) -> Sizes:
+    return (MASK * elements,) if p > 0 else ()
 
 
-def sdpa_saved(r: Regime, d: Dims, q_kept: int, k_kept: int, v_kept: int) -> int:
+def sdpa_saved(r: Regime, d: Dims, q_kept: Sizes, k_kept: Sizes, v_kept: Sizes) -> Sizes:
     """Flash / memory-efficient SDPA: q, k, v (as passed, low precision under autocast), the output, fp32 lse."""
     out = d.t * d.qd * r.mm
     lse = F32 * d.b * d.heads * d.s
-    return q_kept + k_kept + v_kept + out + lse
+    return q_kept + k_kept + v_kept + (out, lse)
 
 
 def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool, softmax_fp32: bool,
-                          mask_promotes: bool) -> int:
+                          mask_promotes: bool) -> Sizes:
     """Eager attention: matmul(q, k^T) -> (+mask) -> softmax -> [cast] -> dropout -> matmul(p, v) -> contiguous.
 
     Saved: q and k (low precision), the softmax output (fp32 when softmax runs in fp32), its cast back to the
@@ -191,15 +198,15 @@ def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool,
     """
     scores = d.b * d.heads * d.s * d.s
     softmax_bytes = F32 if (softmax_fp32 or r.autocast or r.mm == F32) else r.mm
-    kept = scores * softmax_bytes
+    kept: Sizes = (scores * softmax_bytes,)
     if softmax_bytes != r.mm:
-        kept += scores * r.mm                       # .to(value dtype)
+        kept += (scores * r.mm,)                    # .to(value dtype)
     if dropout_p > 0:
-        kept += scores * (MASK + r.mm)              # native_dropout output is what matmul(p, v) keeps
-    qk = d.t * d.qd * r.mm * 2 if repeat_kv else d.t * (d.qd + d.kvd) * r.mm
+        kept += (scores * MASK, scores * r.mm)      # native_dropout output is what matmul(p, v) keeps
+    qk = (d.t * d.qd * r.mm,) * 2 if repeat_kv else (d.t * d.qd * r.mm, d.t * d.kvd * r.mm)
     v = d.t * (d.qd if repeat_kv else d.kvd) * r.mm
     merged = d.t * d.qd * r.mm
-    return kept + qk + v + merged
+    return kept + qk + (v, merged)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -222,17 +229,21 @@ def _cfg(anatomy: ModelAnatomy, *names: str, default=0.0):
 class Block:
     """A stretch of a decoder layer: what it keeps for backward, whose weights it owns, its backward transient."""
     name: str
-    saved: int
+    tensors: Sizes                 # the tensors it keeps for backward, in allocation order
     params: tuple[str, ...] = ()   # substrings of the parameter names (within a layer) this block owns
     transient: int = 0             # largest extra memory while its backward runs (input gradients, temporaries)
+
+    @property
+    def saved(self) -> int:
+        return sum(self.tensors)
 
 
 @dataclass(frozen=True)
 class LayerRecipe:
     blocks: tuple[Block, ...]
-    embed: int
-    head: int
-    shared: int
+    embed: Sizes
+    head: Sizes
+    shared: Sizes
 
 
 def _norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:
@@ -254,38 +265,38 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     n1, out1 = _norm_block("input_norm", norm, r, t, d.h, ("input_layernorm",))
     qkv = _proj_block("qkv_proj", r, t, d.h, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"))
     # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
-    core = t * (d.qd + d.kvd) * r.mm if fused else 0   # phi3: v is a view of the fused qkv, kept whole
+    core: Sizes = (t * (d.qd + d.kvd) * r.mm,) if fused else ()   # phi3: v is a view of the fused qkv, kept
     if attn == "sdpa":
-        core += sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+        core += sdpa_saved(r, d, (t * d.qd * r.mm,), (t * d.kvd * r.mm,), (t * d.kvd * r.mm,))
         core_transient = t * (d.qd + 2 * d.kvd) * r.mm
     else:
         p_attn = float(_cfg(a, "attention_dropout"))
         core += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True,
                                       mask_promotes=r.autocast)
         if _cfg(a, "attn_logit_softcapping", default=None):   # tanh(scores / cap) keeps its output
-            core += d.b * d.heads * d.s * d.s * r.mm
+            core += (d.b * d.heads * d.s * d.s * r.mm,)
         core_transient = 2 * d.b * d.heads * d.s * d.s * F32
     blocks = [n1, qkv, Block("attention", core, (), core_transient),
-              Block("o_proj", 0, ("o_proj",), t * d.qd * r.mm)]
+              Block("o_proj", (), ("o_proj",), t * d.qd * r.mm)]
     if a.model_type == "gemma2":  # post-attention and post-feedforward norms
         post, _ = _norm_block("post_norms", norm, r, t, d.h, ("post_attention_layernorm", "post_feedforward"))
-        blocks.append(Block(post.name, 2 * post.saved, post.params, post.transient))
+        blocks.append(Block(post.name, post.tensors * 2, post.params, post.transient))
     n2, out2 = _norm_block("mlp_norm", norm, r, t, d.h, ("post_attention_layernorm", "pre_feedforward_layernorm"))
     if a.model_type == "gemma2":
-        n2 = Block(n2.name, n2.saved, ("pre_feedforward_layernorm",), n2.transient)
+        n2 = Block(n2.name, n2.tensors, ("pre_feedforward_layernorm",), n2.transient)
     blocks.append(n2)
     blocks.append(_proj_block("gate_up_proj", r, t, d.h, 1 if fused else 2, out2,
                               ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight")))
     experts = int(_cfg(a, "num_experts_per_tok", default=1)) if a.model_type == "mixtral" else 1
-    mlp = 4 * t * d.i * r.mm * experts
-    if a.model_type == "mixtral":
-        mlp += t * int(_cfg(a, "num_local_experts", default=8)) * F32 * 2  # router logits and softmax
+    mlp: Sizes = (t * d.i * r.mm * experts,) * 4       # gate, act(gate), up, act * up
+    if a.model_type == "mixtral":                       # router logits and softmax
+        mlp += (t * int(_cfg(a, "num_local_experts", default=8)) * F32,) * 2
     blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts))
-    blocks.append(Block("down_proj", 0, ("down_proj", "w2", "experts"), t * d.i * r.mm))
+    blocks.append(Block("down_proj", (), ("down_proj", "w2", "experts"), t * d.i * r.mm))
     head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
-    head = head_kept + (t * d.h * r.mm if r.autocast else head_out)
+    head = head_kept + ((t * d.h * r.mm,) if r.autocast else (head_out,))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
-    return LayerRecipe(tuple(blocks), 0, head, 2 * d.s * a.head_dim * r.res)
+    return LayerRecipe(tuple(blocks), (), head, (d.s * a.head_dim * r.res,) * 2)
 
 
 def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -300,21 +311,21 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
                        ("attn.c_attn", "q_attn", "attention.q_proj", "attention.k_proj", "attention.v_proj"))
     qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v (views of one c_attn output, kept whole)
     if attn == "sdpa":
-        core = qkv + t * d.qd * r.mm + F32 * d.b * d.heads * d.s
+        core: Sizes = (qkv, t * d.qd * r.mm, F32 * d.b * d.heads * d.s)
     else:
         core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv,
                                      mask_promotes=False)
     core += dropout_saved(p_resid, t * d.h)
     n2, out2 = _norm_block("ln_2", "layernorm", r, t, d.h, ("ln_2",))
     blocks = (n1, proj, Block("attention", core, (), t * (d.qd + 2 * d.kvd) * r.mm),
-              Block("attn_out", 0, ("attn.c_proj", "attention.out_proj"), t * d.qd * r.mm),
+              Block("attn_out", (), ("attn.c_proj", "attention.out_proj"), t * d.qd * r.mm),
               n2, _proj_block("c_fc", r, t, d.h, 1, out2, ("mlp.c_fc",)),
               Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p_resid, t * d.h), (),
                     2 * t * d.i * (F32 if r.autocast else r.mm)),
-              Block("mlp_out", 0, ("mlp.c_proj",), t * d.i * r.mm))
+              Block("mlp_out", (), ("mlp.c_proj",), t * d.i * r.mm))
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, 0)
+    return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, ())
 
 
 def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -324,20 +335,20 @@ def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     p_attn = float(_cfg(a, "attention_dropout", "attention_probs_dropout_prob"))
     n1, out1 = _norm_block("attn_norm", "layernorm", r, t, d.h, ("self_attn_layer_norm",))
     if attn == "sdpa":
-        core = sdpa_saved(r, d, t * d.qd * r.mm, t * d.kvd * r.mm, t * d.kvd * r.mm)
+        core = sdpa_saved(r, d, (t * d.qd * r.mm,), (t * d.kvd * r.mm,), (t * d.kvd * r.mm,))
     else:
         core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
     core += dropout_saved(p, t * d.h)
     n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("final_layer_norm",))
     blocks = (n1, _proj_block("qkv_proj", r, t, d.h, 3, out1, ("q_proj", "k_proj", "v_proj")),
               Block("attention", core, (), 3 * t * d.qd * r.mm),
-              Block("out_proj", 0, ("out_proj",), t * d.qd * r.mm),
+              Block("out_proj", (), ("out_proj",), t * d.qd * r.mm),
               n2, _proj_block("fc1", r, t, d.h, 1, out2, ("fc1",)),
               Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p, t * d.h), (), t * d.i * r.mm),
-              Block("fc2", 0, ("fc2",), t * d.i * r.mm))
+              Block("fc2", (), ("fc2",), t * d.i * r.mm))
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, 0)
+    return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, ())
 
 
 def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -351,18 +362,18 @@ def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("post_attention_layernorm",))
     blocks = (n1, _proj_block("query_key_value", r, t, d.h, 1, out1, ("query_key_value",)),
               Block("attention", core, (), 2 * d.b * d.heads * d.s * d.s * F32),
-              Block("dense", 0, ("self_attention.dense",), t * d.qd * r.mm),
+              Block("dense", (), ("self_attention.dense",), t * d.qd * r.mm),
               n2, _proj_block("dense_h_to_4h", r, t, d.h, 1, out2, ("dense_h_to_4h",)),
               # GeLUFunction keeps its input; dense_4h_to_h keeps the output
-              Block("gelu", 2 * t * d.i * r.mm + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm),
-              Block("dense_4h_to_h", 0, ("dense_4h_to_h",), t * d.i * r.mm))
+              Block("gelu", (t * d.i * r.mm,) * 2 + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm),
+              Block("dense_4h_to_h", (), ("dense_4h_to_h",), t * d.i * r.mm))
     embed_norm, _ = norm_saved("layernorm", r, t, d.h, input_counted=False)  # word_embeddings_layernorm
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, embed_norm, head, d.b * d.heads * d.s * r.res)   # shared: alibi
+    return LayerRecipe(blocks, embed_norm, head, (d.b * d.heads * d.s * r.res,))   # shared: alibi
 
 
-def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> int:
+def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> Sizes:
     """Bytes kept by the MLP activation of n = tokens x intermediate elements (fc output to fc2 input).
 
     gelu_new (GPT-2, CodeGen, GPT-Neo): the python tanh formula keeps x (fp32 under autocast: pow upcasts),
@@ -373,11 +384,11 @@ def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> int:
     act = str(_cfg(a, "activation_function", "hidden_act", "activation", default="gelu_new"))
     if act == "gelu_new":
         if r.autocast:
-            return n * (F32 + F32 + F32 + r.mm + r.mm)
-        return 5 * n * r.mm
+            return (n * F32, n * F32, n * F32, n * r.mm, n * r.mm)
+        return (n * r.mm,) * 5
     if act == "relu":
-        return n * r.mm
-    return 2 * n * r.mm
+        return (n * r.mm,)
+    return (n * r.mm,) * 2
 
 
 def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -392,24 +403,23 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
     proj = _proj_block("qkv_and_fc_in", r, t, d.h, 2, out1,
                        ("query_key_value", "qkv_proj", "dense_h_to_4h", "fc_in"))
     if a.model_type == "falcon":
-        core = t * (d.qd + 2 * d.kvd) * r.mm + t * (d.qd + d.kvd) * r.mm     # fused qkv (v view), roped q, k
-        core += d.b * d.heads * d.s * d.s * r.mm + 2 * t * d.qd * r.mm         # softmax; output + merged heads
-        mlp = 2 * t * d.i * r.mm                                                # F.gelu input, fc2 input
+        core: Sizes = (t * (d.qd + 2 * d.kvd) * r.mm, t * d.qd * r.mm, t * d.kvd * r.mm)  # fused qkv, roped q, k
+        core += (d.b * d.heads * d.s * d.s * r.mm, t * d.qd * r.mm, t * d.qd * r.mm)      # softmax, out, merged
+        mlp: Sizes = (t * d.i * r.mm,) * 2                                                 # F.gelu in, fc2 in
     else:
-        core = 3 * t * d.qd * r.mm                                              # q, k (roped), v copies
-        if attn == "sdpa":
-            core += t * d.qd * r.mm + F32 * d.b * d.heads * d.s
+        if attn == "sdpa":                                                    # q, k (roped), v copies, out, lse
+            core = (t * d.qd * r.mm,) * 4 + (F32 * d.b * d.heads * d.s,)
         else:
-            core += eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True, mask_promotes=False) \
-                - 2 * t * d.qd * r.mm
+            core = (t * d.qd * r.mm,) + eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True,
+                                                              mask_promotes=False)
         mlp = _mlp_act_saved(a, r, t * d.i)
     blocks = (n1, proj, Block("attention", core, (), 3 * t * d.qd * r.mm),
-              Block("attn_out", 0, ("self_attention.dense", "out_proj"), t * d.qd * r.mm),
+              Block("attn_out", (), ("self_attention.dense", "out_proj"), t * d.qd * r.mm),
               Block("mlp_act", mlp, (), 3 * t * d.i * r.mm),
-              Block("mlp_out", 0, ("dense_4h_to_h", "fc_out"), t * d.i * r.mm))
+              Block("mlp_out", (), ("dense_4h_to_h", "fc_out"), t * d.i * r.mm))
     head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, 0, head, 2 * d.s * a.head_dim * r.res)
+    return LayerRecipe(blocks, (), head, (d.s * a.head_dim * r.res,) * 2)
 
 
 _FAMILIES = {

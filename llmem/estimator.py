@@ -21,8 +21,7 @@ from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy
 from llmem.config import TrainingSetup
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
 from llmem.methods import Layout, resolve_layout
-from llmem.result import MemoryResult
-from llmem.units import MIB
+from llmem.result import COMPONENTS, MemoryResult
 
 # Module names whose weights tensor parallelism splits by output (column) or by input (row) features.
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_attn", "c_fc", "query_key_value",
@@ -304,33 +303,40 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
                * (F32 if setup.mixed else setup.param_bytes)) if fsdp and layers > 1 else 0
     base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
         + below_grads + act.embed_saved + act.shared_saved + rs_prev
-    bottom_peak, after_layers = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
+    bottom_peak, _ = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
     moments.append(_lump("backward", static, bottom_peak, {
         "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
         "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
-    # 5. embedding backward, end of backward: all layer gradients final
+    # 5. embedding backward: all layer gradients final; the last layer's reduce-scatter may still be in flight
     all_layer_grads = layers * layer_final_grads
     tied_extra = 0
-    if anatomy.tie_word_embeddings and not fsdp:
+    if anatomy.tie_word_embeddings:
         # AccumulateGrad adds the embedding's gradient to the lm_head's one out of place: old + new + sum
-        tied_extra = 2 * sum(local_numel(p, layout) for p in anatomy.params
-                             if _is_embedding(p) and p.tied_to is not None) * setup.param_bytes
-    root_reduce = ms.fsdp_root_reduce if fsdp else 0
-    end_grads = all_layer_grads + head_live + embed_live
+        tied = [p for p in anatomy.params if _is_embedding(p) and p.tied_to is not None]
+        tied_extra = 2 * (_fsdp_unit_numel(tied, layout) * gather_bytes if fsdp
+                          else sum(local_numel(p, layout) for p in tied) * setup.param_bytes)
+    embed_transient = tied_extra or embed_live
     moments.append(Moment("backward", {
         **static,
         "gathered_weights": root_gathered + all_layers_gathered,
-        "gradients": end_grads + tied_extra + ms.tp_embed_grad_excess,
-        "activations": act.shared_saved,
-        "communication_buffers": static["communication_buffers"] + root_reduce,
+        "gradients": all_layer_grads + head_live + embed_transient + ms.tp_embed_grad_excess,
+        "activations": act.shared_saved + act.embed_saved,
+        "communication_buffers": static["communication_buffers"] + rs_prev,
     }))
+    if fsdp:
+        # the root's post-backward: its unsharded gradients, their reduce-scatter input and the sharded output
+        moments.append(Moment("backward", {
+            **static,
+            "gathered_weights": root_gathered + all_layers_gathered,
+            "gradients": all_layer_grads + head_live + embed_live + ms.gradients - layers * layer_final_grads,
+            "communication_buffers": static["communication_buffers"] + ms.fsdp_root_reduce,
+        }))
     # 6. optimizer step: every gradient, the states and the implementation's temporaries
     moments.append(Moment("optimizer_step", {
         **static,
         "gradients": ms.gradients + ms.tp_embed_grad_excess,
         "optimizer_temporaries": ms.optimizer_temporaries,
     }))
-    del after_layers
     return moments
 
 
@@ -343,32 +349,29 @@ def _lump(phase: str, static: dict[str, int], total: int, known: dict[str, int])
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def allocator_overhead_bytes(peak_allocated: int, moment: Moment) -> int:
-    """Reserved minus allocated at the peak: the caching allocator's rounding and cached free blocks.
-
-    Large requests (> 1 MiB) are served from segments rounded to 2 MiB (20 MiB for requests under 10 MiB), and
-    segments freed by one phase are reused by the next only where sizes fit; what stays cached but unused is the
-    overhead. We take half a 2 MiB page per large live tensor family plus one 20 MiB segment of slack.
-    """
-    return 20 * MIB + 2 * MIB
-
-
 def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> MemoryResult:
-    """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown."""
+    """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown.
+
+    The step's tensors (from the moments' recipes) are laid out as an allocation schedule and replayed through the
+    caching-allocator model, which gives max_memory_allocated (whole blocks) and max_memory_reserved (segments);
+    the CUDA context and NCCL's buffers are added for device_used.
+    """
+    from llmem.schedule import build_schedule, replay
+
     anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             anatomy.num_heads, anatomy.num_kv_heads)
     moments = step_moments(anatomy, setup, layout, gpu)
-    peak = max(moments, key=lambda m: m.total)
-    peak_allocated = peak.total
-    overhead = allocator_overhead_bytes(peak_allocated, peak)
+    act = activation_profile(anatomy, setup, layout.method, layout.tp)
+    schedule = build_schedule(anatomy, setup, layout, act, regime_for(setup, layout.method),
+                              gpu.cublas_workspace_bytes)
+    rep = replay(schedule, expandable_segments=setup.expandable_segments)
     context = outside_allocator_bytes(gpu, layout.world_size)
-    components = {name: 0 for name in (
-        "weights", "gathered_weights", "gradients", "optimizer_states", "optimizer_temporaries", "activations",
-        "logits_and_loss", "communication_buffers", "cuda_workspaces")}
-    components.update(peak.components)
-    components["allocator_overhead"] = overhead
+    components = dict.fromkeys(COMPONENTS, 0)
+    components.update(rep.components)
+    components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
+    components["allocator_overhead"] = rep.peak_reserved_bytes - rep.peak_allocated_bytes
     components["cuda_context"] = context
     notes = []
     if setup.offload_optimizer:
@@ -380,13 +383,13 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(
         engine="llmem",
-        peak_allocated_bytes=peak_allocated,
-        peak_reserved_bytes=peak_allocated + overhead,
-        device_used_bytes=peak_allocated + overhead + context,
+        peak_allocated_bytes=rep.peak_allocated_bytes,
+        peak_reserved_bytes=rep.peak_reserved_bytes,
+        device_used_bytes=rep.peak_reserved_bytes + context,
         gpu_memory_bytes=gpu.memory_bytes,
         components=components,
         setup=resolved_setup(setup, anatomy, layout, gpu),
-        peak_phase=peak.phase,
+        peak_phase=rep.peak_phase,
         notes=notes,
         moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
     )

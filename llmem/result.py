@@ -25,6 +25,7 @@ COMPONENTS = (
     "logits_and_loss",         # lm_head output, its fp32 upcast, log-softmax, their gradients
     "communication_buffers",   # DDP buckets, FSDP all-gather / reduce-scatter buffers, TP collectives
     "cuda_workspaces",         # cuBLAS workspace (taken from the caching allocator)
+    "block_rounding",          # whole allocator blocks handed out beyond the tensors' sizes (counted as allocated)
     "allocator_overhead",      # reserved but not allocated: rounding, free blocks in cached segments
     "cuda_context",            # outside the allocator
 )

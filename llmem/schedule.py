@@ -1,0 +1,343 @@
+"""The step's allocation schedule, built from the estimator's model and replayed through the allocator model.
+
+`max_memory_allocated` counts whole allocator blocks and `max_memory_reserved` counts segments, so both depend on
+the order and the sizes of the step's tensors, not only on their sum. This module writes the sequence of tensor
+allocations and frees that one training step makes on rank 0 — parameters, FSDP's all-gather and reduce-scatter
+buffers on their own streams, the tensors each block keeps for backward, gradients, optimizer states and
+temporaries — from the same recipes the analytic moments use, and runs it through `llmem.allocator`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmem.activations import F32, ActivationProfile, Regime
+from llmem.allocator import CachingAllocator
+from llmem.anatomy import ModelAnatomy, ParamInfo
+from llmem.config import TrainingSetup
+from llmem.methods import Layout
+
+DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
+DDP_FIRST_BUCKET_BYTES = 1024**2                 # torch.distributed: dist._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_CAP_BYTES = 25 * 1024**2              # DistributedDataParallel(bucket_cap_mb=25)
+
+
+@dataclass
+class Schedule:
+    """Allocation events with the component each tensor belongs to."""
+    events: list[tuple[int, int, int, int]] = field(default_factory=list)   # (+1 alloc / -1 free, key, size, stream)
+    component: dict[int, str] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
+    phase_of_event: list[str] = field(default_factory=list)
+    phase: str = "setup"
+    _next: int = 0
+
+    def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
+        key = self._next
+        self._next += 1
+        if size <= 0:
+            return -1
+        self.events.append((1, key, size, stream))
+        self.component[key] = component
+        self.sizes[key] = size
+        self.phase_of_event.append(self.phase)
+        return key
+
+    def free(self, key: int) -> None:
+        if key >= 0:
+            self.events.append((-1, key, 0, DEFAULT))
+            self.phase_of_event.append(self.phase)
+
+    def free_all(self, keys: list[int]) -> None:
+        for k in keys:
+            self.free(k)
+        keys.clear()
+
+
+@dataclass(frozen=True)
+class Replay:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    components: dict[str, int]        # tensor bytes per component at the moment of peak allocated
+    peak_phase: str
+
+
+def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
+    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    handles: dict[int, int] = {}
+    by_comp: dict[str, int] = {}
+    peak, peak_comps, peak_phase = -1, {}, ""
+    comp_of = schedule.component
+    for (sign, key, size, stream), phase in zip(schedule.events, schedule.phase_of_event, strict=True):
+        comp = comp_of[key]
+        if sign > 0:
+            handles[key] = alloc.malloc(size, stream)
+            by_comp[comp] = by_comp.get(comp, 0) + size
+            allocated = alloc.stats().allocated_bytes
+            if allocated > peak:
+                peak, peak_comps, peak_phase = allocated, dict(by_comp), phase
+        else:
+            alloc.free(handles.pop(key))
+            by_comp[comp] -= schedule.sizes[key]
+    stats = alloc.stats()
+    return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, peak_comps, peak_phase)
+
+
+def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
+                   regime: Regime, workspace_bytes: int, iterations: int = 2) -> Schedule:
+    """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them."""
+    from llmem.estimator import MATMUL_KINDS, _fsdp_unit_numel, _is_embedding, local_numel, tp_local_numel
+
+    sch = Schedule()
+    alloc = sch.alloc
+
+    pb = setup.param_bytes
+    fsdp = layout.shards_model_states
+    reshard = layout.method != "zero2"
+    gather_bytes = setup.compute_bytes if setup.mixed else pb
+    reduce_bytes = F32 if setup.mixed else pb
+    t = setup.batch_size * setup.seq_len
+    tv = t * anatomy.vocab_size
+    layers = anatomy.num_layers
+    trainable = [p for p in anatomy.params if p.trainable]
+    by_layer: dict[int | None, list[ParamInfo]] = {}
+    for p in anatomy.params:
+        by_layer.setdefault(p.layer_index, []).append(p)
+    root = by_layer.get(None, [])
+
+    def unit_bytes(unit: list[ParamInfo], per: int) -> int:
+        return _fsdp_unit_numel(unit, layout) * per
+
+    def unsharded_param_bytes(p: ParamInfo, per: int) -> int:
+        return _fsdp_unit_numel([p], layout) * per
+
+    # block ownership of layer parameters (same rule as estimator.layer_costs)
+    def owner(p: ParamInfo) -> int:
+        inner = p.name.split(".", 1)[1] if "." in p.name else p.name
+        return next((i for i, b in enumerate(act.blocks) if any(k in inner for k in b.params)), len(act.blocks) - 1)
+
+    layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
+    for i in range(layers):
+        groups: list[list[ParamInfo]] = [[] for _ in act.blocks]
+        for p in by_layer.get(i, []):
+            groups[owner(p)].append(p)
+        layer_blocks_params[i] = groups
+
+    # ---- set-up: parameters, DDP buckets
+    sch.phase = "setup"
+    for p in anatomy.params:
+        alloc(local_numel(p, layout) * pb, "weights")
+    if layout.method == "ddp":
+        cap, filled = DDP_FIRST_BUCKET_BYTES, 0
+        for p in reversed(trainable):
+            filled += local_numel(p, layout) * pb
+            if filled >= cap:
+                alloc(filled, "communication_buffers")
+                cap, filled = DDP_BUCKET_CAP_BYTES, 0
+        alloc(filled, "communication_buffers")
+
+    grads: dict[str, int] = {}          # param name -> key of its final gradient (non-FSDP) or sharded (FSDP)
+    rs_outputs: list[int] = []
+    vocab_parallel = {p.name for p in root if layout.tp > 1 and _is_embedding(p) and p.shape
+                      and p.shape[0] == anatomy.vocab_size}
+    states: list[int] = []
+    workspace = -1
+
+    gathered: dict[int | None, list[int]] = {}
+    root_unsharded_grads: dict[str, int] = {}
+    layer_unsharded: list[int] = []
+
+    def unshard(unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if not fsdp or unit_key in gathered:
+            return
+        buf = alloc(unit_bytes(unit, gather_bytes), "communication_buffers", ALL_GATHER)
+        gathered[unit_key] = [alloc(unsharded_param_bytes(p, gather_bytes), "gathered_weights") for p in unit]
+        sch.free(buf)
+
+    def reshard_unit(unit_key: int | None) -> None:
+        for k in gathered.pop(unit_key, []):
+            sch.free(k)
+
+    def make_grad(p: ParamInfo, root_unit: bool = False) -> None:
+        if fsdp:
+            size = unsharded_param_bytes(p, gather_bytes)
+            if root_unit and p.name in root_unsharded_grads:   # tied: accumulate out of place
+                new, total = alloc(size, "gradients"), alloc(size, "gradients")
+                sch.free(new)
+                sch.free(root_unsharded_grads[p.name])
+                root_unsharded_grads[p.name] = total
+            elif root_unit:
+                root_unsharded_grads[p.name] = alloc(size, "gradients")
+            else:
+                layer_unsharded.append(alloc(size, "gradients"))
+            return
+        # DTensor: a vocab-parallel embedding's gradient comes back replicated (full size)
+        size = (p.numel if p.name in vocab_parallel else local_numel(p, layout)) * pb
+        if p.name in grads:       # accumulation into an existing gradient (tied weights): out of place
+            new, total = alloc(size, "gradients"), alloc(size, "gradients")
+            sch.free(new)
+            sch.free(grads[p.name])
+            grads[p.name] = total
+            return
+        if regime.autocast and p.module_kind in MATMUL_KINDS:
+            low = alloc(tp_local_numel(p, layout) * regime.mm, "gradients")
+            grads[p.name] = alloc(size, "gradients")
+            sch.free(low)
+        else:
+            grads[p.name] = alloc(size, "gradients")
+
+    for it in range(iterations):
+        # ---- forward
+        sch.phase = "forward"
+        unshard(None, root)
+        cache: list[int] = []           # autocast's cached low-precision weight copies
+        bias_cache: list[int] = []
+        copies_by_layer: dict[int | None, list[list[int]]] = {}
+        embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
+        if workspace < 0:
+            workspace = alloc(workspace_bytes, "cuda_workspaces")
+        layer_keys: dict[int, list[list[int]]] = {}
+        ckpt_keys: dict[int, int] = {}
+        for i in range(layers):
+            unshard(i, by_layer.get(i, []))
+            per_block: list[list[int]] = []
+            copies: list[list[int]] = []
+            for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
+                block_copies = []
+                if regime.autocast:
+                    for p in params:
+                        if p.module_kind in MATMUL_KINDS:
+                            k = alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights")
+                            (bias_cache if p.name.endswith("bias") else block_copies).append(k)
+                copies.append(block_copies)
+                per_block.append([alloc(n, "activations") for n in b.tensors])
+            if act.grad_ckpt:   # the checkpointed layer keeps only its input; the rest is recomputed
+                for keys in per_block:
+                    sch.free_all(keys)
+                ckpt_keys[i] = alloc(act.checkpoint_saved, "activations")
+                cache.extend(k for c in copies for k in c)
+                copies = [[] for _ in copies]
+            layer_keys[i] = per_block
+            copies_by_layer[i] = copies
+            if reshard:
+                reshard_unit(i)
+        head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        head_copy = []
+        if regime.autocast:
+            head_copy = [alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights") for p in root
+                         if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+                         or (p.tied_to or "").startswith("lm_head")]
+        logits = alloc(tv * regime.mm, "logits_and_loss")
+        upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
+        log_softmax = alloc(tv * F32, "logits_and_loss")
+        sch.free(upcast)
+        sch.free_all(bias_cache)        # autocast exit clears its cache; saved weight copies stay referenced
+        sch.free_all(cache)
+        sch.free(logits)                # the model output is dropped before backward
+
+        # ---- backward
+        sch.phase = "backward"
+        nll_grad = alloc(tv * F32, "logits_and_loss")
+        ls_grad = alloc(tv * F32, "logits_and_loss")
+        sch.free(log_softmax)
+        sch.free(nll_grad)
+        if regime.mm != F32:
+            cast_grad = alloc(tv * regime.mm, "logits_and_loss")
+            sch.free(ls_grad)
+        else:
+            cast_grad = ls_grad
+        root_unsharded_grads.clear()
+
+        layer_unsharded.clear()
+        head_params = [p for p in root if p.trainable and (not _is_embedding(p) or p.tied_to is not None)]
+        grad_in = alloc(t * anatomy.hidden_size * regime.mm, "activations")
+        for p in head_params:
+            make_grad(p, root_unit=True)
+        sch.free(cast_grad)
+        sch.free_all(head_copy)
+        sch.free_all(head_keys)
+        sch.free(grad_in)
+        pending_rs: list[int] = []
+        for i in reversed(range(layers)):
+            unshard(i, by_layer.get(i, []))
+            if fsdp and reshard and i > 0:
+                unshard(i - 1, by_layer.get(i - 1, []))     # backward prefetch of the next unit
+            per_block = layer_keys[i]
+            copies = copies_by_layer[i]
+            if act.grad_ckpt:             # recompute the layer's forward
+                copies = []
+                for params in layer_blocks_params[i]:
+                    cs = []
+                    if regime.autocast:
+                        cs = [alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights") for p in params
+                              if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")]
+                    copies.append(cs)
+                per_block = [[alloc(n, "activations") for n in b.tensors] for b in act.blocks]
+            layer_unsharded.clear()
+            for j in reversed(range(len(act.blocks))):
+                for p in layer_blocks_params[i][j]:
+                    if p.trainable:
+                        make_grad(p)
+                tmp = alloc(act.blocks[j].transient, "activations")
+                sch.free(tmp)
+                sch.free_all(per_block[j])
+                sch.free_all(copies[j])
+            if act.grad_ckpt:
+                sch.free(ckpt_keys.pop(i))
+            if fsdp:
+                unit = by_layer.get(i, [])
+                reshard_unit(i)                               # post-backward reshard (also for zero2)
+                sch.free_all(pending_rs)                      # the previous reduce-scatter has finished
+                rs_in = alloc(unit_bytes(unit, reduce_bytes), "communication_buffers", REDUCE_SCATTER)
+                sch.free_all(layer_unsharded)
+                rs_outputs.append(alloc(unit_bytes(unit, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
+                pending_rs.append(rs_in)
+        # embedding backward
+        for p in root:
+            if p.trainable and _is_embedding(p):
+                make_grad(p, root_unit=True)
+        sch.free_all(embed_keys)
+        sch.free_all(shared_keys)
+        if fsdp:
+            sch.free_all(pending_rs)
+            rs_in = alloc(unit_bytes(root, reduce_bytes), "communication_buffers", REDUCE_SCATTER)
+            for k in root_unsharded_grads.values():
+                sch.free(k)
+            rs_outputs.append(alloc(unit_bytes(root, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
+            sch.free(rs_in)
+            reshard_unit(None)
+            for u in list(gathered):
+                reshard_unit(u)
+
+        # ---- optimizer step
+        sch.phase = "optimizer_step"
+        if setup.offload_optimizer:
+            pass
+        else:
+            if it == 0:
+                per = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
+                for p in trainable:
+                    for _ in range(per[setup.optimizer]):
+                        states.append(alloc(local_numel(p, layout) * pb, "optimizer_states"))
+            if setup.optimizer == "adamw":
+                temps = [alloc(local_numel(p, layout) * pb, "optimizer_temporaries") for p in trainable]
+                sch.free_all(temps)
+            if vocab_parallel:   # the replicated embedding gradient is redistributed to the parameter's shards
+                redistributed = [alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
+                                 for p in root if p.name in vocab_parallel]
+                sch.free_all(redistributed)
+            if setup.optimizer == "adamw-forloop":
+                for p in trainable:
+                    a = alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
+                    b = alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
+                    sch.free(a)
+                    sch.free(b)
+        # zero_grad(set_to_none=True)
+        for k in list(grads.values()):
+            sch.free(k)
+        grads.clear()
+        if fsdp:
+            sch.free_all(rs_outputs)
+    return sch
+
