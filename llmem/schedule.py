@@ -147,12 +147,39 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     root_unsharded_grads: dict[str, int] = {}
     layer_unsharded: list[int] = []
 
-    def unshard(unit_key: int | None, unit: list[ParamInfo]) -> None:
+    ag_out: dict[int | None, int] = {}     # prefetched all-gather outputs, not yet copied out (backward)
+    last_forward_ag: list[int] = []
+
+    def all_gather(unit: list[ParamInfo]) -> int:
+        """FSDP2 foreach_all_gather: a copy-in of the local shards and the gathered output, on its stream."""
+        inp = alloc(unit_bytes(unit, gather_bytes) // layout.dp, "communication_buffers", ALL_GATHER)
+        out = alloc(unit_bytes(unit, gather_bytes), "communication_buffers", ALL_GATHER)
+        sch.free(inp)
+        return out
+
+    def copy_out(unit_key: int | None, unit: list[ParamInfo]) -> None:
+        gathered[unit_key] = [alloc(unsharded_param_bytes(p, gather_bytes), "gathered_weights") for p in unit]
+
+    def unshard_forward(unit_key: int | None, unit: list[ParamInfo]) -> None:
         if not fsdp or unit_key in gathered:
             return
-        buf = alloc(unit_bytes(unit, gather_bytes), "communication_buffers", ALL_GATHER)
-        gathered[unit_key] = [alloc(unsharded_param_bytes(p, gather_bytes), "gathered_weights") for p in unit]
-        sch.free(buf)
+        out = all_gather(unit)
+        copy_out(unit_key, unit)
+        sch.free_all(last_forward_ag)   # the previous unit's output is released once this one is gathered
+        last_forward_ag.append(out)
+
+    def unshard_backward(unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if not fsdp or unit_key in gathered:
+            return
+        out = ag_out.pop(unit_key, None)
+        if out is None:
+            out = all_gather(unit)
+        copy_out(unit_key, unit)
+        sch.free(out)
+
+    def prefetch(unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if fsdp and unit_key not in gathered and unit_key not in ag_out:
+            ag_out[unit_key] = all_gather(unit)
 
     def reshard_unit(unit_key: int | None) -> None:
         for k in gathered.pop(unit_key, []):
@@ -189,7 +216,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     for it in range(iterations):
         # ---- forward
         sch.phase = "forward"
-        unshard(None, root)
+        unshard_forward(None, root)          # the root is not resharded after forward (FSDP2 default)
         cache: list[int] = []           # autocast's cached low-precision weight copies
         bias_cache: list[int] = []
         copies_by_layer: dict[int | None, list[list[int]]] = {}
@@ -200,7 +227,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         layer_keys: dict[int, list[list[int]]] = {}
         ckpt_keys: dict[int, int] = {}
         for i in range(layers):
-            unshard(i, by_layer.get(i, []))
+            unshard_forward(i, by_layer.get(i, []))
             per_block: list[list[int]] = []
             copies: list[list[int]] = []
             for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
@@ -222,13 +249,23 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             copies_by_layer[i] = copies
             if reshard:
                 reshard_unit(i)
+        sch.free_all(last_forward_ag)
         head_keys = [alloc(n, "activations") for n in act.head_tensors]
         head_copy = []
         if regime.autocast:
             head_copy = [alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights") for p in root
                          if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
                          or (p.tied_to or "").startswith("lm_head")]
-        logits = alloc(tv * regime.mm, "logits_and_loss")
+        if layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
+            local = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
+            gathered_out = alloc(tv * regime.mm, "logits_and_loss")
+            rearranged = alloc(tv * regime.mm, "logits_and_loss")
+            logits = alloc(tv * regime.mm, "logits_and_loss")
+            sch.free(rearranged)
+            sch.free(gathered_out)
+            sch.free(local)
+        else:
+            logits = alloc(tv * regime.mm, "logits_and_loss")
         upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
         log_softmax = alloc(tv * F32, "logits_and_loss")
         sch.free(upcast)
@@ -238,6 +275,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
 
         # ---- backward
         sch.phase = "backward"
+        prefetch(layers - 1, by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers the last unit
         nll_grad = alloc(tv * F32, "logits_and_loss")
         ls_grad = alloc(tv * F32, "logits_and_loss")
         sch.free(log_softmax)
@@ -247,6 +285,10 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             sch.free(ls_grad)
         else:
             cast_grad = ls_grad
+        if layout.tp > 1:   # the replicated gradient is sliced back to this rank's vocab shard
+            shard_grad = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
+            sch.free(cast_grad)
+            cast_grad = shard_grad
         root_unsharded_grads.clear()
 
         layer_unsharded.clear()
@@ -260,9 +302,9 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free(grad_in)
         pending_rs: list[int] = []
         for i in reversed(range(layers)):
-            unshard(i, by_layer.get(i, []))
-            if fsdp and reshard and i > 0:
-                unshard(i - 1, by_layer.get(i - 1, []))     # backward prefetch of the next unit
+            unshard_backward(i, by_layer.get(i, []))
+            if i > 0:
+                prefetch(i - 1, by_layer.get(i - 1, []))     # backward prefetch of the next unit
             per_block = layer_keys[i]
             copies = copies_by_layer[i]
             if act.grad_ckpt:             # recompute the layer's forward
@@ -289,7 +331,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 unit = by_layer.get(i, [])
                 reshard_unit(i)                               # post-backward reshard (also for zero2)
                 sch.free_all(pending_rs)                      # the previous reduce-scatter has finished
-                rs_in = alloc(unit_bytes(unit, reduce_bytes), "communication_buffers", REDUCE_SCATTER)
+                rs_in = alloc(unit_bytes(unit, reduce_bytes), "communication_buffers")  # copy-in: current stream
                 sch.free_all(layer_unsharded)
                 rs_outputs.append(alloc(unit_bytes(unit, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
                 pending_rs.append(rs_in)
@@ -301,7 +343,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free_all(shared_keys)
         if fsdp:
             sch.free_all(pending_rs)
-            rs_in = alloc(unit_bytes(root, reduce_bytes), "communication_buffers", REDUCE_SCATTER)
+            rs_in = alloc(unit_bytes(root, reduce_bytes), "communication_buffers")
             for k in root_unsharded_grads.values():
                 sch.free(k)
             rs_outputs.append(alloc(unit_bytes(root, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
