@@ -247,6 +247,15 @@ class CachingAllocator:
         """emptyCache -> release_cached_blocks: free every fully free segment, unmap free expandable pages."""
         self._release_cached_blocks()
 
+    @property
+    def allocated_bytes(self) -> int:
+        """memory_allocated(), without building a stats object (hot path of replays)."""
+        return self._allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
             allocated_bytes=self._allocated,

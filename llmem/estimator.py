@@ -356,17 +356,13 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     caching-allocator model, which gives max_memory_allocated (whole blocks) and max_memory_reserved (segments);
     the CUDA context and NCCL's buffers are added for device_used.
     """
-    from llmem.schedule import build_schedule, replay
-
     anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             anatomy.num_heads, anatomy.num_kv_heads)
     moments = step_moments(anatomy, setup, layout, gpu)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
-    schedule = build_schedule(anatomy, setup, layout, act, regime_for(setup, layout.method),
-                              gpu.cublas_workspace_bytes)
-    rep = replay(schedule, expandable_segments=setup.expandable_segments)
+    rep = replayed_step(anatomy, setup, layout, act, gpu)
     context = outside_allocator_bytes(gpu, layout.world_size)
     components = dict.fromkeys(COMPONENTS, 0)
     components.update(rep.components)
@@ -393,6 +389,27 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes=notes,
         moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
     )
+
+
+EXACT_LAYERS = 40                 # models up to this depth are replayed whole
+EXTRAPOLATE_FROM = (16, 24)       # deeper ones from these two depths, extrapolated (benchmarks/estimate_speed.md)
+
+
+def replayed_step(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
+                  gpu: GpuSpec):
+    """The step's allocation schedule through the allocator model (extrapolated in depth for deep models)."""
+    from llmem.schedule import build_schedule, extrapolate, replay
+
+    regime = regime_for(setup, layout.method)
+
+    def run(layers: int | None):
+        schedule = build_schedule(anatomy, setup, layout, act, regime, gpu.cublas_workspace_bytes, layers=layers)
+        return replay(schedule, expandable_segments=setup.expandable_segments)
+
+    if anatomy.num_layers <= EXACT_LAYERS:
+        return run(None)
+    small, large = EXTRAPOLATE_FROM
+    return extrapolate(run(small), run(large), small, large, anatomy.num_layers)
 
 
 def resolved_setup(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> dict:

@@ -55,37 +55,75 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class PhasePeak:
+    """One phase of one iteration: its own peak of allocated bytes and the reserved bytes by its end."""
+    allocated: int
+    reserved: int
+    components: dict[str, int]
+
+
+@dataclass(frozen=True)
 class Replay:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     components: dict[str, int]        # tensor bytes per component at the moment of peak allocated
     peak_phase: str
+    phases: dict[str, PhasePeak] = field(default_factory=dict)   # "it<i>:<phase>" -> its peak
 
 
 def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
     alloc = CachingAllocator(expandable_segments=expandable_segments)
     handles: dict[int, int] = {}
     by_comp: dict[str, int] = {}
-    peak, peak_comps, peak_phase = -1, {}, ""
-    comp_of = schedule.component
+    phases: dict[str, list] = {}
+    comp_of, sizes = schedule.component, schedule.sizes
+    malloc, free = alloc.malloc, alloc.free
+    current = None
     for (sign, key, size, stream), phase in zip(schedule.events, schedule.phase_of_event, strict=True):
+        if current is None or current[0] != phase:
+            current = phases.setdefault(phase, [phase, -1, 0, {}])
         comp = comp_of[key]
         if sign > 0:
-            handles[key] = alloc.malloc(size, stream)
+            handles[key] = malloc(size, stream)
             by_comp[comp] = by_comp.get(comp, 0) + size
-            allocated = alloc.stats().allocated_bytes
-            if allocated > peak:
-                peak, peak_comps, peak_phase = allocated, dict(by_comp), phase
+            allocated = alloc.allocated_bytes
+            if allocated > current[1]:
+                current[1], current[3] = allocated, dict(by_comp)
         else:
-            alloc.free(handles.pop(key))
-            by_comp[comp] -= schedule.sizes[key]
+            free(handles.pop(key))
+            by_comp[comp] -= sizes[key]
+        current[2] = alloc.reserved_bytes
     stats = alloc.stats()
-    return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, peak_comps, peak_phase)
+    peaks = {name: PhasePeak(v[1], v[2], v[3]) for name, v in phases.items()}
+    name, top = max(peaks.items(), key=lambda kv: kv[1].allocated)
+    return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],
+                  peaks)
+
+
+def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: int, layers: int) -> Replay:
+    """Per phase, allocated, reserved and each component grow linearly with the number of identical layers:
+    extend the two replays to `layers` and take the largest phase."""
+    f = (layers - large_layers) / (large_layers - small_layers)
+
+    def lin(a: int, b: int) -> int:
+        return round(b + (b - a) * f)
+
+    phases = {}
+    for name, big in large.phases.items():
+        lit = small.phases.get(name, big)
+        comps = {c: lin(lit.components.get(c, 0), v) for c, v in big.components.items()}
+        phases[name] = PhasePeak(lin(lit.allocated, big.allocated), lin(lit.reserved, big.reserved), comps)
+    name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
+    reserved = max(p.reserved for p in phases.values())
+    return Replay(top.allocated, max(reserved, top.allocated), top.components, name.split(":")[-1], phases)
 
 
 def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
-                   regime: Regime, workspace_bytes: int, iterations: int = 2) -> Schedule:
-    """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them."""
+                   regime: Regime, workspace_bytes: int, iterations: int = 2, layers: int | None = None) -> Schedule:
+    """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them.
+
+    `layers` keeps only the first decoder layers (the others are identical), for extrapolation.
+    """
     from llmem.estimator import MATMUL_KINDS, _fsdp_unit_numel, _is_embedding, local_numel, tp_local_numel
 
     sch = Schedule()
@@ -98,18 +136,24 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     reduce_bytes = F32 if setup.mixed else pb
     t = setup.batch_size * setup.seq_len
     tv = t * anatomy.vocab_size
-    layers = anatomy.num_layers
-    trainable = [p for p in anatomy.params if p.trainable]
+    layers = anatomy.num_layers if layers is None else layers
+    kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < layers]
+    trainable = [p for p in kept if p.trainable]
     by_layer: dict[int | None, list[ParamInfo]] = {}
-    for p in anatomy.params:
+    for p in kept:
         by_layer.setdefault(p.layer_index, []).append(p)
     root = by_layer.get(None, [])
 
+    # element counts per parameter, computed once: this-rank shard, TP-local, FSDP-unsharded (padded)
+    shard_numel = {p.name: local_numel(p, layout) for p in kept}
+    tp_local = {p.name: tp_local_numel(p, layout) for p in kept}
+    unsharded = {p.name: _fsdp_unit_numel([p], layout) for p in kept} if fsdp else {}
+
     def unit_bytes(unit: list[ParamInfo], per: int) -> int:
-        return _fsdp_unit_numel(unit, layout) * per
+        return sum(unsharded[p.name] for p in unit) * per
 
     def unsharded_param_bytes(p: ParamInfo, per: int) -> int:
-        return _fsdp_unit_numel([p], layout) * per
+        return unsharded[p.name] * per
 
     # block ownership of layer parameters (same rule as estimator.layer_costs)
     def owner(p: ParamInfo) -> int:
@@ -124,13 +168,13 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         layer_blocks_params[i] = groups
 
     # ---- set-up: parameters, DDP buckets
-    sch.phase = "setup"
-    for p in anatomy.params:
-        alloc(local_numel(p, layout) * pb, "weights")
+    sch.phase = "setup:setup"
+    for p in kept:
+        alloc(shard_numel[p.name] * pb, "weights")
     if layout.method == "ddp":
         cap, filled = DDP_FIRST_BUCKET_BYTES, 0
         for p in reversed(trainable):
-            filled += local_numel(p, layout) * pb
+            filled += shard_numel[p.name] * pb
             if filled >= cap:
                 alloc(filled, "communication_buffers")
                 cap, filled = DDP_BUCKET_CAP_BYTES, 0
@@ -199,7 +243,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 layer_unsharded.append(alloc(size, "gradients"))
             return
         # DTensor: a vocab-parallel embedding's gradient comes back replicated (full size)
-        size = (p.numel if p.name in vocab_parallel else local_numel(p, layout)) * pb
+        size = (p.numel if p.name in vocab_parallel else shard_numel[p.name]) * pb
         if p.name in grads:       # accumulation into an existing gradient (tied weights): out of place
             new, total = alloc(size, "gradients"), alloc(size, "gradients")
             sch.free(new)
@@ -207,7 +251,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             grads[p.name] = total
             return
         if regime.autocast and p.module_kind in MATMUL_KINDS:
-            low = alloc(tp_local_numel(p, layout) * regime.mm, "gradients")
+            low = alloc(tp_local[p.name] * regime.mm, "gradients")
             grads[p.name] = alloc(size, "gradients")
             sch.free(low)
         else:
@@ -215,7 +259,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
 
     for it in range(iterations):
         # ---- forward
-        sch.phase = "forward"
+        sch.phase = f"it{it}:forward"
         unshard_forward(None, root)          # the root is not resharded after forward (FSDP2 default)
         cache: list[int] = []           # autocast's cached low-precision weight copies
         bias_cache: list[int] = []
@@ -235,7 +279,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 if regime.autocast:
                     for p in params:
                         if p.module_kind in MATMUL_KINDS:
-                            k = alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights")
+                            k = alloc(tp_local[p.name] * regime.mm, "gathered_weights")
                             (bias_cache if p.name.endswith("bias") else block_copies).append(k)
                 copies.append(block_copies)
                 per_block.append([alloc(n, "activations") for n in b.tensors])
@@ -253,7 +297,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         head_keys = [alloc(n, "activations") for n in act.head_tensors]
         head_copy = []
         if regime.autocast:
-            head_copy = [alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights") for p in root
+            head_copy = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in root
                          if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
                          or (p.tied_to or "").startswith("lm_head")]
         if layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
@@ -274,7 +318,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free(logits)                # the model output is dropped before backward
 
         # ---- backward
-        sch.phase = "backward"
+        sch.phase = f"it{it}:backward"
         prefetch(layers - 1, by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers the last unit
         nll_grad = alloc(tv * F32, "logits_and_loss")
         ls_grad = alloc(tv * F32, "logits_and_loss")
@@ -312,7 +356,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 for params in layer_blocks_params[i]:
                     cs = []
                     if regime.autocast:
-                        cs = [alloc(tp_local_numel(p, layout) * regime.mm, "gathered_weights") for p in params
+                        cs = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in params
                               if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")]
                     copies.append(cs)
                 per_block = [[alloc(n, "activations") for n in b.tensors] for b in act.blocks]
@@ -353,7 +397,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 reshard_unit(u)
 
         # ---- optimizer step
-        sch.phase = "optimizer_step"
+        sch.phase = f"it{it}:optimizer_step"
         if setup.offload_optimizer:
             pass
         else:
@@ -361,18 +405,18 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 per = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
                 for p in trainable:
                     for _ in range(per[setup.optimizer]):
-                        states.append(alloc(local_numel(p, layout) * pb, "optimizer_states"))
+                        states.append(alloc(shard_numel[p.name] * pb, "optimizer_states"))
             if setup.optimizer == "adamw":
-                temps = [alloc(local_numel(p, layout) * pb, "optimizer_temporaries") for p in trainable]
+                temps = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries") for p in trainable]
                 sch.free_all(temps)
             if vocab_parallel:   # the replicated embedding gradient is redistributed to the parameter's shards
-                redistributed = [alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
+                redistributed = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
                                  for p in root if p.name in vocab_parallel]
                 sch.free_all(redistributed)
             if setup.optimizer == "adamw-forloop":
                 for p in trainable:
-                    a = alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
-                    b = alloc(local_numel(p, layout) * pb, "optimizer_temporaries")
+                    a = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
+                    b = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
                     sch.free(a)
                     sch.free(b)
         # zero_grad(set_to_none=True)

@@ -52,9 +52,14 @@ def test_llama2_7b_fsdp8_model_states_cli_json():
     # the FSDP buffers of the backward: root (embed, lm_head 32000x4096 each, norm 4096) and one layer, in bf16
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     root = 2 * 32000 * 4096 + 4096
-    top = data["moments"][2]["components"]
+    top = data["moments"][2]["components"]        # backward of the top decoder layer
     assert top["gathered_weights"] == 2 * (root + layer)
-    assert top["communication_buffers"] == 2 * layer + 4 * layer   # prefetched all-gather + reduce-scatter input
+    assert top["communication_buffers"] == 2 * layer            # the next layer's prefetched all-gather (bf16)
+    bottom = data["moments"][3]["components"]     # bottom layer: the layer above is still being reduce-scattered
+    assert bottom["communication_buffers"] == 4 * layer          # reduce-scatter input in fp32 (reduce_dtype)
+    # the counters come from the allocation schedule: allocated >= the largest moment, reserved >= allocated
+    assert data["peak_allocated_bytes"] >= max(m["allocated_bytes"] for m in data["moments"])
+    assert data["peak_reserved_bytes"] >= data["peak_allocated_bytes"]
 
 
 # --- GPT-2 single GPU: weights, AdamW, activations by hand --------------------------------------------------------
@@ -68,7 +73,12 @@ def test_gpt2_single_fp32_adamw_step():
     assert s["weights"] == 4 * GPT2_P and s["gradients"] == 4 * GPT2_P
     assert s["optimizer_states"] == 8 * GPT2_P and s["optimizer_temporaries"] == 4 * GPT2_P
     assert r.peak_phase == "optimizer_step"
-    assert r.peak_allocated_bytes == 20 * GPT2_P + WORKSPACE_A100
+    tensors = sum(v for k, v in r.components.items()
+                  if k not in ("block_rounding", "allocator_overhead", "cuda_context"))
+    assert tensors == 20 * GPT2_P + WORKSPACE_A100
+    # the allocator hands out whole blocks: a large block is split only when > 1 MiB would remain (148 tensors,
+    # one 2 MiB small-pool segment per pool at most), so rounding stays below 1 MiB per tensor
+    assert 0 <= r.peak_allocated_bytes - tensors < 148 * 4 * 1024**2
 
 
 def test_gpt2_activations_fp32_by_hand():
