@@ -106,12 +106,36 @@ def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
     return setup.attn if anatomy.supports_sdpa else "eager"
 
 
+def block_owner(blocks: tuple[Block, ...], param_name: str) -> int:
+    """Index of the block whose weights include this decoder-layer parameter (unmatched: the last block)."""
+    inner = param_name.split(".", 1)[1] if "." in param_name else param_name
+    return next((i for i, b in enumerate(blocks) if any(k in inner for k in b.params)), len(blocks) - 1)
+
+
+def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime) -> LayerRecipe:
+    """LoRA: each adapted linear adds lora_B's saved input (lora_A's output, [t, rank]); under autocast lora_A
+    also keeps its own low-precision cast of an fp32 input (activations are not cached)."""
+    extra: list[list[int]] = [[] for _ in recipe.blocks]
+    for p in anatomy.params:
+        if p.layer_index == 0 and ".lora_A." in p.name:
+            rank, in_features = p.shape
+            i = block_owner(recipe.blocks, p.name)
+            extra[i].append(d.t * rank * r.mm)
+            if r.autocast and any(n == d.t * in_features * r.mm for n in recipe.blocks[i].tensors):
+                extra[i].append(d.t * in_features * r.mm)
+    blocks = tuple(Block(b.name, b.tensors + tuple(x), b.params, b.transient) for b, x in zip(recipe.blocks, extra,
+                                                                                               strict=True))
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared)
+
+
 def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str, tp: int) -> ActivationProfile:
     regime = regime_for(setup, method)
     d = dims_for(anatomy, setup, tp)
     attn = effective_attention(anatomy, setup)
     family = _FAMILIES.get(anatomy.model_type, _llama_like)
     recipe = family(anatomy, d, regime, attn)
+    if any(".lora_A." in p.name for p in anatomy.params):
+        recipe = with_adapters(anatomy, recipe, d, regime)
     return ActivationProfile(
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.t * d.h * regime.res,

@@ -244,6 +244,43 @@ def _layer_index(name: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+@lru_cache(maxsize=64)
+def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj") -> ModelAnatomy:
+    """The anatomy as peft's LoRA builds it: every base parameter frozen, adapters A [r, in] and B [out, r] added
+    next to each targeted linear of the decoder layers ("all-linear": every Linear/Conv1D inside the layers, as
+    peft's all-linear, which leaves lm_head alone)."""
+    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    if not wanted:
+        raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
+    params: list[ParamInfo] = []
+    matched: set[str] = set()
+    for p in anatomy.params:
+        params.append(ParamInfo(p.name, p.shape, p.dtype, p.module_kind, p.layer_index, p.tied_to, trainable=False))
+        module, leaf = p.name.rsplit(".", 1)
+        short = module.rsplit(".", 1)[-1]
+        if (leaf != "weight" or p.layer_index is None or p.module_kind not in ("Linear", "Conv1D")
+                or not (LORA_ALL_LINEAR in wanted or short in wanted)):
+            continue
+        matched.add(short)
+        out_f, in_f = (p.shape[1], p.shape[0]) if p.module_kind == "Conv1D" else (p.shape[0], p.shape[1])
+        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, in_f), "float32", "Linear",
+                                p.layer_index, None))
+        params.append(ParamInfo(f"{module}.lora_B.default.weight", (out_f, rank), "float32", "Linear",
+                                p.layer_index, None))
+    missing = wanted - matched - {LORA_ALL_LINEAR}
+    if missing:
+        names = sorted({p.name.rsplit(".", 2)[-2] for p in anatomy.params
+                        if p.layer_index is not None and p.module_kind in ("Linear", "Conv1D")})
+        raise LlmemError(f"--lora-targets {', '.join(sorted(missing))} not found in {anatomy.name}: "
+                         f"its layers' linear modules are {', '.join(names)} (or use all-linear)")
+    from dataclasses import replace
+
+    return replace(anatomy, params=tuple(params))
+
+
 @lru_cache(maxsize=64)
 def load_anatomy(model: str, trust_remote_code: bool = False) -> ModelAnatomy:
     """MODEL string -> its anatomy (cached: anatomies are immutable)."""

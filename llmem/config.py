@@ -69,5 +69,10 @@ class TrainingSetup:
         return {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16",
                 "fp16-mixed": "float16", "fp16": "float16"}[self.precision]
 
+    def stored_bytes(self, trainable: bool) -> int:
+        """Bytes per element of a stored parameter: trained ones in param_bytes; frozen ones (LoRA's base) in the
+        compute dtype, as fine-tuning scripts load them (no fp32 master copy of weights that never change)."""
+        return self.param_bytes if trainable else self.compute_bytes
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.activations import F32, ActivationProfile, activation_profile, regime_for
-from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy
+from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, regime_for
+from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, with_lora
 from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
 from llmem.methods import Layout, resolve_layout
 from llmem.result import COMPONENTS, MemoryResult
@@ -92,7 +93,7 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     params = anatomy.params
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
-    weights = sum(local[p.name] for p in params) * pb
+    weights = sum(local[p.name] * setup.stored_bytes(p.trainable) for p in params)
     grads = sum(local[p.name] for p in trainable) * pb
     states_per_param = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
     opt_states = states_per_param[setup.optimizer] * grads
@@ -109,11 +110,15 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     ddp_buckets = grads if layout.method == "ddp" else 0   # gradient_as_bucket_view=False: a second copy
 
     regime = regime_for(setup, layout.method)
-    matmul = [p for p in trainable if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+    # autocast casts every weight a matmul uses (cached when it requires grad, cast again per use when frozen) and
+    # linear keeps the cast for the input gradient either way
+    matmul = [p for p in params if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
               or p.tied_to is not None and p.tied_to.startswith("lm_head")]
     ac_w = ac_b = 0
     if regime.autocast:
         for p in matmul:
+            if not p.trainable and setup.stored_bytes(False) == regime.mm:
+                continue                 # a frozen weight stored in the compute dtype needs no cast
             n = tp_local_numel(p, layout) * regime.mm
             if p.name.endswith("bias"):
                 ac_b += n
@@ -131,11 +136,12 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     if layout.shards_model_states:
         gather_bytes = setup.compute_bytes if setup.mixed else pb
         root = [p for p in params if p.layer_index is None]
-        layer_gathered = _fsdp_unit_numel(layer0, layout) * gather_bytes
+        layer0_all = [p for p in params if p.layer_index == 0]
+        layer_gathered = _fsdp_unit_numel(layer0_all, layout) * gather_bytes
         root_gathered = _fsdp_unit_numel(root, layout) * gather_bytes
         reduce_bytes = F32 if setup.mixed else pb
         layer_reduce = _fsdp_unit_numel(layer0, layout) * reduce_bytes
-        root_reduce = _fsdp_unit_numel(root, layout) * reduce_bytes
+        root_reduce = _fsdp_unit_numel([p for p in root if p.trainable], layout) * reduce_bytes
     tp_excess = 0
     if layout.tp > 1:
         for p in embed:
@@ -189,11 +195,7 @@ def layer_costs(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act
                 regime) -> LayerCosts:
     """Assign layer 0's parameters to the activation recipe's blocks and price each block."""
     layer0 = [p for p in anatomy.params if p.layer_index == 0 and p.trainable]
-    owner: dict[str, int] = {}
-    for p in layer0:
-        inner = p.name.split(".", 1)[1] if "." in p.name else p.name
-        idx = next((i for i, b in enumerate(act.blocks) if any(k in inner for k in b.params)), len(act.blocks) - 1)
-        owner[p.name] = idx
+    owner = {p.name: block_owner(act.blocks, p.name) for p in layer0}
     n = len(act.blocks)
     grads = [0] * n
     copies = [0] * n
@@ -349,20 +351,24 @@ def _lump(phase: str, static: dict[str, int], total: int, known: dict[str, int])
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> MemoryResult:
+def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None,
+             *, draft: bool = False) -> MemoryResult:
     """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown.
 
     The step's tensors (from the moments' recipes) are laid out as an allocation schedule and replayed through the
     caching-allocator model, which gives max_memory_allocated (whole blocks) and max_memory_reserved (segments);
-    the CUDA context and NCCL's buffers are added for device_used.
+    the CUDA context and NCCL's buffers are added for device_used. `draft` extrapolates from shallower replays
+    (4 and 8 layers): a few times faster, reserved less exact; searches use it and confirm with the full one.
     """
-    anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
+    anatomy = trained_anatomy(anatomy or load_anatomy(setup.model, setup.trust_remote_code), setup)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             anatomy.num_heads, anatomy.num_kv_heads)
+    if setup.lora_rank and layout.tp > 1:
+        raise LlmemError("LoRA with tensor parallelism is not modelled: use ddp, fsdp or zero2 for LoRA")
     moments = step_moments(anatomy, setup, layout, gpu)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
-    rep = replayed_step(anatomy, setup, layout, act, gpu)
+    rep = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
     context = outside_allocator_bytes(gpu, layout.world_size)
     components = dict.fromkeys(COMPONENTS, 0)
     components.update(rep.components)
@@ -391,12 +397,26 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     )
 
 
+def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy:
+    """Full fine-tuning trains every parameter; LoRA freezes them and adds adapters."""
+    return with_lora(anatomy, setup.lora_rank, setup.lora_targets) if setup.lora_rank else anatomy
+
+
+def quick_peak_allocated(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> int:
+    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
+    anatomy = trained_anatomy(anatomy, setup)
+    layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
+                            anatomy.num_heads, anatomy.num_kv_heads)
+    return max(m.total for m in step_moments(anatomy, setup, layout, gpu))
+
+
 EXACT_LAYERS = 40                 # models up to this depth are replayed whole
 EXTRAPOLATE_FROM = (16, 24)       # deeper ones from these two depths, extrapolated (benchmarks/estimate_speed.md)
+DRAFT_FROM = (4, 8)               # the planner's search estimates
 
 
 def replayed_step(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
-                  gpu: GpuSpec):
+                  gpu: GpuSpec, depths: tuple[int, int] = EXTRAPOLATE_FROM):
     """The step's allocation schedule through the allocator model (extrapolated in depth for deep models)."""
     from llmem.schedule import build_schedule, extrapolate, replay
 
@@ -406,9 +426,9 @@ def replayed_step(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, a
         schedule = build_schedule(anatomy, setup, layout, act, regime, gpu.cublas_workspace_bytes, layers=layers)
         return replay(schedule, expandable_segments=setup.expandable_segments)
 
-    if anatomy.num_layers <= EXACT_LAYERS:
+    small, large = depths
+    if anatomy.num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
         return run(None)
-    small, large = EXTRAPOLATE_FROM
     return extrapolate(run(small), run(large), small, large, anatomy.num_layers)
 
 

@@ -469,23 +469,11 @@ def lora_fallback(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, ful
 
 
 def offload_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> MemoryResult:
-    """GPU memory with the optimizer states and update on the CPU (ZeRO-Offload style).
-
-    The estimator's answer for offload_optimizer=True when it models the flag; otherwise the same step with a
-    stateless optimizer, which is exactly every moment of the step without optimizer states and temporaries.
-    """
+    """GPU memory with the optimizer states and update on the CPU (ZeRO-Offload style): the estimator's step
+    without optimizer states and temporaries (TrainingSetup.offload_optimizer)."""
     from llmem.estimator import estimate
 
-    plain = estimate(setup, anatomy, gpu)
-    try:
-        off = estimate(replace(setup, offload_optimizer=True), anatomy, gpu)
-        if off.device_used_bytes != plain.device_used_bytes:
-            return off
-    except Exception:  # noqa: BLE001 - as in lora_memory
-        pass
-    r = estimate(replace(setup, optimizer="sgd"), anatomy, gpu)
-    return replace(r, notes=[*r.notes, "optimizer offloaded to the CPU: GPU memory without optimizer states and "
-                                       "temporaries (llmem's arithmetic; the estimator ignores offload_optimizer)"])
+    return estimate(replace(setup, offload_optimizer=True), anatomy, gpu, draft=True)
 
 
 def offload_cpu_ram_bytes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout) -> int:
@@ -627,9 +615,15 @@ def limit_bytes(gpu: GpuSpec, headroom: float) -> int:
 def memory_function(engine: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> MemoryFn:
     """TrainingSetup -> MemoryResult for `engine`, with the anatomy and GPU bound once."""
     if engine == "llmem":
-        from llmem.estimator import estimate
+        from llmem.estimator import estimate, quick_peak_allocated
 
-        return lambda s: estimate(s, anatomy, gpu)
+        def full(s: TrainingSetup) -> MemoryResult:
+            return estimate(s, anatomy, gpu)
+
+        # searches: a 1 ms tensor-sum bound and a draft estimate, confirmed with the full one at the answer
+        full.quick = lambda s: quick_peak_allocated(s, anatomy, gpu)   # type: ignore[attr-defined]
+        full.draft = lambda s: estimate(s, anatomy, gpu, draft=True)  # type: ignore[attr-defined]
+        return full
     if engine == "paper":
         from llmem.paper import paper_estimate
 
@@ -638,8 +632,13 @@ def memory_function(engine: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_byt
 
 
 def search_candidate(base: TrainingSetup, layout: Layout, mem: MemoryFn, limit: int,
-                     cap: int = BATCH_CAP) -> CandidatePlan:
-    """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there."""
+                     cap: int = BATCH_CAP, quick: Callable[[TrainingSetup], int] | None = None) -> CandidatePlan:
+    """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
+
+    With `quick` (tensor bytes at the largest moment, no allocator replay) the search runs on quick values scaled
+    by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and stepped with full
+    estimates, so the result is the full estimator's own largest fitting batch.
+    """
     cache: dict[int, MemoryResult] = {}
 
     def at(bs: int) -> MemoryResult:
@@ -647,8 +646,35 @@ def search_candidate(base: TrainingSetup, layout: Layout, mem: MemoryFn, limit: 
             cache[bs] = mem(setup_for(base, layout, bs))
         return cache[bs]
 
-    best = max_batch_size(lambda bs: at(bs).device_used_bytes <= limit, cap)
-    return CandidatePlan(layout, best, at(max(best, 1)), limit)
+    def fits(bs: int) -> bool:
+        return at(bs).device_used_bytes <= limit
+
+    quick = quick or getattr(mem, "quick", None)
+    if quick is None:
+        best = max_batch_size(fits, cap)
+        return CandidatePlan(layout, best, at(max(best, 1)), limit)
+    draft_fn = getattr(mem, "draft", mem)
+    drafts: dict[int, MemoryResult] = {}
+
+    def draft(bs: int) -> MemoryResult:
+        if bs not in drafts:
+            drafts[bs] = draft_fn(setup_for(base, layout, bs))
+        return drafts[bs]
+
+    if draft(1).device_used_bytes > limit * 1.05:     # clearly out of memory: the draft is close enough to say so
+        return CandidatePlan(layout, 0, draft(1), limit)
+    if not fits(1):
+        return CandidatePlan(layout, 0, at(1), limit)
+    ratio = at(1).device_used_bytes / max(quick(setup_for(base, layout, 1)), 1)
+    best = max(1, max_batch_size(lambda bs: quick(setup_for(base, layout, bs)) * ratio <= limit, cap))
+    while best > 1 and not fits(best):
+        best = max(1, best - max(1, best // 16))
+    step = max(1, best // 16)
+    while best + step <= cap and fits(best + step):
+        best += step
+    while best + 1 <= cap and fits(best + 1):
+        best += 1
+    return CandidatePlan(layout, best, at(best), limit)
 
 
 def paper_eval(layout: Layout, batch: int) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmem.activations import F32, ActivationProfile, Regime
+from llmem.activations import F32, ActivationProfile, Regime, block_owner
 from llmem.allocator import CachingAllocator
 from llmem.anatomy import ModelAnatomy, ParamInfo
 from llmem.config import TrainingSetup
@@ -149,16 +149,18 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     tp_local = {p.name: tp_local_numel(p, layout) for p in kept}
     unsharded = {p.name: _fsdp_unit_numel([p], layout) for p in kept} if fsdp else {}
 
-    def unit_bytes(unit: list[ParamInfo], per: int) -> int:
-        return sum(unsharded[p.name] for p in unit) * per
+    def unit_bytes(unit: list[ParamInfo], per: int, only_trainable: bool = False) -> int:
+        return sum(unsharded[p.name] for p in unit if p.trainable or not only_trainable) * per
 
     def unsharded_param_bytes(p: ParamInfo, per: int) -> int:
         return unsharded[p.name] * per
 
-    # block ownership of layer parameters (same rule as estimator.layer_costs)
     def owner(p: ParamInfo) -> int:
-        inner = p.name.split(".", 1)[1] if "." in p.name else p.name
-        return next((i for i, b in enumerate(act.blocks) if any(k in inner for k in b.params)), len(act.blocks) - 1)
+        return block_owner(act.blocks, p.name)
+
+    def casts(p: ParamInfo) -> bool:
+        """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none)."""
+        return p.trainable or setup.stored_bytes(False) != regime.mm
 
     layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
     for i in range(layers):
@@ -170,7 +172,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     # ---- set-up: parameters, DDP buckets
     sch.phase = "setup:setup"
     for p in kept:
-        alloc(shard_numel[p.name] * pb, "weights")
+        alloc(shard_numel[p.name] * setup.stored_bytes(p.trainable), "weights")
     if layout.method == "ddp":
         cap, filled = DDP_FIRST_BUCKET_BYTES, 0
         for p in reversed(trainable):
@@ -278,16 +280,28 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 block_copies = []
                 if regime.autocast:
                     for p in params:
-                        if p.module_kind in MATMUL_KINDS:
+                        if p.module_kind in MATMUL_KINDS and casts(p):
                             k = alloc(tp_local[p.name] * regime.mm, "gathered_weights")
-                            (bias_cache if p.name.endswith("bias") else block_copies).append(k)
+                            if not p.name.endswith("bias"):
+                                block_copies.append(k)      # linear keeps it for the input gradient
+                            elif p.trainable:
+                                bias_cache.append(k)        # cached until autocast exits
+                            else:
+                                sch.free(k)                 # frozen: cast for this use only
                 copies.append(block_copies)
                 per_block.append([alloc(n, "activations") for n in b.tensors])
             if act.grad_ckpt:   # the checkpointed layer keeps only its input; the rest is recomputed
                 for keys in per_block:
                     sch.free_all(keys)
                 ckpt_keys[i] = alloc(act.checkpoint_saved, "activations")
-                cache.extend(k for c in copies for k in c)
+                for params, keys in zip(layer_blocks_params[i], copies, strict=True):
+                    weights = [p for p in params if regime.autocast and p.module_kind in MATMUL_KINDS
+                               and not p.name.endswith("bias") and casts(p)]
+                    for p, k in zip(weights, keys, strict=True):
+                        if p.trainable:
+                            cache.append(k)     # autocast caches casts of leaf weights that require grad
+                        else:
+                            sch.free(k)         # a frozen weight's cast dies with the discarded graph
                 copies = [[] for _ in copies]
             layer_keys[i] = per_block
             copies_by_layer[i] = copies
@@ -298,8 +312,9 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         head_copy = []
         if regime.autocast:
             head_copy = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in root
-                         if p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
-                         or (p.tied_to or "").startswith("lm_head")]
+                         if (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+                             or (p.tied_to or "").startswith("lm_head"))
+                         and casts(p)]
         if layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
             local = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
             gathered_out = alloc(tv * regime.mm, "logits_and_loss")
@@ -357,7 +372,8 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                     cs = []
                     if regime.autocast:
                         cs = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in params
-                              if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")]
+                              if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")
+                              and casts(p)]
                     copies.append(cs)
                 per_block = [[alloc(n, "activations") for n in b.tensors] for b in act.blocks]
             layer_unsharded.clear()
@@ -375,9 +391,10 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 unit = by_layer.get(i, [])
                 reshard_unit(i)                               # post-backward reshard (also for zero2)
                 sch.free_all(pending_rs)                      # the previous reduce-scatter has finished
-                rs_in = alloc(unit_bytes(unit, reduce_bytes), "communication_buffers")  # copy-in: current stream
+                rs_in = alloc(unit_bytes(unit, reduce_bytes, True), "communication_buffers")  # on the current stream
                 sch.free_all(layer_unsharded)
-                rs_outputs.append(alloc(unit_bytes(unit, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
+                rs_outputs.append(alloc(unit_bytes(unit, reduce_bytes, True) // layout.dp, "gradients",
+                                        REDUCE_SCATTER))
                 pending_rs.append(rs_in)
         # embedding backward
         for p in root:
@@ -387,10 +404,10 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free_all(shared_keys)
         if fsdp:
             sch.free_all(pending_rs)
-            rs_in = alloc(unit_bytes(root, reduce_bytes), "communication_buffers")
+            rs_in = alloc(unit_bytes(root, reduce_bytes, True), "communication_buffers")
             for k in root_unsharded_grads.values():
                 sch.free(k)
-            rs_outputs.append(alloc(unit_bytes(root, reduce_bytes) // layout.dp, "gradients", REDUCE_SCATTER))
+            rs_outputs.append(alloc(unit_bytes(root, reduce_bytes, True) // layout.dp, "gradients", REDUCE_SCATTER))
             sch.free(rs_in)
             reshard_unit(None)
             for u in list(gathered):
