@@ -101,6 +101,11 @@ def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
     )
 
 
+def has_recipe(anatomy: ModelAnatomy) -> bool:
+    """Whether llmem has a recipe written for this family (others use the Llama one, with a note)."""
+    return anatomy.model_type in _FAMILIES
+
+
 def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
     """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2)."""
     return setup.attn if anatomy.supports_sdpa else "eager"

@@ -76,7 +76,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from llmem.tracer import plot_timeline, trace
 
     setup = setup_from_args(args)
-    result = trace(setup, iterations=args.iterations, progress=not args.json)
+    if args.json:
+        result = trace(setup, iterations=args.iterations)
+    else:
+        from rich.console import Console
+
+        with Console(stderr=True).status("tracing") as status:
+            result = trace(setup, iterations=args.iterations, progress=lambda msg: status.update(f"trace: {msg}"))
     if args.plot:
         plot_timeline(result, args.plot)
     if not args.timeline:
@@ -88,7 +94,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_measure(args: argparse.Namespace) -> int:
     from llmem.measure import measure
 
-    result = measure(setup_from_args(args), device=args.device, iterations=args.iterations)
+    if args.json:
+        result = measure(setup_from_args(args), device=args.device, iterations=args.iterations)
+    else:
+        from rich.console import Console
+
+        with Console(stderr=True).status("measuring"):
+            result = measure(setup_from_args(args), device=args.device, iterations=args.iterations)
     _emit(args, result)
     return 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, regime_for
+from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, has_recipe, regime_for
 from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, with_lora
 from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
@@ -381,6 +381,9 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes.append(f"optimizer states offloaded: the CPU needs about "
                      f"{(ms.optimizer_states + ms.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
                      "master weights")
+    if not has_recipe(anatomy):
+        notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
+                     "activations are approximate (llmem trace gives the exact step)")
     if not anatomy.supports_sdpa and setup.attn == "sdpa":
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(
