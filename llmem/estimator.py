@@ -100,8 +100,10 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     if setup.offload_optimizer:
         opt_states = opt_temp = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP CPU offload)
     elif setup.optimizer == "adamw":
-        # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state at once
-        opt_temp = grads
+        # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state of a parameter group
+        from llmem.schedule import optimizer_groups
+
+        opt_temp = max(sum(local[p.name] for p in g) for g in optimizer_groups(trainable, layout)) * pb
     elif setup.optimizer == "adamw-forloop":
         # for-loop: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of the largest parameter
         opt_temp = 2 * max((local[p.name] for p in trainable), default=0) * pb

@@ -118,6 +118,17 @@ def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: i
     return Replay(top.allocated, max(reserved, top.allocated), top.components, name.split(":")[-1], phases)
 
 
+def optimizer_groups(trainable: list[ParamInfo], layout: Layout) -> list[list[ParamInfo]]:
+    """Parameter groups as a tensor-parallel run must form them for foreach kernels (one kind of tensor each)."""
+    if layout.tp == 1:
+        return [trainable]
+    from llmem.estimator import tp_split_dim
+
+    split = [p for p in trainable if tp_split_dim(p) is not None]
+    replicated = [p for p in trainable if tp_split_dim(p) is None]
+    return [g for g in (split, replicated) if g]
+
+
 def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
                    regime: Regime, workspace_bytes: int, iterations: int = 2, layers: int | None = None) -> Schedule:
     """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them.
@@ -424,8 +435,11 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                     for _ in range(per[setup.optimizer]):
                         states.append(alloc(shard_numel[p.name] * pb, "optimizer_states"))
             if setup.optimizer == "adamw":
-                temps = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries") for p in trainable]
-                sch.free_all(temps)
+                # foreach runs per parameter group; with tensor parallelism the TP-sharded DTensors and the
+                # TP-replicated tensors (norms, row-parallel biases) need groups of their own
+                for group in optimizer_groups(trainable, layout):
+                    temps = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries") for p in group]
+                    sch.free_all(temps)
             if vocab_parallel:   # the replicated embedding gradient is redistributed to the parameter's shards
                 redistributed = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
                                  for p in root if p.name in vocab_parallel]

@@ -650,7 +650,8 @@ def param_groups(model: nn.Module) -> list[dict]:
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        key = ("dtensor", id(p.device_mesh), p.device_mesh.ndim) if isinstance(p, DTensor) else ("plain",)
+        key = (("dtensor", p.device_mesh.ndim, tuple(p.device_mesh.mesh_dim_names or ()))
+               if isinstance(p, DTensor) else ("plain",))
         groups.setdefault(key, []).append(p)
     return [{"params": ps} for ps in groups.values()]
 
