@@ -458,32 +458,11 @@ def paper_max_batch(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, m
                     m_base_bytes: int | None = None, limit: int = 1 << 20) -> int:
     """Algorithm 1's inner loop: the largest bs with m_peak <= m_total (bs + 1 is the first to exceed it); 0 if
     even bs = 1 exceeds. m_total = gpu.memory_bytes (16384 MiB for the paper's V100)."""
+    from llmem.planner import max_batch_size  # exponential probe then bisection (memory grows with bs)
+
     def fits(bs: int) -> bool:
         return paper_peak(setup, anatomy, gpu, bs, method, m_base_bytes) <= gpu.memory_bytes
-    return _max_fitting(fits, limit)
-
-
-def _max_fitting(fits, limit: int) -> int:
-    """Largest bs in [0, limit] with fits(bs) (fits is monotone: every term grows with bs)."""
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        return limit if fits(limit) else _bisect(fits, lo, limit)
-    return _bisect(fits, lo, hi)
-
-
-def _bisect(fits, lo: int, hi: int) -> int:
-    """fits(lo) and not fits(hi): the largest fitting value."""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return max_batch_size(fits, limit)
 
 
 def algorithm1(bs_list: dict[str, int], gpu_n: int, dp_n: int) -> dict:
@@ -513,6 +492,8 @@ def paper_select(anatomy: ModelAnatomy, gpu: GpuSpec, gpus: int, seq_len: int, m
     """
     if gpus < 1:
         raise LlmemError(f"--gpus must be >= 1, got {gpus}")
+    from llmem.planner import max_batch_size
+
     m_base = _m_base_for(None, gpu, m_base_bytes)
     m_total = gpu.memory_bytes
     available = ["CDP"] if gpus == 1 else ["CDP", "ADP", "TP"]
@@ -522,7 +503,7 @@ def paper_select(anatomy: ModelAnatomy, gpu: GpuSpec, gpus: int, seq_len: int, m
     for name in available:
         def peak(bs: int, name=name) -> int:
             return paper_terms(anatomy, name, gpus, bs, seq_len, m_base, tp if name == "DP+TP" else None).peak
-        best = _max_fitting(lambda bs, peak=peak: peak(bs) <= m_total, limit)
+        best = max_batch_size(lambda bs, peak=peak: peak(bs) <= m_total, limit)
         one = paper_terms(anatomy, name, gpus, 1, seq_len, m_base, tp if name == "DP+TP" else None)
         methods[name] = {"method": _ENGINE_METHOD[name] if gpus > 1 else "single", "gpu_n": one.gpu_n,
                          "dp_n": one.dp_n, "tp_n": one.tp_n, "max_batch": best,
