@@ -32,6 +32,10 @@ def _training_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GiB (overrides the catalog)")
     g.add_argument("--cuda-context", default=None, help="CUDA context size, e.g. 500MiB (overrides the assumption)")
     g.add_argument("--expandable-segments", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments")
+    g.add_argument("--offload-optimizer", action="store_true", help="optimizer states and update on the CPU")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (base frozen); 0: full")
+    g.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scaling; no effect on memory)")
+    g.add_argument("--lora-targets", default="q_proj,v_proj", help="modules to adapt, comma-separated, or all-linear")
     g.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model's own code")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -46,7 +50,8 @@ def setup_from_args(args: argparse.Namespace):
         batch_size=args.batch_size, seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
         grad_ckpt=args.grad_ckpt, attn=args.attn, gpu=args.gpu, gpu_memory=args.gpu_memory,
         cuda_context=args.cuda_context, expandable_segments=args.expandable_segments,
-        trust_remote_code=args.trust_remote_code,
+        offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets, trust_remote_code=args.trust_remote_code,
     )
 
 

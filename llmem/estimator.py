@@ -14,6 +14,7 @@ LLMem's equations (paper.md §3-4) generalised to modern PyTorch:
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, has_recipe, regime_for
@@ -432,9 +433,16 @@ def replayed_step(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, a
         return replay(schedule, expandable_segments=setup.expandable_segments)
 
     small, large = depths
-    if anatomy.num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
-        return run(None)
-    return extrapolate(run(small), run(large), small, large, anatomy.num_layers)
+    # tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses here
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if anatomy.num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
+            return run(None)
+        return extrapolate(run(small), run(large), small, large, anatomy.num_layers)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def resolved_setup(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> dict:

@@ -24,29 +24,33 @@ DDP_BUCKET_CAP_BYTES = 25 * 1024**2              # DistributedDataParallel(bucke
 
 @dataclass
 class Schedule:
-    """Allocation events with the component each tensor belongs to."""
-    events: list[tuple[int, int, int, int]] = field(default_factory=list)   # (+1 alloc / -1 free, key, size, stream)
-    component: dict[int, str] = field(default_factory=dict)
-    sizes: dict[int, int] = field(default_factory=dict)
-    phase_of_event: list[str] = field(default_factory=list)
-    phase: str = "setup"
+    """Allocation events, grouped in phases, with the component each tensor belongs to."""
+    events: list[tuple[int, int, int, int, str]] = field(default_factory=list)  # (±1, key, size, stream, component)
+    phase_starts: list[tuple[int, str]] = field(default_factory=list)          # (first event index, phase)
+    _live: dict[int, tuple[int, str]] = field(default_factory=dict)
     _next: int = 0
+
+    @property
+    def phase(self) -> str:
+        return self.phase_starts[-1][1] if self.phase_starts else ""
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self.phase_starts.append((len(self.events), name))
 
     def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
         key = self._next
         self._next += 1
         if size <= 0:
             return -1
-        self.events.append((1, key, size, stream))
-        self.component[key] = component
-        self.sizes[key] = size
-        self.phase_of_event.append(self.phase)
+        self.events.append((1, key, size, stream, component))
+        self._live[key] = (size, component)
         return key
 
     def free(self, key: int) -> None:
         if key >= 0:
-            self.events.append((-1, key, 0, DEFAULT))
-            self.phase_of_event.append(self.phase)
+            size, component = self._live.pop(key)
+            self.events.append((-1, key, size, DEFAULT, component))
 
     def free_all(self, keys: list[int]) -> None:
         for k in keys:
@@ -72,32 +76,38 @@ class Replay:
 
 
 def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
+    """Run the events through the allocator; per phase, its peak of allocated bytes (and the tensor bytes per
+    component at that moment, found in a second pass) and the reserved bytes at its end."""
     alloc = CachingAllocator(expandable_segments=expandable_segments)
     handles: dict[int, int] = {}
-    by_comp: dict[str, int] = {}
-    phases: dict[str, list] = {}
-    comp_of, sizes = schedule.component, schedule.sizes
     malloc, free = alloc.malloc, alloc.free
-    current = None
-    for (sign, key, size, stream), phase in zip(schedule.events, schedule.phase_of_event, strict=True):
-        if current is None or current[0] != phase:
-            current = phases.setdefault(phase, [phase, -1, 0, {}])
-        comp = comp_of[key]
-        if sign > 0:
-            handles[key] = malloc(size, stream)
-            by_comp[comp] = by_comp.get(comp, 0) + size
-            allocated = alloc.allocated_bytes
-            if allocated > current[1]:
-                current[1], current[3] = allocated, dict(by_comp)
-        else:
-            free(handles.pop(key))
-            by_comp[comp] -= sizes[key]
-        current[2] = alloc.reserved_bytes
+    events = schedule.events
+    bounds = [*schedule.phase_starts, (len(events), "")]
+    peaks: dict[str, list[int]] = {}       # phase -> [peak allocated, reserved at end, event index of the peak]
+    for (start, phase), (end, _) in zip(bounds, bounds[1:], strict=False):
+        best, best_at = -1, start
+        for i in range(start, end):
+            sign, key, size, stream, _c = events[i]
+            if sign > 0:
+                handles[key] = malloc(size, stream)
+                if alloc.allocated_bytes > best:
+                    best, best_at = alloc.allocated_bytes, i
+            else:
+                free(handles.pop(key))
+        peaks[phase] = [best, alloc.reserved_bytes, best_at]
+    # second pass: tensor bytes per component at each phase's peak
+    wanted = {v[2]: name for name, v in peaks.items() if v[0] >= 0}
+    components: dict[str, dict[str, int]] = {}
+    by_comp: dict[str, int] = {}
+    for i, (sign, _k, size, _s, comp) in enumerate(events):
+        by_comp[comp] = by_comp.get(comp, 0) + sign * size
+        if i in wanted:
+            components[wanted[i]] = {c: v for c, v in by_comp.items() if v}
     stats = alloc.stats()
-    peaks = {name: PhasePeak(v[1], v[2], v[3]) for name, v in phases.items()}
-    name, top = max(peaks.items(), key=lambda kv: kv[1].allocated)
+    phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
+    name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
     return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],
-                  peaks)
+                  phases)
 
 
 def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: int, layers: int) -> Replay:
