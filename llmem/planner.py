@@ -55,6 +55,7 @@ Time model (all functions pure; units in the names; every assumption is stated h
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -114,6 +115,50 @@ def max_batch_size(fits: Callable[[int], bool], cap: int = BATCH_CAP) -> int:
         else:
             hi = mid
     return lo
+
+
+def refine_max(fits: Callable[[int], bool], guess: int, cap: int = BATCH_CAP) -> int:
+    """The largest b in [1, cap] with fits(b) (monotone), starting from a guess from a cheaper model: probe away
+    from the guess in doubling steps until the answer is bracketed, then bisect (O(log |error|) calls)."""
+    guess = min(max(guess, 1), cap)
+    if fits(guess):
+        lo, step = guess, 1
+        while lo + step <= cap and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, cap + 1)
+    else:
+        hi, step = guess, 1
+        while hi - step >= 1 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = hi - step
+        if lo < 1:
+            if not fits(1):
+                return 0
+            lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def calibrated_max(used: Callable[[int], int], quick: Callable[[int], int], limit: int, cap: int) -> int:
+    """Largest x in [1, cap] with used(x) <= limit (0 if none), with few calls of the costly `used`: search the
+    cheap `quick` scaled by used/quick measured at x = 1 and again near that answer, then refine on `used`."""
+    used = functools.cache(used)
+    if used(1) > limit:
+        return 0
+
+    def guess_at(x: int) -> int:
+        ratio = used(x) / max(quick(x), 1)
+        return max_batch_size(lambda b: quick(b) * ratio <= limit, cap)
+
+    guess = guess_at(1)
+    if guess > 1:
+        guess = max(1, guess_at(guess))        # the ratio drifts with x: measure it near the answer
+    return refine_max(lambda x: used(x) <= limit, guess, cap)
 
 
 # ================================================================================================ candidates
@@ -408,21 +453,14 @@ def _shard_count(layout: Layout) -> int:
 
 def lora_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, rank: int = LORA_RANK,
                 targets: str = LORA_TARGETS, layout: Layout | None = None) -> MemoryResult:
-    """Per-GPU memory of `setup` with LoRA adapters instead of full fine-tuning.
-
-    Uses the estimator when it models LoRA (its answer differs from full fine-tuning); otherwise `lora_fallback`.
-    This is the one place to swap once the estimator's LoRA support is complete.
-    """
+    """Per-GPU memory of `setup` with LoRA adapters instead of full fine-tuning (the estimator models LoRA: frozen
+    base in the compute dtype, adapters trained). Falls back to `lora_fallback` where the estimator refuses (TP)."""
     from llmem.estimator import estimate
 
-    full = estimate(setup, anatomy, gpu)
     try:
-        lora = estimate(replace(setup, lora_rank=rank, lora_targets=targets), anatomy, gpu)
-        if lora.device_used_bytes != full.device_used_bytes:
-            return lora
-    except Exception:  # noqa: BLE001 - the estimator's LoRA path is work in progress; fall back to our arithmetic
-        pass
-    return lora_fallback(setup, anatomy, gpu, full, rank, targets, layout)
+        return estimate(replace(setup, lora_rank=rank, lora_targets=targets), anatomy, gpu, draft=True)
+    except LlmemError:
+        return lora_fallback(setup, anatomy, gpu, estimate(setup, anatomy, gpu, draft=True), rank, targets, layout)
 
 
 def lora_fallback(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, full: MemoryResult,
@@ -663,18 +701,9 @@ def search_candidate(base: TrainingSetup, layout: Layout, mem: MemoryFn, limit: 
 
     if draft(1).device_used_bytes > limit * 1.05:     # clearly out of memory: the draft is close enough to say so
         return CandidatePlan(layout, 0, draft(1), limit)
-    if not fits(1):
-        return CandidatePlan(layout, 0, at(1), limit)
-    ratio = at(1).device_used_bytes / max(quick(setup_for(base, layout, 1)), 1)
-    best = max(1, max_batch_size(lambda bs: quick(setup_for(base, layout, bs)) * ratio <= limit, cap))
-    while best > 1 and not fits(best):
-        best = max(1, best - max(1, best // 16))
-    step = max(1, best // 16)
-    while best + step <= cap and fits(best + step):
-        best += step
-    while best + 1 <= cap and fits(best + 1):
-        best += 1
-    return CandidatePlan(layout, best, at(best), limit)
+    best = calibrated_max(lambda bs: at(bs).device_used_bytes, lambda bs: quick(setup_for(base, layout, bs)),
+                          limit, cap)
+    return CandidatePlan(layout, best, at(max(best, 1)), limit)
 
 
 def paper_eval(layout: Layout, batch: int) -> float:
@@ -772,7 +801,9 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     if not any(c.fits for c in candidates):
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
-        suggestions = suggest(setup, anatomy, gpu, options, mem, layouts)
+        # what-ifs are tried on the two layouts that came closest to fitting (each try is a batch search)
+        closest = [c.layout for c in sorted(candidates, key=lambda c: c.memory.device_used_bytes)[:2]]
+        suggestions = suggest(setup, anatomy, gpu, options, mem, closest or layouts)
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, mem)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
@@ -839,7 +870,7 @@ def _closest(plans: list[CandidatePlan]) -> CandidatePlan | None:
 
 
 def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, mem: MemoryFn,
-                 limit: int) -> CandidatePlan | None:
+                 limit: int, methods: tuple[str, ...] | None = None) -> CandidatePlan | None:
     """The fastest fitting plan on the smallest power-of-two GPU count above setup.gpus (up to 64), or None."""
     heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
     n = 1
@@ -849,7 +880,7 @@ def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, opti
         if n <= setup.gpus or (per and n > per and n % per):
             continue
         try:
-            layouts = candidate_layouts(n, per, *heads, methods=options.methods)
+            layouts = candidate_layouts(n, per, *heads, methods=methods or options.methods)
         except LlmemError:
             continue
         best, _ = _best_fitting(replace(setup, gpus=n), layouts, mem, limit, anatomy, gpu, options)
@@ -882,13 +913,23 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
         best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
         out.append(_suggestion("grad_ckpt", "turn on gradient checkpointing (--grad-ckpt, about 1/3 more "
                                "compute): " + describe(best, plans), best or _closest(plans)))
-    # 2. the longest sequence that fits at batch 1
+    # 2. the longest sequence that fits at batch 1 (searched on draft estimates)
     best_seq, best_c = 0, None
+    draft = getattr(mem, "draft", mem)
     for layout in layouts:
         def fits_seq(n: int, layout=layout) -> bool:
-            return mem(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
+            return draft(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
+        quick = getattr(mem, "quick", None)
         try:
-            n = max_batch_size(fits_seq, setup.seq_len - 1) if setup.seq_len > 1 else 0
+            if quick is None:
+                n = max_batch_size(fits_seq, setup.seq_len - 1) if setup.seq_len > 1 else 0
+            else:
+                def used(n: int, layout=layout) -> int:
+                    return mem(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes
+
+                def quick_used(n: int, layout=layout, quick=quick) -> int:
+                    return quick(setup_for(replace(setup, seq_len=n), layout, 1))
+                n = calibrated_max(used, quick_used, limit, setup.seq_len - 1) if setup.seq_len > 1 else 0
         except LlmemError:
             continue
         if n > best_seq:
@@ -931,9 +972,10 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
                            + engine_note,
                            pick, cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node))
     # 5. more GPUs of the same type (then also with checkpointing)
-    found = _fewest_gpus(setup, anatomy, gpu, options, mem, limit)
+    methods = tuple(sorted({lay.method for lay in layouts}))
+    found = _fewest_gpus(setup, anatomy, gpu, options, mem, limit, methods)
     if found is None and not setup.grad_ckpt and options.engine != "paper":
-        found = _fewest_gpus(replace(setup, grad_ckpt=True), anatomy, gpu, options, mem, limit)
+        found = _fewest_gpus(replace(setup, grad_ckpt=True), anatomy, gpu, options, mem, limit, methods)
         if found is not None:
             out.append(_suggestion("gpus", f"use {found.layout.world_size} {gpu.name} GPUs with --grad-ckpt: "
                                    + describe(found, []), found, grad_ckpt=True))
