@@ -428,23 +428,11 @@ def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) ->
 # ================================================================================================ LoRA, offload
 
 def lora_adapter_params(anatomy: ModelAnatomy, rank: int = LORA_RANK, targets: str = LORA_TARGETS) -> int:
-    """Adapter parameters: rank * (in + out) for every targeted linear weight of the decoder layers.
+    """Adapter parameters: rank * (in + out) for every targeted linear weight of the decoder layers (as
+    `anatomy.with_lora` builds them; "all-linear" leaves the lm_head out, as PEFT does)."""
+    from llmem.anatomy import with_lora
 
-    "all-linear" targets every 2-D Linear/Conv1D weight of the decoder layers (PEFT leaves the lm_head out and does
-    not reach fused MoE expert tensors); otherwise a comma-separated list of module names.
-    """
-    names = None if targets == "all-linear" else {t.strip() for t in targets.split(",") if t.strip()}
-    total = 0
-    for p in anatomy.params:
-        if p.layer_index is None or len(p.shape) != 2 or not p.name.endswith("weight"):
-            continue
-        if not (p.module_kind in MATMUL_KINDS or p.module_kind.endswith("Linear")):
-            continue
-        module = p.name.split(".")[-2]
-        if names is not None and module not in names:
-            continue
-        total += rank * (p.shape[0] + p.shape[1])
-    return total
+    return with_lora(anatomy, rank, targets).trainable_params
 
 
 def _shard_count(layout: Layout) -> int:
@@ -452,58 +440,12 @@ def _shard_count(layout: Layout) -> int:
 
 
 def lora_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, rank: int = LORA_RANK,
-                targets: str = LORA_TARGETS, layout: Layout | None = None) -> MemoryResult:
-    """Per-GPU memory of `setup` with LoRA adapters instead of full fine-tuning (the estimator models LoRA: frozen
-    base in the compute dtype, adapters trained). Falls back to `lora_fallback` where the estimator refuses (TP)."""
+                targets: str = LORA_TARGETS) -> MemoryResult:
+    """Per-GPU memory of `setup` with LoRA adapters instead of full fine-tuning: the estimator's LoRA step (frozen
+    base in the compute dtype, adapters trained; not modelled with tensor parallelism, which raises)."""
     from llmem.estimator import estimate
 
-    try:
-        return estimate(replace(setup, lora_rank=rank, lora_targets=targets), anatomy, gpu, draft=True)
-    except LlmemError:
-        return lora_fallback(setup, anatomy, gpu, estimate(setup, anatomy, gpu, draft=True), rank, targets, layout)
-
-
-def lora_fallback(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, full: MemoryResult,
-                  rank: int = LORA_RANK, targets: str = LORA_TARGETS, layout: Layout | None = None) -> MemoryResult:
-    """LoRA reduces gradients and optimizer states to the adapters: frozen base weights + adapters.
-
-    From the full fine-tuning estimate (and the same with a stateless optimizer, whose peak is often the backward
-    rather than the optimizer step) remove the gradients, optimizer states and temporaries and DDP's gradient
-    buckets at the peak, then add the adapters' weights, gradients, states and temporaries (sharded like the
-    model). Activations and logits are kept as they are (the adapters' own activations, rank/hidden of a layer's,
-    are neglected).
-    """
-    from llmem.estimator import estimate
-
-    layout = layout or resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
-    stateless = estimate(replace(setup, optimizer="sgd"), anatomy, gpu)
-
-    def removable(r: MemoryResult) -> int:
-        c = r.components
-        out = c.get("gradients", 0) + c.get("optimizer_states", 0) + c.get("optimizer_temporaries", 0)
-        if layout.method == "ddp":
-            out += c.get("communication_buffers", 0)
-        return out
-
-    adapters = lora_adapter_params(anatomy, rank, targets)
-    local = -(-adapters // _shard_count(layout))
-    states = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}[setup.optimizer]
-    temps = 1 if setup.optimizer == "adamw" else 0
-    adapter_bytes = local * setup.param_bytes * (2 + states + temps)
-    base = max((full, stateless), key=lambda r: r.device_used_bytes - removable(r))
-    cut = removable(base)
-    components = dict(base.components)
-    components["gradients"] = local * setup.param_bytes
-    components["optimizer_states"] = local * setup.param_bytes * states
-    components["optimizer_temporaries"] = local * setup.param_bytes * temps
-    components["weights"] = components.get("weights", 0) + local * setup.param_bytes
-    if layout.method == "ddp":
-        components["communication_buffers"] = local * setup.param_bytes
-    return replace(base, peak_allocated_bytes=base.peak_allocated_bytes - cut + adapter_bytes,
-                   peak_reserved_bytes=base.peak_reserved_bytes - cut + adapter_bytes,
-                   device_used_bytes=base.device_used_bytes - cut + adapter_bytes, components=components,
-                   notes=[*base.notes, f"LoRA r={rank} ({targets}): {adapters:,} adapter parameters; llmem's own "
-                          "arithmetic (the estimator does not model LoRA yet): frozen base weights + adapters"])
+    return estimate(replace(setup, lora_rank=rank, lora_targets=targets), anatomy, gpu, draft=True)
 
 
 def offload_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> MemoryResult:
@@ -949,8 +891,7 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
         if options.engine == "paper" else ""
     base = setup
     adapters = lora_adapter_params(anatomy, LORA_RANK, LORA_TARGETS)
-    lora_fn: MemoryFn = lambda s: lora_memory(s, anatomy, gpu, LORA_RANK, LORA_TARGETS,  # noqa: E731
-                                              resolve_layout(s.method, s.gpus, s.tp, s.gpus_per_node, 0, 0))
+    lora_fn: MemoryFn = lambda s: lora_memory(s, anatomy, gpu, LORA_RANK, LORA_TARGETS)  # noqa: E731
     best, plans = _best_fitting(base, layouts, lora_fn, limit, anatomy, gpu, options, adapter_params=adapters)
     pick = best or _closest(plans)
     source = "estimator" if pick is not None and pick.memory.engine == "llmem" and not any(
