@@ -332,12 +332,7 @@ class CachingAllocator:
             split = size < self._max_split and remaining > kSmallSize
         if split:
             rest = _Block(block.addr + size, remaining, block.stream, pool, block.seg)
-            nxt = block.next
-            rest.prev = block
-            rest.next = nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
+            _link_after(block, rest)
             block.size = size
             pool.insert(rest)
         block.allocated = True
@@ -484,12 +479,7 @@ class CachingAllocator:
         to_map.mapped = True
         if mapped < to_map.size:  # to_map -> remaining (unmapped) -> to_map.next
             rest = _Block(to_map.addr + mapped, to_map.size - mapped, to_map.stream, pool, seg, mapped=False)
-            nxt = to_map.next
-            rest.prev = to_map
-            rest.next = nxt
-            if nxt is not None:
-                nxt.prev = rest
-            to_map.next = rest
+            _link_after(to_map, rest)
             to_map.size = mapped
             pool.insert_unmapped(rest)
         self._try_merge_blocks(to_map, to_map.prev, pool)
@@ -573,3 +563,13 @@ def replay(events: Iterable[tuple[str, int, int]], **allocator_kwargs: object) -
         else:
             raise ValueError(f"unknown event kind {kind!r} (expected 'alloc' or 'free')")
     return allocator.stats()
+
+
+def _link_after(block: _Block, rest: _Block) -> None:
+    """Insert `rest` right after `block` in the segment's address-ordered list (a split)."""
+    nxt = block.next
+    rest.prev = block
+    rest.next = nxt
+    if nxt is not None:
+        nxt.prev = rest
+    block.next = rest

@@ -108,7 +108,12 @@ def max_batch_size(fits: Callable[[int], bool], cap: int = BATCH_CAP) -> int:
         if lo == cap or fits(cap):
             return cap
         hi = cap
-    while hi - lo > 1:   # fits(lo), not fits(hi)
+    return bisect_max(fits, lo, hi)
+
+
+def bisect_max(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest fitting value between lo (fits) and hi (does not fit)."""
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
@@ -135,13 +140,7 @@ def refine_max(fits: Callable[[int], bool], guess: int, cap: int = BATCH_CAP) ->
             if not fits(1):
                 return 0
             lo = 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return bisect_max(fits, lo, hi)
 
 
 def calibrated_max(used: Callable[[int], int], quick: Callable[[int], int], limit: int, cap: int) -> int:
