@@ -240,3 +240,28 @@ def test_bad_setups(kwargs, match):
 def test_impossible_layouts(kwargs, match):
     with pytest.raises(LlmemError, match=match):
         estimate(TrainingSetup("meta-llama/Llama-2-7b-hf", **kwargs))
+
+
+# --- LoRA: frozen base in the compute dtype, adapters trained -----------------------------------------------------
+
+def test_lora_all_linear_llama31_8b_by_hand():
+    # per layer: r * (in + out) for q, k, v, o, gate, up, down with h 4096, kv 1024, i 14336
+    r, h, kv, i = 16, 4096, 1024, 14336
+    per_layer = r * ((h + h) + (h + kv) * 2 + (h + h) + (h + i) * 3)
+    adapters = 32 * per_layer
+    assert adapters == 41_943_040                       # what peft prints for this model and config
+    base = 8_030_261_248
+    res = estimate(TrainingSetup("meta-llama/Llama-3.1-8B", precision="bf16-mixed", seq_len=512,
+                                 lora_rank=r, lora_targets="all-linear"))
+    assert res.setup["trainable_params"] == adapters
+    s = step(res)
+    assert s["weights"] == 2 * base + 4 * adapters       # frozen base in bf16, adapters in fp32
+    assert s["gradients"] == 4 * adapters
+    assert s["optimizer_states"] == 8 * adapters and s["optimizer_temporaries"] == 4 * adapters
+
+
+def test_lora_bad_targets_and_tp():
+    with pytest.raises(LlmemError, match="not found"):
+        estimate(TrainingSetup("gpt2", lora_rank=8, lora_targets="q_proj"))      # GPT-2 has c_attn, not q_proj
+    with pytest.raises(LlmemError, match="tensor parallelism"):
+        estimate(TrainingSetup("meta-llama/Llama-2-7b-hf", method="tp", gpus=2, lora_rank=8))
