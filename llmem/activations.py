@@ -118,19 +118,20 @@ def block_owner(blocks: tuple[Block, ...], param_name: str) -> int:
 
 
 def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime) -> LayerRecipe:
-    """LoRA: each adapted linear adds lora_B's saved input (lora_A's output, [t, rank]); under autocast lora_A
-    also keeps its own low-precision cast of an fp32 input (activations are not cached)."""
+    """LoRA: each adapted linear adds lora_B's saved input (lora_A's output, [t, rank]); where the base linear reads
+    an autocast cast of an fp32 input, lora_A keeps a cast of its own (activations are not cached)."""
     extra: list[list[int]] = [[] for _ in recipe.blocks]
     for p in anatomy.params:
         if p.layer_index == 0 and ".lora_A." in p.name:
             rank, in_features = p.shape
+            module = p.name.split(".lora_A.")[0].rsplit(".", 1)[-1]
             i = block_owner(recipe.blocks, p.name)
             extra[i].append(d.t * rank * r.mm)
-            if r.autocast and any(n == d.t * in_features * r.mm for n in recipe.blocks[i].tensors):
+            if any(cast and module in keepers for _, keepers, cast in recipe.blocks[i].for_weights):
                 extra[i].append(d.t * in_features * r.mm)
-    blocks = tuple(Block(b.name, b.tensors + tuple(x), b.params, b.transient) for b, x in zip(recipe.blocks, extra,
-                                                                                               strict=True))
-    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared)
+    blocks = tuple(Block(b.name, b.tensors + tuple(x), b.params, b.transient, b.for_weights)
+                   for b, x in zip(recipe.blocks, extra, strict=True))
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
 
 
 def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str, tp: int) -> ActivationProfile:
@@ -141,6 +142,8 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     recipe = family(anatomy, d, regime, attn)
     if any(".lora_A." in p.name for p in anatomy.params):
         recipe = with_adapters(anatomy, recipe, d, regime)
+    if any(not p.trainable for p in anatomy.params):
+        recipe = with_trainability(anatomy, recipe)
     return ActivationProfile(
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.t * d.h * regime.res,
@@ -261,6 +264,9 @@ class Block:
     tensors: Sizes                 # the tensors it keeps for backward, in allocation order
     params: tuple[str, ...] = ()   # substrings of the parameter names (within a layer) this block owns
     transient: int = 0             # largest extra memory while its backward runs (input gradients, temporaries)
+    # tensors kept only for some weights' gradients: (index in tensors, the modules whose weights need it, whether
+    # it is one linear's own autocast cast). A frozen weight's op keeps only what the input gradient needs.
+    for_weights: tuple[tuple[int, tuple[str, ...], bool], ...] = ()
 
     @property
     def saved(self) -> int:
@@ -273,17 +279,51 @@ class LayerRecipe:
     embed: Sizes
     head: Sizes
     shared: Sizes
+    head_for_weights: tuple[tuple[int, tuple[str, ...], bool], ...] = ()
 
 
 def _norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:
     kept, out = norm_saved(kind, r, t, h, input_counted=False)
     transient = t * h * (2 * F32 if kind.startswith("rmsnorm") else r.res)
-    return Block(name, kept, params, transient), out
+    # HF RMSNorm's `weight * normalised`: the normalised tensor (last) is kept for the weight's gradient only
+    for_weights = ((len(kept) - 1, params, False),) if kind.startswith("rmsnorm") else ()
+    return Block(name, kept, params, transient, for_weights), out
 
 
 def _proj_block(name: str, r: Regime, t: int, width: int, consumers: int, source_bytes: int,
-                params: tuple[str, ...]) -> Block:
-    return Block(name, linear_inputs_saved(r, t, width, consumers, source_bytes), params, consumers * t * width * r.mm)
+                params: tuple[str, ...], readers: tuple[str, ...] | None = None) -> Block:
+    """The inputs that `consumers` linears (named `readers`, default `params`) keep for their weight gradients."""
+    tensors = linear_inputs_saved(r, t, width, consumers, source_bytes)
+    readers = readers or params
+    if len(tensors) == consumers and consumers > 1:          # one autocast cast per linear
+        for_weights = tuple((i, (readers[i],), True) for i in range(consumers))
+    else:                                                     # one tensor: the source itself, or one linear's cast
+        for_weights = ((0, readers, tensors[0] != source_bytes),)
+    return Block(name, tensors, params, consumers * t * width * r.mm, for_weights)
+
+
+def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe) -> LayerRecipe:
+    """Drop the tensors kept only for gradients of weights that are frozen (LoRA's base). A shared input still
+    stays when a LoRA adapter of that module reads it; an autocast cast of it does not (lora_A casts its own)."""
+    layer0 = [p for p in anatomy.params if p.layer_index == 0]
+    root = [p for p in anatomy.params if p.layer_index is None]
+
+    def needed(params, keepers: tuple[str, ...], cast: bool) -> bool:
+        for p in params:
+            names = (p.name, p.tied_to or "")
+            base = p.trainable and ".lora_" not in p.name
+            adapter = p.trainable and ".lora_" in p.name and not cast
+            if (base or adapter) and any(f"{k}." in n for k in keepers for n in names):
+                return True
+        return False
+
+    def keep(tensors: Sizes, tags, params) -> Sizes:
+        drop = {i for i, keepers, cast in tags if not needed(params, keepers, cast)}
+        return tuple(n for i, n in enumerate(tensors) if i not in drop)
+
+    blocks = tuple(Block(b.name, keep(b.tensors, b.for_weights, layer0), b.params, b.transient)
+                   for b in recipe.blocks)
+    return LayerRecipe(blocks, recipe.embed, keep(recipe.head, recipe.head_for_weights, root), recipe.shared)
 
 
 def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -292,7 +332,8 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     norm = "rmsnorm_gemma" if a.model_type == "gemma2" else "rmsnorm"
     fused = a.model_type == "phi3"
     n1, out1 = _norm_block("input_norm", norm, r, t, d.h, ("input_layernorm",))
-    qkv = _proj_block("qkv_proj", r, t, d.h, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"))
+    qkv = _proj_block("qkv_proj", r, t, d.h, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+                      ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))
     # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
     core: Sizes = (t * (d.qd + d.kvd) * r.mm,) if fused else ()   # phi3: v is a view of the fused qkv, kept
     if attn == "sdpa":
@@ -315,17 +356,20 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
         n2 = Block(n2.name, n2.tensors, ("pre_feedforward_layernorm",), n2.transient)
     blocks.append(n2)
     blocks.append(_proj_block("gate_up_proj", r, t, d.h, 1 if fused else 2, out2,
-                              ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight")))
+                              ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight"),
+                              ("gate_up_proj",) if fused else ("gate_proj", "up_proj")))
     experts = int(_cfg(a, "num_experts_per_tok", default=1)) if a.model_type == "mixtral" else 1
     mlp: Sizes = (t * d.i * r.mm * experts,) * 4       # gate, act(gate), up, act * up
     if a.model_type == "mixtral":                       # router logits and softmax
         mlp += (t * int(_cfg(a, "num_local_experts", default=8)) * F32,) * 2
-    blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts))
+    # gate (silu's input), act and up (the product's inputs), act * up (down_proj's input, for its weight only)
+    blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts, ((3, ("down_proj",), False),)))
     blocks.append(Block("down_proj", (), ("down_proj", "w2", "experts"), t * d.i * r.mm))
     head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
     head = head_kept + ((t * d.h * r.mm,) if r.autocast else (head_out,))
+    head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
-    return LayerRecipe(tuple(blocks), (), head, (d.s * a.head_dim * r.res,) * 2)
+    return LayerRecipe(tuple(blocks), (), head, (d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
 def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:

@@ -512,6 +512,32 @@ def build_meta_model(setup):
     return model
 
 
+def apply_lora(model: nn.Module, setup) -> nn.Module:
+    """peft's LoRA on the meta model (adapters from peft itself). The frozen base is kept in the compute dtype, as
+    fine-tuning scripts load it; adapters are fp32 under mixed precision (peft's autocast_adapter_dtype) and in the
+    model dtype under pure bf16/fp16."""
+    from peft import LoraConfig, get_peft_model
+
+    if setup.method in ("tp", "fsdp+tp"):
+        raise LlmemError("LoRA with tensor parallelism is not modelled: use single, ddp, fsdp or zero2 for LoRA")
+    targets = (setup.lora_targets if setup.lora_targets == "all-linear"
+               else [t.strip() for t in setup.lora_targets.split(",") if t.strip()])
+    config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                        task_type="CAUSAL_LM")
+    with quiet():
+        try:
+            peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.mixed)
+        except ValueError as exc:
+            raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
+    low = _low_dtype(setup)
+    if setup.mixed and low is not None:
+        for module in peft_model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and not p.requires_grad and p.is_floating_point():
+                    module._parameters[name] = nn.Parameter(p.to(low), requires_grad=False)
+    return peft_model
+
+
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Replace every meta parameter / buffer by an uninitialised tensor on `device` (a fake one when called under
     FakeTensorMode), keeping tied parameters tied and floating parameters in `dtype` when given."""
@@ -763,6 +789,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         model = build_meta_model(setup)
     if setup.precision in ("bf16", "fp16"):
         model.to(_low_dtype(setup))   # still on meta: dtype only
+    if setup.lora_rank:
+        model = apply_lora(model, setup)
     total_params = sum(p.numel() for p in model.parameters())
     heads, kv_heads = _family_heads(model)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, heads, kv_heads)
