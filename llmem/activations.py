@@ -46,7 +46,8 @@ def regime_for(setup: TrainingSetup, method: str) -> Regime:
     if setup.precision == "fp32":
         return Regime("fp32", 4, 4)
     if setup.mixed and method not in ("fsdp", "zero2", "fsdp+tp"):
-        return Regime("autocast", 4, 2)
+        # LoRA keeps the frozen embedding in the compute dtype, so its output - the residual stream - is too
+        return Regime("autocast", setup.stored_bytes(not setup.lora_rank), 2)
     return Regime("lowp", 2, 2)
 
 
@@ -186,6 +187,8 @@ def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tup
     """
     stream_in: Sizes = () if input_counted else (t * h * r.res,)
     if kind == "layernorm":
+        if r.autocast and not input_counted:     # autocast runs layer_norm in fp32: it keeps an fp32 copy
+            stream_in = (t * h * F32,)
         out_bytes = F32 if r.autocast else r.res
         return stream_in + (F32 * t, F32 * t), t * h * out_bytes
     if kind == "rmsnorm":
@@ -366,7 +369,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts, ((3, ("down_proj",), False),)))
     blocks.append(Block("down_proj", (), ("down_proj", "w2", "experts"), t * d.i * r.mm))
     head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
-    head = head_kept + ((t * d.h * r.mm,) if r.autocast else (head_out,))
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
     head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
     return LayerRecipe(tuple(blocks), (), head, (d.s * a.head_dim * r.res,) * 2, head_tags)
@@ -394,11 +397,10 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
               Block("attn_out", (), ("attn.c_proj", "attention.out_proj"), t * d.qd * r.mm),
               n2, _proj_block("c_fc", r, t, d.h, 1, out2, ("mlp.c_fc",)),
               Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p_resid, t * d.h), (),
-                    2 * t * d.i * (F32 if r.autocast else r.mm)),
+                    2 * t * d.i * (F32 if r.autocast else r.mm), _mlp_out_tag(a, r, ("mlp.c_proj",))),
               Block("mlp_out", (), ("mlp.c_proj",), t * d.i * r.mm))
-    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, ())
+    head, head_tags = _layernorm_head(r, t, d.h)
+    return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, (), head_tags)
 
 
 def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -417,11 +419,11 @@ def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
               Block("attention", core, (), 3 * t * d.qd * r.mm),
               Block("out_proj", (), ("out_proj",), t * d.qd * r.mm),
               n2, _proj_block("fc1", r, t, d.h, 1, out2, ("fc1",)),
-              Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p, t * d.h), (), t * d.i * r.mm),
+              Block("mlp_act", _mlp_act_saved(a, r, t * d.i) + dropout_saved(p, t * d.h), (), t * d.i * r.mm,
+                    _mlp_out_tag(a, r, ("fc2",))),
               Block("fc2", (), ("fc2",), t * d.i * r.mm))
-    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, ())
+    head, head_tags = _layernorm_head(r, t, d.h)
+    return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, (), head_tags)
 
 
 def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -438,12 +440,29 @@ def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
               Block("dense", (), ("self_attention.dense",), t * d.qd * r.mm),
               n2, _proj_block("dense_h_to_4h", r, t, d.h, 1, out2, ("dense_h_to_4h",)),
               # GeLUFunction keeps its input; dense_4h_to_h keeps the output
-              Block("gelu", (t * d.i * r.mm,) * 2 + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm),
+              Block("gelu", (t * d.i * r.mm,) * 2 + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm,
+                    ((1, ("dense_4h_to_h",), False),)),
               Block("dense_4h_to_h", (), ("dense_4h_to_h",), t * d.i * r.mm))
     embed_norm, _ = norm_saved("layernorm", r, t, d.h, input_counted=False)  # word_embeddings_layernorm
-    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, embed_norm, head, (d.b * d.heads * d.s * r.res,))   # shared: alibi
+    head, head_tags = _layernorm_head(r, t, d.h)
+    return LayerRecipe(blocks, embed_norm, head, (d.b * d.heads * d.s * r.res,), head_tags)   # shared: alibi
+
+
+def _layernorm_head(r: Regime, t: int, h: int) -> tuple[Sizes, tuple]:
+    """Final LayerNorm (input, mean, rstd) and the lm_head's input, which only the lm_head weight needs."""
+    head_kept, head_out = norm_saved("layernorm", r, t, h, input_counted=False)
+    head = head_kept + linear_inputs_saved(r, t, h, 1, head_out)
+    return head, ((len(head) - 1, ("lm_head",), head[-1] != head_out),)
+
+
+def _mlp_out_tag(a: ModelAnatomy, r: Regime, out_linear: tuple[str, ...]) -> tuple:
+    """The MLP activation's output, kept by the output linear for its weight gradient only (relu keeps its own
+    output for its backward, so nothing to drop there)."""
+    act = str(_cfg(a, "activation_function", "hidden_act", "activation", default="gelu_new"))
+    if act == "relu":
+        return ()
+    index = 4 if act == "gelu_new" else 1
+    return ((index, out_linear, act == "gelu_new" and r.autocast),)
 
 
 def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> Sizes:
@@ -488,11 +507,11 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
         mlp = _mlp_act_saved(a, r, t * d.i)
     blocks = (n1, proj, Block("attention", core, (), 3 * t * d.qd * r.mm),
               Block("attn_out", (), ("self_attention.dense", "out_proj"), t * d.qd * r.mm),
-              Block("mlp_act", mlp, (), 3 * t * d.i * r.mm),
+              Block("mlp_act", mlp, (), 3 * t * d.i * r.mm,
+                    ((len(mlp) - 1, ("dense_4h_to_h", "fc_out"), r.autocast and a.model_type != "falcon"),)),
               Block("mlp_out", (), ("dense_4h_to_h", "fc_out"), t * d.i * r.mm))
-    head_kept, head_out = norm_saved("layernorm", r, t, d.h, input_counted=False)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
-    return LayerRecipe(blocks, (), head, (d.s * a.head_dim * r.res,) * 2)
+    head, head_tags = _layernorm_head(r, t, d.h)
+    return LayerRecipe(blocks, (), head, (d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
 _FAMILIES = {

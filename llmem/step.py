@@ -531,10 +531,13 @@ def apply_lora(model: nn.Module, setup) -> nn.Module:
             raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
     low = _low_dtype(setup)
     if setup.mixed and low is not None:
+        cast: dict[int, nn.Parameter] = {}      # by identity, so tied weights stay one tensor
         for module in peft_model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and not p.requires_grad and p.is_floating_point():
-                    module._parameters[name] = nn.Parameter(p.to(low), requires_grad=False)
+                    if id(p) not in cast:
+                        cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
+                    module._parameters[name] = cast[id(p)]
     return peft_model
 
 

@@ -45,6 +45,15 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-bloom", "fsdp", 2, precision="fp32", batch_size=1, seq_len=128),
     _s("Qwen/Qwen2.5-0.5B", precision="bf16", optimizer="sgd", batch_size=1, seq_len=256),
     _s("meta-llama/Llama-3.2-1B", "fsdp", 8, precision="bf16-mixed", grad_ckpt=True, batch_size=1, seq_len=256),
+    # LoRA through peft (frozen base in the compute dtype)
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=256, lora_rank=64, lora_targets="all-linear"),
+    _s("facebook/opt-125m", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear"),
+    _s("gpt2", precision="fp32", optimizer="sgd", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear"),
+    _s("tiny-llama", precision="bf16", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
+       lora_targets="all-linear"),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
+    _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
@@ -132,7 +141,7 @@ class Row:
 def label(s: TrainingSetup) -> str:
     layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
-        + (["eager"] if s.attn == "eager" else [])
+        + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else [])
     return f"{s.model} {layout} {' '.join(extras)}"
 
 
