@@ -4,12 +4,15 @@ LLMem's equations (paper.md §3-4) generalised to modern PyTorch:
 - model states per GPU follow the method's real sharding (FSDP2 pads dim 0 to the data-parallel degree; DTensor
   tensor parallelism splits column/row-parallel weights, rank 0 taking the larger chunk);
 - the optimizer step is a peak of its own: weights + gradients + states + the implementation's temporaries
-  (AdamW foreach keeps sqrt(exp_avg_sq) for every parameter at once);
+  (AdamW foreach keeps sqrt(exp_avg_sq) for every parameter of a group at once);
 - the forward/backward peak is evaluated at the moments it can occur: the end of forward, the loss backward, the
   backward of the top decoder layer and of the bottom one (memory is linear in the layer index between them);
 - method buffers: DDP's gradient buckets; FSDP2's gathered root and current unit, the prefetched unit's
   all-gather output and the reduce-scatter input; autocast's cached low-precision weight copies;
-- allocator overhead from the caching allocator's rounding and segment sizes, and the CUDA context outside it.
+- the counters: the same tensors, in the order the step allocates and frees them (llmem.schedule), replayed through
+  the caching-allocator model (llmem.allocator) give max_memory_allocated (whole blocks) and max_memory_reserved
+  (segments, per stream); the CUDA context and NCCL's buffers outside the allocator give device_used.
+The moments above explain the peak (`--json` "moments"); the replay gives the numbers.
 """
 
 from __future__ import annotations
