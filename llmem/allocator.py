@@ -517,11 +517,7 @@ class CachingAllocator:
         after = block.size - before - unmapped
         if after > 0:  # block -> after_free -> next?
             af = _Block(start + unmapped, after, block.stream, pool, seg)
-            af.next = block.next
-            if af.next is not None:
-                af.next.prev = af
-            af.prev = block
-            block.next = af
+            _link_after(block, af)
             pool.insert(af)
         block.addr = start
         block.size = unmapped

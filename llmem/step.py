@@ -586,6 +586,14 @@ def _tie_if_needed(model: nn.Module) -> None:
         out.weight = inp.weight
 
 
+# Megatron-style split per decoder layer: (column-parallel modules, row-parallel modules)
+_TP_LAYER_PLANS = {
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+              ("self_attn.o_proj", "mlp.down_proj")),
+    "opt": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"), ("self_attn.out_proj", "fc2")),
+}
+
+
 def tp_plan(model: nn.Module, family_type: str):
     """Column/row plans for parallelize_module, per architecture family."""
     from torch.distributed.tensor import Replicate
@@ -595,29 +603,17 @@ def tp_plan(model: nn.Module, family_type: str):
     layers = _decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
     plan: dict[str, object] = {}
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
-        if mt == "phi3":
-            raise LlmemError("tp is not supported in trace for phi3 (fused qkv_proj / gate_up_proj)")
+    family = "llama" if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2") else mt
+    if mt == "phi3":
+        raise LlmemError("tp is not supported in trace for phi3 (fused qkv_proj / gate_up_proj)")
+    if family in _TP_LAYER_PLANS:
+        colwise, rowwise = _TP_LAYER_PLANS[family]
         for i in range(len(layers)):
-            p = f"{prefix}.{i}"
-            for n in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{p}.self_attn.{n}"] = ColwiseParallel()
-            plan[f"{p}.self_attn.o_proj"] = RowwiseParallel()
-            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
-            plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
-            plan[f"{p}.mlp.down_proj"] = RowwiseParallel()
+            plan.update({f"{prefix}.{i}.{n}": ColwiseParallel() for n in colwise})
+            plan.update({f"{prefix}.{i}.{n}": RowwiseParallel() for n in rowwise})
         embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     elif mt == "mixtral":
         raise LlmemError("tp is not supported in trace for mixtral: its experts are fused 3-D parameters")
-    elif mt in ("opt",):
-        for i in range(len(layers)):
-            p = f"{prefix}.{i}"
-            for n in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{p}.self_attn.{n}"] = ColwiseParallel()
-            plan[f"{p}.self_attn.out_proj"] = RowwiseParallel()
-            plan[f"{p}.fc1"] = ColwiseParallel()
-            plan[f"{p}.fc2"] = RowwiseParallel()
-        embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     elif mt in ("gpt2", "gpt_bigcode"):
         raise LlmemError(f"tp is not supported in trace for {mt}: its Conv1D c_attn/c_fc/c_proj layers cannot be "
                          "split by torch's ColwiseParallel/RowwiseParallel (nn.Linear/nn.Embedding only)")
