@@ -90,8 +90,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
             result = trace(setup, iterations=args.iterations, progress=lambda msg: status.update(f"trace: {msg}"))
     if args.plot:
         plot_timeline(result, args.plot)
-    if not args.timeline:
-        result.timeline = result.timeline if args.json else None
     _emit(args, result)
     return 0
 
@@ -190,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     _training_options(p)
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the memory timeline as a PNG")
-    p.add_argument("--timeline", action="store_true", help="include the timeline in the table output's JSON")
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("measure", help="run the real step on a real device (GPU if present, else CPU)")

@@ -69,6 +69,16 @@ class TrainingSetup:
         return {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16",
                 "fp16-mixed": "float16", "fp16": "float16"}[self.precision]
 
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes per element FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype under *-mixed)."""
+        return self.compute_bytes if self.mixed else self.param_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element FSDP2 reduce-scatters (reduce_dtype fp32 under *-mixed)."""
+        return 4 if self.mixed else self.param_bytes
+
     def stored_bytes(self, trainable: bool) -> int:
         """Bytes per element of a stored parameter: trained ones in param_bytes; frozen ones (LoRA's base) in the
         compute dtype, as fine-tuning scripts load them (no fp32 master copy of weights that never change)."""

@@ -51,8 +51,15 @@ def tp_split_dim(p: ParamInfo) -> int | None:
     return None
 
 
-def local_numel(p: ParamInfo, layout: Layout) -> int:
-    """Elements of `p` held by rank 0: TP chunk (torch.chunk: rank 0 gets the ceil), then FSDP2's dim-0 shard."""
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
+    """Shape of `p` held by rank 0: TP chunk (torch.chunk: rank 0 gets the ceil), then FSDP2's dim-0 shard."""
     shape = list(p.shape)
     if layout.tp > 1:
         dim = tp_split_dim(p)
@@ -60,16 +67,27 @@ def local_numel(p: ParamInfo, layout: Layout) -> int:
             shape[dim] = -(-shape[dim] // layout.tp)
     if layout.shards_model_states and layout.dp > 1 and shape:
         shape[0] = -(-shape[0] // layout.dp)   # FSDP2 pads dim 0 to a multiple of the shard count
+    return tuple(shape)
+
+
+def local_numel(p: ParamInfo, layout: Layout) -> int:
+    return _prod(local_shape(p, layout))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
     return n
 
 
+def tp_local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
+    """Shape after tensor parallelism only (what FSDP all-gathers back per GPU)."""
+    return local_shape(p, Layout("tp", 1, layout.tp, layout.gpus_per_node))
+
+
 def tp_local_numel(p: ParamInfo, layout: Layout) -> int:
-    """Elements after tensor parallelism only (what FSDP all-gathers back per GPU)."""
-    return local_numel(p, Layout(layout.method if layout.method == "tp" else "tp", 1, layout.tp,
-                                 layout.gpus_per_node))
+    return _prod(tp_local_shape(p, layout))
 
 
 @dataclass(frozen=True)
@@ -140,12 +158,11 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
 
     root_gathered = layer_gathered = layer_reduce = root_reduce = 0
     if layout.shards_model_states:
-        gather_bytes = setup.compute_bytes if setup.mixed else pb
+        gather_bytes, reduce_bytes = setup.gather_bytes, setup.reduce_bytes
         root = [p for p in params if p.layer_index is None]
         layer0_all = [p for p in params if p.layer_index == 0]
         layer_gathered = _fsdp_unit_numel(layer0_all, layout) * gather_bytes
         root_gathered = _fsdp_unit_numel(root, layout) * gather_bytes
-        reduce_bytes = F32 if setup.mixed else pb
         layer_reduce = _fsdp_unit_numel(layer0, layout) * reduce_bytes
         root_reduce = _fsdp_unit_numel([p for p in root if p.trainable], layout) * reduce_bytes
     tp_excess = 0
@@ -166,12 +183,8 @@ def _fsdp_unit_numel(unit: list[ParamInfo], layout: Layout) -> int:
     """Unsharded size of an FSDP unit as all-gathered: each TP-local parameter padded to a multiple of dp."""
     total = 0
     for p in unit:
-        n = tp_local_numel(p, layout)
-        dim0 = p.shape[0] if p.shape else 1
-        if layout.tp > 1 and tp_split_dim(p) == 0:
-            dim0 = -(-dim0 // layout.tp)
-        rest = n // max(dim0, 1)
-        total += -(-dim0 // layout.dp) * layout.dp * rest
+        shape = tp_local_shape(p, layout) or (1,)
+        total += -(-shape[0] // layout.dp) * layout.dp * _prod(shape[1:])
     return total
 
 
@@ -206,7 +219,7 @@ def layer_costs(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act
     grads = [0] * n
     copies = [0] * n
     fsdp = layout.shards_model_states
-    gather_bytes = setup.compute_bytes if setup.mixed else setup.param_bytes
+    gather_bytes = setup.gather_bytes
     for p in layer0:
         i = owner[p.name]
         if fsdp:
@@ -219,8 +232,8 @@ def layer_costs(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act
     return LayerCosts(tuple(b.saved for b in act.blocks), tuple(copies), tuple(grads), tuple(transient))
 
 
-def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> tuple[int, int]:
-    """Backward through one layer's blocks in reverse. Returns (peak inside the layer, bytes held after it).
+def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> int:
+    """Backward through one layer's blocks in reverse; the peak inside the layer.
 
     `base` already holds everything outside this layer. Each block's backward allocates its weight gradients and
     a transient, then frees what the block kept for backward.
@@ -230,10 +243,11 @@ def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> tup
     for i in reversed(range(len(costs.saved))):
         peak = max(peak, held + costs.grads_live[i] + costs.transient[i])
         held += costs.grads_live[i] - costs.saved[i] - (costs.copies[i] if keep_copies else 0)
-    return peak, held
+    return peak
 
 
-def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: GpuSpec) -> list[Moment]:
+def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: GpuSpec,
+                 act: ActivationProfile | None = None) -> list[Moment]:
     """Memory at each moment where the step's peak can occur (second iteration: optimizer states exist).
 
     Forward end and loss backward are whole-model sums; the backward of the top and the bottom decoder layer is
@@ -241,7 +255,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     the optimizer step.
     """
     ms = model_states(anatomy, setup, layout)
-    act = activation_profile(anatomy, setup, layout.method, layout.tp)
+    act = act or activation_profile(anatomy, setup, layout.method, layout.tp)
     regime = regime_for(setup, layout.method)
     costs = layer_costs(anatomy, setup, layout, act, regime)
     tokens_vocab = setup.batch_size * setup.seq_len * anatomy.vocab_size
@@ -261,7 +275,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
     all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
     per_layer = act.checkpoint_saved if ckpt else act.per_layer_saved
-    gather_bytes = setup.compute_bytes if setup.mixed else setup.param_bytes
+    gather_bytes = setup.gather_bytes
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
     head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
                    and (not _is_embedding(p) or p.tied_to is not None)]
@@ -273,8 +287,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     else:
         head_live = ms.head_grads + (ms.embed_grads if anatomy.tie_word_embeddings else 0)
         embed_live = ms.embed_grads - (ms.embed_grads if anatomy.tie_word_embeddings else 0)
-    layer_final_grads = sum(local_numel(p, layout) for p in anatomy.params
-                            if p.layer_index == 0 and p.trainable) * setup.param_bytes
+    layer_final_grads = ms.layer_grads
 
     moments: list[Moment] = []
     # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
@@ -301,17 +314,16 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
     prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
     base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch
-    top_peak, _ = _walk_layer_backward(base_top, costs, keep_copies=regime.autocast)
+    top_peak = _walk_layer_backward(base_top, costs, keep_copies=regime.autocast)
     moments.append(_lump("backward", static, top_peak, {
         "gathered_weights": gathered_top + other_copies, "gradients": head_live,
         "communication_buffers": static["communication_buffers"] + prefetch}))
     # 4. bottom decoder layer: every other layer's final gradients exist
     below_grads = (layers - 1) * layer_final_grads
-    rs_prev = (_fsdp_unit_numel([p for p in anatomy.params if p.layer_index == 0], layout)
-               * (F32 if setup.mixed else setup.param_bytes)) if fsdp and layers > 1 else 0
+    rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
     base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
         + below_grads + act.embed_saved + act.shared_saved + rs_prev
-    bottom_peak, _ = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
+    bottom_peak = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
     moments.append(_lump("backward", static, bottom_peak, {
         "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
         "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
@@ -372,8 +384,8 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
                             anatomy.num_heads, anatomy.num_kv_heads)
     if setup.lora_rank and layout.tp > 1:
         raise LlmemError("LoRA with tensor parallelism is not modelled: use ddp, fsdp or zero2 for LoRA")
-    moments = step_moments(anatomy, setup, layout, gpu)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
+    moments = step_moments(anatomy, setup, layout, gpu, act)
     rep = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
     context = outside_allocator_bytes(gpu, layout.world_size)
     components = dict.fromkeys(COMPONENTS, 0)

@@ -320,7 +320,7 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
     if layout.method == "ddp" and layout.dp > 1:
         sizes["ddp_grad_bytes"] = total * trainable_fraction * pb
     if layout.shards_model_states and layout.dp > 1:
-        gather_b = setup.compute_bytes if setup.mixed else pb
+        gather_b = setup.gather_bytes
         reduce_b = 4 if setup.mixed else pb
         sizes.update(fsdp_gather_bytes=total * gather_b, fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
                      fsdp_root_gather_bytes=root * gather_b, fsdp_layer_gather_bytes=layer * gather_b,

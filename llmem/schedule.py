@@ -157,8 +157,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     pb = setup.param_bytes
     fsdp = layout.shards_model_states
     reshard = layout.method != "zero2"
-    gather_bytes = setup.compute_bytes if setup.mixed else pb
-    reduce_bytes = F32 if setup.mixed else pb
+    gather_bytes, reduce_bytes = setup.gather_bytes, setup.reduce_bytes
     t = setup.batch_size * setup.seq_len
     tv = t * anatomy.vocab_size
     layers = anatomy.num_layers if layers is None else layers
