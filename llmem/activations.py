@@ -174,7 +174,7 @@ def loss_peak_bytes(d: Dims) -> int:
 Sizes = tuple[int, ...]   # the byte sizes of individual tensors
 
 
-def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tuple[Sizes, int]:
+def norm_saved(kind: str, r: Regime, t: int, h: int) -> tuple[Sizes, int]:
     """(tensors kept, bytes of its output) for a norm whose input is the residual stream.
 
     layernorm (F.layer_norm; fp32 under autocast): saves its input, mean and rstd (fp32 [t]); output in residual
@@ -185,9 +185,9 @@ def norm_saved(kind: str, r: Regime, t: int, h: int, input_counted: bool) -> tup
     the fp32 normalised tensor.
     Output size is returned so the caller can count who keeps it (the next linears).
     """
-    stream_in: Sizes = () if input_counted else (t * h * r.res,)
+    stream_in: Sizes = (t * h * r.res,)
     if kind == "layernorm":
-        if r.autocast and not input_counted:     # autocast runs layer_norm in fp32: it keeps an fp32 copy
+        if r.autocast:     # autocast runs layer_norm in fp32: it keeps an fp32 copy
             stream_in = (t * h * F32,)
         out_bytes = F32 if r.autocast else r.res
         return stream_in + (F32 * t, F32 * t), t * h * out_bytes
@@ -224,8 +224,7 @@ def sdpa_saved(r: Regime, d: Dims, q_kept: Sizes, k_kept: Sizes, v_kept: Sizes) 
     return q_kept + k_kept + v_kept + (out, lse)
 
 
-def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool, softmax_fp32: bool,
-                          mask_promotes: bool) -> Sizes:
+def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool, softmax_fp32: bool) -> Sizes:
     """Eager attention: matmul(q, k^T) -> (+mask) -> softmax -> [cast] -> dropout -> matmul(p, v) -> contiguous.
 
     Saved: q and k (low precision), the softmax output (fp32 when softmax runs in fp32), its cast back to the
@@ -286,7 +285,7 @@ class LayerRecipe:
 
 
 def _norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:
-    kept, out = norm_saved(kind, r, t, h, input_counted=False)
+    kept, out = norm_saved(kind, r, t, h)
     transient = t * h * (2 * F32 if kind.startswith("rmsnorm") else r.res)
     # HF RMSNorm's `weight * normalised`: the normalised tensor (last) is kept for the weight's gradient only
     for_weights = ((len(kept) - 1, params, False),) if kind.startswith("rmsnorm") else ()
@@ -344,8 +343,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
         core_transient = t * (d.qd + 2 * d.kvd) * r.mm
     else:
         p_attn = float(_cfg(a, "attention_dropout"))
-        core += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True,
-                                      mask_promotes=r.autocast)
+        core += eager_attention_saved(r, d, p_attn, repeat_kv=d.kvd != d.qd, softmax_fp32=True)
         if _cfg(a, "attn_logit_softcapping", default=None):   # tanh(scores / cap) keeps its output
             core += (d.b * d.heads * d.s * d.s * r.mm,)
         core_transient = 2 * d.b * d.heads * d.s * d.s * F32
@@ -368,7 +366,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     # gate (silu's input), act and up (the product's inputs), act * up (down_proj's input, for its weight only)
     blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts, ((3, ("down_proj",), False),)))
     blocks.append(Block("down_proj", (), ("down_proj", "w2", "experts"), t * d.i * r.mm))
-    head_kept, head_out = norm_saved(norm, r, t, d.h, input_counted=False)
+    head_kept, head_out = norm_saved(norm, r, t, d.h)
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
     head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
@@ -389,8 +387,7 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     if attn == "sdpa":
         core: Sizes = (qkv, t * d.qd * r.mm, F32 * d.b * d.heads * d.s)
     else:
-        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv,
-                                     mask_promotes=False)
+        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv)
     core += dropout_saved(p_resid, t * d.h)
     n2, out2 = _norm_block("ln_2", "layernorm", r, t, d.h, ("ln_2",))
     blocks = (n1, proj, Block("attention", core, (), t * (d.qd + 2 * d.kvd) * r.mm),
@@ -412,7 +409,7 @@ def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     if attn == "sdpa":
         core = sdpa_saved(r, d, (t * d.qd * r.mm,), (t * d.kvd * r.mm,), (t * d.kvd * r.mm,))
     else:
-        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False, mask_promotes=False)
+        core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False)
     core += dropout_saved(p, t * d.h)
     n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("final_layer_norm",))
     blocks = (n1, _proj_block("qkv_proj", r, t, d.h, 3, out1, ("q_proj", "k_proj", "v_proj")),
@@ -432,7 +429,7 @@ def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     p = float(_cfg(a, "hidden_dropout"))
     p_attn = float(_cfg(a, "attention_dropout"))
     n1, out1 = _norm_block("input_norm", "layernorm", r, t, d.h, ("input_layernorm",))
-    core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=True, mask_promotes=False)
+    core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=True)
     core += dropout_saved(p, t * d.h)
     n2, out2 = _norm_block("mlp_norm", "layernorm", r, t, d.h, ("post_attention_layernorm",))
     blocks = (n1, _proj_block("query_key_value", r, t, d.h, 1, out1, ("query_key_value",)),
@@ -443,14 +440,14 @@ def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
               Block("gelu", (t * d.i * r.mm,) * 2 + dropout_saved(p, t * d.h), (), 5 * t * d.i * r.mm,
                     ((1, ("dense_4h_to_h",), False),)),
               Block("dense_4h_to_h", (), ("dense_4h_to_h",), t * d.i * r.mm))
-    embed_norm, _ = norm_saved("layernorm", r, t, d.h, input_counted=False)  # word_embeddings_layernorm
+    embed_norm, _ = norm_saved("layernorm", r, t, d.h)  # word_embeddings_layernorm
     head, head_tags = _layernorm_head(r, t, d.h)
     return LayerRecipe(blocks, embed_norm, head, (d.b * d.heads * d.s * r.res,), head_tags)   # shared: alibi
 
 
 def _layernorm_head(r: Regime, t: int, h: int) -> tuple[Sizes, tuple]:
     """Final LayerNorm (input, mean, rstd) and the lm_head's input, which only the lm_head weight needs."""
-    head_kept, head_out = norm_saved("layernorm", r, t, h, input_counted=False)
+    head_kept, head_out = norm_saved("layernorm", r, t, h)
     head = head_kept + linear_inputs_saved(r, t, h, 1, head_out)
     return head, ((len(head) - 1, ("lm_head",), head[-1] != head_out),)
 
@@ -502,8 +499,7 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
         if attn == "sdpa":                                                    # q, k (roped), v copies, out, lse
             core = (t * d.qd * r.mm,) * 4 + (F32 * d.b * d.heads * d.s,)
         else:
-            core = (t * d.qd * r.mm,) + eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True,
-                                                              mask_promotes=False)
+            core = (t * d.qd * r.mm,) + eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True)
         mlp = _mlp_act_saved(a, r, t * d.i)
     blocks = (n1, proj, Block("attention", core, (), 3 * t * d.qd * r.mm),
               Block("attn_out", (), ("self_attention.dense", "out_proj"), t * d.qd * r.mm),
