@@ -21,9 +21,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from llmem.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
 from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
 
-ROUND = 512
 MAX_TIMELINE_POINTS = 2000
 _PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3}
 _PHASE_NAMES = {v: k for k, v in _PHASE_CODES.items()}
@@ -33,10 +33,6 @@ _MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, 
                       _aten.addbmm.default, _aten.mv.default, _aten.addmv.default, _aten.dot.default,
                       _aten._addmm_activation.default})
 _TO_COPY = _aten._to_copy.default
-
-
-def _rounded(n: int) -> int:
-    return -(-n // ROUND) * ROUND
 
 
 class Ledger:
