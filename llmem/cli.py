@@ -156,11 +156,11 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="GPU catalog (CUDA context is an assumption; override with --cuda-context)")
-    for col in ("gpu", "memory", "CUDA context", "bf16 TFLOP/s", "link GB/s"):
+    for col in ("gpu", "memory", "CUDA context", "bf16 TFLOP/s", "link GB/s", "memory GB/s"):
         table.add_column(col)
     for g in GPU_CATALOG.values():
         table.add_row(g.name, format_bytes(g.memory_bytes), format_bytes(g.cuda_context_bytes),
-                      f"{g.bf16_tflops:g}", f"{g.link_gbps:g}")
+                      f"{g.bf16_tflops:g}", f"{g.link_gbps:g}", f"{g.memory_gbps:g}")
     Console().print(table)
     return 0
 

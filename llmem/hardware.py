@@ -26,6 +26,7 @@ class GpuSpec:
     bf16_tflops: float            # dense peak for matrix work, fp16 where the GPU lacks bf16
     link_gbps: float              # per-GPU bandwidth to peers inside a node, GB/s, one direction
     compute_capability: tuple[int, int] = (8, 0)
+    memory_gbps: float = 2039.0   # device-memory (HBM/GDDR) bandwidth, GB/s: memory-bound work (dequantisation)
 
     @property
     def memory_gib(self) -> float:
@@ -37,23 +38,24 @@ class GpuSpec:
 _WS_HOPPER = 32 * MIB
 _WS_PRE_HOPPER = 2 * 4096 * KIB + 8 * 16 * KIB
 
+# Memory bandwidth (last field): the vendors' datasheet peaks (HBM / GDDR), GB/s.
 GPU_CATALOG: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0)),
-        GpuSpec("V100-32GB", 32768 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0)),
-        GpuSpec("T4", 15360 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5)),
-        GpuSpec("A10G", 23028 * MIB, 420 * MIB, _WS_PRE_HOPPER, 70.0, 16.0, (8, 6)),
-        GpuSpec("RTX3090", 24576 * MIB, 420 * MIB, _WS_PRE_HOPPER, 71.0, 25.0, (8, 6)),
-        GpuSpec("RTX4090", 24564 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9)),
-        GpuSpec("L4", 23034 * MIB, 420 * MIB, _WS_PRE_HOPPER, 121.0, 25.0, (8, 9)),
-        GpuSpec("L40S", 46068 * MIB, 420 * MIB, _WS_PRE_HOPPER, 362.0, 25.0, (8, 9)),
-        GpuSpec("A100-40GB", 40960 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0)),
-        GpuSpec("A100-80GB", 81920 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0)),
-        GpuSpec("H100-80GB", 81559 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0)),
-        GpuSpec("H200", 143771 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0)),
-        GpuSpec("B200", 183359 * MIB, 600 * MIB, _WS_HOPPER, 2250.0, 900.0, (10, 0)),
-        GpuSpec("MI300X", 196592 * MIB, 600 * MIB, _WS_HOPPER, 1307.0, 448.0, (9, 4)),
+        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0),
+        GpuSpec("V100-32GB", 32768 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0),
+        GpuSpec("T4", 15360 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5), 320.0),
+        GpuSpec("A10G", 23028 * MIB, 420 * MIB, _WS_PRE_HOPPER, 70.0, 16.0, (8, 6), 600.0),
+        GpuSpec("RTX3090", 24576 * MIB, 420 * MIB, _WS_PRE_HOPPER, 71.0, 25.0, (8, 6), 936.0),
+        GpuSpec("RTX4090", 24564 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9), 1008.0),
+        GpuSpec("L4", 23034 * MIB, 420 * MIB, _WS_PRE_HOPPER, 121.0, 25.0, (8, 9), 300.0),
+        GpuSpec("L40S", 46068 * MIB, 420 * MIB, _WS_PRE_HOPPER, 362.0, 25.0, (8, 9), 864.0),
+        GpuSpec("A100-40GB", 40960 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 1555.0),
+        GpuSpec("A100-80GB", 81920 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 2039.0),
+        GpuSpec("H100-80GB", 81559 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 3350.0),
+        GpuSpec("H200", 143771 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 4800.0),
+        GpuSpec("B200", 183359 * MIB, 600 * MIB, _WS_HOPPER, 2250.0, 900.0, (10, 0), 8000.0),
+        GpuSpec("MI300X", 196592 * MIB, 600 * MIB, _WS_HOPPER, 1307.0, 448.0, (9, 4), 5300.0),
     )
 }
 

@@ -658,10 +658,19 @@ def paper_eval(layout: Layout, batch: int) -> float:
     return float(batch * layout.dp)
 
 
+def frozen_base_trainable_params(setup: TrainingSetup, anatomy: ModelAnatomy) -> int:
+    """Trainable parameters when the set-up freezes the base (LoRA and other adapters); 0 for full fine-tuning."""
+    from llmem.estimator import trained_anatomy
+
+    trained = trained_anatomy(anatomy, setup)
+    return trained.trainable_params if trained.trainable_params < trained.total_params else 0
+
+
 def _attach_time(c: CandidatePlan, anatomy: ModelAnatomy, setup: TrainingSetup, gpu: GpuSpec,
                  options: PlanOptions, adapter_params: int = 0) -> None:
     if not c.fits:
         return
+    adapter_params = adapter_params or frozen_base_trainable_params(setup, anatomy)
     micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
     s = setup_for(setup, c.layout, micro)
     t = step_time(anatomy, s, c.layout, gpu, micro, steps, mfu=options.mfu,

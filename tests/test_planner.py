@@ -209,6 +209,21 @@ def test_flops_hand_count_gpt2():
     assert ck.recompute == pytest.approx((2 * (matmul - 50257 * 768) + attn_fwd) * tokens)
 
 
+def test_plan_of_a_lora_setup_times_the_frozen_base():
+    # GPT-2 r16 all-linear: adapters r * (in + out) per linear, worked out by hand
+    adapters = 12 * 16 * ((768 + 2304) + (768 + 768) + (768 + 3072) + (3072 + 768))
+    matmul = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 50257 * 768
+    s = 512
+    attn_fwd = 12 * 4 * s * 768 / 2
+    setup = TrainingSetup(model="gpt2", gpus=1, seq_len=s, gpu="A100-80GB", lora_rank=16, lora_targets="all-linear")
+    p = plan(setup)
+    t = p.recommended.time
+    tokens = t.micro_batch_size * s
+    # forward 2(P + A), backward 2P (input gradients only) + 4A, attention 1 + 2
+    per_token = 4 * matmul + 6 * adapters + 3 * attn_fwd
+    assert t.compute_s == pytest.approx(per_token * tokens / (312e12 * 0.4))
+
+
 @pytest.mark.parametrize("model,seq", [("Qwen/Qwen2.5-0.5B", 2048), ("gpt2", 1024)])
 def test_small_model_on_8xH100_prefers_ddp(model, seq):
     p = plan(TrainingSetup(model=model, gpus=8, seq_len=seq, gpu="H100-80GB"))
