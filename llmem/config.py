@@ -7,7 +7,10 @@ from dataclasses import asdict, dataclass
 from llmem.errors import LlmemError
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "sgd-momentum")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit",
+              "paged-adamw-8bit")
+EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")     # bitsandbytes' AdamW8bit / PagedAdamW8bit
+IN_BACKWARD_METHODS = ("single",)   # --optimizer-in-backward: per-parameter steps in post-accumulate-grad hooks
 ATTENTIONS = ("sdpa", "eager")
 
 
@@ -34,6 +37,7 @@ class TrainingSetup:
     lora_alpha: int = 16
     lora_targets: str = "q_proj,v_proj" # comma-separated module names, or "all-linear"
     trust_remote_code: bool = False
+    optimizer_in_backward: bool = False # per-parameter optimizer steps in post-accumulate-grad hooks
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -44,6 +48,20 @@ class TrainingSetup:
             raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        from llmem.methods import METHOD_ALIASES
+
+        method = METHOD_ALIASES.get(self.method.strip().lower(), self.method.strip().lower())
+        if self.optimizer_in_backward and method not in IN_BACKWARD_METHODS:
+            raise LlmemError(f"--optimizer-in-backward is supported with method single only (got {method}): "
+                             "DDP, FSDP2 and DTensor TP own the gradients after accumulation (all-reduce, "
+                             "reduce-scatter), so a post-accumulate-grad hook would step on unreduced gradients")
+        if self.optimizer_in_backward and self.offload_optimizer:
+            raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
+        if self.optimizer in EIGHT_BIT_OPTIMIZERS and method not in ("single", "ddp"):
+            raise LlmemError(f"{self.optimizer} is modelled with single and ddp only (bitsandbytes' kernels take "
+                             f"plain CUDA tensors, not FSDP2/TP DTensor shards); got {method}")
+        if self.optimizer in EIGHT_BIT_OPTIMIZERS and self.offload_optimizer:
+            raise LlmemError(f"{self.optimizer} with --offload-optimizer is not modelled")
         if self.lora_rank < 0:
             raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if self.attn not in ATTENTIONS:

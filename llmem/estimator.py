@@ -108,6 +108,7 @@ class ModelStates:
     fsdp_layer_reduce: int           # reduce-scatter input of one layer (reduce dtype)
     fsdp_root_reduce: int
     tp_embed_grad_excess: int        # vocab-parallel embedding's gradient comes back replicated (full size)
+    optimizer_states_outside_allocator: int = 0   # paged 8-bit states (cudaMallocManaged): in device_used only
 
 
 def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> ModelStates:
@@ -117,10 +118,16 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     local = {p.name: local_numel(p, layout) for p in params}
     weights = sum(local[p.name] * setup.stored_bytes(p.trainable) for p in params)
     grads = sum(local[p.name] for p in trainable) * pb
-    states_per_param = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
-    opt_states = states_per_param[setup.optimizer] * grads
+    local_shapes = {p.name: local_shape(p, layout) for p in trainable}
+    opt_states = sum(sum(optimizer_state_bytes(local_shapes[p.name], setup)) for p in trainable)
+    opt_states += optimizer_shared_state_bytes([local_shapes[p.name] for p in trainable], setup)
+    opt_outside = sum(optimizer_outside_allocator_bytes(local_shapes[p.name], setup) for p in trainable)
     if setup.offload_optimizer:
-        opt_states = opt_temp = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP CPU offload)
+        opt_states = opt_temp = opt_outside = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP)
+    elif setup.optimizer_in_backward:
+        # one optimizer per parameter: the step's temporaries are those of the largest single parameter
+        opt_temp = max((_peak_of(optimizer_step_events([local_shapes[p.name]], setup)) for p in trainable),
+                       default=0)
     elif setup.optimizer == "adamw":
         # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state of a parameter group
         from llmem.schedule import optimizer_groups
@@ -129,8 +136,13 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     elif setup.optimizer == "adamw-forloop":
         # for-loop: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of the largest parameter
         opt_temp = 2 * max((local[p.name] for p in trainable), default=0) * pb
+    elif setup.optimizer in ("adafactor", "lion"):
+        from llmem.schedule import optimizer_groups
+
+        opt_temp = max((_peak_of(optimizer_step_events([local_shapes[p.name] for p in g], setup))
+                        for g in optimizer_groups(trainable, layout)), default=0)
     else:
-        opt_temp = 0   # fused AdamW and SGD update in place
+        opt_temp = 0   # fused AdamW, SGD and bitsandbytes' fused 8-bit kernels update in place
     ddp_buckets = grads if layout.method == "ddp" else 0   # gradient_as_bucket_view=False: a second copy
 
     regime = regime_for(setup, layout.method)
@@ -172,7 +184,153 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
                 tp_excess += (p.numel // (layout.dp if layout.shards_model_states else 1)
                               - tp_local_numel(p, layout)) * pb
     return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
-                       embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0))
+                       embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
+                       opt_outside)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer states and step temporaries (one place for each optimizer's formulas; the schedule replays them)
+
+def optimizer_state_bytes(shape: tuple[int, ...], setup: TrainingSetup) -> list[int]:
+    """Bytes of each device tensor (from the caching allocator) the optimizer keeps for one parameter of this
+    (rank-local) shape, in the order the optimizer creates them. Step counters that live on the host (torch's
+    non-fused, non-capturable optimizers; Adafactor always; bitsandbytes' python int) are not device memory."""
+    pb = setup.param_bytes
+    n = _prod(shape)
+    opt = setup.optimizer
+    if opt in ("adamw", "adamw-fused", "adamw-forloop"):
+        return [n * pb, n * pb]                        # exp_avg, exp_avg_sq
+    if opt == "sgd":
+        return []
+    if opt in ("sgd-momentum", "lion"):
+        return [n * pb]                                # momentum_buffer / exp_avg
+    if opt == "adafactor":
+        # torch.optim.Adafactor._init_group: >= 2-D: row_var [..., m, 1] and col_var [..., 1, n] (grad dtype);
+        # 1-D: a full variance
+        if len(shape) >= 2:
+            return [_prod(shape[:-1]) * pb, _prod(shape[:-2]) * shape[-1] * pb]
+        return [n * pb]
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        from llmem.optimizers import BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, bnb_blocks
+
+        if n < BNB_MIN_8BIT_SIZE:
+            return [n * F32, n * F32]                  # 32-bit state1, state2 (fp32 whatever the parameter dtype)
+        paged = opt == "paged-adamw-8bit" and n >= BNB_PAGED_MIN_NUMEL
+        states = [] if paged else [n, n]               # uint8 state1, state2 (paged: cudaMallocManaged)
+        return states + [bnb_blocks(n) * F32, bnb_blocks(n) * F32]   # fp32 absmax1, absmax2
+    raise LlmemError(f"unknown optimizer {opt!r}")
+
+
+def optimizer_shared_state_bytes(shapes: list[tuple[int, ...]], setup: TrainingSetup) -> int:
+    """Device tensors shared by all parameters: bitsandbytes' two 256-entry fp32 quantisation maps (made on the
+    device at the first 8-bit parameter), once per optimizer (per parameter with --optimizer-in-backward)."""
+    if setup.optimizer not in ("adamw-8bit", "paged-adamw-8bit"):
+        return 0
+    from llmem.optimizers import BNB_MIN_8BIT_SIZE, BNB_QMAP_ENTRIES
+
+    eight_bit = sum(1 for s in shapes if _prod(s) >= BNB_MIN_8BIT_SIZE)
+    copies = eight_bit if setup.optimizer_in_backward else min(eight_bit, 1)
+    return copies * 2 * BNB_QMAP_ENTRIES * F32
+
+
+def optimizer_outside_allocator_bytes(shape: tuple[int, ...], setup: TrainingSetup) -> int:
+    """PagedAdamW8bit: state1/state2 of >= 1e5 elements are cudaMallocManaged (bnb F.get_paged). PyTorch's counters
+    never see them; while resident (the update prefetches them to the GPU every step) they take device memory."""
+    from llmem.optimizers import BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL
+
+    n = _prod(shape)
+    if setup.optimizer == "paged-adamw-8bit" and n >= max(BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL):
+        return 2 * n
+    return 0
+
+
+def optimizer_step_events(shapes: list[tuple[int, ...]], setup: TrainingSetup) -> list[tuple[int, int, int]]:
+    """Temporaries of one optimizer step over one parameter group (rank-local shapes, in order), as
+    (+1 / -1, tag, bytes) allocation / free events. For Adafactor and Lion; the other optimizers' temporaries are
+    written in llmem.schedule directly (unchanged since issue 3)."""
+    pb = setup.param_bytes
+    ev: list[tuple[int, int, int]] = []
+    if setup.optimizer == "lion":
+        # llmem.optimizers.Lion: updates = torch._foreach_mul(exp_avgs, beta1): one copy of the group, then freed
+        for i, s in enumerate(shapes):
+            ev.append((1, i, _prod(s) * pb))
+        ev += [(-1, i, _prod(s) * pb) for i, s in enumerate(shapes)]
+        return ev
+    if setup.optimizer != "adafactor":
+        return ev
+    # torch.optim._adafactor._single_tensor_adafactor (the CUDA default, foreach=None). Locals live until the loop
+    # rebinds them: row_mean, col_mean (>= 2-D), grad_squared (1-D), var_estimate / update (the parameter's size;
+    # the previous parameter's update is freed only when `update` is rebound, after the new var_estimate exists).
+    # param.norm / update.norm are 0-dim reads (.item()); row_var.mean(dim=-2, keepdim=True) is a [.., 1, 1] temp.
+    live: dict[str, tuple[int, int]] = {}     # local name -> (tag, bytes)
+    tag = 0
+
+    def bind(name: str, size: int) -> None:
+        nonlocal tag
+        ev.append((1, tag, size))
+        old = live.get(name)
+        live[name] = (tag, size)
+        tag += 1
+        if old is not None and not any(v[0] == old[0] for v in live.values()):
+            ev.append((-1, old[0], old[1]))
+
+    def rebind(name: str, other: str) -> None:
+        old = live.get(name)
+        live[name] = live[other]
+        if old is not None and not any(v[0] == old[0] for v in live.values()):
+            ev.append((-1, old[0], old[1]))
+
+    for s in shapes:
+        n = _prod(s)
+        if len(s) >= 2:
+            bind("row_mean", _prod(s[:-1]) * pb)
+            bind("col_mean", _prod(s[:-2]) * s[-1] * pb)
+            bind("var_estimate", n * pb)
+            bind("row_var_mean", _prod(s[:-2]) * pb)
+            _, size = live.pop("row_var_mean")
+            ev.append((-1, tag - 1, size))
+        else:
+            bind("grad_squared", n * pb)
+            bind("var_estimate", n * pb)
+        rebind("update", "var_estimate")
+    freed: set[int] = set()
+    for t, size in live.values():
+        if t not in freed:
+            freed.add(t)
+            ev.append((-1, t, size))
+    return ev
+
+
+def optimizer_notes(setup: TrainingSetup, engine: str) -> list[str]:
+    """What the result says about the optimizer (estimate and trace word it the same way)."""
+    notes = []
+    if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        how = ("bitsandbytes' kernels cannot run on fake tensors: an llmem emulation allocates exactly bnb's state "
+               "tensors and updates in place (fused kernel: no temporaries)" if engine == "trace" else
+               "bitsandbytes' layout")
+        notes.append(f"{setup.optimizer}: {how}; blockwise uint8 state1/state2 + fp32 absmax per 256 elements, "
+                     "fp32 states for parameters under 4096 elements, two shared 256-entry fp32 quantisation maps")
+    if setup.optimizer == "paged-adamw-8bit":
+        notes.append("paged-adamw-8bit: states of >= 1e5 elements are CUDA managed memory (cudaMallocManaged): "
+                     "not in peak_allocated/peak_reserved (PyTorch's counters never see them) but in device_used "
+                     "(component managed_memory), assumed resident on the GPU as the update prefetches them")
+    if setup.optimizer == "adafactor":
+        notes.append("adafactor: torch.optim.Adafactor's default for-loop implementation (torch does not default "
+                     "it to foreach on CUDA); factored row/col second moments for >= 2-D parameters")
+    if setup.optimizer == "lion":
+        notes.append("lion: llmem.optimizers.Lion (the lion-pytorch update with foreach kernels)")
+    if setup.optimizer_in_backward:
+        notes.append("optimizer in backward: one optimizer per parameter stepped in its post-accumulate-grad hook; "
+                     "its gradient is freed right after, states are created at the first backward")
+    return notes
+
+
+def _peak_of(events: list[tuple[int, int, int]]) -> int:
+    held = peak = 0
+    for sign, _tag, size in events:
+        held += sign * size
+        peak = max(peak, held)
+    return peak
 
 
 def _is_embedding(p: ParamInfo) -> bool:
@@ -393,11 +551,13 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
     components["allocator_overhead"] = rep.peak_reserved_bytes - rep.peak_allocated_bytes
     components["cuda_context"] = context
-    notes = []
+    ms = model_states(anatomy, setup, layout)
+    components["managed_memory"] = ms.optimizer_states_outside_allocator
+    notes = optimizer_notes(setup, "estimate")
     if setup.offload_optimizer:
-        ms = model_states(anatomy, setup.__class__(**{**setup.to_dict(), "offload_optimizer": False}), layout)
+        on_gpu = model_states(anatomy, setup.__class__(**{**setup.to_dict(), "offload_optimizer": False}), layout)
         notes.append(f"optimizer states offloaded: the CPU needs about "
-                     f"{(ms.optimizer_states + ms.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
+                     f"{(on_gpu.optimizer_states + on_gpu.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
                      "master weights")
     if not has_recipe(anatomy):
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
@@ -408,7 +568,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         engine="llmem",
         peak_allocated_bytes=rep.peak_allocated_bytes,
         peak_reserved_bytes=rep.peak_reserved_bytes,
-        device_used_bytes=rep.peak_reserved_bytes + context,
+        device_used_bytes=rep.peak_reserved_bytes + context + ms.optimizer_states_outside_allocator,
         gpu_memory_bytes=gpu.memory_bytes,
         components=components,
         setup=resolved_setup(setup, anatomy, layout, gpu),

@@ -176,6 +176,7 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
     comps["allocator_overhead"] = peak_res - tracked - comps["block_rounding"]
     context = max(0, (used or 0) - peak_res)
     comps["cuda_context"] = context
+    comps["managed_memory"] = 0
     notes = method_notes(layout, setup)
     notes.append(f"measure on {torch.cuda.get_device_name(device)}: max_memory_allocated {peak_alloc} B, "
                  f"per-op ledger peak {series['peak_allocated']} B (breakdown from the ledger at its own peak); "

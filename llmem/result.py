@@ -3,11 +3,12 @@
 Counters are named as PyTorch names them:
 - peak_allocated: `torch.cuda.max_memory_allocated()`, bytes held by live tensors (512-byte rounded), at the peak.
 - peak_reserved:  `torch.cuda.max_memory_reserved()`, bytes the caching allocator holds in segments.
-- device_used:    what nvidia-smi shows for the process: peak_reserved + the CUDA context (driver, kernels, handles).
+- device_used:    what nvidia-smi shows for the process: peak_reserved + the CUDA context (driver, kernels, handles)
+                  + CUDA managed memory resident on the device (paged 8-bit optimizer states).
 
 `components` splits the counters at the moment of peak_allocated. The allocated components sum to peak_allocated;
-`allocator_overhead` = peak_reserved - peak_allocated; `cuda_context` = device_used - peak_reserved. So all components
-sum to device_used.
+`allocator_overhead` = peak_reserved - peak_allocated; `cuda_context` + `managed_memory` = device_used - peak_reserved.
+So all components sum to device_used.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ COMPONENTS = (
     "block_rounding",          # whole allocator blocks handed out beyond the tensors' sizes (counted as allocated)
     "allocator_overhead",      # reserved but not allocated: rounding, free blocks in cached segments
     "cuda_context",            # outside the allocator
+    "managed_memory",          # outside the allocator: bitsandbytes' paged optimizer states (cudaMallocManaged)
 )
-ALLOCATED_COMPONENTS = COMPONENTS[:-2]
+ALLOCATED_COMPONENTS = COMPONENTS[:-3]
 
 
 @dataclass

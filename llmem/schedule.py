@@ -255,7 +255,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         for k in gathered.pop(unit_key, []):
             sch.free(k)
 
-    def make_grad(p: ParamInfo, root_unit: bool = False) -> None:
+    def make_grad(p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
         if fsdp:
             size = unsharded_param_bytes(p, gather_bytes)
             if root_unit and p.name in root_unsharded_grads:   # tied: accumulate out of place
@@ -275,13 +275,69 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             sch.free(new)
             sch.free(grads[p.name])
             grads[p.name] = total
+            if in_backward:
+                pending_steps.append(p)
             return
         if regime.autocast and p.module_kind in MATMUL_KINDS:
-            low = alloc(tp_local[p.name] * regime.mm, "gradients")
+            if low is None:
+                low = alloc(tp_local[p.name] * regime.mm, "gradients")
             grads[p.name] = alloc(size, "gradients")
             sch.free(low)
         else:
             grads[p.name] = alloc(size, "gradients")
+        # a tied embedding's hook fires once, after its second (embedding) gradient is accumulated
+        if in_backward and not (p.tied_to is not None and _is_embedding(p)):
+            pending_steps.append(p)
+
+    from llmem.estimator import (
+        local_shape,
+        optimizer_shared_state_bytes,
+        optimizer_state_bytes,
+        optimizer_step_events,
+    )
+
+    in_backward = setup.optimizer_in_backward and not setup.offload_optimizer
+    shapes = {p.name: local_shape(p, layout) for p in trainable}
+
+    def create_states(params: list[ParamInfo]) -> None:
+        """The optimizer's state tensors, created at its first step (per parameter, in order); bitsandbytes makes
+        its shared quantisation maps at the first 8-bit parameter."""
+        shared = optimizer_shared_state_bytes([shapes[p.name] for p in params], setup)
+        for p in params:
+            if shared and optimizer_shared_state_bytes([shapes[p.name]], setup):
+                states.extend(alloc(shared // 2, "optimizer_states") for _ in range(2))
+                shared = 0
+            states.extend(alloc(b, "optimizer_states") for b in optimizer_state_bytes(shapes[p.name], setup))
+
+    def step_temporaries(params: list[ParamInfo]) -> None:
+        keys: dict[int, int] = {}
+        for sign, tag, size in optimizer_step_events([shapes[p.name] for p in params], setup):
+            if sign > 0:
+                keys[tag] = alloc(size, "optimizer_temporaries")
+            else:
+                sch.free(keys.pop(tag))
+
+    pending_steps: list[ParamInfo] = []
+
+    def flush_steps(it: int) -> None:
+        """The hooks fire once the gradient's node has run and released what it saved (the engine runs
+        AccumulateGrad first: it has the highest priority)."""
+        for p in pending_steps:
+            step_in_backward(p, it)
+        pending_steps.clear()
+
+    def step_in_backward(p: ParamInfo, it: int) -> None:
+        """--optimizer-in-backward: the post-accumulate-grad hook steps this parameter's own optimizer (states
+        created lazily at its first step, temporaries of a one-parameter group) and frees its gradient."""
+        if it == 0:
+            create_states([p])
+        if setup.optimizer in ("adamw", "adamw-forloop"):
+            n = shard_numel[p.name] * pb
+            temps = [alloc(n, "optimizer_temporaries") for _ in range(1 if setup.optimizer == "adamw" else 2)]
+            sch.free_all(temps)
+        elif setup.optimizer in ("adafactor", "lion"):
+            step_temporaries([p])
+        sch.free(grads.pop(p.name))
 
     for it in range(iterations):
         # ---- forward
@@ -377,11 +433,23 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         layer_unsharded.clear()
         head_params = [p for p in root if p.trainable and (not _is_embedding(p) or p.tied_to is not None)]
         grad_in = alloc(t * anatomy.hidden_size * regime.mm, "activations")
-        for p in head_params:
-            make_grad(p, root_unit=True)
-        sch.free(cast_grad)
-        sch.free_all(head_copy)
-        sch.free_all(head_keys)
+        if in_backward and not fsdp:
+            # the matmul's node releases what it saved and its input gradient before ToCopyBackward casts the
+            # weight gradient up and AccumulateGrad runs the hook
+            lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_params
+                    if regime.autocast and p.module_kind in MATMUL_KINDS and p.name not in grads}
+            sch.free(cast_grad)
+            sch.free_all(head_copy)
+            sch.free_all(head_keys)
+            for p in head_params:
+                make_grad(p, root_unit=True, low=lows.get(p.name))
+        else:
+            for p in head_params:
+                make_grad(p, root_unit=True)
+            sch.free(cast_grad)
+            sch.free_all(head_copy)
+            sch.free_all(head_keys)
+        flush_steps(it)
         sch.free(grad_in)
         pending_rs: list[int] = []
         for i in reversed(range(layers)):
@@ -409,6 +477,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 sch.free(tmp)
                 sch.free_all(per_block[j])
                 sch.free_all(copies[j])
+                flush_steps(it)
             if act.grad_ckpt:
                 sch.free(ckpt_keys.pop(i))
             if fsdp:
@@ -424,6 +493,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         for p in root:
             if p.trainable and _is_embedding(p):
                 make_grad(p, root_unit=True)
+        flush_steps(it)
         sch.free_all(embed_keys)
         sch.free_all(shared_keys)
         if fsdp:
@@ -442,12 +512,9 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         if setup.offload_optimizer:
             pass
         else:
-            if it == 0:
-                per = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1}
-                for p in trainable:
-                    for _ in range(per[setup.optimizer]):
-                        states.append(alloc(shard_numel[p.name] * pb, "optimizer_states"))
-            if setup.optimizer == "adamw":
+            if it == 0 and not in_backward:
+                create_states(trainable)
+            if setup.optimizer == "adamw" and not in_backward:
                 # foreach runs per parameter group; with tensor parallelism the TP-sharded DTensors and the
                 # TP-replicated tensors (norms, row-parallel biases) need groups of their own
                 for group in optimizer_groups(trainable, layout):
@@ -457,7 +524,10 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 redistributed = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
                                  for p in root if p.name in vocab_parallel]
                 sch.free_all(redistributed)
-            if setup.optimizer == "adamw-forloop":
+            if setup.optimizer in ("adafactor", "lion") and not in_backward:
+                for group in optimizer_groups(trainable, layout):
+                    step_temporaries(group)
+            if setup.optimizer == "adamw-forloop" and not in_backward:
                 for p in trainable:
                     a = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
                     b = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")

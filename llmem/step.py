@@ -681,10 +681,15 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
-def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, optimizer: str, groups: list[dict] | None = None) -> torch.optim.Optimizer:
     """The optimizer as PyTorch runs it on CUDA. Under FakeTensorMode the default would be the for-loop
-    implementation (FakeTensor is not a "foreach-supported" type), so the CUDA default (foreach) is explicit."""
-    groups = param_groups(model)
+    implementation (FakeTensor is not a "foreach-supported" type), so the CUDA default (foreach) is explicit.
+    Adafactor is the exception: torch defaults it to the for-loop implementation on CUDA too (foreach=None runs
+    _single_tensor_adafactor, "as Adafactor is commonly used when memory is prohibitive"), so that is what runs.
+    bitsandbytes' 8-bit AdamW is emulated (llmem.optimizers.EmulatedAdamW8bit: its exact state tensors)."""
+    from llmem.optimizers import EmulatedAdamW8bit, Lion
+
+    groups = param_groups(model) if groups is None else groups
     lr = 1e-5
     if optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, foreach=True)
@@ -696,7 +701,75 @@ def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
         return torch.optim.SGD(groups, lr=lr, momentum=0.0, foreach=True)
     if optimizer == "sgd-momentum":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, foreach=True)
+    if optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=lr, foreach=None)
+    if optimizer == "lion":
+        return Lion(groups, lr=lr)
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        return EmulatedAdamW8bit(groups, lr=lr, paged=optimizer.startswith("paged"))
     raise LlmemError(f"unknown optimizer {optimizer!r}")
+
+
+class InBackwardOptimizer:
+    """--optimizer-in-backward (torch tutorial "How to save memory by fusing the optimizer step into the backward
+    pass"): one optimizer per parameter, stepped in the parameter's post-accumulate-grad hook, which then frees the
+    gradient (zero_grad(set_to_none=True)), so gradients never all live at once. States appear lazily, per
+    parameter, at its first step. `step` / `zero_grad` of the training loop have nothing left to do."""
+
+    def __init__(self, model: nn.Module, optimizer: str, region=None) -> None:
+        self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self.handles = []
+        region = region or (lambda _c: contextlib.nullcontext())
+        for p in model.parameters():
+            if not p.requires_grad or p in self.optimizers:
+                continue
+            opt = make_optimizer(model, optimizer, groups=[{"params": [p]}])
+            self.optimizers[p] = opt
+
+            def hook(param, opt=opt):
+                with region("optimizer_temporaries"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+            self.handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def state(self) -> dict:
+        out = {}
+        for opt in self.optimizers.values():
+            out.update(opt.state)
+        return out
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return sum(getattr(o, "outside_allocator_bytes", 0) for o in self.optimizers.values())
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_scalar_reads() -> Iterator[None]:
+    """Adafactor reads host scalars with `.item()` (the step count, param.norm(2), update.norm(2)), which a
+    FakeTensor cannot answer (data-dependent). The reduction still runs (its output tensor is allocated as on
+    CUDA); only the read of a fake tensor returns 1.0. Restored on exit."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    orig = torch.Tensor.item
+
+    def item(self):
+        if is_fake(self):
+            return 1.0
+        return orig(self)
+
+    torch.Tensor.item = item
+    try:
+        yield
+    finally:
+        torch.Tensor.item = orig
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -715,7 +788,7 @@ class TrainingStep:
     setup: object
     model: nn.Module            # the HF model (sharded in place under FSDP / TP)
     runner: nn.Module           # what the step calls: the model, or its DDP wrapper
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | InBackwardOptimizer
     input_ids: torch.Tensor
     layout: object
     device_type: str
@@ -861,7 +934,12 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             runner = model
             if not sharded:
                 runner = _apply_method(model, layout, mesh, setup, hooks, fake_pg=not real_pg)
-        optimizer = make_optimizer(model, setup.optimizer)
+        if getattr(setup, "optimizer_in_backward", False):
+            optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
+        else:
+            optimizer = make_optimizer(model, setup.optimizer)
+        if fake:
+            stack.enter_context(fake_scalar_reads())
         ids = torch.randint(0, _vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
                             device="cpu" if fake else device)
         step = TrainingStep(setup, model, runner, optimizer, ids, layout, "cpu" if fake else device.type,

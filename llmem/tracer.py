@@ -519,7 +519,7 @@ def downsample(series: dict, max_points: int = MAX_TIMELINE_POINTS) -> list[dict
 
 
 def build_result(engine: str, ledger: Ledger, setup, gpu, total_params: int, notes: list[str],
-                 series: dict | None = None) -> MemoryResult:
+                 series: dict | None = None, managed_bytes: int = 0) -> MemoryResult:
     series = series or replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     peak_alloc = series["peak_allocated"]
     peak_res = series["peak_reserved"]
@@ -529,11 +529,13 @@ def build_result(engine: str, ledger: Ledger, setup, gpu, total_params: int, not
     comps["block_rounding"] = peak_alloc - sum(comps.values())
     comps["allocator_overhead"] = peak_res - peak_alloc
     comps["cuda_context"] = gpu.cuda_context_bytes
+    comps["managed_memory"] = managed_bytes      # paged optimizer states: device memory outside the allocator
     phase = _PHASE_NAMES[series["phase"][series["peak_index"]]] if series["phase"] else ""
     setup_dict = setup.to_dict()
     setup_dict["total_params"] = total_params
     return MemoryResult(engine=engine, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-                        device_used_bytes=peak_res + gpu.cuda_context_bytes, gpu_memory_bytes=gpu.memory_bytes,
+                        device_used_bytes=peak_res + gpu.cuda_context_bytes + managed_bytes,
+                        gpu_memory_bytes=gpu.memory_bytes,
                         components=comps, setup=setup_dict, peak_phase=phase, notes=notes,
                         timeline=downsample(series))
 
@@ -608,13 +610,17 @@ def trace_with_details(setup, *, iterations: int = 2, progress: Callable[[str], 
             ledger.enabled = False
             layout = step.layout
             total_params = step.total_params
+            managed = getattr(step.optimizer, "outside_allocator_bytes", 0)
             del step
     say("replaying the allocator")
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(layout, setup)
+    from llmem.estimator import optimizer_notes
+
+    notes += optimizer_notes(setup, "trace")
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
-    result = build_result("trace", ledger, setup, gpu, total_params, notes, series)
+    result = build_result("trace", ledger, setup, gpu, total_params, notes, series, managed)
     details = TraceDetails(series["phase_peaks"], series["category_max"],
                            top_allocations_at(ledger, series["peak_index"]), ledger, wall)
     return result, details
