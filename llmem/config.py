@@ -52,14 +52,19 @@ class TrainingSetup:
 
         method = METHOD_ALIASES.get(self.method.strip().lower(), self.method.strip().lower())
         if self.optimizer_in_backward and method not in IN_BACKWARD_METHODS:
-            raise LlmemError(f"--optimizer-in-backward is supported with method single only (got {method}): "
-                             "DDP, FSDP2 and DTensor TP own the gradients after accumulation (all-reduce, "
-                             "reduce-scatter), so a post-accumulate-grad hook would step on unreduced gradients")
+            raise LlmemError(f"--optimizer-in-backward is supported with method single only (got {method}): DDP "
+                             "and FSDP2 reduce gradients after accumulation (a post-accumulate-grad hook would step "
+                             "on unreduced gradients, or never fire on FSDP2's sharded parameters); TP is not "
+                             "modelled")
         if self.optimizer_in_backward and self.offload_optimizer:
             raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
         if self.optimizer in EIGHT_BIT_OPTIMIZERS and method not in ("single", "ddp"):
             raise LlmemError(f"{self.optimizer} is modelled with single and ddp only (bitsandbytes' kernels take "
                              f"plain CUDA tensors, not FSDP2/TP DTensor shards); got {method}")
+        if self.optimizer == "adafactor" and method not in ("single", "ddp"):
+            raise LlmemError(f"adafactor with {method}: torch.optim.Adafactor fails on DTensor parameters "
+                             "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in place); "
+                             "use single or ddp")
         if self.optimizer in EIGHT_BIT_OPTIMIZERS and self.offload_optimizer:
             raise LlmemError(f"{self.optimizer} with --offload-optimizer is not modelled")
         if self.lora_rank < 0:

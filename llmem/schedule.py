@@ -309,12 +309,23 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 shared = 0
             states.extend(alloc(b, "optimizer_states") for b in optimizer_state_bytes(shapes[p.name], setup))
 
+    def redistribute_vocab_grads(params: list[ParamInfo]) -> None:
+        """DTensor: the replicated vocab-parallel embedding gradient is redistributed to the parameter's shards
+        where the optimizer first combines it with a sharded tensor (a temporary of the shard's size)."""
+        redistributed = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
+                         for p in params if p.name in vocab_parallel]
+        sch.free_all(redistributed)
+
     def step_temporaries(params: list[ParamInfo]) -> None:
         keys: dict[int, int] = {}
+        redistribute = setup.optimizer == "lion"   # Lion: in _foreach_add_(updates, grads), updates all live
         for sign, tag, size in optimizer_step_events([shapes[p.name] for p in params], setup):
             if sign > 0:
                 keys[tag] = alloc(size, "optimizer_temporaries")
             else:
+                if redistribute:
+                    redistribute_vocab_grads(params)
+                    redistribute = False
                 sch.free(keys.pop(tag))
 
     pending_steps: list[ParamInfo] = []
@@ -520,10 +531,8 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 for group in optimizer_groups(trainable, layout):
                     temps = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries") for p in group]
                     sch.free_all(temps)
-            if vocab_parallel:   # the replicated embedding gradient is redistributed to the parameter's shards
-                redistributed = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
-                                 for p in root if p.name in vocab_parallel]
-                sch.free_all(redistributed)
+            if vocab_parallel and setup.optimizer != "lion":
+                redistribute_vocab_grads(root)
             if setup.optimizer in ("adafactor", "lion") and not in_backward:
                 for group in optimizer_groups(trainable, layout):
                     step_temporaries(group)
