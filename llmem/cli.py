@@ -25,7 +25,11 @@ def _training_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=1, help="per-GPU micro-batch (default 1)")
     g.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (default 2048)")
     g.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed, fp16-mixed, bf16, fp16")
-    g.add_argument("--optimizer", default="adamw", help="adamw, adamw-fused, adamw-forloop, sgd, sgd-momentum")
+    g.add_argument("--optimizer", default="adamw",
+                   help="adamw (foreach), adamw-fused, adamw-forloop, sgd, sgd-momentum, adafactor (torch, for-loop), "
+                        "lion, adamw-8bit, paged-adamw-8bit (bitsandbytes' AdamW8bit / PagedAdamW8bit)")
+    g.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter in its post-accumulate-grad hook and free its gradient (single GPU)")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing of every decoder layer")
     g.add_argument("--attn", default="sdpa", help="sdpa or eager")
     g.add_argument("--gpu", default="A100-80GB", help="GPU type (see `llmem gpus`)")
@@ -52,6 +56,7 @@ def setup_from_args(args: argparse.Namespace):
         cuda_context=args.cuda_context, expandable_segments=args.expandable_segments,
         offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, trust_remote_code=args.trust_remote_code,
+        optimizer_in_backward=args.optimizer_in_backward,
     )
 
 

@@ -446,6 +446,13 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         head_live = ms.head_grads + (ms.embed_grads if anatomy.tie_word_embeddings else 0)
         embed_live = ms.embed_grads - (ms.embed_grads if anatomy.tie_word_embeddings else 0)
     layer_final_grads = ms.layer_grads
+    if setup.optimizer_in_backward:
+        # each hook steps its parameter and frees the gradient: no gradient outlives its own step, so the
+        # backward moments hold at most the largest single gradient and that step's temporaries
+        largest = max((local_numel(p, layout) for p in anatomy.params if p.trainable), default=0) * setup.param_bytes
+        head_live = min(head_live, largest) + ms.optimizer_temporaries
+        embed_live = min(embed_live, largest)
+        layer_final_grads = 0
 
     moments: list[Moment] = []
     # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
@@ -510,11 +517,12 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
             "communication_buffers": static["communication_buffers"] + ms.fsdp_root_reduce,
         }))
     # 6. optimizer step: every gradient, the states and the implementation's temporaries
-    moments.append(Moment("optimizer_step", {
-        **static,
-        "gradients": ms.gradients + ms.tp_embed_grad_excess,
-        "optimizer_temporaries": ms.optimizer_temporaries,
-    }))
+    if not setup.optimizer_in_backward:   # in backward: the step already happened, parameter by parameter
+        moments.append(Moment("optimizer_step", {
+            **static,
+            "gradients": ms.gradients + ms.tp_embed_grad_excess,
+            "optimizer_temporaries": ms.optimizer_temporaries,
+        }))
     return moments
 
 
