@@ -126,8 +126,10 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
         opt_states = opt_temp = opt_outside = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP)
     elif setup.optimizer_in_backward:
         # one optimizer per parameter: the step's temporaries are those of the largest single parameter
-        opt_temp = max((_peak_of(optimizer_step_events([local_shapes[p.name]], setup)) for p in trainable),
-                       default=0)
+        largest = max((local[p.name] for p in trainable), default=0) * pb
+        opt_temp = {"adamw": largest, "adamw-forloop": 2 * largest}.get(setup.optimizer, 0)
+        opt_temp = max([opt_temp] + [_peak_of(optimizer_step_events([local_shapes[p.name]], setup))
+                                     for p in trainable])
     elif setup.optimizer == "adamw":
         # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state of a parameter group
         from llmem.schedule import optimizer_groups

@@ -454,6 +454,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             sch.free_all(head_keys)
             for p in head_params:
                 make_grad(p, root_unit=True, low=lows.get(p.name))
+                flush_steps(it)
         else:
             for p in head_params:
                 make_grad(p, root_unit=True)
@@ -483,6 +484,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             for j in reversed(range(len(act.blocks))):
                 for p in layer_blocks_params[i][j]:
                     if p.trainable:
+                        flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
                         make_grad(p)
                 tmp = alloc(act.blocks[j].transient, "activations")
                 sch.free(tmp)

@@ -21,7 +21,8 @@ def _s(model: str, method: str = "single", gpus: int = 1, **kw) -> TrainingSetup
 
 
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
-# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW and SGD; SDPA and eager.
+# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, bitsandbytes' 8-bit
+# AdamW (paged and not), optimizer in backward; SDPA and eager.
 CI_MATRIX: list[TrainingSetup] = [
     _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
     _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
@@ -54,6 +55,16 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
        lora_targets="all-linear"),
     _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8),
+    # optimizers (issue 5): short sequences, so the optimizer step is the peak or close to it
+    _s("tiny-llama", precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16", optimizer="lion", batch_size=1, seq_len=64),
+    _s("tiny-llama", "tp", 2, precision="bf16", optimizer="lion", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="paged-adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer_in_backward=True, batch_size=1, seq_len=64),
+    _s("gpt2", precision="fp32", optimizer="adafactor", optimizer_in_backward=True, batch_size=1, seq_len=64),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
@@ -141,7 +152,8 @@ class Row:
 def label(s: TrainingSetup) -> str:
     layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
-        + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else [])
+        + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
+        + (["optimizer-in-backward"] if s.optimizer_in_backward else [])
     return f"{s.model} {layout} {' '.join(extras)}"
 
 

@@ -14,6 +14,10 @@ def test_ci_matrix_covers_the_required_space():
     assert {s.precision for s in CI_MATRIX} >= {"fp32", "bf16-mixed", "bf16"}
     assert {s.grad_ckpt for s in CI_MATRIX} == {True, False}
     assert {s.optimizer.split("-")[0] for s in CI_MATRIX} >= {"adamw", "sgd"}
+    optimizers = {s.optimizer for s in CI_MATRIX}
+    assert optimizers >= {"adamw", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit"}
+    assert sum(s.optimizer == "adafactor" for s in CI_MATRIX) >= 2
+    assert any(s.optimizer_in_backward for s in CI_MATRIX)
     assert {s.attn for s in CI_MATRIX} == {"sdpa", "eager"}
     assert len(CI_MATRIX) >= 20
 

@@ -1,0 +1,273 @@
+"""Optimizers of issue 5: Adafactor, Lion, bitsandbytes' 8-bit AdamW (paged and not), optimizer in backward.
+
+Bytes are worked out by hand from the optimizers' sources (torch.optim._adafactor, bitsandbytes 0.50
+optim/optimizer.py, lion-pytorch) and checked against the real optimizers where they run on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
+from llmem.estimator import (
+    estimate,
+    model_states,
+    optimizer_outside_allocator_bytes,
+    optimizer_shared_state_bytes,
+    optimizer_state_bytes,
+    optimizer_step_events,
+)
+from llmem.optimizers import EmulatedAdamW8bit, Lion
+
+TINY_LLAMA_8BIT_NUMEL = 2 * 32000 * 512 + 4 * (4 * 512 * 512 + 3 * 1376 * 512)   # tensors of >= 1e5 elements
+
+
+def _setup(optimizer: str, precision: str = "fp32", **kw) -> TrainingSetup:
+    return TrainingSetup(model="tiny-llama", optimizer=optimizer, precision=precision, **kw)
+
+
+def _peak(events) -> int:
+    held = peak = 0
+    for sign, _tag, size in events:
+        held += sign * size
+        peak = max(peak, held)
+    return peak
+
+
+# --- Adafactor ----------------------------------------------------------------------------------------------------
+
+def test_adafactor_states_are_factored_row_and_col_second_moments():
+    fp32, bf16 = _setup("adafactor"), _setup("adafactor", "bf16")
+    assert sum(optimizer_state_bytes((1376, 512), fp32)) == 4 * (1376 + 512)      # row [m, 1] + col [1, n]
+    assert sum(optimizer_state_bytes((1376, 512), bf16)) == 2 * (1376 + 512)
+    assert optimizer_state_bytes((512,), fp32) == [4 * 512]                       # 1-D: full variance
+    assert sum(optimizer_state_bytes((8, 1376, 512), fp32)) == 4 * 8 * (1376 + 512)   # [.., m, 1] and [.., 1, n]
+
+
+def test_adafactor_states_match_torch_adafactor():
+    """The real torch.optim.Adafactor on CPU tensors: row_var [m, 1], col_var [1, n], variance [n]; the step count
+    is a host scalar."""
+    w, b = nn.Parameter(torch.randn(24, 40)), nn.Parameter(torch.randn(40))
+    opt = torch.optim.Adafactor([w, b], lr=1e-3)
+    (w.sum() + b.sum()).backward()
+    opt.step()
+    sw, sb = opt.state[w], opt.state[b]
+    assert tuple(sw["row_var"].shape) == (24, 1) and tuple(sw["col_var"].shape) == (1, 40)
+    assert tuple(sb["variance"].shape) == (40,)
+    device_bytes = sum(t.nbytes for s in (sw, sb) for k, t in s.items() if k != "step")
+    setup = _setup("adafactor")
+    assert device_bytes == sum(optimizer_state_bytes((24, 40), setup)) + sum(optimizer_state_bytes((40,), setup))
+    assert sw["step"].device.type == "cpu" and sw["step"].dim() == 0
+
+
+def test_adafactor_forloop_temporaries_by_hand():
+    """_single_tensor_adafactor keeps row_mean, col_mean and var_estimate/update as loop locals: the previous
+    parameter's update dies only when `update` is rebound, after the next var_estimate exists."""
+    setup = _setup("adafactor")
+    a, b, c, d = 300, 200, 100, 50
+    first = 4 * (a + b + a * b + 1)                        # row, col, var_estimate, row_var.mean [1, 1]
+    second = 4 * (c + d + a * b + c * d + 1)               # + the first parameter's update still alive
+    assert _peak(optimizer_step_events([(a, b), (c, d)], setup)) == max(first, second)
+    # a vector after a matrix: grad_squared and the clone, with the matrix's update, row and col means alive
+    assert _peak(optimizer_step_events([(a, b), (c,)], setup)) == max(first, 4 * (a + b + a * b + c + c))
+    ev = optimizer_step_events([(a, b), (c, d), (c,)], setup)
+    assert sum(sign * size for sign, _t, size in ev) == 0          # everything freed when the function returns
+
+
+def test_adafactor_runs_on_fake_tensors_and_item_is_restored():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem.step import fake_scalar_reads
+
+    orig = torch.Tensor.item
+    with FakeTensorMode(), fake_scalar_reads():
+        w = nn.Parameter(torch.empty(16, 8))
+        w.grad = torch.empty(16, 8)
+        opt = torch.optim.Adafactor([w], lr=1e-3)
+        opt.step()
+        assert tuple(opt.state[w]["row_var"].shape) == (16, 1)
+    assert torch.Tensor.item is orig
+    assert torch.tensor(3.0).item() == 3.0
+
+
+def test_adafactor_with_dtensor_methods_is_refused():
+    with pytest.raises(LlmemError, match="adafactor"):
+        TrainingSetup(model="tiny-llama", optimizer="adafactor", method="fsdp", gpus=2)
+    TrainingSetup(model="tiny-llama", optimizer="adafactor", method="ddp", gpus=2)
+
+
+# --- Lion ---------------------------------------------------------------------------------------------------------
+
+def test_lion_state_is_one_copy_of_the_parameters():
+    n = 1376 * 512
+    assert optimizer_state_bytes((1376, 512), _setup("lion")) == [4 * n]
+    assert optimizer_state_bytes((1376, 512), _setup("lion", "bf16")) == [2 * n]
+    # foreach: the update is one group-sized temporary
+    assert _peak(optimizer_step_events([(1376, 512), (512,)], _setup("lion"))) == 4 * (n + 512)
+
+
+def test_lion_update_matches_the_reference_by_hand():
+    p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    opt = Lion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5)
+    opt.state[p]["exp_avg"] = torch.tensor([0.2, 0.2, -1.0])
+    p.grad = torch.tensor([-1.0, 0.1, 0.5])
+    opt.step()
+    # c = 0.9 m + 0.1 g = [0.08, 0.19, -0.85]; p <- p (1 - lr wd) - lr sign(c)
+    assert torch.allclose(p.detach(), torch.tensor([1.0 * 0.95 - 0.1, -2.0 * 0.95 - 0.1, 0.5 * 0.95 + 0.1]))
+    # m <- 0.99 m + 0.01 g
+    assert torch.allclose(opt.state[p]["exp_avg"], torch.tensor([0.198 - 0.01, 0.198 + 0.001, -0.99 + 0.005]))
+
+
+# --- bitsandbytes 8-bit AdamW -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [4096, 10_000, 99_999])
+def test_adamw_8bit_states_by_hand(n):
+    """uint8 state1 + state2 (N bytes each) + fp32 absmax1 + absmax2 (one per block of 256)."""
+    expected = 2 * n + 2 * 4 * math.ceil(n / 256)
+    assert sum(optimizer_state_bytes((n,), _setup("adamw-8bit"))) == expected
+    assert sum(optimizer_state_bytes((n,), _setup("paged-adamw-8bit", "bf16"))) == expected   # < 1e5: not paged
+    assert optimizer_outside_allocator_bytes((n,), _setup("paged-adamw-8bit")) == 0
+
+
+def test_adamw_8bit_small_parameters_keep_fp32_states_and_paged_ones_leave_the_allocator():
+    assert optimizer_state_bytes((4095,), _setup("adamw-8bit", "bf16")) == [4 * 4095, 4 * 4095]
+    n = 1376 * 512
+    assert optimizer_state_bytes((1376, 512), _setup("paged-adamw-8bit")) == [4 * 2752, 4 * 2752]   # absmax only
+    assert optimizer_outside_allocator_bytes((1376, 512), _setup("paged-adamw-8bit")) == 2 * n
+    # the two 256-entry fp32 quantisation maps, shared by every 8-bit parameter
+    assert optimizer_shared_state_bytes([(1376, 512), (512, 512), (512,)], _setup("adamw-8bit")) == 2 * 256 * 4
+    assert optimizer_shared_state_bytes([(512,)], _setup("adamw-8bit")) == 0
+
+
+def test_emulated_8bit_optimizer_allocates_bnb_state_tensors():
+    """bitsandbytes Optimizer2State.init_state: state1/state2 uint8 of the parameter's shape, qmap1/qmap2 the shared
+    signed/unsigned dynamic maps (256 fp32), absmax1/absmax2 fp32 [ceil(n / 256)]; under 4096 elements fp32
+    state1/state2 only."""
+    big, small = nn.Parameter(torch.randn(100, 100)), nn.Parameter(torch.randn(10, 10))
+    other = nn.Parameter(torch.randn(64, 64))
+    opt = EmulatedAdamW8bit([big, small, other], lr=1e-3)
+    for p in (big, small, other):
+        p.grad = torch.ones_like(p)
+    before = big.detach().clone()
+    opt.step()
+    s = opt.state[big]
+    assert s["state1"].dtype == torch.uint8 and s["state1"].shape == big.shape
+    assert s["state2"].dtype == torch.uint8 and s["state2"].shape == big.shape
+    assert s["absmax1"].dtype == torch.float32 and tuple(s["absmax1"].shape) == (40,)   # ceil(10000 / 256)
+    assert tuple(s["absmax2"].shape) == (40,)
+    assert s["qmap1"].dtype == torch.float32 and tuple(s["qmap1"].shape) == (256,)
+    assert s["qmap1"] is opt.state[other]["qmap1"] and s["qmap2"] is opt.state[other]["qmap2"]
+    assert s["step"] == 1
+    t = opt.state[small]
+    assert set(t) == {"step", "state1", "state2"} and t["state1"].dtype == torch.float32
+    assert not torch.equal(big.detach(), before)          # updated in place
+    assert opt.outside_allocator_bytes == 0
+
+
+def test_emulated_paged_8bit_keeps_large_states_outside_the_allocator():
+    big, mid = nn.Parameter(torch.randn(400, 300)), nn.Parameter(torch.randn(100, 100))
+    opt = EmulatedAdamW8bit([big, mid], lr=1e-3, paged=True)
+    big.grad, mid.grad = torch.ones_like(big), torch.ones_like(mid)
+    opt.step()
+    assert opt.state[big]["state1"].device.type == "meta"       # managed memory: no allocator event
+    assert opt.state[big]["absmax1"].device.type == "cpu"       # absmax: torch.zeros on the device
+    assert opt.state[mid]["state1"].device.type == "cpu"        # < 1e5 elements: a regular buffer
+    assert opt.outside_allocator_bytes == 2 * 400 * 300
+
+
+def test_paged_states_counted_in_device_used_not_in_the_allocator():
+    setup = TrainingSetup(model="tiny-llama", optimizer="paged-adamw-8bit", batch_size=1, seq_len=64)
+    res = estimate(setup)
+    assert res.components["managed_memory"] == 2 * TINY_LLAMA_8BIT_NUMEL
+    assert res.device_used_bytes == res.peak_reserved_bytes + res.components["cuda_context"] \
+        + 2 * TINY_LLAMA_8BIT_NUMEL
+    assert any("cudaMallocManaged" in n for n in res.notes)
+    plain = estimate(TrainingSetup(model="tiny-llama", optimizer="adamw-8bit", batch_size=1, seq_len=64))
+    assert plain.components["managed_memory"] == 0
+
+
+@pytest.mark.parametrize("method", ["fsdp", "tp"])
+def test_8bit_with_dtensor_methods_is_refused(method):
+    with pytest.raises(LlmemError, match="8bit"):
+        TrainingSetup(model="tiny-llama", optimizer="adamw-8bit", method=method, gpus=2)
+
+
+def test_trace_notes_say_the_8bit_optimizer_is_emulated():
+    from llmem.tracer import trace
+
+    res = trace(TrainingSetup(model="tiny-llama", optimizer="paged-adamw-8bit", batch_size=1, seq_len=16))
+    assert any("emulation" in n for n in res.notes)
+    assert res.components["managed_memory"] == 2 * TINY_LLAMA_8BIT_NUMEL
+    assert res.device_used_bytes == res.peak_reserved_bytes + res.components["cuda_context"] \
+        + 2 * TINY_LLAMA_8BIT_NUMEL
+
+
+# --- optimizer in backward ----------------------------------------------------------------------------------------
+
+def test_in_backward_real_hooks_step_and_free_each_gradient():
+    """The real mechanism: each post-accumulate-grad hook steps its own optimizer and frees the gradient, so at any
+    hook at most one gradient exists; states appear lazily."""
+    from llmem.step import InBackwardOptimizer
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    live_at_hook: list[int] = []
+    for p in model.parameters():   # registered first: runs just before the optimizer's hook
+        p.register_post_accumulate_grad_hook(
+            lambda _p: live_at_hook.append(sum(q.grad is not None for q in model.parameters())))
+    opt = InBackwardOptimizer(model, "adamw")
+    assert not opt.state
+    model(torch.randn(5, 8)).sum().backward()
+    assert live_at_hook == [1, 1, 1, 1]
+    assert all(p.grad is None for p in model.parameters())
+    assert len(opt.state) == 4 and all("exp_avg" in s for s in opt.state.values())
+
+
+def test_in_backward_schedule_holds_the_largest_gradient_not_the_sum():
+    from llmem.activations import activation_profile, regime_for
+    from llmem.anatomy import load_anatomy
+    from llmem.methods import resolve_layout
+    from llmem.schedule import build_schedule
+
+    anatomy = load_anatomy("tiny-llama")
+    largest = 32000 * 512 * 4                   # fp32 embedding / lm_head gradient
+    total = sum(p.numel for p in anatomy.params) * 4
+    for in_backward, expected in ((True, largest), (False, total)):
+        setup = TrainingSetup(model="tiny-llama", precision="fp32", batch_size=1, seq_len=64,
+                              optimizer_in_backward=in_backward)
+        layout = resolve_layout("single", 1, None, None, anatomy.num_heads, anatomy.num_kv_heads)
+        act = activation_profile(anatomy, setup, "single", 1)
+        sch = build_schedule(anatomy, setup, layout, act, regime_for(setup, "single"), 0)
+        held = peak = 0
+        for sign, _k, size, _s, comp in sch.events:
+            if comp == "gradients":
+                held += sign * size
+                peak = max(peak, held)
+        assert peak == expected
+
+
+def test_in_backward_model_states_and_validation():
+    from llmem.anatomy import load_anatomy
+    from llmem.methods import resolve_layout
+
+    anatomy = load_anatomy("tiny-llama")
+    layout = resolve_layout("single", 1, None, None, anatomy.num_heads, anatomy.num_kv_heads)
+    ms = model_states(anatomy, _setup("adamw", optimizer_in_backward=True), layout)
+    assert ms.optimizer_temporaries == 32000 * 512 * 4       # foreach sqrt of the largest single parameter
+    with pytest.raises(LlmemError, match="single"):
+        TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="ddp", gpus=2)
+
+
+def test_cli_options():
+    from llmem.cli import build_parser, setup_from_args
+
+    args = build_parser().parse_args(["estimate", "tiny-llama", "--optimizer", "lion", "--optimizer-in-backward"])
+    setup = setup_from_args(args)
+    assert setup.optimizer == "lion" and setup.optimizer_in_backward
+    assert setup.to_dict()["optimizer_in_backward"] is True
+    with pytest.raises(LlmemError, match="paged-adamw-8bit"):
+        TrainingSetup(model="tiny-llama", optimizer="adam8")
