@@ -48,25 +48,6 @@ class TrainingSetup:
             raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        from llmem.methods import METHOD_ALIASES
-
-        method = METHOD_ALIASES.get(self.method.strip().lower(), self.method.strip().lower())
-        if self.optimizer_in_backward and method not in IN_BACKWARD_METHODS:
-            raise LlmemError(f"--optimizer-in-backward is supported with method single only (got {method}): DDP "
-                             "and FSDP2 reduce gradients after accumulation (a post-accumulate-grad hook would step "
-                             "on unreduced gradients, or never fire on FSDP2's sharded parameters); TP is not "
-                             "modelled")
-        if self.optimizer_in_backward and self.offload_optimizer:
-            raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
-        if self.optimizer in EIGHT_BIT_OPTIMIZERS and method not in ("single", "ddp"):
-            raise LlmemError(f"{self.optimizer} is modelled with single and ddp only (bitsandbytes' kernels take "
-                             f"plain CUDA tensors, not FSDP2/TP DTensor shards); got {method}")
-        if self.optimizer == "adafactor" and method not in ("single", "ddp"):
-            raise LlmemError(f"adafactor with {method}: torch.optim.Adafactor fails on DTensor parameters "
-                             "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in place); "
-                             "use single or ddp")
-        if self.optimizer in EIGHT_BIT_OPTIMIZERS and self.offload_optimizer:
-            raise LlmemError(f"{self.optimizer} with --offload-optimizer is not modelled")
         if self.lora_rank < 0:
             raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if self.attn not in ATTENTIONS:
@@ -109,3 +90,22 @@ class TrainingSetup:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_optimizer_method(setup: TrainingSetup, method: str) -> None:
+    """The optimizer options the method's real code path supports (raised by estimate and trace once the method
+    is resolved, so a planner can build the set-up and skip the methods that cannot run it)."""
+    if setup.optimizer_in_backward and setup.offload_optimizer:
+        raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
+    if setup.optimizer_in_backward and method not in IN_BACKWARD_METHODS:
+        raise LlmemError(f"--optimizer-in-backward is supported with method single only (got {method}): DDP "
+                         "and FSDP2 reduce gradients after accumulation (a post-accumulate-grad hook would step "
+                         "on unreduced gradients, or never fire on FSDP2's sharded parameters); TP is not "
+                         "modelled")
+    if setup.optimizer == "adafactor" and method not in ("single", "ddp"):
+        raise LlmemError(f"adafactor with {method}: torch.optim.Adafactor fails on DTensor parameters "
+                         "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in place); "
+                         "use single or ddp")
+    if setup.optimizer in EIGHT_BIT_OPTIMIZERS and method not in ("single", "ddp"):
+        raise LlmemError(f"{setup.optimizer} is modelled with single and ddp only (bitsandbytes' kernels take "
+                         f"plain CUDA tensors, not FSDP2/TP DTensor shards); got {method}")

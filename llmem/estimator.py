@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, has_recipe, regime_for
 from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, with_lora
-from llmem.config import TrainingSetup
+from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
 from llmem.methods import Layout, resolve_layout
@@ -112,6 +112,7 @@ class ModelStates:
 
 
 def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> ModelStates:
+    check_optimizer_method(setup, layout.method)
     pb = setup.param_bytes
     params = anatomy.params
     trainable = [p for p in params if p.trainable]
@@ -304,12 +305,12 @@ def optimizer_step_events(shapes: list[tuple[int, ...]], setup: TrainingSetup) -
 
 
 def optimizer_notes(setup: TrainingSetup, engine: str) -> list[str]:
-    """What the result says about the optimizer (estimate and trace word it the same way)."""
+    """What the result says about the optimizer; engine "estimate", or "trace" / "measure" (the real step)."""
     notes = []
     if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        how = ("bitsandbytes' kernels cannot run on fake tensors: an llmem emulation allocates exactly bnb's state "
-               "tensors and updates in place (fused kernel: no temporaries)" if engine == "trace" else
-               "bitsandbytes' layout")
+        how = ("bitsandbytes' layout" if engine == "estimate" else
+               "bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bitsandbytes a dependency): an llmem "
+               "emulation allocates exactly bnb's state tensors and updates in place (fused kernel: no temporaries)")
         notes.append(f"{setup.optimizer}: {how}; blockwise uint8 state1/state2 + fp32 absmax per 256 elements, "
                      "fp32 states for parameters under 4096 elements, two shared 256-entry fp32 quantisation maps")
     if setup.optimizer == "paged-adamw-8bit":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from llmem.errors import LlmemError
+from llmem.estimator import optimizer_notes
 from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
 from llmem.tracer import _PHASE_CODES, Ledger, build_result, method_notes, replay_ledger, tracking
 
@@ -142,7 +143,7 @@ def measure_cpu_with_details(setup, *, iterations: int = 2, progress: Callable[[
     layout, total = _run(setup, torch.device("cpu"), iterations, ledger, None, say)
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
-    notes = method_notes(layout, setup)
+    notes = method_notes(layout, setup) + optimizer_notes(setup, "measure")
     notes.append(f"measure on cpu: live tensor bytes counted per op (512-B rounded), reserved from the allocator "
                  f"model; cuBLAS workspace and CUDA context from the {gpu.name} catalog entry; {wall:.1f} s")
     result = build_result("measure", ledger, setup, gpu, total, notes, series)
@@ -177,7 +178,7 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
     context = max(0, (used or 0) - peak_res)
     comps["cuda_context"] = context
     comps["managed_memory"] = 0
-    notes = method_notes(layout, setup)
+    notes = method_notes(layout, setup) + optimizer_notes(setup, "measure")
     notes.append(f"measure on {torch.cuda.get_device_name(device)}: max_memory_allocated {peak_alloc} B, "
                  f"per-op ledger peak {series['peak_allocated']} B (breakdown from the ledger at its own peak); "
                  f"{time.perf_counter() - t0:.1f} s")

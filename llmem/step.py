@@ -866,6 +866,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     total_params = sum(p.numel() for p in model.parameters())
     heads, kv_heads = _family_heads(model)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, heads, kv_heads)
+    from llmem.config import check_optimizer_method
+
+    check_optimizer_method(setup, layout.method)
     low = _low_dtype(setup)
     autocast_dtype = low if (setup.mixed and layout.method in ("single", "ddp", "tp")) else None
     on_cuda = device.type == "cuda"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmem.config import TrainingSetup
+from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
 from llmem.estimator import (
     estimate,
@@ -97,8 +97,10 @@ def test_adafactor_runs_on_fake_tensors_and_item_is_restored():
 
 def test_adafactor_with_dtensor_methods_is_refused():
     with pytest.raises(LlmemError, match="adafactor"):
-        TrainingSetup(model="tiny-llama", optimizer="adafactor", method="fsdp", gpus=2)
-    TrainingSetup(model="tiny-llama", optimizer="adafactor", method="ddp", gpus=2)
+        estimate(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="fsdp", gpus=2))
+    with pytest.raises(LlmemError, match="adafactor"):
+        check_optimizer_method(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="tp", gpus=2), "tp")
+    check_optimizer_method(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="ddp", gpus=2), "ddp")
 
 
 # --- Lion ---------------------------------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def test_paged_states_counted_in_device_used_not_in_the_allocator():
 @pytest.mark.parametrize("method", ["fsdp", "tp"])
 def test_8bit_with_dtensor_methods_is_refused(method):
     with pytest.raises(LlmemError, match="8bit"):
-        TrainingSetup(model="tiny-llama", optimizer="adamw-8bit", method=method, gpus=2)
+        estimate(TrainingSetup(model="tiny-llama", optimizer="adamw-8bit", method=method, gpus=2))
 
 
 def test_trace_notes_say_the_8bit_optimizer_is_emulated():
@@ -259,7 +261,11 @@ def test_in_backward_model_states_and_validation():
     ms = model_states(anatomy, _setup("adamw", optimizer_in_backward=True), layout)
     assert ms.optimizer_temporaries == 32000 * 512 * 4       # foreach sqrt of the largest single parameter
     with pytest.raises(LlmemError, match="single"):
-        TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="ddp", gpus=2)
+        estimate(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="ddp", gpus=2))
+    with pytest.raises(LlmemError, match="single"):   # the trace refuses it before building anything
+        from llmem.tracer import trace
+
+        trace(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="fsdp", gpus=2))
 
 
 def test_cli_options():
