@@ -278,7 +278,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             if in_backward:
                 pending_steps.append(p)
             return
-        if regime.autocast and p.module_kind in MATMUL_KINDS:
+        if low is not None or regime.autocast and p.module_kind in MATMUL_KINDS:
             if low is None:
                 low = alloc(tp_local[p.name] * regime.mm, "gradients")
             grads[p.name] = alloc(size, "gradients")
@@ -448,7 +448,9 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             # the matmul's node releases what it saved and its input gradient before ToCopyBackward casts the
             # weight gradient up and AccumulateGrad runs the hook
             lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_params
-                    if regime.autocast and p.module_kind in MATMUL_KINDS and p.name not in grads}
+                    if regime.autocast and casts(p) and p.name not in grads
+                    and (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+                         or (p.tied_to or "").startswith("lm_head"))}
             sch.free(cast_grad)
             sch.free_all(head_copy)
             sch.free_all(head_keys)
