@@ -451,11 +451,15 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                     if regime.autocast and casts(p) and p.name not in grads
                     and (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
                          or (p.tied_to or "").startswith("lm_head"))}
+            for p in head_params:      # gradients the node produces directly (no cast): while its inputs live
+                if p.name not in lows:
+                    make_grad(p, root_unit=True)
             sch.free(cast_grad)
             sch.free_all(head_copy)
             sch.free_all(head_keys)
             for p in head_params:
-                make_grad(p, root_unit=True, low=lows.get(p.name))
+                if p.name in lows:
+                    make_grad(p, root_unit=True, low=lows[p.name])
                 flush_steps(it)
         else:
             for p in head_params:
