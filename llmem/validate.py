@@ -116,8 +116,11 @@ GPU_MATRIX: list[TrainingSetup] = [
         ("meta-llama/Llama-3.1-8B", "fsdp+tp", 8, 2, "bf16-mixed", 1, 4096, True, "adamw"),
         ("mistralai/Mistral-7B-v0.1", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw-fused"),
         ("mistralai/Mistral-7B-v0.1", "fsdp+tp", 8, 4, "bf16-mixed", 1, 4096, False, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adafactor"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "lion"),
     ]
-]
+] + [TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16-mixed", batch_size=4, seq_len=2048, gpu="H200",
+                   optimizer_in_backward=True)]   # bitsandbytes' 8-bit states need bnb itself on a GPU: not here
 
 MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
 COUNTERS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")
