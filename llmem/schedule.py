@@ -447,20 +447,25 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         if in_backward and not fsdp:
             # the matmul's node releases what it saved and its input gradient before ToCopyBackward casts the
             # weight gradient up and AccumulateGrad runs the hook
-            lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_params
-                    if regime.autocast and casts(p) and p.name not in grads
-                    and (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
-                         or (p.tied_to or "").startswith("lm_head"))}
-            for p in head_params:      # gradients the node produces directly (no cast): while its inputs live
+            # (the final norm's backward runs after the lm_head's hook)
+            head_mm = [p for p in head_params if p.name.startswith("lm_head") or (p.tied_to or "").startswith(
+                "lm_head")]
+            lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_mm
+                    if regime.autocast and casts(p) and p.name not in grads}
+            for p in head_mm:          # gradients the node produces directly (no cast): while its inputs live
                 if p.name not in lows:
                     make_grad(p, root_unit=True)
             sch.free(cast_grad)
             sch.free_all(head_copy)
             sch.free_all(head_keys)
-            for p in head_params:
+            for p in head_mm:
                 if p.name in lows:
                     make_grad(p, root_unit=True, low=lows[p.name])
                 flush_steps(it)
+            for p in head_params:
+                if p not in head_mm:
+                    make_grad(p, root_unit=True)
+                    flush_steps(it)
         else:
             for p in head_params:
                 make_grad(p, root_unit=True)

@@ -277,3 +277,12 @@ def test_cli_options():
     assert setup.to_dict()["optimizer_in_backward"] is True
     with pytest.raises(LlmemError, match="paged-adamw-8bit"):
         TrainingSetup(model="tiny-llama", optimizer="adam8")
+
+
+def test_cli_refuses_unsupported_combinations_with_exit_2(capsys):
+    from llmem.cli import main
+
+    assert main(["estimate", "tiny-llama", "--optimizer-in-backward", "--gpus", "2"]) == 2
+    assert "--optimizer-in-backward" in capsys.readouterr().err
+    assert main(["estimate", "tiny-llama", "--optimizer", "adafactor", "--method", "fsdp", "--gpus", "2"]) == 2
+    assert main(["estimate", "tiny-llama", "--optimizer", "adam-9bit"]) == 2
