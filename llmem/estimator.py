@@ -308,7 +308,8 @@ def optimizer_notes(setup: TrainingSetup, engine: str) -> list[str]:
     """What the result says about the optimizer; engine "estimate", or "trace" / "measure" (the real step)."""
     notes = []
     if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        how = ("bitsandbytes' layout" if engine == "estimate" else
+        how = ("bitsandbytes' state layout, modelled analytically (its CUDA kernels cannot run on fake tensors: "
+               "the trace uses an emulation with the same state tensors)" if engine == "estimate" else
                "bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bitsandbytes a dependency): an llmem "
                "emulation allocates exactly bnb's state tensors and updates in place (fused kernel: no temporaries)")
         notes.append(f"{setup.optimizer}: {how}; blockwise uint8 state1/state2 + fp32 absmax per 256 elements, "
