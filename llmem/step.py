@@ -702,12 +702,21 @@ def make_optimizer(model: nn.Module, optimizer: str, groups: list[dict] | None =
     if optimizer == "sgd-momentum":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, foreach=True)
     if optimizer == "adafactor":
-        return torch.optim.Adafactor(groups, lr=lr, foreach=None)
+        return _Adafactor(groups, lr=lr, foreach=None)
     if optimizer == "lion":
         return Lion(groups, lr=lr)
     if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
         return EmulatedAdamW8bit(groups, lr=lr, paged=optimizer.startswith("paged"))
     raise LlmemError(f"unknown optimizer {optimizer!r}")
+
+
+class _Adafactor(torch.optim.Adafactor):
+    """torch.optim.Adafactor whose host-scalar reads work on fake tensors (fake_scalar_reads, only while it steps:
+    the model's own code keeps the fake mode's usual errors)."""
+
+    def step(self, closure=None):
+        with fake_scalar_reads():
+            return super().step(closure)
 
 
 class InBackwardOptimizer:
@@ -941,8 +950,6 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
         else:
             optimizer = make_optimizer(model, setup.optimizer)
-        if fake:
-            stack.enter_context(fake_scalar_reads())
         ids = torch.randint(0, _vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
                             device="cpu" if fake else device)
         step = TrainingStep(setup, model, runner, optimizer, ids, layout, "cpu" if fake else device.type,

@@ -95,6 +95,22 @@ def test_adafactor_runs_on_fake_tensors_and_item_is_restored():
     assert torch.tensor(3.0).item() == 3.0
 
 
+def test_step_adafactor_reads_fake_scalars_only_while_it_steps():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from llmem.step import make_optimizer
+
+    with FakeTensorMode():
+        model = nn.Linear(8, 16)
+        model(torch.empty(4, 8)).sum().backward()
+        opt = make_optimizer(model, "adafactor")
+        opt.step()
+        assert tuple(opt.state[model.weight]["col_var"].shape) == (1, 8)
+        assert opt.defaults["foreach"] is None            # torch's CUDA default: the for-loop implementation
+        with pytest.raises(DataDependentOutputException):  # outside the step: the fake mode's error, as before
+            model.weight.sum().item()
+
+
 def test_adafactor_with_dtensor_methods_is_refused():
     with pytest.raises(LlmemError, match="adafactor"):
         estimate(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="fsdp", gpus=2))
