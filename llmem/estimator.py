@@ -450,12 +450,17 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         head_live = ms.head_grads + (ms.embed_grads if anatomy.tie_word_embeddings else 0)
         embed_live = ms.embed_grads - (ms.embed_grads if anatomy.tie_word_embeddings else 0)
     layer_final_grads = ms.layer_grads
+    in_backward_head = 0
     if setup.optimizer_in_backward:
-        # each hook steps its parameter and frees the gradient: no gradient outlives its own step, so the
-        # backward moments hold at most the largest single gradient and that step's temporaries
-        largest = max((local_numel(p, layout) for p in anatomy.params if p.trainable), default=0) * setup.param_bytes
-        head_live = min(head_live, largest) + ms.optimizer_temporaries
-        embed_live = min(embed_live, largest)
+        # each hook steps its parameter and frees the gradient: no gradient outlives its own step. The head's
+        # step (its gradient and the step's temporaries) is a moment of its own; later moments hold no head or
+        # layer gradients, the embedding's moment its own gradient and step
+        if anatomy.tie_word_embeddings:
+            head_live = ms.embed_grads    # the tied weight's one hook waits for its embedding gradient
+        else:
+            in_backward_head = head_live + ms.optimizer_temporaries
+            head_live = 0
+            embed_live += ms.optimizer_temporaries
         layer_final_grads = 0
 
     moments: list[Moment] = []
@@ -477,6 +482,13 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         "activations": saved_layers,
         "logits_and_loss": act.loss_peak,
     }))
+    if in_backward_head:   # the lm_head's hook: its gradient and step, the graph below still alive
+        moments.append(Moment("backward", {
+            **static,
+            "gathered_weights": gathered_fwd + kept_copies - head_copy,
+            "activations": saved_layers - act.head_saved,
+            "gradients": in_backward_head,
+        }))
     # 3. top decoder layer: head gradients exist; the layers below still hold their activations
     others = act.embed_saved + act.shared_saved + (layers - 1) * per_layer
     other_copies = 0 if ckpt else (layers - 1) * layer_copies

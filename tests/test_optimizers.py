@@ -284,6 +284,21 @@ def test_in_backward_model_states_and_validation():
         trace(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="fsdp", gpus=2))
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "gpt2"])     # untied and tied embeddings
+def test_in_backward_moments_follow_the_replay(model):
+    """The planner's quick search takes the largest moment: with the optimizer in backward it must follow the
+    replayed schedule (no gradient sum, no optimizer-step moment)."""
+    from llmem.anatomy import load_anatomy
+    from llmem.estimator import quick_peak_allocated
+    from llmem.hardware import resolve_gpu
+
+    setup = TrainingSetup(model=model, precision="bf16-mixed", batch_size=1, seq_len=64, optimizer_in_backward=True)
+    res = estimate(setup)
+    quick = quick_peak_allocated(setup, load_anatomy(model), resolve_gpu(setup.gpu))
+    assert abs(quick - res.peak_allocated_bytes) <= 0.02 * res.peak_allocated_bytes
+    assert "optimizer_step" not in {m["phase"] for m in res.moments}
+
+
 def test_cli_options():
     from llmem.cli import build_parser, setup_from_args
 
