@@ -85,6 +85,7 @@ class ActivationProfile:
     embed_tensors: tuple[int, ...] = ()
     head_tensors: tuple[int, ...] = ()
     shared_tensors: tuple[int, ...] = ()
+    int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
 
     @property
     def saved_at_loss(self) -> int:
@@ -141,13 +142,24 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     attn = effective_attention(anatomy, setup)
     family = _FAMILIES.get(anatomy.model_type, _llama_like)
     recipe = family(anatomy, d, regime, attn)
+    # bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms, under
+    # autocast, the MLP's gate/up outputs (and what silu and the product keep) are fp32, not the compute dtype
+    fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
+    if fp32_behind_quant:
+        recipe = with_fp32_mlp(recipe, d)
     if any(".lora_A." in p.name for p in anatomy.params):
         recipe = with_adapters(anatomy, recipe, d, regime)
     if any(not p.trainable for p in anatomy.params):
-        recipe = with_trainability(anatomy, recipe)
+        recipe = with_trainability(anatomy, recipe, "none" if fp32_behind_quant else setup.quant_base)
+    int8_kept: Sizes = ()
+    if setup.quant_base == "int8":
+        int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, fp32_behind_quant)
+        if fp32_behind_quant and not setup.grad_ckpt:   # the fp32 inputs LLM.int8 keeps, which nothing else does
+            recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
     return ActivationProfile(
         per_layer_saved=sum(b.saved for b in recipe.blocks),
-        checkpoint_saved=d.t * d.h * regime.res,
+        checkpoint_saved=d.t * d.h * regime.res + sum(int8_kept),
+        int8_kept=int8_kept,
         embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
         embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
         loss_peak=loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
@@ -304,16 +316,20 @@ def _proj_block(name: str, r: Regime, t: int, width: int, consumers: int, source
     return Block(name, tensors, params, consumers * t * width * r.mm, for_weights)
 
 
-def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe) -> LayerRecipe:
+def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, quant_base: str = "none") -> LayerRecipe:
     """Drop the tensors kept only for gradients of weights that are frozen (LoRA's base). A shared input still
-    stays when a LoRA adapter of that module reads it; an autocast cast of it does not (lora_A casts its own)."""
+    stays when a LoRA adapter of that module reads it; an autocast cast of it does not (lora_A casts its own).
+    bitsandbytes' MatMul8bitLt keeps its input (ctx.tensors) even for a frozen int8 weight."""
+    from llmem.quant import is_quantised
+
     layer0 = [p for p in anatomy.params if p.layer_index == 0]
     root = [p for p in anatomy.params if p.layer_index is None]
 
     def needed(params, keepers: tuple[str, ...], cast: bool) -> bool:
         for p in params:
             names = (p.name, p.tied_to or "")
-            base = p.trainable and ".lora_" not in p.name
+            base = (p.trainable and ".lora_" not in p.name) or (quant_base == "int8" and not cast
+                                                                and is_quantised(p, quant_base))
             adapter = p.trainable and ".lora_" in p.name and not cast
             if (base or adapter) and any(f"{k}." in n for k in keepers for n in names):
                 return True
@@ -326,6 +342,64 @@ def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe) -> LayerRecipe
     blocks = tuple(Block(b.name, keep(b.tensors, b.for_weights, layer0), b.params, b.transient)
                    for b in recipe.blocks)
     return LayerRecipe(blocks, recipe.embed, keep(recipe.head, recipe.head_for_weights, root), recipe.shared)
+
+
+_NORM_FED = ("qkv_proj", "gate_up_proj", "c_attn", "c_fc", "fc1", "query_key_value", "dense_h_to_4h",
+             "qkv_and_fc_in")
+
+
+def quant_input_bytes(block: Block, r: Regime, fp32_behind_quant: bool) -> int:
+    """Bytes per element of the input a block's linears read: a norm's output (the residual dtype), the MLP
+    product (fp32 behind bitsandbytes' fp32 outputs), else a matmul output."""
+    if block.name in _NORM_FED:
+        return r.res
+    if block.name in ("down_proj", "mlp_out", "fc2", "dense_4h_to_h") and fp32_behind_quant:
+        return F32
+    return r.mm
+
+
+def int8_inputs_kept(anatomy: ModelAnatomy, blocks: tuple[Block, ...], t: int, r: Regime,
+                     fp32_behind_quant: bool = False) -> Sizes:
+    """Bytes of one layer's inputs that bitsandbytes' MatMul8bitLt keeps as a ctx attribute (ctx.tensors), which
+    non-reentrant checkpointing cannot drop: one per block of int8 linears (linears of one block share it)."""
+    from llmem.quant import is_quantised
+
+    per_block: dict[int, int] = {}
+    for p in anatomy.params:
+        if p.layer_index == 0 and is_quantised(p, "int8"):
+            i = block_owner(blocks, p.name)
+            in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
+            size = t * in_features * quant_input_bytes(blocks[i], r, fp32_behind_quant)
+            per_block[i] = max(per_block.get(i, 0), size)
+    return tuple(per_block[i] for i in sorted(per_block))
+
+
+def with_fp32_mlp(recipe: LayerRecipe, d: Dims) -> LayerRecipe:
+    """Llama-like MLP behind bitsandbytes' linears with an fp32 input: gate, silu(gate) and up come out fp32 (the
+    product down_proj reads is kept only as lora_A's own cast, in the compute dtype)."""
+    blocks = []
+    for b in recipe.blocks:
+        if b.name == "mlp_act" and len(b.tensors) >= 4:
+            b = Block(b.name, (d.t * d.i * F32,) * 3 + b.tensors[3:], b.params, b.transient, b.for_weights)
+        blocks.append(b)
+    return LayerRecipe(tuple(blocks), recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+
+
+def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regime) -> LayerRecipe:
+    """The fp32 inputs MatMul8bitLt keeps (ctx.tensors) behind fp32 norms and the fp32 MLP product: nothing else
+    keeps them (lora_A keeps its own cast). The attention output o_proj reads is SDPA's, already kept."""
+    kept = dict.fromkeys(range(len(recipe.blocks)), 0)
+    from llmem.quant import is_quantised
+
+    for p in anatomy.params:
+        if p.layer_index == 0 and is_quantised(p, "int8"):
+            i = block_owner(recipe.blocks, p.name)
+            if quant_input_bytes(recipe.blocks[i], r, True) == F32:
+                in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
+                kept[i] = max(kept[i], t * in_features * F32)
+    blocks = tuple(Block(b.name, b.tensors + ((kept[i],) if kept[i] else ()), b.params, b.transient)
+                   for i, b in enumerate(recipe.blocks))
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
 
 
 def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:

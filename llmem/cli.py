@@ -41,6 +41,12 @@ def _training_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scaling; no effect on memory)")
     g.add_argument("--lora-targets", default="q_proj,v_proj", help="modules to adapt, comma-separated, or all-linear")
     g.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model's own code")
+    g.add_argument("--qlora", action="store_true",
+                   help="frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)")
+    g.add_argument("--load-in-8bit", action="store_true",
+                   help="frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)")
+    g.add_argument("--no-double-quant", action="store_true",
+                   help="--qlora without double quantisation (fp32 absmax per 64-block)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -57,7 +63,18 @@ def setup_from_args(args: argparse.Namespace):
         offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, trust_remote_code=args.trust_remote_code,
         optimizer_in_backward=args.optimizer_in_backward,
+        quant_base=_quant_base(args), double_quant=not args.no_double_quant,
     )
+
+
+def _quant_base(args: argparse.Namespace) -> str:
+    from llmem.errors import LlmemError
+
+    if args.qlora and args.load_in_8bit:
+        raise LlmemError("--qlora and --load-in-8bit exclude each other: choose one quantised base")
+    if args.no_double_quant and not args.qlora:
+        raise LlmemError("--no-double-quant applies to --qlora only")
+    return "nf4" if args.qlora else "int8" if args.load_in_8bit else "none"
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

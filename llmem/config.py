@@ -38,6 +38,8 @@ class TrainingSetup:
     lora_targets: str = "q_proj,v_proj" # comma-separated module names, or "all-linear"
     trust_remote_code: bool = False
     optimizer_in_backward: bool = False # per-parameter optimizer steps in post-accumulate-grad hooks
+    quant_base: str = "none"            # frozen base quantised by bitsandbytes: "nf4" (--qlora), "int8" (--load-in-8bit)
+    double_quant: bool = True           # nf4: quantise the absmax constants too (QLoRA's double quantisation)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -52,6 +54,9 @@ class TrainingSetup:
             raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
+        from llmem.quant import check_setup
+
+        check_setup(self)
 
     @property
     def mixed(self) -> bool:
@@ -85,8 +90,12 @@ class TrainingSetup:
 
     def stored_bytes(self, trainable: bool) -> int:
         """Bytes per element of a stored parameter: trained ones in param_bytes; frozen ones (LoRA's base) in the
-        compute dtype, as fine-tuning scripts load them (no fp32 master copy of weights that never change)."""
-        return self.param_bytes if trainable else self.compute_bytes
+        compute dtype, as fine-tuning scripts load them (no fp32 master copy of weights that never change). Under a
+        quantised base, the unquantised frozen ones (embeddings, norms, lm_head) are fp32: peft's
+        prepare_model_for_kbit_training, which the QLoRA recipe runs, upcasts them."""
+        if trainable:
+            return self.param_bytes
+        return 4 if self.quant_base != "none" else self.compute_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,6 +115,9 @@ def check_optimizer_method(setup: TrainingSetup, method: str) -> None:
         raise LlmemError(f"adafactor with {method}: torch.optim.Adafactor fails on DTensor parameters "
                          "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in place); "
                          "use single or ddp")
+    from llmem.quant import check_quant_method
+
+    check_quant_method(setup, method)
     if setup.optimizer in EIGHT_BIT_OPTIMIZERS and method not in ("single", "ddp"):
         raise LlmemError(f"{setup.optimizer} is modelled with single and ddp only (bitsandbytes' kernels take "
                          f"plain CUDA tensors, not FSDP2/TP DTensor shards); got {method}")

@@ -26,6 +26,7 @@ from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
 from llmem.methods import Layout, resolve_layout
+from llmem.quant import is_quantised, storage_bytes
 from llmem.result import COMPONENTS, MemoryResult
 
 # Module names whose weights tensor parallelism splits by output (column) or by input (row) features.
@@ -117,7 +118,7 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     params = anatomy.params
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
-    weights = sum(local[p.name] * setup.stored_bytes(p.trainable) for p in params)
+    weights = sum(param_storage_bytes(p, setup, local[p.name]) for p in params)
     grads = sum(local[p.name] for p in trainable) * pb
     local_shapes = {p.name: local_shape(p, layout) for p in trainable}
     opt_states = sum(sum(optimizer_state_bytes(local_shapes[p.name], setup)) for p in trainable)
@@ -156,8 +157,8 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     ac_w = ac_b = 0
     if regime.autocast:
         for p in matmul:
-            if not p.trainable and setup.stored_bytes(False) == regime.mm:
-                continue                 # a frozen weight stored in the compute dtype needs no cast
+            if not p.trainable and (setup.stored_bytes(False) == regime.mm or is_quantised(p, setup.quant_base)):
+                continue                 # a frozen weight stored in the compute dtype (or quantised) needs no cast
             n = tp_local_numel(p, layout) * regime.mm
             if p.name.endswith("bias"):
                 ac_b += n
@@ -335,6 +336,14 @@ def _peak_of(events: list[tuple[int, int, int]]) -> int:
         held += sign * size
         peak = max(peak, held)
     return peak
+
+
+def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int) -> int:
+    """Bytes a parameter is stored in on this GPU (`local` elements of it): bitsandbytes' layout for a quantised
+    base weight (llmem.quant), else the set-up's dtype for trained / frozen parameters."""
+    if is_quantised(p, setup.quant_base):
+        return storage_bytes(p, setup.quant_base, setup.double_quant)
+    return local * setup.stored_bytes(p.trainable)
 
 
 def _is_embedding(p: ParamInfo) -> bool:
@@ -583,6 +592,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes.append(f"optimizer states offloaded: the CPU needs about "
                      f"{(on_gpu.optimizer_states + on_gpu.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
                      "master weights")
+    notes += quant_notes(setup, anatomy)
     if not has_recipe(anatomy):
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
                      "activations are approximate (llmem trace gives the exact step)")
@@ -600,6 +610,27 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes=notes,
         moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
     )
+
+
+def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy) -> list[str]:
+    """What the estimate says about a bitsandbytes-quantised base (its kernels are modelled, never run)."""
+    if setup.quant_base == "none":
+        return []
+    quantised = [p for p in anatomy.params if is_quantised(p, setup.quant_base)]
+    stored = sum(storage_bytes(p, setup.quant_base, setup.double_quant) for p in quantised)
+    numel = sum(p.numel for p in quantised)
+    kind = ("NF4 4-bit" + (", double-quantised constants" if setup.double_quant else ", fp32 absmax")
+            if setup.quant_base == "nf4" else "LLM.int8")
+    upcast = sum(p.numel for p in anatomy.params if not p.trainable and not is_quantised(p, setup.quant_base))
+    notes = [f"bitsandbytes {kind} base: {numel / 1e9:.2f} B parameters in {stored / 1024**3:.2f} GiB "
+             f"({8 * stored / max(numel, 1):.3f} bits each); bitsandbytes' kernels are modelled, not run "
+             "(dequantisation transients in forward and backward included)",
+             f"QLoRA recipe (peft's prepare_model_for_kbit_training): the {upcast / 1e9:.2f} B unquantised frozen "
+             "parameters (embeddings, norms, lm_head) are fp32, and so is the residual stream"]
+    if anatomy.family != "llama" and setup.mixed:
+        notes.append(f"activations behind bitsandbytes' fp32-returning linears are modelled for the Llama family; "
+                     f"for {anatomy.model_type!r} they are approximate (llmem trace gives the step)")
+    return notes
 
 
 def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmem.activations import F32, ActivationProfile, Regime, block_owner
+from llmem.activations import F32, ActivationProfile, Regime, block_owner, quant_input_bytes
 from llmem.allocator import CachingAllocator
 from llmem.anatomy import ModelAnatomy, ParamInfo
 from llmem.config import TrainingSetup
 from llmem.methods import Layout
+from llmem.quant import is_quantised, storage_tensors, transients
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
 DDP_FIRST_BUCKET_BYTES = 1024**2                 # torch.distributed: dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -183,8 +184,53 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         return block_owner(act.blocks, p.name)
 
     def casts(p: ParamInfo) -> bool:
-        """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none)."""
-        return p.trainable or setup.stored_bytes(False) != regime.mm
+        """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none, nor
+        does a quantised one: bitsandbytes dequantises it itself)."""
+        return p.trainable or (setup.stored_bytes(False) != regime.mm and not quantised[p.name])
+
+    # bitsandbytes' dequantisation transients per quantised linear (llmem.quant), and per block the largest one
+    quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
+    quant_tmp = {p.name: transients(p.shape, setup.quant_base, setup.double_quant, t, regime.mm,
+                                    setup.precision.startswith("fp16"), p.module_kind == "Conv1D")
+                 for p in kept if quantised[p.name]}
+
+    adapted = {p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name}
+    fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
+
+    def dequantise(params: list[ParamInfo], backward: bool, block=None) -> None:
+        """Forward: each quantised linear's transients, one after the other, then (nf4) its output in the compute
+        dtype, its cast back to the input dtype (Linear4bit returns the input's dtype) and, in peft's 4-bit LoRA
+        layer, the clone of it that the adapter's output is added into. Backward: the largest one's, live while
+        the block's input gradients are made (the caller frees them)."""
+        if backward:
+            sets = [quant_tmp[p.name].backward for p in params if p.name in quant_tmp]
+            if sets:
+                quant_live.extend(alloc(n, "activations") for n in max(sets, key=sum))
+            return
+        for p in params:
+            if p.name not in quant_tmp:
+                continue
+            keys = [alloc(n, "activations") for n in quant_tmp[p.name].forward]
+            if setup.quant_base != "nf4" or block is None:
+                sch.free_all(keys)
+                continue
+            rows = t * (p.shape[1] if p.module_kind == "Conv1D" else p.shape[0])
+            out = alloc(rows * regime.mm, "activations")
+            sch.free_all(keys)                             # the dequantised weight dies with gemm_4bit
+            in_bytes = quant_input_bytes(block, regime, fp32_behind_quant)
+            if in_bytes != regime.mm:
+                cast = alloc(rows * in_bytes, "activations")   # .to(inp_dtype)
+                sch.free(out)
+                out = cast
+            if p.name in adapted:
+                clone = alloc(rows * in_bytes, "activations")  # result.clone()
+                sch.free(out)
+                total = alloc(rows * in_bytes, "activations")  # result + lora_B(lora_A(x)) * scaling
+                sch.free(clone)
+                out = total
+            sch.free(out)                                  # the recipe's tensors hold the output kept
+
+    quant_live: list[int] = []
 
     layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
     for i in range(layers):
@@ -196,7 +242,11 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     # ---- set-up: parameters, DDP buckets
     sch.phase = "setup:setup"
     for p in kept:
-        alloc(shard_numel[p.name] * setup.stored_bytes(p.trainable), "weights")
+        if quantised[p.name]:       # bitsandbytes' storage: packed weight and quantisation constants
+            for n in storage_tensors(p.shape, setup.quant_base, setup.double_quant, p.module_kind == "Conv1D"):
+                alloc(n, "weights")
+        else:
+            alloc(shard_numel[p.name] * setup.stored_bytes(p.trainable), "weights")
     if layout.method == "ddp":
         cap, filled = DDP_FIRST_BUCKET_BYTES, 0
         for p in reversed(trainable):
@@ -363,10 +413,17 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             workspace = alloc(workspace_bytes, "cuda_workspaces")
         layer_keys: dict[int, list[list[int]]] = {}
         ckpt_keys: dict[int, int] = {}
+        int8_keys: dict[int, list[int]] = {}   # LLM.int8's inputs a checkpointed layer keeps (ctx attributes)
         for i in range(layers):
             unshard_forward(i, by_layer.get(i, []))
+            if act.grad_ckpt:
+                # a checkpointed layer's forward keeps nothing: its dequantised weights reuse the memory its
+                # intermediate tensors free, so they are laid out before them
+                for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
+                    dequantise(params, backward=False, block=b)
             per_block: list[list[int]] = []
             copies: list[list[int]] = []
+            pending = None
             for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
                 block_copies = []
                 if regime.autocast:
@@ -381,10 +438,17 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                                 sch.free(k)                 # frozen: cast for this use only
                 copies.append(block_copies)
                 per_block.append([alloc(n, "activations") for n in b.tensors])
+                if not act.grad_ckpt and pending is not None:
+                    dequantise(*pending)    # a block's linears run while what their outputs feed is made
+                pending = (params, False, b)
+            if pending is not None and not act.grad_ckpt:
+                dequantise(*pending)
             if act.grad_ckpt:   # the checkpointed layer keeps only its input; the rest is recomputed
+                # (the layer's output, the next layer's kept input, exists before its intermediates die)
+                ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
+                int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
                 for keys in per_block:
                     sch.free_all(keys)
-                ckpt_keys[i] = alloc(act.checkpoint_saved, "activations")
                 for params, keys in zip(layer_blocks_params[i], copies, strict=True):
                     weights = [p for p in params if regime.autocast and p.module_kind in MATMUL_KINDS
                                and not p.name.endswith("bias") and casts(p)]
@@ -490,20 +554,26 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                               if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")
                               and casts(p)]
                     copies.append(cs)
-                per_block = [[alloc(n, "activations") for n in b.tensors] for b in act.blocks]
+                per_block = []
+                for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
+                    per_block.append([alloc(n, "activations") for n in b.tensors])
+                    dequantise(params, backward=False, block=b)
             layer_unsharded.clear()
             for j in reversed(range(len(act.blocks))):
                 for p in layer_blocks_params[i][j]:
                     if p.trainable:
                         flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
                         make_grad(p)
+                dequantise(layer_blocks_params[i][j], backward=True)
                 tmp = alloc(act.blocks[j].transient, "activations")
+                sch.free_all(quant_live)
                 sch.free(tmp)
                 sch.free_all(per_block[j])
                 sch.free_all(copies[j])
                 flush_steps(it)
             if act.grad_ckpt:
                 sch.free(ckpt_keys.pop(i))
+                sch.free_all(int8_keys.pop(i))
             if fsdp:
                 unit = by_layer.get(i, [])
                 reshard_unit(i)                               # post-backward reshard (also for zero2)

@@ -870,8 +870,16 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         model = build_meta_model(setup)
     if setup.precision in ("bf16", "fp16"):
         model.to(_low_dtype(setup))   # still on meta: dtype only
+    if setup.quant_base != "none":    # bitsandbytes' quantised linears, emulated (llmem.quant_emulation)
+        from llmem.quant_emulation import quantize_base
+
+        quantize_base(model, setup, fake=fake)
     if setup.lora_rank:
         model = apply_lora(model, setup)
+    if setup.quant_base != "none":
+        from llmem.quant_emulation import wrap_quant_adapters
+
+        wrap_quant_adapters(model)
     total_params = sum(p.numel() for p in model.parameters())
     heads, kv_heads = _family_heads(model)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, heads, kv_heads)

@@ -65,6 +65,18 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", optimizer="paged-adamw-8bit", batch_size=1, seq_len=64),
     _s("tiny-llama", precision="bf16-mixed", optimizer_in_backward=True, batch_size=1, seq_len=64),
     _s("gpt2", precision="fp32", optimizer="adafactor", optimizer_in_backward=True, batch_size=1, seq_len=64),
+    # QLoRA / LLM.int8 base (bitsandbytes' storage and transients; its kernels emulated in the trace)
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       quant_base="nf4"),
+    _s("tiny-llama", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
+    _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8, quant_base="nf4", double_quant=False),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", batch_size=2, seq_len=128, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
+    _s("tiny-mistral", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=8, lora_targets="all-linear",
+       quant_base="int8"),
+    _s("tiny-mistral", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
+       quant_base="int8"),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
