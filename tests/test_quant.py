@@ -107,7 +107,7 @@ def test_refused_set_ups(kw, words):
         TrainingSetup(model="tiny-llama", **kw)
 
 
-@pytest.mark.parametrize("method, words", [("fsdp", "FSDP2"), ("zero2", "FSDP2"), ("tp", "DDP")])
+@pytest.mark.parametrize("method, words", [("fsdp", "FSDP2"), ("zero2", "FSDP2"), ("tp", "tensor parallelism|TP")])
 def test_methods_refused_once_resolved(method, words):
     """Built without error (a planner can make the set-up), refused by estimate and trace for the method."""
     from llmem.config import check_optimizer_method
