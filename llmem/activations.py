@@ -86,12 +86,29 @@ class ActivationProfile:
     head_tensors: tuple[int, ...] = ()
     shared_tensors: tuple[int, ...] = ()
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
+    ckpt_every: int = 1        # with grad_ckpt: layers whose index % ckpt_every == 0 are checkpointed
+    fused_ce: FusedCE | None = None   # the fused linear cross-entropy's tensors (None: HF's loss on full logits)
+
+    def checkpointed(self, layer: int) -> bool:
+        """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0
+        (torchtune's selective "every k-th layer" counts the same way); the others keep all their tensors."""
+        return self.grad_ckpt and layer % self.ckpt_every == 0
+
+    def checkpointed_layers(self, layers: int | None = None) -> int:
+        """How many of the first `layers` decoder layers are checkpointed: ceil(layers / k)."""
+        n = self.layers if layers is None else layers
+        return -(-n // self.ckpt_every) if self.grad_ckpt else 0
+
+    def layers_saved(self, layers: int | None = None) -> int:
+        """Bytes kept for backward by the first `layers` decoder layers at the end of the forward."""
+        n = self.layers if layers is None else layers
+        ck = self.checkpointed_layers(n)
+        return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
 
     @property
     def saved_at_loss(self) -> int:
         """Everything kept for backward when the loss backward starts (the usual activation peak)."""
-        per_layer = self.checkpoint_saved if self.grad_ckpt else self.per_layer_saved
-        return self.embed_saved + self.layers * per_layer + self.head_saved + self.shared_saved
+        return self.embed_saved + self.layers_saved() + self.head_saved + self.shared_saved
 
 
 def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
@@ -165,7 +182,7 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
         loss_peak=loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
                                                                            default=None) else 0),
         blocks=recipe.blocks,
-        grad_ckpt=setup.grad_ckpt, layers=d.layers,
+        grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every,
     )
 
 

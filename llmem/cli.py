@@ -31,7 +31,14 @@ def _training_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter in its post-accumulate-grad hook and free its gradient (single GPU)")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing of every decoder layer")
-    g.add_argument("--attn", default="sdpa", help="sdpa or eager")
+    g.add_argument("--grad-ckpt-every", type=int, default=None, metavar="K",
+                   help="checkpoint every K-th decoder layer (index %% K == 0); implies --grad-ckpt")
+    g.add_argument("--attn", default="sdpa", help="sdpa, flash (flash_attention_2; fp16/bf16) or eager")
+    g.add_argument("--fused-ce", action="store_true",
+                   help="fused linear cross-entropy in chunks of tokens (no full fp32 logits)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep saved activations in pinned CPU memory between forward and backward")
+    g.add_argument("--packing", action="store_true", help="samples packed into rows (position_ids restart)")
     g.add_argument("--gpu", default="A100-80GB", help="GPU type (see `llmem gpus`)")
     g.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GiB (overrides the catalog)")
     g.add_argument("--cuda-context", default=None, help="CUDA context size, e.g. 500MiB (overrides the assumption)")
@@ -58,7 +65,9 @@ def setup_from_args(args: argparse.Namespace):
     return TrainingSetup(
         model=args.model, method=method, gpus=args.gpus, gpus_per_node=args.gpus_per_node, tp=args.tp,
         batch_size=args.batch_size, seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
-        grad_ckpt=args.grad_ckpt, attn=args.attn, gpu=args.gpu, gpu_memory=args.gpu_memory,
+        grad_ckpt=args.grad_ckpt or args.grad_ckpt_every is not None,
+        ckpt_every=1 if args.grad_ckpt_every is None else args.grad_ckpt_every, fused_ce=args.fused_ce,
+        offload_activations=args.offload_activations, packing=args.packing, attn=args.attn, gpu=args.gpu, gpu_memory=args.gpu_memory,
         cuda_context=args.cuda_context, expandable_segments=args.expandable_segments,
         offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, trust_remote_code=args.trust_remote_code,

@@ -11,7 +11,7 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "sgd-momentum", "a
               "paged-adamw-8bit")
 EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")     # bitsandbytes' AdamW8bit / PagedAdamW8bit
 IN_BACKWARD_METHODS = ("single",)   # --optimizer-in-backward: per-parameter steps in post-accumulate-grad hooks
-ATTENTIONS = ("sdpa", "eager")
+ATTENTIONS = ("sdpa", "eager", "flash")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class TrainingSetup:
     optimizer_in_backward: bool = False # per-parameter optimizer steps in post-accumulate-grad hooks
     quant_base: str = "none"            # frozen base quantised by bitsandbytes: "nf4" (--qlora), "int8" (--load-in-8bit)
     double_quant: bool = True           # nf4: quantise the absmax constants too (QLoRA's double quantisation)
+    # activations (issue 5, item 3)
+    ckpt_every: int = 1                 # with grad_ckpt: checkpoint decoder layers whose index % ckpt_every == 0
+    offload_activations: bool = False   # saved activations in pinned host memory between forward and backward
+    fused_ce: bool = False              # fused linear cross-entropy (chunks of tokens; no [tokens, vocab] logits)
+    packing: bool = False               # samples packed into rows (position_ids restart per sample)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -54,6 +59,10 @@ class TrainingSetup:
             raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
+        if self.attn == "flash" and self.precision == "fp32":
+            raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
+        if self.ckpt_every < 1:
+            raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         from llmem.quant import check_setup
 
         check_setup(self)

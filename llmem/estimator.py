@@ -433,7 +433,6 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     layers = anatomy.num_layers
     fsdp = layout.shards_model_states
     reshard = layout.method != "zero2"
-    ckpt = act.grad_ckpt
     static = {
         "weights": ms.weights,
         "optimizer_states": ms.optimizer_states,
@@ -445,7 +444,9 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     root_gathered = ms.fsdp_root_gathered if fsdp else 0
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
     all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
-    per_layer = act.checkpoint_saved if ckpt else act.per_layer_saved
+    # layers that keep everything (not checkpointed) also keep their autocast weight copies
+    full_layers = layers - act.checkpointed_layers()
+    top_ckpt = act.checkpointed(layers - 1)
     gather_bytes = setup.gather_bytes
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
     head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
@@ -476,7 +477,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
     fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
     gathered_fwd = root_gathered + all_layers_gathered
-    saved_layers = act.embed_saved + layers * per_layer + act.head_saved + act.shared_saved
+    saved_layers = act.embed_saved + act.layers_saved() + act.head_saved + act.shared_saved
     moments.append(Moment("forward", {
         **static,
         "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
@@ -484,7 +485,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         "logits_and_loss": fwd_loss,
     }))
     # 2. loss backward: three fp32 [tokens, vocab] tensors; the graph still holds the weight copies it saved
-    kept_copies = head_copy + (0 if ckpt else layers * layer_copies)
+    kept_copies = head_copy + full_layers * layer_copies
     moments.append(Moment("backward", {
         **static,
         "gathered_weights": gathered_fwd + kept_copies,
@@ -499,8 +500,8 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
             "gradients": in_backward_head,
         }))
     # 3. top decoder layer: head gradients exist; the layers below still hold their activations
-    others = act.embed_saved + act.shared_saved + (layers - 1) * per_layer
-    other_copies = 0 if ckpt else (layers - 1) * layer_copies
+    others = act.embed_saved + act.shared_saved + act.layers_saved(layers - 1)
+    other_copies = (full_layers - (0 if top_ckpt else 1)) * layer_copies
     gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
     prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
     base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch

@@ -416,7 +416,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         int8_keys: dict[int, list[int]] = {}   # LLM.int8's inputs a checkpointed layer keeps (ctx attributes)
         for i in range(layers):
             unshard_forward(i, by_layer.get(i, []))
-            if act.grad_ckpt:
+            if act.checkpointed(i):
                 # a checkpointed layer's forward keeps nothing: its dequantised weights reuse the memory its
                 # intermediate tensors free, so they are laid out before them
                 for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
@@ -438,12 +438,12 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                                 sch.free(k)                 # frozen: cast for this use only
                 copies.append(block_copies)
                 per_block.append([alloc(n, "activations") for n in b.tensors])
-                if not act.grad_ckpt and pending is not None:
+                if not act.checkpointed(i) and pending is not None:
                     dequantise(*pending)    # a block's linears run while what their outputs feed is made
                 pending = (params, False, b)
-            if pending is not None and not act.grad_ckpt:
+            if pending is not None and not act.checkpointed(i):
                 dequantise(*pending)
-            if act.grad_ckpt:   # the checkpointed layer keeps only its input; the rest is recomputed
+            if act.checkpointed(i):   # a checkpointed layer keeps only its input; the rest is recomputed
                 # (the layer's output, the next layer's kept input, exists before its intermediates die)
                 ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
                 int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
@@ -545,7 +545,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 prefetch(i - 1, by_layer.get(i - 1, []))     # backward prefetch of the next unit
             per_block = layer_keys[i]
             copies = copies_by_layer[i]
-            if act.grad_ckpt:             # recompute the layer's forward
+            if act.checkpointed(i):       # recompute the layer's forward
                 copies = []
                 for params in layer_blocks_params[i]:
                     cs = []
@@ -571,7 +571,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 sch.free_all(per_block[j])
                 sch.free_all(copies[j])
                 flush_steps(it)
-            if act.grad_ckpt:
+            if act.checkpointed(i):
                 sch.free(ckpt_keys.pop(i))
                 sch.free_all(int8_keys.pop(i))
             if fsdp:

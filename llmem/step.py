@@ -931,13 +931,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             before_model()
 
         if setup.grad_ckpt:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                kwargs = {"use_reentrant": False}
-                if hasattr(model, "activation_checkpointing_enable"):
-                    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-                else:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, getattr(setup, "ckpt_every", 1))
+        if getattr(setup, "fused_ce", False):
+            install_fused_ce(model, layout)
 
         say("materialising the model")
         if fake:
@@ -964,6 +960,72 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                             autocast_dtype, total_params, hooks, policy)
         say("running the step")
         yield step
+
+
+def enable_checkpointing(model: nn.Module, every: int = 1) -> list[int]:
+    """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
+    layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
+    (and torchtune's selective "every k-th layer") count. Returns the checkpointed layer indices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if every > 1 and not layers:
+        raise LlmemError(f"{type(model).__name__} has no GradientCheckpointingLayer: --grad-ckpt-every needs "
+                         "transformers' per-layer checkpointing")
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM module inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def install_fused_ce(model: nn.Module, layout) -> None:
+    """The step's loss becomes llmem.losses' fused linear cross-entropy: the causal LM's forward runs its base
+    model for the final hidden states and calls the lm_head module, whose forward is the fused loss (so module
+    hooks - FSDP2's root unshard, DDP's reducer, the tracer's module tracker - fire as with the plain head).
+    The forward is replaced on the instance: peft, DDP and FSDP2 all reach it through `module.forward`."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from llmem.losses import fused_linear_cross_entropy
+
+    if layout.tp > 1:
+        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
+                         "vocab-parallel loss")
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    base = getattr(lm, "base_model", None)
+    if head is None or base is None or base is lm or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise LlmemError(f"--fused-ce needs a causal LM with a base model and a linear lm_head; "
+                         f"{type(lm).__name__} has none")
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(text, "final_logit_softcapping", None):
+        raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
+
+    def head_forward(hidden, labels):
+        return fused_linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), labels)
+
+    def lm_forward(input_ids=None, labels=None, **kwargs):
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        out = base(input_ids=input_ids, **kwargs)
+        hidden = out[0]
+        del out
+        if labels is None:
+            raise LlmemError("--fused-ce computes the loss only: the step must pass labels")
+        return CausalLMOutputWithPast(loss=head(hidden, labels))
+
+    head.forward = head_forward
+    lm.forward = lm_forward
 
 
 def _vocab_size(model: nn.Module) -> int:
