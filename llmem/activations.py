@@ -71,6 +71,80 @@ class Dims:
 
 
 @dataclass(frozen=True)
+class FusedCE:
+    """llmem.losses' fused linear cross-entropy (Liger's algorithm): what it allocates, in bytes per element.
+
+    In the forward, after the final norm: the lm_head weight cast to the compute dtype (autocast, fp32 weights),
+    grad_input [t, h] in the hidden states' dtype and grad_weight [V, h] in the weight's dtype (kept for backward;
+    the latter becomes the lm_head gradient, which AccumulateGrad takes over without a copy), then per chunk of
+    `chunk` tokens: the chunk's hidden states cast to the compute dtype, its logits [c, V] in the compute dtype,
+    their fp32 upcast (the softmax and its gradient, in place), grad_weight's fp32 copy of the chunk's hidden states
+    (fp32 accumulator only), the gradient cast back to the compute dtype, and grad_input's matmul output when its
+    dtype differs. No [t, V] tensor exists."""
+    tokens: int
+    hidden: int
+    vocab: int
+    hidden_bytes: int          # the final hidden states (loss input, norm output)
+    mm: int                    # the compute dtype
+    weight_bytes: int          # the lm_head weight as the loss reads it (gathered under FSDP)
+    weight_trainable: bool
+    chunk: int
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        return [min(self.chunk, self.tokens - s) for s in range(0, self.tokens, self.chunk)]
+
+    @property
+    def weight_cast_bytes(self) -> int:
+        return self.vocab * self.hidden * self.mm if self.weight_bytes != self.mm else 0
+
+    @property
+    def grad_input_bytes(self) -> int:
+        return self.tokens * self.hidden * self.hidden_bytes
+
+    @property
+    def grad_weight_bytes(self) -> int:
+        return self.vocab * self.hidden * self.weight_bytes if self.weight_trainable else 0
+
+    def chunk_peak_bytes(self, c: int) -> int:
+        """The largest sum of a chunk's own transients."""
+        x = c * self.hidden * self.mm if self.hidden_bytes != self.mm else 0
+        logits, upcast = c * self.vocab * self.mm, c * self.vocab * F32
+        # logits and their upcast, then the upcast and the gradient cast back (as large): one fp32 tensor when fp32
+        return x + (logits if self.mm == F32 else logits + upcast)
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        """Tensor bytes the loss adds at its peak (the hidden states included)."""
+        return (self.tokens * self.hidden * self.hidden_bytes + self.weight_cast_bytes + self.grad_input_bytes
+                + self.grad_weight_bytes + self.chunk_peak_bytes(self.chunk))
+
+
+def fused_ce_for(anatomy: ModelAnatomy, setup: TrainingSetup, method: str, d: Dims, r: Regime) -> FusedCE:
+    from llmem.errors import LlmemError
+    from llmem.losses import chunk_tokens
+
+    if d.tp > 1:
+        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
+                         "vocab-parallel loss")
+    if _cfg(anatomy, "final_logit_softcapping", default=None):
+        raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
+    head = next((p for p in anatomy.params if p.layer_index is None and (
+        p.name.startswith("lm_head") or (p.tied_to or "").startswith("lm_head"))), None)
+    if head is None:   # tied: the input embedding is the lm_head weight
+        head = next(p for p in anatomy.params if p.layer_index is None and p.module_kind.endswith("Embedding")
+                    and p.shape and p.shape[0] == anatomy.vocab_size)
+    vocab, hidden = head.shape[0], head.shape[1]
+    fsdp = method in ("fsdp", "zero2", "fsdp+tp")
+    weight_bytes = setup.gather_bytes if fsdp else setup.stored_bytes(head.trainable)
+    # the final norm's output: RMSNorm returns the stream dtype; F.layer_norm runs in fp32 under autocast
+    layernorm = _FAMILIES.get(anatomy.model_type, _llama_like) is not _llama_like
+    hidden_bytes = F32 if (layernorm and r.autocast) else r.res
+    return FusedCE(d.t, hidden, vocab, hidden_bytes, r.mm, weight_bytes, head.trainable,
+                   chunk_tokens(d.t, hidden, vocab))
+
+
+@dataclass(frozen=True)
 class ActivationProfile:
     """What the forward keeps, and the transient peaks around it, in bytes per GPU."""
     per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
@@ -164,6 +238,11 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
     if fp32_behind_quant:
         recipe = with_fp32_mlp(recipe, d)
+    fused = fused_ce_for(anatomy, setup, method, d, regime) if setup.fused_ce else None
+    if fused is not None:   # the lm_head's input (the recipe's last head tensor) is not kept: the loss keeps grads
+        last = len(recipe.head) - 1
+        recipe = LayerRecipe(recipe.blocks, recipe.embed, recipe.head[:last], recipe.shared,
+                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last))
     if any(".lora_A." in p.name for p in anatomy.params):
         recipe = with_adapters(anatomy, recipe, d, regime)
     if any(not p.trainable for p in anatomy.params):
@@ -179,10 +258,11 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
         int8_kept=int8_kept,
         embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
         embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
-        loss_peak=loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
-                                                                           default=None) else 0),
+        loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
+                   loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if _cfg(anatomy, "final_logit_softcapping",
+                                                                           default=None) else 0)),
         blocks=recipe.blocks,
-        grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every,
+        grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
     )
 
 

@@ -476,6 +476,9 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     moments: list[Moment] = []
     # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
     fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
+    if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
+        fwd_loss = act.fused_ce.forward_peak_bytes
+        head_copy = 0                # the loss's weight cast is freed at its end (counted in fwd_loss)
     gathered_fwd = root_gathered + all_layers_gathered
     saved_layers = act.embed_saved + act.layers_saved() + act.head_saved + act.shared_saved
     moments.append(Moment("forward", {

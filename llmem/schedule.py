@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmem.activations import F32, ActivationProfile, Regime, block_owner, quant_input_bytes
+from llmem.activations import F32, ActivationProfile, FusedCE, Regime, block_owner, quant_input_bytes
 from llmem.allocator import CachingAllocator
 from llmem.anatomy import ModelAnatomy, ParamInfo
 from llmem.config import TrainingSetup
@@ -140,6 +140,47 @@ def optimizer_groups(trainable: list[ParamInfo], layout: Layout) -> list[list[Pa
     split = [p for p in trainable if tp_split_dim(p) is not None]
     replicated = [p for p in trainable if tp_split_dim(p) is None]
     return [g for g in (split, replicated) if g]
+
+
+def fused_ce_forward(sch: Schedule, f: FusedCE, batch: int, seq: int) -> tuple[int, int]:
+    """llmem.losses.fused_linear_cross_entropy's forward, in its allocation order (the final hidden states are
+    live around it). Returns the keys of the kept grad_input and grad_weight (-1 when not made)."""
+    alloc, free = sch.alloc, sch.free
+    t = f.tokens
+    hidden = alloc(t * f.hidden * f.hidden_bytes, "activations")        # the final norm's output
+    padded = alloc(batch * (seq + 1) * 8, "logits_and_loss")           # shifted labels: pad, then a copy
+    labels = alloc(t * 8, "logits_and_loss")
+    free(padded)
+    cast = alloc(f.weight_cast_bytes, "gathered_weights") if f.weight_cast_bytes else -1
+    grad_input = alloc(f.grad_input_bytes, "activations")
+    grad_weight = alloc(f.grad_weight_bytes, "gradients") if f.weight_trainable else -1
+    mask = alloc(t, "logits_and_loss")
+    valid = alloc(t * F32, "logits_and_loss")
+    free(mask)
+    scale = alloc(t * F32, "logits_and_loss")
+    safe = alloc(t * 8, "logits_and_loss")
+    loss_1d = alloc(t * F32, "logits_and_loss")
+    for c in f.chunk_sizes:
+        x = alloc(c * f.hidden * f.mm, "logits_and_loss") if f.hidden_bytes != f.mm else -1
+        logits = alloc(c * f.vocab * f.mm, "logits_and_loss")
+        p = logits
+        if f.mm != F32:
+            p = alloc(c * f.vocab * F32, "logits_and_loss")
+            free(logits)
+        if f.weight_trainable and f.weight_bytes != f.mm and f.hidden_bytes != F32:
+            free(alloc(c * f.hidden * F32, "logits_and_loss"))        # grad_weight's fp32 chunk of hidden
+        g = p
+        if f.mm != F32:
+            g = alloc(c * f.vocab * f.mm, "logits_and_loss")
+            free(p)
+        if f.hidden_bytes != f.mm:
+            free(alloc(c * f.hidden * f.mm, "logits_and_loss"))       # grad_input's matmul output, copied in
+        free(g)
+        free(x)
+    free(cast)
+    for k in (valid, scale, safe, loss_1d, labels, hidden):
+        free(k)
+    return grad_input, grad_weight
 
 
 def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, act: ActivationProfile,
@@ -465,12 +506,18 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free_all(last_forward_ag)
         head_keys = [alloc(n, "activations") for n in act.head_tensors]
         head_copy = []
-        if regime.autocast:
+        fused_grads: tuple[int, int] = (-1, -1)
+        if act.fused_ce is not None:
+            fused_grads = fused_ce_forward(sch, act.fused_ce, setup.batch_size, setup.seq_len)
+            logits = upcast = log_softmax = -1
+        elif regime.autocast:
             head_copy = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in root
                          if (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
                              or (p.tied_to or "").startswith("lm_head"))
                          and casts(p)]
-        if layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
+        if act.fused_ce is not None:
+            pass
+        elif layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
             local = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
             gathered_out = alloc(tv * regime.mm, "logits_and_loss")
             rearranged = alloc(tv * regime.mm, "logits_and_loss")
@@ -480,9 +527,10 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             sch.free(local)
         else:
             logits = alloc(tv * regime.mm, "logits_and_loss")
-        upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
-        log_softmax = alloc(tv * F32, "logits_and_loss")
-        sch.free(upcast)
+        if act.fused_ce is None:
+            upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
+            log_softmax = alloc(tv * F32, "logits_and_loss")
+            sch.free(upcast)
         sch.free_all(bias_cache)        # autocast exit clears its cache; saved weight copies stay referenced
         sch.free_all(cache)
         sch.free(logits)                # the model output is dropped before backward
@@ -490,15 +538,18 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         # ---- backward
         sch.phase = f"it{it}:backward"
         prefetch(layers - 1, by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers the last unit
-        nll_grad = alloc(tv * F32, "logits_and_loss")
-        ls_grad = alloc(tv * F32, "logits_and_loss")
-        sch.free(log_softmax)
-        sch.free(nll_grad)
-        if regime.mm != F32:
-            cast_grad = alloc(tv * regime.mm, "logits_and_loss")
-            sch.free(ls_grad)
+        if act.fused_ce is not None:   # the loss's backward hands over the gradients it kept
+            cast_grad = -1
         else:
-            cast_grad = ls_grad
+            nll_grad = alloc(tv * F32, "logits_and_loss")
+            ls_grad = alloc(tv * F32, "logits_and_loss")
+            sch.free(log_softmax)
+            sch.free(nll_grad)
+            if regime.mm != F32:
+                cast_grad = alloc(tv * regime.mm, "logits_and_loss")
+                sch.free(ls_grad)
+            else:
+                cast_grad = ls_grad
         if layout.tp > 1:   # the replicated gradient is sliced back to this rank's vocab shard
             shard_grad = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
             sch.free(cast_grad)
@@ -507,36 +558,52 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
 
         layer_unsharded.clear()
         head_params = [p for p in root if p.trainable and (not _is_embedding(p) or p.tied_to is not None)]
-        grad_in = alloc(t * anatomy.hidden_size * regime.mm, "activations")
-        if in_backward and not fsdp:
-            # the matmul's node releases what it saved and its input gradient before ToCopyBackward casts the
-            # weight gradient up and AccumulateGrad runs the hook
-            # (the final norm's backward runs after the lm_head's hook)
-            head_mm = [p for p in head_params if p.name.startswith("lm_head") or (p.tied_to or "").startswith(
-                "lm_head")]
-            lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_mm
-                    if regime.autocast and casts(p) and p.name not in grads}
-            for p in head_mm:          # gradients the node produces directly (no cast): while its inputs live
-                if p.name not in lows:
+        if act.fused_ce is not None:
+            grad_in, stolen = fused_grads
+            for p in head_params:
+                if stolen >= 0 and (p.name.startswith("lm_head") or (p.tied_to or "").startswith("lm_head")):
+                    # AccumulateGrad takes the loss's grad_weight as the gradient (no copy)
+                    (root_unsharded_grads if fsdp else grads)[p.name] = stolen
+                    stolen = -1
+                    if in_backward and not fsdp and not (p.tied_to is not None and _is_embedding(p)):
+                        pending_steps.append(p)
+                else:
                     make_grad(p, root_unit=True)
             sch.free(cast_grad)
             sch.free_all(head_copy)
             sch.free_all(head_keys)
-            for p in head_mm:
-                if p.name in lows:
-                    make_grad(p, root_unit=True, low=lows[p.name])
-                flush_steps(it)
-            for p in head_params:
-                if p not in head_mm:
-                    make_grad(p, root_unit=True)
-                    flush_steps(it)
+            flush_steps(it)
         else:
-            for p in head_params:
-                make_grad(p, root_unit=True)
-            sch.free(cast_grad)
-            sch.free_all(head_copy)
-            sch.free_all(head_keys)
-        flush_steps(it)
+            grad_in = alloc(t * anatomy.hidden_size * regime.mm, "activations")
+            if in_backward and not fsdp:
+                # the matmul's node releases what it saved and its input gradient before ToCopyBackward casts the
+                # weight gradient up and AccumulateGrad runs the hook
+                # (the final norm's backward runs after the lm_head's hook)
+                head_mm = [p for p in head_params if p.name.startswith("lm_head") or (p.tied_to or "").startswith(
+                    "lm_head")]
+                lows = {p.name: alloc(tp_local[p.name] * regime.mm, "gradients") for p in head_mm
+                        if regime.autocast and casts(p) and p.name not in grads}
+                for p in head_mm:          # gradients the node produces directly (no cast): while its inputs live
+                    if p.name not in lows:
+                        make_grad(p, root_unit=True)
+                sch.free(cast_grad)
+                sch.free_all(head_copy)
+                sch.free_all(head_keys)
+                for p in head_mm:
+                    if p.name in lows:
+                        make_grad(p, root_unit=True, low=lows[p.name])
+                    flush_steps(it)
+                for p in head_params:
+                    if p not in head_mm:
+                        make_grad(p, root_unit=True)
+                        flush_steps(it)
+            else:
+                for p in head_params:
+                    make_grad(p, root_unit=True)
+                sch.free(cast_grad)
+                sch.free_all(head_copy)
+                sch.free_all(head_keys)
+            flush_steps(it)
         sch.free(grad_in)
         pending_rs: list[int] = []
         for i in reversed(range(layers)):
@@ -592,12 +659,16 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         sch.free_all(shared_keys)
         if fsdp:
             sch.free_all(pending_rs)
+            reshard_unit(None)     # FSDPParamGroup.post_backward reshards before foreach_reduce
             rs_in = alloc(unit_bytes(root, reduce_bytes, True), "communication_buffers")
-            for k in root_unsharded_grads.values():
+            # the copy-in loop's variable still holds the last parameter's gradient (lm_head's, in module order)
+            # while the reduce-scatter output is allocated
+            ordered = [root_unsharded_grads[p.name] for p in root if p.name in root_unsharded_grads]
+            for k in ordered[:-1]:
                 sch.free(k)
             rs_outputs.append(alloc(unit_bytes(root, reduce_bytes, True) // layout.dp, "gradients", REDUCE_SCATTER))
+            sch.free_all(ordered[-1:])
             sch.free(rs_in)
-            reshard_unit(None)
             for u in list(gathered):
                 reshard_unit(u)
 
