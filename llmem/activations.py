@@ -200,8 +200,30 @@ def has_recipe(anatomy: ModelAnatomy) -> bool:
 
 
 def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
-    """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2)."""
+    """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2).
+
+    flash (HF flash_attention_2) keeps what PyTorch's flash SDPA kernel keeps (q, k, v, out, logsumexp; GQA native,
+    dropout regenerated from the RNG state): the sdpa recipe."""
+    if setup.attn == "flash":
+        if not anatomy.supports_sdpa:
+            from llmem.errors import LlmemError
+            raise LlmemError(f"--attn flash: transformers has no flash attention for {anatomy.model_type!r} models")
+        return "sdpa"
     return setup.attn if anatomy.supports_sdpa else "eager"
+
+
+def activation_notes(setup: TrainingSetup) -> list[str]:
+    """What the estimate and the trace say about the activation options (both engines print them)."""
+    notes = []
+    if setup.attn == "flash":
+        notes.append("--attn flash: the flash-attn package's kernel (HF flash_attention_2) is modelled by PyTorch's "
+                     "flash SDPA kernel (the same saved tensors: q, k, v, output, logsumexp)")
+    if setup.fused_ce:
+        notes.append("--fused-ce: llmem's PyTorch fused linear cross-entropy (Liger-Kernel's algorithm and chunk "
+                     "size; an fp32 upcast of each chunk's logits); no [tokens, vocab] logits")
+    if setup.grad_ckpt and setup.ckpt_every > 1:
+        notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
+    return notes
 
 
 def block_owner(blocks: tuple[Block, ...], param_name: str) -> int:

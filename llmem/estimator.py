@@ -20,7 +20,15 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from llmem.activations import F32, ActivationProfile, activation_profile, block_owner, has_recipe, regime_for
+from llmem.activations import (
+    F32,
+    ActivationProfile,
+    activation_notes,
+    activation_profile,
+    block_owner,
+    has_recipe,
+    regime_for,
+)
 from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, with_lora
 from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
@@ -600,6 +608,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     if not has_recipe(anatomy):
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
                      "activations are approximate (llmem trace gives the exact step)")
+    notes.extend(activation_notes(setup))
     if not anatomy.supports_sdpa and setup.attn == "sdpa":
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(

@@ -271,7 +271,7 @@ def sdpa_backend(dtype: torch.dtype, head_dim: int, has_mask: bool, dropout_p: f
     return "math" if gqa else "efficient"
 
 
-def _make_cuda_sdpa(capability: tuple[int, int]):
+def _make_cuda_sdpa(capability: tuple[int, int], force: str | None = None):
     aten = torch.ops.aten
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -284,6 +284,11 @@ def _make_cuda_sdpa(capability: tuple[int, int]):
                 attn_mask = attn_mask.to(low)
         gqa = bool(enable_gqa) and key.shape[-3] != query.shape[-3]
         backend = sdpa_backend(query.dtype, query.shape[-1], attn_mask is not None, dropout_p, capability, gqa)
+        if force == "flash":   # --attn flash: the flash kernel whatever the dispatcher would pick
+            if attn_mask is not None or query.dtype not in (torch.float16, torch.bfloat16):
+                raise LlmemError("--attn flash: flash attention takes no mask and needs fp16/bf16 inputs "
+                                 f"(got a {'mask' if attn_mask is not None else query.dtype})")
+            backend = "flash"
         if backend == "math":
             return aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=True)[0]
@@ -307,11 +312,12 @@ def _make_cuda_sdpa(capability: tuple[int, int]):
 
 
 @contextlib.contextmanager
-def cuda_like_sdpa(capability: tuple[int, int]) -> Iterator[None]:
+def cuda_like_sdpa(capability: tuple[int, int], force: str | None = None) -> Iterator[None]:
     """F.scaled_dot_product_attention runs the CUDA fused kernel's op (fake tensors only: their meta kernels give
-    the memory). With dropout the CPU dispatcher falls back to the math path, which keeps the B*H*S^2 matrix."""
+    the memory). With dropout the CPU dispatcher falls back to the math path, which keeps the B*H*S^2 matrix.
+    force="flash" runs PyTorch's flash kernel always (--attn flash)."""
     saved = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _make_cuda_sdpa(capability)
+    F.scaled_dot_product_attention = _make_cuda_sdpa(capability, force)
     try:
         yield
     finally:
@@ -489,19 +495,22 @@ def build_meta_model(setup):
     from llmem.anatomy import build_meta_model as _build
     from llmem.anatomy import resolve_config
 
+    # --attn flash: HF's flash_attention_2 needs the flash-attn package; its kernel is modelled by PyTorch's flash
+    # SDPA kernel (same saved tensors: q, k, v, out, logsumexp), so the model runs its SDPA implementation
+    attn = "sdpa" if setup.attn == "flash" else setup.attn
     _, cfg = resolve_config(setup.model, setup.trust_remote_code)
     cfg = cfg.__class__.from_dict(cfg.to_dict())
     cfg.use_cache = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            cfg._attn_implementation = setup.attn
+            cfg._attn_implementation = attn
         except Exception:  # noqa: BLE001 - some configs validate lazily; set_attn_implementation below decides
             pass
         model = _build(cfg, setup.trust_remote_code)
-        if getattr(model.config, "_attn_implementation", None) != setup.attn:
+        if getattr(model.config, "_attn_implementation", None) != attn:
             try:
-                model.set_attn_implementation(setup.attn)
+                model.set_attn_implementation(attn)
             except Exception as exc:  # noqa: BLE001
                 raise LlmemError(f"{type(model).__name__} does not support attn={setup.attn!r}: {exc}") from None
     model.config.use_cache = False
@@ -912,7 +921,11 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                 policy = stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_like_dropout())
             if fake and cuda_kernels:
-                stack.enter_context(cuda_like_sdpa(gpu.compute_capability))
+                stack.enter_context(cuda_like_sdpa(gpu.compute_capability,
+                                                   "flash" if setup.attn == "flash" else None))
+        elif setup.attn == "flash":   # a real GPU: PyTorch's flash SDPA kernel only
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         mesh = None
         if sharded:
             from torch.distributed.device_mesh import init_device_mesh

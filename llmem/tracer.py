@@ -550,7 +550,9 @@ def method_notes(layout, setup) -> list[str]:
     if getattr(setup, "quant_base", "none") != "none":
         notes.append(f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, "
                      "dequantisation / int8 buffers as bitsandbytes allocates them), not run")
-    return notes
+    from llmem.activations import activation_notes
+
+    return notes + activation_notes(setup)
 
 
 # ------------------------------------------------------------------------------------------------------------------
