@@ -162,6 +162,7 @@ class ActivationProfile:
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
     ckpt_every: int = 1        # with grad_ckpt: layers whose index % ckpt_every == 0 are checkpointed
     fused_ce: FusedCE | None = None   # the fused linear cross-entropy's tensors (None: HF's loss on full logits)
+    offload: bool = False      # saved tensors of the layers (not checkpointed) and the final norm on the host
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0
@@ -285,6 +286,7 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
                                                                            default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
+        offload=setup.offload_activations,
     )
 
 

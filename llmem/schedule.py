@@ -273,6 +273,18 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
 
     quant_live: list[int] = []
 
+    def cast_bytes(params: list[ParamInfo]) -> list[int]:
+        """The autocast weight copies a block's linears keep for backward."""
+        if not regime.autocast:
+            return []
+        return [tp_local[p.name] * regime.mm for p in params
+                if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and casts(p)]
+
+    def offloaded(i: int) -> bool:
+        """Layer i's saved tensors live on the host between forward and backward (a checkpointed layer's input
+        is held by the checkpoint itself, on the device)."""
+        return act.offload and not act.checkpointed(i)
+
     layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
     for i in range(layers):
         groups: list[list[ParamInfo]] = [[] for _ in act.blocks]
@@ -449,6 +461,8 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         bias_cache: list[int] = []
         copies_by_layer: dict[int | None, list[list[int]]] = {}
         embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        if act.offload:
+            sch.free_all(embed_keys)
         shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         if workspace < 0:
             workspace = alloc(workspace_bytes, "cuda_workspaces")
@@ -479,15 +493,20 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                                 sch.free(k)                 # frozen: cast for this use only
                 copies.append(block_copies)
                 per_block.append([alloc(n, "activations") for n in b.tensors])
+                if offloaded(i) and len(per_block) > 1:
+                    sch.free_all(per_block[-2])   # the previous block's tensors are on the host by now
                 if not act.checkpointed(i) and pending is not None:
                     dequantise(*pending)    # a block's linears run while what their outputs feed is made
                 pending = (params, False, b)
             if pending is not None and not act.checkpointed(i):
                 dequantise(*pending)
-            if act.checkpointed(i):   # a checkpointed layer keeps only its input; the rest is recomputed
-                # (the layer's output, the next layer's kept input, exists before its intermediates die)
-                ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
-                int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
+            if act.checkpointed(i) or offloaded(i):
+                # a checkpointed layer keeps only its input (the rest is recomputed); an offloaded one keeps
+                # nothing on the device (its saved tensors, autocast's casts included, are on the host)
+                if act.checkpointed(i):
+                    # (the layer's output, the next layer's kept input, exists before its intermediates die)
+                    ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
+                    int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
                 for keys in per_block:
                     sch.free_all(keys)
                 for params, keys in zip(layer_blocks_params[i], copies, strict=True):
@@ -505,6 +524,11 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 reshard_unit(i)
         sch.free_all(last_forward_ag)
         head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        head_offloaded: list[int] = []
+        if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
+            head_offloaded = list(act.head_tensors if act.fused_ce is not None else act.head_tensors[:-1])
+            sch.free_all(head_keys[:len(head_offloaded)])
+            head_keys = head_keys[len(head_offloaded):]
         head_copy = []
         fused_grads: tuple[int, int] = (-1, -1)
         if act.fused_ce is not None:
@@ -532,6 +556,8 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             log_softmax = alloc(tv * F32, "logits_and_loss")
             sch.free(upcast)
         sch.free_all(bias_cache)        # autocast exit clears its cache; saved weight copies stay referenced
+        if act.offload:                 # the model's forward drops its rotary cos/sin; the layers' copies are on host
+            sch.free_all(shared_keys)
         sch.free_all(cache)
         sch.free(logits)                # the model output is dropped before backward
 
@@ -558,6 +584,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
 
         layer_unsharded.clear()
         head_params = [p for p in root if p.trainable and (not _is_embedding(p) or p.tied_to is not None)]
+        head_keys += [alloc(n, "activations") for n in head_offloaded]   # offloaded: the final norm's, unpacked
         if act.fused_ce is not None:
             grad_in, stolen = fused_grads
             for p in head_params:
@@ -613,20 +640,17 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             per_block = layer_keys[i]
             copies = copies_by_layer[i]
             if act.checkpointed(i):       # recompute the layer's forward
-                copies = []
-                for params in layer_blocks_params[i]:
-                    cs = []
-                    if regime.autocast:
-                        cs = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in params
-                              if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")
-                              and casts(p)]
-                    copies.append(cs)
+                copies = [[alloc(n, "gathered_weights") for n in cast_bytes(params)]
+                          for params in layer_blocks_params[i]]
                 per_block = []
                 for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
                     per_block.append([alloc(n, "activations") for n in b.tensors])
                     dequantise(params, backward=False, block=b)
             layer_unsharded.clear()
             for j in reversed(range(len(act.blocks))):
+                if offloaded(i):    # the block's saved tensors come back from the host for its backward
+                    per_block[j] = [alloc(n, "activations") for n in act.blocks[j].tensors]
+                    copies[j] = [alloc(n, "gathered_weights") for n in cast_bytes(layer_blocks_params[i][j])]
                 for p in layer_blocks_params[i][j]:
                     if p.trainable:
                         flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
@@ -650,11 +674,13 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 rs_outputs.append(alloc(unit_bytes(unit, reduce_bytes, True) // layout.dp, "gradients",
                                         REDUCE_SCATTER))
                 pending_rs.append(rs_in)
-        # embedding backward
-        for p in root:
-            if p.trainable and _is_embedding(p):
-                make_grad(p, root_unit=True)
+        # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
+        embeds = [p for p in root if p.trainable and _is_embedding(p)]
+        stream_grad = alloc(t * anatomy.hidden_size * regime.res, "activations") if embeds else -1
+        for p in embeds:
+            make_grad(p, root_unit=True)
         flush_steps(it)
+        sch.free(stream_grad)
         sch.free_all(embed_keys)
         sch.free_all(shared_keys)
         if fsdp:

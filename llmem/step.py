@@ -794,6 +794,63 @@ def fake_scalar_reads() -> Iterator[None]:
 # 5. The step
 # --------------------------------------------------------------------------------------------------------------
 
+OFFLOAD_MIN_BYTES = 1024   # torchtune's OffloadActivations(min_offload_size=1024)
+
+
+class ActivationOffload:
+    """Saved tensors go to pinned host memory in forward and come back in backward (torch.autograd.graph.
+    save_on_cpu / torchtune's OffloadActivations, synchronous). As torchtune does, parameters (and views of them, e.g.
+    the transposed weight a linear saves) and tensors under 1 KiB stay where they are, and the output layer and the
+    loss are not offloaded (torchtune's NoOpManager on the output projection; its loss runs outside the context):
+    offloading stops at the lm_head's forward pre-hook.
+
+    On fake tensors the host copy is a meta tensor made outside the fake mode (no device memory, nothing for the
+    tracer to count) and the unpacked copy is a new device tensor (counted)."""
+
+    def __init__(self, head: nn.Module | None) -> None:
+        self.active = False
+        if head is not None:
+            head.register_forward_pre_hook(lambda *_: self._stop())
+
+    def _stop(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self.active = False
+
+    def offloads(self, t: torch.Tensor) -> bool:
+        if not self.active or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return False
+        return t.numel() * t.element_size() >= OFFLOAD_MIN_BYTES and (t.device.type != "cpu" or _is_fake(t))
+
+    def pack(self, t: torch.Tensor):
+        if not self.offloads(t):
+            return t
+        if _is_fake(t):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                host = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        return (t.device, host)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        if host.device.type == "meta":
+            return torch.empty(host.shape, dtype=host.dtype, device=device)
+        return host.to(device, non_blocking=True)
+
+
 @dataclass
 class StepHooks:
     """Callbacks the engines plug in. All optional."""
@@ -814,6 +871,7 @@ class TrainingStep:
     total_params: int
     hooks: StepHooks = field(default_factory=StepHooks)
     autocast_policy: _CudaAutocastPolicy | None = None
+    offload: ActivationOffload | None = None
 
     def _phase(self, name: str, it: int) -> None:
         if self.hooks.on_phase is not None:
@@ -826,7 +884,8 @@ class TrainingStep:
             ctx = torch.autocast(self.device_type, dtype=self.autocast_dtype)
         else:
             ctx = contextlib.nullcontext()
-        with ctx:
+        offload = self.offload
+        with ctx, (offload.forward() if offload is not None else contextlib.nullcontext()):
             loss = self.runner(input_ids=ids, labels=ids).loss   # the output (and its logits) dies here
         if self.autocast_policy is not None:
             self.autocast_policy.cache.clear()
@@ -969,8 +1028,12 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             optimizer = make_optimizer(model, setup.optimizer)
         ids = torch.randint(0, _vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
                             device="cpu" if fake else device)
+        offload = None
+        if getattr(setup, "offload_activations", False):
+            lm = _causal_lm(model)
+            offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
         step = TrainingStep(setup, model, runner, optimizer, ids, layout, "cpu" if fake else device.type,
-                            autocast_dtype, total_params, hooks, policy)
+                            autocast_dtype, total_params, hooks, policy, offload)
         say("running the step")
         yield step
 

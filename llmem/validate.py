@@ -77,6 +77,20 @@ CI_MATRIX: list[TrainingSetup] = [
        quant_base="int8"),
     _s("tiny-mistral", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
        quant_base="int8"),
+    # activations: every-2nd-layer checkpointing, fused cross-entropy, flash attention, offloading
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, ckpt_every=2, batch_size=2,
+       seq_len=256),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", grad_ckpt=True, ckpt_every=2, batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", fused_ce=True, batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", fused_ce=True, grad_ckpt=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-mistral", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", fused_ce=True, batch_size=2,
+       seq_len=256),
+    _s("facebook/opt-125m", precision="bf16", fused_ce=True, grad_ckpt=True, ckpt_every=2, batch_size=2,
+       seq_len=256),
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
+    _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
@@ -168,7 +182,10 @@ def label(s: TrainingSetup) -> str:
     layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
         + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
-        + (["optimizer-in-backward"] if s.optimizer_in_backward else [])
+        + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \
+        + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
+        + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
+        + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else [])
     return f"{s.model} {layout} {' '.join(extras)}"
 
 

@@ -18,7 +18,15 @@ def test_ci_matrix_covers_the_required_space():
     assert optimizers >= {"adamw", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit"}
     assert sum(s.optimizer == "adafactor" for s in CI_MATRIX) >= 2
     assert any(s.optimizer_in_backward for s in CI_MATRIX)
-    assert {s.attn for s in CI_MATRIX} == {"sdpa", "eager"}
+    assert {s.attn for s in CI_MATRIX} == {"sdpa", "eager", "flash"}
+    # issue 5: every-layer and every-2nd-layer checkpointing (single and sharded), fused CE (with checkpointing
+    # too), activation offloading
+    every_2nd = {s.method for s in CI_MATRIX if s.grad_ckpt and s.ckpt_every == 2}
+    assert {"single", "fsdp"} <= every_2nd
+    assert any(s.grad_ckpt and s.ckpt_every == 1 for s in CI_MATRIX)
+    fused = [s for s in CI_MATRIX if s.fused_ce]
+    assert len(fused) >= 2 and any(s.grad_ckpt for s in fused) and any(s.method == "fsdp" for s in fused)
+    assert any(s.offload_activations for s in CI_MATRIX)
     assert len(CI_MATRIX) >= 20
 
 
