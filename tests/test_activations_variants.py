@@ -1,0 +1,234 @@
+"""Activation options of issue 5: every-k-th-layer checkpointing, fused cross-entropy, flash attention, activation
+offloading. Bytes are worked out by hand from the shapes; the fused loss is checked against F.cross_entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmem.activations import activation_profile
+from llmem.anatomy import load_anatomy
+from llmem.cli import build_parser, setup_from_args
+from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
+from llmem.losses import chunk_tokens, fused_linear_cross_entropy
+
+# tiny-llama: hidden 512, 8 heads of 64 (no GQA), intermediate 1376, vocab 32000, 4 layers
+T, H, FF, V, L = 2 * 256, 512, 1376, 32000, 4
+
+
+def _setup(**kw) -> TrainingSetup:
+    return TrainingSetup(model="tiny-llama", batch_size=2, seq_len=256, gpu="H100-80GB", **kw)
+
+
+# ---------------------------------------------------------------------------------------------- checkpointing
+
+def test_every_second_layer_keeps_inputs_of_half_and_everything_of_the_rest():
+    """bf16 Llama layer, by hand: two RMSNorms (fp32 copy 4th + rsqrt 4t + normalised 2th) = 2 x 1,574,912; the
+    q/k/v input and the gate/up input 2 x 2th; SDPA q, k, v, out 4 x 2th + lse 4 x 2 x 8 x 256; SwiGLU 4 x 2ti."""
+    norm = 4 * T * H + 4 * T + 2 * T * H
+    full = 2 * norm + 2 * (2 * T * H) + 4 * (2 * T * H) + 4 * 2 * 8 * 256 + 4 * (2 * T * FF)
+    assert full == 11_948_032
+    layer_input = 2 * T * H
+    prof = activation_profile(load_anatomy("tiny-llama"), _setup(precision="bf16", grad_ckpt=True, ckpt_every=2),
+                              "single", 1)
+    assert [prof.checkpointed(i) for i in range(L)] == [True, False, True, False]
+    # ceil(4/2) checkpointed inputs + floor(4/2) full layers
+    assert prof.layers_saved() == 2 * layer_input + 2 * full == 24_944_640
+    every = activation_profile(load_anatomy("tiny-llama"), _setup(precision="bf16", grad_ckpt=True), "single", 1)
+    assert every.layers_saved() == 4 * layer_input
+    # 5 layers, k = 2: layers 0, 2, 4 checkpointed
+    assert prof.checkpointed_layers(5) == 3
+
+
+def test_real_step_checkpoints_layers_whose_index_is_a_multiple_of_k():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from llmem.step import build_meta_model, enable_checkpointing
+
+    model = build_meta_model(_setup(precision="bf16"))
+    assert enable_checkpointing(model, 2) == [0, 2]
+    flags = [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert flags == [True, False, True, False]
+    model = build_meta_model(_setup(precision="bf16"))
+    assert enable_checkpointing(model, 3) == [0, 3]
+    model = build_meta_model(_setup(precision="bf16"))
+    assert enable_checkpointing(model, 1) == [0, 1, 2, 3]
+
+
+def test_every_second_layer_sits_between_none_and_every_layer_in_the_trace():
+    from llmem.tracer import trace
+
+    peaks = [trace(_setup(precision="bf16-mixed", optimizer="sgd", **kw)).peak_allocated_bytes
+             for kw in ({}, {"grad_ckpt": True, "ckpt_every": 2}, {"grad_ckpt": True})]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_cli_grad_ckpt_every_implies_grad_ckpt_and_reaches_json():
+    args = build_parser().parse_args(["estimate", "tiny-llama", "--grad-ckpt-every", "2", "--fused-ce",
+                                      "--offload-activations", "--attn", "flash"])
+    s = setup_from_args(args)
+    assert (s.grad_ckpt, s.ckpt_every, s.fused_ce, s.offload_activations, s.attn) == (True, 2, True, True, "flash")
+    d = s.to_dict()
+    assert d["ckpt_every"] == 2 and d["fused_ce"] and d["offload_activations"]
+    with pytest.raises(LlmemError):
+        setup_from_args(build_parser().parse_args(["estimate", "tiny-llama", "--grad-ckpt-every", "0"]))
+
+
+# ---------------------------------------------------------------------------------------------- fused CE
+
+def test_liger_chunk_rule():
+    # Liger's own example: BT = 4096 * 4, V = 32000, H = 4096 -> inc_factor 8, chunk 2048
+    assert chunk_tokens(4096 * 4, 4096, 32000) == 2048
+    # tiny-llama 2 x 256: inc_factor ceil(32000 / 512) = 63, ceil(512 / 63) = 9 -> 16
+    assert chunk_tokens(512, 512, 32000) == 16
+    assert chunk_tokens(3, 4096, 1000) == 3      # one chunk covers everything, never more than the tokens
+
+
+def test_fused_loss_and_gradients_equal_cross_entropy():
+    torch.manual_seed(0)
+    b, s, h, v = 2, 37, 16, 100          # 74 tokens, chunks of 16 (inc_factor 7 -> ceil(74 / 7) = 11 -> 16)
+    hidden = torch.randn(b, s, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    bias = torch.randn(v, requires_grad=True)
+    labels = torch.randint(0, v, (b, s))
+    labels[0, 5] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, bias, labels)
+    loss.backward()
+    got = [hidden.grad, weight.grad, bias.grad]
+    h2, w2, b2 = (x.detach().clone().requires_grad_() for x in (hidden, weight, bias))
+    logits = h2 @ w2.t() + b2
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1), ignore_index=-100)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for g, r in zip(got, (h2.grad, w2.grad, b2.grad), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_loss_keeps_gradients_in_the_right_dtypes():
+    """bf16-mixed Llama: the final hidden states are fp32 (RMSNorm on the fp32 stream), so grad_input is fp32 t x h;
+    grad_weight is the fp32 master's V x h; the weight is cast to bf16 for the loss. Pure bf16: all 2 bytes."""
+    anatomy = load_anatomy("tiny-llama")
+    f = activation_profile(anatomy, _setup(precision="bf16-mixed", fused_ce=True), "single", 1).fused_ce
+    assert (f.grad_input_bytes, f.grad_weight_bytes, f.weight_cast_bytes) == (T * H * 4, V * H * 4, V * H * 2)
+    assert f.chunk == 16
+    f = activation_profile(anatomy, _setup(precision="bf16", fused_ce=True), "single", 1).fused_ce
+    assert (f.grad_input_bytes, f.grad_weight_bytes, f.weight_cast_bytes) == (T * H * 2, V * H * 2, 0)
+
+
+def test_fused_loss_section_has_no_full_logits():
+    """2 x 96 tokens (t = 192, chunks of ceil(192 / 63) = 4): neither the schedule nor the traced step allocates the
+    [t, V] logits (bf16 12,288,000 B) or their fp32 upcast (24,576,000 B), which the plain loss does; the chunk's
+    fp32 logits (4 x 32000 x 4 B) are there."""
+    from llmem.activations import regime_for
+    from llmem.hardware import resolve_gpu
+    from llmem.methods import resolve_layout
+    from llmem.schedule import build_schedule
+    from llmem.tracer import trace_with_details
+
+    t = 2 * 96
+    full = {t * V * 2, t * V * 4}
+    setup = TrainingSetup(model="tiny-llama", batch_size=2, seq_len=96, gpu="H100-80GB", precision="bf16-mixed",
+                          optimizer="sgd", fused_ce=True)
+    anatomy = load_anatomy("tiny-llama")
+    act = activation_profile(anatomy, setup, "single", 1)
+    assert act.fused_ce.chunk == 4
+    sch = build_schedule(anatomy, setup, resolve_layout("single", 1, None, None, 8, 8), act,
+                         regime_for(setup, "single"), resolve_gpu("H100-80GB").cublas_workspace_bytes)
+    loss_sizes = [size for sign, _k, size, _s, comp in sch.events if sign > 0 and comp == "logits_and_loss"]
+    assert max(loss_sizes) == 4 * V * 4
+    assert not full & {size for _sg, _k, size, _s, _c in sch.events}
+    _, details = trace_with_details(setup)
+    traced = {e[2] for e in details.ledger.events if e[0]}
+    assert not full & traced and 4 * V * 4 in traced
+    _, plain = trace_with_details(TrainingSetup(**{**setup.to_dict(), "fused_ce": False}))
+    assert full <= {e[2] for e in plain.ledger.events if e[0]}
+
+
+def test_fused_ce_refuses_tensor_parallelism():
+    from llmem.estimator import estimate
+
+    with pytest.raises(LlmemError, match="tensor parallelism"):
+        estimate(TrainingSetup(model="tiny-llama", method="tp", gpus=2, precision="bf16", fused_ce=True))
+
+
+# ---------------------------------------------------------------------------------------------- flash
+
+def test_flash_needs_half_precision_and_an_sdpa_model():
+    from llmem.estimator import estimate
+
+    with pytest.raises(LlmemError, match="flash"):
+        _setup(precision="fp32", attn="flash")
+    with pytest.raises(LlmemError, match="flash"):
+        estimate(TrainingSetup(model="tiny-bloom", precision="bf16", attn="flash"))
+    flash = estimate(_setup(precision="bf16-mixed", attn="flash"))
+    sdpa = estimate(_setup(precision="bf16-mixed"))
+    assert flash.peak_allocated_bytes == sdpa.peak_allocated_bytes
+    assert any("flash SDPA kernel" in n for n in flash.notes)
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+def test_offload_packs_activations_but_not_parameters_or_small_tensors():
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem.step import ActivationOffload
+
+    off = ActivationOffload(None)
+    with FakeTensorMode():
+        weight = nn.Parameter(torch.empty(64, 64))
+        act = torch.empty(64, 64)
+        small = torch.empty(255)               # 1020 bytes: under torchtune's 1 KiB
+        off.active = True
+        assert off.pack(weight) is weight and off.pack(weight.t()) is not None
+        assert isinstance(off.pack(weight.t()), torch.Tensor)       # a view of a parameter stays
+        assert off.pack(small) is small
+        device, host = off.pack(act)
+        assert host.device.type == "meta"                           # nothing on the (fake) device
+        back = off.unpack((device, host))
+        assert back.shape == act.shape and back.device == act.device
+        off.active = False
+        assert off.pack(act) is act                                 # after the lm_head: not offloaded
+
+
+def _live_activations_at_backward(setup: TrainingSetup) -> int:
+    from llmem.activations import regime_for
+    from llmem.hardware import resolve_gpu
+    from llmem.methods import resolve_layout
+    from llmem.schedule import build_schedule
+
+    anatomy = load_anatomy("tiny-llama")
+    act = activation_profile(anatomy, setup, "single", 1)
+    sch = build_schedule(anatomy, setup, resolve_layout("single", 1, None, None, 8, 8), act,
+                         regime_for(setup, "single"), resolve_gpu("H100-80GB").cublas_workspace_bytes)
+    start = dict((name, i) for i, name in sch.phase_starts)["it1:backward"]
+    return sum(sign * size for sign, _k, size, _s, comp in sch.events[:start] if comp == "activations")
+
+
+def test_offload_keeps_only_the_lm_head_input_on_the_device_at_the_loss():
+    """bf16 tiny-llama, no checkpointing. Without offload, when the backward starts: 4 layers x 11,948,032, the final
+    RMSNorm (fp32 copy 4th, rsqrt 4t, normalised 2th), the lm_head input 2th and rotary cos/sin (2 x 256 x 64 x 2).
+    With offload only the lm_head input (not offloaded, as torchtune's NoOpManager on the output layer) is left."""
+    norm = 4 * T * H + 4 * T + 2 * T * H
+    assert _live_activations_at_backward(_setup(precision="bf16", optimizer="sgd")) == \
+        4 * 11_948_032 + norm + 2 * T * H + 2 * (256 * 64 * 2)
+    assert _live_activations_at_backward(_setup(precision="bf16", optimizer="sgd", offload_activations=True)) == \
+        2 * T * H
+
+
+def test_offload_trace_has_no_layer_activations_on_the_device_at_the_loss():
+    from llmem.tracer import trace_with_details
+
+    _, details = trace_with_details(_setup(precision="bf16", optimizer="sgd", offload_activations=True))
+    led = details.ledger
+    live = 0
+    for is_alloc, key, size, phase, it, _m, _s in led.events:
+        if it == 1 and phase == 2:
+            break
+        if led.cat.get(key) == "activations":
+            live += size if is_alloc else -size
+    # the lm_head input (2th), the int64 input ids (2 x 256 x 8) and a few small index tensors; no layer's
+    # tensors (11,948,032 B each without offload)
+    assert 2 * T * H + 2 * 256 * 8 <= live < 2 * T * H + 16 * 1024
