@@ -64,6 +64,8 @@ class Dims:
     vocab: int
     layers: int
     tp: int
+    masked: bool = False   # --packing under SDPA: a block-diagonal boolean mask [b, 1, s, s] goes to every layer
+    pos_rows: int = 1      # rows of position ids (and of rotary cos/sin): b when packing, else 1 (broadcast)
 
     @property
     def t(self) -> int:
@@ -158,6 +160,7 @@ class ActivationProfile:
     layers: int
     embed_tensors: tuple[int, ...] = ()
     head_tensors: tuple[int, ...] = ()
+    mask_bytes: int = 0        # --packing under SDPA: the boolean mask, live during the forward
     shared_tensors: tuple[int, ...] = ()
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
     ckpt_every: int = 1        # with grad_ckpt: layers whose index % ckpt_every == 0 are checkpointed
@@ -192,6 +195,8 @@ def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
         i=_ceil_div(anatomy.intermediate_size, tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
         kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
         vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
+        masked=setup.packing and effective_attention(anatomy, setup) == "sdpa" and setup.attn != "flash",
+        pos_rows=setup.batch_size if setup.packing else 1,
     )
 
 
@@ -286,7 +291,7 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
                                                                            default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
-        offload=setup.offload_activations,
+        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d),
     )
 
 
@@ -351,10 +356,23 @@ def dropout_saved(p: float, elements: int) -> Sizes:
 
 
 def sdpa_saved(r: Regime, d: Dims, q_kept: Sizes, k_kept: Sizes, v_kept: Sizes) -> Sizes:
-    """Flash / memory-efficient SDPA: q, k, v (as passed, low precision under autocast), the output, fp32 lse."""
+    """Flash / memory-efficient SDPA: q, k, v (as passed, low precision under autocast), the output, fp32 lse; with
+    a packed mask also the additive bias (sdp::convert_boolean_attn_mask, [b, 1, s, s] in the compute dtype, kept by
+    the efficient / cuDNN kernel for its backward)."""
     out = d.t * d.qd * r.mm
     lse = F32 * d.b * d.heads * d.s
-    return q_kept + k_kept + v_kept + (out, lse)
+    return q_kept + k_kept + v_kept + (out, lse) + packed_bias_saved(r, d)
+
+
+def packed_bias_saved(r: Regime, d: Dims) -> Sizes:
+    """--packing under SDPA: transformers passes the block-diagonal causal mask of the packed samples (bool
+    [b, 1, s, s]); SDPA converts it to an additive bias in the compute dtype per layer, which its kernel keeps."""
+    return (d.b * d.s * d.s * r.mm,) if d.masked else ()
+
+
+def packed_mask_bytes(d: Dims) -> int:
+    """The boolean block-diagonal mask the model builds once per forward (freed with the model's forward)."""
+    return d.b * d.s * d.s if d.masked else 0
 
 
 def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool, softmax_fp32: bool) -> Sizes:
@@ -534,7 +552,8 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
     core: Sizes = (t * (d.qd + d.kvd) * r.mm,) if fused else ()   # phi3: v is a view of the fused qkv, kept
     if attn == "sdpa":
-        core += sdpa_saved(r, d, (t * d.qd * r.mm,), (t * d.kvd * r.mm,), (t * d.kvd * r.mm,))
+        kv = d.qd if d.masked else d.kvd    # a mask turns GQA off: repeat_kv's copies are what SDPA keeps
+        core += sdpa_saved(r, d, (t * d.qd * r.mm,), (t * kv * r.mm,), (t * kv * r.mm,))
         core_transient = t * (d.qd + 2 * d.kvd) * r.mm
     else:
         p_attn = float(_cfg(a, "attention_dropout"))
@@ -565,7 +584,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
     head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
-    return LayerRecipe(tuple(blocks), (), head, (d.s * a.head_dim * r.res,) * 2, head_tags)
+    return LayerRecipe(tuple(blocks), (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
 def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
@@ -580,7 +599,7 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
                        ("attn.c_attn", "q_attn", "attention.q_proj", "attention.k_proj", "attention.v_proj"))
     qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v (views of one c_attn output, kept whole)
     if attn == "sdpa":
-        core: Sizes = (qkv, t * d.qd * r.mm, F32 * d.b * d.heads * d.s)
+        core: Sizes = (qkv, t * d.qd * r.mm, F32 * d.b * d.heads * d.s) + packed_bias_saved(r, d)
     else:
         core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv)
     core += dropout_saved(p_resid, t * d.h)
@@ -692,7 +711,7 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
         mlp: Sizes = (t * d.i * r.mm,) * 2                                                 # F.gelu in, fc2 in
     else:
         if attn == "sdpa":                                                    # q, k (roped), v copies, out, lse
-            core = (t * d.qd * r.mm,) * 4 + (F32 * d.b * d.heads * d.s,)
+            core = (t * d.qd * r.mm,) * 4 + (F32 * d.b * d.heads * d.s,) + packed_bias_saved(r, d)
         else:
             core = (t * d.qd * r.mm,) + eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True)
         mlp = _mlp_act_saved(a, r, t * d.i)
@@ -702,7 +721,7 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
                     ((len(mlp) - 1, ("dense_4h_to_h", "fc_out"), r.autocast and a.model_type != "falcon"),)),
               Block("mlp_out", (), ("dense_4h_to_h", "fc_out"), t * d.i * r.mm))
     head, head_tags = _layernorm_head(r, t, d.h)
-    return LayerRecipe(blocks, (), head, (d.s * a.head_dim * r.res,) * 2, head_tags)
+    return LayerRecipe(blocks, (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
 _FAMILIES = {

@@ -464,6 +464,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         if act.offload:
             sch.free_all(embed_keys)
         shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
+        mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
         if workspace < 0:
             workspace = alloc(workspace_bytes, "cuda_workspaces")
         layer_keys: dict[int, list[list[int]]] = {}
@@ -523,6 +524,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             if reshard:
                 reshard_unit(i)
         sch.free_all(last_forward_ag)
+        sch.free(mask_key)              # the packed mask dies with the model's forward
         head_keys = [alloc(n, "activations") for n in act.head_tensors]
         head_offloaded: list[int] = []
         if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)

@@ -297,7 +297,9 @@ def _make_cuda_sdpa(capability: tuple[int, int], force: str | None = None):
         if attn_mask is not None:
             bias = attn_mask
             if bias.dtype == torch.bool:   # sdp::convert_boolean_attn_mask
-                bias = torch.where(bias.logical_not(), -math.inf, 0.0).to(query.dtype)
+                # sdp::convert_boolean_attn_mask: where(!mask, -inf, scalar_tensor(0, query dtype)), no fp32 copy
+                bias = torch.where(bias.logical_not(), -math.inf,
+                                   torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device))
             bias = bias.expand(*query.shape[:-1], key.shape[-2])
         if backend == "flash":
             return aten._scaled_dot_product_flash_attention(
@@ -325,11 +327,12 @@ def cuda_like_sdpa(capability: tuple[int, int], force: str | None = None) -> Ite
 
 
 @contextlib.contextmanager
-def hf_untraced_masks() -> Iterator[None]:
+def hf_untraced_masks(packed: bool = False) -> Iterator[None]:
     """transformers treats FakeTensors as "tracing" and then keeps data-dependent masks it would drop in a real run:
-    with position ids of one sequence per row (always the case in this step) `find_packed_sequence_indices`
-    returns None for real tensors, so the causal mask is skipped and SDPA runs with is_causal=True. Do the same
-    ops and give the same answer for fake tensors."""
+    with position ids of one sequence per row `find_packed_sequence_indices` returns None for real tensors, so the
+    causal mask is skipped and SDPA runs with is_causal=True. Do the same ops and give the same answer for fake
+    tensors. packed=True (--packing: position ids restart inside rows) returns the packed-sequence index, as the
+    real run does, so the model builds its block-diagonal causal mask."""
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover
@@ -346,8 +349,8 @@ def hf_untraced_masks() -> Iterator[None]:
         first = position_ids[:, :1] - 1
         diff = torch.diff(position_ids, prepend=first, dim=-1)
         mask = (diff != 1).cumsum(-1)
-        (mask[:, -1] == 0).all()     # the check the real run evaluates (its result is True here)
-        return None
+        (mask[:, -1] == 0).all()     # the check the real run evaluates (True here unless packed)
+        return mask if packed else None
 
     with _patched(masking_utils, "find_packed_sequence_indices", find_packed_sequence_indices):
         yield
@@ -872,6 +875,7 @@ class TrainingStep:
     hooks: StepHooks = field(default_factory=StepHooks)
     autocast_policy: _CudaAutocastPolicy | None = None
     offload: ActivationOffload | None = None
+    position_ids: torch.Tensor | None = None   # --packing: positions restart at each packed sample
 
     def _phase(self, name: str, it: int) -> None:
         if self.hooks.on_phase is not None:
@@ -886,7 +890,8 @@ class TrainingStep:
             ctx = contextlib.nullcontext()
         offload = self.offload
         with ctx, (offload.forward() if offload is not None else contextlib.nullcontext()):
-            loss = self.runner(input_ids=ids, labels=ids).loss   # the output (and its logits) dies here
+            extra = {} if self.position_ids is None else {"position_ids": self.position_ids}
+            loss = self.runner(input_ids=ids, labels=ids, **extra).loss   # the output (and its logits) dies here
         if self.autocast_policy is not None:
             self.autocast_policy.cache.clear()
         self._phase("backward", it)
@@ -996,8 +1001,14 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         if layout.method == "ddp" and not real_pg:
             stack.enter_context(ddp_on_fake_pg())
+        packing = getattr(setup, "packing", False)
+        if packing and setup.attn == "flash" and not fake:
+            raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
+                             "flash_attention_2); llmem models it but cannot run it")
         if fake:
-            stack.enter_context(hf_untraced_masks())
+            # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
+            # rows, so the traced flash step gets no packed mask
+            stack.enter_context(hf_untraced_masks(packed=packing and setup.attn != "flash"))
             stack.enter_context(fake_mode)
         if before_model is not None:
             before_model()
@@ -1028,12 +1039,13 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             optimizer = make_optimizer(model, setup.optimizer)
         ids = torch.randint(0, _vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
                             device="cpu" if fake else device)
+        positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if packing else None
         offload = None
         if getattr(setup, "offload_activations", False):
             lm = _causal_lm(model)
             offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
         step = TrainingStep(setup, model, runner, optimizer, ids, layout, "cpu" if fake else device.type,
-                            autocast_dtype, total_params, hooks, policy, offload)
+                            autocast_dtype, total_params, hooks, policy, offload, positions)
         say("running the step")
         yield step
 
@@ -1102,6 +1114,15 @@ def install_fused_ce(model: nn.Module, layout) -> None:
 
     head.forward = head_forward
     lm.forward = lm_forward
+
+
+PACKED_SAMPLES = 2   # --packing: samples per row in the traced step (the mask's size does not depend on it)
+
+
+def packed_position_ids(batch: int, seq: int, device) -> torch.Tensor:
+    """Position ids of rows holding PACKED_SAMPLES samples each (DataCollatorWithFlattening's layout)."""
+    per = -(-seq // PACKED_SAMPLES)
+    return (torch.arange(seq, device=device) % per).expand(batch, seq).contiguous()
 
 
 def _vocab_size(model: nn.Module) -> int:
