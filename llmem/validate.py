@@ -91,6 +91,9 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # sequence packing: SDPA with the packed block-diagonal mask (GQA model: repeated k/v), and GPT-2
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", packing=True, batch_size=2, seq_len=256),
+    _s("gpt2", precision="bf16", optimizer="sgd", packing=True, batch_size=2, seq_len=512),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.

@@ -232,3 +232,34 @@ def test_offload_trace_has_no_layer_activations_on_the_device_at_the_loss():
     # the lm_head input (2th), the int64 input ids (2 x 256 x 8) and a few small index tensors; no layer's
     # tensors (11,948,032 B each without offload)
     assert 2 * T * H + 2 * 256 * 8 <= live < 2 * T * H + 16 * 1024
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+def test_packing_adds_the_mask_bias_and_repeats_grouped_kv():
+    """tiny-mistral bf16 (8 query heads, 2 kv heads of 64; t = 512): SDPA keeps q, k, v, out and the fp32 lse.
+    Unpacked, GQA runs natively: k and v are 2 x 512 x 128 bytes each. Packed, transformers passes the
+    block-diagonal mask, so GQA is off (repeat_kv: k, v as large as q) and the kernel keeps the bf16 bias
+    [2, 1, 256, 256]; rotary cos/sin get one row per sample row; the boolean mask lives through the forward."""
+    anatomy = load_anatomy("tiny-mistral")
+    lse = 4 * 2 * 8 * 256
+
+    def attention(prof):
+        return next(b for b in prof.blocks if b.name == "attention").saved
+
+    plain = activation_profile(anatomy, _setup(precision="bf16"), "single", 1)
+    packed = activation_profile(anatomy, _setup(precision="bf16", packing=True), "single", 1)
+    assert attention(plain) == 2 * T * 512 * 2 + 2 * T * 128 * 2 + lse == 1_327_104
+    assert attention(packed) == 4 * (2 * T * 512) + lse + 2 * 256 * 256 * 2 == 2_375_680
+    assert (plain.shared_saved, packed.shared_saved) == (2 * 256 * 64 * 2, 2 * 2 * 256 * 64 * 2)
+    assert (plain.mask_bytes, packed.mask_bytes) == (0, 2 * 256 * 256)
+    # flash packs through cu_seqlens: no mask, no bias
+    flash = activation_profile(anatomy, _setup(precision="bf16", packing=True, attn="flash"), "single", 1)
+    assert attention(flash) == attention(plain) and flash.mask_bytes == 0
+
+
+def test_packed_position_ids_restart_per_sample():
+    from llmem.step import packed_position_ids
+
+    pos = packed_position_ids(2, 6, "cpu")
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]

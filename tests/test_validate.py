@@ -27,6 +27,7 @@ def test_ci_matrix_covers_the_required_space():
     fused = [s for s in CI_MATRIX if s.fused_ce]
     assert len(fused) >= 2 and any(s.grad_ckpt for s in fused) and any(s.method == "fsdp" for s in fused)
     assert any(s.offload_activations for s in CI_MATRIX)
+    assert any(s.packing for s in CI_MATRIX)
     assert len(CI_MATRIX) >= 20
 
 
