@@ -183,6 +183,20 @@ class ActivationProfile:
         ck = self.checkpointed_layers(n)
         return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
 
+    def device_layers_saved(self, layers: int | None = None) -> int:
+        """What the first `layers` decoder layers keep on the device at the end of the forward: with offloading only
+        the checkpointed layers' inputs (held by the checkpoint), the rest is on the host."""
+        n = self.layers if layers is None else layers
+        return self.checkpointed_layers(n) * self.checkpoint_saved if self.offload else self.layers_saved(n)
+
+    @property
+    def device_outside_saved(self) -> int:
+        """Embedding, head and shared tensors on the device at the end of the forward: with offloading only the
+        lm_head's input (the output layer is not offloaded; the fused loss keeps none)."""
+        if not self.offload:
+            return self.embed_saved + self.head_saved + self.shared_saved
+        return self.head_tensors[-1] if self.head_tensors and self.fused_ce is None else 0
+
     @property
     def saved_at_loss(self) -> int:
         """Everything kept for backward when the loss backward starts (the usual activation peak)."""

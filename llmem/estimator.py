@@ -453,7 +453,8 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
     all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
     # layers that keep everything (not checkpointed) also keep their autocast weight copies
-    full_layers = layers - act.checkpointed_layers()
+    full_layers = 0 if act.offload else layers - act.checkpointed_layers()   # offloaded: copies on the host
+    outside = act.embed_saved + act.shared_saved if not act.offload else 0     # on the device during backward
     top_ckpt = act.checkpointed(layers - 1)
     gather_bytes = setup.gather_bytes
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
@@ -488,11 +489,11 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         fwd_loss = act.fused_ce.forward_peak_bytes
         head_copy = 0                # the loss's weight cast is freed at its end (counted in fwd_loss)
     gathered_fwd = root_gathered + all_layers_gathered
-    saved_layers = act.embed_saved + act.layers_saved() + act.head_saved + act.shared_saved
+    saved_layers = act.device_layers_saved() + act.device_outside_saved
     moments.append(Moment("forward", {
         **static,
         "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
-        "activations": saved_layers,
+        "activations": saved_layers + act.mask_bytes,
         "logits_and_loss": fwd_loss,
     }))
     # 2. loss backward: three fp32 [tokens, vocab] tensors; the graph still holds the weight copies it saved
@@ -511,8 +512,8 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
             "gradients": in_backward_head,
         }))
     # 3. top decoder layer: head gradients exist; the layers below still hold their activations
-    others = act.embed_saved + act.shared_saved + act.layers_saved(layers - 1)
-    other_copies = (full_layers - (0 if top_ckpt else 1)) * layer_copies
+    others = outside + act.device_layers_saved(layers - 1)
+    other_copies = max(full_layers - (0 if top_ckpt else 1), 0) * layer_copies
     gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
     prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
     base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch
@@ -524,7 +525,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     below_grads = (layers - 1) * layer_final_grads
     rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
     base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
-        + below_grads + act.embed_saved + act.shared_saved + rs_prev
+        + below_grads + outside + rs_prev
     bottom_peak = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
     moments.append(_lump("backward", static, bottom_peak, {
         "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
@@ -542,7 +543,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
         **static,
         "gathered_weights": root_gathered + all_layers_gathered,
         "gradients": all_layer_grads + head_live + embed_transient + ms.tp_embed_grad_excess,
-        "activations": act.shared_saved + act.embed_saved,
+        "activations": outside,
         "communication_buffers": static["communication_buffers"] + rs_prev,
     }))
     if fsdp:
