@@ -241,6 +241,15 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
     if setup.fused_ce:
         notes.append("--fused-ce: llmem's PyTorch fused linear cross-entropy (Liger-Kernel's algorithm and chunk "
                      "size; an fp32 upcast of each chunk's logits); no [tokens, vocab] logits")
+    if setup.offload_activations:
+        notes.append("--offload-activations: saved tensors of 1 KiB and more (parameters and their views excepted) "
+                     "in pinned host memory from their layer's forward to its backward, as torchtune's "
+                     "OffloadActivations; the lm_head and the loss stay on the device; synchronous copies")
+    if setup.packing:
+        notes.append("--packing: position ids restart per packed sample; " + (
+            "flash attention runs varlen (cu_seqlens, no mask)" if setup.attn == "flash" else
+            "SDPA gets transformers' block-diagonal causal mask and keeps it as a bias per layer (no native GQA)"
+            if setup.attn == "sdpa" else "eager attention's mask is [b, 1, s, s] as without packing"))
     if setup.grad_ckpt and setup.ckpt_every > 1:
         notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
     return notes

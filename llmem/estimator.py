@@ -610,6 +610,9 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
                      "activations are approximate (llmem trace gives the exact step)")
     notes.extend(activation_notes(setup))
+    if act.offload:
+        host = act.saved_at_loss - act.device_layers_saved() - act.device_outside_saved
+        notes.append(f"activations offloaded: about {host / 1024**3:.2f} GiB of pinned host memory per GPU")
     if not anatomy.supports_sdpa and setup.attn == "sdpa":
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(
