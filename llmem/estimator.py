@@ -680,6 +680,12 @@ def replayed_step(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, a
         return replay(schedule, expandable_segments=setup.expandable_segments)
 
     small, large = depths
+    if act.grad_ckpt and act.ckpt_every > 1:
+        # every k-th layer checkpointed: replay depths congruent to the model's depth mod k, so the number of
+        # checkpointed layers (ceil(depth / k)) and the top layer's kind grow linearly between them
+        k, n = act.ckpt_every, anatomy.num_layers
+        small, large = small + (n - small) % k, large + (n - large) % k
+        large = large if large > small else small + k
     # tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses here
     was_enabled = gc.isenabled()
     gc.disable()
