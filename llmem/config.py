@@ -41,7 +41,7 @@ class TrainingSetup:
     quant_base: str = "none"            # frozen base quantised by bitsandbytes: "nf4" (--qlora), "int8" (--load-in-8bit)
     double_quant: bool = True           # nf4: quantise the absmax constants too (QLoRA's double quantisation)
     # activations (issue 5, item 3)
-    ckpt_every: int = 1                 # with grad_ckpt: checkpoint decoder layers whose index % ckpt_every == 0
+    ckpt_every: int = 1                 # with grad_ckpt (ignored without): checkpoint layers with index % k == 0
     offload_activations: bool = False   # saved activations in pinned host memory between forward and backward
     fused_ce: bool = False              # fused linear cross-entropy (chunks of tokens; no [tokens, vocab] logits)
     packing: bool = False               # samples packed into rows (position_ids restart per sample)
