@@ -168,8 +168,10 @@ class ActivationProfile:
     offload: bool = False      # saved tensors of the layers (not checkpointed) and the final norm on the host
 
     def checkpointed(self, layer: int) -> bool:
-        """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0
-        (torchtune's selective "every k-th layer" counts the same way); the others keep all their tensors."""
+        """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
+        others keep all their tensors. (torchtune's selective "every k-th layer", training/activations.py 0.6,
+        counts from 1 and wraps layers with (i + 1) % k == 0: the same number when k divides the depth, but the
+        top layer is then checkpointed; llmem follows transformers, whose step it runs.)"""
         return self.grad_ckpt and layer % self.ckpt_every == 0
 
     def checkpointed_layers(self, layers: int | None = None) -> int:
@@ -243,8 +245,9 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                      "size; an fp32 upcast of each chunk's logits); no [tokens, vocab] logits")
     if setup.offload_activations:
         notes.append("--offload-activations: saved tensors of 1 KiB and more (parameters and their views excepted) "
-                     "in pinned host memory from their layer's forward to its backward, as torchtune's "
-                     "OffloadActivations; the lm_head and the loss stay on the device; synchronous copies")
+                     "in pinned host memory from their layer's forward to its backward (torchtune's "
+                     "OffloadActivations rules, weight views kept too); the lm_head and the loss stay on the "
+                     "device; synchronous copies")
     if setup.packing:
         notes.append("--packing: position ids restart per packed sample; " + (
             "flash attention runs varlen (cu_seqlens, no mask)" if setup.attn == "flash" else

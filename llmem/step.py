@@ -802,10 +802,11 @@ OFFLOAD_MIN_BYTES = 1024   # torchtune's OffloadActivations(min_offload_size=102
 
 class ActivationOffload:
     """Saved tensors go to pinned host memory in forward and come back in backward (torch.autograd.graph.
-    save_on_cpu / torchtune's OffloadActivations, synchronous). As torchtune does, parameters (and views of them, e.g.
-    the transposed weight a linear saves) and tensors under 1 KiB stay where they are, and the output layer and the
-    loss are not offloaded (torchtune's NoOpManager on the output projection; its loss runs outside the context):
-    offloading stops at the lm_head's forward pre-hook.
+    save_on_cpu / torchtune's OffloadActivations, synchronous). As torchtune does, parameters and tensors under
+    1 KiB stay where they are, and the output layer and the loss are not offloaded (torchtune's NoOpManager on the
+    output projection; its loss runs outside the context): offloading stops at the lm_head's forward pre-hook.
+    Unlike torchtune (which tests isinstance(Parameter) only), views of parameters - the transposed weight a linear
+    saves - stay too: copying a weight that stays on the device anyway would only add weight-sized transients.
 
     On fake tensors the host copy is a meta tensor made outside the fake mode (no device memory, nothing for the
     tracer to count) and the unpacked copy is a new device tensor (counted)."""
@@ -1053,7 +1054,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
 def enable_checkpointing(model: nn.Module, every: int = 1) -> list[int]:
     """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
     layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
-    (and torchtune's selective "every k-th layer") count. Returns the checkpointed layer indices."""
+    counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = {"use_reentrant": False}
