@@ -151,6 +151,19 @@ GPU_MATRIX: list[TrainingSetup] = [
 ] + [TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16-mixed", batch_size=4, seq_len=2048, gpu="H200",
                    optimizer_in_backward=True)]   # bitsandbytes' 8-bit states need bnb itself on a GPU: not here
 
+# issue 5's activation options on a real GPU (flash runs PyTorch's flash SDPA kernel; offload uses pinned memory)
+GPU_MATRIX += [
+    TrainingSetup(model=m, gpu="H200", precision=prec, batch_size=b, seq_len=s_, optimizer="adamw", **kw)
+    for (m, prec, b, s_, kw) in [
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"grad_ckpt": True, "ckpt_every": 2}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True, "grad_ckpt": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"attn": "flash"}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"packing": True}),
+    ]
+]
+
 MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
 COUNTERS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")
 
