@@ -283,3 +283,27 @@ def test_deep_models_extrapolate_every_kth_layer_checkpointing_exactly():
         draft = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM)
         full = replayed_step(anatomy, setup, layout, act, gpu, (10**6, 10**6))
         assert draft.peak_allocated_bytes == pytest.approx(full.peak_allocated_bytes, rel=1e-4), k
+
+
+def test_fused_step_loss_and_gradients_match_the_hf_loss_on_a_real_model():
+    """The step's --fused-ce wiring (causal LM forward -> base model -> lm_head forward = fused loss) on a real
+    fp32 tiny-llama on the CPU: same loss and lm_head / embedding gradients as transformers' own loss."""
+    from llmem.methods import resolve_layout
+    from llmem.step import build_meta_model, init_real_weights, install_fused_ce
+
+    torch.manual_seed(0)
+    setup = TrainingSetup(model="tiny-llama", precision="fp32", batch_size=2, seq_len=16)
+    model = build_meta_model(setup)
+    model.to_empty(device="cpu")
+    init_real_weights(model)
+    ids = torch.randint(0, V, (2, 16))
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lm_head" in n or "embed" in n}
+    model.zero_grad(set_to_none=True)
+    install_fused_ce(model, resolve_layout("single", 1, None, None, 8, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, rtol=1e-4, atol=1e-6)
