@@ -548,9 +548,10 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     }))
     if fsdp:
         # the root's post-backward: its unsharded gradients, their reduce-scatter input and the sharded output
+        # (FSDPParamGroup.post_backward reshards the root's parameters before the reduce)
         moments.append(Moment("backward", {
             **static,
-            "gathered_weights": root_gathered + all_layers_gathered,
+            "gathered_weights": all_layers_gathered,
             "gradients": all_layer_grads + head_live + embed_live + ms.gradients - layers * layer_final_grads,
             "communication_buffers": static["communication_buffers"] + ms.fsdp_root_reduce,
         }))
