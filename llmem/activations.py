@@ -304,7 +304,7 @@ def activation_profile(anatomy: ModelAnatomy, setup: TrainingSetup, method: str,
     int8_kept: Sizes = ()
     if setup.quant_base == "int8":
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, fp32_behind_quant)
-        if fp32_behind_quant and not setup.grad_ckpt:   # the fp32 inputs LLM.int8 keeps, which nothing else does
+        if fp32_behind_quant and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
     return ActivationProfile(
         per_layer_saved=sum(b.saved for b in recipe.blocks),
