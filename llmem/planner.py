@@ -9,8 +9,12 @@ For a model, a GPU type and count, a sequence length and the training options, t
 3. ranks the candidates, either by the time model below (`--ranking time`, default) or by LLMem's Algorithm 1
    (`--ranking paper`, paper.md §5: eval = bs * gpu_n * 1.5 for CDP/ddp, bs * gpu_n for ADP/fsdp, bs for TP,
    bs * dp_n for DP+TP; argmax, ties to the earlier of CDP > ADP > TP > DP+TP; CPU offloading when nothing fits);
-4. when nothing fits, says what would: gradient checkpointing, a shorter sequence, LoRA, optimizer offloading, or
-   more GPUs of the same type, each with its memory and time;
+4. when nothing fits, says what would, each with its largest batch, memory, tokens/s and its time per token
+   against the set-up as given (`time_cost_pct`): memory savers that keep full fine-tuning (fused cross-entropy,
+   8-bit AdamW, the optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the
+   cheap ones together), a shorter sequence, the LoRA (r16, all linear layers) and QLoRA (the same over a 4-bit
+   NF4 base) settings that fit (each tried plain, with fused CE, with checkpointing, with both), optimizer
+   offloading, or more GPUs of the same type;
 5. writes a table or JSON, a memory-vs-batch plot, and a launch config for the recommended plan (accelerate YAML,
    torchrun script, DeepSpeed JSON).
 
@@ -27,7 +31,12 @@ Time model (all functions pure; units in the names; every assumption is stated h
     SDPA flash / memory-efficient kernels skip fully-masked blocks, so half of that counts; eager attention computes
     the whole s x s matrix and is not halved.
   - gradient checkpointing recomputes the decoder layers' forward once in backward: + 2 * P_layers * tokens + the
-    forward attention FLOPs.
+    forward attention FLOPs, times the share of layers checkpointed (ceil(L / k) / L with --grad-ckpt-every k).
+  - fused cross-entropy computes the same matmuls (the lm_head's gradients in forward): no change.
+* memory-bound work, added to compute: a bitsandbytes base is dequantised (storage read, compute-dtype weight
+  written) in forward, in backward and in the recompute, at the GPU's memory bandwidth (`gpu.memory_gbps`);
+  activation offloading copies the layers' saved tensors to the host in forward and back in backward at
+  PCIE_GBPS, each copy hidden behind its phase's compute where it is shorter.
 * time = FLOPs / (peak * MFU), MFU default 0.4 (`--mfu`). Peak is the GPU's dense bf16/fp16 tensor peak; fp32
   assumes TF32 matmuls (torch.set_float32_matmul_precision("high")) at half that peak on compute capability >= 8.0,
   and 1/8 of it on Volta/Turing, which have no TF32. Tensor parallelism splits a micro-batch's FLOPs evenly over tp.
@@ -61,7 +70,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from llmem.anatomy import ModelAnatomy, load_anatomy
-from llmem.config import TrainingSetup
+from llmem.config import EIGHT_BIT_OPTIMIZERS, TrainingSetup
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, resolve_gpu
 from llmem.methods import Layout, canonical_method, resolve_layout
@@ -74,7 +83,7 @@ DEFAULT_MFU = 0.4
 DEFAULT_INTER_NODE_GBPS = 25.0      # GB/s per GPU across nodes (one 200 Gb/s NIC per GPU)
 COLLECTIVE_LATENCY_S = 10e-6        # fixed cost of one NCCL collective
 DDP_BUCKET_BYTES = 25 * MIB         # DDP's bucket_cap_mb default: the last bucket's all-reduce is exposed
-PCIE_GBPS = 25.0                    # host <-> GPU copies for optimizer offloading (PCIe 4.0 x16, one direction)
+PCIE_GBPS = 25.0                    # host <-> GPU copies: optimizer / activation offloading (PCIe 4.0 x16, one way)
 CPU_ADAM_PARAMS_PER_S = 2e9         # a multi-threaded CPU Adam (DeepSpeed's CPUAdam class of speed), assumed
 LORA_RANK = 16
 LORA_TARGETS = "all-linear"
@@ -248,8 +257,15 @@ def attention_flops_per_token_forward(anatomy: ModelAnatomy, seq_len: int, causa
     return flops / 2 if causal_skip else flops
 
 
+def checkpointed_fraction(num_layers: int, grad_ckpt: bool, ckpt_every: int = 1) -> float:
+    """Share of decoder layers recomputed in backward: those with index % ckpt_every == 0."""
+    if not grad_ckpt or num_layers < 1:
+        return 0.0
+    return -(-num_layers // ckpt_every) / num_layers
+
+
 def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: bool, causal_skip: bool,
-               frozen_base: bool = False, adapter_params: int = 0) -> StepFlops:
+               frozen_base: bool = False, adapter_params: int = 0, ckpt_every: int = 1) -> StepFlops:
     """FLOPs of forward, backward and checkpoint recompute for `tokens` tokens (see the module docstring)."""
     layer_p, other_p = matmul_params(anatomy)
     p = layer_p + other_p
@@ -257,8 +273,34 @@ def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: b
     fwd = (2 * p + 2 * adapter_params + attn_fwd) * tokens
     base_bwd = 2 * p if frozen_base else 4 * p                 # frozen: input gradients only
     bwd = (base_bwd + 4 * adapter_params + 2 * attn_fwd) * tokens
-    rec = (2 * layer_p + 2 * adapter_params + attn_fwd) * tokens if grad_ckpt else 0.0
+    share = checkpointed_fraction(anatomy.num_layers, grad_ckpt, ckpt_every)
+    rec = share * (2 * layer_p + 2 * adapter_params + attn_fwd) * tokens
     return StepFlops(fwd, bwd, rec)
+
+
+def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """Device-memory traffic of dequantising a bitsandbytes base once (every quantised weight read in its storage
+    and written in the compute dtype): memory-bound work the matmul FLOPs do not count. MatMul4Bit dequantises in
+    forward and again in backward (and in the recompute under checkpointing); LLM.int8 dequantises in backward and
+    quantises the input in forward (counted alike, an approximation)."""
+    from llmem.quant import is_quantised, storage_bytes
+
+    if setup.quant_base == "none":
+        return 0
+    return sum(storage_bytes(p, setup.quant_base, setup.double_quant) + p.numel * setup.compute_bytes
+               for p in anatomy.params if is_quantised(p, setup.quant_base))
+
+
+def offloaded_activation_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> int:
+    """Bytes --offload-activations moves to the host in forward (and back in backward): the decoder layers'
+    saved tensors."""
+    from llmem.activations import activation_profile
+    from llmem.estimator import trained_anatomy
+
+    if not setup.offload_activations:
+        return 0
+    act = activation_profile(trained_anatomy(anatomy, setup), setup, layout.method, layout.tp)
+    return act.layers * (act.checkpoint_saved if act.grad_ckpt else act.per_layer_saved)
 
 
 def peak_flops_per_s(gpu: GpuSpec, precision: str) -> float:
@@ -344,7 +386,7 @@ class StepTime:
     accumulation_steps: int
     global_batch_size: int        # samples per optimizer step over all data-parallel ranks
     tokens_per_step: int
-    compute_s: float              # all micro-steps' forward + backward + recompute
+    compute_s: float              # all micro-steps' forward + backward + recompute (+ dequantisation, offload copies)
     dp_comm_s: float              # DDP/FSDP collectives per step (overlappable)
     dp_exposed_s: float           # the part of dp_comm_s not hidden behind compute, tails included
     tp_comm_s: float              # tensor-parallel collectives per step (never hidden)
@@ -371,11 +413,17 @@ def step_time(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: 
     tokens = micro_batch * setup.seq_len
     causal_skip = effective_attention(anatomy, setup) == "sdpa"
     flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
-                       frozen_base=adapter_params > 0, adapter_params=adapter_params)
+                       frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every)
     rate = peak_flops_per_s(gpu, setup.precision) * mfu * layout.tp
     fwd_s = flops.forward / rate
     bwd_s = (flops.backward + flops.recompute) / rate
-    micro_compute_s = fwd_s + bwd_s
+    # memory-bound: a quantised base is dequantised in forward, backward and the recompute
+    passes = 2 + checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every)
+    dequant_s = passes * dequantised_bytes_per_pass(anatomy, setup) / (gpu.memory_gbps * 1e9)
+    # activation offloading: copies to the host in forward, back in backward, each overlapping its phase's compute
+    copy_s = offloaded_activation_bytes(anatomy, setup, layout) / (PCIE_GBPS * 1e9)
+    offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
+    micro_compute_s = fwd_s + bwd_s + dequant_s + offload_s
 
     trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
     c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction)
@@ -424,35 +472,10 @@ def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) ->
     return micro, steps
 
 
-# ================================================================================================ LoRA, offload
-
-def lora_adapter_params(anatomy: ModelAnatomy, rank: int = LORA_RANK, targets: str = LORA_TARGETS) -> int:
-    """Adapter parameters: rank * (in + out) for every targeted linear weight of the decoder layers (as
-    `anatomy.with_lora` builds them; "all-linear" leaves the lm_head out, as PEFT does)."""
-    from llmem.anatomy import with_lora
-
-    return with_lora(anatomy, rank, targets).trainable_params
-
+# ================================================================================================ offload
 
 def _shard_count(layout: Layout) -> int:
     return (layout.dp if layout.shards_model_states else 1) * layout.tp
-
-
-def lora_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, rank: int = LORA_RANK,
-                targets: str = LORA_TARGETS) -> MemoryResult:
-    """Per-GPU memory of `setup` with LoRA adapters instead of full fine-tuning: the estimator's LoRA step (frozen
-    base in the compute dtype, adapters trained; not modelled with tensor parallelism, which raises)."""
-    from llmem.estimator import estimate
-
-    return estimate(replace(setup, lora_rank=rank, lora_targets=targets), anatomy, gpu, draft=True)
-
-
-def offload_memory(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> MemoryResult:
-    """GPU memory with the optimizer states and update on the CPU (ZeRO-Offload style): the estimator's step
-    without optimizer states and temporaries (TrainingSetup.offload_optimizer)."""
-    from llmem.estimator import estimate
-
-    return estimate(replace(setup, offload_optimizer=True), anatomy, gpu, draft=True)
 
 
 def offload_cpu_ram_bytes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout) -> int:
@@ -634,16 +657,12 @@ def search_candidate(base: TrainingSetup, layout: Layout, mem: MemoryFn, limit: 
     if quick is None:
         best = max_batch_size(fits, cap)
         return CandidatePlan(layout, best, at(max(best, 1)), limit)
-    draft_fn = getattr(mem, "draft", mem)
-    drafts: dict[int, MemoryResult] = {}
-
-    def draft(bs: int) -> MemoryResult:
-        if bs not in drafts:
-            drafts[bs] = draft_fn(setup_for(base, layout, bs))
-        return drafts[bs]
-
-    if draft(1).device_used_bytes > limit * 1.05:     # clearly out of memory: the draft is close enough to say so
-        return CandidatePlan(layout, 0, draft(1), limit)
+    draft = getattr(mem, "draft", mem)
+    # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
+    # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
+    d1 = draft(setup_for(base, layout, 1))
+    if d1.peak_allocated_bytes + (d1.device_used_bytes - d1.peak_reserved_bytes) > limit:
+        return CandidatePlan(layout, 0, at(1), limit)
     best = calibrated_max(lambda bs: at(bs).device_used_bytes, lambda bs: quick(setup_for(base, layout, bs)),
                           limit, cap)
     return CandidatePlan(layout, best, at(max(best, 1)), limit)
@@ -753,8 +772,15 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     if not any(c.fits for c in candidates):
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
-        # what-ifs are tried on the two layouts that came closest to fitting (each try is a batch search)
-        closest = [c.layout for c in sorted(candidates, key=lambda c: c.memory.device_used_bytes)[:2]]
+        # what-ifs are tried on the two layouts that came closest to fitting (each try is a batch search), and on
+        # the closest without tensor parallelism and the closest replicated one (fused CE, 8-bit optimizers and a
+        # quantised base are modelled without TP / with single and ddp only)
+        ranked = sorted(candidates, key=lambda c: c.memory.device_used_bytes)
+        closest = [c.layout for c in ranked[:2]]
+        for allowed in (("single", "ddp", "fsdp", "zero2"), ("single", "ddp")):
+            extra = next((c.layout for c in ranked if c.method in allowed), None)
+            if extra is not None and extra not in closest:
+                closest.append(extra)
         suggestions = suggest(setup, anatomy, gpu, options, mem, closest or layouts)
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, mem)
     if best is not None and best.time is not None and options.dataset_tokens:
@@ -841,30 +867,192 @@ def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, opti
     return None
 
 
+def describe_fit(c: CandidatePlan | None, plans: list[CandidatePlan], limit: int) -> str:
+    if c is not None:
+        t = f", {c.time.tokens_per_s:,.0f} tokens/s" if c.time else ""
+        return (f"{c.layout.label} fits up to batch {c.max_batch_size} "
+                f"({format_bytes(c.memory.device_used_bytes)} at that batch{t})")
+    closest = _closest(plans)
+    if closest is None:
+        return "no layout could be estimated"
+    return (f"still does not fit: best {closest.layout.label} needs "
+            f"{format_bytes(closest.memory.device_used_bytes)} at batch 1 (limit {format_bytes(limit)})")
+
+
+@dataclass(frozen=True)
+class Saver:
+    """One way to make the step smaller: the set-up fields it changes, the CLI flags that ask for it, its cost."""
+    kind: str
+    changes: tuple[tuple[str, object], ...]
+    flags: str
+    cost: str
+
+    def apply(self, setup: TrainingSetup) -> TrainingSetup:
+        return replace(setup, **dict(self.changes))
+
+
+def full_finetune_savers(setup: TrainingSetup, methods: set[str]) -> list[Saver]:
+    """Ways to keep full fine-tuning with less memory, cheapest in time first (those already on are skipped), then
+    the cheap ones together (fused CE, 8-bit AdamW, checkpointing every layer)."""
+    out: list[Saver] = []
+    if not setup.fused_ce:
+        out.append(Saver("fused_ce", (("fused_ce", True),), "--fused-ce",
+                         "no [tokens, vocab] fp32 logits, same FLOPs"))
+    eight_bit = setup.optimizer.startswith("adamw") and setup.optimizer not in EIGHT_BIT_OPTIMIZERS \
+        and not setup.offload_optimizer and methods & {"single", "ddp"}
+    if eight_bit:
+        out.append(Saver("optimizer_8bit", (("optimizer", "adamw-8bit"),), "--optimizer adamw-8bit",
+                         "bitsandbytes' 8-bit Adam states, 2 instead of 8 bytes per parameter"))
+    if not setup.optimizer_in_backward and not setup.offload_optimizer and "single" in methods \
+            and setup.optimizer not in EIGHT_BIT_OPTIMIZERS:
+        out.append(Saver("optimizer_in_backward", (("optimizer_in_backward", True),), "--optimizer-in-backward",
+                         "each gradient freed after its own update; no gradient accumulation"))
+    if not setup.grad_ckpt:
+        out.append(Saver("grad_ckpt_every_2", (("grad_ckpt", True), ("ckpt_every", 2)), "--grad-ckpt-every 2",
+                         "recomputes half the decoder layers"))
+    if not setup.grad_ckpt or setup.ckpt_every > 1:
+        out.append(Saver("grad_ckpt", (("grad_ckpt", True), ("ckpt_every", 1)), "--grad-ckpt",
+                         "recomputes every decoder layer's forward (about 1/3 more compute)"))
+    if not setup.offload_activations:
+        out.append(Saver("offload_activations", (("offload_activations", True),), "--offload-activations",
+                         "saved activations to pinned host memory and back over PCIe"))
+    cheap = [sv for sv in out if sv.kind in ("fused_ce", "optimizer_8bit", "grad_ckpt")]
+    if len(cheap) > 1:
+        changes = tuple(c for sv in cheap for c in sv.changes)
+        out.append(Saver("combined", changes, " ".join(sv.flags for sv in cheap),
+                         "; ".join(sv.cost for sv in cheap)))
+    return out
+
+
+def time_cost_pct(c: CandidatePlan | None, base: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
+                  options: PlanOptions) -> float | None:
+    """Time per token of a suggestion against the set-up as given, at the same layout and micro-batch (the
+    given set-up's time is modelled even though it does not fit): + is slower, - faster."""
+    if c is None or not c.fits or c.time is None:
+        return None
+    s = setup_for(base, c.layout, c.time.micro_batch_size)
+    ref = step_time(anatomy, s, c.layout, gpu, c.time.micro_batch_size, c.time.accumulation_steps,
+                    mfu=options.mfu, inter_node_gbps=options.inter_node_gbps,
+                    adapter_params=frozen_base_trainable_params(s, anatomy))
+    return 100.0 * (ref.tokens_per_s / c.time.tokens_per_s - 1.0)
+
+
+def saver_suggestion(saver: Saver, setup: TrainingSetup, layouts: list[Layout], mem: MemoryFn, limit: int,
+                     anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+    s = saver.apply(setup)
+    best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
+    cost = time_cost_pct(best, setup, anatomy, gpu, options)
+    when = f", time per token {cost:+.0f} %" if cost is not None else ""
+    return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, limit)
+                       + engine_note,
+                       best or _closest(plans), flags=saver.flags, time_cost_pct=cost,
+                       changes=dict(saver.changes))
+
+
+@dataclass(frozen=True)
+class AdapterMenu:
+    """Adapters over a frozen base, tried with the activation savers that matter most for them."""
+    kind: str
+    title: str
+    changes: tuple[tuple[str, object], ...]
+    flags: str
+
+
+# (field, value, flag) sets tried on top of each adapter menu, cheapest in time first
+ADAPTER_VARIANTS: tuple[tuple[tuple[str, object, str], ...], ...] = (
+    (),
+    (("fused_ce", True, "--fused-ce"),),
+    (("grad_ckpt", True, "--grad-ckpt"),),
+    (("grad_ckpt", True, "--grad-ckpt"), ("fused_ce", True, "--fused-ce")),
+)
+
+
+def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
+    """LoRA r16 on all linear layers over the base as given, and the same over a 4-bit NF4 base (QLoRA, mixed
+    precision: bitsandbytes keeps fp32 adapters over a uint8 base, so pure bf16 becomes bf16-mixed). A set-up
+    that already trains adapters gets the QLoRA menu on its own adapters; a quantised one gets neither."""
+    if setup.quant_base != "none":
+        return []
+    lora = (("lora_rank", LORA_RANK), ("lora_targets", LORA_TARGETS))
+    lora_flags = f"--lora-rank {LORA_RANK} --lora-targets {LORA_TARGETS}"
+    menus = []
+    if not setup.lora_rank:  # PEFT-MERGE: setup.peft
+        menus.append(AdapterMenu("lora", f"LoRA r={LORA_RANK} on all linear layers", lora, lora_flags))
+    else:
+        lora, lora_flags = (), ""
+    mixed = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(setup.precision)
+    precision = (("precision", mixed),) if mixed else ()
+    flags = " ".join(f for f in ("--qlora", lora_flags, f"--precision {mixed}" if mixed else "") if f)
+    title = "QLoRA (4-bit NF4 base, double quantisation)" + (f" with LoRA r={LORA_RANK} on all linear layers"
+                                                             if lora else " with the given adapters")
+    menus.append(AdapterMenu("qlora", title, (("quant_base", "nf4"),) + lora + precision, flags))
+    return menus
+
+
+def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layout], mem: MemoryFn, limit: int,
+                    anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+    """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion."""
+    base = replace(setup, **dict(menu.changes))
+    settings: list[dict] = []
+    fastest: tuple[CandidatePlan, str, tuple] | None = None
+    closest: CandidatePlan | None = None
+    tried: set[tuple] = set()
+    for variant in ADAPTER_VARIANTS:
+        changes = tuple((k, v) for k, v, _ in variant if getattr(base, k) != v)   # what the set-up lacks
+        if changes in tried:
+            continue
+        tried.add(changes)
+        flags = " ".join(f for k, v, f in variant if (k, v) in changes)
+        s = replace(base, **dict(changes))
+        best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
+        all_flags = " ".join(f for f in (menu.flags, flags) if f)
+        pick = best or _closest(plans)
+        if pick is not None and (closest is None
+                                 or pick.memory.device_used_bytes < closest.memory.device_used_bytes):
+            closest = pick
+        settings.append({"flags": all_flags, "fits": best is not None,
+                         "max_batch_size": best.max_batch_size if best else 0,
+                         "label": pick.layout.label if pick else None,
+                         "device_used_bytes": pick.memory.device_used_bytes if pick else None,
+                         "tokens_per_s": best.time.tokens_per_s if best and best.time else None,
+                         "time_cost_pct": time_cost_pct(best, setup, anatomy, gpu, options)})
+        if best is not None and best.time is not None and (
+                fastest is None or best.time.tokens_per_s > fastest[0].time.tokens_per_s):
+            fastest = (best, all_flags, changes)
+    trainable = frozen_base_trainable_params(base, anatomy)
+    head = f"{menu.title} ({trainable:,} trainable parameters)"
+    if fastest is None:
+        text = f"{head}: no setting fits — " + describe_fit(None, [closest] if closest else [], limit)
+        return _suggestion(menu.kind, text + engine_note, closest, flags=menu.flags, settings=settings,
+                           adapter_params=trainable, changes=dict(menu.changes))
+    best, flags, changes = fastest
+    fitting = [x for x in settings if x["fits"]]
+    others = "; ".join(f"{x['flags']}: batch {x['max_batch_size']}" for x in fitting if x["flags"] != flags)
+    text = (f"{head}: {flags} — {describe_fit(best, [], limit)}"
+            + (f"; also fits: {others}" if others else "") + engine_note)
+    return _suggestion(menu.kind, text, best, flags=flags, settings=settings, adapter_params=trainable,
+                       time_cost_pct=time_cost_pct(best, setup, anatomy, gpu, options),
+                       changes={**dict(menu.changes), **dict(changes)})
+
+
 def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, mem: MemoryFn,
             layouts: list[Layout]) -> list[dict]:
-    """What would fit when nothing does: checkpointing, a shorter sequence, LoRA, optimizer offload, more GPUs."""
+    """What would fit when nothing does: memory savers that keep full fine-tuning (fused CE, 8-bit AdamW, the
+    optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
+    together), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs."""
     limit = limit_bytes(gpu, options.headroom)
     out: list[dict] = []
-    lim = format_bytes(limit)
+    # the paper's equations model none of the savers: they are always priced by the llmem estimator
+    engine_note = " (memory from the llmem estimator: the paper engine does not model it)" \
+        if options.engine == "paper" else ""
+    saver_mem: MemoryFn = mem if options.engine == "llmem" else memory_function("llmem", anatomy, gpu)
 
     def describe(c: CandidatePlan | None, plans: list[CandidatePlan]) -> str:
-        if c is not None:
-            t = f", {c.time.tokens_per_s:,.0f} tokens/s" if c.time else ""
-            return (f"{c.layout.label} fits up to batch {c.max_batch_size} "
-                    f"({format_bytes(c.memory.device_used_bytes)} at that batch{t})")
-        closest = _closest(plans)
-        if closest is None:
-            return "no layout could be estimated"
-        return (f"still does not fit: best {closest.layout.label} needs "
-                f"{format_bytes(closest.memory.device_used_bytes)} at batch 1 (limit {lim})")
+        return describe_fit(c, plans, limit)
 
-    # 1. gradient checkpointing
-    if not setup.grad_ckpt and options.engine != "paper":
-        s = replace(setup, grad_ckpt=True)
-        best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
-        out.append(_suggestion("grad_ckpt", "turn on gradient checkpointing (--grad-ckpt, about 1/3 more "
-                               "compute): " + describe(best, plans), best or _closest(plans)))
+    # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together
+    for saver in full_finetune_savers(setup, {lay.method for lay in layouts}):
+        out.append(saver_suggestion(saver, setup, layouts, saver_mem, limit, anatomy, gpu, options, engine_note))
     # 2. the longest sequence that fits at batch 1 (searched on draft estimates)
     best_seq, best_c = 0, None
     draft = getattr(mem, "draft", mem)
@@ -896,24 +1084,12 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
     else:
         out.append(_suggestion("seq_len", "a shorter sequence does not help: even --seq-len 1 does not fit at "
                                "batch 1", None, seq_len=0))
-    # 3. LoRA and 4. optimizer offload: always the llmem estimator (the paper's equations model neither)
-    engine_note = " (memory from the llmem estimator: the paper engine models neither)" \
-        if options.engine == "paper" else ""
-    base = setup
-    adapters = lora_adapter_params(anatomy, LORA_RANK, LORA_TARGETS)
-    lora_fn: MemoryFn = lambda s: lora_memory(s, anatomy, gpu, LORA_RANK, LORA_TARGETS)  # noqa: E731
-    best, plans = _best_fitting(base, layouts, lora_fn, limit, anatomy, gpu, options, adapter_params=adapters)
-    pick = best or _closest(plans)
-    source = "estimator" if pick is not None and pick.memory.engine == "llmem" and not any(
-        "LoRA r=" in n for n in pick.memory.notes) else "llmem's arithmetic"
-    out.append(_suggestion("lora", f"LoRA r={LORA_RANK} on all linear layers ({adapters:,} trainable "
-                           "parameters) reduces gradients and optimizer states to the adapters: "
-                           + describe(best, plans) + engine_note, pick, lora_rank=LORA_RANK,
-                           lora_targets=LORA_TARGETS,
-                           adapter_params=adapters, memory_source=source))
+    # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
+    for menu in adapter_menus(setup):
+        out.append(menu_suggestion(menu, setup, layouts, saver_mem, limit, anatomy, gpu, options, engine_note))
     # 4. optimizer states on the CPU
-    off_fn: MemoryFn = lambda s: offload_memory(s, anatomy, gpu)  # noqa: E731
-    best, plans = _best_fitting(setup, layouts, off_fn, limit, anatomy, gpu, options, offload=True)
+    best, plans = _best_fitting(replace(setup, offload_optimizer=True), layouts, saver_mem, limit, anatomy, gpu,
+                                options, offload=True)
     pick = best or _closest(plans)
     ram = offload_cpu_ram_bytes(setup, anatomy, pick.layout) if pick else 0
     per_node = min(setup.gpus_per_node or min(setup.gpus, 8), setup.gpus)
@@ -989,6 +1165,7 @@ def plan_table(p: Plan):
 
 def print_plan(p: Plan, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = console or Console()
     console.print(plan_table(p))
@@ -1002,9 +1179,9 @@ def print_plan(p: Plan, console=None) -> None:
     else:
         console.print(f"[bold red]nothing fits[/] — {p.reason}")
     for sug in p.suggestions:
-        console.print(f"[cyan]suggestion ({sug['kind']}):[/] {sug['text']}")
+        console.print(f"[cyan]suggestion ({sug['kind']}):[/] {escape(sug['text'])}")
     for note in p.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def plot_plan(p: Plan, path: str, points: int = 40) -> None:

@@ -45,9 +45,11 @@ def memory_table(result: MemoryResult) -> Table:
 
 
 def print_memory(result: MemoryResult, console: Console | None = None) -> None:
+    from rich.markup import escape
+
     console = console or Console()
     console.print(memory_table(result))
     if result.peak_phase:
         console.print(f"peak during: {result.peak_phase}")
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")

@@ -24,9 +24,8 @@ from llmem.planner import (
     export_deepspeed,
     export_plan,
     export_torchrun,
-    lora_adapter_params,
-    lora_memory,
-        max_batch_size,
+    frozen_base_trainable_params,
+    max_batch_size,
     memory_function,
     paper_eval,
     plan,
@@ -302,6 +301,51 @@ def test_nothing_fits_suggestions_70b_on_one_4090():
     assert data["recommended"]["method"] is None and data["suggestions"]
 
 
+def test_rtx4090_llama8b_4k_names_the_lora_and_qlora_settings_that_fit():
+    setup = TrainingSetup(model="meta-llama/Llama-3.1-8B", gpus=1, seq_len=4096, gpu="RTX4090")
+    p = plan(setup)
+    assert p.recommended is None                      # full fine-tuning of 8B needs > 100 GB
+    kinds = {s["kind"]: s for s in p.suggestions}
+    mem = memory_function("llmem", p.anatomy, p.gpu)
+    layout = p.candidates[0].layout
+    for kind in ("lora", "qlora"):
+        sug = kinds[kind]
+        assert sug["fits"] and sug["max_batch_size"] >= 1, sug["text"]
+        assert sug["adapter_params"] == 16 * 32 * (2 * 4096 + 2 * (4096 + 1024) + 2 * 4096 + 3 * (4096 + 14336))
+        assert f"batch {sug['max_batch_size']}" in sug["text"] and sug["flags"] in sug["text"]
+        chosen = replace(setup, **sug["changes"])
+        # the largest batch, checked against the full estimator: it fits, one more does not
+        assert mem(setup_for(chosen, layout, sug["max_batch_size"])).device_used_bytes <= p.limit_bytes
+        assert mem(setup_for(chosen, layout, sug["max_batch_size"] + 1)).device_used_bytes > p.limit_bytes
+        fitting = [x for x in sug["settings"] if x["fits"]]
+        assert fitting and all(x["max_batch_size"] >= 1 for x in fitting)
+    assert "--qlora" in kinds["qlora"]["flags"] and kinds["qlora"]["changes"]["quant_base"] == "nf4"
+    assert "--qlora" not in kinds["lora"]["flags"]
+    # the 4-bit base (about 3.5 GB against 16 GB in bf16) leaves room for a larger batch
+    assert kinds["qlora"]["max_batch_size"] >= kinds["lora"]["max_batch_size"]
+    json.dumps(p.to_dict())
+
+
+def test_memory_savers_and_their_time_cost_by_hand():
+    # GPT-2 at 1024 tokens on 3630 MiB: full fine-tuning needs about 3.62 GiB; checkpointing fits
+    setup = TrainingSetup(model="gpt2", gpus=1, seq_len=1024, gpu="A100-80GB", gpu_memory="3630MiB")
+    p = plan(setup)
+    assert p.recommended is None
+    kinds = {s["kind"]: s for s in p.suggestions}
+    assert set(kinds) >= {"fused_ce", "optimizer_8bit", "optimizer_in_backward", "grad_ckpt_every_2", "grad_ckpt",
+                          "offload_activations", "combined", "seq_len", "lora", "qlora", "offload_optimizer", "gpus"}
+    # recompute FLOPs per token over forward + backward: (2 P_layers + attention) / (6 P + 3 attention)
+    layer_p = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072)
+    matmul = layer_p + 50257 * 768
+    attn = 12 * 4 * 1024 * 768 / 2
+    every_layer = 100 * (2 * layer_p + attn) / (6 * matmul + 3 * attn)
+    assert kinds["grad_ckpt"]["fits"] and kinds["grad_ckpt_every_2"]["fits"]
+    assert kinds["grad_ckpt"]["time_cost_pct"] == pytest.approx(every_layer)            # 23.7 %
+    assert kinds["grad_ckpt_every_2"]["time_cost_pct"] == pytest.approx(every_layer / 2)  # layers 0, 2, ..., 10
+    assert kinds["fused_ce"]["time_cost_pct"] == pytest.approx(0.0)
+    assert kinds["grad_ckpt"]["flags"] == "--grad-ckpt" and "--grad-ckpt-every 2" in kinds["grad_ckpt_every_2"]["text"]
+
+
 def test_seq_len_suggestion_is_the_longest_that_fits():
     # 0.5B parameters fit a 24 GB A10G, but 131072 x 151936 logits do not
     setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", gpus=1, seq_len=131072, gpu="A10G", grad_ckpt=True)
@@ -319,14 +363,17 @@ def test_seq_len_suggestion_is_the_longest_that_fits():
 def test_lora_adapter_count_and_memory():
     a = load_anatomy("meta-llama/Llama-3.2-1B")       # 16 layers, h 2048, kv 512, i 8192
     per_layer = 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2 + (2048 + 8192) * 3)
-    assert lora_adapter_params(a, 16, "all-linear") == 16 * per_layer
-    assert lora_adapter_params(a, 16, "q_proj,v_proj") == 16 * 16 * ((2048 + 2048) + (2048 + 512))
+    setup = TrainingSetup(model="meta-llama/Llama-3.2-1B", seq_len=2048, gpu="A100-80GB")
+    all_linear = replace(setup, lora_rank=16, lora_targets="all-linear")
+    assert frozen_base_trainable_params(all_linear, a) == 16 * per_layer
+    assert frozen_base_trainable_params(replace(all_linear, lora_targets="q_proj,v_proj"), a) \
+        == 16 * 16 * ((2048 + 2048) + (2048 + 512))
+    assert frozen_base_trainable_params(setup, a) == 0           # full fine-tuning
     from llmem.estimator import estimate
 
     gpu = resolve_gpu("A100-80GB")
-    setup = TrainingSetup(model="meta-llama/Llama-3.2-1B", seq_len=2048, gpu="A100-80GB")
     full = estimate(setup, a, gpu)
-    lora = lora_memory(setup, a, gpu)
+    lora = estimate(all_linear, a, gpu)
     assert lora.setup["trainable_params"] == 16 * per_layer
     assert lora.device_used_bytes < full.device_used_bytes
     # frozen base in bf16 (2 bytes x 1,235,814,400 parameters) is the floor
