@@ -47,6 +47,9 @@ def _training_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (base frozen); 0: full")
     g.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scaling; no effect on memory)")
     g.add_argument("--lora-targets", default="q_proj,v_proj", help="modules to adapt, comma-separated, or all-linear")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout on the adapters' input (default 0)")
+    g.add_argument("--peft-config", default=None, metavar="PATH",
+                   help="adapter_config.json (or its folder) applied with peft: LoRA, DoRA, IA3, prompt/prefix tuning")
     g.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model's own code")
     g.add_argument("--qlora", action="store_true",
                    help="frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)")
@@ -70,8 +73,8 @@ def setup_from_args(args: argparse.Namespace):
         offload_activations=args.offload_activations, packing=args.packing, attn=args.attn, gpu=args.gpu, gpu_memory=args.gpu_memory,
         cuda_context=args.cuda_context, expandable_segments=args.expandable_segments,
         offload_optimizer=args.offload_optimizer, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets, trust_remote_code=args.trust_remote_code,
-        optimizer_in_backward=args.optimizer_in_backward,
+        lora_targets=args.lora_targets, lora_dropout=args.lora_dropout, peft_config=args.peft_config,
+        trust_remote_code=args.trust_remote_code, optimizer_in_backward=args.optimizer_in_backward,
         quant_base=_quant_base(args), double_quant=not args.no_double_quant,
     )
 

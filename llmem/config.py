@@ -36,6 +36,8 @@ class TrainingSetup:
     lora_rank: int = 0                  # 0: full fine-tuning; > 0: LoRA adapters of this rank, base frozen
     lora_alpha: int = 16
     lora_targets: str = "q_proj,v_proj" # comma-separated module names, or "all-linear"
+    lora_dropout: float = 0.0           # peft's nn.Dropout on each LoRA adapter's input (--lora-rank only)
+    peft_config: str | None = None      # an adapter_config.json (or its folder), applied with peft itself
     trust_remote_code: bool = False
     optimizer_in_backward: bool = False # per-parameter optimizer steps in post-accumulate-grad hooks
     quant_base: str = "none"            # frozen base quantised by bitsandbytes: "nf4" (--qlora), "int8" (--load-in-8bit)
@@ -57,6 +59,13 @@ class TrainingSetup:
             raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.lora_rank < 0:
             raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise LlmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.peft_config and (self.lora_rank or self.lora_dropout):
+            raise LlmemError("--peft-config sets the adapters itself: drop --lora-rank / --lora-dropout "
+                             "(or drop --peft-config)")
+        if self.lora_dropout and not self.lora_rank:
+            raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
         if self.attn == "flash" and self.precision == "fp32":
@@ -71,6 +80,11 @@ class TrainingSetup:
     def mixed(self) -> bool:
         """fp32 master weights with low-precision compute (autocast / FSDP MixedPrecisionPolicy)."""
         return self.precision.endswith("-mixed")
+
+    @property
+    def peft(self) -> bool:
+        """The base is frozen and peft adds trainable adapters / prompts (--lora-rank or --peft-config)."""
+        return bool(self.lora_rank or self.peft_config)
 
     @property
     def param_bytes(self) -> int:

@@ -28,8 +28,9 @@ from llmem.activations import (
     block_owner,
     has_recipe,
     regime_for,
+    virtual_tokens,
 )
-from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, with_lora
+from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, peft_anatomy, read_peft_config, with_lora
 from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
@@ -437,7 +438,7 @@ def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gp
     act = act or activation_profile(anatomy, setup, layout.method, layout.tp)
     regime = regime_for(setup, layout.method)
     costs = layer_costs(anatomy, setup, layout, act, regime)
-    tokens_vocab = setup.batch_size * setup.seq_len * anatomy.vocab_size
+    tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
     layers = anatomy.num_layers
     fsdp = layout.shards_model_states
     reshard = layout.method != "zero2"
@@ -587,8 +588,8 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             anatomy.num_heads, anatomy.num_kv_heads)
-    if setup.lora_rank and layout.tp > 1:
-        raise LlmemError("LoRA with tensor parallelism is not modelled: use ddp, fsdp or zero2 for LoRA")
+    if setup.peft and layout.tp > 1:
+        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
     moments = step_moments(anatomy, setup, layout, gpu, act)
     rep = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
@@ -614,6 +615,11 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     if act.offload:
         host = act.saved_at_loss - act.device_layers_saved() - act.device_outside_saved
         notes.append(f"activations offloaded: about {host / 1024**3:.2f} GiB of pinned host memory per GPU")
+    if anatomy.peft is not None:
+        notes.extend(anatomy.peft.notes)
+        if anatomy.peft.use_dora and setup.quant_base != "none":
+            notes.append("DoRA on a quantised base: its weight norms are modelled as for an unquantised one (the "
+                         "dequantised weight each forward), not checked against the trace")
     if not anatomy.supports_sdpa and setup.attn == "sdpa":
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return MemoryResult(
@@ -652,8 +658,13 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy) -> list[str]:
 
 
 def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy:
-    """Full fine-tuning trains every parameter; LoRA freezes them and adds adapters."""
-    return with_lora(anatomy, setup.lora_rank, setup.lora_targets) if setup.lora_rank else anatomy
+    """Full fine-tuning trains every parameter; LoRA freezes them and adds adapters; --peft-config: the model peft
+    builds from the config on the meta device (cached per model and config text)."""
+    if setup.peft_config:
+        return peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0])
+    if setup.lora_rank:
+        return with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout)
+    return anatomy
 
 
 def quick_peak_allocated(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> int:

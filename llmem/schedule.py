@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmem.activations import F32, ActivationProfile, FusedCE, Regime, block_owner, quant_input_bytes
+from llmem.activations import (
+    F32,
+    ActivationProfile,
+    FusedCE,
+    Regime,
+    block_owner,
+    quant_input_bytes,
+    virtual_tokens,
+)
 from llmem.allocator import CachingAllocator
 from llmem.anatomy import ModelAnatomy, ParamInfo
 from llmem.config import TrainingSetup
@@ -200,7 +208,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
     fsdp = layout.shards_model_states
     reshard = layout.method != "zero2"
     gather_bytes, reduce_bytes = setup.gather_bytes, setup.reduce_bytes
-    t = setup.batch_size * setup.seq_len
+    t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
     tv = t * anatomy.vocab_size
     layers = anatomy.num_layers if layers is None else layers
     kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < layers]
@@ -284,6 +292,47 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         """Layer i's saved tensors live on the host between forward and backward (a checkpointed layer's input
         is held by the checkpoint itself, on the device)."""
         return act.offload and not act.checkpointed(i)
+
+    plans: dict[int, list[tuple[int, int, int]]] = {}
+
+    def block_plan(b) -> list[tuple[int, int, int]]:
+        """The block's forward as (op, bytes, temporary index): op 0 keeps a tensor, 1 allocates temporary i, 2
+        frees it. Temporaries (peft's adapters) sit at fractional positions between the kept tensors."""
+        ops: list[tuple[int, int, int]] = []
+        live: list[tuple[int, float]] = []
+        positions = sorted({*range(len(b.tensors) + 1), *(a for _, a, _ in b.temps), *(f for _, _, f in b.temps)})
+        for pos in positions:
+            for k, (n, a, f) in enumerate(b.temps):
+                if a == pos and f == pos:
+                    ops.append((1, n, k))
+                    live.append((k, f))
+            ops += [(2, 0, k) for k, f in live if f <= pos]
+            live = [x for x in live if x[1] > pos]
+            for k, (n, a, f) in enumerate(b.temps):
+                if a == pos and f != pos:
+                    ops.append((1, n, k))
+                    live.append((k, f))
+            if pos == int(pos) and pos < len(b.tensors):
+                ops.append((0, b.tensors[int(pos)], -1))
+        return ops + [(2, 0, k) for k, _ in live]
+
+    def forward_block(b) -> list[int]:
+        """The block's kept tensors, with its forward temporaries allocated and freed among them."""
+        if not b.temps:
+            return [alloc(n, "activations") for n in b.tensors]
+        plan = plans.get(id(b))
+        if plan is None:
+            plan = plans[id(b)] = block_plan(b)
+        keys: list[int] = []
+        temps: dict[int, int] = {}
+        for op, n, k in plan:
+            if op == 0:
+                keys.append(alloc(n, "activations"))
+            elif op == 1:
+                temps[k] = alloc(n, "activations")
+            else:
+                sch.free(temps.pop(k))
+        return keys
 
     layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
     for i in range(layers):
@@ -480,7 +529,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             per_block: list[list[int]] = []
             copies: list[list[int]] = []
             pending = None
-            for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
+            for j, (b, params) in enumerate(zip(act.blocks, layer_blocks_params[i], strict=True)):
                 block_copies = []
                 if regime.autocast:
                     for p in params:
@@ -493,7 +542,11 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                             else:
                                 sch.free(k)                 # frozen: cast for this use only
                 copies.append(block_copies)
-                per_block.append([alloc(n, "activations") for n in b.tensors])
+                if i == 0 and j < act.first_layer_skip:    # computed without a graph: nothing kept
+                    sch.free_all(forward_block(b))
+                    per_block.append([])
+                else:
+                    per_block.append(forward_block(b))
                 if offloaded(i) and len(per_block) > 1:
                     sch.free_all(per_block[-2])   # the previous block's tensors are on the host by now
                 if not act.checkpointed(i) and pending is not None:
@@ -646,21 +699,22 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                           for params in layer_blocks_params[i]]
                 per_block = []
                 for b, params in zip(act.blocks, layer_blocks_params[i], strict=True):
-                    per_block.append([alloc(n, "activations") for n in b.tensors])
+                    per_block.append(forward_block(b))
                     dequantise(params, backward=False, block=b)
             layer_unsharded.clear()
             for j in reversed(range(len(act.blocks))):
-                if offloaded(i):    # the block's saved tensors come back from the host for its backward
+                if offloaded(i) and (i > 0 or j >= act.first_layer_skip):   # back from the host for backward
                     per_block[j] = [alloc(n, "activations") for n in act.blocks[j].tensors]
                     copies[j] = [alloc(n, "gathered_weights") for n in cast_bytes(layer_blocks_params[i][j])]
                 for p in layer_blocks_params[i][j]:
                     if p.trainable:
                         flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
                         make_grad(p)
-                dequantise(layer_blocks_params[i][j], backward=True)
-                tmp = alloc(act.blocks[j].transient, "activations")
-                sch.free_all(quant_live)
-                sch.free(tmp)
+                if i > 0 or j >= act.first_layer_skip or act.checkpointed(i):   # layer 0: no gradient before
+                    dequantise(layer_blocks_params[i][j], backward=True)      # its first adapter
+                    tmp = alloc(act.blocks[j].transient, "activations")
+                    sch.free_all(quant_live)
+                    sch.free(tmp)
                 sch.free_all(per_block[j])
                 sch.free_all(copies[j])
                 flush_steps(it)

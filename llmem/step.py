@@ -524,23 +524,34 @@ def build_meta_model(setup):
     return model
 
 
-def apply_lora(model: nn.Module, setup) -> nn.Module:
-    """peft's LoRA on the meta model (adapters from peft itself). The frozen base is kept in the compute dtype, as
+def apply_peft(model: nn.Module, setup) -> nn.Module:
+    """peft on the meta model (adapters, prompts and the trainable set from peft itself): --lora-rank builds a
+    LoraConfig, --peft-config loads the user's adapter_config.json. The frozen base is kept in the compute dtype, as
     fine-tuning scripts load it; adapters are fp32 under mixed precision (peft's autocast_adapter_dtype) and in the
     model dtype under pure bf16/fp16."""
     from peft import LoraConfig, get_peft_model
 
+    from llmem.anatomy import apply_peft_config, read_peft_config
+
     if setup.method in ("tp", "fsdp+tp"):
-        raise LlmemError("LoRA with tensor parallelism is not modelled: use single, ddp, fsdp or zero2 for LoRA")
-    targets = (setup.lora_targets if setup.lora_targets == "all-linear"
-               else [t.strip() for t in setup.lora_targets.split(",") if t.strip()])
-    config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                        task_type="CAUSAL_LM")
-    with quiet():
-        try:
-            peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.mixed)
-        except ValueError as exc:
-            raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
+        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
+    if setup.peft_config:
+        text, fields = read_peft_config(setup.peft_config)
+        if fields.get("use_dora") and setup.quant_base != "none":
+            raise LlmemError("DoRA on a bitsandbytes-quantised base is not emulated in trace (peft dequantises the "
+                             "weight every forward); llmem estimate models it analytically")
+        with quiet():
+            peft_model = apply_peft_config(model, text, setup.mixed)
+    else:
+        targets = (setup.lora_targets if setup.lora_targets == "all-linear"
+                   else [t.strip() for t in setup.lora_targets.split(",") if t.strip()])
+        config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
+        with quiet():
+            try:
+                peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.mixed)
+            except ValueError as exc:
+                raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
     low = _low_dtype(setup)
     if setup.mixed and low is not None:
         cast: dict[int, nn.Parameter] = {}      # by identity, so tied weights stay one tensor
@@ -551,6 +562,39 @@ def apply_lora(model: nn.Module, setup) -> nn.Module:
                         cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
                     module._parameters[name] = cast[id(p)]
     return peft_model
+
+
+def _collect_after_dora(model: nn.Module, stack: contextlib.ExitStack) -> None:
+    """DoRA builds lora_weight = lora_B(lora_A(eye)) every forward and drops its graph unused. On CUDA those
+    tensors die by reference counting when DoraLinearLayer.forward returns; under a Python dispatch mode (the
+    trace's FakeTensorMode, measure's tracker) they sit in a reference cycle until the garbage collector runs,
+    which made both depend on GC timing (checked: an untracked real run frees them at once). Collect right after each DoRA forward, where CUDA frees them. The objects alive at
+    the first collection are frozen (gc.freeze), so the later full collections only scan the step's new objects."""
+    import gc
+
+    if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
+        return
+    frozen: list[bool] = []
+
+    def collect(*_) -> None:
+        gc.collect()
+        if not frozen:
+            gc.freeze()
+            frozen.append(True)
+            stack.callback(gc.unfreeze)
+
+    for module in model.modules():
+        if type(module).__name__ == "DoraLinearLayer":
+            stack.callback(module.register_forward_hook(collect).remove)
+
+
+def _materialize_prompt_tokens(model: nn.Module, device) -> None:
+    """peft's prompt learning keeps its virtual token ids in a plain dict (`prompt_tokens`, torch.arange made at
+    get_peft_model): make them on the step's device (fake ones under FakeTensorMode)."""
+    tokens = getattr(model, "__dict__", {}).get("prompt_tokens")
+    if isinstance(tokens, dict):
+        for name, ids in list(tokens.items()):
+            tokens[name] = torch.arange(ids.numel(), dtype=ids.dtype, device=device)
 
 
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
@@ -948,8 +992,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         from llmem.quant_emulation import quantize_base
 
         quantize_base(model, setup, fake=fake)
-    if setup.lora_rank:
-        model = apply_lora(model, setup)
+    if setup.peft:
+        model = apply_peft(model, setup)
     if setup.quant_base != "none":
         from llmem.quant_emulation import wrap_quant_adapters
 
@@ -1022,6 +1066,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         say("materialising the model")
         if fake:
             materialize(model, "cpu")
+            _materialize_prompt_tokens(model, "cpu")
+            _collect_after_dora(model, stack)
             runner = _apply_method(model, layout, mesh, setup, hooks, fake_pg=True)
         else:
             if sharded:   # shard on meta, then allocate only the local shards
@@ -1031,6 +1077,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                 model.to_empty(device=device)
             _tie_if_needed(model)
             init_real_weights(model)
+            _collect_after_dora(model, stack)       # measure's tracker makes the same cycle as fake tensors
             runner = model
             if not sharded:
                 runner = _apply_method(model, layout, mesh, setup, hooks, fake_pg=not real_pg)

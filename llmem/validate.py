@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
@@ -18,6 +19,11 @@ from llmem.result import MemoryResult
 
 def _s(model: str, method: str = "single", gpus: int = 1, **kw) -> TrainingSetup:
     return TrainingSetup(model=model, method=method, gpus=gpus, gpu="H100-80GB", **kw)
+
+
+def bundled_peft_config(name: str) -> str:
+    """A folder with an adapter_config.json written by peft's save_pretrained (llmem/catalog/peft)."""
+    return str(Path(__file__).parent / "catalog" / "peft" / name)
 
 
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
@@ -94,6 +100,18 @@ CI_MATRIX: list[TrainingSetup] = [
     # sequence packing: SDPA with the packed block-diagonal mask (GQA model: repeated k/v), and GPT-2
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", packing=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", packing=True, batch_size=2, seq_len=512),
+    # LoRA under autocast (peft's fp32 adapters cast their input), LoRA dropout, and --peft-config adapters
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=8),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=64, lora_targets="all-linear"),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       lora_dropout=0.05),
+    _s("tiny-mistral", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=16, lora_dropout=0.1),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256,
+       peft_config=bundled_peft_config("dora-r8-all-linear")),
+    _s("tiny-qwen2", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("ia3-k-v-down")),
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("ia3-k-v-down")),
+    _s("gpt2", precision="fp32", batch_size=2, seq_len=256, peft_config=bundled_peft_config("prompt-tuning-20")),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("prompt-tuning-20")),
 ]
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
@@ -201,7 +219,9 @@ def label(s: TrainingSetup) -> str:
         + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \
         + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
-        + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else [])
+        + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
+        + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \
+        + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else [])
     return f"{s.model} {layout} {' '.join(extras)}"
 
 

@@ -1,0 +1,281 @@
+"""peft: --peft-config (configs written by peft's own save_pretrained), --lora-dropout, and the activation terms of
+LoRA under autocast, LoRA dropout, DoRA, IA3 and prompt tuning, worked out by hand.
+
+Shapes used below (llmem/catalog/tiny): tiny-llama has 4 layers, hidden 512, 8 heads of 64 (kv 8: k/v width 512),
+MLP 1376, vocab 32000; tiny-mistral the same but 2 kv heads (k/v width 128) and MLP 1792."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from llmem.activations import activation_profile, dims_for, regime_for
+from llmem.anatomy import load_anatomy, peft_anatomy, read_peft_config
+from llmem.cli import main
+from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
+from llmem.estimator import estimate, trained_anatomy
+from llmem.validate import CI_MATRIX
+
+T = 2 * 256          # tokens of a 2 x 256 micro-batch
+
+
+def _setup(model="tiny-llama", **kw) -> TrainingSetup:
+    return TrainingSetup(model=model, batch_size=2, seq_len=256, gpu="H100-80GB", **kw)
+
+
+def _save(tmp_path, name, config) -> str:
+    folder = tmp_path / name
+    config.save_pretrained(str(folder))
+    return str(folder)
+
+
+def _blocks(setup: TrainingSetup) -> dict:
+    a = trained_anatomy(load_anatomy(setup.model), setup)
+    return {b.name: b for b in activation_profile(a, setup, setup.method, 1).blocks}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainable sets from peft itself, against hand formulas
+
+def test_lora_config_from_save_pretrained(tmp_path):
+    from peft import LoraConfig
+
+    path = _save(tmp_path, "lora", LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    r = estimate(_setup("tiny-mistral", peft_config=path))
+    # q: A [8, 512] + B [512, 8]; v: A [8, 512] + B [128, 8] (2 kv heads x 64); 4 layers
+    assert r.setup["trainable_params"] == 4 * (8 * 512 + 512 * 8 + 8 * 512 + 128 * 8) == 53248
+    assert r.setup["peft_config"] == path
+
+
+def test_peft_lora_config_equals_lora_options(tmp_path):
+    """The same LoRA through two paths: the anatomy peft builds from a saved config, and --lora-rank's analytic
+    with_lora. Same trainable set, same activations, same counters."""
+    from peft import LoraConfig
+
+    path = _save(tmp_path, "lora", LoraConfig(r=16, lora_dropout=0.1, target_modules="all-linear",
+                                              task_type="CAUSAL_LM"))
+    for precision in ("bf16-mixed", "bf16"):
+        a = estimate(_setup(precision=precision, peft_config=path))
+        b = estimate(_setup(precision=precision, lora_rank=16, lora_targets="all-linear", lora_dropout=0.1))
+        assert a.setup["trainable_params"] == b.setup["trainable_params"]
+        assert (a.peak_allocated_bytes, a.peak_reserved_bytes) == (b.peak_allocated_bytes, b.peak_reserved_bytes)
+
+
+def test_dora_ia3_prompt_prefix_trainable_counts(tmp_path):
+    from peft import IA3Config, LoraConfig, PrefixTuningConfig, PromptTuningConfig
+
+    dora = _save(tmp_path, "dora", LoraConfig(r=8, use_dora=True, target_modules=["q_proj", "v_proj"],
+                                              task_type="CAUSAL_LM"))
+    ia3 = _save(tmp_path, "ia3", IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                           feedforward_modules=["down_proj"], task_type="CAUSAL_LM"))
+    prompt = _save(tmp_path, "prompt", PromptTuningConfig(num_virtual_tokens=20, task_type="CAUSAL_LM"))
+    prefix = _save(tmp_path, "prefix", PrefixTuningConfig(num_virtual_tokens=10, task_type="CAUSAL_LM"))
+    count = {name: estimate(_setup(model, peft_config=path)).setup["trainable_params"]
+             for name, model, path in (("dora", "tiny-llama", dora), ("ia3", "tiny-mistral", ia3),
+                                       ("prompt", "tiny-llama", prompt), ("prefix", "tiny-llama", prefix))}
+    # DoRA: LoRA's A [8, 512] + B [512, 8] on q and v, plus a magnitude vector [512] each; 4 layers
+    assert count["dora"] == 4 * 2 * (8 * 512 + 512 * 8 + 512) == 69632
+    # IA3: a vector per output of k and v (128 each) and per input of down_proj (1792); 4 layers
+    assert count["ia3"] == 4 * (128 + 128 + 1792) == 8192
+    # prompt tuning: n virtual token embeddings of the hidden size
+    assert count["prompt"] == 20 * 512
+    # prefix tuning: per virtual token a key and a value for every layer (num_layers * 2 * token_dim)
+    assert count["prefix"] == 10 * 4 * 2 * 512
+
+
+def test_trainable_set_matches_the_traced_peft_model(tmp_path):
+    """The anatomy read back from peft agrees with the model the trace runs (requires_grad of the peft model)."""
+    from peft import IA3Config
+
+    from llmem.step import apply_peft, build_meta_model
+
+    path = _save(tmp_path, "ia3", IA3Config(task_type="CAUSAL_LM"))
+    setup = _setup("tiny-mistral", precision="bf16-mixed", peft_config=path)
+    model = apply_peft(build_meta_model(setup), setup)
+    traced = {n.replace("base_model.model.", "", 1): p.numel() for n, p in model.named_parameters()
+              if p.requires_grad}
+    a = trained_anatomy(load_anatomy(setup.model), setup)
+    assert {p.name: p.numel for p in a.params if p.trainable} == traced
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input
+
+def test_bad_peft_config_paths_and_json(tmp_path):
+    with pytest.raises(LlmemError, match="does not exist"):
+        estimate(_setup(peft_config=str(tmp_path / "nowhere")))
+    with pytest.raises(LlmemError, match="no adapter_config.json"):
+        estimate(_setup(peft_config=str(tmp_path)))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(LlmemError, match="malformed peft config"):
+        estimate(_setup(peft_config=str(bad)))
+    bad.write_text(json.dumps({"r": 8}))
+    with pytest.raises(LlmemError, match="no 'peft_type'"):
+        estimate(_setup(peft_config=str(bad)))
+    bad.write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["nonexistent_proj"]}))
+    with pytest.raises(LlmemError, match="cannot apply"):
+        estimate(_setup(peft_config=str(bad)))
+
+
+def test_conflicting_and_invalid_options(tmp_path):
+    from peft import LoraConfig
+
+    path = _save(tmp_path, "lora", LoraConfig(r=8, task_type="CAUSAL_LM", target_modules=["q_proj"]))
+    with pytest.raises(LlmemError, match="--peft-config"):
+        _setup(peft_config=path, lora_rank=8)
+    with pytest.raises(LlmemError, match="--lora-dropout needs --lora-rank"):
+        _setup(lora_dropout=0.1)
+    with pytest.raises(LlmemError, match=r"\[0, 1\)"):
+        _setup(lora_rank=8, lora_dropout=1.0)
+    with pytest.raises(LlmemError, match="tensor parallelism"):
+        estimate(TrainingSetup(model="tiny-llama", method="tp", gpus=2, peft_config=path))
+
+
+def test_cli_peft_config_json_and_errors(tmp_path, capsys):
+    from peft import PromptTuningConfig
+
+    path = _save(tmp_path, "prompt", PromptTuningConfig(num_virtual_tokens=8, task_type="CAUSAL_LM"))
+    assert main(["estimate", "tiny-llama", "--peft-config", path, "--seq-len", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["peft_config"] == path and out["setup"]["trainable_params"] == 8 * 512
+    assert main(["estimate", "tiny-llama", "--lora-rank", "8", "--lora-dropout", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["lora_dropout"] == 0.1
+    assert main(["estimate", "tiny-llama", "--peft-config", str(tmp_path / "missing")]) == 2
+    assert main(["estimate", "tiny-llama", "--peft-config", path, "--lora-rank", "8"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activation terms by hand (tiny-llama / tiny-mistral, 2 x 256 tokens)
+
+def test_lora_under_autocast_keeps_its_own_cast():
+    """bf16-mixed, r8 on q and v: the frozen q/k/v keep nothing; each lora_A keeps its bf16 cast of peft's fp32
+    copy of x (T x 512 x 2 B), lora_B its input (T x 8 x 2 B). The norm output itself is not kept. v's output
+    (the sum base + lora, which SDPA keeps) is made by the adapter, so it is counted there."""
+    blocks = _blocks(_setup(precision="bf16-mixed", lora_rank=8))
+    qkv = blocks["qkv_proj"]
+    assert qkv.tensors == (T * 512 * 2, T * 8 * 2, T * 512 * 2, T * 8 * 2, T * 512 * 2)
+    assert len(blocks["attention"].tensors) == 4          # q, k, out, lse
+    # forward temporaries: the base output and the fp32 copy of x live for each adapter's forward
+    assert (T * 512 * 4) in [n for n, _, _ in qkv.temps]
+
+
+def test_lora_dropout_keeps_mask_and_output():
+    """bf16 (no autocast), r8 on q and v, dropout 0.1: lora_A reads the dropout output (T x 512 x 2 B), native
+    dropout keeps a bool mask (T x 512 x 1 B); the norm output is no longer read by any adapter."""
+    qkv = _blocks(_setup(precision="bf16", lora_rank=8, lora_dropout=0.1))["qkv_proj"]
+    assert sorted(qkv.tensors) == sorted((T * 512 * 2, T * 512, T * 8 * 2) * 2 + (T * 512 * 2,))   # + v's output
+    assert (T * 512 * 2) in [n for n, _, _ in qkv.temps]     # the norm output: made, read, freed
+    no_dropout = _blocks(_setup(precision="bf16", lora_rank=8))["qkv_proj"]
+    assert sorted(no_dropout.tensors) == sorted((T * 512 * 2, T * 8 * 2, T * 8 * 2, T * 512 * 2))  # + norm output
+
+
+def test_ia3_terms_by_hand(tmp_path):
+    """IA3 on k, v (outputs) and down_proj (input) of tiny-mistral under bf16-mixed: k and v keep their base
+    output (T x 128 x 2 B) for the vector's gradient, and v's final output moves here from SDPA's kept tensors;
+    down_proj's multiply keeps the fp32 copy of its input (T x 1792 x 4 B)."""
+    from peft import IA3Config
+
+    path = _save(tmp_path, "ia3", IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                            feedforward_modules=["down_proj"], task_type="CAUSAL_LM"))
+    blocks = _blocks(_setup("tiny-mistral", precision="bf16-mixed", peft_config=path))
+    assert blocks["qkv_proj"].tensors == (T * 128 * 2,) * 3
+    assert blocks["down_proj"].tensors == (T * 1792 * 4,)
+    # SDPA keeps q, k, out (T x 512 x 2 each; k: T x 128 x 2) and the fp32 lse (2 x 8 x 256 x 4): v moved out
+    assert blocks["attention"].tensors == (T * 512 * 2, T * 128 * 2, T * 512 * 2, 2 * 8 * 256 * 4)
+
+
+def test_dora_weight_norm_temporaries():
+    """DoRA on tiny-llama (bf16-mixed, r8, all-linear, 2 x 128 tokens): per adapted linear the forward makes
+    [out, in] fp32 temporaries (W.to(fp32), lora_weight.to(fp32), s * lora_weight, W + that) and an fp32 eye(in);
+    it keeps the base output and lora_B's output [t, out] for the magnitude's gradient, lora_A's bf16 cast of x,
+    lora_B's input and three fp32 [out] vectors."""
+    from llmem.validate import bundled_peft_config
+
+    t = 2 * 128
+    setup = TrainingSetup(model="tiny-llama", batch_size=2, seq_len=128, precision="bf16-mixed",
+                          peft_config=bundled_peft_config("dora-r8-all-linear"))
+    a = trained_anatomy(load_anatomy(setup.model), setup)
+    blocks = {b.name: b for b in activation_profile(a, setup, "single", 1).blocks}
+    gate_up = blocks["gate_up_proj"]
+    temps = [n for n, _, _ in gate_up.temps]
+    assert temps.count(1376 * 512 * 4) == 2 * 4           # gate and up: four [1376, 512] fp32 temporaries each
+    assert temps.count(512 * 512 * 4) == 2                # the fp32 eye(512), once per adapter
+    assert gate_up.tensors == (t * 1376 * 2, t * 512 * 2, t * 8 * 2, t * 1376 * 2, 3 * 1376 * 4) * 2
+    assert blocks["mlp_act"].tensors == (t * 1376 * 2,) * 3   # gate, act(gate), up; act * up is not kept
+
+
+def test_prompt_tuning_runs_n_more_tokens(tmp_path):
+    from peft import PromptTuningConfig
+
+    path = _save(tmp_path, "prompt", PromptTuningConfig(num_virtual_tokens=20, task_type="CAUSAL_LM"))
+    setup = _setup(precision="bf16", peft_config=path)
+    a = trained_anatomy(load_anatomy(setup.model), setup)
+    assert dims_for(a, setup, 1).s == 256 + 20
+    act = activation_profile(a, setup, "single", 1)
+    assert act.first_layer_skip == 0            # the prompt needs gradients: layer 0 keeps everything
+    lora = _setup(precision="bf16", lora_rank=8)
+    assert activation_profile(trained_anatomy(load_anatomy("tiny-llama"), lora), lora, "single", 1) \
+        .first_layer_skip == 1                  # LoRA on q, v: the input norm of layer 0 keeps nothing
+
+
+def test_prefix_tuning_falls_back_with_a_note(tmp_path):
+    from peft import PrefixTuningConfig
+
+    path = _save(tmp_path, "prefix", PrefixTuningConfig(num_virtual_tokens=10, task_type="CAUSAL_LM"))
+    r = estimate(_setup(peft_config=path))
+    assert any("no exact activation model for peft type PREFIX_TUNING" in n for n in r.notes)
+    assert r.peak_allocated_bytes > 0
+
+
+def test_peft_estimate_stays_fast(tmp_path):
+    from peft import LoraConfig
+
+    path = _save(tmp_path, "lora", LoraConfig(r=8, use_dora=True, target_modules="all-linear",
+                                              task_type="CAUSAL_LM"))
+    setup = _setup(peft_config=path)
+    estimate(setup)                                           # builds and caches the peft anatomy
+    start = time.perf_counter()
+    for _ in range(5):
+        estimate(setup)
+    assert (time.perf_counter() - start) / 5 < 0.25
+    assert peft_anatomy.cache_info().hits >= 5
+    assert read_peft_config(path)[1]["peft_type"] == "LORA"
+
+
+def test_ci_matrix_covers_the_peft_grid():
+    peft_types = {json.loads(open(f"{s.peft_config}/adapter_config.json").read())["peft_type"]
+                  + ("+dora" if "dora" in s.peft_config else "") for s in CI_MATRIX if s.peft_config}
+    assert peft_types >= {"LORA+dora", "IA3", "PROMPT_TUNING"}
+    assert any(s.lora_dropout > 0 for s in CI_MATRIX)
+    mixed = {(s.lora_rank, s.lora_targets) for s in CI_MATRIX
+             if s.method == "single" and s.precision == "bf16-mixed" and s.lora_rank}
+    assert {(8, "q_proj,v_proj"), (64, "all-linear")} <= mixed
+    assert regime_for(CI_MATRIX[-9], "single").autocast
+
+
+def test_dora_trace_equals_a_real_cpu_step():
+    """The trace's peft path against real tensors: DoRA (which drops lora_weight's graph every forward) on
+    tiny-llama, fp32, CPU kernels: the fake-tensor trace and the real CPU step allocate the same bytes."""
+    from llmem.measure import measure
+    from llmem.tracer import trace
+    from llmem.validate import bundled_peft_config
+
+    setup = TrainingSetup(model="tiny-llama", seq_len=32, precision="fp32",
+                          peft_config=bundled_peft_config("dora-r8-all-linear"))
+    fake, real = trace(setup, cuda_kernels=False), measure(setup, device="cpu")
+    assert (fake.peak_allocated_bytes, fake.peak_reserved_bytes) == (real.peak_allocated_bytes,
+                                                                     real.peak_reserved_bytes)
+
+
+def test_dora_on_a_quantised_base_is_estimated_with_a_note_and_refused_in_trace():
+    from llmem.tracer import trace
+    from llmem.validate import bundled_peft_config
+
+    setup = _setup(precision="bf16-mixed", quant_base="nf4", peft_config=bundled_peft_config("dora-r8-all-linear"))
+    assert any("DoRA on a quantised base" in n for n in estimate(setup).notes)
+    with pytest.raises(LlmemError, match="DoRA on a bitsandbytes-quantised base"):
+        trace(setup)
