@@ -976,7 +976,7 @@ def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
     lora = (("lora_rank", LORA_RANK), ("lora_targets", LORA_TARGETS))
     lora_flags = f"--lora-rank {LORA_RANK} --lora-targets {LORA_TARGETS}"
     menus = []
-    if not setup.lora_rank:  # PEFT-MERGE: setup.peft
+    if not setup.peft:
         menus.append(AdapterMenu("lora", f"LoRA r={LORA_RANK} on all linear layers", lora, lora_flags))
     else:
         lora, lora_flags = (), ""
