@@ -9,6 +9,29 @@ import json
 import sys
 
 GIB = 1024**3
+# set-up fields worth naming in a row when they differ from TrainingSetup's defaults
+_DEFAULTS = {"optimizer": "adamw", "grad_ckpt": False, "ckpt_every": 1, "attn": "sdpa", "lora_rank": 0,
+             "lora_dropout": 0.0, "peft_config": None, "quant_base": "none", "double_quant": True,
+             "optimizer_in_backward": False, "fused_ce": False, "offload_activations": False, "packing": False,
+             "offload_optimizer": False}
+
+
+def describe(setup: dict) -> str:
+    """'tiny-llama fsdp(4) bf16-mixed 2x256 lora_rank=16 ...': the row's set-up in one line."""
+    method = setup.get("method", "single")
+    where = method if method == "single" else f"{method}({setup.get('gpus')}{', tp ' + str(setup['tp']) if setup.get('tp') else ''})"
+    extra = []
+    for k, default in _DEFAULTS.items():
+        v = setup.get(k, default)
+        if v != default:
+            if k == "lora_rank":
+                extra.append(f"lora r{v} {setup.get('lora_targets')}")
+            elif k == "peft_config":
+                extra.append(f"peft {str(v).rstrip('/').split('/')[-1]}")
+            else:
+                extra.append(k if v is True else f"{k}={v}")
+    return " ".join([setup["model"], where, setup.get("precision", ""),
+                     f"{setup.get('batch_size')}x{setup.get('seq_len')}", *extra])
 
 
 def main(path: str) -> None:
@@ -23,7 +46,7 @@ def main(path: str) -> None:
         a, res = err["peak_allocated_bytes"], err["peak_reserved_bytes"]
         errs_a.append(abs(a))
         errs_r.append(abs(res))
-        print(f"| {r.get('config') or r['setup']['model']} | {est['peak_allocated_bytes'] / GIB:.2f} | "
+        print(f"| {r.get('config') or describe(r['setup'])} | {est['peak_allocated_bytes'] / GIB:.2f} | "
               f"{truth['peak_allocated_bytes'] / GIB:.2f} | {a:+.2f} | {est['peak_reserved_bytes'] / GIB:.2f} | "
               f"{truth['peak_reserved_bytes'] / GIB:.2f} | {res:+.2f} | {r.get('trace_s', r.get('seconds', ''))} | "
               f"{r.get('estimate_phase', '')} / {r.get('trace_phase', '')} |")

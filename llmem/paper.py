@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from llmem.anatomy import ModelAnatomy
-from llmem.config import TrainingSetup
+from llmem.config import EIGHT_BIT_OPTIMIZERS, TrainingSetup
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec
 from llmem.methods import resolve_layout
@@ -434,8 +434,18 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
     if setup.precision != "fp16-mixed":
         notes.append(f"precision {setup.precision} ignored: the paper models fp16 mixed precision only "
                      "(fp16 params/grads + fp32 master copies)")
-    if not setup.optimizer.startswith("adamw"):
-        notes.append(f"optimizer {setup.optimizer} ignored: the paper models Adam (momentum + variance) only")
+    if not setup.optimizer.startswith("adamw") or setup.optimizer in EIGHT_BIT_OPTIMIZERS:
+        notes.append(f"optimizer {setup.optimizer} ignored: the paper models Adam (fp32 momentum + variance) only")
+    ignored = [flag for flag, on in (
+        ("LoRA / peft adapters", bool(setup.lora_rank or setup.peft_config)),
+        ("the quantised base", setup.quant_base != "none"), ("--optimizer-in-backward", setup.optimizer_in_backward),
+        ("--offload-optimizer", setup.offload_optimizer), (f"--grad-ckpt-every {setup.ckpt_every}",
+                                                           setup.ckpt_every > 1),
+        ("--fused-ce", setup.fused_ce), ("--offload-activations", setup.offload_activations),
+        ("--packing", setup.packing)) if on]
+    if ignored:
+        notes.append(f"{', '.join(ignored)} ignored: the paper's equations model full fine-tuning of every "
+                     "parameter with its whole logits (use the llmem engine for these)")
     if not setup.grad_ckpt:
         notes.append("gradient checkpointing assumed on: the paper's m_out keeps only layer outputs")
     if setup.method == "zero2":

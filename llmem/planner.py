@@ -88,6 +88,7 @@ CPU_ADAM_PARAMS_PER_S = 2e9         # a multi-threaded CPU Adam (DeepSpeed's CPU
 LORA_RANK = 16
 LORA_TARGETS = "all-linear"
 MAX_SUGGESTED_GPUS = 64
+SUGGESTION_LAYOUTS = 2              # each what-if is searched on the two closest layouts that can run it
 MATMUL_KINDS = ("Linear", "Conv1D")
 ENGINES = ("llmem", "paper")
 RANKINGS = ("time", "paper")
@@ -692,7 +693,12 @@ def _attach_time(c: CandidatePlan, anatomy: ModelAnatomy, setup: TrainingSetup, 
     if not c.fits:
         return
     adapter_params = adapter_params or frozen_base_trainable_params(setup, anatomy)
-    micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
+    if setup.optimizer_in_backward:
+        # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
+        wanted = -(-options.global_batch // c.layout.dp) if options.global_batch else c.max_batch_size
+        micro, steps = min(c.max_batch_size, wanted), 1
+    else:
+        micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
     s = setup_for(setup, c.layout, micro)
     t = step_time(anatomy, s, c.layout, gpu, micro, steps, mfu=options.mfu,
                   inter_node_gbps=options.inter_node_gbps, adapter_params=adapter_params)
@@ -810,16 +816,23 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
                      "checkpointing assumed); the time model still uses the setup given")
     if setup.batch_size != 1:
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
+    if setup.optimizer_in_backward and options.global_batch:
+        notes.append("--optimizer-in-backward cannot accumulate gradients: each step is one micro-batch per GPU, "
+                     "so --global-batch is reached only when it fits in one micro-batch x data-parallel ranks")
     return notes
 
 
 # ================================================================================================ suggestions
 
 def _best_fitting(setup: TrainingSetup, layouts: list[Layout], mem: MemoryFn, limit: int, anatomy: ModelAnatomy,
-                  gpu: GpuSpec, options: PlanOptions, adapter_params: int = 0,
-                  offload: bool = False) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
-    plans = []
+                  gpu: GpuSpec, options: PlanOptions, adapter_params: int = 0, offload: bool = False,
+                  max_layouts: int | None = None) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+    """The fastest fitting plan over `layouts` (and every plan searched); with max_layouts, only the first that
+    many layouts the set-up can run (a layout that refuses it, e.g. 8-bit AdamW under FSDP2, does not count)."""
+    plans: list[CandidatePlan] = []
     for layout in layouts:
+        if max_layouts is not None and len(plans) >= max_layouts:
+            break
         try:
             c = search_candidate(setup, layout, mem, limit, options.batch_cap)
         except LlmemError:
@@ -940,7 +953,7 @@ def time_cost_pct(c: CandidatePlan | None, base: TrainingSetup, anatomy: ModelAn
 def saver_suggestion(saver: Saver, setup: TrainingSetup, layouts: list[Layout], mem: MemoryFn, limit: int,
                      anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
     s = saver.apply(setup)
-    best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
+    best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
     cost = time_cost_pct(best, setup, anatomy, gpu, options)
     when = f", time per token {cost:+.0f} %" if cost is not None else ""
     return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, limit)
@@ -1004,7 +1017,7 @@ def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layou
         tried.add(changes)
         flags = " ".join(f for k, v, f in variant if (k, v) in changes)
         s = replace(base, **dict(changes))
-        best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options)
+        best, plans = _best_fitting(s, layouts, mem, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
         all_flags = " ".join(f for f in (menu.flags, flags) if f)
         pick = best or _closest(plans)
         if pick is not None and (closest is None
@@ -1229,8 +1242,27 @@ class ExportPlan:
     offload_optimizer: bool
 
 
+def unexportable_options(setup: TrainingSetup) -> list[str]:
+    """The set-up's options that the exported launch configs (layout, batch, precision, checkpointing, optimizer
+    offload) do not carry: exporting them would describe a different run than the one planned."""
+    s = setup
+    found = [flag for flag, on in (
+        ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
+        ("--qlora" if s.quant_base == "nf4" else "--load-in-8bit", s.quant_base != "none"),
+        (f"--optimizer {s.optimizer}", not s.optimizer.startswith("adamw") or s.optimizer in EIGHT_BIT_OPTIMIZERS),
+        ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
+        ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
+        (f"--attn {s.attn}", s.attn != "sdpa")) if on]
+    return found
+
+
 def export_plan(p: Plan) -> ExportPlan:
     """The recommended plan, or, when nothing fits, the optimizer-offload suggestion if it fits."""
+    extra = unexportable_options(p.setup)
+    if extra:
+        raise LlmemError(f"--export writes the layout, batch, precision, checkpointing and optimizer offload of a "
+                         f"full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
+                         "--export, or export without these options")
     c = p.recommended
     offload = False
     if c is None:

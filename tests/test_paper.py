@@ -261,6 +261,18 @@ def test_notes_for_setups_outside_the_paper():
     assert r.components["cuda_context"] == resolve_gpu("A100-80GB").cuda_context_bytes
 
 
+def test_notes_name_every_issue5_option_the_equations_ignore():
+    a = load_anatomy("gpt2")
+    setup = TrainingSetup("gpt2", precision="fp16-mixed", optimizer="adamw-8bit", grad_ckpt=True, lora_rank=16,
+                          quant_base="nf4", fused_ce=True, offload_activations=True, seq_len=SL, gpu="V100-16GB")
+    text = " ".join(paper.paper_estimate(setup, a, resolve_gpu("V100-16GB")).notes)
+    assert "optimizer adamw-8bit ignored" in text
+    for option in ("LoRA / peft adapters", "the quantised base", "--fused-ce", "--offload-activations"):
+        assert option in text
+    plain = TrainingSetup("gpt2", precision="fp16-mixed", grad_ckpt=True, seq_len=SL, gpu="V100-16GB")
+    assert "ignored" not in " ".join(paper.paper_estimate(plain, a, resolve_gpu("V100-16GB")).notes)
+
+
 def test_default_m_base():
     assert paper.default_m_base(resolve_gpu("V100-16GB")) == paper.V100_M_BASE_BYTES == 600 * MIB
     assert paper.default_m_base(resolve_gpu("H100")) == resolve_gpu("H100").cuda_context_bytes

@@ -11,6 +11,7 @@ import pytest
 
 from llmem.anatomy import load_anatomy
 from llmem.config import TrainingSetup
+from llmem.errors import LlmemError
 from llmem.hardware import resolve_gpu
 from llmem.methods import Layout
 from llmem.planner import (
@@ -344,6 +345,29 @@ def test_memory_savers_and_their_time_cost_by_hand():
     assert kinds["grad_ckpt_every_2"]["time_cost_pct"] == pytest.approx(every_layer / 2)  # layers 0, 2, ..., 10
     assert kinds["fused_ce"]["time_cost_pct"] == pytest.approx(0.0)
     assert kinds["grad_ckpt"]["flags"] == "--grad-ckpt" and "--grad-ckpt-every 2" in kinds["grad_ckpt_every_2"]["text"]
+
+
+def test_optimizer_in_backward_plans_no_accumulation():
+    setup = TrainingSetup(model="gpt2", gpus=1, seq_len=1024, optimizer_in_backward=True)
+    p = plan(setup, PlanOptions(global_batch=4096))
+    t = p.recommended.time
+    # gradients are consumed by their updates in backward: one micro-batch per step, never 4096 / micro steps
+    assert t.accumulation_steps == 1
+    assert t.micro_batch_size == p.recommended.max_batch_size == t.global_batch_size
+    assert any("cannot accumulate" in n for n in p.notes)
+    # without in-backward the same global batch is reached by accumulation
+    q = plan(replace(setup, optimizer_in_backward=False), PlanOptions(global_batch=4096))
+    assert q.recommended.time.global_batch_size >= 4096 and q.recommended.time.accumulation_steps > 1
+
+
+@pytest.mark.parametrize("option", [{"fused_ce": True}, {"lora_rank": 8, "lora_targets": "c_attn"},
+                                    {"optimizer": "adamw-8bit"},
+                                    {"grad_ckpt": True, "ckpt_every": 2}])
+def test_export_refuses_options_the_launch_configs_cannot_carry(option):
+    p = plan(TrainingSetup(model="gpt2", gpus=1, seq_len=512, **option))
+    assert p.recommended is not None
+    with pytest.raises(LlmemError, match="cannot express"):
+        export_plan(p)
 
 
 def test_seq_len_suggestion_is_the_longest_that_fits():
