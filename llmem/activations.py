@@ -201,6 +201,17 @@ class ActivationProfile:
         return self.head_tensors[-1] if self.head_tensors and self.fused_ce is None else 0
 
     @property
+    def offloaded_bytes(self) -> int:
+        """--offload-activations: the saved tensors that leave the device in forward (one formula for the estimate's
+        note and the planner): the layers not checkpointed, the embedding's, the shared rotary cos/sin and the final
+        norm's; a checkpointed layer's input (held by the checkpoint) and the lm_head's input stay. Each tensor is
+        counted once: autograd packs a tensor per save (a norm's fp32 input twice, a shared input per linear), so the
+        pinned host copies can add up to more."""
+        if not self.offload:
+            return 0
+        return self.saved_at_loss - self.device_layers_saved() - self.device_outside_saved
+
+    @property
     def saved_at_loss(self) -> int:
         """Everything kept for backward when the loss backward starts (the usual activation peak)."""
         return self.embed_saved + self.layers_saved() + self.head_saved + self.shared_saved

@@ -613,8 +613,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
                      "activations are approximate (llmem trace gives the exact step)")
     notes.extend(activation_notes(setup))
     if act.offload:
-        host = act.saved_at_loss - act.device_layers_saved() - act.device_outside_saved
-        notes.append(f"activations offloaded: about {host / 1024**3:.2f} GiB of pinned host memory per GPU")
+        notes.append(f"activations offloaded: about {act.offloaded_bytes / 1024**3:.2f} GiB of pinned host memory per GPU")
     if anatomy.peft is not None:
         notes.extend(anatomy.peft.notes)
         if anatomy.peft.use_dora and setup.quant_base != "none":

@@ -218,6 +218,24 @@ def test_offload_keeps_only_the_lm_head_input_on_the_device_at_the_loss():
         2 * T * H
 
 
+def test_offloaded_bytes_are_the_saved_tensors_that_leave_the_device():
+    """bf16 tiny-llama b=2 s=256, by hand: a layer keeps 11,948,032 B (the test above); the final RMSNorm keeps
+    4th + 4t + 2th = 1,574,912 and rotary cos/sin 2 x 256 x 64 x 2 = 65,536 (both go to the host); the lm_head's
+    input stays; a checkpointed layer's input stays (held by the checkpoint)."""
+    layer, norm, rotary = 11_948_032, 4 * T * H + 4 * T + 2 * T * H, 2 * (256 * 64 * 2)
+    assert (layer, norm, rotary) == (11_948_032, 1_574_912, 65_536)
+    anatomy = load_anatomy("tiny-llama")
+
+    def offloaded(**kw) -> int:
+        setup = _setup(precision="bf16", optimizer="sgd", offload_activations=True, **kw)
+        return activation_profile(anatomy, setup, "single", 1).offloaded_bytes
+
+    assert offloaded() == 4 * layer + norm + rotary == 49_432_576
+    assert offloaded(grad_ckpt=True) == norm + rotary == 1_640_448
+    assert offloaded(grad_ckpt=True, ckpt_every=2) == 2 * layer + norm + rotary == 25_536_512   # layers 1 and 3
+    assert activation_profile(anatomy, _setup(precision="bf16", optimizer="sgd"), "single", 1).offloaded_bytes == 0
+
+
 def test_offload_trace_has_no_layer_activations_on_the_device_at_the_loss():
     from llmem.tracer import trace_with_details
 
