@@ -122,7 +122,8 @@ def _run(setup, device: torch.device, iterations: int, ledger: Ledger, on_phase_
                 on_phase_extra("end", iterations)
             roles.finish()
             ledger.enabled = False
-            info = (step.layout, step.total_params)
+            # the emulated paged 8-bit states (meta buffers here too): managed memory, counted as the trace does
+            info = (step.layout, step.total_params, getattr(step.optimizer, "outside_allocator_bytes", 0))
             del step
     return info
 
@@ -136,17 +137,20 @@ def measure_cpu_with_details(setup, *, iterations: int = 2, progress: Callable[[
     from llmem.hardware import resolve_gpu
     from llmem.tracer import TraceDetails, top_allocations_at
 
+    if setup.offload_activations:
+        raise LlmemError("measure --device cpu: --offload-activations needs a device distinct from the host (the "
+                         "saved tensors would stay where they are); use trace, or measure on a GPU")
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
     ledger = Ledger(workspace_bytes=gpu.cublas_workspace_bytes)
-    layout, total = _run(setup, torch.device("cpu"), iterations, ledger, None, say)
+    layout, total, managed = _run(setup, torch.device("cpu"), iterations, ledger, None, say)
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(layout, setup) + optimizer_notes(setup, "measure")
     notes.append(f"measure on cpu: live tensor bytes counted per op (512-B rounded), reserved from the allocator "
                  f"model; cuBLAS workspace and CUDA context from the {gpu.name} catalog entry; {wall:.1f} s")
-    result = build_result("measure", ledger, setup, gpu, total, notes, series)
+    result = build_result("measure", ledger, setup, gpu, total, notes, series, managed)
     details = TraceDetails(series["phase_peaks"], series["category_max"],
                            top_allocations_at(ledger, series["peak_index"]), ledger, wall)
     return result, details
@@ -165,7 +169,7 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
         last["current"] = phase
 
     t0 = time.perf_counter()
-    layout, total = _run(setup, device, iterations, ledger, on_phase, say)
+    layout, total, managed = _run(setup, device, iterations, ledger, on_phase, say)
     peak_alloc = int(torch.cuda.max_memory_allocated(device))
     peak_res = int(torch.cuda.max_memory_reserved(device))
     used = _device_used_bytes(device)
@@ -177,7 +181,7 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
     comps["allocator_overhead"] = peak_res - tracked - comps["block_rounding"]
     context = max(0, (used or 0) - peak_res)
     comps["cuda_context"] = context
-    comps["managed_memory"] = 0
+    comps["managed_memory"] = managed   # the emulation's paged states are not on the device: added, as in trace
     notes = method_notes(layout, setup) + optimizer_notes(setup, "measure")
     notes.append(f"measure on {torch.cuda.get_device_name(device)}: max_memory_allocated {peak_alloc} B, "
                  f"per-op ledger peak {series['peak_allocated']} B (breakdown from the ledger at its own peak); "
@@ -186,6 +190,6 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
     setup_dict["total_params"] = total
     phase = last["phase"] if last["phase"] in _PHASE_CODES else ""
     return MemoryResult(engine="measure", peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-                        device_used_bytes=peak_res + context, gpu_memory_bytes=torch.cuda.get_device_properties(
+                        device_used_bytes=peak_res + context + managed, gpu_memory_bytes=torch.cuda.get_device_properties(
                             device).total_memory, components=comps, setup=setup_dict, peak_phase=phase,
                         notes=notes)

@@ -193,6 +193,7 @@ class Row:
     truth: MemoryResult | None
     seconds: float
     error: str = ""
+    skipped: str = ""      # why the truth engine cannot run this set-up here (not a failure)
 
     def error_pct(self, counter: str) -> float | None:
         if self.truth is None:
@@ -202,6 +203,7 @@ class Row:
 
     def to_dict(self) -> dict:
         out = {"setup": self.setup.to_dict(), "seconds": round(self.seconds, 2), "error": self.error,
+               "skipped": self.skipped,
                "estimate": {c: getattr(self.estimate, c) for c in COUNTERS}}
         if self.truth is not None:
             out["truth"] = {c: getattr(self.truth, c) for c in COUNTERS}
@@ -238,6 +240,11 @@ def run_matrix(setups: list[TrainingSetup], against: str, device: str | None = N
     for setup in setups:
         est = estimate(setup)
         start = time.perf_counter()
+        if against == "measure" and (why := measure_skip_reason(setup, device)):
+            rows.append(row := Row(setup, est, None, 0.0, skipped=why))
+            if on_row:
+                on_row(row)
+            continue
         truth, error = None, ""
         try:
             if against == "trace":
@@ -255,6 +262,16 @@ def run_matrix(setups: list[TrainingSetup], against: str, device: str | None = N
         if on_row:
             on_row(row)
     return rows
+
+
+def measure_skip_reason(setup: TrainingSetup, device: str | None) -> str:
+    """Set-ups a measurement on this device cannot reproduce: activation offload on the CPU (no host to offload to)."""
+    import torch
+
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu and setup.offload_activations:
+        return "--offload-activations needs a GPU (the host is the device)"
+    return ""
 
 
 def worst_error(rows: list[Row], counters: tuple[str, ...]) -> float:
@@ -279,8 +296,8 @@ def run_validation(against: str, matrix: str, max_error_pct: float, json_out: st
         task = progress.add_task(f"{against} x {len(setups)}", total=len(setups))
         rows = run_matrix(setups, against, device, on_row=lambda r: progress.advance(task))
     worst = worst_error(rows, counters)
-    failed = [r for r in rows if r.error or any(abs(e) > max_error_pct for c in counters
-                                                  if (e := r.error_pct(c)) is not None)]
+    failed = [r for r in rows if not r.skipped and (r.error or any(abs(e) > max_error_pct for c in counters
+                                                                    if (e := r.error_pct(c)) is not None))]
     summary = {"against": against, "matrix": matrix, "max_error_pct": max_error_pct, "worst_error_pct": worst,
                "passed": not failed, "rows": [r.to_dict() for r in rows]}
     if json_out:
@@ -303,10 +320,11 @@ def run_validation(against: str, matrix: str, max_error_pct: float, json_out: st
             cells = [label(r.setup)]
             for c in counters:
                 e = r.error_pct(c)
-                truth = format_bytes(getattr(r.truth, c)) if r.truth else r.error[:40]
-                colour = "red" if e is None or abs(e) > max_error_pct else "green"
+                truth = format_bytes(getattr(r.truth, c)) if r.truth else (
+                    f"skipped: {r.skipped}"[:40] if r.skipped else r.error[:40])
+                colour = "yellow" if r.skipped else "red" if e is None or abs(e) > max_error_pct else "green"
                 cells += [format_bytes(getattr(r.estimate, c)), truth,
-                          f"[{colour}]{e:+.2f}[/]" if e is not None else "[red]n/a[/]"]
+                          f"[{colour}]{e:+.2f}[/]" if e is not None else f"[{colour}]n/a[/]"]
             cells.append(f"{r.seconds:.1f}")
             table.add_row(*cells)
         console.print(table)

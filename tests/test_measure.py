@@ -124,3 +124,29 @@ def test_measure_cuda_without_gpu_is_an_error(small_llama):
         pytest.skip("a GPU is present")
     with pytest.raises(LlmemError, match="no CUDA GPU"):
         measure(TrainingSetup(model=small_llama, batch_size=1, seq_len=8), device="cuda")
+
+
+def test_measure_on_cpu_refuses_activation_offload_and_validate_skips_it(small_llama, monkeypatch):
+    """On the CPU the host is the device: nothing would be offloaded, so measure refuses, and validate reports the
+    row as skipped (not failed)."""
+    from llmem import validate
+
+    setup = TrainingSetup(model=small_llama, batch_size=1, seq_len=32, precision="bf16", optimizer="sgd",
+                          offload_activations=True)
+    with pytest.raises(LlmemError, match="offload-activations needs a device distinct from the host"):
+        measure(setup, device="cpu")
+    (row,) = validate.run_matrix([setup], "measure", "cpu")
+    assert row.truth is None and "GPU" in row.skipped and not row.error
+    monkeypatch.setitem(validate.MATRICES, "offload-only", [setup])
+    assert validate.run_validation("measure", "offload-only", 2.0, None, None, True, "cpu") == 0
+
+
+def test_measure_counts_paged_optimizer_states_in_device_used(small_llama):
+    """paged-adamw-8bit: uint8 state1 + state2 of every parameter of >= 1e5 elements are managed memory. small_llama
+    by hand: embedding and lm_head 2000 x 256 = 512,000 each; per layer gate, up, down 256 x 512 = 131,072 each (q/o
+    65,536 and k/v 32,768 stay under 1e5): 2 x (2 x 512,000 + 2 x 3 x 131,072) = 3,620,864 B."""
+    res = measure(TrainingSetup(model=small_llama, batch_size=1, seq_len=32, precision="bf16-mixed",
+                                optimizer="paged-adamw-8bit"), device="cpu")
+    assert res.components["managed_memory"] == 3_620_864
+    assert sum(res.components.values()) == res.device_used_bytes
+    assert res.device_used_bytes == res.peak_reserved_bytes + res.components["cuda_context"] + 3_620_864
