@@ -126,9 +126,6 @@ def fused_ce_for(anatomy: ModelAnatomy, setup: TrainingSetup, method: str, d: Di
     from llmem.errors import LlmemError
     from llmem.losses import chunk_tokens
 
-    if d.tp > 1:
-        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
-                         "vocab-parallel loss")
     if _cfg(anatomy, "final_logit_softcapping", default=None):
         raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
     head = next((p for p in anatomy.params if p.layer_index is None and (

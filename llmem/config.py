@@ -10,6 +10,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit",
               "paged-adamw-8bit")
 EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")     # bitsandbytes' AdamW8bit / PagedAdamW8bit
+TP_METHODS = ("tp", "fsdp+tp")         # the resolved methods with tensor parallelism
 IN_BACKWARD_METHODS = ("single",)   # --optimizer-in-backward: per-parameter steps in post-accumulate-grad hooks
 ATTENTIONS = ("sdpa", "eager", "flash")
 
@@ -138,6 +139,11 @@ def check_optimizer_method(setup: TrainingSetup, method: str) -> None:
         raise LlmemError(f"adafactor with {method}: torch.optim.Adafactor fails on DTensor parameters "
                          "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in place); "
                          "use single or ddp")
+    if setup.peft and method in TP_METHODS:
+        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
+    if setup.fused_ce and method in TP_METHODS:
+        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
+                         "vocab-parallel loss")
     from llmem.quant import check_quant_method
 
     check_quant_method(setup, method)

@@ -588,8 +588,7 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             anatomy.num_heads, anatomy.num_kv_heads)
-    if setup.peft and layout.tp > 1:
-        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
+    check_optimizer_method(setup, layout.method)   # before the activation recipes (peft / fused CE with TP)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
     moments = step_moments(anatomy, setup, layout, gpu, act)
     rep = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM if draft else EXTRAPOLATE_FROM)

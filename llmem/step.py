@@ -533,8 +533,6 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
 
     from llmem.anatomy import apply_peft_config, read_peft_config
 
-    if setup.method in ("tp", "fsdp+tp"):
-        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
     if setup.peft_config:
         text, fields = read_peft_config(setup.peft_config)
         if fields.get("use_dora") and setup.quant_base != "none":
@@ -1134,9 +1132,6 @@ def install_fused_ce(model: nn.Module, layout) -> None:
 
     from llmem.losses import fused_linear_cross_entropy
 
-    if layout.tp > 1:
-        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
-                         "vocab-parallel loss")
     lm = _causal_lm(model)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     base = getattr(lm, "base_model", None)

@@ -265,3 +265,19 @@ def test_lora_bad_targets_and_tp():
         estimate(TrainingSetup("gpt2", lora_rank=8, lora_targets="q_proj"))      # GPT-2 has c_attn, not q_proj
     with pytest.raises(LlmemError, match="tensor parallelism"):
         estimate(TrainingSetup("meta-llama/Llama-2-7b-hf", method="tp", gpus=2, lora_rank=8))
+
+
+@pytest.mark.parametrize("kw, words", [({"lora_rank": 8}, "LoRA / peft with tensor parallelism"),
+                                       ({"fused_ce": True}, "--fused-ce with tensor parallelism")])
+def test_resolved_method_check_refuses_peft_and_fused_ce_with_tp_in_every_engine(kw, words):
+    """One check (config.check_optimizer_method) for estimate, the planner's quick search and the trace."""
+    from llmem.anatomy import load_anatomy
+    from llmem.estimator import quick_peak_allocated
+    from llmem.hardware import resolve_gpu
+    from llmem.tracer import trace
+
+    setup = TrainingSetup("tiny-llama", method="tp", gpus=2, precision="bf16", **kw)
+    for run in (lambda: estimate(setup), lambda: trace(setup),
+                lambda: quick_peak_allocated(setup, load_anatomy("tiny-llama"), resolve_gpu("H100-80GB"))):
+        with pytest.raises(LlmemError, match=words):
+            run()
