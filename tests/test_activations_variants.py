@@ -162,10 +162,19 @@ def test_flash_needs_half_precision_and_an_sdpa_model():
         _setup(precision="fp32", attn="flash")
     with pytest.raises(LlmemError, match="flash"):
         estimate(TrainingSetup(model="tiny-bloom", precision="bf16", attn="flash"))
-    flash = estimate(_setup(precision="bf16-mixed", attn="flash"))
-    sdpa = estimate(_setup(precision="bf16-mixed"))
-    assert flash.peak_allocated_bytes == sdpa.peak_allocated_bytes
-    assert any("flash SDPA kernel" in n for n in flash.notes)
+    assert any("flash SDPA kernel" in n for n in estimate(_setup(precision="bf16-mixed", attn="flash")).notes)
+
+
+def test_packed_flash_runs_varlen_without_the_mask_sdpa_keeps():
+    """--packing, tiny-llama bf16 (b=2, s=256, no GQA): SDPA gets the boolean block-diagonal mask (b x s x s = 131,072
+    B, live in the forward) and keeps its bf16 bias per layer (2 x 256 x 256 x 2 = 262,144 B); flash attention runs
+    varlen on cu_seqlens: neither."""
+    anatomy = load_anatomy("tiny-llama")
+    flash = activation_profile(anatomy, _setup(precision="bf16", packing=True, attn="flash"), "single", 1)
+    sdpa = activation_profile(anatomy, _setup(precision="bf16", packing=True), "single", 1)
+    assert (flash.mask_bytes, sdpa.mask_bytes) == (0, 131_072)
+    assert sdpa.per_layer_saved - flash.per_layer_saved == 262_144
+    assert flash.per_layer_saved == 11_948_032          # the unpacked layer (test_every_second_layer...)
 
 
 # ---------------------------------------------------------------------------------------------- offload
@@ -285,13 +294,13 @@ def test_packed_position_ids_restart_per_sample():
 
 def test_deep_models_extrapolate_every_kth_layer_checkpointing_exactly():
     """Extrapolation from two shallow replays is exact when both depths are congruent to the model's depth mod k
-    (ceil(depth / k) checkpointed layers grows linearly along them): Qwen2.5-0.5B, 24 layers, k = 5 (depths 4 and 8
-    become 9 and 14; from 4 and 8 the peak came out 1.7 % low)."""
+    (ceil(depth / k) checkpointed layers grows linearly along them): Qwen2.5-0.5B, 24 layers, draft depths 4 and 8
+    become 4 and 9 with k = 5 (24 - 8 = 16 is 1 mod 5) and 6 and 9 with k = 3 (20 is 2 mod 3, 16 is 1 mod 3)."""
     from llmem.estimator import DRAFT_FROM, replayed_step, trained_anatomy
     from llmem.hardware import resolve_gpu
     from llmem.methods import resolve_layout
 
-    for k in (5,):
+    for k in (3, 5):
         setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16", optimizer="sgd", batch_size=2,
                               seq_len=2048, grad_ckpt=True, ckpt_every=k, gpu="H100-80GB")
         anatomy = trained_anatomy(load_anatomy(setup.model), setup)
