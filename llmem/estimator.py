@@ -31,7 +31,7 @@ from llmem.activations import (
     virtual_tokens,
 )
 from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy, peft_anatomy, read_peft_config, with_lora
-from llmem.config import TrainingSetup, check_optimizer_method
+from llmem.config import EIGHT_BIT_OPTIMIZERS, TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
 from llmem.hardware import GpuSpec, outside_allocator_bytes, resolve_gpu
 from llmem.methods import Layout, resolve_layout
@@ -137,25 +137,14 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
         opt_states = opt_temp = opt_outside = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP)
     elif setup.optimizer_in_backward:
         # one optimizer per parameter: the step's temporaries are those of the largest single parameter
-        largest = max((local[p.name] for p in trainable), default=0) * pb
-        opt_temp = {"adamw": largest, "adamw-forloop": 2 * largest}.get(setup.optimizer, 0)
-        opt_temp = max([opt_temp] + [_peak_of(optimizer_step_events([local_shapes[p.name]], setup))
-                                     for p in trainable])
-    elif setup.optimizer == "adamw":
-        # foreach: torch._foreach_sqrt(exp_avg_sqs) materialises one copy of every state of a parameter group
-        from llmem.schedule import optimizer_groups
-
-        opt_temp = max(sum(local[p.name] for p in g) for g in optimizer_groups(trainable, layout)) * pb
-    elif setup.optimizer == "adamw-forloop":
-        # for-loop: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of the largest parameter
-        opt_temp = 2 * max((local[p.name] for p in trainable), default=0) * pb
-    elif setup.optimizer in ("adafactor", "lion"):
+        opt_temp = max((_peak_of(optimizer_step_events([local_shapes[p.name]], setup)) for p in trainable),
+                       default=0)
+    else:
+        # per parameter group (fused AdamW, SGD and bitsandbytes' fused 8-bit kernels: none)
         from llmem.schedule import optimizer_groups
 
         opt_temp = max((_peak_of(optimizer_step_events([local_shapes[p.name] for p in g], setup))
                         for g in optimizer_groups(trainable, layout)), default=0)
-    else:
-        opt_temp = 0   # fused AdamW, SGD and bitsandbytes' fused 8-bit kernels update in place
     ddp_buckets = grads if layout.method == "ddp" else 0   # gradient_as_bucket_view=False: a second copy
 
     regime = regime_for(setup, layout.method)
@@ -223,7 +212,7 @@ def optimizer_state_bytes(shape: tuple[int, ...], setup: TrainingSetup) -> list[
         if len(shape) >= 2:
             return [_prod(shape[:-1]) * pb, _prod(shape[:-2]) * shape[-1] * pb]
         return [n * pb]
-    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+    if opt in EIGHT_BIT_OPTIMIZERS:
         from llmem.optimizers import BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, bnb_blocks
 
         if n < BNB_MIN_8BIT_SIZE:
@@ -237,7 +226,7 @@ def optimizer_state_bytes(shape: tuple[int, ...], setup: TrainingSetup) -> list[
 def optimizer_shared_state_bytes(shapes: list[tuple[int, ...]], setup: TrainingSetup) -> int:
     """Device tensors shared by all parameters: bitsandbytes' two 256-entry fp32 quantisation maps (made on the
     device at the first 8-bit parameter), once per optimizer (per parameter with --optimizer-in-backward)."""
-    if setup.optimizer not in ("adamw-8bit", "paged-adamw-8bit"):
+    if setup.optimizer not in EIGHT_BIT_OPTIMIZERS:
         return 0
     from llmem.optimizers import BNB_MIN_8BIT_SIZE, BNB_QMAP_ENTRIES
 
@@ -259,12 +248,19 @@ def optimizer_outside_allocator_bytes(shape: tuple[int, ...], setup: TrainingSet
 
 def optimizer_step_events(shapes: list[tuple[int, ...]], setup: TrainingSetup) -> list[tuple[int, int, int]]:
     """Temporaries of one optimizer step over one parameter group (rank-local shapes, in order), as
-    (+1 / -1, tag, bytes) allocation / free events. For Adafactor and Lion; the other optimizers' temporaries are
-    written in llmem.schedule directly (unchanged since issue 3)."""
+    (+1 / -1, tag, bytes) allocation / free events (the schedule replays them; the estimate takes their peak).
+    Fused AdamW, SGD and bitsandbytes' fused 8-bit kernels update in place: none."""
     pb = setup.param_bytes
     ev: list[tuple[int, int, int]] = []
-    if setup.optimizer == "lion":
-        # llmem.optimizers.Lion: updates = torch._foreach_mul(exp_avgs, beta1): one copy of the group, then freed
+    if setup.optimizer == "adamw-forloop":
+        # _single_tensor_adamw: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of each parameter
+        for i, s in enumerate(shapes):
+            ev += [(1, 2 * i, _prod(s) * pb), (1, 2 * i + 1, _prod(s) * pb),
+                   (-1, 2 * i, _prod(s) * pb), (-1, 2 * i + 1, _prod(s) * pb)]
+        return ev
+    if setup.optimizer in ("lion", "adamw"):
+        # llmem.optimizers.Lion: updates = torch._foreach_mul(exp_avgs, beta1); foreach AdamW:
+        # torch._foreach_sqrt(exp_avg_sqs): one copy of every state of the group, then freed
         for i, s in enumerate(shapes):
             ev.append((1, i, _prod(s) * pb))
         ev += [(-1, i, _prod(s) * pb) for i, s in enumerate(shapes)]
@@ -317,7 +313,7 @@ def optimizer_step_events(shapes: list[tuple[int, ...]], setup: TrainingSetup) -
 def optimizer_notes(setup: TrainingSetup, engine: str) -> list[str]:
     """What the result says about the optimizer; engine "estimate", or "trace" / "measure" (the real step)."""
     notes = []
-    if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+    if setup.optimizer in EIGHT_BIT_OPTIMIZERS:
         how = ("bitsandbytes' state layout, modelled analytically (its CUDA kernels cannot run on fake tensors: "
                "the trace uses an emulation with the same state tensors)" if engine == "estimate" else
                "bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bitsandbytes a dependency): an llmem "

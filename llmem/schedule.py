@@ -494,12 +494,7 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
         created lazily at its first step, temporaries of a one-parameter group) and frees its gradient."""
         if it == 0:
             create_states([p])
-        if setup.optimizer in ("adamw", "adamw-forloop"):
-            n = shard_numel[p.name] * pb
-            temps = [alloc(n, "optimizer_temporaries") for _ in range(1 if setup.optimizer == "adamw" else 2)]
-            sch.free_all(temps)
-        elif setup.optimizer in ("adafactor", "lion"):
-            step_temporaries([p])
+        step_temporaries([p])
         sch.free(grads.pop(p.name))
 
     for it in range(iterations):
@@ -765,19 +760,14 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                 # foreach runs per parameter group; with tensor parallelism the TP-sharded DTensors and the
                 # TP-replicated tensors (norms, row-parallel biases) need groups of their own
                 for group in optimizer_groups(trainable, layout):
-                    temps = [alloc(shard_numel[p.name] * pb, "optimizer_temporaries") for p in group]
-                    sch.free_all(temps)
+                    step_temporaries(group)
             if vocab_parallel and setup.optimizer != "lion":
                 redistribute_vocab_grads(root)
             if setup.optimizer in ("adafactor", "lion") and not in_backward:
                 for group in optimizer_groups(trainable, layout):
                     step_temporaries(group)
             if setup.optimizer == "adamw-forloop" and not in_backward:
-                for p in trainable:
-                    a = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
-                    b = alloc(shard_numel[p.name] * pb, "optimizer_temporaries")
-                    sch.free(a)
-                    sch.free(b)
+                step_temporaries(trainable)     # parameter by parameter
         # zero_grad(set_to_none=True)
         for k in list(grads.values()):
             sch.free(k)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmem.config import EIGHT_BIT_OPTIMIZERS, check_optimizer_method
 from llmem.errors import LlmemError
 
 PHASES = ("setup", "forward", "backward", "optimizer_step")
@@ -759,7 +760,7 @@ def make_optimizer(model: nn.Module, optimizer: str, groups: list[dict] | None =
         return _Adafactor(groups, lr=lr, foreach=None)
     if optimizer == "lion":
         return Lion(groups, lr=lr)
-    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+    if optimizer in EIGHT_BIT_OPTIMIZERS:
         return EmulatedAdamW8bit(groups, lr=lr, paged=optimizer.startswith("paged"))
     raise LlmemError(f"unknown optimizer {optimizer!r}")
 
@@ -999,8 +1000,6 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     total_params = sum(p.numel() for p in model.parameters())
     heads, kv_heads = _family_heads(model)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, heads, kv_heads)
-    from llmem.config import check_optimizer_method
-
     check_optimizer_method(setup, layout.method)
     low = _low_dtype(setup)
     autocast_dtype = low if (setup.mixed and layout.method in ("single", "ddp", "tp")) else None
