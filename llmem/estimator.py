@@ -3,15 +3,17 @@
 LLMem's equations (paper.md §3-4) generalised to modern PyTorch:
 - model states per GPU follow the method's real sharding (FSDP2 pads dim 0 to the data-parallel degree; DTensor
   tensor parallelism splits column/row-parallel weights, rank 0 taking the larger chunk);
-- the optimizer step is a peak of its own: weights + gradients + states + the implementation's temporaries
-  (AdamW foreach keeps sqrt(exp_avg_sq) for every parameter of a group at once);
+- the optimizer step is a moment of its own: weights + gradients + states + the implementation's temporaries
+  (AdamW foreach keeps sqrt(exp_avg_sq) for every parameter of a group at once; `optimizer_step_events`); with
+  --optimizer-in-backward there is none: each parameter steps in backward and its gradient dies there;
 - the forward/backward peak is evaluated at the moments it can occur: the end of forward, the loss backward, the
   backward of the top decoder layer and of the bottom one (memory is linear in the layer index between them);
 - method buffers: DDP's gradient buckets; FSDP2's gathered root and current unit, the prefetched unit's
   all-gather output and the reduce-scatter input; autocast's cached low-precision weight copies;
 - the counters: the same tensors, in the order the step allocates and frees them (llmem.schedule), replayed through
   the caching-allocator model (llmem.allocator) give max_memory_allocated (whole blocks) and max_memory_reserved
-  (segments, per stream); the CUDA context and NCCL's buffers outside the allocator give device_used.
+  (segments, per stream); device_used adds what is outside the allocator: the CUDA context, NCCL's buffers and
+  the managed memory of paged 8-bit optimizer states (cudaMallocManaged).
 The moments above explain the peak (`--json` "moments"); the replay gives the numbers.
 """
 

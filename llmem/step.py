@@ -5,6 +5,14 @@ the distributed method through PyTorch's own APIs (DDP, FSDP2 `fully_shard`, `pa
 group of the target world size, the optimizer as PyTorch runs it on CUDA, and two iterations of
 forward -> loss -> backward -> optimizer.step() -> optimizer.zero_grad(set_to_none=True).
 
+The optimizers: torch.optim's AdamW (foreach, fused, for-loop), SGD and Adafactor; Lion is llmem's own code
+(llmem.optimizers, the lion-pytorch update with foreach kernels); bitsandbytes' AdamW8bit / PagedAdamW8bit are
+emulated (llmem.optimizers.EmulatedAdamW8bit: bnb's state tensors, paged ones counted as managed memory; its CUDA
+kernels cannot run here). --optimizer-in-backward steps each parameter inside backward (post-accumulate-grad hooks,
+one optimizer per parameter) and frees its gradient there. Activation options: --fused-ce replaces the lm_head's
+forward by a fused linear cross-entropy (llmem.losses), so no [tokens, vocab] logits; --offload-activations packs
+saved tensors to pinned host memory through saved-tensor hooks (ActivationOffload) until the lm_head.
+
 Two ways of materialising the model:
 - fake: under `FakeTensorMode`, every parameter is a fake *cpu* tensor (shapes and dtypes only, no memory). A fake
   'cuda' device cannot run backward on the CPU-only torch build (see docs/trace-notes §3.1), so the CUDA behaviour
@@ -1043,7 +1051,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         if layout.method == "ddp" and not real_pg:
             stack.enter_context(ddp_on_fake_pg())
-        packing = getattr(setup, "packing", False)
+        packing = setup.packing
         if packing and setup.attn == "flash" and not fake:
             raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
                              "flash_attention_2); llmem models it but cannot run it")
@@ -1056,8 +1064,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             before_model()
 
         if setup.grad_ckpt:
-            enable_checkpointing(model, getattr(setup, "ckpt_every", 1))
-        if getattr(setup, "fused_ce", False):
+            enable_checkpointing(model, setup.ckpt_every)
+        if setup.fused_ce:
             install_fused_ce(model, layout)
 
         say("materialising the model")
@@ -1078,7 +1086,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             runner = model
             if not sharded:
                 runner = _apply_method(model, layout, mesh, setup, hooks, fake_pg=not real_pg)
-        if getattr(setup, "optimizer_in_backward", False):
+        if setup.optimizer_in_backward:
             optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
         else:
             optimizer = make_optimizer(model, setup.optimizer)
@@ -1086,7 +1094,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                             device="cpu" if fake else device)
         positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if packing else None
         offload = None
-        if getattr(setup, "offload_activations", False):
+        if setup.offload_activations:
             lm = _causal_lm(model)
             offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
         step = TrainingStep(setup, model, runner, optimizer, ids, layout, "cpu" if fake else device.type,

@@ -547,7 +547,7 @@ def method_notes(layout, setup) -> list[str]:
                      "internal buffers are not included")
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
-    if getattr(setup, "quant_base", "none") != "none":
+    if setup.quant_base != "none":
         notes.append(f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, "
                      "dequantisation / int8 buffers as bitsandbytes allocates them), not run")
     from llmem.activations import activation_notes
