@@ -293,15 +293,14 @@ def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> i
 
 
 def offloaded_activation_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> int:
-    """Bytes --offload-activations moves to the host in forward (and back in backward): the decoder layers'
-    saved tensors."""
+    """Bytes --offload-activations moves to the host in forward (and back in backward): the estimator's
+    ActivationProfile.offloaded_bytes (checkpointed layers' inputs and the lm_head's input stay on the device)."""
     from llmem.activations import activation_profile
     from llmem.estimator import trained_anatomy
 
     if not setup.offload_activations:
         return 0
-    act = activation_profile(trained_anatomy(anatomy, setup), setup, layout.method, layout.tp)
-    return act.layers * (act.checkpoint_saved if act.grad_ckpt else act.per_layer_saved)
+    return activation_profile(trained_anatomy(anatomy, setup), setup, layout.method, layout.tp).offloaded_bytes
 
 
 def peak_flops_per_s(gpu: GpuSpec, precision: str) -> float:

@@ -347,6 +347,39 @@ def test_memory_savers_and_their_time_cost_by_hand():
     assert kinds["grad_ckpt"]["flags"] == "--grad-ckpt" and "--grad-ckpt-every 2" in kinds["grad_ckpt_every_2"]["text"]
 
 
+def test_time_model_dequantisation_and_offload_copies_by_hand():
+    a = load_anatomy("tiny-llama")                    # 4 layers, h 512, 8 heads of 64, i 1376
+    gpu = resolve_gpu("A100-80GB")
+    layout = Layout("single", 1, 1, 1)
+    lora = TrainingSetup(model="tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=8,
+                         lora_targets="all-linear")
+
+    def nf4_dq_bytes(n: int) -> int:   # packed 4-bit + uint8 absmax per 64 + nested fp32 per 256 + code/offset/NF4
+        blocks = n // 64
+        return n // 2 + blocks + -(-blocks // 256) * 4 + 1024 + 4 + 64
+
+    attn, mlp = 512 * 512, 1376 * 512
+    per_pass = 4 * (4 * (nf4_dq_bytes(attn) + 2 * attn) + 3 * (nf4_dq_bytes(mlp) + 2 * mlp))
+    assert per_pass == 31_852_416
+    adapters = 8 * 4 * (4 * (512 + 512) + 2 * (512 + 1376) + (1376 + 512))
+    plain = step_time(a, lora, layout, gpu, 2, adapter_params=adapters)
+    qlora = step_time(a, replace(lora, quant_base="nf4"), layout, gpu, 2, adapter_params=adapters)
+    # dequantised in forward and again in backward, at the A100's 2039 GB/s
+    assert qlora.compute_s - plain.compute_s == pytest.approx(2 * per_pass / 2039e9)
+
+    # offloading: 4 layers x 11,948,032 B + the final norm's 1,574,912 B + rotary cos/sin 65,536 B to the host
+    # and back over PCIe (25 GB/s), each copy hidden behind its phase's compute where that is longer
+    full = TrainingSetup(model="tiny-llama", precision="bf16", batch_size=2, seq_len=256)
+    base = step_time(a, full, layout, gpu, 2)
+    off = step_time(a, replace(full, offload_activations=True), layout, gpu, 2)
+    copy_s = (4 * 11_948_032 + 1_574_912 + 65_536) / 25e9
+    flops = step_flops(a, 512, 256, grad_ckpt=False, causal_skip=True)
+    rate = 312e12 * 0.4
+    exposed = max(0.0, copy_s - flops.forward / rate) + max(0.0, copy_s - flops.backward / rate)
+    assert exposed > 0
+    assert off.compute_s - base.compute_s == pytest.approx(exposed)
+
+
 def test_optimizer_in_backward_plans_no_accumulation():
     setup = TrainingSetup(model="gpt2", gpus=1, seq_len=1024, optimizer_in_backward=True)
     p = plan(setup, PlanOptions(global_batch=4096))
