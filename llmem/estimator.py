@@ -134,7 +134,8 @@ def model_states(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) ->
     local_shapes = {p.name: local_shape(p, layout) for p in trainable}
     opt_states = sum(sum(optimizer_state_bytes(local_shapes[p.name], setup)) for p in trainable)
     opt_states += optimizer_shared_state_bytes([local_shapes[p.name] for p in trainable], setup)
-    opt_outside = sum(optimizer_outside_allocator_bytes(local_shapes[p.name], setup) for p in trainable)
+    opt_outside = sum(optimizer_outside_allocator_bytes(local_shapes[p.name], setup) for p in trainable) \
+        if setup.optimizer == "paged-adamw-8bit" else 0
     if setup.offload_optimizer:
         opt_states = opt_temp = opt_outside = 0    # states and the update live on the CPU (ZeRO-Offload / FSDP)
     elif setup.optimizer_in_backward:
@@ -425,14 +426,14 @@ def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> int
 
 
 def step_moments(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, gpu: GpuSpec,
-                 act: ActivationProfile | None = None) -> list[Moment]:
+                 act: ActivationProfile | None = None, states: ModelStates | None = None) -> list[Moment]:
     """Memory at each moment where the step's peak can occur (second iteration: optimizer states exist).
 
     Forward end and loss backward are whole-model sums; the backward of the top and the bottom decoder layer is
     walked block by block (memory is linear in the layer index between them); then the embedding's backward and
-    the optimizer step.
+    the optimizer step. `states`: the model states when the caller has them (they do not depend on the batch).
     """
-    ms = model_states(anatomy, setup, layout)
+    ms = states or model_states(anatomy, setup, layout)
     act = act or activation_profile(anatomy, setup, layout.method, layout.tp)
     regime = regime_for(setup, layout.method)
     costs = layer_costs(anatomy, setup, layout, act, regime)
@@ -588,7 +589,8 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
                             anatomy.num_heads, anatomy.num_kv_heads)
     check_optimizer_method(setup, layout.method)   # before the activation recipes (peft / fused CE with TP)
     act = activation_profile(anatomy, setup, layout.method, layout.tp)
-    moments = step_moments(anatomy, setup, layout, gpu, act)
+    ms = model_states(anatomy, setup, layout)
+    moments = step_moments(anatomy, setup, layout, gpu, act, states=ms)
     rep = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
     context = outside_allocator_bytes(gpu, layout.world_size)
     components = dict.fromkeys(COMPONENTS, 0)
@@ -596,7 +598,6 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
     components["allocator_overhead"] = rep.peak_reserved_bytes - rep.peak_allocated_bytes
     components["cuda_context"] = context
-    ms = model_states(anatomy, setup, layout)
     components["managed_memory"] = ms.optimizer_states_outside_allocator
     notes = optimizer_notes(setup, "estimate")
     if setup.offload_optimizer:
@@ -663,12 +664,29 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
     return anatomy
 
 
-def quick_peak_allocated(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec) -> int:
-    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
-    anatomy = trained_anatomy(anatomy, setup)
+@dataclass(frozen=True)
+class PreparedStates:
+    """What a search over batch sizes or sequence lengths can compute once: the trained anatomy, the layout and
+    the model states (none of them depends on the micro-batch's shape)."""
+    anatomy: ModelAnatomy
+    layout: Layout
+    states: ModelStates
+
+
+def prepare_states(setup: TrainingSetup, anatomy: ModelAnatomy) -> PreparedStates:
+    trained = trained_anatomy(anatomy, setup)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
-                            anatomy.num_heads, anatomy.num_kv_heads)
-    return max(m.total for m in step_moments(anatomy, setup, layout, gpu))
+                            trained.num_heads, trained.num_kv_heads)
+    return PreparedStates(trained, layout, model_states(trained, setup, layout))
+
+
+def quick_peak_allocated(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
+                         prepared: PreparedStates | None = None) -> int:
+    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches.
+    `prepared`: prepare_states(setup, anatomy) for the same set-up up to batch size and sequence length."""
+    prepared = prepared or prepare_states(setup, anatomy)
+    return max(m.total for m in step_moments(prepared.anatomy, setup, prepared.layout, gpu,
+                                             states=prepared.states))
 
 
 EXACT_LAYERS = 40                 # models up to this depth are replayed whole

@@ -619,13 +619,22 @@ def limit_bytes(gpu: GpuSpec, headroom: float) -> int:
 def memory_function(engine: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> MemoryFn:
     """TrainingSetup -> MemoryResult for `engine`, with the anatomy and GPU bound once."""
     if engine == "llmem":
-        from llmem.estimator import estimate, quick_peak_allocated
+        from llmem.estimator import PreparedStates, estimate, prepare_states, quick_peak_allocated
 
         def full(s: TrainingSetup) -> MemoryResult:
             return estimate(s, anatomy, gpu)
 
-        # searches: a 1 ms tensor-sum bound and a draft estimate, confirmed with the full one at the answer
-        full.quick = lambda s: quick_peak_allocated(s, anatomy, gpu)   # type: ignore[attr-defined]
+        # searches: a 1 ms tensor-sum bound and a draft estimate, confirmed with the full one at the answer; the
+        # model states do not depend on the batch or the sequence, so the bound computes them once per set-up
+        prepared: dict[TrainingSetup, PreparedStates] = {}
+
+        def quick(s: TrainingSetup) -> int:
+            key = replace(s, batch_size=1, seq_len=1)
+            if key not in prepared:
+                prepared[key] = prepare_states(s, anatomy)
+            return quick_peak_allocated(s, anatomy, gpu, prepared[key])
+
+        full.quick = quick   # type: ignore[attr-defined]
         full.draft = lambda s: estimate(s, anatomy, gpu, draft=True)  # type: ignore[attr-defined]
         return full
     if engine == "paper":
@@ -1111,7 +1120,8 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
                            + engine_note,
                            pick, cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node))
     # 5. more GPUs of the same type (then also with checkpointing)
-    methods = tuple(sorted({lay.method for lay in layouts}))
+    # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
+    methods = tuple(sorted({lay.method for lay in layouts} - {"single"})) or None
     found = _fewest_gpus(setup, anatomy, gpu, options, mem, limit, methods)
     if found is None and not setup.grad_ckpt and options.engine != "paper":
         found = _fewest_gpus(replace(setup, grad_ckpt=True), anatomy, gpu, options, mem, limit, methods)

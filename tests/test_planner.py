@@ -324,6 +324,8 @@ def test_rtx4090_llama8b_4k_names_the_lora_and_qlora_settings_that_fit():
     assert "--qlora" not in kinds["lora"]["flags"]
     # the 4-bit base (about 3.5 GB against 16 GB in bf16) leaves room for a larger batch
     assert kinds["qlora"]["max_batch_size"] >= kinds["lora"]["max_batch_size"]
+    # full fine-tuning on more 4090s: from one GPU every multi-GPU method is tried (not "single")
+    assert kinds["gpus"]["fits"] and kinds["gpus"]["gpus"] > 1
     json.dumps(p.to_dict())
 
 
