@@ -20,7 +20,7 @@ from llmem.activations import (
     quant_input_bytes,
     virtual_tokens,
 )
-from llmem.allocator import CachingAllocator, kMinLargeAlloc
+from llmem.allocator import CachingAllocator
 from llmem.anatomy import ModelAnatomy, ParamInfo
 from llmem.config import TrainingSetup
 from llmem.methods import Layout
@@ -707,17 +707,9 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
                         make_grad(p)
                 if i > 0 or j >= act.first_layer_skip or act.checkpointed(i):   # layer 0: no gradient before
                     dequantise(layer_blocks_params[i][j], backward=True)      # its first adapter
-                    # the block's backward temporaries are several tensors, each at most the size of the
-                    # largest one it keeps: when those are cudaMalloc'd on their own (>= kMinLargeAlloc), they are
-                    # allocated as such pieces, which reuse freed blocks as the real ones do
-                    largest = max(act.blocks[j].tensors, default=0)
-                    piece = largest if largest >= kMinLargeAlloc else act.blocks[j].transient
-                    left, tmps = act.blocks[j].transient, []
-                    while left > 0:
-                        tmps.append(alloc(min(piece, left), "activations"))
-                        left -= piece
+                    tmp = alloc(act.blocks[j].transient, "activations")
                     sch.free_all(quant_live)
-                    sch.free_all(tmps)
+                    sch.free(tmp)
                 sch.free_all(per_block[j])
                 sch.free_all(copies[j])
                 flush_steps(it)
