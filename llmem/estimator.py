@@ -86,13 +86,6 @@ def local_numel(p: ParamInfo, layout: Layout) -> int:
     return _prod(local_shape(p, layout))
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def tp_local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
     """Shape after tensor parallelism only (what FSDP all-gathers back per GPU)."""
     return local_shape(p, Layout("tp", 1, layout.tp, layout.gpus_per_node))

@@ -135,7 +135,7 @@ def check_setup(setup) -> None:
     if setup.quant_base == "none":
         return
     flag = "--qlora" if setup.quant_base == "nf4" else "--load-in-8bit"
-    if not setup.lora_rank and not getattr(setup, "peft_config", None):
+    if not setup.peft:
         raise LlmemError(f"{flag} quantises the frozen base: bitsandbytes' weights cannot be trained, so give "
                          "adapters to train (--lora-rank R, or --peft-config PATH)")
     if setup.precision in ("bf16", "fp16"):

@@ -581,27 +581,25 @@ def build_schedule(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, 
             head_keys = head_keys[len(head_offloaded):]
         head_copy = []
         fused_grads: tuple[int, int] = (-1, -1)
-        if act.fused_ce is not None:
+        if act.fused_ce is not None:    # chunked: no [tokens, vocab] logits, the gradients kept instead
             fused_grads = fused_ce_forward(sch, act.fused_ce, setup.batch_size, setup.seq_len)
-            logits = upcast = log_softmax = -1
-        elif regime.autocast:
-            head_copy = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in root
-                         if (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
-                             or (p.tied_to or "").startswith("lm_head"))
-                         and casts(p)]
-        if act.fused_ce is not None:
-            pass
-        elif layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
-            local = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
-            gathered_out = alloc(tv * regime.mm, "logits_and_loss")
-            rearranged = alloc(tv * regime.mm, "logits_and_loss")
-            logits = alloc(tv * regime.mm, "logits_and_loss")
-            sch.free(rearranged)
-            sch.free(gathered_out)
-            sch.free(local)
+            logits = log_softmax = -1
         else:
-            logits = alloc(tv * regime.mm, "logits_and_loss")
-        if act.fused_ce is None:
+            if regime.autocast:
+                head_copy = [alloc(tp_local[p.name] * regime.mm, "gathered_weights") for p in root
+                             if (p.module_kind in MATMUL_KINDS or p.name.startswith("lm_head")
+                                 or (p.tied_to or "").startswith("lm_head"))
+                             and casts(p)]
+            if layout.tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
+                local = alloc(-(-tv // layout.tp) * regime.mm, "logits_and_loss")
+                gathered_out = alloc(tv * regime.mm, "logits_and_loss")
+                rearranged = alloc(tv * regime.mm, "logits_and_loss")
+                logits = alloc(tv * regime.mm, "logits_and_loss")
+                sch.free(rearranged)
+                sch.free(gathered_out)
+                sch.free(local)
+            else:
+                logits = alloc(tv * regime.mm, "logits_and_loss")
             upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
             log_softmax = alloc(tv * F32, "logits_and_loss")
             sch.free(upcast)
