@@ -20,7 +20,7 @@ The moments above explain the peak (`--json` "moments"); the replay gives the nu
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmem.activations import (
     F32,
@@ -304,6 +304,15 @@ def optimizer_step_events(shapes: list[tuple[int, ...]], setup: TrainingSetup) -
             freed.add(t)
             ev.append((-1, t, size))
     return ev
+
+
+def offloaded_optimizer_host_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> int:
+    """CPU RAM per GPU when the optimizer runs on the host (ZeRO-Offload, FSDP CPU offload): its states for this
+    GPU's share of the trained parameters and an fp32 master copy of that share, all in fp32 (`anatomy`: the
+    trained anatomy; attention does not enter the model states, so any set-up attention stands in fp32)."""
+    fp32 = replace(setup, precision="fp32", attn="sdpa", offload_optimizer=False)
+    states = model_states(anatomy, fp32, layout)
+    return states.optimizer_states + states.gradients   # fp32 gradients: one fp32 copy of the trained share
 
 
 def optimizer_notes(setup: TrainingSetup, engine: str) -> list[str]:
@@ -594,10 +603,9 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     components["managed_memory"] = ms.optimizer_states_outside_allocator
     notes = optimizer_notes(setup, "estimate")
     if setup.offload_optimizer:
-        on_gpu = model_states(anatomy, setup.__class__(**{**setup.to_dict(), "offload_optimizer": False}), layout)
         notes.append(f"optimizer states offloaded: the CPU needs about "
-                     f"{(on_gpu.optimizer_states + on_gpu.weights) / 1024**3:.1f} GiB of RAM per GPU for them and the fp32 "
-                     "master weights")
+                     f"{offloaded_optimizer_host_bytes(anatomy, setup, layout) / 1024**3:.1f} GiB of RAM per GPU for "
+                     "them and the fp32 master copy of the trained parameters")
     notes += quant_notes(setup, anatomy)
     if not has_recipe(anatomy):
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "

@@ -479,12 +479,11 @@ def _shard_count(layout: Layout) -> int:
 
 
 def offload_cpu_ram_bytes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout) -> int:
-    """CPU RAM per GPU for optimizer offloading: the optimizer states + an fp32 master copy of the GPU's shard."""
-    local = -(-anatomy.trainable_params // _shard_count(layout))
-    # fp32 copies of the parameters the states amount to (adafactor: factored, negligible; 8-bit: 2 B of 4)
-    states = {"adamw": 2, "adamw-fused": 2, "adamw-forloop": 2, "sgd": 0, "sgd-momentum": 1, "adafactor": 0,
-              "lion": 1, "adamw-8bit": 0.5, "paged-adamw-8bit": 0.5}[setup.optimizer]
-    return int(local * 4 * (states + 1))
+    """CPU RAM per GPU for optimizer offloading (estimator.offloaded_optimizer_host_bytes of the trained model)."""
+    from llmem.estimator import offloaded_optimizer_host_bytes, trained_anatomy
+
+    s = setup_for(setup, layout, 1)
+    return offloaded_optimizer_host_bytes(trained_anatomy(anatomy, s), s, layout)
 
 
 def offload_step_extra_s(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout) -> float:

@@ -281,3 +281,21 @@ def test_resolved_method_check_refuses_peft_and_fused_ce_with_tp_in_every_engine
                 lambda: quick_peak_allocated(setup, load_anatomy("tiny-llama"), resolve_gpu("H100-80GB"))):
         with pytest.raises(LlmemError, match=words):
             run()
+
+
+def test_offloaded_optimizer_host_bytes_are_fp32_states_and_master_of_the_trained_share():
+    from dataclasses import replace
+
+    from llmem.anatomy import load_anatomy
+    from llmem.estimator import offloaded_optimizer_host_bytes, trained_anatomy
+    from llmem.methods import Layout
+
+    a = load_anatomy("gpt2")
+    single = Layout("single", 1, 1, 1)
+    full = TrainingSetup(model="gpt2", precision="bf16", offload_optimizer=True)
+    # 124,439,808 parameters (GPT-2 small, tied): AdamW's two fp32 states + an fp32 master copy, whatever the
+    # training precision
+    assert offloaded_optimizer_host_bytes(a, full, single) == 124_439_808 * 4 * 3
+    # LoRA r8 on c_attn: only the adapters are trained, 12 layers x 8 x (768 + 2304)
+    lora = replace(full, lora_rank=8, lora_targets="c_attn")
+    assert offloaded_optimizer_host_bytes(trained_anatomy(a, lora), lora, single) == 12 * 8 * (768 + 2304) * 12
