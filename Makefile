@@ -24,6 +24,7 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks
+	$(BIN)/lint-imports
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 test-slow: install
@@ -31,6 +32,7 @@ test-slow: install
 
 lint: install
 	$(BIN)/ruff check llmem tests benchmarks
+	$(BIN)/lint-imports
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/estimate_speed.py

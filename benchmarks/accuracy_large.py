@@ -12,9 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from llmem.estimator import estimate
-from llmem.tracer import trace_with_details
-from llmem.validate import COUNTERS, LARGE_MATRIX, label
+from llmem.estimator.engine import estimate
+from llmem.runtime.trace import trace_with_details
+from llmem.validate.compare import COUNTERS
+from llmem.validate.matrices import LARGE_MATRIX, label
 
 OUT = Path(__file__).parent / "results" / "large_trace.json"
 

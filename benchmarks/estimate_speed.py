@@ -11,11 +11,11 @@ import argparse
 import statistics
 import time
 
-from llmem.anatomy import load_anatomy
-from llmem.catalog import catalog
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
-from llmem.estimator import estimate
+from llmem.estimator.engine import estimate
+from llmem.model.anatomy import load_anatomy
+from llmem.model.catalog import catalog
+from llmem.setup.training import TrainingSetup
 
 
 def main() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from llmem.config import TrainingSetup
-from llmem.estimator import estimate
-from llmem.validate import bundled_peft_config
+from llmem.estimator.engine import estimate
+from llmem.setup.training import TrainingSetup
+from llmem.validate.matrices import bundled_peft_config
 
 BASE = {"model": "meta-llama/Llama-3.1-8B", "seq_len": 4096, "grad_ckpt": True, "gpu": "H100-80GB"}
 CASES = {

@@ -4,7 +4,7 @@
                                                                [--gpu A100-80GB] [--json FILE]
 
 Per model: `anatomy_s` builds the model on the meta device (the first model of an architecture also imports its
-transformers module), `plan_s` is the planner itself (candidate search, time model, suggestions when nothing fits),
+transformers module), `plan_s` is the plan itself (candidate search, time model, suggestions when nothing fits),
 `total_s` is both, `warm_s` is the plan again with the anatomy cached; `estimates` counts the estimator calls.
 """
 
@@ -32,29 +32,29 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    import llmem.estimator as estimator
-    from llmem.anatomy import load_anatomy
-    from llmem.catalog import catalog
-    from llmem.config import TrainingSetup
-    from llmem.planner import plan
+    import llmem.planner.engines as engines
+    from llmem.model.anatomy import load_anatomy
+    from llmem.model.catalog import catalog
+    from llmem.planner.plan import plan
+    from llmem.setup.training import TrainingSetup
     import_s = time.perf_counter() - t0
     # The first meta-device build in a process loads transformers' shared modelling machinery (~1.4 s here), once
     # for every model; pay it on a tiny config of an architecture outside the catalog so no model is charged it.
     t0 = time.perf_counter()
-    from llmem.anatomy import build_meta_model
+    from llmem.model.config import build_meta_model
 
     build_meta_model(transformers.GPTJConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=8, rotary_dim=4,
                                             bos_token_id=None, eos_token_id=None))
     first_build_s = time.perf_counter() - t0
 
     calls = {"n": 0}
-    real_estimate = estimator.estimate
+    real_estimate = engines.estimate_resolved
 
     def counting(*a, **k):
         calls["n"] += 1
         return real_estimate(*a, **k)
 
-    estimator.estimate = counting
+    engines.estimate_resolved = counting
     rows = []
     for model in catalog():
         load_anatomy.cache_clear()
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                      "warm_s": warm, "estimates": n, "recommended": rec, "suggestions": len(p.suggestions)})
         print(f"{model:42s} anatomy {t_anatomy:6.3f} s  plan {total - t_anatomy:6.3f} s  total {total:6.3f} s  "
               f"warm {warm:6.3f} s  {n:5d} estimates  -> {rec}", flush=True)
-    estimator.estimate = real_estimate
+    engines.estimate_resolved = real_estimate
     totals = [r["total_s"] for r in rows]
     worst = max(rows, key=lambda r: r["total_s"])
     print(f"\nimport {import_s:.2f} s, first meta build {first_build_s:.2f} s (once per process); {len(rows)} models; total per model: median {statistics.median(totals):.3f} s, "

@@ -3,48 +3,74 @@
     import llmem
     result = llmem.estimate("meta-llama/Llama-3.1-8B", method="fsdp", gpus=4, seq_len=4096, batch_size=1)
     result.peak_reserved_bytes, result.components, result.fits
+    llmem.plan("meta-llama/Llama-3.1-8B", gpus=4, seq_len=4096).recommendation
+
+The floors, from the ground up (docs/architecture.md): errors, units, search; setup (the set-up and the
+registries of its variants); result; model (anatomy, families, sharding, the resolved set-up); memory (activations,
+quantised storage, the allocator model); estimate, paper and runtime (the engines); plan; validate; cli.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
 from llmem.result import MemoryResult
+from llmem.setup.training import TrainingSetup, default_method
 
-__all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure"]
+__all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure", "plan"]
 __version__ = "0.1.0"
 
 
 def _setup(model: str | TrainingSetup, options: dict[str, Any]) -> TrainingSetup:
     if isinstance(model, TrainingSetup):
         return model
-    from llmem.methods import canonical_method
+    from llmem.setup.methods import canonical_method
 
-    if "method" in options:
-        options["method"] = canonical_method(options["method"])
-    elif options.get("gpus", 1) > 1:
-        options["method"] = "fsdp"
+    options = dict(options)
+    options["method"] = canonical_method(options["method"]) if "method" in options \
+        else default_method(options.get("gpus", 1))
     return TrainingSetup(model=model, **options)
 
 
-def estimate(model: str | TrainingSetup, **options: Any) -> MemoryResult:
-    """Fast analytic per-GPU estimate. `options` are TrainingSetup fields (method, gpus, batch_size, ...)."""
-    from llmem.estimator import estimate as _estimate
+def estimate(model: str | TrainingSetup, *, engine: str = "llmem", m_base: str | int | None = None,
+             **options: Any) -> MemoryResult:
+    """Fast per-GPU estimate. `options` are TrainingSetup fields (method, gpus, batch_size, ...); `engine` "paper"
+    gives LLMem's equations (`m_base`: the memory in use before training)."""
+    setup = _setup(model, options)
+    if engine == "paper":
+        from llmem.model.anatomy import load_anatomy
+        from llmem.paper.engine import paper_estimate
+        from llmem.setup.gpus import resolve_gpu
+        from llmem.units import parse_bytes
 
-    return _estimate(_setup(model, options))
+        return paper_estimate(setup, load_anatomy(setup.model, setup.trust_remote_code),
+                              resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context),
+                              m_base_bytes=parse_bytes(m_base) if m_base is not None else None)
+    if engine != "llmem":
+        raise LlmemError(f"unknown engine {engine!r}: choose llmem or paper")
+    from llmem.estimator.engine import estimate as _estimate
+
+    return _estimate(setup)
 
 
 def trace(model: str | TrainingSetup, **options: Any) -> MemoryResult:
     """The real training step on fake tensors, replayed through a model of the CUDA caching allocator."""
-    from llmem.tracer import trace as _trace
+    from llmem.runtime.trace import trace as _trace
 
     return _trace(_setup(model, options))
 
 
 def measure(model: str | TrainingSetup, **options: Any) -> MemoryResult:
     """The real training step on a real device (CUDA if available, else CPU)."""
-    from llmem.measure import measure as _measure
+    from llmem.runtime.measure import measure as _measure
 
     return _measure(_setup(model, options))
+
+
+def plan(model: str | TrainingSetup, *, plan_options: Any = None, **options: Any):
+    """The largest batch per distributed method on `gpus` GPUs of type `gpu`, the time model and a recommendation
+    (a llmem.planner.plan.Plan; `plan_options`: a llmem.planner.options.PlanOptions)."""
+    from llmem.planner.plan import plan as _plan
+
+    return _plan(_setup(model, options), plan_options)

@@ -13,7 +13,9 @@ So all components sum to device_used.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+
+from llmem.setup.record import SetupRecord
 
 # One name per kind of memory, in display order. Engines may leave any at 0.
 COMPONENTS = (
@@ -42,7 +44,7 @@ class MemoryResult:
     device_used_bytes: int
     gpu_memory_bytes: int
     components: dict[str, int]
-    setup: dict = field(default_factory=dict)
+    setup: SetupRecord | None = None     # the set-up as resolved (the same record from every engine)
     peak_phase: str = ""                 # forward / backward / optimizer_step
     notes: list[str] = field(default_factory=list)
     timeline: list[dict] | None = None   # trace only: [{t, allocated, reserved, phase}]
@@ -53,8 +55,26 @@ class MemoryResult:
         return self.device_used_bytes <= self.gpu_memory_bytes
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "setup":
+                value = value.to_dict() if value is not None else {}
+            elif f.name == "timeline":
+                if value is None:
+                    continue
+                value = [dict(p) for p in value]
+            elif isinstance(value, (dict, list)):
+                value = _plain(value)
+            out[f.name] = value
         out["fits"] = self.fits
-        if out["timeline"] is None:
-            out.pop("timeline")
         return out
+
+
+def _plain(value):
+    """A deep copy of dicts and lists (what dataclasses.asdict gives)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

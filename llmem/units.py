@@ -1,4 +1,4 @@
-"""Byte quantities: parsing user input ("80GiB", "40GB", "512MiB") and formatting for people."""
+"""Quantities: bytes parsed from user input ("80GiB", "40GB", "512MiB") and formatted for people; fractions; counts."""
 
 from __future__ import annotations
 
@@ -57,5 +57,28 @@ def format_bytes(n: float) -> str:
     return f"{sign}{int(n)} B"
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def parse_count(text: str | int | None) -> int | None:
+    """'2e9', '500M', '1.5B', '3T', '1000000' -> an integer count."""
+    if text is None:
+        return None
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().replace("_", "").replace(",", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(s[-1:].lower(), 1)
+    if mult != 1:
+        s = s[:-1]
+    try:
+        value = float(s) * mult
+    except ValueError:
+        raise LlmemError(f"cannot read count {text!r}: write e.g. 2e9, 500M or 1.5B") from None
+    if value < 1:
+        raise LlmemError(f"count {text!r} must be >= 1")
+    return int(value)

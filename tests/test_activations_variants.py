@@ -1,18 +1,22 @@
-"""Activation options of issue 5: every-k-th-layer checkpointing, fused cross-entropy, flash attention, activation
+"""Activation options: every-k-th-layer checkpointing, fused cross-entropy, flash attention, activation
 offloading. Bytes are worked out by hand from the shapes; the fused loss is checked against F.cross_entropy."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmem.activations import activation_profile
-from llmem.anatomy import load_anatomy
-from llmem.cli import build_parser, setup_from_args
-from llmem.config import TrainingSetup
+from llmem.cli import build_parser
+from llmem.cli.options import setup_from_args
 from llmem.errors import LlmemError
-from llmem.losses import chunk_tokens, fused_linear_cross_entropy
+from llmem.estimator.schedule import StepSchedule
+from llmem.memory.activations.profile import activation_profile
+from llmem.model.resolved import resolve
+from llmem.runtime.losses import chunk_tokens, fused_linear_cross_entropy
+from llmem.setup.training import TrainingSetup
 
 # tiny-llama: hidden 512, 8 heads of 64 (no GQA), intermediate 1376, vocab 32000, 4 layers
 T, H, FF, V, L = 2 * 256, 512, 1376, 32000, 4
@@ -31,12 +35,11 @@ def test_every_second_layer_keeps_inputs_of_half_and_everything_of_the_rest():
     full = 2 * norm + 2 * (2 * T * H) + 4 * (2 * T * H) + 4 * 2 * 8 * 256 + 4 * (2 * T * FF)
     assert full == 11_948_032
     layer_input = 2 * T * H
-    prof = activation_profile(load_anatomy("tiny-llama"), _setup(precision="bf16", grad_ckpt=True, ckpt_every=2),
-                              "single", 1)
+    prof = activation_profile(resolve(_setup(precision="bf16", grad_ckpt=True, ckpt_every=2)))
     assert [prof.checkpointed(i) for i in range(L)] == [True, False, True, False]
     # ceil(4/2) checkpointed inputs + floor(4/2) full layers
     assert prof.layers_saved() == 2 * layer_input + 2 * full == 24_944_640
-    every = activation_profile(load_anatomy("tiny-llama"), _setup(precision="bf16", grad_ckpt=True), "single", 1)
+    every = activation_profile(resolve(_setup(precision="bf16", grad_ckpt=True)))
     assert every.layers_saved() == 4 * layer_input
     # 5 layers, k = 2: layers 0, 2, 4 checkpointed
     assert prof.checkpointed_layers(5) == 3
@@ -45,7 +48,7 @@ def test_every_second_layer_keeps_inputs_of_half_and_everything_of_the_rest():
 def test_real_step_checkpoints_layers_whose_index_is_a_multiple_of_k():
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from llmem.step import build_meta_model, enable_checkpointing
+    from llmem.runtime.build import build_meta_model, enable_checkpointing
 
     model = build_meta_model(_setup(precision="bf16"))
     assert enable_checkpointing(model, 2) == [0, 2]
@@ -58,7 +61,7 @@ def test_real_step_checkpoints_layers_whose_index_is_a_multiple_of_k():
 
 
 def test_every_second_layer_sits_between_none_and_every_layer_in_the_trace():
-    from llmem.tracer import trace
+    from llmem.runtime.trace import trace
 
     peaks = [trace(_setup(precision="bf16-mixed", optimizer="sgd", **kw)).peak_allocated_bytes
              for kw in ({}, {"grad_ckpt": True, "ckpt_every": 2}, {"grad_ckpt": True})]
@@ -109,11 +112,10 @@ def test_fused_loss_and_gradients_equal_cross_entropy():
 def test_fused_loss_keeps_gradients_in_the_right_dtypes():
     """bf16-mixed Llama: the final hidden states are fp32 (RMSNorm on the fp32 stream), so grad_input is fp32 t x h;
     grad_weight is the fp32 master's V x h; the weight is cast to bf16 for the loss. Pure bf16: all 2 bytes."""
-    anatomy = load_anatomy("tiny-llama")
-    f = activation_profile(anatomy, _setup(precision="bf16-mixed", fused_ce=True), "single", 1).fused_ce
+    f = activation_profile(resolve(_setup(precision="bf16-mixed", fused_ce=True))).fused_ce
     assert (f.grad_input_bytes, f.grad_weight_bytes, f.weight_cast_bytes) == (T * H * 4, V * H * 4, V * H * 2)
     assert f.chunk == 16
-    f = activation_profile(anatomy, _setup(precision="bf16", fused_ce=True), "single", 1).fused_ce
+    f = activation_profile(resolve(_setup(precision="bf16", fused_ce=True))).fused_ce
     assert (f.grad_input_bytes, f.grad_weight_bytes, f.weight_cast_bytes) == (T * H * 2, V * H * 2, 0)
 
 
@@ -121,21 +123,15 @@ def test_fused_loss_section_has_no_full_logits():
     """2 x 96 tokens (t = 192, chunks of ceil(192 / 63) = 4): neither the schedule nor the traced step allocates the
     [t, V] logits (bf16 12,288,000 B) or their fp32 upcast (24,576,000 B), which the plain loss does; the chunk's
     fp32 logits (4 x 32000 x 4 B) are there."""
-    from llmem.activations import regime_for
-    from llmem.hardware import resolve_gpu
-    from llmem.methods import resolve_layout
-    from llmem.schedule import build_schedule
-    from llmem.tracer import trace_with_details
+    from llmem.runtime.trace import trace_with_details
 
     t = 2 * 96
     full = {t * V * 2, t * V * 4}
     setup = TrainingSetup(model="tiny-llama", batch_size=2, seq_len=96, gpu="H100-80GB", precision="bf16-mixed",
                           optimizer="sgd", fused_ce=True)
-    anatomy = load_anatomy("tiny-llama")
-    act = activation_profile(anatomy, setup, "single", 1)
+    act = activation_profile(resolve(setup))
     assert act.fused_ce.chunk == 4
-    sch = build_schedule(anatomy, setup, resolve_layout("single", 1, None, None, 8, 8), act,
-                         regime_for(setup, "single"), resolve_gpu("H100-80GB").cublas_workspace_bytes)
+    sch = StepSchedule(resolve(setup), act).build()
     loss_sizes = [size for sign, _k, size, _s, comp in sch.events if sign > 0 and comp == "logits_and_loss"]
     assert max(loss_sizes) == 4 * V * 4
     assert not full & {size for _sg, _k, size, _s, _c in sch.events}
@@ -147,7 +143,7 @@ def test_fused_loss_section_has_no_full_logits():
 
 
 def test_fused_ce_refuses_tensor_parallelism():
-    from llmem.estimator import estimate
+    from llmem.estimator.engine import estimate
 
     with pytest.raises(LlmemError, match="tensor parallelism"):
         estimate(TrainingSetup(model="tiny-llama", method="tp", gpus=2, precision="bf16", fused_ce=True))
@@ -156,7 +152,7 @@ def test_fused_ce_refuses_tensor_parallelism():
 # ---------------------------------------------------------------------------------------------- flash
 
 def test_flash_needs_half_precision_and_an_sdpa_model():
-    from llmem.estimator import estimate
+    from llmem.estimator.engine import estimate
 
     with pytest.raises(LlmemError, match="flash"):
         _setup(precision="fp32", attn="flash")
@@ -169,9 +165,8 @@ def test_packed_flash_runs_varlen_without_the_mask_sdpa_keeps():
     """--packing, tiny-llama bf16 (b=2, s=256, no GQA): SDPA gets the boolean block-diagonal mask (b x s x s = 131,072
     B, live in the forward) and keeps its bf16 bias per layer (2 x 256 x 256 x 2 = 262,144 B); flash attention runs
     varlen on cu_seqlens: neither."""
-    anatomy = load_anatomy("tiny-llama")
-    flash = activation_profile(anatomy, _setup(precision="bf16", packing=True, attn="flash"), "single", 1)
-    sdpa = activation_profile(anatomy, _setup(precision="bf16", packing=True), "single", 1)
+    flash = activation_profile(resolve(_setup(precision="bf16", packing=True, attn="flash")))
+    sdpa = activation_profile(resolve(_setup(precision="bf16", packing=True)))
     assert (flash.mask_bytes, sdpa.mask_bytes) == (0, 131_072)
     assert sdpa.per_layer_saved - flash.per_layer_saved == 262_144
     assert flash.per_layer_saved == 11_948_032          # the unpacked layer (test_every_second_layer...)
@@ -183,7 +178,7 @@ def test_offload_packs_activations_but_not_parameters_or_small_tensors():
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmem.step import ActivationOffload
+    from llmem.runtime.offload import ActivationOffload
 
     off = ActivationOffload(None)
     with FakeTensorMode():
@@ -203,15 +198,9 @@ def test_offload_packs_activations_but_not_parameters_or_small_tensors():
 
 
 def _live_activations_at_backward(setup: TrainingSetup) -> int:
-    from llmem.activations import regime_for
-    from llmem.hardware import resolve_gpu
-    from llmem.methods import resolve_layout
-    from llmem.schedule import build_schedule
 
-    anatomy = load_anatomy("tiny-llama")
-    act = activation_profile(anatomy, setup, "single", 1)
-    sch = build_schedule(anatomy, setup, resolve_layout("single", 1, None, None, 8, 8), act,
-                         regime_for(setup, "single"), resolve_gpu("H100-80GB").cublas_workspace_bytes)
+    act = activation_profile(resolve(setup))
+    sch = StepSchedule(resolve(setup), act).build()
     start = dict((name, i) for i, name in sch.phase_starts)["it1:backward"]
     return sum(sign * size for sign, _k, size, _s, comp in sch.events[:start] if comp == "activations")
 
@@ -233,20 +222,19 @@ def test_offloaded_bytes_are_the_saved_tensors_that_leave_the_device():
     input stays; a checkpointed layer's input stays (held by the checkpoint)."""
     layer, norm, rotary = 11_948_032, 4 * T * H + 4 * T + 2 * T * H, 2 * (256 * 64 * 2)
     assert (layer, norm, rotary) == (11_948_032, 1_574_912, 65_536)
-    anatomy = load_anatomy("tiny-llama")
 
     def offloaded(**kw) -> int:
         setup = _setup(precision="bf16", optimizer="sgd", offload_activations=True, **kw)
-        return activation_profile(anatomy, setup, "single", 1).offloaded_bytes
+        return activation_profile(resolve(setup)).offloaded_bytes
 
     assert offloaded() == 4 * layer + norm + rotary == 49_432_576
     assert offloaded(grad_ckpt=True) == norm + rotary == 1_640_448
     assert offloaded(grad_ckpt=True, ckpt_every=2) == 2 * layer + norm + rotary == 25_536_512   # layers 1 and 3
-    assert activation_profile(anatomy, _setup(precision="bf16", optimizer="sgd"), "single", 1).offloaded_bytes == 0
+    assert activation_profile(resolve(_setup(precision="bf16", optimizer="sgd"))).offloaded_bytes == 0
 
 
 def test_offload_trace_has_no_layer_activations_on_the_device_at_the_loss():
-    from llmem.tracer import trace_with_details
+    from llmem.runtime.trace import trace_with_details
 
     _, details = trace_with_details(_setup(precision="bf16", optimizer="sgd", offload_activations=True))
     led = details.ledger
@@ -268,25 +256,27 @@ def test_packing_adds_the_mask_bias_and_repeats_grouped_kv():
     Unpacked, GQA runs natively: k and v are 2 x 512 x 128 bytes each. Packed, transformers passes the
     block-diagonal mask, so GQA is off (repeat_kv: k, v as large as q) and the kernel keeps the bf16 bias
     [2, 1, 256, 256]; rotary cos/sin get one row per sample row; the boolean mask lives through the forward."""
-    anatomy = load_anatomy("tiny-mistral")
     lse = 4 * 2 * 8 * 256
 
     def attention(prof):
         return next(b for b in prof.blocks if b.name == "attention").saved
 
-    plain = activation_profile(anatomy, _setup(precision="bf16"), "single", 1)
-    packed = activation_profile(anatomy, _setup(precision="bf16", packing=True), "single", 1)
+    def mistral(**kw):
+        return replace(_setup(precision="bf16", **kw), model="tiny-mistral")
+
+    plain = activation_profile(resolve(mistral()))
+    packed = activation_profile(resolve(mistral(packing=True)))
     assert attention(plain) == 2 * T * 512 * 2 + 2 * T * 128 * 2 + lse == 1_327_104
     assert attention(packed) == 4 * (2 * T * 512) + lse + 2 * 256 * 256 * 2 == 2_375_680
     assert (plain.shared_saved, packed.shared_saved) == (2 * 256 * 64 * 2, 2 * 2 * 256 * 64 * 2)
     assert (plain.mask_bytes, packed.mask_bytes) == (0, 2 * 256 * 256)
     # flash packs through cu_seqlens: no mask, no bias
-    flash = activation_profile(anatomy, _setup(precision="bf16", packing=True, attn="flash"), "single", 1)
+    flash = activation_profile(resolve(mistral(packing=True, attn="flash")))
     assert attention(flash) == attention(plain) and flash.mask_bytes == 0
 
 
 def test_packed_position_ids_restart_per_sample():
-    from llmem.step import packed_position_ids
+    from llmem.runtime.build import packed_position_ids
 
     pos = packed_position_ids(2, 6, "cpu")
     assert pos.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]
@@ -296,27 +286,21 @@ def test_deep_models_extrapolate_every_kth_layer_checkpointing_exactly():
     """Extrapolation from two shallow replays is exact when both depths are congruent to the model's depth mod k
     (ceil(depth / k) checkpointed layers grows linearly along them): Qwen2.5-0.5B, 24 layers, draft depths 4 and 8
     become 4 and 9 with k = 5 (24 - 8 = 16 is 1 mod 5) and 6 and 9 with k = 3 (20 is 2 mod 3, 16 is 1 mod 3)."""
-    from llmem.estimator import DRAFT_FROM, replayed_step, trained_anatomy
-    from llmem.hardware import resolve_gpu
-    from llmem.methods import resolve_layout
+    from llmem.estimator.engine import DRAFT_FROM, replayed_step
 
     for k in (3, 5):
         setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16", optimizer="sgd", batch_size=2,
                               seq_len=2048, grad_ckpt=True, ckpt_every=k, gpu="H100-80GB")
-        anatomy = trained_anatomy(load_anatomy(setup.model), setup)
-        layout = resolve_layout("single", 1, None, None, anatomy.num_heads, anatomy.num_kv_heads)
-        act = activation_profile(anatomy, setup, "single", 1)
-        gpu = resolve_gpu(setup.gpu)
-        draft = replayed_step(anatomy, setup, layout, act, gpu, DRAFT_FROM)
-        full = replayed_step(anatomy, setup, layout, act, gpu, (10**6, 10**6))
+        act = activation_profile(resolve(setup))
+        draft = replayed_step(resolve(setup), act, DRAFT_FROM)
+        full = replayed_step(resolve(setup), act, (10**6, 10**6))
         assert draft.peak_allocated_bytes == pytest.approx(full.peak_allocated_bytes, rel=1e-4), k
 
 
 def test_fused_step_loss_and_gradients_match_the_hf_loss_on_a_real_model():
     """The step's --fused-ce wiring (causal LM forward -> base model -> lm_head forward = fused loss) on a real
     fp32 tiny-llama on the CPU: same loss and lm_head / embedding gradients as transformers' own loss."""
-    from llmem.methods import resolve_layout
-    from llmem.step import build_meta_model, init_real_weights, install_fused_ce
+    from llmem.runtime.build import build_meta_model, init_real_weights, install_fused_ce
 
     torch.manual_seed(0)
     setup = TrainingSetup(model="tiny-llama", precision="fp32", batch_size=2, seq_len=16)
@@ -328,7 +312,7 @@ def test_fused_step_loss_and_gradients_match_the_hf_loss_on_a_real_model():
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lm_head" in n or "embed" in n}
     model.zero_grad(set_to_none=True)
-    install_fused_ce(model, resolve_layout("single", 1, None, None, 8, 8))
+    install_fused_ce(model)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)

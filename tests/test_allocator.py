@@ -1,4 +1,4 @@
-"""Hand-worked allocation sequences for the CUDA caching allocator model (llmem.allocator).
+"""Hand-worked allocation sequences for the CUDA caching allocator model (llmem.memory.allocator).
 
 Each case states the arithmetic from the CUDACachingAllocator.cpp rules. MiB = 1048576 B.
 """
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from llmem.allocator import (
+from llmem.memory.allocator import (
     AllocatorOOM,
     CachingAllocator,
     _Block,

@@ -7,8 +7,8 @@ from importlib import resources
 
 import pytest
 
-from llmem.anatomy import load_anatomy
-from llmem.catalog import catalog, find_entry, load_config_dict
+from llmem.model.anatomy import load_anatomy
+from llmem.model.catalog import catalog, find_entry, load_config_dict
 
 ENTRIES = list(catalog().values())
 IDS = [e.hub_id for e in ENTRIES]
@@ -45,9 +45,9 @@ def test_names_are_unambiguous():
 
 
 def test_every_config_file_listed_exactly_once():
-    configs = resources.files("llmem.catalog").joinpath("configs")
+    configs = resources.files("llmem.model.catalog").joinpath("configs")
     on_disk = sorted(p.name for p in configs.iterdir() if p.name.endswith(".json"))
-    raw = json.loads(resources.files("llmem.catalog").joinpath("models.json").read_text())
+    raw = json.loads(resources.files("llmem.model.catalog").joinpath("models.json").read_text())
     listed = [m["config"] for m in raw["models"]]
     assert sorted(listed) == on_disk
     assert len(set(listed)) == len(listed)

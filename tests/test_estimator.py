@@ -10,11 +10,13 @@ import sys
 
 import pytest
 
-from llmem.catalog import catalog
-from llmem.config import PRECISIONS, TrainingSetup
 from llmem.errors import LlmemError
-from llmem.estimator import estimate
-from llmem.hardware import resolve_gpu
+from llmem.estimator.engine import estimate
+from llmem.model.catalog import catalog
+from llmem.model.resolved import assemble, resolve
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.precision import PRECISIONS
+from llmem.setup.training import TrainingSetup
 
 MIB = 1024**2
 WORKSPACE_A100 = 2 * 4096 * 1024 + 8 * 16 * 1024   # cuBLAS ":4096:2:16:8" (hardware.py assumption)
@@ -199,7 +201,7 @@ def test_components_sum_to_counters():
 
 
 def _tp_for(model: str) -> int | None:
-    from llmem.anatomy import load_anatomy
+    from llmem.model.anatomy import load_anatomy
 
     a = load_anatomy(model)
     return next((t for t in (8, 4, 2, 5, 3, 6, 7) if a.num_heads % t == 0 and a.num_kv_heads % t == 0), None)
@@ -253,7 +255,7 @@ def test_lora_all_linear_llama31_8b_by_hand():
     base = 8_030_261_248
     res = estimate(TrainingSetup("meta-llama/Llama-3.1-8B", precision="bf16-mixed", seq_len=512,
                                  lora_rank=r, lora_targets="all-linear"))
-    assert res.setup["trainable_params"] == adapters
+    assert res.setup.trainable_params == adapters
     s = step(res)
     assert s["weights"] == 2 * base + 4 * adapters       # frozen base in bf16, adapters in fp32
     assert s["gradients"] == 4 * adapters
@@ -271,14 +273,14 @@ def test_lora_bad_targets_and_tp():
                                        ({"fused_ce": True}, "--fused-ce with tensor parallelism")])
 def test_resolved_method_check_refuses_peft_and_fused_ce_with_tp_in_every_engine(kw, words):
     """One check (config.check_optimizer_method) for estimate, the planner's quick search and the trace."""
-    from llmem.anatomy import load_anatomy
-    from llmem.estimator import quick_peak_allocated
-    from llmem.hardware import resolve_gpu
-    from llmem.tracer import trace
+    from llmem.estimator.engine import quick_peak_allocated
+    from llmem.model.anatomy import load_anatomy
+    from llmem.runtime.trace import trace
+    from llmem.setup.gpus import resolve_gpu
 
     setup = TrainingSetup("tiny-llama", method="tp", gpus=2, precision="bf16", **kw)
     for run in (lambda: estimate(setup), lambda: trace(setup),
-                lambda: quick_peak_allocated(setup, load_anatomy("tiny-llama"), resolve_gpu("H100-80GB"))):
+                lambda: quick_peak_allocated(resolve(setup, load_anatomy("tiny-llama"), resolve_gpu("H100-80GB")))):
         with pytest.raises(LlmemError, match=words):
             run()
 
@@ -286,16 +288,16 @@ def test_resolved_method_check_refuses_peft_and_fused_ce_with_tp_in_every_engine
 def test_offloaded_optimizer_host_bytes_are_fp32_states_and_master_of_the_trained_share():
     from dataclasses import replace
 
-    from llmem.anatomy import load_anatomy
-    from llmem.estimator import offloaded_optimizer_host_bytes, trained_anatomy
-    from llmem.methods import Layout
+    from llmem.estimator.states import offloaded_optimizer_host_bytes
+    from llmem.model.anatomy import load_anatomy
+    from llmem.setup.layout import Layout
 
     a = load_anatomy("gpt2")
     single = Layout("single", 1, 1, 1)
     full = TrainingSetup(model="gpt2", precision="bf16", offload_optimizer=True)
     # 124,439,808 parameters (GPT-2 small, tied): AdamW's two fp32 states + an fp32 master copy, whatever the
     # training precision
-    assert offloaded_optimizer_host_bytes(a, full, single) == 124_439_808 * 4 * 3
+    assert offloaded_optimizer_host_bytes(assemble(full, a, resolve_gpu(full.gpu), single)) == 124_439_808 * 4 * 3
     # LoRA r8 on c_attn: only the adapters are trained, 12 layers x 8 x (768 + 2304)
     lora = replace(full, lora_rank=8, lora_targets="c_attn")
-    assert offloaded_optimizer_host_bytes(trained_anatomy(a, lora), lora, single) == 12 * 8 * (768 + 2304) * 12
+    assert offloaded_optimizer_host_bytes(assemble(lora, a, resolve_gpu(lora.gpu), single)) == 12 * 8 * (768 + 2304) * 12

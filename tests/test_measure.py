@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
-from llmem.measure import measure, measure_cpu_with_details
 from llmem.result import COMPONENTS
-from llmem.tracer import trace_with_details
+from llmem.runtime.measure import measure, measure_cpu_with_details
+from llmem.runtime.trace import trace_with_details
+from llmem.setup.training import TrainingSetup
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,10 @@ def test_real_count_matches_the_profiler(small_llama):
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    from llmem import measure as m
-    from llmem.step import prepared_step
-    from llmem.tracer import Ledger, replay_ledger
+    from llmem.runtime import measure as m
+    from llmem.runtime.ledger import Ledger
+    from llmem.runtime.replay import replay_ledger
+    from llmem.runtime.step import prepared_step
 
     setup = TrainingSetup(model=small_llama, batch_size=2, seq_len=128, precision="fp32", optimizer="sgd")
     with prepared_step(setup, fake=False, device="cpu", cuda_kernels=False) as step:
@@ -105,11 +106,11 @@ def test_measure_result_shape(small_llama):
     assert set(res.components) == set(COMPONENTS)
     assert sum(res.components.values()) == res.device_used_bytes
     assert res.peak_phase in ("forward", "backward", "optimizer_step")
-    assert res.setup["total_params"] > 0
+    assert res.setup.total_params > 0
 
 
 def test_measure_reports_oom_as_llmem_error(small_llama, monkeypatch):
-    from llmem import measure as m
+    from llmem.runtime import measure as m
 
     def boom(*a, **k):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -129,7 +130,7 @@ def test_measure_cuda_without_gpu_is_an_error(small_llama):
 def test_measure_on_cpu_refuses_activation_offload_and_validate_skips_it(small_llama, monkeypatch):
     """On the CPU the host is the device: nothing would be offloaded, so measure refuses, and validate reports the
     row as skipped (not failed)."""
-    from llmem import validate
+    from llmem.validate import compare as validate
 
     setup = TrainingSetup(model=small_llama, batch_size=1, seq_len=32, precision="bf16", optimizer="sgd",
                           offload_activations=True)
@@ -138,7 +139,8 @@ def test_measure_on_cpu_refuses_activation_offload_and_validate_skips_it(small_l
     (row,) = validate.run_matrix([setup], "measure", "cpu")
     assert row.truth is None and "GPU" in row.skipped and not row.error
     monkeypatch.setitem(validate.MATRICES, "offload-only", [setup])
-    assert validate.run_validation("measure", "offload-only", 2.0, None, None, True, "cpu") == 0
+    rows, summary = validate.validate("measure", "offload-only", 2.0, "cpu")
+    assert summary["passed"] and rows[0].skipped
 
 
 def test_measure_counts_paged_optimizer_states_in_device_used(small_llama):

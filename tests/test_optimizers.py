@@ -1,4 +1,4 @@
-"""Optimizers of issue 5: Adafactor, Lion, bitsandbytes' 8-bit AdamW (paged and not), optimizer in backward.
+"""The optimizers beyond AdamW: Adafactor, Lion, bitsandbytes' 8-bit AdamW (paged and not), optimizer in backward.
 
 Bytes are worked out by hand from the optimizers' sources (torch.optim._adafactor, bitsandbytes 0.50
 optim/optimizer.py, lion-pytorch) and checked against the real optimizers where they run on the CPU.
@@ -12,17 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from llmem.config import TrainingSetup, check_optimizer_method
 from llmem.errors import LlmemError
-from llmem.estimator import (
-    estimate,
-    model_states,
-    optimizer_outside_allocator_bytes,
-    optimizer_shared_state_bytes,
-    optimizer_state_bytes,
-    optimizer_step_events,
-)
-from llmem.optimizers import EmulatedAdamW8bit, Lion
+from llmem.estimator.engine import estimate
+from llmem.estimator.states import model_states
+from llmem.model.resolved import resolve
+from llmem.runtime.optimizers import EmulatedAdamW8bit, Lion
+from llmem.setup.methods import METHODS
+from llmem.setup.optimizers import OPTIMIZERS
+from llmem.setup.support import check_support
+from llmem.setup.training import TrainingSetup
 
 TINY_LLAMA_8BIT_NUMEL = 2 * 32000 * 512 + 4 * (4 * 512 * 512 + 3 * 1376 * 512)   # tensors of >= 1e5 elements
 
@@ -43,10 +41,10 @@ def _peak(events) -> int:
 
 def test_adafactor_states_are_factored_row_and_col_second_moments():
     fp32, bf16 = _setup("adafactor"), _setup("adafactor", "bf16")
-    assert sum(optimizer_state_bytes((1376, 512), fp32)) == 4 * (1376 + 512)      # row [m, 1] + col [1, n]
-    assert sum(optimizer_state_bytes((1376, 512), bf16)) == 2 * (1376 + 512)
-    assert optimizer_state_bytes((512,), fp32) == [4 * 512]                       # 1-D: full variance
-    assert sum(optimizer_state_bytes((8, 1376, 512), fp32)) == 4 * 8 * (1376 + 512)   # [.., m, 1] and [.., 1, n]
+    assert sum(OPTIMIZERS[fp32.optimizer].states((1376, 512), fp32.param_bytes)) == 4 * (1376 + 512)      # row [m, 1] + col [1, n]
+    assert sum(OPTIMIZERS[bf16.optimizer].states((1376, 512), bf16.param_bytes)) == 2 * (1376 + 512)
+    assert OPTIMIZERS[fp32.optimizer].states((512,), fp32.param_bytes) == [4 * 512]                       # 1-D: full variance
+    assert sum(OPTIMIZERS[fp32.optimizer].states((8, 1376, 512), fp32.param_bytes)) == 4 * 8 * (1376 + 512)   # [.., m, 1] and [.., 1, n]
 
 
 def test_adafactor_states_match_torch_adafactor():
@@ -61,7 +59,7 @@ def test_adafactor_states_match_torch_adafactor():
     assert tuple(sb["variance"].shape) == (40,)
     device_bytes = sum(t.nbytes for s in (sw, sb) for k, t in s.items() if k != "step")
     setup = _setup("adafactor")
-    assert device_bytes == sum(optimizer_state_bytes((24, 40), setup)) + sum(optimizer_state_bytes((40,), setup))
+    assert device_bytes == sum(OPTIMIZERS[setup.optimizer].states((24, 40), setup.param_bytes)) + sum(OPTIMIZERS[setup.optimizer].states((40,), setup.param_bytes))
     assert sw["step"].device.type == "cpu" and sw["step"].dim() == 0
 
 
@@ -72,17 +70,17 @@ def test_adafactor_forloop_temporaries_by_hand():
     a, b, c, d = 300, 200, 100, 50
     first = 4 * (a + b + a * b + 1)                        # row, col, var_estimate, row_var.mean [1, 1]
     second = 4 * (c + d + a * b + c * d + 1)               # + the first parameter's update still alive
-    assert _peak(optimizer_step_events([(a, b), (c, d)], setup)) == max(first, second)
+    assert _peak(OPTIMIZERS[setup.optimizer].step_events([(a, b), (c, d)], setup.param_bytes)) == max(first, second)
     # a vector after a matrix: grad_squared and the clone, with the matrix's update, row and col means alive
-    assert _peak(optimizer_step_events([(a, b), (c,)], setup)) == max(first, 4 * (a + b + a * b + c + c))
-    ev = optimizer_step_events([(a, b), (c, d), (c,)], setup)
+    assert _peak(OPTIMIZERS[setup.optimizer].step_events([(a, b), (c,)], setup.param_bytes)) == max(first, 4 * (a + b + a * b + c + c))
+    ev = OPTIMIZERS[setup.optimizer].step_events([(a, b), (c, d), (c,)], setup.param_bytes)
     assert sum(sign * size for sign, _t, size in ev) == 0          # everything freed when the function returns
 
 
 def test_adafactor_runs_on_fake_tensors_and_item_is_restored():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmem.step import fake_scalar_reads
+    from llmem.runtime.patches import fake_scalar_reads
 
     orig = torch.Tensor.item
     with FakeTensorMode(), fake_scalar_reads():
@@ -98,7 +96,7 @@ def test_adafactor_runs_on_fake_tensors_and_item_is_restored():
 def test_step_adafactor_reads_fake_scalars_only_while_it_steps():
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-    from llmem.step import make_optimizer
+    from llmem.runtime.optimizers import make_optimizer
 
     with FakeTensorMode():
         model = nn.Linear(8, 16)
@@ -115,18 +113,18 @@ def test_adafactor_with_dtensor_methods_is_refused():
     with pytest.raises(LlmemError, match="adafactor"):
         estimate(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="fsdp", gpus=2))
     with pytest.raises(LlmemError, match="adafactor"):
-        check_optimizer_method(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="tp", gpus=2), "tp")
-    check_optimizer_method(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="ddp", gpus=2), "ddp")
+        check_support(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="tp", gpus=2), METHODS["tp"])
+    check_support(TrainingSetup(model="tiny-llama", optimizer="adafactor", method="ddp", gpus=2), METHODS["ddp"])
 
 
 # --- Lion ---------------------------------------------------------------------------------------------------------
 
 def test_lion_state_is_one_copy_of_the_parameters():
     n = 1376 * 512
-    assert optimizer_state_bytes((1376, 512), _setup("lion")) == [4 * n]
-    assert optimizer_state_bytes((1376, 512), _setup("lion", "bf16")) == [2 * n]
+    assert OPTIMIZERS[_setup("lion").optimizer].states((1376, 512), _setup("lion").param_bytes) == [4 * n]
+    assert OPTIMIZERS[_setup("lion", "bf16").optimizer].states((1376, 512), _setup("lion", "bf16").param_bytes) == [2 * n]
     # foreach: the update is one group-sized temporary
-    assert _peak(optimizer_step_events([(1376, 512), (512,)], _setup("lion"))) == 4 * (n + 512)
+    assert _peak(OPTIMIZERS[_setup("lion").optimizer].step_events([(1376, 512), (512,)], _setup("lion").param_bytes)) == 4 * (n + 512)
 
 
 def test_lion_update_matches_the_reference_by_hand():
@@ -147,19 +145,19 @@ def test_lion_update_matches_the_reference_by_hand():
 def test_adamw_8bit_states_by_hand(n):
     """uint8 state1 + state2 (N bytes each) + fp32 absmax1 + absmax2 (one per block of 256)."""
     expected = 2 * n + 2 * 4 * math.ceil(n / 256)
-    assert sum(optimizer_state_bytes((n,), _setup("adamw-8bit"))) == expected
-    assert sum(optimizer_state_bytes((n,), _setup("paged-adamw-8bit", "bf16"))) == expected   # < 1e5: not paged
-    assert optimizer_outside_allocator_bytes((n,), _setup("paged-adamw-8bit")) == 0
+    assert sum(OPTIMIZERS[_setup("adamw-8bit").optimizer].states((n,), _setup("adamw-8bit").param_bytes)) == expected
+    assert sum(OPTIMIZERS[_setup("paged-adamw-8bit", "bf16").optimizer].states((n,), _setup("paged-adamw-8bit", "bf16").param_bytes)) == expected   # < 1e5: not paged
+    assert OPTIMIZERS[_setup("paged-adamw-8bit").optimizer].outside_allocator_bytes((n,)) == 0
 
 
 def test_adamw_8bit_small_parameters_keep_fp32_states_and_paged_ones_leave_the_allocator():
-    assert optimizer_state_bytes((4095,), _setup("adamw-8bit", "bf16")) == [4 * 4095, 4 * 4095]
+    assert OPTIMIZERS[_setup("adamw-8bit", "bf16").optimizer].states((4095,), _setup("adamw-8bit", "bf16").param_bytes) == [4 * 4095, 4 * 4095]
     n = 1376 * 512
-    assert optimizer_state_bytes((1376, 512), _setup("paged-adamw-8bit")) == [4 * 2752, 4 * 2752]   # absmax only
-    assert optimizer_outside_allocator_bytes((1376, 512), _setup("paged-adamw-8bit")) == 2 * n
+    assert OPTIMIZERS[_setup("paged-adamw-8bit").optimizer].states((1376, 512), _setup("paged-adamw-8bit").param_bytes) == [4 * 2752, 4 * 2752]   # absmax only
+    assert OPTIMIZERS[_setup("paged-adamw-8bit").optimizer].outside_allocator_bytes((1376, 512)) == 2 * n
     # the two 256-entry fp32 quantisation maps, shared by every 8-bit parameter
-    assert optimizer_shared_state_bytes([(1376, 512), (512, 512), (512,)], _setup("adamw-8bit")) == 2 * 256 * 4
-    assert optimizer_shared_state_bytes([(512,)], _setup("adamw-8bit")) == 0
+    assert OPTIMIZERS[_setup("adamw-8bit").optimizer].shared_state_bytes([(1376, 512), (512, 512), (512,)], _setup("adamw-8bit").optimizer_in_backward) == 2 * 256 * 4
+    assert OPTIMIZERS[_setup("adamw-8bit").optimizer].shared_state_bytes([(512,)], _setup("adamw-8bit").optimizer_in_backward) == 0
 
 
 def test_emulated_8bit_optimizer_allocates_bnb_state_tensors():
@@ -216,7 +214,7 @@ def test_8bit_with_dtensor_methods_is_refused(method):
 
 
 def test_trace_notes_say_the_8bit_optimizer_is_emulated():
-    from llmem.tracer import trace
+    from llmem.runtime.trace import trace
 
     res = trace(TrainingSetup(model="tiny-llama", optimizer="paged-adamw-8bit", batch_size=1, seq_len=16))
     assert any("emulation" in n for n in res.notes)
@@ -230,7 +228,7 @@ def test_trace_notes_say_the_8bit_optimizer_is_emulated():
 def test_in_backward_real_hooks_step_and_free_each_gradient():
     """The real mechanism: each post-accumulate-grad hook steps its own optimizer and frees the gradient, so at any
     hook at most one gradient exists; states appear lazily."""
-    from llmem.step import InBackwardOptimizer
+    from llmem.runtime.optimizers import InBackwardOptimizer
 
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     live_at_hook: list[int] = []
@@ -246,10 +244,9 @@ def test_in_backward_real_hooks_step_and_free_each_gradient():
 
 
 def test_in_backward_schedule_holds_the_largest_gradient_not_the_sum():
-    from llmem.activations import activation_profile, regime_for
-    from llmem.anatomy import load_anatomy
-    from llmem.methods import resolve_layout
-    from llmem.schedule import build_schedule
+    from llmem.estimator.schedule import StepSchedule
+    from llmem.memory.activations.profile import activation_profile
+    from llmem.model.anatomy import load_anatomy
 
     anatomy = load_anatomy("tiny-llama")
     largest = 32000 * 512 * 4                   # fp32 embedding / lm_head gradient
@@ -257,9 +254,8 @@ def test_in_backward_schedule_holds_the_largest_gradient_not_the_sum():
     for in_backward, expected in ((True, largest), (False, total)):
         setup = TrainingSetup(model="tiny-llama", precision="fp32", batch_size=1, seq_len=64,
                               optimizer_in_backward=in_backward)
-        layout = resolve_layout("single", 1, None, None, anatomy.num_heads, anatomy.num_kv_heads)
-        act = activation_profile(anatomy, setup, "single", 1)
-        sch = build_schedule(anatomy, setup, layout, act, regime_for(setup, "single"), 0)
+        act = activation_profile(resolve(setup))
+        sch = StepSchedule(resolve(setup), act).build()
         held = peak = 0
         for sign, _k, size, _s, comp in sch.events:
             if comp == "gradients":
@@ -269,17 +265,13 @@ def test_in_backward_schedule_holds_the_largest_gradient_not_the_sum():
 
 
 def test_in_backward_model_states_and_validation():
-    from llmem.anatomy import load_anatomy
-    from llmem.methods import resolve_layout
 
-    anatomy = load_anatomy("tiny-llama")
-    layout = resolve_layout("single", 1, None, None, anatomy.num_heads, anatomy.num_kv_heads)
-    ms = model_states(anatomy, _setup("adamw", optimizer_in_backward=True), layout)
+    ms = model_states(resolve(_setup("adamw", optimizer_in_backward=True)))
     assert ms.optimizer_temporaries == 32000 * 512 * 4       # foreach sqrt of the largest single parameter
     with pytest.raises(LlmemError, match="single"):
         estimate(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="ddp", gpus=2))
     with pytest.raises(LlmemError, match="single"):   # the trace refuses it before building anything
-        from llmem.tracer import trace
+        from llmem.runtime.trace import trace
 
         trace(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, method="fsdp", gpus=2))
 
@@ -288,19 +280,20 @@ def test_in_backward_model_states_and_validation():
 def test_in_backward_moments_follow_the_replay(model):
     """The planner's quick search takes the largest moment: with the optimizer in backward it must follow the
     replayed schedule (no gradient sum, no optimizer-step moment)."""
-    from llmem.anatomy import load_anatomy
-    from llmem.estimator import quick_peak_allocated
-    from llmem.hardware import resolve_gpu
+    from llmem.estimator.engine import quick_peak_allocated
+    from llmem.model.anatomy import load_anatomy
+    from llmem.setup.gpus import resolve_gpu
 
     setup = TrainingSetup(model=model, precision="bf16-mixed", batch_size=1, seq_len=64, optimizer_in_backward=True)
     res = estimate(setup)
-    quick = quick_peak_allocated(setup, load_anatomy(model), resolve_gpu(setup.gpu))
+    quick = quick_peak_allocated(resolve(setup, load_anatomy(model), resolve_gpu(setup.gpu)))
     assert abs(quick - res.peak_allocated_bytes) <= 0.02 * res.peak_allocated_bytes
     assert "optimizer_step" not in {m["phase"] for m in res.moments}
 
 
 def test_cli_options():
-    from llmem.cli import build_parser, setup_from_args
+    from llmem.cli import build_parser
+    from llmem.cli.options import setup_from_args
 
     args = build_parser().parse_args(["estimate", "tiny-llama", "--optimizer", "lion", "--optimizer-in-backward"])
     setup = setup_from_args(args)
@@ -317,3 +310,62 @@ def test_cli_refuses_unsupported_combinations_with_exit_2(capsys):
     assert "--optimizer-in-backward" in capsys.readouterr().err
     assert main(["estimate", "tiny-llama", "--optimizer", "adafactor", "--method", "fsdp", "--gpus", "2"]) == 2
     assert main(["estimate", "tiny-llama", "--optimizer", "adam-9bit"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- Muon
+
+def test_muon_row_is_muon_for_the_hidden_matrices_and_adamw_for_the_rest():
+    """tiny-llama fp32: Muon keeps one momentum buffer per decoder-layer matrix (4 layers x (4 x 512 x 512 +
+    3 x 512 x 1376) = 12,648,448 elements), AdamW two states for the rest (embedding and lm_head 2 x 32000 x 512, the
+    9 norms of 512): 4 B each."""
+    ms = model_states(resolve(_setup("muon")))
+    matrices = 4 * (4 * 512 * 512 + 3 * 512 * 1376)
+    others = 2 * 32000 * 512 + 9 * 512
+    assert matrices == 12_648_448 and others == 32_772_608
+    assert ms.optimizer_states == 4 * matrices + 8 * others
+    muon, adamw = OPTIMIZERS["muon"].parts
+    assert (muon.name, adamw.name) == ("muon-matrices", "adamw")
+
+
+def test_muon_newton_schulz_temporaries_by_hand():
+    """One [4, 6] parameter: the gradient's copy U (24 x pb), its bf16 copy X0 (48 B, none when the gradient is
+    bf16), then per iteration gram and gram_update [4, 4] bf16 (32 B each) and the new X (48 B) while the previous X
+    is still referenced: the peak is U + gram + gram_update + two X."""
+    muon = OPTIMIZERS["muon"].parts[0]
+    assert _peak(muon.step_events([(4, 6)], 4)) == 96 + 2 * 32 + 2 * 48
+    assert _peak(muon.step_events([(6, 4)], 4)) == 96 + 2 * 32 + 2 * 48        # transposed: the same sizes
+    assert _peak(muon.step_events([(4, 6)], 2)) == 48 + 2 * 32 + 2 * 48        # bf16: X0 is U itself
+    # the previous parameter's update lives until the next one's copy exists: 48 B under a second [4, 6] copy
+    assert _peak(muon.step_events([(4, 6), (2, 2)], 4)) == _peak(muon.step_events([(4, 6)], 4))
+    ev = muon.step_events([(4, 6), (4, 6)], 4)
+    held = [0]
+    for sign, _t, size in ev:
+        held.append(held[-1] + sign * size)
+    assert held[-1] == 0 and sum(1 for s, _t, n in ev if s > 0 and n == 16 * 2) == 2 * 2 * 5
+
+
+def test_muon_on_fsdp2_shards_gathers_as_dtensor_places_it():
+    """A [4, 8] matrix on 2 shards (local [2, 8], fp32 gradient): gram = X @ X.T makes X.T (a Shard(1) view)
+    contiguous (32 B), all-gathers it (64 B), waits (64 B) and concatenates (64 B); gram is Shard(0) [2, 4] (16 B).
+    The peak is at the second iteration's gram: U 64 + the previous gram and gram_update 2 x 16 + X 32 + the four
+    tensors of the gather 32 + 3 x 64."""
+    muon = OPTIMIZERS["muon"].parts[0]
+    assert _peak(muon.step_events([(2, 8)], 4, 2)) == 64 + 2 * 16 + 32 + 32 + 3 * 64
+
+
+def test_muon_is_refused_with_tensor_parallelism():
+    with pytest.raises(LlmemError, match="muon with tp"):
+        estimate(TrainingSetup(model="tiny-llama", optimizer="muon", method="tp", gpus=2))
+    check_support(TrainingSetup(model="tiny-llama", optimizer="muon", method="fsdp", gpus=2), METHODS["fsdp"])
+
+
+@pytest.mark.parametrize("kw", [{}, {"method": "fsdp", "gpus": 2}, {"optimizer_in_backward": True}])
+def test_muon_estimate_matches_the_trace(kw):
+    """torch.optim.Muon and AdamW run for real on fake tensors (FSDP2's DTensor shards included)."""
+    from llmem.runtime.trace import trace
+
+    setup = TrainingSetup(model="tiny-llama", optimizer="muon", precision="bf16-mixed", batch_size=1, seq_len=64,
+                          gpu="H100-80GB", **kw)
+    est, truth = estimate(setup), trace(setup)
+    for counter in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        assert abs(getattr(est, counter) - getattr(truth, counter)) <= 0.01 * getattr(truth, counter), counter

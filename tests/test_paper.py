@@ -11,11 +11,11 @@ import statistics
 
 import pytest
 
-from llmem import paper
-from llmem.anatomy import ModelAnatomy, ParamInfo, load_anatomy
-from llmem.config import TrainingSetup
-from llmem.hardware import resolve_gpu
+from llmem.model.anatomy import ModelAnatomy, ParamInfo, load_anatomy
+from llmem.paper import algorithm1, engine, equations
 from llmem.result import COMPONENTS
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.training import TrainingSetup
 from llmem.units import GIB, MIB
 
 SL = 512
@@ -24,7 +24,7 @@ PAGE = 2 * 1024 * 1024
 
 
 def cp(x: float) -> int:
-    """ceil to a 2 MiB page, written independently of paper.ceilp."""
+    """ceil to a 2 MiB page, written independently of equations.ceilp."""
     return math.ceil(x / PAGE) * PAGE
 
 
@@ -95,17 +95,17 @@ def test_hand_inventory_matches_the_model(model):
     spec, a = model
     assert [p.numel for p in a.params] == spec["order"]          # registration order the chunk search walks
     assert (a.hidden_size, a.num_layers, a.vocab_size) == (spec["h"], spec["L"], spec["V"])
-    assert paper.optimizer_tensor_numels(a) == spec["opt_tensors"]
-    assert paper.embed_p(a) == spec["embed"]
-    assert paper.other_p(a) == sum(spec["order"]) - spec["embed"] - spec["untied_head"]
-    assert paper.lm_head_numel(a) == spec["lm_head"]
+    assert equations.optimizer_tensor_numels(a) == spec["opt_tensors"]
+    assert equations.embed_p(a) == spec["embed"]
+    assert equations.other_p(a) == sum(spec["order"]) - spec["embed"] - spec["untied_head"]
+    assert equations.lm_head_numel(a) == spec["lm_head"]
 
 
 def test_ceilp():
-    assert paper.ceilp(0) == 0
-    assert paper.ceilp(1) == PAGE
-    assert paper.ceilp(PAGE) == PAGE
-    assert paper.ceilp(PAGE + 0.5) == 2 * PAGE
+    assert equations.ceilp(0) == 0
+    assert equations.ceilp(1) == PAGE
+    assert equations.ceilp(PAGE) == PAGE
+    assert equations.ceilp(PAGE + 0.5) == 2 * PAGE
 
 
 # ---------------------------------------------------------------- chunk size
@@ -113,9 +113,9 @@ def test_ceilp():
 def test_chunk_size_opt125m_brute_force():
     spec, a = MODELS["opt-125m"], load_anatomy("facebook/opt-125m")
     cs1 = brute_chunk_size(spec["order"], 1)
-    assert paper.gemini_chunk_size(a, 1) == cs1
+    assert equations.gemini_chunk_size(a, 1) == cs1
     for dp in (2, 3, 4, 8):
-        assert paper.gemini_chunk_size(a, dp) == cs1 + (-cs1 % dp)
+        assert equations.gemini_chunk_size(a, dp) == cs1 + (-cs1 % dp)
     assert 32 * 1024**2 <= cs1 <= 2 * 32 * 1024**2
 
 
@@ -131,7 +131,7 @@ def test_chunk_size_small_made_up_cases():
     kw = dict(min_chunk=100, search_range=60, interval=10)
     a = _fake(sizes)
     for dp in (1, 4):
-        assert paper.gemini_chunk_size(a, dp, **kw) == brute_chunk_size(sizes, dp, 100, 60, 10)
+        assert equations.gemini_chunk_size(a, dp, **kw) == brute_chunk_size(sizes, dp, 100, 60, 10)
     # the same by an even plainer loop over the candidates 100..160 (first minimum wins)
     waste = {}
     for cs in range(100, 161, 10):
@@ -141,9 +141,9 @@ def test_chunk_size_small_made_up_cases():
                 acc, left = acc + left, cs
             left -= s
         waste[cs] = acc + left
-    assert paper.gemini_chunk_size(a, 1, **kw) == min(waste, key=lambda c: (waste[c], c))
+    assert equations.gemini_chunk_size(a, 1, **kw) == min(waste, key=lambda c: (waste[c], c))
     # a group smaller than the minimum chunk is one kept-gathered chunk of its own size (no dp rounding)
-    assert paper.gemini_chunk_size(_fake([10, 20, 33]), 4, min_chunk=100) == 63
+    assert equations.gemini_chunk_size(_fake([10, 20, 33]), 4, min_chunk=100) == 63
 
 
 # ---------------------------------------------------------------- terms, single GPU
@@ -163,29 +163,29 @@ def _hand_terms(spec, cs, bs=BS, sl=SL, shards=1):
 
 def test_terms_by_hand(model):
     spec, a = model
-    cs = paper.gemini_chunk_size(a, 1)
+    cs = equations.gemini_chunk_size(a, 1)
     hand = _hand_terms(spec, cs)
-    assert paper.m_p(a, cs) == hand["m_p"]
-    assert paper.m_p16(a, cs) == hand["m_p16"]
-    assert paper.m_p32(a, cs) == hand["m_p32"]
-    assert paper.m_os(a) == hand["m_os"]
-    assert paper.m_os(a, 4) == _hand_terms(spec, cs, shards=4)["m_os"]
-    assert paper.m_out(a, BS, SL) == hand["m_out"]
-    assert paper.lm_p(a) == hand["lm_p"]
-    assert paper.m_lm(a, BS, SL) == hand["m_lm"]
+    assert equations.m_p(a, cs) == hand["m_p"]
+    assert equations.m_p16(a, cs) == hand["m_p16"]
+    assert equations.m_p32(a, cs) == hand["m_p32"]
+    assert equations.m_os(a) == hand["m_os"]
+    assert equations.m_os(a, 4) == _hand_terms(spec, cs, shards=4)["m_os"]
+    assert equations.m_out(a, BS, SL) == hand["m_out"]
+    assert equations.lm_p(a) == hand["lm_p"]
+    assert equations.m_lm(a, BS, SL) == hand["m_lm"]
     h, L = spec["h"], spec["L"]
-    assert paper.m_back(a, BS, SL, 4) == cp(L * BS * SL * h * 3 / 4 * 2)
-    assert paper.m_back(a, BS, SL, 2) == cp(L * BS * SL * h * 1 / 2 * 2)
-    assert paper.m_back(a, BS, SL, 1) == 0
+    assert equations.m_back(a, BS, SL, 4) == cp(L * BS * SL * h * 3 / 4 * 2)
+    assert equations.m_back(a, BS, SL, 2) == cp(L * BS * SL * h * 1 / 2 * 2)
+    assert equations.m_back(a, BS, SL, 1) == 0
 
 
 def test_known_numbers_opt125m():
     """A few terms as plain numbers (MiB), to catch a change of reading."""
     a = load_anatomy("facebook/opt-125m")
-    assert paper.m_out(a, BS, SL) // MIB == 42          # 14 * 4*512*768*2 B = 42 MiB
-    assert paper.lm_p(a) // MIB == 74                   # 50272*768*2 B = 73.6 MiB -> 74
+    assert equations.m_out(a, BS, SL) // MIB == 42          # 14 * 4*512*768*2 B = 42 MiB
+    assert equations.lm_p(a) // MIB == 74                   # 50272*768*2 B = 73.6 MiB -> 74
     # logits 4*512*50272*2 B = 196.4 -> 198 MiB; shifted 4*511*50272*2 B = 195.99 -> 196 MiB (x2)
-    assert paper.m_lm(a, BS, SL) // MIB == 198 + 2 * 196 + 74
+    assert equations.m_lm(a, BS, SL) // MIB == 198 + 2 * 196 + 74
 
 
 def test_single_gpu_peak(model):
@@ -193,8 +193,8 @@ def test_single_gpu_peak(model):
     m_base = 600 * MIB
     setup = TrainingSetup(spec["name"], method="single", batch_size=BS, seq_len=SL, precision="fp16-mixed",
                           grad_ckpt=True, gpu="V100-16GB")
-    r = paper.paper_estimate(setup, a, resolve_gpu("V100-16GB"), m_base_bytes=m_base)
-    hand = _hand_terms(spec, paper.gemini_chunk_size(a, 1))   # cs itself: test_chunk_size_*
+    r = engine.paper_estimate(setup, a, resolve_gpu("V100-16GB"), m_base_bytes=m_base)
+    hand = _hand_terms(spec, equations.gemini_chunk_size(a, 1))   # cs itself: test_chunk_size_*
     peak = m_base + hand["m_p"] + hand["m_os"] + hand["m_out"] + hand["m_lm"]
     assert r.engine == "paper"
     assert r.peak_allocated_bytes == r.peak_reserved_bytes == r.device_used_bytes == peak
@@ -208,7 +208,7 @@ def test_single_gpu_peak(model):
     assert any("nvidia-smi" in n for n in r.notes)
     assert not any("precision" in n for n in r.notes)
     # CDP (ddp on 4 GPUs) is m_peak^s
-    ddp = paper.paper_estimate(TrainingSetup(spec["name"], method="ddp", gpus=4, batch_size=BS, seq_len=SL),
+    ddp = engine.paper_estimate(TrainingSetup(spec["name"], method="ddp", gpus=4, batch_size=BS, seq_len=SL),
                                a, resolve_gpu("V100-16GB"), m_base_bytes=m_base)
     assert ddp.device_used_bytes == peak
 
@@ -220,18 +220,18 @@ def test_four_gpu_methods_by_hand(model, method):
     spec, a = model
     m_base, gpu_n = 700 * MIB, 4
     setup = TrainingSetup(spec["name"], method=method, gpus=gpu_n, batch_size=BS, seq_len=SL)
-    r = paper.paper_estimate(setup, a, resolve_gpu("V100-16GB"), m_base_bytes=m_base)
+    r = engine.paper_estimate(setup, a, resolve_gpu("V100-16GB"), m_base_bytes=m_base)
     h, L = spec["h"], spec["L"]
     if method in ("fsdp", "zero2"):         # ADP: m_base + m_p16 + (m_p32 + m_os)/gpu_n + m_out + m_lm
-        t = _hand_terms(spec, paper.gemini_chunk_size(a, gpu_n), shards=gpu_n)
+        t = _hand_terms(spec, equations.gemini_chunk_size(a, gpu_n), shards=gpu_n)
         weights = t["m_p16"] + math.ceil(t["m_p32"] / gpu_n)
         back = 0
     elif method == "tp":                    # TP: m_base + (m_p + m_os)/gpu_n + m_out + m_lm + m_back
-        t = _hand_terms(spec, paper.gemini_chunk_size(a, 1), shards=gpu_n)
+        t = _hand_terms(spec, equations.gemini_chunk_size(a, 1), shards=gpu_n)
         weights = math.ceil(t["m_p"] / gpu_n)
         back = cp(L * BS * SL * h * 3 / 4 * 2)
     else:                                   # DP+TP (2dp x 2tp): m_peak^dp - m_p16 * tp_n/gpu_n + m_back
-        t = _hand_terms(spec, paper.gemini_chunk_size(a, 2), shards=gpu_n)
+        t = _hand_terms(spec, equations.gemini_chunk_size(a, 2), shards=gpu_n)
         weights = t["m_p16"] + math.ceil(t["m_p32"] / gpu_n) - t["m_p16"] * 2 // gpu_n
         back = cp(L * BS * SL * h * 1 / 2 * 2)
     peak = m_base + weights + t["m_os"] + t["m_out"] + t["m_lm"] + back
@@ -244,7 +244,7 @@ def test_four_gpu_methods_by_hand(model, method):
 def test_method_ordering(model):
     """Invariants the paper's formulas imply: CDP > ADP > DP+TP > TP at the same batch on 4 GPUs."""
     spec, a = model
-    peaks = {m: paper.paper_terms(a, m, 4, 2, SL, 0).peak for m in paper.PAPER_METHODS}
+    peaks = {m: equations.paper_terms(a, m, 4, 2, SL, 0).peak for m in equations.PAPER_METHODS}
     assert peaks["CDP"] > peaks["ADP"] > peaks["DP+TP"] > peaks["TP"]
 
 
@@ -252,7 +252,7 @@ def test_notes_for_setups_outside_the_paper():
     a = load_anatomy("facebook/opt-125m")
     setup = TrainingSetup("facebook/opt-125m", method="fsdp+tp", gpus=8, tp=2, precision="bf16-mixed",
                           optimizer="sgd", batch_size=2, seq_len=SL, gpu="A100-80GB")
-    r = paper.paper_estimate(setup, a, resolve_gpu("A100-80GB"))
+    r = engine.paper_estimate(setup, a, resolve_gpu("A100-80GB"))
     text = " ".join(r.notes)
     assert "precision bf16-mixed ignored" in text
     assert "optimizer sgd ignored" in text
@@ -261,41 +261,41 @@ def test_notes_for_setups_outside_the_paper():
     assert r.components["cuda_context"] == resolve_gpu("A100-80GB").cuda_context_bytes
 
 
-def test_notes_name_every_issue5_option_the_equations_ignore():
+def test_notes_name_every_option_the_equations_ignore():
     a = load_anatomy("gpt2")
-    setup = TrainingSetup("gpt2", precision="fp16-mixed", optimizer="adamw-8bit", grad_ckpt=True, lora_rank=16,
+    setup = TrainingSetup("gpt2", precision="fp16-mixed", optimizer="adamw-8bit", grad_ckpt=True, lora_rank=16, lora_targets="c_attn",
                           quant_base="nf4", fused_ce=True, offload_activations=True, seq_len=SL, gpu="V100-16GB")
-    text = " ".join(paper.paper_estimate(setup, a, resolve_gpu("V100-16GB")).notes)
+    text = " ".join(engine.paper_estimate(setup, a, resolve_gpu("V100-16GB")).notes)
     assert "optimizer adamw-8bit ignored" in text
     for option in ("LoRA / peft adapters", "the quantised base", "--fused-ce", "--offload-activations"):
         assert option in text
     plain = TrainingSetup("gpt2", precision="fp16-mixed", grad_ckpt=True, seq_len=SL, gpu="V100-16GB")
-    assert "ignored" not in " ".join(paper.paper_estimate(plain, a, resolve_gpu("V100-16GB")).notes)
+    assert "ignored" not in " ".join(engine.paper_estimate(plain, a, resolve_gpu("V100-16GB")).notes)
 
 
 def test_default_m_base():
-    assert paper.default_m_base(resolve_gpu("V100-16GB")) == paper.V100_M_BASE_BYTES == 600 * MIB
-    assert paper.default_m_base(resolve_gpu("H100")) == resolve_gpu("H100").cuda_context_bytes
+    assert engine.default_m_base(resolve_gpu("V100-16GB")) == engine.V100_M_BASE_BYTES == 600 * MIB
+    assert engine.default_m_base(resolve_gpu("H100")) == resolve_gpu("H100").cuda_context_bytes
     a = load_anatomy("facebook/opt-125m")
     setup = TrainingSetup("facebook/opt-125m", batch_size=1, seq_len=SL, cuda_context="1GiB")
-    assert paper.paper_estimate(setup, a, resolve_gpu("V100")).components["cuda_context"] == GIB
+    assert engine.paper_estimate(setup, a, resolve_gpu("V100")).components["cuda_context"] == GIB
 
 
 # ---------------------------------------------------------------- Algorithm 1
 
 def test_algorithm1_arithmetic():
     # eval: CDP = 2*4*1.5 = 12, ADP = 5*4 = 20, TP = 12, DP+TP = 6*2 = 12 -> ADP
-    d = paper.algorithm1({"CDP": 2, "ADP": 5, "TP": 12, "DP+TP": 6}, gpu_n=4, dp_n=2)
+    d = algorithm1.algorithm1({"CDP": 2, "ADP": 5, "TP": 12, "DP+TP": 6}, gpu_n=4, dp_n=2)
     assert d["eval"] == {"CDP": 12.0, "ADP": 20, "TP": 12, "DP+TP": 12}
     assert (d["selected"], d["batch_size"]) == ("ADP", 5)
     # ties go to the earlier method: ADP 3*4 = TP 12 = DP+TP 6*2
-    assert paper.algorithm1({"CDP": 0, "ADP": 3, "TP": 12, "DP+TP": 6}, 4, 2)["selected"] == "ADP"
-    assert paper.algorithm1({"CDP": 0, "ADP": 0, "TP": 13, "DP+TP": 6}, 4, 2)["selected"] == "TP"
-    assert paper.algorithm1({"CDP": 4, "ADP": 5, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "CDP"   # 24 > 20
-    assert paper.algorithm1({"CDP": 4, "ADP": 6, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "CDP"   # 24 = 24, tie
-    assert paper.algorithm1({"CDP": 4, "ADP": 7, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "ADP"   # 24 < 28
-    nothing = paper.algorithm1({"CDP": 0, "ADP": 0, "TP": 0, "DP+TP": 0}, 4, 2)
-    assert (nothing["selected"], nothing["batch_size"]) == (paper.CPU_OFFLOADING, 0)
+    assert algorithm1.algorithm1({"CDP": 0, "ADP": 3, "TP": 12, "DP+TP": 6}, 4, 2)["selected"] == "ADP"
+    assert algorithm1.algorithm1({"CDP": 0, "ADP": 0, "TP": 13, "DP+TP": 6}, 4, 2)["selected"] == "TP"
+    assert algorithm1.algorithm1({"CDP": 4, "ADP": 5, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "CDP"   # 24 > 20
+    assert algorithm1.algorithm1({"CDP": 4, "ADP": 6, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "CDP"   # 24 = 24, tie
+    assert algorithm1.algorithm1({"CDP": 4, "ADP": 7, "TP": 0, "DP+TP": 0}, 4, 2)["selected"] == "ADP"   # 24 < 28
+    nothing = algorithm1.algorithm1({"CDP": 0, "ADP": 0, "TP": 0, "DP+TP": 0}, 4, 2)
+    assert (nothing["selected"], nothing["batch_size"]) == (algorithm1.CPU_OFFLOADING, 0)
 
 
 def test_paper_select_small_case():
@@ -303,33 +303,33 @@ def test_paper_select_small_case():
     a = load_anatomy("facebook/opt-125m")
     gpu = resolve_gpu("made-up", memory="3GiB")
     m_base = 300 * MIB
-    r = paper.paper_select(a, gpu, 4, SL, m_base_bytes=m_base)
+    r = algorithm1.paper_select(a, gpu, 4, SL, m_base_bytes=m_base)
     assert set(r["methods"]) == {"CDP", "ADP", "TP", "DP+TP"}
     factor = {"CDP": 4 * 1.5, "ADP": 4, "TP": 1, "DP+TP": 2}
     for name, v in r["methods"].items():
         bs = v["max_batch"]
         tp = 2 if name == "DP+TP" else None
-        assert paper.paper_terms(a, name, 4, bs + 1, SL, m_base, tp).peak > 3 * GIB
+        assert equations.paper_terms(a, name, 4, bs + 1, SL, m_base, tp).peak > 3 * GIB
         if bs:
-            assert paper.paper_terms(a, name, 4, bs, SL, m_base, tp).peak <= 3 * GIB
+            assert equations.paper_terms(a, name, 4, bs, SL, m_base, tp).peak <= 3 * GIB
         assert v["eval"] == bs * factor[name]
     best = max(r["eval"].values())
     assert r["eval"][r["selected"]] == best
     assert r["selected_method"] == {"CDP": "ddp", "ADP": "fsdp", "TP": "tp", "DP+TP": "fsdp+tp"}[r["selected"]]
     # one GPU: only CDP (= single)
-    one = paper.paper_select(a, gpu, 1, SL, m_base_bytes=m_base)
+    one = algorithm1.paper_select(a, gpu, 1, SL, m_base_bytes=m_base)
     assert set(one["methods"]) == {"CDP"} and one["methods"]["CDP"]["method"] == "single"
     # nothing fits -> CPU offloading
-    tiny = paper.paper_select(a, resolve_gpu("tiny", memory="1GiB"), 4, SL, m_base_bytes=m_base)
-    assert tiny["selected"] == paper.CPU_OFFLOADING
+    tiny = algorithm1.paper_select(a, resolve_gpu("tiny", memory="1GiB"), 4, SL, m_base_bytes=m_base)
+    assert tiny["selected"] == algorithm1.CPU_OFFLOADING
 
 
 def test_paper_max_batch_matches_linear_search():
     a = load_anatomy("bigscience/bloom-560m")
     gpu = resolve_gpu("V100-16GB")
     setup = TrainingSetup("bigscience/bloom-560m", method="fsdp", gpus=4, seq_len=SL)
-    best = paper.paper_max_batch(setup, a, gpu)
+    best = engine.paper_max_batch(setup, a, gpu)
     bs = 1
-    while paper.paper_peak(setup, a, gpu, bs) <= gpu.memory_bytes:
+    while engine.paper_peak(setup, a, gpu, bs) <= gpu.memory_bytes:
         bs += 1
     assert best == bs - 1 > 0

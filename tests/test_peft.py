@@ -11,13 +11,17 @@ import time
 
 import pytest
 
-from llmem.activations import activation_profile, dims_for, regime_for
-from llmem.anatomy import load_anatomy, peft_anatomy, read_peft_config
 from llmem.cli import main
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
-from llmem.estimator import estimate, trained_anatomy
-from llmem.validate import CI_MATRIX
+from llmem.estimator.engine import estimate
+from llmem.memory.activations.profile import activation_profile, dims_for
+from llmem.model.anatomy import load_anatomy
+from llmem.model.peft import peft_anatomy, read_peft_config, trained_anatomy
+from llmem.model.resolved import resolve
+from llmem.setup.methods import METHODS
+from llmem.setup.precision import regime_for
+from llmem.setup.training import TrainingSetup
+from llmem.validate.matrices import CI_MATRIX
 
 T = 2 * 256          # tokens of a 2 x 256 micro-batch
 
@@ -33,8 +37,7 @@ def _save(tmp_path, name, config) -> str:
 
 
 def _blocks(setup: TrainingSetup) -> dict:
-    a = trained_anatomy(load_anatomy(setup.model), setup)
-    return {b.name: b for b in activation_profile(a, setup, setup.method, 1).blocks}
+    return {b.name: b for b in activation_profile(resolve(setup)).blocks}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,8 +49,8 @@ def test_lora_config_from_save_pretrained(tmp_path):
     path = _save(tmp_path, "lora", LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     r = estimate(_setup("tiny-mistral", peft_config=path))
     # q: A [8, 512] + B [512, 8]; v: A [8, 512] + B [128, 8] (2 kv heads x 64); 4 layers
-    assert r.setup["trainable_params"] == 4 * (8 * 512 + 512 * 8 + 8 * 512 + 128 * 8) == 53248
-    assert r.setup["peft_config"] == path
+    assert r.setup.trainable_params == 4 * (8 * 512 + 512 * 8 + 8 * 512 + 128 * 8) == 53248
+    assert r.setup.peft_config == path
 
 
 def test_peft_lora_config_equals_lora_options(tmp_path):
@@ -60,7 +63,7 @@ def test_peft_lora_config_equals_lora_options(tmp_path):
     for precision in ("bf16-mixed", "bf16"):
         a = estimate(_setup(precision=precision, peft_config=path))
         b = estimate(_setup(precision=precision, lora_rank=16, lora_targets="all-linear", lora_dropout=0.1))
-        assert a.setup["trainable_params"] == b.setup["trainable_params"]
+        assert a.setup.trainable_params == b.setup.trainable_params
         assert (a.peak_allocated_bytes, a.peak_reserved_bytes) == (b.peak_allocated_bytes, b.peak_reserved_bytes)
 
 
@@ -73,7 +76,7 @@ def test_dora_ia3_prompt_prefix_trainable_counts(tmp_path):
                                            feedforward_modules=["down_proj"], task_type="CAUSAL_LM"))
     prompt = _save(tmp_path, "prompt", PromptTuningConfig(num_virtual_tokens=20, task_type="CAUSAL_LM"))
     prefix = _save(tmp_path, "prefix", PrefixTuningConfig(num_virtual_tokens=10, task_type="CAUSAL_LM"))
-    count = {name: estimate(_setup(model, peft_config=path)).setup["trainable_params"]
+    count = {name: estimate(_setup(model, peft_config=path)).setup.trainable_params
              for name, model, path in (("dora", "tiny-llama", dora), ("ia3", "tiny-mistral", ia3),
                                        ("prompt", "tiny-llama", prompt), ("prefix", "tiny-llama", prefix))}
     # DoRA: LoRA's A [8, 512] + B [512, 8] on q and v, plus a magnitude vector [512] each; 4 layers
@@ -90,7 +93,7 @@ def test_trainable_set_matches_the_traced_peft_model(tmp_path):
     """The anatomy read back from peft agrees with the model the trace runs (requires_grad of the peft model)."""
     from peft import IA3Config
 
-    from llmem.step import apply_peft, build_meta_model
+    from llmem.runtime.build import apply_peft, build_meta_model
 
     path = _save(tmp_path, "ia3", IA3Config(task_type="CAUSAL_LM"))
     setup = _setup("tiny-mistral", precision="bf16-mixed", peft_config=path)
@@ -193,13 +196,12 @@ def test_dora_weight_norm_temporaries():
     [out, in] fp32 temporaries (W.to(fp32), lora_weight.to(fp32), s * lora_weight, W + that) and an fp32 eye(in);
     it keeps the base output and lora_B's output [t, out] for the magnitude's gradient, lora_A's bf16 cast of x,
     lora_B's input and three fp32 [out] vectors."""
-    from llmem.validate import bundled_peft_config
+    from llmem.validate.matrices import bundled_peft_config
 
     t = 2 * 128
     setup = TrainingSetup(model="tiny-llama", batch_size=2, seq_len=128, precision="bf16-mixed",
                           peft_config=bundled_peft_config("dora-r8-all-linear"))
-    a = trained_anatomy(load_anatomy(setup.model), setup)
-    blocks = {b.name: b for b in activation_profile(a, setup, "single", 1).blocks}
+    blocks = {b.name: b for b in activation_profile(resolve(setup)).blocks}
     gate_up = blocks["gate_up_proj"]
     temps = [n for n, _, _ in gate_up.temps]
     assert temps.count(1376 * 512 * 4) == 2 * 4           # gate and up: four [1376, 512] fp32 temporaries each
@@ -215,10 +217,10 @@ def test_prompt_tuning_runs_n_more_tokens(tmp_path):
     setup = _setup(precision="bf16", peft_config=path)
     a = trained_anatomy(load_anatomy(setup.model), setup)
     assert dims_for(a, setup, 1).s == 256 + 20
-    act = activation_profile(a, setup, "single", 1)
+    act = activation_profile(resolve(setup))
     assert act.first_layer_skip == 0            # the prompt needs gradients: layer 0 keeps everything
     lora = _setup(precision="bf16", lora_rank=8)
-    assert activation_profile(trained_anatomy(load_anatomy("tiny-llama"), lora), lora, "single", 1) \
+    assert activation_profile(resolve(lora)) \
         .first_layer_skip == 1                  # LoRA on q, v: the input norm of layer 0 keeps nothing
 
 
@@ -256,16 +258,16 @@ def test_ci_matrix_covers_the_peft_grid():
     assert {(8, "q_proj,v_proj"), (64, "all-linear")} <= mixed
     # LoRA on an unquantised base under autocast (peft's fp32 adapters cast their input), both ranks
     autocast = {(s.lora_rank, s.lora_targets) for s in CI_MATRIX
-                if s.lora_rank and s.quant_base == "none" and regime_for(s, s.method).autocast}
+                if s.lora_rank and s.quant_base == "none" and regime_for(s, METHODS[s.method]).autocast}
     assert {(8, "q_proj,v_proj"), (64, "all-linear")} <= autocast
 
 
 def test_dora_trace_equals_a_real_cpu_step():
     """The trace's peft path against real tensors: DoRA (which drops lora_weight's graph every forward) on
     tiny-llama, fp32, CPU kernels: the fake-tensor trace and the real CPU step allocate the same bytes."""
-    from llmem.measure import measure
-    from llmem.tracer import trace
-    from llmem.validate import bundled_peft_config
+    from llmem.runtime.measure import measure
+    from llmem.runtime.trace import trace
+    from llmem.validate.matrices import bundled_peft_config
 
     setup = TrainingSetup(model="tiny-llama", seq_len=32, precision="fp32",
                           peft_config=bundled_peft_config("dora-r8-all-linear"))
@@ -275,8 +277,8 @@ def test_dora_trace_equals_a_real_cpu_step():
 
 
 def test_dora_on_a_quantised_base_is_estimated_with_a_note_and_refused_in_trace():
-    from llmem.tracer import trace
-    from llmem.validate import bundled_peft_config
+    from llmem.runtime.trace import trace
+    from llmem.validate.matrices import bundled_peft_config
 
     setup = _setup(precision="bf16-mixed", quant_base="nf4", peft_config=bundled_peft_config("dora-r8-all-linear"))
     assert any("DoRA on a quantised base" in n for n in estimate(setup).notes)

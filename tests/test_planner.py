@@ -9,33 +9,26 @@ from dataclasses import replace
 
 import pytest
 
-from llmem.anatomy import load_anatomy
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
-from llmem.hardware import resolve_gpu
-from llmem.methods import Layout
-from llmem.planner import (
+from llmem.model.anatomy import load_anatomy
+from llmem.model.resolved import assemble, setup_for
+from llmem.paper.algorithm1 import CPU_OFFLOADING
+from llmem.planner.engines import memory_engine
+from llmem.planner.export import ExportPlan, export_accelerate, export_deepspeed, export_plan, export_torchrun
+from llmem.planner.options import PlanOptions
+from llmem.planner.plan import plan
+from llmem.planner.search import frozen_base_trainable_params, paper_eval, search_candidate
+from llmem.planner.timing import (
     COLLECTIVE_LATENCY_S,
-    CPU_OFFLOADING,
-    ExportPlan,
-    PlanOptions,
     accumulation_for,
-    candidate_layouts,
-    export_accelerate,
-    export_deepspeed,
-    export_plan,
-    export_torchrun,
-    frozen_base_trainable_params,
-    max_batch_size,
-    memory_function,
-    paper_eval,
-    plan,
     ring_allreduce_time_s,
-    search_candidate,
-    setup_for,
     step_flops,
     step_time,
 )
+from llmem.search import max_batch_size
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.layout import Layout, candidate_layouts
+from llmem.setup.training import TrainingSetup
 from llmem.units import MIB
 
 # ------------------------------------------------------------------------------------------------ batch search
@@ -81,7 +74,7 @@ def test_search_equals_brute_force_over_the_engine(model, gpu, gpus, method, tp,
     base = TrainingSetup(model=model, gpus=gpus, seq_len=seq, gpu=gpu, grad_ckpt=True, precision="fp16-mixed")
     layout = [lay for lay in candidate_layouts(gpus, None, 0, 0) if lay.method == method and
               (tp is None or lay.tp == tp)][0]
-    mem = memory_function(engine, anatomy, spec)
+    mem = memory_engine(engine, anatomy, spec)
     limit = int(spec.memory_bytes * 0.95)
     found = search_candidate(base, layout, mem, limit)
     assert found.max_batch_size == _linear_scan(mem, base, layout, limit) > 0
@@ -149,7 +142,7 @@ TABLE3_MODELS = ["facebook/opt-1.3b", "facebook/opt-2.7b", "bigscience/bloom-1b1
 @pytest.mark.parametrize("model", TABLE3_MODELS)
 def test_table3_arithmetic(model):
     """Per-method max batch (= Algorithm 1's linear search in paper.py), eval recomputed here, argmax."""
-    from llmem.paper import paper_select
+    from llmem.paper.algorithm1 import paper_select
 
     p = _paper_plan(model)
     ref = paper_select(load_anatomy(model), resolve_gpu("V100-16GB"), 4, 512)
@@ -185,13 +178,13 @@ def test_ddp_comm_time_is_the_ring_formula():
     gpu = resolve_gpu("H100-80GB")
     setup = TrainingSetup(model="Qwen/Qwen2.5-0.5B", method="ddp", gpus=8, seq_len=2048, gpu="H100-80GB")
     layout = Layout("ddp", 8, 1, 8)
-    t = step_time(anatomy, setup, layout, gpu, 4)
+    t = step_time(assemble(setup, anatomy, gpu, layout), 4)
     grad_bytes = anatomy.total_params * 4            # fp32 gradients under bf16-mixed
     hand = 2 * 7 / 8 * grad_bytes / 450e9 + COLLECTIVE_LATENCY_S
     assert t.dp_comm_s == pytest.approx(hand, rel=1e-12)
     assert ring_allreduce_time_s(1e9, 4, 100) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9 + COLLECTIVE_LATENCY_S)
     # across nodes the network sets the pace
-    t16 = step_time(anatomy, replace(setup, gpus=16, gpus_per_node=8), Layout("ddp", 16, 1, 8), gpu, 4,
+    t16 = step_time(assemble(replace(setup, gpus=16, gpus_per_node=8), anatomy, gpu, Layout("ddp", 16, 1, 8)), 4,
                     inter_node_gbps=25)
     assert t16.dp_comm_s == pytest.approx(2 * 15 / 16 * grad_bytes / 25e9 + COLLECTIVE_LATENCY_S)
 
@@ -307,7 +300,7 @@ def test_rtx4090_llama8b_4k_names_the_lora_and_qlora_settings_that_fit():
     p = plan(setup)
     assert p.recommended is None                      # full fine-tuning of 8B needs > 100 GB
     kinds = {s["kind"]: s for s in p.suggestions}
-    mem = memory_function("llmem", p.anatomy, p.gpu)
+    mem = memory_engine("llmem", p.anatomy, p.gpu)
     layout = p.candidates[0].layout
     for kind in ("lora", "qlora"):
         sug = kinds[kind]
@@ -364,16 +357,16 @@ def test_time_model_dequantisation_and_offload_copies_by_hand():
     per_pass = 4 * (4 * (nf4_dq_bytes(attn) + 2 * attn) + 3 * (nf4_dq_bytes(mlp) + 2 * mlp))
     assert per_pass == 31_852_416
     adapters = 8 * 4 * (4 * (512 + 512) + 2 * (512 + 1376) + (1376 + 512))
-    plain = step_time(a, lora, layout, gpu, 2, adapter_params=adapters)
-    qlora = step_time(a, replace(lora, quant_base="nf4"), layout, gpu, 2, adapter_params=adapters)
+    plain = step_time(assemble(lora, a, gpu, layout), 2, adapter_params=adapters)
+    qlora = step_time(assemble(replace(lora, quant_base="nf4"), a, gpu, layout), 2, adapter_params=adapters)
     # dequantised in forward and again in backward, at the A100's 2039 GB/s
     assert qlora.compute_s - plain.compute_s == pytest.approx(2 * per_pass / 2039e9)
 
     # offloading: 4 layers x 11,948,032 B + the final norm's 1,574,912 B + rotary cos/sin 65,536 B to the host
     # and back over PCIe (25 GB/s), each copy hidden behind its phase's compute where that is longer
     full = TrainingSetup(model="tiny-llama", precision="bf16", batch_size=2, seq_len=256)
-    base = step_time(a, full, layout, gpu, 2)
-    off = step_time(a, replace(full, offload_activations=True), layout, gpu, 2)
+    base = step_time(assemble(full, a, gpu, layout), 2)
+    off = step_time(assemble(replace(full, offload_activations=True), a, gpu, layout), 2)
     copy_s = (4 * 11_948_032 + 1_574_912 + 65_536) / 25e9
     flops = step_flops(a, 512, 256, grad_ckpt=False, causal_skip=True)
     rate = 312e12 * 0.4
@@ -411,7 +404,7 @@ def test_seq_len_suggestion_is_the_longest_that_fits():
     p = plan(setup)
     assert not any(c.fits for c in p.candidates)
     s = next(x for x in p.suggestions if x["kind"] == "seq_len")
-    mem = memory_function("llmem", p.anatomy, p.gpu)
+    mem = memory_engine("llmem", p.anatomy, p.gpu)
     lay = p.candidates[0].layout
     n = s["seq_len"]
     assert 0 < n < 131072
@@ -428,12 +421,12 @@ def test_lora_adapter_count_and_memory():
     assert frozen_base_trainable_params(replace(all_linear, lora_targets="q_proj,v_proj"), a) \
         == 16 * 16 * ((2048 + 2048) + (2048 + 512))
     assert frozen_base_trainable_params(setup, a) == 0           # full fine-tuning
-    from llmem.estimator import estimate
+    from llmem.estimator.engine import estimate
 
     gpu = resolve_gpu("A100-80GB")
     full = estimate(setup, a, gpu)
     lora = estimate(all_linear, a, gpu)
-    assert lora.setup["trainable_params"] == 16 * per_layer
+    assert lora.setup.trainable_params == 16 * per_layer
     assert lora.device_used_bytes < full.device_used_bytes
     # frozen base in bf16 (2 bytes x 1,235,814,400 parameters) is the floor
     assert lora.device_used_bytes > 2 * 1_235_814_400
@@ -572,8 +565,12 @@ def test_cli_plan_table(capsys):
     assert "recommended" in out and "ddp (2)" in out
 
 
-def test_decoder_layer_class_without_no_split_modules():
-    from llmem.planner import decoder_layer_class
+def test_decoder_layer_class_is_the_class_of_the_decoder_layers():
+    """The FSDP wrapping unit the accelerate export names: the class of the longest ModuleList's elements, which is
+    HF's _no_split_modules[0] wherever the model class declares it."""
+    import transformers
 
-    assert decoder_layer_class(load_anatomy("microsoft/biogpt")) == "BioGptDecoderLayer"
-    assert decoder_layer_class(load_anatomy("meta-llama/Llama-3.1-8B")) == "LlamaDecoderLayer"
+    assert load_anatomy("microsoft/biogpt").decoder_layer_class == "BioGptDecoderLayer"
+    for name in ("meta-llama/Llama-3.1-8B", "gpt2", "facebook/opt-125m", "bigscience/bloom-560m", "tiiuae/falcon-7b"):
+        a = load_anatomy(name)
+        assert a.decoder_layer_class == getattr(transformers, a.architecture)._no_split_modules[0]

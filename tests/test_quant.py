@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from llmem.anatomy import ParamInfo, load_anatomy
-from llmem.config import TrainingSetup
 from llmem.errors import LlmemError
-from llmem.quant import int8_storage_tensors, is_quantised, nf4_storage_tensors, transients
+from llmem.memory.quant import int8_storage_tensors, is_quantised, nf4_storage_tensors, transients
+from llmem.model.anatomy import ParamInfo
+from llmem.model.resolved import resolve
+from llmem.setup.methods import METHODS
+from llmem.setup.training import TrainingSetup
 
 N = 4096 * 4096   # 16,777,216 elements
 
@@ -73,13 +75,11 @@ def test_which_parameters_are_quantised():
 
 def test_estimate_weights_of_tiny_llama_qlora_by_hand():
     """tiny-llama: 4 layers, hidden 512, MLP 1376, 8 heads of 64 (q, k, v, o are 512x512), vocab 32000."""
-    from llmem.estimator import model_states, trained_anatomy
-    from llmem.methods import resolve_layout
+    from llmem.estimator.states import model_states
 
     setup = TrainingSetup(model="tiny-llama", precision="bf16-mixed", lora_rank=16, lora_targets="all-linear",
                           quant_base="nf4")
-    anatomy = trained_anatomy(load_anatomy("tiny-llama"), setup)
-    ms = model_states(anatomy, setup, resolve_layout("single", 1, None, None, 8, 8))
+    ms = model_states(resolve(setup))
     sq = 131_072 + 4_096 + 16 * 4 + 1_024 + 4 + 64          # 512x512: 262,144 elements, 4,096 blocks
     mlp = 352_256 + 11_008 + 43 * 4 + 1_024 + 4 + 64        # 1376x512: 704,512 elements, 11,008 blocks
     quantised = 4 * (4 * sq + 3 * mlp)
@@ -92,7 +92,7 @@ def test_estimate_weights_of_tiny_llama_qlora_by_hand():
     assert ms.autocast_weight_copies == adapters // 2 + 32000 * 512 * 2
     no_dq = TrainingSetup(model="tiny-llama", precision="bf16-mixed", lora_rank=16, lora_targets="all-linear",
                           quant_base="nf4", double_quant=False)
-    ms2 = model_states(anatomy, no_dq, resolve_layout("single", 1, None, None, 8, 8))
+    ms2 = model_states(resolve(no_dq))
     assert ms2.weights - ms.weights == 4 * (4 * (4_096 * 3 - 16 * 4 - 1_024 - 4) + 3 * (11_008 * 3 - 43 * 4 - 1_028))
 
 
@@ -110,26 +110,26 @@ def test_refused_set_ups(kw, words):
 @pytest.mark.parametrize("method, words", [("fsdp", "FSDP2"), ("zero2", "FSDP2"), ("tp", "tensor parallelism|TP")])
 def test_methods_refused_once_resolved(method, words):
     """Built without error (a planner can make the set-up), refused by estimate and trace for the method."""
-    from llmem.config import check_optimizer_method
-    from llmem.estimator import estimate
-    from llmem.tracer import trace
+    from llmem.estimator.engine import estimate
+    from llmem.runtime.trace import trace
+    from llmem.setup.support import check_support
 
     setup = TrainingSetup(model="tiny-llama", method=method, gpus=2, lora_rank=8, quant_base="nf4", seq_len=32)
     with pytest.raises(LlmemError, match=words):
-        check_optimizer_method(setup, method)
+        check_support(setup, METHODS[method])
     with pytest.raises(LlmemError, match=words):
         estimate(setup)
     with pytest.raises(LlmemError, match=words):
         trace(setup)
-    check_optimizer_method(TrainingSetup(model="tiny-llama", method="ddp", gpus=2, lora_rank=8, quant_base="nf4"),
-                           "ddp")
+    check_support(TrainingSetup(model="tiny-llama", method="ddp", gpus=2, lora_rank=8, quant_base="nf4"), METHODS["ddp"])
 
 
 def test_trace_refuses_conv1d_models():
-    from llmem.tracer import trace
+    from llmem.runtime.trace import trace
 
     with pytest.raises(LlmemError, match="Conv1D"):
-        trace(TrainingSetup(model="gpt2", precision="bf16-mixed", seq_len=32, lora_rank=8, quant_base="nf4"))
+        trace(TrainingSetup(model="gpt2", precision="bf16-mixed", seq_len=32, lora_rank=8, lora_targets="c_attn",
+                            quant_base="nf4"))
 
 
 def test_cli_options(capsys):
@@ -153,13 +153,13 @@ def test_emulated_modules_hold_bitsandbytes_storage_and_peft_wraps_them():
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from llmem.quant_emulation import (
+    from llmem.runtime.build import build_meta_model
+    from llmem.runtime.quant_kernels import (
         Linear4bitEmulated,
         Linear8bitLtEmulated,
         quantize_base,
         wrap_quant_adapters,
     )
-    from llmem.step import build_meta_model
 
     with torch.device("meta"):
         lin = nn.Linear(4096, 4096, bias=False)
@@ -190,8 +190,8 @@ def test_emulated_modules_hold_bitsandbytes_storage_and_peft_wraps_them():
 
 def test_trace_emulates_and_estimate_agrees():
     """The trace runs peft over the emulated bitsandbytes linears; both engines say the kernels are not run."""
-    from llmem.estimator import estimate
-    from llmem.tracer import trace
+    from llmem.estimator.engine import estimate
+    from llmem.runtime.trace import trace
 
     setup = TrainingSetup(model="tiny-llama", gpu="H100-80GB", precision="bf16-mixed", batch_size=1, seq_len=128,
                           lora_rank=8, quant_base="nf4")
@@ -215,8 +215,8 @@ def test_llama_8b_qlora_on_an_rtx4090_estimate_matches_trace():
     """The planner's question (benchmarks/qlora.md): Llama-3.1-8B, QLoRA r16 all-linear, 4096 tokens, batch 1,
     checkpointing, one RTX 4090. The trace runs the real step (peft over emulated bitsandbytes linears) on fake
     tensors; it must fit in 24 GB and the estimate must agree within 2 %."""
-    from llmem.estimator import estimate
-    from llmem.tracer import trace
+    from llmem.estimator.engine import estimate
+    from llmem.runtime.trace import trace
 
     setup = TrainingSetup(model="meta-llama/Llama-3.1-8B", gpu="RTX4090", precision="bf16-mixed", batch_size=1,
                           seq_len=4096, lora_rank=16, lora_targets="all-linear", quant_base="nf4", grad_ckpt=True)

@@ -10,17 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from llmem.config import TrainingSetup
+from llmem.cli.plots import plot_timeline
 from llmem.errors import LlmemError
 from llmem.result import ALLOCATED_COMPONENTS, COMPONENTS
-from llmem.step import (
-    build_meta_model,
-    cuda_autocast_policy,
-    cuda_like_dropout,
-    make_optimizer,
-    sdpa_backend,
-)
-from llmem.tracer import Ledger, downsample, plot_timeline, trace, trace_with_details
+from llmem.runtime.build import build_meta_model
+from llmem.runtime.cuda import cuda_autocast_policy, cuda_like_dropout, sdpa_backend
+from llmem.runtime.ledger import Ledger
+from llmem.runtime.optimizers import make_optimizer
+from llmem.runtime.replay import downsample
+from llmem.runtime.trace import trace, trace_with_details
+from llmem.setup.training import TrainingSetup
 
 MIB = 1024 ** 2
 WS_A100 = 2 * 4096 * 1024 + 8 * 16 * 1024          # cuBLAS workspace, pre-Hopper (hardware.py)
@@ -365,7 +364,7 @@ def test_result_shape_and_timeline(cfgs, tmp_path):
     assert res.components["allocator_overhead"] == res.peak_reserved_bytes - res.peak_allocated_bytes
     assert res.components["cuda_workspaces"] == WS_A100
     assert res.peak_phase in ("forward", "backward", "optimizer_step")
-    assert res.setup["total_params"] > 0 and res.setup["model"] == cfgs["gpt2"]
+    assert res.setup.total_params > 0 and res.setup.model == cfgs["gpt2"]
     assert 0 < len(res.timeline) <= 2000
     assert {"t", "allocated", "reserved", "phase"} <= set(res.timeline[0])
     assert max(p["allocated"] for p in res.timeline) == res.peak_allocated_bytes
@@ -417,7 +416,7 @@ def test_llama2_7b_fsdp8_model_states():
     setup = TrainingSetup(model="meta-llama/Llama-2-7b-hf", method="fsdp", gpus=8, batch_size=1, seq_len=1024,
                           precision="bf16-mixed")
     res, d = trace_with_details(setup)
-    assert res.setup["total_params"] == p
+    assert res.setup.total_params == p
     step = d.phase_peaks["optimizer_step"]["components"]
     tol = 0.1 * MIB
     assert abs(step["weights"] - 4 * p / 8) < tol

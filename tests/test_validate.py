@@ -1,11 +1,13 @@
 """The estimator against the trace over the CI matrix: every configuration within 2 % on peak allocated and peak
-reserved (issue 3). The trace runs the real HF step on fake tensors, so this takes a few dozen seconds."""
+reserved. The trace runs the real HF step on fake tensors, so this takes a few dozen seconds."""
 
 from __future__ import annotations
 
 import json
 
-from llmem.validate import CI_MATRIX, COUNTERS, run_validation
+from llmem.cli import main
+from llmem.validate.compare import COUNTERS
+from llmem.validate.matrices import CI_MATRIX
 
 
 def test_ci_matrix_covers_the_required_space():
@@ -15,11 +17,13 @@ def test_ci_matrix_covers_the_required_space():
     assert {s.grad_ckpt for s in CI_MATRIX} == {True, False}
     assert {s.optimizer.split("-")[0] for s in CI_MATRIX} >= {"adamw", "sgd"}
     optimizers = {s.optimizer for s in CI_MATRIX}
-    assert optimizers >= {"adamw", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit"}
+    assert optimizers >= {"adamw", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
+                          "muon"}
+    assert {s.method for s in CI_MATRIX if s.optimizer == "muon"} >= {"single", "fsdp"}
     assert sum(s.optimizer == "adafactor" for s in CI_MATRIX) >= 2
     assert any(s.optimizer_in_backward for s in CI_MATRIX)
     assert {s.attn for s in CI_MATRIX} == {"sdpa", "eager", "flash"}
-    # issue 5: every-layer and every-2nd-layer checkpointing (single and sharded), fused CE (with checkpointing
+    # every-layer and every-2nd-layer checkpointing (single and sharded), fused CE (with checkpointing
     # too), activation offloading
     every_2nd = {s.method for s in CI_MATRIX if s.grad_ckpt and s.ckpt_every == 2}
     assert {"single", "fsdp"} <= every_2nd
@@ -33,8 +37,8 @@ def test_ci_matrix_covers_the_required_space():
 
 def test_estimate_agrees_with_trace_within_2_percent(tmp_path):
     out, png = tmp_path / "ci.json", tmp_path / "ci.png"
-    code = run_validation(against="trace", matrix="ci", max_error_pct=2.0, json_out=str(out), plot=str(png),
-                          as_json=True)
+    code = main(["validate", "--against", "trace", "--matrix", "ci", "--max-error", "2", "--out", str(out),
+                 "--plot", str(png), "--json"])
     data = json.loads(out.read_text())
     worst = {r["setup"]["model"] + " " + r["setup"]["method"]: r.get("error_pct") for r in data["rows"]}
     assert code == 0, worst

@@ -1,0 +1,102 @@
+"""The llmem engine: per-GPU peak memory of one fine-tuning step under PyTorch-native training, in milliseconds.
+
+LLMem's equations (paper §3-4) generalised to modern PyTorch: the model states follow the method's real sharding
+(llmem.estimator.states), the activations its family's recipe (llmem.memory.activations), and the step is laid out
+as an allocation schedule (llmem.estimator.schedule) replayed through the caching-allocator model
+(llmem.memory.allocator), which gives max_memory_allocated (whole blocks) and max_memory_reserved (segments, per
+stream); device_used adds what is outside the allocator: the CUDA context, NCCL's buffers and the managed memory of
+paged 8-bit optimizer states (cudaMallocManaged). The moments (llmem.estimator.moments) explain the peak
+(`--json` "moments"); the replay gives the numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from llmem.estimator.events import Replay, extrapolate, replay
+from llmem.estimator.moments import step_moments
+from llmem.estimator.notes import estimate_notes
+from llmem.estimator.schedule import StepSchedule
+from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
+from llmem.memory.activations.profile import ActivationProfile, activation_profile
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.result import COMPONENTS, MemoryResult
+from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
+from llmem.setup.training import TrainingSetup
+
+EXACT_LAYERS = 40                 # models up to this depth are replayed whole
+EXTRAPOLATE_FROM = (16, 24)       # deeper ones from these two depths, extrapolated (benchmarks/estimate_speed.md)
+DRAFT_FROM = (4, 8)               # the planner's search estimates
+
+
+def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None,
+             *, draft: bool = False) -> MemoryResult:
+    """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown.
+
+    `anatomy`: the base model's (loaded from setup.model when None); `gpu`: the GPU (from setup.gpu). `draft`
+    extrapolates from shallower replays (4 and 8 layers): a few times faster, reserved less exact; searches use it
+    and confirm with the full one.
+    """
+    return estimate_resolved(resolve(setup, anatomy, gpu), draft=draft)
+
+
+def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelStates | None = None) -> MemoryResult:
+    """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
+    on the micro-batch shape)."""
+    act = activation_profile(r)
+    ms = states or model_states(r)
+    moments = step_moments(r, act, ms)
+    rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
+    context = outside_allocator_bytes(r.gpu, r.layout.world_size)
+    components = dict.fromkeys(COMPONENTS, 0)
+    components.update(rep.components)
+    components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
+    components["allocator_overhead"] = rep.peak_reserved_bytes - rep.peak_allocated_bytes
+    components["cuda_context"] = context
+    components["managed_memory"] = ms.optimizer_states_outside_allocator
+    host = offloaded_optimizer_host_bytes(r) if r.setup.offload_optimizer else 0
+    return MemoryResult(
+        engine="llmem",
+        peak_allocated_bytes=rep.peak_allocated_bytes,
+        peak_reserved_bytes=rep.peak_reserved_bytes,
+        device_used_bytes=rep.peak_reserved_bytes + context + ms.optimizer_states_outside_allocator,
+        gpu_memory_bytes=r.gpu.memory_bytes,
+        components=components,
+        setup=r.record(),
+        peak_phase=rep.peak_phase,
+        notes=estimate_notes(r, act, host),
+        moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
+    )
+
+
+def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
+    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
+    return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
+
+
+def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, int] = EXTRAPOLATE_FROM) -> Replay:
+    """The step's allocation schedule through the allocator model (extrapolated in depth for deep models)."""
+    expandable = r.setup.expandable_segments
+
+    def run(layers: int | None) -> Replay:
+        return replay(StepSchedule(r, act, layers=layers).build(), expandable_segments=expandable)
+
+    small, large = depths
+    num_layers = r.anatomy.num_layers
+    if act.grad_ckpt and act.ckpt_every > 1:
+        # every k-th layer checkpointed: replay depths congruent to the model's depth mod k, so the number of
+        # checkpointed layers (ceil(depth / k)) and the top layer's kind grow linearly between them
+        k = act.ckpt_every
+        small, large = small + (num_layers - small) % k, large + (num_layers - large) % k
+        large = large if large > small else small + k
+    # tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses here
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
+            return run(None)
+        return extrapolate(run(small), run(large), small, large, num_layers)
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,119 @@
+"""Allocation events and their replay: a schedule is the ordered allocations and frees of one step (with each
+tensor's component and stream), grouped in phases; the replay runs it through the caching-allocator model and reads
+`max_memory_allocated` (whole blocks) and `max_memory_reserved` (segments) per phase; deep models are replayed at two
+depths and extrapolated, since identical layers add the same bytes to every phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmem.memory.allocator import CachingAllocator
+
+DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
+
+@dataclass
+class Schedule:
+    """Allocation events, grouped in phases, with the component each tensor belongs to."""
+    events: list[tuple[int, int, int, int, str]] = field(default_factory=list)  # (±1, key, size, stream, component)
+    phase_starts: list[tuple[int, str]] = field(default_factory=list)          # (first event index, phase)
+    min_bytes: int = 1                 # smaller tensors are left out (see StepSchedule)
+    _live: dict[int, tuple[int, str]] = field(default_factory=dict)
+    _next: int = 0
+
+    @property
+    def phase(self) -> str:
+        return self.phase_starts[-1][1] if self.phase_starts else ""
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self.phase_starts.append((len(self.events), name))
+
+    def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
+        key = self._next
+        self._next += 1
+        if size < self.min_bytes:
+            return -1
+        self.events.append((1, key, size, stream, component))
+        self._live[key] = (size, component)
+        return key
+
+    def free(self, key: int) -> None:
+        if key >= 0:
+            size, component = self._live.pop(key)
+            self.events.append((-1, key, size, DEFAULT, component))
+
+    def free_all(self, keys: list[int]) -> None:
+        for k in keys:
+            self.free(k)
+        keys.clear()
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """One phase of one iteration: its own peak of allocated bytes and the reserved bytes by its end."""
+    allocated: int
+    reserved: int
+    components: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Replay:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    components: dict[str, int]        # tensor bytes per component at the moment of peak allocated
+    peak_phase: str
+    phases: dict[str, PhasePeak] = field(default_factory=dict)   # "it<i>:<phase>" -> its peak
+
+
+def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
+    """Run the events through the allocator; per phase, its peak of allocated bytes (and the tensor bytes per
+    component at that moment, found in a second pass) and the reserved bytes at its end."""
+    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    handles: dict[int, int] = {}
+    malloc, free = alloc.malloc, alloc.free
+    events = schedule.events
+    bounds = [*schedule.phase_starts, (len(events), "")]
+    peaks: dict[str, list[int]] = {}       # phase -> [peak allocated, reserved at end, event index of the peak]
+    for (start, phase), (end, _) in zip(bounds, bounds[1:], strict=False):
+        best, best_at = -1, start
+        for i in range(start, end):
+            sign, key, size, stream, _c = events[i]
+            if sign > 0:
+                handles[key] = malloc(size, stream)
+                if alloc.allocated_bytes > best:
+                    best, best_at = alloc.allocated_bytes, i
+            else:
+                free(handles.pop(key))
+        peaks[phase] = [best, alloc.reserved_bytes, best_at]
+    # second pass: tensor bytes per component at each phase's peak
+    wanted = {v[2]: name for name, v in peaks.items() if v[0] >= 0}
+    components: dict[str, dict[str, int]] = {}
+    by_comp: dict[str, int] = {}
+    for i, (sign, _k, size, _s, comp) in enumerate(events):
+        by_comp[comp] = by_comp.get(comp, 0) + sign * size
+        if i in wanted:
+            components[wanted[i]] = {c: v for c, v in by_comp.items() if v}
+    stats = alloc.stats()
+    phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
+    name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
+    return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],
+                  phases)
+
+
+def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: int, layers: int) -> Replay:
+    """Per phase, allocated, reserved and each component grow linearly with the number of identical layers:
+    extend the two replays to `layers` and take the largest phase."""
+    f = (layers - large_layers) / (large_layers - small_layers)
+
+    def lin(a: int, b: int) -> int:
+        return round(b + (b - a) * f)
+
+    phases = {}
+    for name, big in large.phases.items():
+        lit = small.phases.get(name, big)
+        comps = {c: lin(lit.components.get(c, 0), v) for c, v in big.components.items()}
+        phases[name] = PhasePeak(lin(lit.allocated, big.allocated), lin(lit.reserved, big.reserved), comps)
+    name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
+    reserved = max(p.reserved for p in phases.values())
+    return Replay(top.allocated, max(reserved, top.allocated), top.components, name.split(":")[-1], phases)
+

@@ -1,0 +1,713 @@
+"""The step's allocation schedule: the sequence of tensor allocations and frees one training step makes on rank 0,
+written from the same model states and activation recipes the moments use, for the allocator model to replay.
+
+`max_memory_allocated` counts whole allocator blocks and `max_memory_reserved` counts segments, so both depend on
+the order and the sizes of the step's tensors, not only on their sum. `StepSchedule` writes two iterations of
+forward, loss, backward, optimizer step and zero_grad: parameters, DDP's buckets, FSDP2's all-gather and
+reduce-scatter buffers on their own streams, the tensors each block keeps for backward, autocast's weight copies,
+bitsandbytes' dequantisation transients, gradients, optimizer states and the step's temporaries. Its methods are
+the step's events; each names the PyTorch behaviour it lays out.
+"""
+
+from __future__ import annotations
+
+from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
+from llmem.memory.activations.blocks import Block, block_owner
+from llmem.memory.activations.loss import FusedCE
+from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
+from llmem.memory.activations.quantised import quant_input_bytes
+from llmem.memory.quant import is_quantised, storage_tensors, transients
+from llmem.model.anatomy import ParamInfo
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import (
+    MATMUL_KINDS,
+    foreach_groups,
+    fsdp_unit_numel,
+    is_embedding,
+    is_lm_head,
+    local_numel,
+    local_shape,
+    tp_local_numel,
+)
+from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
+from llmem.setup.optimizers import AFTER_TEMPORARIES, ALL_PARAMETERS, AT_FIRST_FREE, NO_TEMPORARIES
+from llmem.setup.precision import F32
+
+SMALL_TENSOR_BYTES = 64 * 1024
+BlockOps = list[tuple[int, int, int]]
+
+
+def block_plan(b: Block) -> BlockOps:
+    """A block's forward as (op, bytes, temporary index): op 0 keeps a tensor, 1 allocates temporary i, 2 frees it.
+    Temporaries (peft's adapters) sit at fractional positions between the kept tensors."""
+    ops: BlockOps = []
+    live: list[tuple[int, float]] = []
+    positions = sorted({*range(len(b.tensors) + 1), *(a for _, a, _ in b.temps), *(f for _, _, f in b.temps)})
+    for pos in positions:
+        for k, (n, a, f) in enumerate(b.temps):
+            if a == pos and f == pos:
+                ops.append((1, n, k))
+                live.append((k, f))
+        ops += [(2, 0, k) for k, f in live if f <= pos]
+        live = [x for x in live if x[1] > pos]
+        for k, (n, a, f) in enumerate(b.temps):
+            if a == pos and f != pos:
+                ops.append((1, n, k))
+                live.append((k, f))
+        if pos == int(pos) and pos < len(b.tensors):
+            ops.append((0, b.tensors[int(pos)], -1))
+    return ops + [(2, 0, k) for k, _ in live]
+
+
+def fused_ce_forward(sch: Schedule, f: FusedCE, batch: int, seq: int) -> tuple[int, int]:
+    """llmem.runtime.losses.fused_linear_cross_entropy's forward, in its allocation order (the final hidden states
+    are live around it). Returns the keys of the kept grad_input and grad_weight (-1 when not made)."""
+    alloc, free = sch.alloc, sch.free
+    t = f.tokens
+    hidden = alloc(t * f.hidden * f.hidden_bytes, "activations")        # the final norm's output
+    padded = alloc(batch * (seq + 1) * 8, "logits_and_loss")           # shifted labels: pad, then a copy
+    labels = alloc(t * 8, "logits_and_loss")
+    free(padded)
+    cast = alloc(f.weight_cast_bytes, "gathered_weights") if f.weight_cast_bytes else -1
+    grad_input = alloc(f.grad_input_bytes, "activations")
+    grad_weight = alloc(f.grad_weight_bytes, "gradients") if f.weight_trainable else -1
+    mask = alloc(t, "logits_and_loss")
+    valid = alloc(t * F32, "logits_and_loss")
+    free(mask)
+    scale = alloc(t * F32, "logits_and_loss")
+    safe = alloc(t * 8, "logits_and_loss")
+    loss_1d = alloc(t * F32, "logits_and_loss")
+    for c in f.chunk_sizes:
+        x = alloc(c * f.hidden * f.mm, "logits_and_loss") if f.hidden_bytes != f.mm else -1
+        logits = alloc(c * f.vocab * f.mm, "logits_and_loss")
+        p = logits
+        if f.mm != F32:
+            p = alloc(c * f.vocab * F32, "logits_and_loss")
+            free(logits)
+        if f.weight_trainable and f.weight_bytes != f.mm and f.hidden_bytes != F32:
+            free(alloc(c * f.hidden * F32, "logits_and_loss"))        # grad_weight's fp32 chunk of hidden
+        g = p
+        if f.mm != F32:
+            g = alloc(c * f.vocab * f.mm, "logits_and_loss")
+            free(p)
+        if f.hidden_bytes != f.mm:
+            free(alloc(c * f.hidden * f.mm, "logits_and_loss"))       # grad_input's matmul output, copied in
+        free(g)
+        free(x)
+    free(cast)
+    for k in (valid, scale, safe, loss_1d, labels, hidden):
+        free(k)
+    return grad_input, grad_weight
+
+
+class StepSchedule:
+    """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them.
+
+    `layers` keeps only the first decoder layers (the others are identical), for extrapolation. The attributes are
+    the step's facts (fixed at construction) and what is live (the keys of allocated tensors, by role).
+    """
+
+    def __init__(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> None:
+        anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
+        self.setup, self.layout, self.act, self.regime = setup, layout, act, regime
+        self.hidden_size, self.vocab_size = anatomy.hidden_size, anatomy.vocab_size
+        self.workspace_bytes = r.gpu.cublas_workspace_bytes
+        # Above a billion parameters, tensors under 64 KiB (biases, norm weights and their states, per-token
+        # statistics) are < 0.01 % of the step; leaving them out halves the events to replay.
+        self.sch = Schedule(min_bytes=SMALL_TENSOR_BYTES if anatomy.total_params >= 1e9 else 1)
+        self.pb = setup.param_bytes
+        self.fsdp = layout.shards_model_states
+        self.reshard = r.method.reshard_after_forward
+        self.gather_bytes, self.reduce_bytes = setup.gather_bytes, setup.reduce_bytes
+        self.t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
+        self.tv = self.t * anatomy.vocab_size
+        self.layers = anatomy.num_layers if layers is None else layers
+        kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < self.layers]
+        self.kept = kept
+        self.trainable = [p for p in kept if p.trainable]
+        self.by_layer: dict[int | None, list[ParamInfo]] = {}
+        for p in kept:
+            self.by_layer.setdefault(p.layer_index, []).append(p)
+        self.root = self.by_layer.get(None, [])
+        # element counts per parameter, computed once: this-rank shard, TP-local, FSDP-unsharded (padded)
+        self.shard_numel = {p.name: local_numel(p, layout) for p in kept}
+        self.tp_local = {p.name: tp_local_numel(p, layout) for p in kept}
+        self.unsharded = {p.name: fsdp_unit_numel([p], layout) for p in kept} if self.fsdp else {}
+        # bitsandbytes' dequantisation transients per quantised linear (llmem.memory.quant)
+        self.quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
+        self.quant_tmp = {p.name: transients(p.shape, setup.quant_base, setup.double_quant, self.t, regime.mm,
+                                             setup.precision.startswith("fp16"), p.module_kind == "Conv1D")
+                          for p in kept if self.quantised[p.name]}
+        self.adapted = {p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name}
+        self.fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
+        self.layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
+        for i in range(self.layers):
+            groups: list[list[ParamInfo]] = [[] for _ in act.blocks]
+            for p in self.by_layer.get(i, []):
+                groups[block_owner(act.blocks, p.name)].append(p)
+            self.layer_blocks_params[i] = groups
+        self.vocab_parallel = {p.name for p in self.root if layout.tp > 1 and is_embedding(p) and p.shape
+                               and p.shape[0] == anatomy.vocab_size}
+        self.optimizer = r.optimizer
+        self.in_backward = setup.optimizer_in_backward and not setup.offload_optimizer
+        self.shapes = {p.name: local_shape(p, layout) for p in self.trainable}
+        self.shards = layout.dp if self.fsdp else 1          # FSDP2's DTensor shards of dim 0
+        self.plans: dict[int, BlockOps] = {}
+        # what is live, by role
+        self.quant_live: list[int] = []
+        self.grads: dict[str, int] = {}     # param name -> key of its final gradient (non-FSDP) or sharded (FSDP)
+        self.rs_outputs: list[int] = []
+        self.states: list[int] = []
+        self.workspace = -1
+        self.gathered: dict[int | None, list[int]] = {}
+        self.root_unsharded_grads: dict[str, int] = {}
+        self.layer_unsharded: list[int] = []
+        self.ag_out: dict[int | None, int] = {}     # prefetched all-gather outputs, not yet copied out (backward)
+        self.last_forward_ag: list[int] = []
+        self.pending_steps: list[ParamInfo] = []
+
+    def build(self, iterations: int = 2) -> Schedule:
+        self.setup_phase()
+        for it in range(iterations):
+            self.forward(it)
+            self.backward(it)
+            self.optimizer_step(it)
+        return self.sch
+
+    # ------------------------------------------------------------------------------------------ sizes and rules
+    def unit_bytes(self, unit: list[ParamInfo], per: int, only_trainable: bool = False) -> int:
+        return sum(self.unsharded[p.name] for p in unit if p.trainable or not only_trainable) * per
+
+    def casts(self, p: ParamInfo) -> bool:
+        """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none, nor
+        does a quantised one: bitsandbytes dequantises it itself)."""
+        return p.trainable or (self.setup.stored_bytes(False) != self.regime.mm and not self.quantised[p.name])
+
+    def cast_bytes(self, params: list[ParamInfo]) -> list[int]:
+        """The autocast weight copies a block's linears keep for backward."""
+        if not self.regime.autocast:
+            return []
+        return [self.tp_local[p.name] * self.regime.mm for p in params
+                if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and self.casts(p)]
+
+    def offloaded(self, i: int) -> bool:
+        """Layer i's saved tensors live on the host between forward and backward (a checkpointed layer's input
+        is held by the checkpoint itself, on the device)."""
+        return self.act.offload and not self.act.checkpointed(i)
+
+    # ------------------------------------------------------------------------------------------ blocks
+    def forward_block(self, b: Block) -> list[int]:
+        """The block's kept tensors, with its forward temporaries allocated and freed among them."""
+        alloc = self.sch.alloc
+        if not b.temps:
+            return [alloc(n, "activations") for n in b.tensors]
+        plan = self.plans.get(id(b))
+        if plan is None:
+            plan = self.plans[id(b)] = block_plan(b)
+        keys: list[int] = []
+        temps: dict[int, int] = {}
+        for op, n, k in plan:
+            if op == 0:
+                keys.append(alloc(n, "activations"))
+            elif op == 1:
+                temps[k] = alloc(n, "activations")
+            else:
+                self.sch.free(temps.pop(k))
+        return keys
+
+    def dequantise(self, params: list[ParamInfo], backward: bool, block: Block | None = None) -> None:
+        """Forward: each quantised linear's transients, one after the other, then (nf4) its output in the compute
+        dtype, its cast back to the input dtype (Linear4bit returns the input's dtype) and, in peft's 4-bit LoRA
+        layer, the clone of it that the adapter's output is added into. Backward: the largest one's, live while
+        the block's input gradients are made (the caller frees them)."""
+        sch, alloc, mm = self.sch, self.sch.alloc, self.regime.mm
+        if backward:
+            sets = [self.quant_tmp[p.name].backward for p in params if p.name in self.quant_tmp]
+            if sets:
+                self.quant_live.extend(alloc(n, "activations") for n in max(sets, key=sum))
+            return
+        for p in params:
+            if p.name not in self.quant_tmp:
+                continue
+            keys = [alloc(n, "activations") for n in self.quant_tmp[p.name].forward]
+            if self.setup.quant_base != "nf4" or block is None:
+                sch.free_all(keys)
+                continue
+            rows = self.t * (p.shape[1] if p.module_kind == "Conv1D" else p.shape[0])
+            out = alloc(rows * mm, "activations")
+            sch.free_all(keys)                             # the dequantised weight dies with gemm_4bit
+            in_bytes = quant_input_bytes(block, self.regime, self.fp32_behind_quant)
+            if in_bytes != mm:
+                cast = alloc(rows * in_bytes, "activations")   # .to(inp_dtype)
+                sch.free(out)
+                out = cast
+            if p.name in self.adapted:
+                clone = alloc(rows * in_bytes, "activations")  # result.clone()
+                sch.free(out)
+                total = alloc(rows * in_bytes, "activations")  # result + lora_B(lora_A(x)) * scaling
+                sch.free(clone)
+                out = total
+            sch.free(out)                                  # the recipe's tensors hold the output kept
+
+    # ------------------------------------------------------------------------------------------ FSDP2 units
+    def all_gather(self, unit: list[ParamInfo]) -> int:
+        """FSDP2 foreach_all_gather: a copy-in of the local shards and the gathered output, on its stream."""
+        alloc = self.sch.alloc
+        inp = alloc(self.unit_bytes(unit, self.gather_bytes) // self.layout.dp, "communication_buffers",
+                    ALL_GATHER)
+        out = alloc(self.unit_bytes(unit, self.gather_bytes), "communication_buffers", ALL_GATHER)
+        self.sch.free(inp)
+        return out
+
+    def copy_out(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        alloc, per = self.sch.alloc, self.gather_bytes
+        self.gathered[unit_key] = [alloc(self.unsharded[p.name] * per, "gathered_weights") for p in unit]
+
+    def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if not self.fsdp or unit_key in self.gathered:
+            return
+        out = self.all_gather(unit)
+        self.copy_out(unit_key, unit)
+        self.sch.free_all(self.last_forward_ag)   # the previous unit's output is released once this one is gathered
+        self.last_forward_ag.append(out)
+
+    def unshard_backward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if not self.fsdp or unit_key in self.gathered:
+            return
+        out = self.ag_out.pop(unit_key, None)
+        if out is None:
+            out = self.all_gather(unit)
+        self.copy_out(unit_key, unit)
+        self.sch.free(out)
+
+    def prefetch(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if self.fsdp and unit_key not in self.gathered and unit_key not in self.ag_out:
+            self.ag_out[unit_key] = self.all_gather(unit)
+
+    def reshard_unit(self, unit_key: int | None) -> None:
+        for k in self.gathered.pop(unit_key, []):
+            self.sch.free(k)
+
+    # ------------------------------------------------------------------------------------------ gradients
+    def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
+        sch, alloc = self.sch, self.sch.alloc
+        if self.fsdp:
+            size = self.unsharded[p.name] * self.gather_bytes
+            if root_unit and p.name in self.root_unsharded_grads:   # tied: accumulate out of place
+                new, total = alloc(size, "gradients"), alloc(size, "gradients")
+                sch.free(new)
+                sch.free(self.root_unsharded_grads[p.name])
+                self.root_unsharded_grads[p.name] = total
+            elif root_unit:
+                self.root_unsharded_grads[p.name] = alloc(size, "gradients")
+            else:
+                self.layer_unsharded.append(alloc(size, "gradients"))
+            return
+        # DTensor: a vocab-parallel embedding's gradient comes back replicated (full size)
+        size = (p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]) * self.pb
+        grads = self.grads
+        if p.name in grads:       # accumulation into an existing gradient (tied weights): out of place
+            new, total = alloc(size, "gradients"), alloc(size, "gradients")
+            sch.free(new)
+            sch.free(grads[p.name])
+            grads[p.name] = total
+            if self.in_backward:
+                self.pending_steps.append(p)
+            return
+        if low is not None or self.regime.autocast and p.module_kind in MATMUL_KINDS:
+            if low is None:
+                low = alloc(self.tp_local[p.name] * self.regime.mm, "gradients")
+            grads[p.name] = alloc(size, "gradients")
+            sch.free(low)
+        else:
+            grads[p.name] = alloc(size, "gradients")
+        # a tied embedding's hook fires once, after its second (embedding) gradient is accumulated
+        if self.in_backward and not (p.tied_to is not None and is_embedding(p)):
+            self.pending_steps.append(p)
+
+    # ------------------------------------------------------------------------------------------ the optimizer
+    def create_states(self, params: list[ParamInfo]) -> None:
+        """The optimizer's state tensors, created at its first step (per parameter, in order); bitsandbytes makes
+        its shared quantisation maps at the first 8-bit parameter."""
+        alloc, spec, shapes, pb = self.sch.alloc, self.optimizer, self.shapes, self.pb
+        per_parameter = self.setup.optimizer_in_backward
+        shared = spec.shared_state_bytes([shapes[p.name] for p in params], per_parameter)
+        for p in params:
+            if shared and spec.shared_state_bytes([shapes[p.name]], per_parameter):
+                self.states.extend(alloc(shared // 2, "optimizer_states") for _ in range(2))
+                shared = 0
+            self.states.extend(alloc(b, "optimizer_states") for b in spec.part(p).states(shapes[p.name], pb))
+
+    def redistribute_vocab_grads(self, params: list[ParamInfo]) -> None:
+        """DTensor: the replicated vocab-parallel embedding gradient is redistributed to the parameter's shards
+        where the optimizer first combines it with a sharded tensor (a temporary of the shard's size)."""
+        alloc = self.sch.alloc
+        redistributed = [alloc(self.shard_numel[p.name] * self.pb, "optimizer_temporaries")
+                         for p in params if p.name in self.vocab_parallel]
+        self.sch.free_all(redistributed)
+
+    def step_temporaries(self, params: list[ParamInfo]) -> None:
+        """One step's temporaries over `params` (a composite optimizer: each part over its own, in order)."""
+        sch = self.sch
+        redistribute = self.optimizer.redistribute == AT_FIRST_FREE   # e.g. Lion: in _foreach_add_(updates, grads)
+        for part, ps in self.optimizer.split(params):
+            keys: dict[int, int] = {}
+            for sign, tag, size in part.step_events([self.shapes[p.name] for p in ps], self.pb, self.shards):
+                if sign > 0:
+                    keys[tag] = sch.alloc(size, "optimizer_temporaries")
+                else:
+                    if redistribute:
+                        self.redistribute_vocab_grads(params)
+                        redistribute = False
+                    sch.free(keys.pop(tag))
+
+    def flush_steps(self, it: int) -> None:
+        """The hooks fire once the gradient's node has run and released what it saved (the engine runs
+        AccumulateGrad first: it has the highest priority)."""
+        for p in self.pending_steps:
+            self.step_in_backward(p, it)
+        self.pending_steps.clear()
+
+    def step_in_backward(self, p: ParamInfo, it: int) -> None:
+        """--optimizer-in-backward: the post-accumulate-grad hook steps this parameter's own optimizer (states
+        created lazily at its first step, temporaries of a one-parameter group) and frees its gradient."""
+        if it == 0:
+            self.create_states([p])
+        self.step_temporaries([p])
+        self.sch.free(self.grads.pop(p.name))
+
+    # ------------------------------------------------------------------------------------------ phases
+    def setup_phase(self) -> None:
+        """Parameters (bitsandbytes' storage for a quantised base) and DDP's gradient buckets."""
+        sch, setup = self.sch, self.setup
+        sch.phase = "setup:setup"
+        for p in self.kept:
+            if self.quantised[p.name]:       # bitsandbytes' storage: packed weight and quantisation constants
+                for n in storage_tensors(p.shape, setup.quant_base, setup.double_quant, p.module_kind == "Conv1D"):
+                    sch.alloc(n, "weights")
+            else:
+                sch.alloc(self.shard_numel[p.name] * setup.stored_bytes(p.trainable), "weights")
+        if self.layout.spec.gradient_buckets:
+            # the reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB
+            cap, filled = DDP_FIRST_BUCKET_BYTES, 0
+            for p in reversed(self.trainable):
+                filled += self.shard_numel[p.name] * self.pb
+                if filled >= cap:
+                    sch.alloc(filled, "communication_buffers")
+                    cap, filled = DDP_BUCKET_CAP_BYTES, 0
+            sch.alloc(filled, "communication_buffers")
+
+    def forward(self, it: int) -> None:
+        sch, alloc, act = self.sch, self.sch.alloc, self.act
+        sch.phase = f"it{it}:forward"
+        self.unshard_forward(None, self.root)          # the root is not resharded after forward (FSDP2 default)
+        self.cache: list[int] = []           # autocast's cached low-precision weight copies
+        self.bias_cache: list[int] = []
+        self.copies_by_layer: dict[int | None, list[list[int]]] = {}
+        self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        if act.offload:
+            sch.free_all(self.embed_keys)
+        self.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
+        mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
+        if self.workspace < 0:
+            self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
+        self.layer_keys: dict[int, list[list[int]]] = {}
+        self.ckpt_keys: dict[int, int] = {}
+        self.int8_keys: dict[int, list[int]] = {}   # LLM.int8's inputs a checkpointed layer keeps (ctx attributes)
+        for i in range(self.layers):
+            self.forward_layer(i)
+        sch.free_all(self.last_forward_ag)
+        sch.free(mask_key)              # the packed mask dies with the model's forward
+        self.head_forward()
+        sch.free_all(self.bias_cache)   # autocast exit clears its cache; saved weight copies stay referenced
+        if act.offload:                 # the model's forward drops its rotary cos/sin; the layers' copies are on host
+            sch.free_all(self.shared_keys)
+        sch.free_all(self.cache)
+        sch.free(self.logits)           # the model output is dropped before backward
+
+    def forward_layer(self, i: int) -> None:
+        sch, alloc, act, regime = self.sch, self.sch.alloc, self.act, self.regime
+        self.unshard_forward(i, self.by_layer.get(i, []))
+        blocks_params = self.layer_blocks_params[i]
+        checkpointed = act.checkpointed(i)
+        if checkpointed:
+            # a checkpointed layer's forward keeps nothing: its dequantised weights reuse the memory its
+            # intermediate tensors free, so they are laid out before them
+            for b, params in zip(act.blocks, blocks_params, strict=True):
+                self.dequantise(params, backward=False, block=b)
+        per_block: list[list[int]] = []
+        copies: list[list[int]] = []
+        pending = None
+        for j, (b, params) in enumerate(zip(act.blocks, blocks_params, strict=True)):
+            block_copies = []
+            if regime.autocast:
+                for p in params:
+                    if p.module_kind in MATMUL_KINDS and self.casts(p):
+                        k = alloc(self.tp_local[p.name] * regime.mm, "gathered_weights")
+                        if not p.name.endswith("bias"):
+                            block_copies.append(k)      # linear keeps it for the input gradient
+                        elif p.trainable:
+                            self.bias_cache.append(k)   # cached until autocast exits
+                        else:
+                            sch.free(k)                 # frozen: cast for this use only
+            copies.append(block_copies)
+            if i == 0 and j < act.first_layer_skip:    # computed without a graph: nothing kept
+                sch.free_all(self.forward_block(b))
+                per_block.append([])
+            else:
+                per_block.append(self.forward_block(b))
+            if self.offloaded(i) and len(per_block) > 1:
+                sch.free_all(per_block[-2])   # the previous block's tensors are on the host by now
+            if not checkpointed and pending is not None:
+                self.dequantise(*pending)    # a block's linears run while what their outputs feed is made
+            pending = (params, False, b)
+        if pending is not None and not checkpointed:
+            self.dequantise(*pending)
+        if checkpointed or self.offloaded(i):
+            # a checkpointed layer keeps only its input (the rest is recomputed); an offloaded one keeps
+            # nothing on the device (its saved tensors, autocast's casts included, are on the host)
+            if checkpointed:
+                # (the layer's output, the next layer's kept input, exists before its intermediates die)
+                self.ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
+                self.int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
+            for keys in per_block:
+                sch.free_all(keys)
+            for params, keys in zip(blocks_params, copies, strict=True):
+                weights = [p for p in params if regime.autocast and p.module_kind in MATMUL_KINDS
+                           and not p.name.endswith("bias") and self.casts(p)]
+                for p, k in zip(weights, keys, strict=True):
+                    if p.trainable:
+                        self.cache.append(k)    # autocast caches casts of leaf weights that require grad
+                    else:
+                        sch.free(k)             # a frozen weight's cast dies with the discarded graph
+            copies = [[] for _ in copies]
+        self.layer_keys[i] = per_block
+        self.copies_by_layer[i] = copies
+        if self.reshard:
+            self.reshard_unit(i)
+
+    def head_forward(self) -> None:
+        """The final norm, the lm_head and the loss: full logits, their fp32 upcast and log-softmax (HF's
+        ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered."""
+        sch, alloc, act, regime, tv, tp = self.sch, self.sch.alloc, self.act, self.regime, self.tv, self.layout.tp
+        self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        self.head_offloaded: list[int] = []
+        if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
+            self.head_offloaded = list(act.head_tensors if act.fused_ce is not None else act.head_tensors[:-1])
+            sch.free_all(self.head_keys[:len(self.head_offloaded)])
+            self.head_keys = self.head_keys[len(self.head_offloaded):]
+        self.head_copy: list[int] = []
+        self.fused_grads: tuple[int, int] = (-1, -1)
+        self.logits = self.log_softmax = -1
+        if act.fused_ce is not None:    # chunked: no [tokens, vocab] logits, the gradients kept instead
+            self.fused_grads = fused_ce_forward(sch, act.fused_ce, self.setup.batch_size, self.setup.seq_len)
+            return
+        if regime.autocast:
+            self.head_copy = [alloc(self.tp_local[p.name] * regime.mm, "gathered_weights") for p in self.root
+                              if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and self.casts(p)]
+        if tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
+            local = alloc(-(-tv // tp) * regime.mm, "logits_and_loss")
+            gathered_out = alloc(tv * regime.mm, "logits_and_loss")
+            rearranged = alloc(tv * regime.mm, "logits_and_loss")
+            self.logits = alloc(tv * regime.mm, "logits_and_loss")
+            sch.free(rearranged)
+            sch.free(gathered_out)
+            sch.free(local)
+        else:
+            self.logits = alloc(tv * regime.mm, "logits_and_loss")
+        upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
+        self.log_softmax = alloc(tv * F32, "logits_and_loss")
+        sch.free(upcast)
+
+    def backward(self, it: int) -> None:
+        sch = self.sch
+        sch.phase = f"it{it}:backward"
+        layers = self.layers
+        self.prefetch(layers - 1, self.by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers it
+        self.head_backward(it)
+        self.pending_rs: list[int] = []
+        for i in reversed(range(layers)):
+            self.backward_layer(i, it)
+        # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
+        embeds = [p for p in self.root if p.trainable and is_embedding(p)]
+        stream_grad = sch.alloc(self.t * self.hidden_size * self.regime.res, "activations") if embeds else -1
+        for p in embeds:
+            self.make_grad(p, root_unit=True)
+        self.flush_steps(it)
+        sch.free(stream_grad)
+        sch.free_all(self.embed_keys)
+        sch.free_all(self.shared_keys)
+        if self.fsdp:
+            self.root_post_backward()
+
+    def head_backward(self, it: int) -> None:
+        """The loss's backward (three fp32 [tokens, vocab] tensors; with TP the gradient sliced back to the vocab
+        shard) or the fused loss's hand-over, then the lm_head's and the final norm's gradients."""
+        sch, alloc, act, regime, tv = self.sch, self.sch.alloc, self.act, self.regime, self.tv
+        if act.fused_ce is not None:   # the loss's backward hands over the gradients it kept
+            cast_grad = -1
+        else:
+            nll_grad = alloc(tv * F32, "logits_and_loss")
+            ls_grad = alloc(tv * F32, "logits_and_loss")
+            sch.free(self.log_softmax)
+            sch.free(nll_grad)
+            if regime.mm != F32:
+                cast_grad = alloc(tv * regime.mm, "logits_and_loss")
+                sch.free(ls_grad)
+            else:
+                cast_grad = ls_grad
+        if self.layout.tp > 1:   # the replicated gradient is sliced back to this rank's vocab shard
+            shard_grad = alloc(-(-tv // self.layout.tp) * regime.mm, "logits_and_loss")
+            sch.free(cast_grad)
+            cast_grad = shard_grad
+        self.root_unsharded_grads.clear()
+        self.layer_unsharded.clear()
+        head_params = [p for p in self.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]
+        self.head_keys += [alloc(n, "activations") for n in self.head_offloaded]   # offloaded: unpacked
+        if act.fused_ce is not None:
+            grad_in, stolen = self.fused_grads
+            for p in head_params:
+                if stolen >= 0 and is_lm_head(p):
+                    # AccumulateGrad takes the loss's grad_weight as the gradient (no copy)
+                    (self.root_unsharded_grads if self.fsdp else self.grads)[p.name] = stolen
+                    stolen = -1
+                    if self.in_backward and not self.fsdp and not (p.tied_to is not None and is_embedding(p)):
+                        self.pending_steps.append(p)
+                else:
+                    self.make_grad(p, root_unit=True)
+            sch.free(cast_grad)
+            sch.free_all(self.head_copy)
+            sch.free_all(self.head_keys)
+            self.flush_steps(it)
+        else:
+            grad_in = alloc(self.t * self.hidden_size * regime.mm, "activations")
+            if self.in_backward and not self.fsdp:
+                self.head_hooks_in_backward(head_params, cast_grad, it)
+            else:
+                for p in head_params:
+                    self.make_grad(p, root_unit=True)
+                sch.free(cast_grad)
+                sch.free_all(self.head_copy)
+                sch.free_all(self.head_keys)
+            self.flush_steps(it)
+        sch.free(grad_in)
+
+    def head_hooks_in_backward(self, head_params: list[ParamInfo], cast_grad: int, it: int) -> None:
+        """--optimizer-in-backward at the lm_head: the matmul's node releases what it saved and its input gradient
+        before ToCopyBackward casts the weight gradient up and AccumulateGrad runs the hook (the final norm's
+        backward runs after the lm_head's hook)."""
+        sch, regime = self.sch, self.regime
+        head_mm = [p for p in head_params if is_lm_head(p)]
+        lows = {p.name: sch.alloc(self.tp_local[p.name] * regime.mm, "gradients") for p in head_mm
+                if regime.autocast and self.casts(p) and p.name not in self.grads}
+        for p in head_mm:          # gradients the node produces directly (no cast): while its inputs live
+            if p.name not in lows:
+                self.make_grad(p, root_unit=True)
+        sch.free(cast_grad)
+        sch.free_all(self.head_copy)
+        sch.free_all(self.head_keys)
+        for p in head_mm:
+            if p.name in lows:
+                self.make_grad(p, root_unit=True, low=lows[p.name])
+            self.flush_steps(it)
+        for p in head_params:
+            if p not in head_mm:
+                self.make_grad(p, root_unit=True)
+                self.flush_steps(it)
+
+    def backward_layer(self, i: int, it: int) -> None:
+        sch, alloc, act = self.sch, self.sch.alloc, self.act
+        blocks_params = self.layer_blocks_params[i]
+        self.unshard_backward(i, self.by_layer.get(i, []))
+        if i > 0:
+            self.prefetch(i - 1, self.by_layer.get(i - 1, []))     # backward prefetch of the next unit
+        per_block = self.layer_keys[i]
+        copies = self.copies_by_layer[i]
+        checkpointed = act.checkpointed(i)
+        if checkpointed:       # recompute the layer's forward
+            copies = [[alloc(n, "gathered_weights") for n in self.cast_bytes(params)] for params in blocks_params]
+            per_block = []
+            for b, params in zip(act.blocks, blocks_params, strict=True):
+                per_block.append(self.forward_block(b))
+                self.dequantise(params, backward=False, block=b)
+        self.layer_unsharded.clear()
+        for j in reversed(range(len(act.blocks))):
+            if self.offloaded(i) and (i > 0 or j >= act.first_layer_skip):   # back from the host for backward
+                per_block[j] = [alloc(n, "activations") for n in act.blocks[j].tensors]
+                copies[j] = [alloc(n, "gathered_weights") for n in self.cast_bytes(blocks_params[j])]
+            for p in blocks_params[j]:
+                if p.trainable:
+                    self.flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
+                    self.make_grad(p)
+            if i > 0 or j >= act.first_layer_skip or checkpointed:   # layer 0: no gradient before its first adapter
+                self.dequantise(blocks_params[j], backward=True)
+                tmp = alloc(act.blocks[j].transient, "activations")
+                sch.free_all(self.quant_live)
+                sch.free(tmp)
+            sch.free_all(per_block[j])
+            sch.free_all(copies[j])
+            self.flush_steps(it)
+        if checkpointed:
+            sch.free(self.ckpt_keys.pop(i))
+            sch.free_all(self.int8_keys.pop(i))
+        if self.fsdp:
+            self.reduce_scatter_layer(i)
+
+    def reduce_scatter_layer(self, i: int) -> None:
+        """FSDP2's post-backward for a decoder layer: reshard (also for zero2), the reduce-scatter input on the
+        current stream (the previous one has finished by now), its sharded output on the reduce-scatter stream."""
+        sch, alloc = self.sch, self.sch.alloc
+        unit = self.by_layer.get(i, [])
+        self.reshard_unit(i)
+        sch.free_all(self.pending_rs)
+        rs_in = alloc(self.unit_bytes(unit, self.reduce_bytes, True), "communication_buffers")
+        sch.free_all(self.layer_unsharded)
+        self.rs_outputs.append(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.layout.dp, "gradients",
+                                     REDUCE_SCATTER))
+        self.pending_rs.append(rs_in)
+
+    def root_post_backward(self) -> None:
+        """FSDPParamGroup.post_backward of the root: it reshards before foreach_reduce; the copy-in loop's variable
+        still holds the last parameter's gradient (lm_head's, in module order) while the output is allocated."""
+        sch, alloc, root = self.sch, self.sch.alloc, self.root
+        sch.free_all(self.pending_rs)
+        self.reshard_unit(None)
+        rs_in = alloc(self.unit_bytes(root, self.reduce_bytes, True), "communication_buffers")
+        ordered = [self.root_unsharded_grads[p.name] for p in root if p.name in self.root_unsharded_grads]
+        for k in ordered[:-1]:
+            sch.free(k)
+        self.rs_outputs.append(alloc(self.unit_bytes(root, self.reduce_bytes, True) // self.layout.dp, "gradients",
+                                     REDUCE_SCATTER))
+        sch.free_all(ordered[-1:])
+        sch.free(rs_in)
+        for u in list(self.gathered):
+            self.reshard_unit(u)
+
+    def optimizer_step(self, it: int) -> None:
+        """optimizer.step() (its states at the first step, its temporaries as its row describes them), then
+        zero_grad(set_to_none=True)."""
+        sch, spec = self.sch, self.optimizer
+        sch.phase = f"it{it}:optimizer_step"
+        if not self.setup.offload_optimizer:
+            groups = foreach_groups(self.trainable, self.layout)
+            if it == 0 and not self.in_backward:
+                self.create_states(self.trainable)
+            if not self.in_backward and spec.redistribute == AFTER_TEMPORARIES:
+                self.step_over(groups)
+            if self.vocab_parallel and spec.redistribute != AT_FIRST_FREE:
+                self.redistribute_vocab_grads(self.root)
+            if not self.in_backward and spec.redistribute != AFTER_TEMPORARIES:
+                self.step_over(groups)
+        for k in list(self.grads.values()):
+            sch.free(k)
+        self.grads.clear()
+        if self.fsdp:
+            sch.free_all(self.rs_outputs)
+
+    def step_over(self, groups: list[list[ParamInfo]]) -> None:
+        """The step's temporaries: per parameter group (foreach kernels, one kind of tensor each under TP), or
+        over all parameters in order (a for-loop implementation)."""
+        if self.optimizer.step_scope == NO_TEMPORARIES:
+            return
+        for group in (groups if self.optimizer.step_scope != ALL_PARAMETERS else [self.trainable]):
+            self.step_temporaries(group)

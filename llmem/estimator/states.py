@@ -1,0 +1,148 @@
+"""Model states per GPU: weights, gradients, optimizer states and step temporaries, and the method's buffers.
+
+LLMem's model-state terms (paper §3-4) generalised to PyTorch-native training: the states follow the method's real
+sharding (FSDP2 pads dim 0 to the data-parallel degree; DTensor tensor parallelism splits column/row-parallel
+weights, rank 0 taking the larger chunk; llmem.model.sharding), the optimizer's states and step temporaries come
+from its registry row (llmem.setup.optimizers), and the buffers are DDP's gradient buckets, FSDP2's gathered and
+reduce-scatter units, and autocast's cached low-precision weight copies. None of it depends on the micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmem.memory.quant import is_quantised, storage_bytes
+from llmem.model.anatomy import ParamInfo
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import (
+    MATMUL_KINDS,
+    foreach_groups,
+    fsdp_unit_numel,
+    is_embedding,
+    is_lm_head,
+    local_numel,
+    local_shape,
+    tp_local_numel,
+    tp_split_dim,
+)
+from llmem.setup.optimizers import step_peak_bytes
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per GPU of the model states and the method's buffers."""
+    weights: int
+    gradients: int
+    optimizer_states: int
+    optimizer_temporaries: int
+    ddp_buckets: int
+    autocast_weight_copies: int      # all low-precision weight copies in autocast's cache (forward)
+    autocast_bias_copies: int
+    head_grads: int                  # gradients produced first in backward: lm_head, final norm
+    layer_grads: int                 # gradients of one decoder layer
+    embed_grads: int
+    fsdp_root_gathered: int          # unsharded root parameters (embeddings, norm, lm_head), param dtype
+    fsdp_layer_gathered: int         # one decoder layer unsharded, param dtype
+    fsdp_layer_reduce: int           # reduce-scatter input of one layer (reduce dtype)
+    fsdp_root_reduce: int
+    tp_embed_grad_excess: int        # vocab-parallel embedding's gradient comes back replicated (full size)
+    optimizer_states_outside_allocator: int = 0   # paged 8-bit states (cudaMallocManaged): in device_used only
+
+
+def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int) -> int:
+    """Bytes a parameter is stored in on this GPU (`local` elements of it): bitsandbytes' layout for a quantised
+    base weight (llmem.memory.quant), else the set-up's dtype for trained / frozen parameters."""
+    if is_quantised(p, setup.quant_base):
+        return storage_bytes(p, setup.quant_base, setup.double_quant)
+    return local * setup.stored_bytes(p.trainable)
+
+
+def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int, int, int]:
+    """(device states, step temporaries, states outside the allocator) of the trained parameters."""
+    setup, layout, spec = r.setup, r.layout, r.optimizer
+    if setup.offload_optimizer:
+        return 0, 0, 0                 # states and the update live on the CPU (ZeRO-Offload / FSDP)
+    pb = setup.param_bytes
+    shards = layout.dp if layout.shards_model_states else 1     # FSDP2's DTensor shards of dim 0
+    shapes = {p.name: local_shape(p, layout) for p in trainable}
+    states = sum(sum(spec.part(p).states(shapes[p.name], pb)) for p in trainable)
+    states += spec.shared_state_bytes([shapes[p.name] for p in trainable], setup.optimizer_in_backward)
+    outside = sum(spec.outside_allocator_bytes(shapes[p.name]) for p in trainable) if spec.paged else 0
+    if setup.optimizer_in_backward:
+        # one optimizer per parameter: the step's temporaries are those of the largest single parameter
+        temporaries = max((step_peak_bytes(spec.part(p).step_events([shapes[p.name]], pb, shards)) for p in trainable),
+                          default=0)
+    else:
+        # per parameter group (fused AdamW, SGD and bitsandbytes' fused 8-bit kernels: none); a composite's parts
+        # step one after the other
+        temporaries = max((step_peak_bytes(part.step_events([shapes[p.name] for p in ps], pb, shards))
+                           for g in foreach_groups(trainable, layout) for part, ps in spec.split(g)), default=0)
+    return states, temporaries, outside
+
+
+def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
+    """(weight, bias) bytes of autocast's low-precision copies: autocast casts every weight a matmul uses (cached
+    when it requires grad, cast again per use when frozen) and linear keeps the cast for the input gradient."""
+    setup, regime = r.setup, r.regime
+    if not regime.autocast:
+        return 0, 0
+    weights = biases = 0
+    for p in r.anatomy.params:
+        if not (p.module_kind in MATMUL_KINDS or is_lm_head(p)):
+            continue
+        if not p.trainable and (setup.stored_bytes(False) == regime.mm or is_quantised(p, setup.quant_base)):
+            continue                 # a frozen weight stored in the compute dtype (or quantised) needs no cast
+        n = tp_local_numel(p, r.layout) * regime.mm
+        if p.name.endswith("bias"):
+            biases += n
+        else:
+            weights += n
+    return weights, biases
+
+
+def model_states(r: ResolvedSetup) -> ModelStates:
+    setup, layout, params = r.setup, r.layout, r.anatomy.params
+    pb = setup.param_bytes
+    trainable = [p for p in params if p.trainable]
+    local = {p.name: local_numel(p, layout) for p in params}
+    weights = sum(param_storage_bytes(p, setup, local[p.name]) for p in params)
+    grads = sum(local[p.name] for p in trainable) * pb
+    opt_states, opt_temp, opt_outside = _optimizer_bytes(r, trainable)
+    ddp_buckets = grads if r.method.gradient_buckets else 0   # gradient_as_bucket_view=False: a second copy
+    ac_w, ac_b = _autocast_copies(r)
+
+    head = [p for p in trainable if p.layer_index is None and not is_embedding(p)]
+    embed = [p for p in trainable if p.layer_index is None and is_embedding(p)]
+    layer0 = [p for p in trainable if p.layer_index == 0]
+    head_grads = sum(local[p.name] for p in head) * pb
+    embed_grads = sum(local[p.name] for p in embed) * pb
+    layer_grads = sum(local[p.name] for p in layer0) * pb
+
+    root_gathered = layer_gathered = layer_reduce = root_reduce = 0
+    if layout.shards_model_states:
+        gather_bytes, reduce_bytes = setup.gather_bytes, setup.reduce_bytes
+        root = [p for p in params if p.layer_index is None]
+        layer0_all = [p for p in params if p.layer_index == 0]
+        layer_gathered = fsdp_unit_numel(layer0_all, layout) * gather_bytes
+        root_gathered = fsdp_unit_numel(root, layout) * gather_bytes
+        layer_reduce = fsdp_unit_numel(layer0, layout) * reduce_bytes
+        root_reduce = fsdp_unit_numel([p for p in root if p.trainable], layout) * reduce_bytes
+    tp_excess = 0
+    if layout.tp > 1:
+        for p in embed:
+            if tp_split_dim(p) == 0:
+                tp_excess += (p.numel // (layout.dp if layout.shards_model_states else 1)
+                              - tp_local_numel(p, layout)) * pb
+    return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
+                       embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
+                       opt_outside)
+
+
+def offloaded_optimizer_host_bytes(r: ResolvedSetup) -> int:
+    """CPU RAM per GPU when the optimizer runs on the host (ZeRO-Offload, FSDP CPU offload): its states for this
+    GPU's share of the trained parameters and an fp32 master copy of that share, all in fp32 (attention does not
+    enter the model states, so any set-up attention stands in fp32)."""
+    fp32 = replace(r.setup, precision="fp32", attn="sdpa", offload_optimizer=False)
+    states = model_states(ResolvedSetup(fp32, r.anatomy, r.base, r.gpu, r.layout))
+    return states.optimizer_states + states.gradients   # fp32 gradients: one fp32 copy of the trained share

@@ -1,0 +1,89 @@
+"""The loss's tensors: HF's causal-LM loss on full logits, or the fused linear cross-entropy (`--fused-ce`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.memory.activations.blocks import Dims, config_value
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.families import family_of
+from llmem.model.sharding import is_embedding, is_lm_head
+from llmem.setup.precision import F32, Regime
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class FusedCE:
+    """llmem.runtime.losses' fused linear cross-entropy (Liger's algorithm): what it allocates, in bytes per element.
+
+    In the forward, after the final norm: the lm_head weight cast to the compute dtype (autocast, fp32 weights),
+    grad_input [t, h] in the hidden states' dtype and grad_weight [V, h] in the weight's dtype (kept for backward;
+    the latter becomes the lm_head gradient, which AccumulateGrad takes over without a copy), then per chunk of
+    `chunk` tokens: the chunk's hidden states cast to the compute dtype, its logits [c, V] in the compute dtype,
+    their fp32 upcast (the softmax and its gradient, in place), grad_weight's fp32 copy of the chunk's hidden states
+    (fp32 accumulator only), the gradient cast back to the compute dtype, and grad_input's matmul output when its
+    dtype differs. No [t, V] tensor exists."""
+    tokens: int
+    hidden: int
+    vocab: int
+    hidden_bytes: int          # the final hidden states (loss input, norm output)
+    mm: int                    # the compute dtype
+    weight_bytes: int          # the lm_head weight as the loss reads it (gathered under FSDP)
+    weight_trainable: bool
+    chunk: int
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        return [min(self.chunk, self.tokens - s) for s in range(0, self.tokens, self.chunk)]
+
+    @property
+    def weight_cast_bytes(self) -> int:
+        return self.vocab * self.hidden * self.mm if self.weight_bytes != self.mm else 0
+
+    @property
+    def grad_input_bytes(self) -> int:
+        return self.tokens * self.hidden * self.hidden_bytes
+
+    @property
+    def grad_weight_bytes(self) -> int:
+        return self.vocab * self.hidden * self.weight_bytes if self.weight_trainable else 0
+
+    def chunk_peak_bytes(self, c: int) -> int:
+        """The largest sum of a chunk's own transients."""
+        x = c * self.hidden * self.mm if self.hidden_bytes != self.mm else 0
+        logits, upcast = c * self.vocab * self.mm, c * self.vocab * F32
+        # logits and their upcast, then the upcast and the gradient cast back (as large): one fp32 tensor when fp32
+        return x + (logits if self.mm == F32 else logits + upcast)
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        """Tensor bytes the loss adds at its peak (the hidden states included)."""
+        return (self.tokens * self.hidden * self.hidden_bytes + self.weight_cast_bytes + self.grad_input_bytes
+                + self.grad_weight_bytes + self.chunk_peak_bytes(self.chunk))
+
+
+def fused_ce_for(anatomy: ModelAnatomy, setup: TrainingSetup, shards_model_states: bool, d: Dims,
+                 r: Regime) -> FusedCE:
+    if config_value(anatomy, "final_logit_softcapping", default=None):
+        raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
+    head = next((p for p in anatomy.params if p.layer_index is None and is_lm_head(p)), None)
+    if head is None:   # tied: the input embedding is the lm_head weight
+        head = next(p for p in anatomy.params if p.layer_index is None and is_embedding(p)
+                    and p.shape and p.shape[0] == anatomy.vocab_size)
+    vocab, hidden = head.shape[0], head.shape[1]
+    weight_bytes = setup.gather_bytes if shards_model_states else setup.stored_bytes(head.trainable)
+    # the final norm's output: RMSNorm returns the stream dtype; F.layer_norm runs in fp32 under autocast
+    layernorm = family_of(anatomy.model_type).norm == "layernorm"
+    hidden_bytes = F32 if (layernorm and r.autocast) else r.res
+    return FusedCE(d.t, hidden, vocab, hidden_bytes, r.mm, weight_bytes, head.trainable,
+                   chunk_tokens(d.t, hidden, vocab))
+
+
+def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's chunk size: tokens per chunk so that a chunk's logits hold about tokens x hidden elements
+    (inc_factor = ceil(V / H), chunk = next_power_of_2(ceil(BT / inc_factor)), at most BT)."""
+    inc_factor = -(-vocab // hidden)
+    per = -(-tokens // inc_factor)
+    power = 1 << max(per - 1, 0).bit_length()   # triton.next_power_of_2
+    return max(min(power, tokens), 1)

@@ -1,0 +1,204 @@
+"""Activation memory of one training step, per GPU: the activation profile of a resolved set-up (what the forward
+keeps per decoder layer, per block, outside the layers, and at the loss), built from its family's recipe and the
+set-up's adapters, quantised base, loss, checkpointing and offloading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.memory.activations.adapters import (
+    adapters_read_input,
+    first_layer_skip,
+    with_adapters,
+    with_trainability,
+)
+from llmem.memory.activations.blocks import (
+    Block,
+    Dims,
+    LayerRecipe,
+    Sizes,
+    config_value,
+    loss_peak_bytes,
+    packed_mask_bytes,
+)
+from llmem.memory.activations.loss import FusedCE, fused_ce_for
+from llmem.memory.activations.quantised import int8_inputs_kept, with_fp32_mlp, with_int8_inputs
+from llmem.memory.activations.recipes import recipe_for
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.families import family_of
+from llmem.model.resolved import ResolvedSetup
+from llmem.setup.precision import F32
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What the forward keeps, and the transient peaks around it, in bytes per GPU."""
+    per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
+    checkpoint_saved: int      # kept per layer under gradient checkpointing (the layer input)
+    embed_saved: int           # kept by the embedding block (outside the layers)
+    head_saved: int            # kept by the final norm and the lm_head input
+    shared_saved: int          # shared by every layer: rotary cos/sin, attention mask
+    loss_peak: int             # logits, their fp32 upcast, log-softmax and their gradients at the loss backward
+    blocks: tuple[Block, ...]  # one decoder layer, forward order
+    grad_ckpt: bool
+    layers: int
+    embed_tensors: tuple[int, ...] = ()
+    head_tensors: tuple[int, ...] = ()
+    mask_bytes: int = 0        # --packing under SDPA: the boolean mask, live during the forward
+    shared_tensors: tuple[int, ...] = ()
+    int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
+    ckpt_every: int = 1        # with grad_ckpt: layers whose index % ckpt_every == 0 are checkpointed
+    fused_ce: FusedCE | None = None   # the fused linear cross-entropy's tensors (None: HF's loss on full logits)
+    offload: bool = False      # saved tensors of the layers (not checkpointed) and the final norm on the host
+    first_layer_skip: int = 0  # leading blocks of layer 0 that keep nothing (their inputs need no gradient)
+
+    def checkpointed(self, layer: int) -> bool:
+        """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
+        others keep all their tensors. (torchtune's selective "every k-th layer", training/activations.py 0.6,
+        counts from 1 and wraps layers with (i + 1) % k == 0: the same number when k divides the depth, but the
+        top layer is then checkpointed; llmem follows transformers, whose step it runs.)"""
+        return self.grad_ckpt and layer % self.ckpt_every == 0
+
+    def checkpointed_layers(self, layers: int | None = None) -> int:
+        """How many of the first `layers` decoder layers are checkpointed: ceil(layers / k)."""
+        n = self.layers if layers is None else layers
+        return -(-n // self.ckpt_every) if self.grad_ckpt else 0
+
+    def layers_saved(self, layers: int | None = None) -> int:
+        """Bytes kept for backward by the first `layers` decoder layers at the end of the forward."""
+        n = self.layers if layers is None else layers
+        ck = self.checkpointed_layers(n)
+        return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
+
+    def device_layers_saved(self, layers: int | None = None) -> int:
+        """What the first `layers` decoder layers keep on the device at the end of the forward: with offloading only
+        the checkpointed layers' inputs (held by the checkpoint), the rest is on the host."""
+        n = self.layers if layers is None else layers
+        return self.checkpointed_layers(n) * self.checkpoint_saved if self.offload else self.layers_saved(n)
+
+    @property
+    def device_outside_saved(self) -> int:
+        """Embedding, head and shared tensors on the device at the end of the forward: with offloading only the
+        lm_head's input (the output layer is not offloaded; the fused loss keeps none)."""
+        if not self.offload:
+            return self.embed_saved + self.head_saved + self.shared_saved
+        return self.head_tensors[-1] if self.head_tensors and self.fused_ce is None else 0
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """--offload-activations: the saved tensors that leave the device in forward (one formula for the estimate's
+        note and the planner): the layers not checkpointed, the embedding's, the shared rotary cos/sin and the final
+        norm's; a checkpointed layer's input (held by the checkpoint) and the lm_head's input stay. Each tensor is
+        counted once: autograd packs a tensor per save (a norm's fp32 input twice, a shared input per linear), so the
+        pinned host copies can add up to more."""
+        if not self.offload:
+            return 0
+        return self.saved_at_loss - self.device_layers_saved() - self.device_outside_saved
+
+    @property
+    def saved_at_loss(self) -> int:
+        """Everything kept for backward when the loss backward starts (the usual activation peak)."""
+        return self.embed_saved + self.layers_saved() + self.head_saved + self.shared_saved
+
+
+def virtual_tokens(anatomy: ModelAnatomy) -> int:
+    """Prompt tuning: peft prepends this many trained embeddings, so the model runs seq_len + n tokens (and the
+    labels get n -100 entries, so the logits and the loss are over seq_len + n positions too)."""
+    return anatomy.peft.num_virtual_tokens if anatomy.peft is not None else 0
+
+
+def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
+    return Dims(
+        b=setup.batch_size, s=setup.seq_len + virtual_tokens(anatomy), h=anatomy.hidden_size,
+        i=-(-anatomy.intermediate_size // tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
+        kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
+        vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
+        masked=setup.packing and effective_attention(anatomy, setup) == "sdpa" and setup.attn != "flash",
+        pos_rows=setup.batch_size if setup.packing else 1,
+    )
+
+
+def has_recipe(anatomy: ModelAnatomy) -> bool:
+    """Whether llmem has a recipe written for this family (others use the Llama one, with a note)."""
+    return family_of(anatomy.model_type).recipe is not None
+
+
+def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
+    """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2).
+
+    flash (HF flash_attention_2) keeps what PyTorch's flash SDPA kernel keeps (q, k, v, out, logsumexp; GQA native,
+    dropout regenerated from the RNG state): the sdpa recipe."""
+    if setup.attn == "flash":
+        if not anatomy.supports_sdpa:
+            raise LlmemError(f"--attn flash: transformers has no flash attention for {anatomy.model_type!r} models")
+        return "sdpa"
+    return setup.attn if anatomy.supports_sdpa else "eager"
+
+
+def activation_notes(setup: TrainingSetup) -> list[str]:
+    """What the estimate and the trace say about the activation options (both engines print them)."""
+    notes = []
+    if setup.attn == "flash":
+        notes.append("--attn flash: the flash-attn package's kernel (HF flash_attention_2) is modelled by PyTorch's "
+                     "flash SDPA kernel (the same saved tensors: q, k, v, output, logsumexp)")
+    if setup.fused_ce:
+        notes.append("--fused-ce: llmem's PyTorch fused linear cross-entropy (Liger-Kernel's algorithm and chunk "
+                     "size; an fp32 upcast of each chunk's logits); no [tokens, vocab] logits")
+    if setup.offload_activations:
+        notes.append("--offload-activations: saved tensors of 1 KiB and more (parameters and their views excepted) "
+                     "in pinned host memory from their layer's forward to its backward (torchtune's "
+                     "OffloadActivations rules, weight views kept too); the lm_head and the loss stay on the "
+                     "device; synchronous copies")
+    if setup.packing:
+        notes.append("--packing: position ids restart per packed sample; " + (
+            "flash attention runs varlen (cu_seqlens, no mask)" if setup.attn == "flash" else
+            "SDPA gets transformers' block-diagonal causal mask and keeps it as a bias per layer (no native GQA)"
+            if setup.attn == "sdpa" else "eager attention's mask is [b, 1, s, s] as without packing"))
+    if setup.grad_ckpt and setup.ckpt_every > 1:
+        notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
+    return notes
+
+
+def activation_profile(r: ResolvedSetup) -> ActivationProfile:
+    anatomy, setup, regime = r.anatomy, r.setup, r.regime
+    d = dims_for(anatomy, setup, r.layout.tp)
+    attn = effective_attention(anatomy, setup)
+    recipe = recipe_for(anatomy)(anatomy, d, regime, attn)
+    # bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms, under
+    # autocast, the MLP's gate/up outputs (and what silu and the product keep) are fp32, not the compute dtype
+    fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
+    if fp32_behind_quant:
+        recipe = with_fp32_mlp(recipe, d)
+    fused = fused_ce_for(anatomy, setup, r.method.shards_model_states, d, regime) if setup.fused_ce else None
+    if fused is not None:   # the lm_head's input (the recipe's last head tensor) is not kept: the loss keeps grads
+        last = len(recipe.head) - 1
+        recipe = LayerRecipe(recipe.blocks, recipe.embed, recipe.head[:last], recipe.shared,
+                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last))
+    exact = anatomy.peft is None or anatomy.peft.exact
+    if any(not p.trainable for p in anatomy.params):
+        recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, regime), frozen_base=not exact,
+                                   quant_base="none" if fp32_behind_quant else setup.quant_base)
+    if exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
+        recipe = with_adapters(anatomy, recipe, d, regime, fp32_behind_quant)
+    int8_kept: Sizes = ()
+    if setup.quant_base == "int8":
+        int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, fp32_behind_quant)
+        if fp32_behind_quant and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
+            recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
+    return ActivationProfile(
+        first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
+        per_layer_saved=sum(b.saved for b in recipe.blocks),
+        checkpoint_saved=d.t * d.h * regime.res + sum(int8_kept),
+        int8_kept=int8_kept,
+        embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
+        embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
+        loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
+                   loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if config_value(
+                       anatomy, "final_logit_softcapping", default=None) else 0)),
+        blocks=recipe.blocks,
+        grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
+        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d),
+    )
+

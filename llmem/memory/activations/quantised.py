@@ -1,0 +1,68 @@
+"""A bitsandbytes-quantised base inside a decoder layer: bitsandbytes' linears return their input's dtype, and
+LLM.int8 keeps its inputs (ctx.tensors) even for a frozen weight (llmem.memory.quant has the storage and
+transients; this module what the layer keeps because of them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmem.memory.activations.blocks import Block, Dims, LayerRecipe, Sizes, block_owner
+from llmem.memory.quant import is_quantised
+from llmem.model.anatomy import ModelAnatomy
+from llmem.setup.precision import F32, Regime
+
+NORM_FED_BLOCKS = ("qkv_proj", "gate_up_proj", "c_attn", "c_fc", "fc1", "query_key_value", "dense_h_to_4h",
+             "qkv_and_fc_in")
+
+
+def quant_input_bytes(block: Block, r: Regime, fp32_behind_quant: bool) -> int:
+    """Bytes per element of the input a block's linears read: a norm's output (the residual dtype), the MLP
+    product (fp32 behind bitsandbytes' fp32 outputs), else a matmul output."""
+    if block.name in NORM_FED_BLOCKS:
+        return r.res
+    if block.name in ("down_proj", "mlp_out", "fc2", "dense_4h_to_h") and fp32_behind_quant:
+        return F32
+    return r.mm
+
+
+def int8_inputs_kept(anatomy: ModelAnatomy, blocks: tuple[Block, ...], t: int, r: Regime,
+                     fp32_behind_quant: bool = False) -> Sizes:
+    """Bytes of one layer's inputs that bitsandbytes' MatMul8bitLt keeps as a ctx attribute (ctx.tensors), which
+    non-reentrant checkpointing cannot drop: one per block of int8 linears (linears of one block share it)."""
+
+    per_block: dict[int, int] = {}
+    for p in anatomy.params:
+        if p.layer_index == 0 and is_quantised(p, "int8"):
+            i = block_owner(blocks, p.name)
+            in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
+            size = t * in_features * quant_input_bytes(blocks[i], r, fp32_behind_quant)
+            per_block[i] = max(per_block.get(i, 0), size)
+    return tuple(per_block[i] for i in sorted(per_block))
+
+
+def with_fp32_mlp(recipe: LayerRecipe, d: Dims) -> LayerRecipe:
+    """Llama-like MLP behind bitsandbytes' linears with an fp32 input: gate, silu(gate) and up come out fp32 (the
+    product down_proj reads is kept only as lora_A's own cast, in the compute dtype)."""
+    blocks = []
+    for b in recipe.blocks:
+        if b.name == "mlp_act" and len(b.tensors) >= 4:
+            b = replace(b, tensors=(d.t * d.i * F32,) * 3 + b.tensors[3:])
+        blocks.append(b)
+    return LayerRecipe(tuple(blocks), recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+
+
+def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regime) -> LayerRecipe:
+    """The fp32 inputs MatMul8bitLt keeps (ctx.tensors) behind fp32 norms and the fp32 MLP product: nothing else
+    keeps them (lora_A keeps its own cast). The attention output o_proj reads is SDPA's, already kept."""
+    kept = dict.fromkeys(range(len(recipe.blocks)), 0)
+
+    for p in anatomy.params:
+        if p.layer_index == 0 and is_quantised(p, "int8"):
+            i = block_owner(recipe.blocks, p.name)
+            if quant_input_bytes(recipe.blocks[i], r, True) == F32:
+                in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
+                kept[i] = max(kept[i], t * in_features * F32)
+    blocks = tuple(replace(b, tensors=b.tensors + ((kept[i],) if kept[i] else ()), for_weights=())
+                   for i, b in enumerate(recipe.blocks))
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+

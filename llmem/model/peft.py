@@ -1,0 +1,163 @@
+"""The trained anatomy: full fine-tuning trains every parameter; LoRA (`--lora-rank`) freezes the base and adds
+adapters as peft's LoRA builds them; `--peft-config` has peft itself build its adapters on the meta model, and the
+anatomy is read back from what peft made."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+from llmem.errors import LlmemError
+from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory
+from llmem.model.config import build_meta_model, resolve_config
+from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
+
+PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
+
+
+def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy:
+    """`anatomy` (the base model's) as `setup` trains it (cached per model and adapter settings)."""
+    if setup.peft_config:
+        return peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0])
+    if setup.lora_rank:
+        return with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout)
+    return anatomy
+
+
+@lru_cache(maxsize=64)
+def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", dropout: float = 0.0) -> ModelAnatomy:
+    """The anatomy as peft's LoRA builds it: every base parameter frozen, adapters A [r, in] and B [out, r] added
+    next to each targeted linear of the decoder layers ("all-linear": every Linear/Conv1D inside the layers, as
+    peft's all-linear, which leaves lm_head alone). `dropout`: peft's lora_dropout."""
+    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    if not wanted:
+        raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
+    params: list[ParamInfo] = []
+    matched: set[str] = set()
+    for p in anatomy.params:
+        params.append(replace(p, trainable=False))
+        module, leaf = p.name.rsplit(".", 1)
+        short = module.rsplit(".", 1)[-1]
+        if (leaf != "weight" or p.layer_index is None or p.module_kind not in ("Linear", "Conv1D")
+                or not (LORA_ALL_LINEAR in wanted or short in wanted)):
+            continue
+        matched.add(short)
+        out_f, in_f = (p.shape[1], p.shape[0]) if p.module_kind == "Conv1D" else (p.shape[0], p.shape[1])
+        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, in_f), "float32", "Linear",
+                                p.layer_index, None))
+        params.append(ParamInfo(f"{module}.lora_B.default.weight", (out_f, rank), "float32", "Linear",
+                                p.layer_index, None))
+    missing = wanted - matched - {LORA_ALL_LINEAR}
+    if missing:
+        names = sorted({p.name.rsplit(".", 2)[-2] for p in anatomy.params
+                        if p.layer_index is not None and p.module_kind in ("Linear", "Conv1D")})
+        raise LlmemError(f"--lora-targets {', '.join(sorted(missing))} not found in {anatomy.name}: "
+                         f"its layers' linear modules are {', '.join(names)} (or use all-linear)")
+    return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
+
+
+def read_peft_config(path: str) -> tuple[str, dict]:
+    """--peft-config PATH (a folder holding adapter_config.json, or the json file) -> (its text, its fields)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_dir():
+        p = p / "adapter_config.json"
+        if not p.is_file():
+            raise LlmemError(f"--peft-config folder {path} has no adapter_config.json")
+    elif not p.is_file():
+        raise LlmemError(f"--peft-config {path} does not exist (give an adapter_config.json or its folder)")
+    text = p.read_text()
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LlmemError(f"malformed peft config {p}: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(fields, dict) or "peft_type" not in fields:
+        raise LlmemError(f"peft config {p} has no 'peft_type': give an adapter_config.json written by peft")
+    return text, fields
+
+
+def peft_config_from_text(text: str):
+    """The peft config object (peft's own class for its peft_type). Prompt tuning initialised from text needs a
+    tokenizer; memory does not depend on the initial values, so RANDOM is used instead."""
+    from peft import PeftConfig
+
+    fields = json.loads(text)
+    if fields.get("task_type") is None:
+        fields["task_type"] = "CAUSAL_LM"
+    if fields.get("prompt_tuning_init") == "TEXT":
+        fields["prompt_tuning_init"] = "RANDOM"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return PeftConfig.from_peft_type(**fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LlmemError(f"peft cannot read this config ({fields.get('peft_type')}): {first[:200]}") from None
+
+
+def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
+    """get_peft_model(model, config) on the (meta) model: the adapters and the trainable set as peft makes them."""
+    from peft import get_peft_model
+
+    config = peft_config_from_text(text)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
+    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LlmemError(f"peft cannot apply this {config.peft_type} config to the model: {first[:200]}") from None
+
+
+def _peft_name(name: str) -> str:
+    """peft's wrapper names -> the base model's names (q_proj.base_layer.weight -> q_proj.weight)."""
+    return name.replace(".base_layer.", ".")
+
+
+@lru_cache(maxsize=32)
+def peft_anatomy(model: str, trust_remote_code: bool, config_text: str) -> ModelAnatomy:
+    """The anatomy of the peft model peft builds from this config on the meta device (cached per model and config
+    text: the planner estimates many set-ups of one model)."""
+    name, cfg = resolve_config(model, trust_remote_code)
+    peft_model = apply_peft_config(build_meta_model(cfg, trust_remote_code), config_text, False)
+    base = peft_model.get_base_model()
+    anatomy = inventory(base, name)
+    grad: dict[str, bool] = {}
+    seen: set[int] = set()
+    for module_name, module in base.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            grad.setdefault(f"{module_name}.{pname}" if module_name else pname, p.requires_grad)
+            seen.add(id(p))
+    params = [replace(p, name=_peft_name(p.name), trainable=grad[p.name],
+                      tied_to=_peft_name(p.tied_to) if p.tied_to else None) for p in anatomy.params]
+    for module_name, module in peft_model.named_modules():   # prompt encoders live outside the base model
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(ParamInfo(f"{module_name}.{pname}", tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                                        type(module).__name__, None, None, p.requires_grad))
+    config = peft_model.peft_config["default"]
+    peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+    use_dora = bool(getattr(config, "use_dora", False))
+    notes: list[str] = []
+    lora_dropout = float(getattr(config, "lora_dropout", 0.0) or 0.0)
+    exact = peft_type in PEFT_EXACT_TYPES and not (use_dora and lora_dropout > 0)
+    per_layer = {sum(1 for p in params if p.layer_index == i and p.trainable) for i in range(anatomy.num_layers)}
+    if exact and len(per_layer) > 1:
+        exact = False
+        notes.append("peft adapts the decoder layers unevenly (layers_to_transform / patterns): activations are "
+                     "modelled from layer 0")
+    if not exact and not notes:
+        kind = "DoRA with lora_dropout" if use_dora else peft_type
+        notes.append(f"no exact activation model for peft type {kind}: trainable set from peft itself, "
+                     "activations as for the frozen base (llmem trace runs peft's real code)")
+    if json.loads(config_text).get("prompt_tuning_init") == "TEXT":
+        notes.append("prompt_tuning_init TEXT needs a tokenizer: RANDOM initialisation used (same memory)")
+    info = PeftInfo(peft_type, lora_dropout=lora_dropout, use_dora=use_dora,
+                    num_virtual_tokens=int(getattr(config, "num_virtual_tokens", 0) or 0)
+                    if peft_type == "PROMPT_TUNING" else 0, exact=exact, notes=tuple(notes))
+    return replace(anatomy, params=tuple(params), tied_names=tuple(_peft_name(n) for n in anatomy.tied_names),
+                   peft=info)

@@ -1,0 +1,95 @@
+"""The memory engines a plan searches with: TrainingSetup -> MemoryResult for one model and GPU, with the cheaper
+answers a search may use before it confirms with the full one.
+
+- `LlmemEngine`: the llmem estimator. Each set-up is resolved once and its model states computed once (neither
+  depends on the micro-batch shape), then every batch and sequence length of it reuses them. `quick` is the tensor
+  bytes at the step's largest moment (no allocator replay, about 1 ms); `draft` replays shallower depths (4 and 8
+  layers): its allocated peak is exact (linear in depth), its reserved is not.
+- `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmem.errors import LlmemError
+from llmem.estimator.engine import estimate_resolved, quick_peak_allocated
+from llmem.estimator.states import ModelStates, model_states
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.paper.engine import paper_estimate
+from llmem.result import MemoryResult
+from llmem.setup.gpus import GpuSpec
+from llmem.setup.training import TrainingSetup
+
+
+class MemoryEngine:
+    """The interface: `full` is the engine's answer; `draft` and `quick` are cheaper ones for searches (`quick`
+    only where `has_quick`)."""
+    name = ""
+    has_quick = False
+
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec) -> None:
+        self.anatomy, self.gpu = anatomy, gpu
+
+    def full(self, setup: TrainingSetup) -> MemoryResult:
+        raise NotImplementedError
+
+    def draft(self, setup: TrainingSetup) -> MemoryResult:
+        return self.full(setup)
+
+    def quick(self, setup: TrainingSetup) -> int:
+        raise NotImplementedError(f"the {self.name} engine has no quick bound")
+
+    def __call__(self, setup: TrainingSetup) -> MemoryResult:
+        return self.full(setup)
+
+
+class LlmemEngine(MemoryEngine):
+    name = "llmem"
+    has_quick = True
+
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec) -> None:
+        super().__init__(anatomy, gpu)
+        self._prepared: dict[TrainingSetup, tuple[ResolvedSetup, ModelStates]] = {}
+
+    def prepared(self, setup: TrainingSetup) -> tuple[ResolvedSetup, ModelStates]:
+        """The set-up resolved at its shape, and its model states (resolved and computed once per set-up)."""
+        key = replace(setup, batch_size=1, seq_len=1)
+        got = self._prepared.get(key)
+        if got is None:
+            r = resolve(key, self.anatomy, self.gpu)
+            got = self._prepared[key] = (r, model_states(r))
+        r, states = got
+        return r.with_shape(setup.batch_size, setup.seq_len), states
+
+    def full(self, setup: TrainingSetup) -> MemoryResult:
+        r, states = self.prepared(setup)
+        return estimate_resolved(r, states=states)
+
+    def draft(self, setup: TrainingSetup) -> MemoryResult:
+        r, states = self.prepared(setup)
+        return estimate_resolved(r, draft=True, states=states)
+
+    def quick(self, setup: TrainingSetup) -> int:
+        r, states = self.prepared(setup)
+        return quick_peak_allocated(r, states)
+
+
+class PaperEngine(MemoryEngine):
+    name = "paper"
+
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> None:
+        super().__init__(anatomy, gpu)
+        self.m_base_bytes = m_base_bytes
+
+    def full(self, setup: TrainingSetup) -> MemoryResult:
+        return paper_estimate(setup, self.anatomy, self.gpu, m_base_bytes=self.m_base_bytes)
+
+
+def memory_engine(name: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> MemoryEngine:
+    if name == "llmem":
+        return LlmemEngine(anatomy, gpu)
+    if name == "paper":
+        return PaperEngine(anatomy, gpu, m_base_bytes)
+    raise LlmemError(f"unknown engine {name!r}: choose llmem or paper")

@@ -1,0 +1,203 @@
+"""Launch configs for a plan (`llmem plan --export KIND PATH`): an accelerate YAML, a torchrun script, a DeepSpeed
+JSON for the recommended layout, batch and accumulation (or, when nothing fits, the optimizer-offload
+suggestion's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.planner.options import EXPORT_KINDS
+from llmem.planner.plan import Plan
+from llmem.planner.timing import accumulation_for
+from llmem.setup.layout import Layout, resolve_layout
+from llmem.setup.methods import METHODS
+from llmem.setup.precision import PRECISIONS
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an exported config describes: one layout, its batch and accumulation, and offloading."""
+    model: str
+    architecture: str
+    layout: Layout
+    micro_batch_size: int
+    accumulation_steps: int
+    seq_len: int
+    precision: str
+    grad_ckpt: bool
+    offload_optimizer: bool
+
+
+def unexportable_options(setup: TrainingSetup) -> list[str]:
+    """The set-up's options that the exported launch configs (layout, batch, precision, checkpointing, optimizer
+    offload) do not carry: exporting them would describe a different run than the one planned."""
+    s = setup
+    found = [flag for flag, on in (
+        ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
+        ("--qlora" if s.quant_base == "nf4" else "--load-in-8bit", s.quant_base != "none"),
+        (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
+        ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
+        ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
+        (f"--attn {s.attn}", s.attn != "sdpa")) if on]
+    return found
+
+
+def export_plan(p: Plan) -> ExportPlan:
+    """The recommended plan, or, when nothing fits, the optimizer-offload suggestion if it fits."""
+    extra = unexportable_options(p.setup)
+    if extra:
+        raise LlmemError(f"--export writes the layout, batch, precision, checkpointing and optimizer offload of a "
+                         f"full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
+                         "--export, or export without these options")
+    c = p.recommended
+    offload = False
+    if c is None:
+        sug = next((s for s in p.suggestions if s["kind"] == "offload_optimizer" and s["fits"]), None)
+        if sug is None:
+            raise LlmemError("nothing fits, not even with the optimizer offloaded: there is no plan to export")
+        layout = resolve_layout(sug["method"], sug["gpus"], sug["tp"] if METHODS[sug["method"]].has_tp else None,
+                                p.setup.gpus_per_node, 0, 0)
+        micro, steps = accumulation_for(p.options.global_batch, sug["max_batch_size"], layout.dp)
+        offload = True
+    else:
+        layout = c.layout
+        micro, steps = c.time.micro_batch_size, c.time.accumulation_steps
+    return ExportPlan(p.anatomy.name, p.anatomy.architecture, layout, micro, steps, p.setup.seq_len,
+                      p.setup.precision, p.setup.grad_ckpt, offload)
+
+
+def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
+    """An `accelerate launch --config_file` YAML for the plan (FSDP2 with a ParallelismConfig for tp)."""
+    import yaml
+
+    lay = e.layout
+    cfg: dict = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
+        "main_training_function": "main", "mixed_precision": PRECISIONS[e.precision].accelerate,
+        "num_machines": lay.nodes, "num_processes": lay.world_size, "rdzv_backend": "static",
+        "same_network": True, "use_cpu": False, "enable_cpu_affinity": False,
+    }
+    if lay.world_size == 1:
+        cfg["distributed_type"] = "NO"
+    elif lay.spec.gradient_buckets:
+        cfg["distributed_type"] = "MULTI_GPU"
+    else:
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_version": 2,
+            # FSDP2's default (reshard) unless the method keeps parameters gathered (zero2); pure TP: no FSDP shards
+            "fsdp_reshard_after_forward": lay.spec.reshard_after_forward or not lay.spec.shards_model_states,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_cls,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_offload_params": e.offload_optimizer,
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": e.grad_ckpt,
+        }
+        if lay.tp > 1:
+            cfg["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": 1,
+                "parallelism_config_dp_shard_size": lay.dp if lay.spec.shards_model_states else 1,
+                "parallelism_config_tp_size": lay.tp,
+                "parallelism_config_cp_size": 1,
+            }
+    header = [
+        f"# llmem plan for {e.model}: {lay.label} on {lay.world_size} GPU(s), {lay.nodes} node(s)",
+        f"# per-GPU micro-batch {e.micro_batch_size}, gradient accumulation {e.accumulation_steps}, "
+        f"seq {e.seq_len}, {e.precision}{', gradient checkpointing' if e.grad_ckpt else ''}",
+    ]
+    if e.offload_optimizer:
+        header.append("# FSDP2 has no optimizer-only offload: fsdp_offload_params moves parameters, gradients and "
+                      "optimizer states to the CPU")
+    if lay.spec.gradient_buckets and e.grad_ckpt:
+        header.append("# enable gradient checkpointing in the script: model.gradient_checkpointing_enable()")
+    if lay.nodes > 1:
+        header.append("# set machine_rank, main_process_ip and main_process_port per node")
+    return "\n".join(header) + "\n" + yaml.safe_dump(cfg, sort_keys=True)
+
+
+def export_torchrun(e: ExportPlan) -> str:
+    """A shell script launching a PyTorch-native training script with torchrun for the plan."""
+    lay = e.layout
+    per_node = lay.world_size // lay.nodes
+    launcher = ["torchrun", "--nnodes", str(lay.nodes), "--nproc_per_node", str(per_node)]
+    if lay.nodes == 1:
+        launcher.append("--standalone")
+    else:
+        launcher += ["--node_rank", '"${NODE_RANK:?set NODE_RANK}"', "--rdzv_backend", "c10d",
+                     "--rdzv_endpoint", '"${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}"']
+    script = ['"${TRAIN_SCRIPT:-train.py}"', "--model", shlex.quote(e.model), "--method", lay.method,
+              "--dp", str(lay.dp), "--tp", str(lay.tp), "--micro-batch-size", str(e.micro_batch_size),
+              "--gradient-accumulation-steps", str(e.accumulation_steps), "--seq-len", str(e.seq_len),
+              "--precision", e.precision]
+    if e.grad_ckpt:
+        script.append("--grad-ckpt")
+    if e.offload_optimizer:
+        script.append("--offload-optimizer")
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# llmem plan for {e.model}: {lay.label} on {lay.world_size} GPU(s), {lay.nodes} node(s)",
+        f"# the script should build: {lay.spec.torch_recipe.format(dp=lay.dp, tp=lay.tp)}",
+        "set -euo pipefail",
+        " ".join(launcher + script) + ' "$@"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export_deepspeed(e: ExportPlan) -> str:
+    """A DeepSpeed JSON config: ZeRO-3 for fsdp, ZeRO-2 for zero2, ZeRO-0 for ddp, AutoTP for tp."""
+    lay = e.layout
+    stage = lay.spec.deepspeed_stage
+    if stage is None:
+        raise LlmemError("DeepSpeed's AutoTP works with ZeRO stages 0-2 only, not ZeRO-3 (fsdp+tp): export "
+                         "accelerate or torchrun for this plan")
+    zero: dict = {"stage": stage}
+    if stage >= 2:
+        zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if e.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 0:
+            zero["stage"] = 1            # DeepSpeed offloads the optimizer from ZeRO stage 1 on
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": e.micro_batch_size,
+        "gradient_accumulation_steps": e.accumulation_steps,
+        "train_batch_size": e.micro_batch_size * e.accumulation_steps * lay.dp,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if PRECISIONS[e.precision].compute_dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif PRECISIONS[e.precision].compute_dtype == "float16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    if lay.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": lay.tp}
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
+    e = export_plan(p)
+    if kind == "accelerate":
+        text = export_accelerate(e, p.anatomy.decoder_layer_class)
+    elif kind == "torchrun":
+        text = export_torchrun(e)
+    elif kind == "deepspeed":
+        text = export_deepspeed(e)
+    else:
+        raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    if kind == "torchrun":
+        os.chmod(path, 0o755)
+    return e
+

@@ -1,0 +1,153 @@
+"""One layout's plan: the largest micro-batch whose device-used memory fits, the memory there, its time; and the
+two rankings of such plans (the time model's tokens/s, or LLMem's Algorithm 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.peft import trained_anatomy
+from llmem.model.resolved import assemble, setup_for
+from llmem.paper.algorithm1 import method_eval
+from llmem.planner.engines import MemoryEngine
+from llmem.planner.options import PlanOptions
+from llmem.planner.timing import StepTime, accumulation_for, offload_step_extra_s, step_time
+from llmem.result import MemoryResult
+from llmem.search import BATCH_CAP, calibrated_max, max_batch_size
+from llmem.setup.gpus import GpuSpec
+from llmem.setup.layout import Layout
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass
+class CandidatePlan:
+    layout: Layout
+    max_batch_size: int                  # 0: does not fit even at batch 1
+    memory: MemoryResult                 # at max_batch_size (at batch 1 when nothing fits)
+    limit_bytes: int
+    time: StepTime | None = None         # at the micro-batch the plan would use
+    eval: float | None = None            # Algorithm 1's eval (paper ranking)
+    offload_optimizer: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.max_batch_size >= 1
+
+    @property
+    def method(self) -> str:
+        return self.layout.method
+
+    def to_dict(self) -> dict:
+        t = self.time
+        out = {
+            "method": self.layout.method, "label": self.layout.label, "dp": self.layout.dp, "tp": self.layout.tp,
+            "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
+            "batch_size_at_memory": max(self.max_batch_size, 1),
+            "peak_reserved_bytes": self.memory.peak_reserved_bytes,
+            "device_used_bytes": self.memory.device_used_bytes, "limit_bytes": self.limit_bytes,
+            "micro_batch_size": t.micro_batch_size if t else None,
+            "accumulation_steps": t.accumulation_steps if t else None,
+            "global_batch_size": t.global_batch_size if t else None,
+            "step_time_s": t.step_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
+            "time": t.to_dict() if t else None, "fits": self.fits,
+        }
+        if self.eval is not None:
+            out["eval"] = self.eval
+        if self.offload_optimizer:
+            out["offload_optimizer"] = True
+        return out
+
+
+def limit_bytes(gpu: GpuSpec, headroom: float) -> int:
+    return int(gpu.memory_bytes * (1 - headroom))
+
+
+def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
+                     cap: int = BATCH_CAP) -> CandidatePlan:
+    """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
+
+    With the engine's quick bound (tensor bytes at the largest moment, no allocator replay) the search runs on quick
+    values scaled
+    by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and stepped with full
+    estimates, so the result is the full estimator's own largest fitting batch.
+    """
+    cache: dict[int, MemoryResult] = {}
+
+    def at(bs: int) -> MemoryResult:
+        if bs not in cache:
+            cache[bs] = engine.full(setup_for(base, layout, bs))
+        return cache[bs]
+
+    def fits(bs: int) -> bool:
+        return at(bs).device_used_bytes <= limit
+
+    if not engine.has_quick:
+        best = max_batch_size(fits, cap)
+        return CandidatePlan(layout, best, at(max(best, 1)), limit)
+    # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
+    # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
+    d1 = engine.draft(setup_for(base, layout, 1))
+    if d1.peak_allocated_bytes + (d1.device_used_bytes - d1.peak_reserved_bytes) > limit:
+        return CandidatePlan(layout, 0, at(1), limit)
+    best = calibrated_max(lambda bs: at(bs).device_used_bytes, lambda bs: engine.quick(setup_for(base, layout, bs)),
+                          limit, cap)
+    return CandidatePlan(layout, best, at(max(best, 1)), limit)
+
+
+def frozen_base_trainable_params(setup: TrainingSetup, anatomy: ModelAnatomy) -> int:
+    """Trainable parameters when the set-up freezes the base (LoRA and other adapters); 0 for full fine-tuning."""
+    trained = trained_anatomy(anatomy, setup)
+    return trained.trainable_params if trained.trainable_params < trained.total_params else 0
+
+
+def timed(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, layout: Layout, micro: int, steps: int,
+          options: PlanOptions, adapter_params: int = 0) -> StepTime:
+    """The time model of `setup` (`anatomy`: the base model's) under `layout` at `micro` x `steps`."""
+    r = assemble(setup_for(setup, layout, micro), anatomy, gpu, layout)
+    return step_time(r, micro, steps, mfu=options.mfu, inter_node_gbps=options.inter_node_gbps,
+                     adapter_params=adapter_params)
+
+
+def attach_time(c: CandidatePlan, anatomy: ModelAnatomy, setup: TrainingSetup, gpu: GpuSpec,
+                options: PlanOptions, adapter_params: int = 0) -> None:
+    """The candidate's step time at the micro-batch and accumulation the plan would use (`anatomy`: the base
+    model's; `adapter_params`: the trained adapters, found from the set-up when 0)."""
+    if not c.fits:
+        return
+    adapter_params = adapter_params or frozen_base_trainable_params(setup, anatomy)
+    if setup.optimizer_in_backward:
+        # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
+        wanted = -(-options.global_batch // c.layout.dp) if options.global_batch else c.max_batch_size
+        micro, steps = min(c.max_batch_size, wanted), 1
+    else:
+        micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
+    t = timed(setup, anatomy, gpu, c.layout, micro, steps, options, adapter_params)
+    if c.offload_optimizer:
+        extra = offload_step_extra_s(assemble(setup_for(setup, c.layout, micro), anatomy, gpu, c.layout))
+        t = replace(t, step_s=t.step_s + extra, tokens_per_s=t.tokens_per_step / (t.step_s + extra))
+    c.time = t
+
+
+def rank_by_time(candidates: list[CandidatePlan]) -> CandidatePlan | None:
+    """The fitting candidate with the most tokens/s (earlier in the list on ties)."""
+    best = None
+    for c in candidates:
+        if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s):
+            best = c
+    return best
+
+
+def rank_by_paper(candidates: list[CandidatePlan]) -> CandidatePlan | None:
+    """Algorithm 1: argmax eval, ties to CDP > ADP > TP > DP+TP; None (CPU offloading) when every eval is 0."""
+    best = None
+    for c in sorted(candidates, key=lambda c: c.layout.spec.paper_order):
+        if c.eval and (best is None or c.eval > best.eval):
+            best = c
+    return best
+
+
+
+def paper_eval(layout: Layout, batch: int) -> float:
+    """Algorithm 1's eval for a layout at its max batch (llmem.paper.algorithm1)."""
+    return method_eval(layout.spec.paper_name, batch, layout.world_size, layout.dp)

@@ -1,0 +1,344 @@
+"""What would fit when nothing does (`llmem plan`'s suggestions): memory savers that keep full fine-tuning, a shorter
+sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs; each with its largest batch, memory,
+tokens/s and its time per token against the set-up as given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmem.errors import LlmemError
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.resolved import assemble, setup_for
+from llmem.paper.algorithm1 import CPU_OFFLOADING
+from llmem.planner.engines import LlmemEngine, MemoryEngine
+from llmem.planner.options import PlanOptions
+from llmem.planner.search import (
+    CandidatePlan,
+    attach_time,
+    frozen_base_trainable_params,
+    limit_bytes,
+    rank_by_time,
+    search_candidate,
+    timed,
+)
+from llmem.planner.timing import offload_cpu_ram_bytes
+from llmem.search import calibrated_max, max_batch_size
+from llmem.setup.gpus import GpuSpec
+from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
+from llmem.setup.methods import MethodSpec
+from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
+from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
+from llmem.units import format_bytes
+
+LORA_RANK = 16
+LORA_TARGETS = LORA_ALL_LINEAR
+MAX_SUGGESTED_GPUS = 64
+SUGGESTION_LAYOUTS = 2              # each what-if is searched on the two closest layouts that can run it
+
+def _best_fitting(setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int, anatomy: ModelAnatomy,
+                  gpu: GpuSpec, options: PlanOptions, adapter_params: int = 0, offload: bool = False,
+                  max_layouts: int | None = None) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+    """The fastest fitting plan over `layouts` (and every plan searched); with max_layouts, only the first that
+    many layouts the set-up can run (a layout that refuses it, e.g. 8-bit AdamW under FSDP2, does not count)."""
+    plans: list[CandidatePlan] = []
+    for layout in layouts:
+        if max_layouts is not None and len(plans) >= max_layouts:
+            break
+        try:
+            c = search_candidate(setup, layout, engine, limit, options.batch_cap)
+        except LlmemError:
+            continue
+        c.offload_optimizer = offload
+        attach_time(c, anatomy, setup, gpu, options, adapter_params)
+        plans.append(c)
+    return rank_by_time(plans), plans
+
+
+def _suggestion(kind: str, text: str, c: CandidatePlan | None, **extra) -> dict:
+    out = {"kind": kind, "text": text, "fits": bool(c and c.fits)}
+    if c is not None:
+        out.update({"method": c.layout.method, "label": c.layout.label, "dp": c.layout.dp, "tp": c.layout.tp,
+                    "gpus": c.layout.world_size, "max_batch_size": c.max_batch_size,
+                    "peak_reserved_bytes": c.memory.peak_reserved_bytes,
+                    "device_used_bytes": c.memory.device_used_bytes,
+                    "step_time_s": c.time.step_s if c.time else None,
+                    "tokens_per_s": c.time.tokens_per_s if c.time else None})
+    out.update(extra)
+    return out
+
+
+def _closest(plans: list[CandidatePlan]) -> CandidatePlan | None:
+    return min(plans, key=lambda c: c.memory.device_used_bytes, default=None)
+
+
+def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine: MemoryEngine,
+                 limit: int, methods: tuple[str, ...] | None = None) -> CandidatePlan | None:
+    """The fastest fitting plan on the smallest power-of-two GPU count above setup.gpus (up to 64), or None."""
+    heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
+    n = 1
+    while n < MAX_SUGGESTED_GPUS:
+        n *= 2
+        per = setup.gpus_per_node
+        if n <= setup.gpus or (per and n > per and n % per):
+            continue
+        try:
+            layouts = candidate_layouts(n, per, *heads, methods=methods or options.methods)
+        except LlmemError:
+            continue
+        best, _ = _best_fitting(replace(setup, gpus=n), layouts, engine, limit, anatomy, gpu, options)
+        if best is not None:
+            return best
+    return None
+
+
+def describe_fit(c: CandidatePlan | None, plans: list[CandidatePlan], limit: int) -> str:
+    if c is not None:
+        t = f", {c.time.tokens_per_s:,.0f} tokens/s" if c.time else ""
+        return (f"{c.layout.label} fits up to batch {c.max_batch_size} "
+                f"({format_bytes(c.memory.device_used_bytes)} at that batch{t})")
+    closest = _closest(plans)
+    if closest is None:
+        return "no layout could be estimated"
+    return (f"still does not fit: best {closest.layout.label} needs "
+            f"{format_bytes(closest.memory.device_used_bytes)} at batch 1 (limit {format_bytes(limit)})")
+
+
+@dataclass(frozen=True)
+class Saver:
+    """One way to make the step smaller: the set-up fields it changes, the CLI flags that ask for it, its cost."""
+    kind: str
+    changes: tuple[tuple[str, object], ...]
+    flags: str
+    cost: str
+
+    def apply(self, setup: TrainingSetup) -> TrainingSetup:
+        return replace(setup, **dict(self.changes))
+
+
+def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> list[Saver]:
+    """Ways to keep full fine-tuning with less memory, cheapest in time first (those already on are skipped), then
+    the cheap ones together (fused CE, 8-bit AdamW, checkpointing every layer)."""
+    out: list[Saver] = []
+    if not setup.fused_ce:
+        out.append(Saver("fused_ce", (("fused_ce", True),), "--fused-ce",
+                         "no [tokens, vocab] fp32 logits, same FLOPs"))
+    optimizer = setup.optimizer_spec
+    eight_bit = optimizer.adam and not optimizer.eight_bit and not setup.offload_optimizer \
+        and any(m.plain_tensors for m in methods)
+    if eight_bit:
+        out.append(Saver("optimizer_8bit", (("optimizer", EIGHT_BIT_ALTERNATIVE),),
+                         f"--optimizer {EIGHT_BIT_ALTERNATIVE}",
+                         "bitsandbytes' 8-bit Adam states, 2 instead of 8 bytes per parameter"))
+    if not setup.optimizer_in_backward and not setup.offload_optimizer \
+            and any(m.steps_in_backward for m in methods) and not optimizer.eight_bit:
+        out.append(Saver("optimizer_in_backward", (("optimizer_in_backward", True),), "--optimizer-in-backward",
+                         "each gradient freed after its own update; no gradient accumulation"))
+    if not setup.grad_ckpt:
+        out.append(Saver("grad_ckpt_every_2", (("grad_ckpt", True), ("ckpt_every", 2)), "--grad-ckpt-every 2",
+                         "recomputes half the decoder layers"))
+    if not setup.grad_ckpt or setup.ckpt_every > 1:
+        out.append(Saver("grad_ckpt", (("grad_ckpt", True), ("ckpt_every", 1)), "--grad-ckpt",
+                         "recomputes every decoder layer's forward (about 1/3 more compute)"))
+    if not setup.offload_activations:
+        out.append(Saver("offload_activations", (("offload_activations", True),), "--offload-activations",
+                         "saved activations to pinned host memory and back over PCIe"))
+    cheap = [sv for sv in out if sv.kind in ("fused_ce", "optimizer_8bit", "grad_ckpt")]
+    if len(cheap) > 1:
+        changes = tuple(c for sv in cheap for c in sv.changes)
+        out.append(Saver("combined", changes, " ".join(sv.flags for sv in cheap),
+                         "; ".join(sv.cost for sv in cheap)))
+    return out
+
+
+def time_cost_pct(c: CandidatePlan | None, base: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
+                  options: PlanOptions) -> float | None:
+    """Time per token of a suggestion against the set-up as given, at the same layout and micro-batch (the
+    given set-up's time is modelled even though it does not fit): + is slower, - faster."""
+    if c is None or not c.fits or c.time is None:
+        return None
+    micro = c.time.micro_batch_size
+    ref = timed(base, anatomy, gpu, c.layout, micro, c.time.accumulation_steps, options,
+                frozen_base_trainable_params(setup_for(base, c.layout, micro), anatomy))
+    return 100.0 * (ref.tokens_per_s / c.time.tokens_per_s - 1.0)
+
+
+def saver_suggestion(saver: Saver, setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int,
+                     anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+    s = saver.apply(setup)
+    best, plans = _best_fitting(s, layouts, engine, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
+    cost = time_cost_pct(best, setup, anatomy, gpu, options)
+    when = f", time per token {cost:+.0f} %" if cost is not None else ""
+    return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, limit)
+                       + engine_note,
+                       best or _closest(plans), flags=saver.flags, time_cost_pct=cost,
+                       changes=dict(saver.changes))
+
+
+@dataclass(frozen=True)
+class AdapterMenu:
+    """Adapters over a frozen base, tried with the activation savers that matter most for them."""
+    kind: str
+    title: str
+    changes: tuple[tuple[str, object], ...]
+    flags: str
+
+
+# (field, value, flag) sets tried on top of each adapter menu, cheapest in time first
+ADAPTER_VARIANTS: tuple[tuple[tuple[str, object, str], ...], ...] = (
+    (),
+    (("fused_ce", True, "--fused-ce"),),
+    (("grad_ckpt", True, "--grad-ckpt"),),
+    (("grad_ckpt", True, "--grad-ckpt"), ("fused_ce", True, "--fused-ce")),
+)
+
+
+def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
+    """LoRA r16 on all linear layers over the base as given, and the same over a 4-bit NF4 base (QLoRA, mixed
+    precision: bitsandbytes keeps fp32 adapters over a uint8 base, so pure bf16 becomes bf16-mixed). A set-up
+    that already trains adapters gets the QLoRA menu on its own adapters; a quantised one gets neither."""
+    if setup.quant_base != "none":
+        return []
+    lora = (("lora_rank", LORA_RANK), ("lora_targets", LORA_TARGETS))
+    lora_flags = f"--lora-rank {LORA_RANK} --lora-targets {LORA_TARGETS}"
+    menus = []
+    if not setup.peft:
+        menus.append(AdapterMenu("lora", f"LoRA r={LORA_RANK} on all linear layers", lora, lora_flags))
+    else:
+        lora, lora_flags = (), ""
+    mixed = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(setup.precision)
+    precision = (("precision", mixed),) if mixed else ()
+    flags = " ".join(f for f in ("--qlora", lora_flags, f"--precision {mixed}" if mixed else "") if f)
+    title = "QLoRA (4-bit NF4 base, double quantisation)" + (f" with LoRA r={LORA_RANK} on all linear layers"
+                                                             if lora else " with the given adapters")
+    menus.append(AdapterMenu("qlora", title, (("quant_base", "nf4"),) + lora + precision, flags))
+    return menus
+
+
+def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int,
+                    anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+    """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion."""
+    base = replace(setup, **dict(menu.changes))
+    settings: list[dict] = []
+    fastest: tuple[CandidatePlan, str, tuple] | None = None
+    closest: CandidatePlan | None = None
+    tried: set[tuple] = set()
+    for variant in ADAPTER_VARIANTS:
+        changes = tuple((k, v) for k, v, _ in variant if getattr(base, k) != v)   # what the set-up lacks
+        if changes in tried:
+            continue
+        tried.add(changes)
+        flags = " ".join(f for k, v, f in variant if (k, v) in changes)
+        s = replace(base, **dict(changes))
+        best, plans = _best_fitting(s, layouts, engine, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
+        all_flags = " ".join(f for f in (menu.flags, flags) if f)
+        pick = best or _closest(plans)
+        if pick is not None and (closest is None
+                                 or pick.memory.device_used_bytes < closest.memory.device_used_bytes):
+            closest = pick
+        settings.append({"flags": all_flags, "fits": best is not None,
+                         "max_batch_size": best.max_batch_size if best else 0,
+                         "label": pick.layout.label if pick else None,
+                         "device_used_bytes": pick.memory.device_used_bytes if pick else None,
+                         "tokens_per_s": best.time.tokens_per_s if best and best.time else None,
+                         "time_cost_pct": time_cost_pct(best, setup, anatomy, gpu, options)})
+        if best is not None and best.time is not None and (
+                fastest is None or best.time.tokens_per_s > fastest[0].time.tokens_per_s):
+            fastest = (best, all_flags, changes)
+    trainable = frozen_base_trainable_params(base, anatomy)
+    head = f"{menu.title} ({trainable:,} trainable parameters)"
+    if fastest is None:
+        text = f"{head}: no setting fits — " + describe_fit(None, [closest] if closest else [], limit)
+        return _suggestion(menu.kind, text + engine_note, closest, flags=menu.flags, settings=settings,
+                           adapter_params=trainable, changes=dict(menu.changes))
+    best, flags, changes = fastest
+    fitting = [x for x in settings if x["fits"]]
+    others = "; ".join(f"{x['flags']}: batch {x['max_batch_size']}" for x in fitting if x["flags"] != flags)
+    text = (f"{head}: {flags} — {describe_fit(best, [], limit)}"
+            + (f"; also fits: {others}" if others else "") + engine_note)
+    return _suggestion(menu.kind, text, best, flags=flags, settings=settings, adapter_params=trainable,
+                       time_cost_pct=time_cost_pct(best, setup, anatomy, gpu, options),
+                       changes={**dict(menu.changes), **dict(changes)})
+
+
+def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine: MemoryEngine,
+            layouts: list[Layout]) -> list[dict]:
+    """What would fit when nothing does: memory savers that keep full fine-tuning (fused CE, 8-bit AdamW, the
+    optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
+    together), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs."""
+    limit = limit_bytes(gpu, options.headroom)
+    out: list[dict] = []
+    # the paper's equations model none of the savers: they are always priced by the llmem estimator
+    engine_note = " (memory from the llmem estimator: the paper engine does not model it)" \
+        if options.engine == "paper" else ""
+    saver_engine = engine if isinstance(engine, LlmemEngine) else LlmemEngine(anatomy, gpu)
+
+    def describe(c: CandidatePlan | None, plans: list[CandidatePlan]) -> str:
+        return describe_fit(c, plans, limit)
+
+    # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together
+    for saver in full_finetune_savers(setup, [lay.spec for lay in layouts]):
+        out.append(saver_suggestion(saver, setup, layouts, saver_engine, limit, anatomy, gpu, options, engine_note))
+    # 2. the longest sequence that fits at batch 1 (searched on draft estimates)
+    best_seq, best_c = 0, None
+    for layout in layouts:
+        def fits_seq(n: int, layout=layout) -> bool:
+            return engine.draft(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
+        quick = engine.quick if engine.has_quick else None
+        try:
+            if quick is None:
+                n = max_batch_size(fits_seq, setup.seq_len - 1) if setup.seq_len > 1 else 0
+            else:
+                def used(n: int, layout=layout) -> int:
+                    return engine.full(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes
+
+                def quick_used(n: int, layout=layout, quick=quick) -> int:
+                    return quick(setup_for(replace(setup, seq_len=n), layout, 1))
+                n = calibrated_max(used, quick_used, limit, setup.seq_len - 1) if setup.seq_len > 1 else 0
+        except LlmemError:
+            continue
+        if n > best_seq:
+            s = replace(setup, seq_len=n)
+            best_seq = n
+            best_c = search_candidate(s, layout, engine, limit, options.batch_cap)
+            attach_time(best_c, anatomy, s, gpu, options)
+    if best_c is not None:
+        out.append(_suggestion("seq_len", f"shorten the sequence: --seq-len {best_seq} is the longest that fits "
+                               f"at batch 1 ({best_c.layout.label}, {format_bytes(best_c.memory.device_used_bytes)}"
+                               f" at batch {best_c.max_batch_size})", best_c, seq_len=best_seq))
+    else:
+        out.append(_suggestion("seq_len", "a shorter sequence does not help: even --seq-len 1 does not fit at "
+                               "batch 1", None, seq_len=0))
+    # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
+    for menu in adapter_menus(setup):
+        out.append(menu_suggestion(menu, setup, layouts, saver_engine, limit, anatomy, gpu, options, engine_note))
+    # 4. optimizer states on the CPU
+    best, plans = _best_fitting(replace(setup, offload_optimizer=True), layouts, saver_engine, limit, anatomy, gpu,
+                                options, offload=True)
+    pick = best or _closest(plans)
+    ram = offload_cpu_ram_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
+    per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
+    out.append(_suggestion("offload_optimizer", "offload the optimizer to the CPU (states and update, "
+                           f"ZeRO-Offload style): {describe(best, plans)}; CPU RAM {format_bytes(ram)} per GPU "
+                           f"({format_bytes(ram * per_node)} per node) for the states and an fp32 master copy"
+                           + engine_note,
+                           pick, cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node))
+    # 5. more GPUs of the same type (then also with checkpointing)
+    # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
+    methods = tuple(sorted({lay.method for lay in layouts if not lay.spec.one_gpu})) or None
+    found = _fewest_gpus(setup, anatomy, gpu, options, engine, limit, methods)
+    if found is None and not setup.grad_ckpt and options.engine != "paper":
+        found = _fewest_gpus(replace(setup, grad_ckpt=True), anatomy, gpu, options, engine, limit, methods)
+        if found is not None:
+            out.append(_suggestion("gpus", f"use {found.layout.world_size} {gpu.name} GPUs with --grad-ckpt: "
+                                   + describe(found, []), found, grad_ckpt=True))
+    elif found is not None:
+        out.append(_suggestion("gpus", f"use {found.layout.world_size} {gpu.name} GPUs: "
+                               + describe(found, []), found))
+    if found is None:
+        out.append(_suggestion("gpus", f"even {MAX_SUGGESTED_GPUS} {gpu.name} GPUs do not fit this set-up as it "
+                               "is: combine the suggestions above", None))
+    if options.ranking == "paper":
+        out.append(_suggestion(CPU_OFFLOADING, "LLMem's Algorithm 1 recommends CPU offloading (heterogeneous "
+                               "training) when no method fits at batch 1", None))
+    return out
+

@@ -1,0 +1,327 @@
+"""The time model of `llmem plan`: FLOPs, communication and step time of a layout at a micro-batch.
+
+Time model (all functions pure; units in the names; every assumption is stated here and in `plan_notes`):
+
+* FLOPs of one micro-step, per data-parallel rank (`step_flops`):
+  - matmuls: 2 FLOPs per multiply-add, i.e. forward 2 * P * tokens, backward 4 * P * tokens for trainable weights
+    (input and weight gradients). A frozen weight (LoRA base) costs 2 * P forward + 2 * P backward (its input
+    gradient is still needed by the adapters below it), not 6 * P. P counts the weights that multiply activations:
+    decoder-layer matrices (MoE experts scaled by experts_per_token / experts), the lm_head (even when tied) and
+    other projections; embedding look-ups are free.
+  - attention scores and weighted values: 2 matmuls of 2 * s * d FLOPs per token per layer forward (d = query heads
+    x head_dim), i.e. 4 * L * s * d per token forward and 12 * L * s * d forward + backward. Causal halving: the
+    SDPA flash / memory-efficient kernels skip fully-masked blocks, so half of that counts; eager attention computes
+    the whole s x s matrix and is not halved.
+  - gradient checkpointing recomputes the decoder layers' forward once in backward: + 2 * P_layers * tokens + the
+    forward attention FLOPs, times the share of layers checkpointed (ceil(L / k) / L with --grad-ckpt-every k).
+  - fused cross-entropy computes the same matmuls (the lm_head's gradients in forward): no change.
+* memory-bound work, added to compute: a bitsandbytes base is dequantised (storage read, compute-dtype weight
+  written) in forward, in backward and in the recompute, at the GPU's memory bandwidth (`gpu.memory_gbps`);
+  activation offloading copies the layers' saved tensors to the host in forward and back in backward at
+  PCIE_GBPS, each copy hidden behind its phase's compute where it is shorter.
+* time = FLOPs / (peak * MFU), MFU default 0.4 (`--mfu`). Peak is the GPU's dense bf16/fp16 tensor peak; fp32
+  assumes TF32 matmuls (torch.set_float32_matmul_precision("high")) at half that peak on compute capability >= 8.0,
+  and 1/8 of it on Volta/Turing, which have no TF32. Tensor parallelism splits a micro-batch's FLOPs evenly over tp.
+* communication (`ring_allreduce_time_s`, `ring_allgather_time_s`): ring collectives, all-reduce moves
+  2 (N-1)/N of the buffer per GPU, all-gather and reduce-scatter (N-1)/N of the full buffer, plus a fixed latency
+  per collective (`COLLECTIVE_LATENCY_S`). Bandwidth per GPU: the GPU's NVLink/PCIe peer bandwidth
+  (`gpu.link_gbps`) inside a node, `--inter-node-gbps` (default 25 GB/s per GPU, a 200 Gb/s NIC per GPU) for a
+  group that spans nodes (the ring is as fast as its slowest hop).
+  - DDP: all-reduce of the gradients (parameter dtype: fp32 under *-mixed) once per optimizer step (no_sync during
+    accumulation); it overlaps with backward compute, except the last 25 MiB bucket.
+  - FSDP: per micro-step, all-gather of the parameters in forward (compute dtype under *-mixed) and again in
+    backward (fsdp reshards after forward; zero2 does not, so it has only the forward one), reduce-scatter of the
+    gradients (fp32 under *-mixed, as the estimator assumes). Forward gathers overlap forward compute, backward
+    gathers and reduce-scatters overlap backward compute; the root unit's and first layer's gathers and the root's
+    reduce-scatter are exposed.
+  - TP: per layer 2 all-reduces of the [b, s, h] activations forward, 2 backward, 2 more in the recompute under
+    checkpointing, one for the vocab-parallel embedding forward and one for the lm_head input backward, plus the
+    all-gather of the vocab-split logits; none overlaps (it is on the critical path).
+  - fsdp+tp: FSDP over the dp group on the TP-local shards, plus TP within the node.
+  - not modelled: the optimizer step's own time (memory-bound, small against compute at the batch sizes that fill a
+    GPU), data loading, pipeline bubbles (no pipeline parallelism here), kernel-launch overhead.
+* step time = accumulation_steps x micro-step; tokens/s = global tokens per step / step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.estimator.states import offloaded_optimizer_host_bytes
+from llmem.memory.activations.profile import activation_profile, effective_attention
+from llmem.memory.quant import is_quantised, storage_bytes
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.resolved import ResolvedSetup
+from llmem.setup.gpus import GpuSpec
+from llmem.setup.layout import Layout
+from llmem.setup.methods import DDP_BUCKET_CAP_BYTES
+from llmem.setup.training import TrainingSetup
+
+DEFAULT_MFU = 0.4
+DEFAULT_INTER_NODE_GBPS = 25.0      # GB/s per GPU across nodes (one 200 Gb/s NIC per GPU)
+COLLECTIVE_LATENCY_S = 10e-6        # fixed cost of one NCCL collective
+PCIE_GBPS = 25.0                    # host <-> GPU copies: optimizer / activation offloading (PCIe 4.0 x16, one way)
+CPU_ADAM_PARAMS_PER_S = 2e9         # a multi-threaded CPU Adam (DeepSpeed's CPUAdam class of speed), assumed
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one micro-step of one data-parallel rank (before any tensor-parallel split)."""
+    forward: float
+    backward: float
+    recompute: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+
+def matmul_params(anatomy: ModelAnatomy) -> tuple[float, float]:
+    """(decoder-layer, other) weights that multiply activations, per token; MoE experts scaled to the active ones."""
+    cfg = anatomy.config or {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    active = cfg.get("num_experts_per_tok") or 0
+    expert_share = active / experts if experts and active else 1.0
+    layer = other = 0.0
+    for p in anatomy.params:
+        if len(p.shape) < 2 or p.module_kind.endswith("Embedding"):
+            continue
+        n = float(p.numel)
+        if ".experts." in p.name or "Experts" in p.module_kind:
+            n *= expert_share
+        if p.layer_index is not None:
+            layer += n
+        elif not p.name.startswith("lm_head"):
+            other += n
+    other += anatomy.vocab_size * anatomy.hidden_size          # the lm_head matmul, tied or not
+    return layer, other
+
+
+def attention_flops_per_token_forward(anatomy: ModelAnatomy, seq_len: int, causal_skip: bool) -> float:
+    """Scores (q k^T) and weighted values (p v): 2 x 2 s d FLOPs per token per layer, halved by causal kernels."""
+    d = anatomy.num_heads * anatomy.head_dim
+    flops = anatomy.num_layers * 4.0 * seq_len * d
+    return flops / 2 if causal_skip else flops
+
+
+def checkpointed_fraction(num_layers: int, grad_ckpt: bool, ckpt_every: int = 1) -> float:
+    """Share of decoder layers recomputed in backward: those with index % ckpt_every == 0."""
+    if not grad_ckpt or num_layers < 1:
+        return 0.0
+    return -(-num_layers // ckpt_every) / num_layers
+
+
+def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: bool, causal_skip: bool,
+               frozen_base: bool = False, adapter_params: int = 0, ckpt_every: int = 1) -> StepFlops:
+    """FLOPs of forward, backward and checkpoint recompute for `tokens` tokens (see the module docstring)."""
+    layer_p, other_p = matmul_params(anatomy)
+    p = layer_p + other_p
+    attn_fwd = attention_flops_per_token_forward(anatomy, seq_len, causal_skip)
+    fwd = (2 * p + 2 * adapter_params + attn_fwd) * tokens
+    base_bwd = 2 * p if frozen_base else 4 * p                 # frozen: input gradients only
+    bwd = (base_bwd + 4 * adapter_params + 2 * attn_fwd) * tokens
+    share = checkpointed_fraction(anatomy.num_layers, grad_ckpt, ckpt_every)
+    rec = share * (2 * layer_p + 2 * adapter_params + attn_fwd) * tokens
+    return StepFlops(fwd, bwd, rec)
+
+
+def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """Device-memory traffic of dequantising a bitsandbytes base once (every quantised weight read in its storage
+    and written in the compute dtype): memory-bound work the matmul FLOPs do not count. MatMul4Bit dequantises in
+    forward and again in backward (and in the recompute under checkpointing); LLM.int8 dequantises in backward and
+    quantises the input in forward (counted alike, an approximation)."""
+    if setup.quant_base == "none":
+        return 0
+    return sum(storage_bytes(p, setup.quant_base, setup.double_quant) + p.numel * setup.compute_bytes
+               for p in anatomy.params if is_quantised(p, setup.quant_base))
+
+
+def offloaded_activation_bytes(r: ResolvedSetup) -> int:
+    """Bytes --offload-activations moves to the host in forward (and back in backward): the estimator's
+    ActivationProfile.offloaded_bytes (checkpointed layers' inputs and the lm_head's input stay on the device)."""
+    if not r.setup.offload_activations:
+        return 0
+    return activation_profile(r).offloaded_bytes
+
+
+def peak_flops_per_s(gpu: GpuSpec, precision: str) -> float:
+    """Dense matmul peak for `precision`: bf16/fp16 tensor peak; fp32 as TF32 (half) or 1/8 before Ampere."""
+    peak = gpu.bf16_tflops * 1e12
+    if precision == "fp32":
+        return peak / 2 if gpu.compute_capability >= (8, 0) else peak / 8
+    return peak
+
+
+def ring_allreduce_time_s(nbytes: float, n: int, bandwidth_gbps: float,
+                          latency_s: float = COLLECTIVE_LATENCY_S) -> float:
+    """Ring all-reduce of an `nbytes` buffer over n GPUs: 2 (n-1)/n * nbytes per GPU at bandwidth_gbps GB/s."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (bandwidth_gbps * 1e9) + latency_s
+
+
+def ring_allgather_time_s(full_nbytes: float, n: int, bandwidth_gbps: float,
+                          latency_s: float = COLLECTIVE_LATENCY_S) -> float:
+    """All-gather (or reduce-scatter) whose full, unsharded buffer is `full_nbytes`: (n-1)/n of it per GPU."""
+    if n <= 1 or full_nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * full_nbytes / (bandwidth_gbps * 1e9) + latency_s
+
+
+def group_bandwidth_gbps(gpu: GpuSpec, spans_nodes: bool, inter_node_gbps: float) -> float:
+    """Per-GPU bandwidth of a collective's group: NVLink/PCIe inside a node, the slower network across nodes."""
+    return min(gpu.link_gbps, inter_node_gbps) if spans_nodes else gpu.link_gbps
+
+
+@dataclass(frozen=True)
+class CommSizes:
+    """Bytes one GPU's collectives move per micro-step (full buffer sizes, before the (n-1)/n factors)."""
+    ddp_grad_bytes: float = 0.0          # all-reduced once per optimizer step
+    fsdp_gather_bytes: float = 0.0       # one all-gather of every unit (TP-local, unsharded)
+    fsdp_reduce_bytes: float = 0.0       # one reduce-scatter of every trainable unit
+    fsdp_root_gather_bytes: float = 0.0  # the root unit's gather (exposed at the start of forward)
+    fsdp_layer_gather_bytes: float = 0.0
+    fsdp_root_reduce_bytes: float = 0.0  # the root unit's reduce-scatter (exposed at the end of backward)
+    fsdp_units: int = 0
+    tp_allreduce_bytes: float = 0.0      # one activation all-reduce [b, s, h]
+    tp_allreduces: int = 0
+    tp_logits_gather_bytes: float = 0.0
+
+
+def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micro_batch: int,
+               trainable_fraction: float = 1.0) -> CommSizes:
+    """What `layout` communicates per micro-step at `micro_batch`; trainable_fraction scales gradient traffic
+    (1 for full fine-tuning, adapters / base for LoRA)."""
+    pb = setup.param_bytes
+    tp = layout.tp
+    total = float(anatomy.total_params) / tp
+    root = float(anatomy.root_params) / tp
+    layer = float(anatomy.layer_params(0)) / tp
+    sizes: dict = {}
+    if layout.spec.gradient_buckets and layout.dp > 1:
+        sizes["ddp_grad_bytes"] = total * trainable_fraction * pb
+    if layout.shards_model_states and layout.dp > 1:
+        gather_b = setup.gather_bytes
+        reduce_b = 4 if setup.mixed else pb
+        sizes.update(fsdp_gather_bytes=total * gather_b, fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
+                     fsdp_root_gather_bytes=root * gather_b, fsdp_layer_gather_bytes=layer * gather_b,
+                     fsdp_root_reduce_bytes=root * trainable_fraction * reduce_b,
+                     fsdp_units=anatomy.num_layers + 1)
+    if tp > 1:
+        act = float(micro_batch) * setup.seq_len * anatomy.hidden_size * setup.compute_bytes
+        per_layer = 4 + (2 if setup.grad_ckpt else 0)
+        sizes.update(tp_allreduce_bytes=act, tp_allreduces=per_layer * anatomy.num_layers + 2,
+                     tp_logits_gather_bytes=float(micro_batch) * setup.seq_len * anatomy.vocab_size
+                     * setup.compute_bytes)
+    return CommSizes(**sizes)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Time of one optimizer step (accumulation_steps micro-steps) on one GPU, seconds."""
+    micro_batch_size: int
+    accumulation_steps: int
+    global_batch_size: int        # samples per optimizer step over all data-parallel ranks
+    tokens_per_step: int
+    compute_s: float              # all micro-steps' forward + backward + recompute (+ dequantisation, offload copies)
+    dp_comm_s: float              # DDP/FSDP collectives per step (overlappable)
+    dp_exposed_s: float           # the part of dp_comm_s not hidden behind compute, tails included
+    tp_comm_s: float              # tensor-parallel collectives per step (never hidden)
+    step_s: float
+    tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def step_time(r: ResolvedSetup, micro_batch: int,
+              accumulation_steps: int = 1, *, mfu: float = DEFAULT_MFU,
+              inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS, adapter_params: int = 0) -> StepTime:
+    """The time model (module docstring) for `layout` at `micro_batch` x `accumulation_steps`.
+
+    adapter_params > 0 models LoRA: the base is frozen, only the adapters get gradients and communicate them.
+    """
+    anatomy, setup, layout, gpu = r.base, r.setup, r.layout, r.gpu
+    if micro_batch < 1 or accumulation_steps < 1:
+        raise LlmemError("micro-batch and accumulation steps must be >= 1")
+    if not 0 < mfu <= 1:
+        raise LlmemError(f"--mfu must lie in (0, 1], got {mfu}")
+    tokens = micro_batch * setup.seq_len
+    causal_skip = effective_attention(anatomy, setup) == "sdpa"
+    flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
+                       frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every)
+    rate = peak_flops_per_s(gpu, setup.precision) * mfu * layout.tp
+    fwd_s = flops.forward / rate
+    bwd_s = (flops.backward + flops.recompute) / rate
+    # memory-bound: a quantised base is dequantised in forward, backward and the recompute
+    passes = 2 + checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every)
+    dequant_s = passes * dequantised_bytes_per_pass(anatomy, setup) / (gpu.memory_gbps * 1e9)
+    # activation offloading: copies to the host in forward, back in backward, each overlapping its phase's compute
+    copy_s = offloaded_activation_bytes(r) / (PCIE_GBPS * 1e9)
+    offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
+    micro_compute_s = fwd_s + bwd_s + dequant_s + offload_s
+
+    trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
+    c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction)
+    spans = layout.world_size > layout.gpus_per_node
+    dp_bw = group_bandwidth_gbps(gpu, spans, inter_node_gbps)
+    tp_bw = gpu.link_gbps                       # tp stays inside a node
+    a = accumulation_steps
+
+    dp_comm = exposed = 0.0
+    if c.ddp_grad_bytes:
+        ar = ring_allreduce_time_s(c.ddp_grad_bytes, layout.dp, dp_bw)
+        tail = ring_allreduce_time_s(min(DDP_BUCKET_CAP_BYTES, c.ddp_grad_bytes), layout.dp, dp_bw)
+        dp_comm = ar
+        exposed = max(0.0, ar - bwd_s) + tail   # once per step, behind the last micro-step's backward
+    elif c.fsdp_units:
+        lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
+        ag = ring_allgather_time_s(c.fsdp_gather_bytes, layout.dp, dp_bw) + lat
+        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, layout.dp, dp_bw) + lat
+        ag_bwd = ag if layout.spec.reshard_after_forward else 0.0
+        tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, layout.dp, dp_bw)
+                + ring_allgather_time_s(c.fsdp_layer_gather_bytes, layout.dp, dp_bw)
+                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, layout.dp, dp_bw))
+        dp_comm = a * (ag + ag_bwd + rs)
+        exposed = a * (max(0.0, ag - fwd_s) + max(0.0, ag_bwd + rs - bwd_s) + tail)
+    tp_comm = 0.0
+    if c.tp_allreduces:
+        tp_comm = a * (c.tp_allreduces * ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
+                       + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
+    compute = a * micro_compute_s
+    step = compute + exposed + tp_comm
+    global_batch = micro_batch * a * layout.dp
+    tokens_per_step = global_batch * setup.seq_len
+    return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
+                    tokens_per_step / step)
+
+
+def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) for a global batch of samples: the fewest accumulation steps with a
+    micro-batch that fits, then the smallest micro-batch that still reaches the global batch."""
+    if max_micro_batch < 1:
+        raise LlmemError("no micro-batch fits")
+    if not global_batch:
+        return max_micro_batch, 1
+    steps = max(1, -(-global_batch // (max_micro_batch * dp)))
+    micro = max(1, -(-global_batch // (steps * dp)))
+    return micro, steps
+
+
+def _shard_count(layout: Layout) -> int:
+    return (layout.dp if layout.shards_model_states else 1) * layout.tp
+
+
+def offload_cpu_ram_bytes(r: ResolvedSetup) -> int:
+    """CPU RAM per GPU for optimizer offloading (the estimator's offloaded_optimizer_host_bytes)."""
+    return offloaded_optimizer_host_bytes(r)
+
+
+def offload_step_extra_s(r: ResolvedSetup) -> float:
+    """Time offloading adds per step, not overlapped (an upper bound): gradients to the host, the CPU update, the
+    updated parameters back, at PCIE_GBPS and CPU_ADAM_PARAMS_PER_S (the base model's parameters: an upper
+    bound for adapters)."""
+    local = r.base.trainable_params / _shard_count(r.layout)
+    moved = local * (4 + r.setup.param_bytes)           # fp32 gradients down, parameters up
+    return moved / (PCIE_GBPS * 1e9) + local / CPU_ADAM_PARAMS_PER_S
+

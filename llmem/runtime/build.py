@@ -1,0 +1,241 @@
+"""The model the step trains: the HF causal LM built from its config on the meta device, peft's adapters, the
+checkpointing and loss options, then materialised (fake tensors for the trace, random weights for measure)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from llmem.errors import LlmemError
+from llmem.model.config import build_meta_model as meta_model_of
+from llmem.model.config import resolve_config, training_config
+from llmem.model.peft import apply_peft_config, read_peft_config
+from llmem.runtime.patches import quiet
+
+
+def build_meta_model(setup):
+    """The HF causal LM on the meta device, with the setup's attention implementation, no KV cache, train mode."""
+    # --attn flash: HF's flash_attention_2 needs the flash-attn package; its kernel is modelled by PyTorch's flash
+    # SDPA kernel (same saved tensors: q, k, v, out, logsumexp), so the model runs its SDPA implementation
+    attn = "sdpa" if setup.attn == "flash" else setup.attn
+    _, cfg = resolve_config(setup.model, setup.trust_remote_code)
+    cfg = training_config(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg._attn_implementation = attn
+        except Exception:  # noqa: BLE001 - some configs validate lazily; set_attn_implementation below decides
+            pass
+        model = meta_model_of(cfg, setup.trust_remote_code)
+        if getattr(model.config, "_attn_implementation", None) != attn:
+            try:
+                model.set_attn_implementation(attn)
+            except Exception as exc:  # noqa: BLE001
+                raise LlmemError(f"{type(model).__name__} does not support attn={setup.attn!r}: {exc}") from None
+    model.config.use_cache = False
+    # from_config follows the config's torch_dtype (often fp16/bf16): training keeps fp32 parameters unless the
+    # setup says pure bf16/fp16 (cast by the caller)
+    model.to(torch.float32)
+    model.train()
+    return model
+
+
+def apply_peft(model: nn.Module, setup) -> nn.Module:
+    """peft on the meta model (adapters, prompts and the trainable set from peft itself): --lora-rank builds a
+    LoraConfig, --peft-config loads the user's adapter_config.json. The frozen base is kept in the compute dtype, as
+    fine-tuning scripts load it; adapters are fp32 under mixed precision (peft's autocast_adapter_dtype) and in the
+    model dtype under pure bf16/fp16."""
+    from peft import LoraConfig, get_peft_model
+
+    if setup.peft_config:
+        text, fields = read_peft_config(setup.peft_config)
+        if fields.get("use_dora") and setup.quant_base != "none":
+            raise LlmemError("DoRA on a bitsandbytes-quantised base is not emulated in trace (peft dequantises the "
+                             "weight every forward); llmem estimate models it analytically")
+        with quiet():
+            peft_model = apply_peft_config(model, text, setup.mixed)
+    else:
+        targets = (setup.lora_targets if setup.lora_targets == "all-linear"
+                   else [t.strip() for t in setup.lora_targets.split(",") if t.strip()])
+        config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
+        with quiet():
+            try:
+                peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.mixed)
+            except ValueError as exc:
+                raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
+    low = low_dtype(setup)
+    if setup.mixed and low is not None:
+        cast: dict[int, nn.Parameter] = {}      # by identity, so tied weights stay one tensor
+        for module in peft_model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and not p.requires_grad and p.is_floating_point():
+                    if id(p) not in cast:
+                        cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
+                    module._parameters[name] = cast[id(p)]
+    return peft_model
+
+
+def low_dtype(setup) -> torch.dtype | None:
+    """The set-up's low-precision dtype (None under fp32)."""
+    precision = setup.precision_spec
+    return getattr(torch, precision.compute_dtype) if precision.low_precision else None
+
+
+def collect_after_dora(model: nn.Module, stack: contextlib.ExitStack) -> None:
+    """DoRA builds lora_weight = lora_B(lora_A(eye)) every forward and drops its graph unused. On CUDA those
+    tensors die by reference counting when DoraLinearLayer.forward returns; under a Python dispatch mode (the
+    trace's FakeTensorMode, measure's tracker) they sit in a reference cycle until the garbage collector runs,
+    which made both depend on GC timing (checked: an untracked real run frees them at once). Collect right after each DoRA forward, where CUDA frees them. The objects alive at
+    the first collection are frozen (gc.freeze), so the later full collections only scan the step's new objects."""
+    import gc
+
+    if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
+        return
+    frozen: list[bool] = []
+
+    def collect(*_) -> None:
+        gc.collect()
+        if not frozen:
+            gc.freeze()
+            frozen.append(True)
+            stack.callback(gc.unfreeze)
+
+    for module in model.modules():
+        if type(module).__name__ == "DoraLinearLayer":
+            stack.callback(module.register_forward_hook(collect).remove)
+
+
+def materialize_prompt_tokens(model: nn.Module, device) -> None:
+    """peft's prompt learning keeps its virtual token ids in a plain dict (`prompt_tokens`, torch.arange made at
+    get_peft_model): make them on the step's device (fake ones under FakeTensorMode)."""
+    tokens = getattr(model, "__dict__", {}).get("prompt_tokens")
+    if isinstance(tokens, dict):
+        for name, ids in list(tokens.items()):
+            tokens[name] = torch.arange(ids.numel(), dtype=ids.dtype, device=device)
+
+
+def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Replace every meta parameter / buffer by an uninitialised tensor on `device` (a fake one when called under
+    FakeTensorMode), keeping tied parameters tied and floating parameters in `dtype` when given."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            new = memo.get(id(p))
+            if new is None:
+                dt = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
+                new = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=p.requires_grad)
+                memo[id(p)] = new
+            module._parameters[name] = new
+        for name, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            new = memo.get(id(b))
+            if new is None:
+                new = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                memo[id(b)] = new
+            module._buffers[name] = new
+
+
+def init_real_weights(model: nn.Module) -> None:
+    """Random initialisation the HF way (normal(0, std) weights, unit norms, recomputed rotary frequencies)."""
+    for module in model.modules():
+        if hasattr(module, "_is_hf_initialized"):
+            module._is_hf_initialized = False
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if hasattr(t, "_is_hf_initialized"):
+                t._is_hf_initialized = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.initialize_weights()
+
+
+def tie_if_needed(model: nn.Module) -> None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is not None and inp is not None and getattr(model.config, "tie_word_embeddings", False) \
+            and out.weight is not inp.weight and tuple(out.weight.shape) == tuple(inp.weight.shape):
+        out.weight = inp.weight
+
+
+def enable_checkpointing(model: nn.Module, every: int = 1) -> list[int]:
+    """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
+    layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
+    counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if every > 1 and not layers:
+        raise LlmemError(f"{type(model).__name__} has no GradientCheckpointingLayer: --grad-ckpt-every needs "
+                         "transformers' per-layer checkpointing")
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM module inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def install_fused_ce(model: nn.Module) -> None:
+    """The step's loss becomes llmem.runtime.losses' fused linear cross-entropy: the causal LM's forward runs its base
+    model for the final hidden states and calls the lm_head module, whose forward is the fused loss (so module
+    hooks - FSDP2's root unshard, DDP's reducer, the tracer's module tracker - fire as with the plain head).
+    The forward is replaced on the instance: peft, DDP and FSDP2 all reach it through `module.forward`."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from llmem.runtime.losses import fused_linear_cross_entropy
+
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    base = getattr(lm, "base_model", None)
+    if head is None or base is None or base is lm or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise LlmemError(f"--fused-ce needs a causal LM with a base model and a linear lm_head; "
+                         f"{type(lm).__name__} has none")
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(text, "final_logit_softcapping", None):
+        raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
+
+    def head_forward(hidden, labels):
+        return fused_linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), labels)
+
+    def lm_forward(input_ids=None, labels=None, **kwargs):
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        out = base(input_ids=input_ids, **kwargs)
+        hidden = out[0]
+        del out
+        if labels is None:
+            raise LlmemError("--fused-ce computes the loss only: the step must pass labels")
+        return CausalLMOutputWithPast(loss=head(hidden, labels))
+
+    head.forward = head_forward
+    lm.forward = lm_forward
+
+
+PACKED_SAMPLES = 2   # --packing: samples per row in the traced step (the mask's size does not depend on it)
+
+
+def packed_position_ids(batch: int, seq: int, device) -> torch.Tensor:
+    """Position ids of rows holding PACKED_SAMPLES samples each (DataCollatorWithFlattening's layout)."""
+    per = -(-seq // PACKED_SAMPLES)
+    return (torch.arange(seq, device=device) % per).expand(batch, seq).contiguous()
+
+
+def vocab_size(model: nn.Module) -> int:
+    emb = model.get_input_embeddings()
+    return int(getattr(emb, "num_embeddings", None) or model.config.get_text_config().vocab_size)
+

@@ -1,0 +1,215 @@
+"""Distributed plumbing: one rank (rank 0) of the target world on a fake process group, and the methods applied
+through PyTorch's own APIs (DDP, FSDP2 `fully_shard`, DTensor `parallelize_module`) as each method's row says.
+
+On the fake process group collectives do nothing, but every buffer a method allocates (DDP buckets, FSDP2's
+all-gather / reduce-scatter buffers, DTensor redistributions) is still a tensor. Each patch here restores what it
+replaced on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from llmem.errors import LlmemError
+from llmem.model.families import decoder_layers, tp_plan_of
+from llmem.runtime.patches import patched
+from llmem.setup.layout import Layout
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise LlmemError("a process group is already initialised in this process: llmem emulates rank 0 on its own"
+                         " fake process group")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def dtensor_propagation_untracked() -> Iterator[None]:
+    """DTensor's sharding propagation builds global-shape shadow tensors in `detect_fake_mode() or FakeTensorMode()`.
+    Under our fake mode those would be counted as real allocations: give them their own fake mode instead."""
+    from torch.distributed.tensor import _sharding_prop
+
+    with patched(_sharding_prop, "detect_fake_mode", lambda *a, **k: None):
+        yield
+
+
+@contextlib.contextmanager
+def device_mesh_outside_fake() -> Iterator[None]:
+    """DeviceMesh bookkeeping (rank tensors) must run on real tensors, also when fully_shard slices a 2-D mesh
+    inside the fake mode (FSDP2 over TP)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed import _mesh_layout, device_mesh
+
+    DeviceMesh = device_mesh.DeviceMesh
+
+    def outside(fn):
+        def wrapper(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(DeviceMesh, "__init__", outside(DeviceMesh.__init__)))
+        if hasattr(DeviceMesh, "_concatenate"):
+            stack.enter_context(patched(DeviceMesh, "_concatenate",
+                                         staticmethod(outside(DeviceMesh._concatenate))))
+        mesh_prop = DeviceMesh.__dict__.get("mesh")
+        if isinstance(mesh_prop, property):
+            stack.enter_context(patched(DeviceMesh, "mesh", property(outside(mesh_prop.fget))))
+        layout = getattr(_mesh_layout, "_MeshLayout", None)
+        if layout is not None and hasattr(layout, "remap_to_tensor"):
+            stack.enter_context(patched(layout, "remap_to_tensor", outside(layout.remap_to_tensor)))
+        yield
+
+
+@contextlib.contextmanager
+def ddp_on_fake_pg() -> Iterator[None]:
+    """DDP's constructor checks and broadcasts module states across ranks (nothing to do for one emulated rank, and
+    impossible on fake tensors)."""
+    from torch.nn.parallel import distributed as pd
+
+    noop = lambda *a, **k: None  # noqa: E731
+    with patched(pd, "_verify_param_shape_across_processes", noop), patched(pd, "_sync_module_states", noop):
+        yield
+
+
+class _ReducerProxy:
+    """DDP reducer whose `_rebuild_buckets` does nothing (it reads tensor data, which fake tensors lack).
+    The buckets keep their first-iteration layout: the same total size (4 B x P for fp32 grads)."""
+
+    def __init__(self, reducer) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._reducer, name, value)
+
+
+def _completed_future_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def layer_list(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers (llmem.model.families' rule)."""
+    found = decoder_layers(model)
+    if found is None:
+        raise LlmemError(f"{type(model).__name__} has no list of decoder layers")
+    return found[1]
+
+
+def tp_plan(model: nn.Module, model_type: str) -> dict[str, object]:
+    """parallelize_module's plan: each decoder layer's column- and row-parallel modules from the family's row,
+    the embedding row-parallel (vocab-split, replicated in and out) and the lm_head column-parallel with its output
+    replicated (the logits all-gathered)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    family = tp_plan_of(model_type)
+    layers = layer_list(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    plan: dict[str, object] = {}
+    for i in range(len(layers)):
+        plan.update({f"{prefix}.{i}.{n}": ColwiseParallel() for n in family.colwise})
+        plan.update({f"{prefix}.{i}.{n}": RowwiseParallel() for n in family.rowwise})
+    embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    if head is not None:
+        plan[head] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def _divide_local_heads(model: nn.Module, tp: int) -> None:
+    """Attention modules that view q/k/v with their configured head count need the per-rank count under TP."""
+    for module in model.modules():
+        for attr in ("num_heads", "num_key_value_heads"):
+            value = module.__dict__.get(attr)
+            if isinstance(value, int) and value % tp == 0 and hasattr(module, "head_dim"):
+                setattr(module, attr, value // tp)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model_type = model.config.model_type
+    plan = tp_plan(model, model_type)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallelize_module(model, tp_mesh, plan)
+    if tp_plan_of(model_type).local_heads:
+        _divide_local_heads(model, tp)
+    if tied:
+        # embed (rowwise: Shard(0) over vocab) and lm_head (colwise: Shard(0) over vocab) shard the same way
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and out.weight is not inp.weight and out.weight.placements == inp.weight.placements:
+            out.weight = inp.weight
+
+
+def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool) -> None:
+    """fully_shard each decoder layer, then the root; under *-mixed FSDP2's MixedPrecisionPolicy (low-precision
+    parameters gathered, fp32 gradients reduced)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict = {"mesh": mesh, "reshard_after_forward": reshard}
+    if setup.mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, setup.compute_dtype),
+                                               reduce_dtype=torch.float32)
+    for layer in layer_list(model):
+        fully_shard(layer, **kw)
+    # the root as users write it: fully_shard's default (None) keeps the root gathered from forward to backward
+    fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
+
+
+def device_mesh(layout: Layout, device_type: str):
+    """The layout's device mesh (its method's dimensions: dp for FSDP2, tp for tensor parallelism), or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = layout.spec.mesh_dims
+    if not dims:
+        return None
+    return init_device_mesh(device_type, tuple(layout.dp if d == "dp" else layout.tp for d in dims),
+                            mesh_dim_names=dims)
+
+
+def apply_method(model: nn.Module, layout: Layout, mesh, setup, region, fake_pg: bool) -> nn.Module:
+    """Apply the layout's method as its row says: DDP wraps the model (its reducer's buckets allocated under
+    `region("communication_buffers")`); tensor parallelism and FSDP2 shard it in place (TP first, then FSDP2 over
+    the dp dimension). Returns the module the step calls."""
+    spec = layout.spec
+    if spec.gradient_buckets:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dev = next(model.parameters()).device
+        with region("communication_buffers"):
+            ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        if fake_pg:
+            ddp.register_comm_hook(None, _completed_future_hook)
+            ddp.reducer = _ReducerProxy(ddp.reducer)
+        return ddp
+    two_d = spec.has_tp and spec.shards_model_states
+    if spec.has_tp:
+        apply_tensor_parallel(model, mesh["tp"] if two_d else mesh, layout.tp)
+    if spec.shards_model_states:
+        apply_fsdp(model, mesh["dp"] if two_d else mesh, setup, reshard=spec.reshard_after_forward)
+    return model

@@ -1,0 +1,139 @@
+"""The ledger replayed through the caching-allocator model, and the result it gives: the allocator's peaks
+(max_memory_allocated counts whole blocks, so a large block that was not split counts in full), the tensor bytes per
+component at the peak, per phase, each component's own maximum, and the timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.memory.allocator import CachingAllocator
+from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
+from llmem.runtime.ledger import PHASE_NAMES, Ledger
+from llmem.setup.record import SetupRecord
+
+MAX_TIMELINE_POINTS = 2000
+
+def replay_ledger(ledger: Ledger, *, expandable_segments: bool = False) -> dict:
+    """Run the events through the CachingAllocator model.
+
+    Returns the allocator's peaks (CUDA's max_memory_allocated / max_memory_reserved: whole blocks, so a large
+    block that was not split counts in full), the tensor bytes per category at the moment of peak allocated, the
+    same per phase (at each phase's own peak of tensor bytes), each category's own maximum, and the
+    (allocated, reserved, phase) series."""
+    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    malloc, free, stats = alloc.malloc, alloc.free, alloc.stats
+    handles: dict[int, int] = {}
+    cat_of = ledger.cat
+    by_cat: dict[str, int] = dict.fromkeys(ALLOCATED_COMPONENTS, 0)
+    cat_max: dict[str, int] = dict.fromkeys(ALLOCATED_COMPONENTS, 0)
+    phase_peak: dict[int, tuple[int, dict]] = {}
+    tensors = 0
+    peak = -1
+    peak_idx = 0
+    peak_cats: dict[str, int] = {}
+    series_alloc: list[int] = []
+    series_res: list[int] = []
+    series_phase: list[int] = []
+    for i, (is_alloc, key, size, phase, _it, _mod, stream) in enumerate(ledger.events):
+        cat = cat_of.get(key, "activations")
+        if is_alloc:
+            handles[key] = malloc(size, stream)
+            by_cat[cat] += size
+            tensors += size
+            if by_cat[cat] > cat_max[cat]:
+                cat_max[cat] = by_cat[cat]
+            best = phase_peak.get(phase)
+            if best is None or tensors > best[0]:
+                phase_peak[phase] = (tensors, dict(by_cat))
+        else:
+            h = handles.pop(key, None)
+            if h is None:
+                continue
+            free(h)
+            by_cat[cat] -= size
+            tensors -= size
+        st = stats()
+        allocated = st.allocated_bytes
+        if allocated > peak:
+            peak, peak_idx, peak_cats = allocated, i, dict(by_cat)
+        series_alloc.append(allocated)
+        series_res.append(st.reserved_bytes)
+        series_phase.append(phase)
+    final = stats()
+    return {"peak_allocated": final.peak_allocated_bytes, "peak_reserved": final.peak_reserved_bytes,
+            "peak_index": peak_idx, "components": peak_cats, "allocated": series_alloc, "reserved": series_res,
+            "phase": series_phase, "num_segments": final.num_segments, "category_max": cat_max,
+            "phase_peaks": {PHASE_NAMES[p]: {"tensor_bytes": v[0], "components": v[1]}
+                            for p, v in sorted(phase_peak.items())}}
+
+
+@dataclass
+class TraceDetails:
+    """What the MemoryResult leaves out: tensor-level peaks per phase, each category's own maximum, the biggest
+    allocations live at the peak (with their module), and the raw ledger."""
+    phase_peaks: dict[str, dict]          # phase -> {"tensor_bytes", "components"} at that phase's peak
+    category_max: dict[str, int]
+    top_at_peak: list[dict]
+    ledger: Ledger
+    wall_seconds: float = 0.0
+
+
+def top_allocations_at(ledger: Ledger, index: int, n: int = 15) -> list[dict]:
+    live: dict[int, tuple] = {}
+    for is_alloc, key, size, phase, it, mod, _s in ledger.events[: index + 1]:
+        if is_alloc:
+            live[key] = (size, phase, it, mod)
+        else:
+            live.pop(key, None)
+    groups: dict[tuple, list[int]] = {}
+    for key, (size, _phase, _it, mod) in live.items():
+        g = groups.setdefault((ledger.cat.get(key, "activations"), ledger.module_names[mod]), [0, 0])
+        g[0] += size
+        g[1] += 1
+    rows = [{"category": c, "module": m, "bytes": b, "count": k} for (c, m), (b, k) in groups.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    return rows[:n]
+
+
+def downsample(series: dict, max_points: int = MAX_TIMELINE_POINTS) -> list[dict]:
+    alloc, res, phase = series["allocated"], series["reserved"], series["phase"]
+    n = len(alloc)
+    if n == 0:
+        return []
+    if n <= max_points:
+        picks = range(n)
+    else:
+        per = -(-n // (max_points - 1))
+        picks = []
+        for start in range(0, n, per):
+            stop = min(n, start + per)
+            best = max(range(start, stop), key=alloc.__getitem__)
+            picks.append(best)
+        if series["peak_index"] not in picks:
+            picks.append(series["peak_index"])
+            picks.sort()
+        picks = picks[:max_points]
+    return [{"t": i, "allocated": alloc[i], "reserved": res[i], "phase": PHASE_NAMES[phase[i]]} for i in picks]
+
+
+def build_result(engine: str, ledger: Ledger, record: SetupRecord, gpu, notes: list[str],
+                 series: dict | None = None, managed_bytes: int = 0) -> MemoryResult:
+    """The result of a traced (or CPU-measured) step: the counters from the replay, the breakdown at its peak;
+    device_used adds the CUDA context (the catalog's assumption) and the managed memory outside the allocator."""
+    series = series or replay_ledger(ledger, expandable_segments=record.expandable_segments)
+    peak_alloc = series["peak_allocated"]
+    peak_res = series["peak_reserved"]
+    comps = {name: int(series["components"].get(name, 0)) for name in ALLOCATED_COMPONENTS}
+    # The categories hold tensor bytes (512-B rounded). CUDA's memory_allocated also counts the unsplit tail of a
+    # large block (a 21.5 MiB tensor cut from a 22 MiB segment holds all 22 MiB): that is block_rounding.
+    comps["block_rounding"] = peak_alloc - sum(comps.values())
+    comps["allocator_overhead"] = peak_res - peak_alloc
+    comps["cuda_context"] = gpu.cuda_context_bytes
+    comps["managed_memory"] = managed_bytes      # paged optimizer states: device memory outside the allocator
+    phase = PHASE_NAMES[series["phase"][series["peak_index"]]] if series["phase"] else ""
+    return MemoryResult(engine=engine, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
+                        device_used_bytes=peak_res + gpu.cuda_context_bytes + managed_bytes,
+                        gpu_memory_bytes=gpu.memory_bytes,
+                        components=comps, setup=record, peak_phase=phase, notes=notes,
+                        timeline=downsample(series))
+

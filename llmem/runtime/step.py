@@ -1,0 +1,240 @@
+"""The real fine-tuning step that `trace` and `measure` both run.
+
+One module builds it, so the two engines run the same PyTorch code: the HF model from its config
+(llmem.runtime.build), the distributed method through PyTorch's own APIs on a process group of the target world size
+(llmem.runtime.distributed), the optimizer as PyTorch runs it on CUDA (llmem.runtime.optimizers), and two
+iterations of forward -> loss -> backward -> optimizer.step() -> optimizer.zero_grad(set_to_none=True).
+
+Two ways of materialising the model:
+- fake: under `FakeTensorMode`, every parameter is a fake *cpu* tensor (shapes and dtypes only, no memory). A fake
+  'cuda' device cannot run backward on the CPU-only torch build (the device's kernels are looked up when backward
+  runs), so the CUDA behaviour that matters for memory is emulated on the CPU keys (llmem.runtime.cuda).
+- real: real random-initialised tensors on a device (cpu or cuda).
+
+Multi-GPU methods run one rank (rank 0) on a fake process group (`init_process_group("fake", store=FakeStore())`).
+Under torchrun (WORLD_SIZE > 1) `measure` uses the real process group.
+
+Every monkey-patch lives in a context manager that restores the original on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmem.errors import LlmemError
+from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.runtime.build import (
+    apply_peft,
+    build_meta_model,
+    causal_lm,
+    collect_after_dora,
+    enable_checkpointing,
+    init_real_weights,
+    install_fused_ce,
+    low_dtype,
+    materialize,
+    materialize_prompt_tokens,
+    packed_position_ids,
+    tie_if_needed,
+    vocab_size,
+)
+from llmem.runtime.cuda import CudaAutocastPolicy, cuda_autocast_policy, cuda_like_dropout, cuda_like_sdpa
+from llmem.runtime.distributed import (
+    apply_method,
+    ddp_on_fake_pg,
+    device_mesh,
+    device_mesh_outside_fake,
+    dtensor_propagation_untracked,
+    fake_process_group,
+)
+from llmem.runtime.offload import ActivationOffload
+from llmem.runtime.optimizers import InBackwardOptimizer, make_optimizer
+from llmem.runtime.patches import hf_untraced_masks, quiet
+from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
+from llmem.setup.layout import Layout
+from llmem.setup.training import TrainingSetup
+
+PHASES = ("setup", "forward", "backward", "optimizer_step")
+
+
+@dataclass
+class StepHooks:
+    """Callbacks the engines plug in. All optional."""
+    on_phase: Callable[[str, int], None] | None = None          # (phase, iteration)
+    region: Callable[[str | None], contextlib.AbstractContextManager] | None = None  # category override
+
+
+@dataclass
+class TrainingStep:
+    setup: TrainingSetup
+    model: nn.Module            # the HF model (sharded in place under FSDP / TP)
+    runner: nn.Module           # what the step calls: the model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer | InBackwardOptimizer
+    input_ids: torch.Tensor
+    resolved: ResolvedSetup     # the set-up as every engine resolves it (layout, GPU, trained anatomy)
+    device_type: str
+    autocast_dtype: torch.dtype | None
+    hooks: StepHooks = field(default_factory=StepHooks)
+    autocast_policy: CudaAutocastPolicy | None = None
+    offload: ActivationOffload | None = None
+    position_ids: torch.Tensor | None = None   # --packing: positions restart at each packed sample
+
+    @property
+    def layout(self) -> Layout:
+        return self.resolved.layout
+
+    def _phase(self, name: str, it: int) -> None:
+        if self.hooks.on_phase is not None:
+            self.hooks.on_phase(name, it)
+
+    def iteration(self, it: int) -> None:
+        ids = self.input_ids
+        self._phase("forward", it)
+        if self.autocast_dtype is not None:
+            ctx = torch.autocast(self.device_type, dtype=self.autocast_dtype)
+        else:
+            ctx = contextlib.nullcontext()
+        offload = self.offload
+        with ctx, (offload.forward() if offload is not None else contextlib.nullcontext()):
+            extra = {} if self.position_ids is None else {"position_ids": self.position_ids}
+            loss = self.runner(input_ids=ids, labels=ids, **extra).loss   # the output (and its logits) dies here
+        if self.autocast_policy is not None:
+            self.autocast_policy.cache.clear()
+        self._phase("backward", it)
+        loss.backward()
+        del loss
+        self._phase("optimizer_step", it)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run(self, iterations: int = 2, progress: Callable[[str], None] | None = None) -> None:
+        for it in range(iterations):
+            if progress:
+                progress(f"iteration {it + 1}/{iterations}")
+            self.iteration(it)
+
+
+@contextlib.contextmanager
+def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
+                  fake_mode=None, hooks: StepHooks | None = None,
+                  before_model: Callable[[], None] | None = None,
+                  progress: Callable[[str], None] | None = None) -> Iterator[TrainingStep]:
+    """Set up (patches, process group, model, method, optimizer, inputs), yield the step, tear down on exit.
+
+    fake: materialise under `fake_mode` (a FakeTensorMode the caller owns; entered here) on the fake cpu device.
+    cuda_kernels: with fake tensors, run the ops of CUDA's fused SDPA kernels (their meta kernels); real CPU cannot.
+    before_model: called once the fake mode is entered, before any parameter exists (trackers start there).
+    """
+    hooks = hooks or StepHooks()
+    device = torch.device(device)
+    say = progress or (lambda msg: None)
+    resolved = resolve(setup)      # the layout, the support check: as every engine resolves them
+    gpu, layout, spec = resolved.gpu, resolved.layout, resolved.method
+    region = hooks.region or (lambda _category: contextlib.nullcontext())
+
+    with quiet():
+        model = build_meta_model(setup)
+    low = low_dtype(setup)
+    if setup.precision_spec.low_precision and not setup.mixed:
+        model.to(low)                 # still on meta: dtype only
+    if setup.quant_base != "none":    # bitsandbytes' quantised linears, emulated (llmem.runtime.quant_kernels)
+        quantize_base(model, setup, fake=fake)
+    if setup.peft:
+        model = apply_peft(model, setup)
+    if setup.quant_base != "none":
+        wrap_quant_adapters(model)
+    autocast_dtype = low if (setup.mixed and spec.autocast_under_mixed) else None
+    on_cuda = device.type == "cuda"
+    sharded = spec.shards_model_states or spec.has_tp
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(quiet())
+        real_pg = False
+        if not spec.one_gpu:
+            import torch.distributed as dist
+            env_ws = int(os.environ.get("WORLD_SIZE", "1"))
+            if not fake and env_ws > 1:
+                if env_ws != layout.world_size:
+                    raise LlmemError(f"torchrun started {env_ws} processes but the setup needs {layout.world_size}")
+                if not dist.is_initialized():
+                    dist.init_process_group("nccl" if on_cuda else "gloo")
+                    stack.callback(dist.destroy_process_group)
+                real_pg = True
+            else:
+                stack.enter_context(fake_process_group(layout.world_size))
+        policy = None
+        if not on_cuda:
+            if autocast_dtype is not None:
+                policy = stack.enter_context(cuda_autocast_policy())
+            stack.enter_context(cuda_like_dropout())
+            if fake and cuda_kernels:
+                stack.enter_context(cuda_like_sdpa(gpu.compute_capability,
+                                                   "flash" if setup.attn == "flash" else None))
+        elif setup.attn == "flash":   # a real GPU: PyTorch's flash SDPA kernel only
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
+        mesh = None
+        if sharded:
+            stack.enter_context(dtensor_propagation_untracked())
+            stack.enter_context(device_mesh_outside_fake())
+            mesh = device_mesh(layout, device.type)
+        if spec.gradient_buckets and not real_pg:
+            stack.enter_context(ddp_on_fake_pg())
+        packing = setup.packing
+        if packing and setup.attn == "flash" and not fake:
+            raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
+                             "flash_attention_2); llmem models it but cannot run it")
+        if fake:
+            # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
+            # rows, so the traced flash step gets no packed mask
+            stack.enter_context(hf_untraced_masks(packed=packing and setup.attn != "flash"))
+            stack.enter_context(fake_mode)
+        if before_model is not None:
+            before_model()
+
+        if setup.grad_ckpt:
+            enable_checkpointing(model, setup.ckpt_every)
+        if setup.fused_ce:
+            install_fused_ce(model)
+
+        say("materialising the model")
+        if fake:
+            materialize(model, "cpu")
+            materialize_prompt_tokens(model, "cpu")
+            collect_after_dora(model, stack)
+            runner = apply_method(model, layout, mesh, setup, region, fake_pg=True)
+        else:
+            if sharded:   # shard on meta, then allocate only the local shards
+                apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model.to_empty(device=device)
+            tie_if_needed(model)
+            init_real_weights(model)
+            collect_after_dora(model, stack)       # measure's tracker makes the same cycle as fake tensors
+            runner = model
+            if not sharded:
+                runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
+        if setup.optimizer_in_backward:
+            optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
+        else:
+            optimizer = make_optimizer(model, setup.optimizer)
+        ids = torch.randint(0, vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
+                            device="cpu" if fake else device)
+        positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if packing else None
+        offload = None
+        if setup.offload_activations:
+            lm = causal_lm(model)
+            offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
+        step = TrainingStep(setup, model, runner, optimizer, ids, resolved, "cpu" if fake else device.type,
+                            autocast_dtype, hooks, policy, offload, positions)
+        say("running the step")
+        yield step
+

@@ -1,0 +1,86 @@
+"""`llmem trace`: run the real training step on fake tensors and record every allocation and free, as CUDA would
+see them.
+
+The step (llmem.runtime.step) runs on fake cpu tensors with CUDA's behaviour emulated where it changes memory
+(autocast op policy, fused dropout's bool mask, the fused SDPA kernels, AdamW's foreach default). The ledger
+(llmem.runtime.ledger) follows every tensor storage; its event stream is replayed through llmem.memory.allocator's
+model of the CUDA caching allocator for the reserved memory; the cuBLAS workspace (one block from the allocator at
+the first matmul) and the CUDA context (outside the allocator) complete the picture: device_used = peak_reserved +
+context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from llmem.memory.activations.profile import activation_notes
+from llmem.result import MemoryResult
+from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
+from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, top_allocations_at
+from llmem.runtime.step import StepHooks, prepared_step
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.layout import Layout
+from llmem.setup.training import TrainingSetup
+
+
+def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]:
+    """What the real step's result says about its emulation, the optimizer and the activation options."""
+    notes = []
+    if layout.world_size > 1:
+        notes.append(f"rank 0 of {layout.world_size} emulated on a fake process group ({layout.label}); NCCL's "
+                     "internal buffers are not included")
+    if setup.precision == "fp16-mixed":
+        notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
+    if setup.quant_base != "none":
+        notes.append(f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, "
+                     "dequantisation / int8 buffers as bitsandbytes allocates them), not run")
+    return notes + activation_notes(setup) + setup.optimizer_spec.notes(engine, setup.optimizer_in_backward)
+
+
+def trace(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
+          cuda_kernels: bool = True) -> MemoryResult:
+    """Trace `iterations` real training steps of `setup` on fake tensors (rank 0 of the layout) and return what a
+    CUDA GPU would show: peak allocated / reserved, device used, and the breakdown at peak allocated.
+
+    cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs)."""
+    return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
+
+
+def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
+                       progress: Callable[[str], None] | None = None,
+                       cuda_kernels: bool = True) -> tuple[MemoryResult, TraceDetails]:
+    """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak)."""
+    say = progress or (lambda msg: None)
+    gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
+    t0 = time.perf_counter()
+    ledger = Ledger(workspace_bytes=gpu.cublas_workspace_bytes)
+    fake_mode = TracingFakeMode()
+    roles_box: list[StepRoles] = []
+
+    with contextlib.ExitStack() as outer:
+        def start_tracking() -> None:
+            roles_box.append(outer.enter_context(tracking(ledger, fake_mode, real=False)))
+
+        hooks = StepHooks(on_phase=lambda ph, it: roles_box[0].on_phase(ph, it), region=ledger.region)
+        with prepared_step(setup, fake=True, fake_mode=fake_mode, hooks=hooks, cuda_kernels=cuda_kernels,
+                           before_model=start_tracking, progress=say) as step:
+            roles = roles_box[0]
+            roles.bind(step)
+            step.run(iterations, progress=say)
+            roles.finish()
+            ledger.enabled = False
+            resolved = step.resolved
+            managed = getattr(step.optimizer, "outside_allocator_bytes", 0)
+            del step
+    say("replaying the allocator")
+    series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
+    wall = time.perf_counter() - t0
+    notes = method_notes(resolved.layout, setup, "trace")
+    notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
+    result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
+    details = TraceDetails(series["phase_peaks"], series["category_max"],
+                           top_allocations_at(ledger, series["peak_index"]), ledger, wall)
+    return result, details
+

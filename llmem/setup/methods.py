@@ -1,0 +1,95 @@
+"""Distributed methods: one row per method, registered by name (the only place a method's behaviour is written).
+
+A method decides how model states are split across GPUs:
+- single: one GPU, everything replicated (nothing to split).
+- ddp: DistributedDataParallel; the paper's CDP. Every GPU holds the whole model plus gradient buckets.
+- fsdp: FSDP2 `fully_shard` per decoder layer and the root, resharding after forward; the paper's ADP, ZeRO-3.
+- zero2: FSDP2 without resharding after forward (parameters stay gathered from forward to backward).
+- tp: Megatron-style tensor parallelism (column/row split of attention and MLP) over all GPUs.
+- fsdp+tp: FSDP2 over the dp dimension of a 2-D mesh whose tp dimension holds the tensor-parallel layers.
+
+Everything else reads these rows: the layout rules (llmem.setup.layout), the support check (llmem.setup.support),
+the estimator's sharding and buffers, the trace's method application (llmem.runtime.distributed), the time model,
+the paper's method names and the launch-config exports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+
+# DistributedDataParallel's reducer (torch/nn/parallel/distributed.py): the first bucket is capped at
+# dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the others at bucket_cap_mb=25
+DDP_FIRST_BUCKET_BYTES = 1024**2
+DDP_BUCKET_CAP_BYTES = 25 * 1024**2
+
+# MethodSpec.tensor_parallel
+TP_NONE = "none"     # no tensor parallelism
+TP_ALL = "all"       # every GPU is one tensor-parallel group (dp = 1)
+TP_INNER = "inner"   # the tp dimension of a (dp, tp) mesh inside a node
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    aliases: tuple[str, ...]
+    shards_model_states: bool       # FSDP2: parameters, gradients and optimizer states split over the dp ranks
+    reshard_after_forward: bool     # FSDP2 frees a decoder layer's unsharded parameters after its forward
+    tensor_parallel: str            # TP_NONE, TP_ALL or TP_INNER
+    gradient_buckets: bool          # DDP's reducer keeps a bucket copy of every gradient
+    autocast_under_mixed: bool      # *-mixed runs torch.autocast (FSDP2 casts through MixedPrecisionPolicy instead)
+    steps_in_backward: bool         # gradients are final when AccumulateGrad runs (post-accumulate-grad hooks)
+    paper_name: str                 # LLMem's CDP / ADP / TP / DP+TP
+    paper_order: int                # Algorithm 1's tie order: CDP > ADP > TP > DP+TP (zero2 an ADP after fsdp)
+    deepspeed_stage: int | None     # the ZeRO stage its DeepSpeed export uses (None: no DeepSpeed equivalent)
+    torch_recipe: str               # what a PyTorch-native script builds, for the torchrun export ({dp}, {tp})
+    label_format: str               # how tables name a layout of it ({name}, {dp}, {tp})
+    one_gpu: bool = False           # runs on exactly one GPU
+
+    @property
+    def plain_tensors(self) -> bool:
+        """Parameters stay plain tensors (no DTensor): what bitsandbytes' kernels and torch's Adafactor need."""
+        return not self.shards_model_states and self.tensor_parallel == TP_NONE
+
+    @property
+    def has_tp(self) -> bool:
+        return self.tensor_parallel != TP_NONE
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """Names of the device mesh's dimensions (empty: no mesh)."""
+        dims = ("dp",) if self.shards_model_states else ()
+        return dims + (("tp",) if self.has_tp else ())
+
+
+METHODS: dict[str, MethodSpec] = {m.name: m for m in (
+    MethodSpec("single", (), False, False, TP_NONE, False, True, True, "CDP", 0, 0,
+               "one process, no process group", "{name}", one_gpu=True),
+    MethodSpec("ddp", ("cdp", "dp"), False, False, TP_NONE, True, True, False, "CDP", 0, 0,
+               "DistributedDataParallel(model)", "{name} ({dp})"),
+    MethodSpec("fsdp", ("zero3", "adp", "fsdp2"), True, True, TP_NONE, False, False, False, "ADP", 1, 3,
+               "fully_shard(layer) for each decoder layer, then fully_shard(model) (reshard_after_forward=True)",
+               "{name} ({dp})"),
+    MethodSpec("zero2", ("fsdp-no-reshard", "shard-grad-op"), True, False, TP_NONE, False, False, False, "ADP", 2, 2,
+               "fully_shard(..., reshard_after_forward=False) per decoder layer and the root", "{name} ({dp})"),
+    MethodSpec("tp", (), False, False, TP_ALL, False, True, False, "TP", 3, 0,
+               "init_device_mesh('cuda', ({tp},)) and parallelize_module with the model's tp_plan", "{name} ({tp})"),
+    MethodSpec("fsdp+tp", ("dp+tp", "fsdp-tp", "2d"), True, True, TP_INNER, False, False, False, "DP+TP", 4, None,
+               "init_device_mesh('cuda', ({dp}, {tp}), mesh_dim_names=('dp', 'tp')): parallelize_module on "
+               "mesh['tp'], then fully_shard on mesh['dp']", "{name} ({dp}dp x {tp}tp)"),
+)}
+METHOD_ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
+
+
+def canonical_method(name: str) -> str:
+    key = name.strip().lower()
+    key = METHOD_ALIASES.get(key, key)
+    if key not in METHODS:
+        raise LlmemError(f"unknown method {name!r}: choose one of {', '.join(METHODS)} "
+                         f"(aliases: {', '.join(sorted(METHOD_ALIASES))})")
+    return key
+
+
+def method_spec(name: str) -> MethodSpec:
+    return METHODS[canonical_method(name)]

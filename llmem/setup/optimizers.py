@@ -1,0 +1,418 @@
+"""Optimizers: one row per `--optimizer`, registered by name; the only place an optimizer's memory is written.
+
+A row says what the optimizer keeps (`states`: the device tensors it creates per parameter, in creation order;
+`shared_state_bytes`: tensors shared by all parameters; `outside_allocator_bytes`: memory PyTorch's counters never
+see), what one step allocates and frees (`step_events`, replayed by the estimator's schedule), how the step walks
+the parameters (`step_scope`), where it runs (`plain_tensors_only`), what the result says about it (`notes`), and
+the flags the planner and the exports read. The trace and measure build the optimizer itself from
+`llmem.runtime.optimizers.BUILDERS`, one entry per row (tests/test_optimizers.py checks both lists agree).
+
+Shapes are rank-local; `pb` is the bytes per element of the parameter (and of its gradient). Step counters that
+live on the host (torch's non-fused, non-capturable optimizers; Adafactor always; bitsandbytes' python int) are
+not device memory.
+
+Adding an optimizer: a row here, a builder entry in llmem/runtime/optimizers.py, a CI row in
+llmem/validate/matrices.py and a hand-worked test of its state and step bytes (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.setup.precision import F32
+
+Shape = tuple[int, ...]
+Event = tuple[int, int, int]        # (+1 alloc / -1 free, tag, bytes)
+
+# bitsandbytes/optim/optimizer.py (0.50)
+BNB_BLOCK_SIZE = 256            # Optimizer2State.init_state: blocksize = 256 for the blockwise 8-bit states
+BNB_MIN_8BIT_SIZE = 4096        # AdamW8bit(min_8bit_size=4096): smaller parameters keep 32-bit states
+BNB_PAGED_MIN_NUMEL = 100_000   # get_state_buffer: paged only when p.numel() >= 1e5
+BNB_QMAP_ENTRIES = 256          # F.create_dynamic_map(signed=...): 2**8 fp32 values
+
+# OptimizerSpec.step_scope: how the estimator's schedule replays the step temporaries
+PER_GROUP = "per_group"         # one foreach call per parameter group (step_events over the group)
+ALL_PARAMETERS = "all"          # a for-loop over every parameter (step_events over all, in order)
+NO_TEMPORARIES = "none"         # fused kernels / in-place updates
+
+# OptimizerSpec.redistribute: when a vocab-parallel embedding's replicated gradient (DTensor under TP) is
+# redistributed to its shards: where the step first combines it with a sharded tensor
+BEFORE_STEP = "before"
+AFTER_TEMPORARIES = "after"
+AT_FIRST_FREE = "first_free"
+
+
+def prod(shape: Shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def bnb_blocks(numel: int) -> int:
+    """Blocks of bitsandbytes' blockwise quantisation: (n // blocksize) + bool(n % blocksize)."""
+    return numel // BNB_BLOCK_SIZE + bool(numel % BNB_BLOCK_SIZE)
+
+
+def _no_states(shape: Shape, pb: int) -> list[int]:
+    return []
+
+
+def _no_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
+    return []
+
+
+def _no_shared(shapes: list[Shape], per_parameter: bool) -> int:
+    return 0
+
+
+def _nothing_outside(shape: Shape) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    summary: str                                            # --help
+    states: Callable[[Shape, int], list[int]]               # device state tensors of one parameter, in order
+    # temporaries of one step over one group: (shapes, pb, shards), shards > 1 for FSDP2's DTensor shards of dim 0
+    step_events: Callable[..., list[Event]]
+    step_scope: str = PER_GROUP
+    redistribute: str = BEFORE_STEP
+    shared_state_bytes: Callable[[list[Shape], bool], int] = _no_shared
+    outside_allocator_bytes: Callable[[Shape], int] = _nothing_outside
+    host_step_counters: bool = True      # step counts are host scalars (a fused kernel keeps them on the device)
+    plain_tensors_only: str = ""         # why it cannot run on DTensor shards ({name}, {method}); "" if it can
+    adam: bool = False                   # an Adam(W): the paper models it, the exports carry it
+    eight_bit: bool = False              # bitsandbytes' 8-bit states
+    paged: bool = False                  # bitsandbytes' paged (cudaMallocManaged) states
+    estimate_notes: tuple[str, ...] = ()
+    step_notes: tuple[str, ...] = ()     # trace and measure (the real step)
+    sharded_notes: tuple[str, ...] = ()  # the estimate's, on FSDP2's shards
+    tp_refusal: str = ""                 # why it is not modelled with tensor parallelism ({name}, {method}); "": it is
+    # a composite (e.g. Muon for the hidden layers' matrices, AdamW for the rest): each parameter is stepped by
+    # one part, `part_of(param)` (a ParamInfo) giving its index; the parts step one after the other
+    parts: tuple[OptimizerSpec, ...] = ()
+    part_of: Callable[[object], int] | None = None
+
+    def part(self, param) -> OptimizerSpec:
+        """The row that steps `param` (a ParamInfo): itself, or the composite's part."""
+        return self.parts[self.part_of(param)] if self.parts else self
+
+    def split(self, params: list) -> list[tuple[OptimizerSpec, list]]:
+        """`params` by the part that steps them, in stepping order (non-composite: all of them, itself)."""
+        if not self.parts:
+            return [(self, list(params))]
+        out = [(part, [p for p in params if self.part_of(p) == i]) for i, part in enumerate(self.parts)]
+        return [(part, ps) for part, ps in out if ps]
+
+    def notes(self, engine: str, in_backward: bool = False) -> list[str]:
+        """What a result says about the optimizer; engine "estimate", or "trace" / "measure" (the real step);
+        `in_backward`: stepped in backward (--optimizer-in-backward)."""
+        notes = list(self.estimate_notes if engine == "estimate" else self.step_notes)
+        return notes + [IN_BACKWARD_NOTE] if in_backward else notes
+
+
+# ------------------------------------------------------------------------------------------------ torch.optim
+
+def _adam_states(shape: Shape, pb: int) -> list[int]:
+    n = prod(shape)
+    return [n * pb, n * pb]                            # exp_avg, exp_avg_sq
+
+
+def _one_state(shape: Shape, pb: int) -> list[int]:
+    return [prod(shape) * pb]                          # momentum_buffer / exp_avg
+
+
+def _foreach_copy_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
+    """One copy of every state of the group, then freed: foreach AdamW's torch._foreach_sqrt(exp_avg_sqs),
+    llmem's Lion's torch._foreach_mul(exp_avgs, beta1)."""
+    ev: list[Event] = [(1, i, prod(s) * pb) for i, s in enumerate(shapes)]
+    return ev + [(-1, i, prod(s) * pb) for i, s in enumerate(shapes)]
+
+
+def _forloop_adamw_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
+    """_single_tensor_adamw: exp_avg_sq.sqrt() / bias_correction2_sqrt: two temporaries of each parameter."""
+    ev: list[Event] = []
+    for i, s in enumerate(shapes):
+        ev += [(1, 2 * i, prod(s) * pb), (1, 2 * i + 1, prod(s) * pb),
+               (-1, 2 * i, prod(s) * pb), (-1, 2 * i + 1, prod(s) * pb)]
+    return ev
+
+
+def _adafactor_states(shape: Shape, pb: int) -> list[int]:
+    """torch.optim.Adafactor._init_group: >= 2-D: row_var [..., m, 1] and col_var [..., 1, n] (grad dtype); 1-D: a
+    full variance."""
+    if len(shape) >= 2:
+        return [prod(shape[:-1]) * pb, prod(shape[:-2]) * shape[-1] * pb]
+    return [prod(shape) * pb]
+
+
+def _adafactor_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
+    """torch.optim._adafactor._single_tensor_adafactor (the CUDA default, foreach=None). Locals live until the loop
+    rebinds them: row_mean, col_mean (>= 2-D), grad_squared (1-D), var_estimate / update (the parameter's size;
+    the previous parameter's update is freed only when `update` is rebound, after the new var_estimate exists).
+    param.norm / update.norm are 0-dim reads (.item()); row_var.mean(dim=-2, keepdim=True) is a [.., 1, 1] temp."""
+    ev: list[Event] = []
+    live: dict[str, tuple[int, int]] = {}     # local name -> (tag, bytes)
+    tag = 0
+
+    def bind(name: str, size: int) -> None:
+        nonlocal tag
+        ev.append((1, tag, size))
+        old = live.get(name)
+        live[name] = (tag, size)
+        tag += 1
+        if old is not None and not any(v[0] == old[0] for v in live.values()):
+            ev.append((-1, old[0], old[1]))
+
+    def rebind(name: str, other: str) -> None:
+        old = live.get(name)
+        live[name] = live[other]
+        if old is not None and not any(v[0] == old[0] for v in live.values()):
+            ev.append((-1, old[0], old[1]))
+
+    for s in shapes:
+        n = prod(s)
+        if len(s) >= 2:
+            bind("row_mean", prod(s[:-1]) * pb)
+            bind("col_mean", prod(s[:-2]) * s[-1] * pb)
+            bind("var_estimate", n * pb)
+            bind("row_var_mean", prod(s[:-2]) * pb)
+            _, size = live.pop("row_var_mean")
+            ev.append((-1, tag - 1, size))
+        else:
+            bind("grad_squared", n * pb)
+            bind("var_estimate", n * pb)
+        rebind("update", "var_estimate")
+    freed: set[int] = set()
+    for t, size in live.values():
+        if t not in freed:
+            freed.add(t)
+            ev.append((-1, t, size))
+    return ev
+
+
+# ------------------------------------------------------------------------------------------------ Muon
+
+MUON_NS_STEPS = 5               # torch/optim/_muon.py: DEFAULT_NS_STEPS
+NS_BYTES = 2                    # _zeropower_via_newtonschulz iterates in bfloat16 (grad.bfloat16())
+
+
+def _muon_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
+    """torch.optim.Muon's step (torch 2.13, _single_tensor_muon, nesterov=True; foreach is not supported), one
+    parameter after the other:
+    - update = grad.lerp(buf, momentum): a copy of the gradient; the previous parameter's orthogonalised update,
+      still bound to `update`, is freed only now;
+    - _zeropower_via_newtonschulz: ortho_grad = grad.bfloat16() (a bf16 copy unless the gradient is bf16 already:
+      then it is the update itself), transposed when it has more rows than columns, its 0-dim norm (a host-read
+      scalar here, like the step counters), then MUON_NS_STEPS iterations of gram = X @ X.T [r, r],
+      gram_update = addmm(gram, gram, gram) [r, r], X = addmm(X, gram_update, X) [r, c] (r, c: the smaller and the
+      larger dimension), each new tensor allocated before the one it replaces is released; at the return its gram
+      and gram_update die, then the copy of the gradient;
+    - param.mul_ / param.add_(update) in place. The last parameter's update dies when the step returns.
+
+    On FSDP2's DTensor shards (`shards` > 1: dim 0 split evenly over the ranks) each matmul's operands are placed as
+    DTensor's sharding propagation chooses (torch 2.13, checked op by op against the trace), and the local tensors
+    are the shards: without the transpose (rows <= columns, X Shard(0)) every matmul all-gathers one operand to a
+    replicated copy (gram: X.T, a Shard(1) view, made contiguous, all-gathered and concatenated; gram_update: gram;
+    X: X itself); with it (X Shard(1)) gram is a local matmul (Partial) and gram_update and X all-reduce their
+    [r, r] operand. A functional collective's output and its wait_tensor are two tensors, as the trace records
+    them. Uneven shards (DTensor pads them for the collective) are not modelled."""
+    ev: list[Event] = []
+    tag = 0
+
+    def alloc(size: int) -> int:
+        nonlocal tag
+        ev.append((1, tag, size))
+        tag += 1
+        return tag - 1
+
+    def free(t: int, size: int) -> None:
+        ev.append((-1, t, size))
+
+    def gathered(full: int, strided_local: int = 0) -> tuple[int, int]:
+        """Replicate a DTensor operand: all-gather (or all-reduce) output and its wait; a Shard(1) view is made
+        contiguous first and concatenated after. Returns the replicated tensor, to free after the op."""
+        steps = []
+        if strided_local:
+            steps.append((alloc(strided_local), strided_local))
+        out = alloc(full)
+        done = alloc(full)
+        if strided_local:
+            cat = alloc(full)
+            free(done, full)
+            free(out, full)
+            free(*steps[0])
+            return cat, full
+        free(out, full)
+        return done, full
+
+    previous: tuple[int, int] | None = None          # the previous parameter's update
+    for s in shapes:
+        rows, cols = (s[0], s[1]) if len(s) == 2 else (prod(s), 1)
+        n = rows * cols
+        sharded = shards > 1
+        transposed = rows * shards > cols if sharded else rows > cols
+        if sharded:
+            full_rows = rows * shards
+            r = cols if transposed else full_rows            # the global r x r gram
+            local_gram = r * r if transposed else rows * r   # Partial [r, r], or Shard(0) [rows, r]
+        else:
+            r = min(rows, cols)
+            local_gram = r * r
+        copy = alloc(n * pb)                          # update = grad.lerp(buf, momentum)
+        if previous is not None:
+            free(*previous)
+        x = alloc(n * NS_BYTES) if pb != NS_BYTES else copy      # grad.bfloat16()
+        gram = gram_update = None
+        for _ in range(MUON_NS_STEPS):
+            operand = gathered(n * shards * NS_BYTES, n * NS_BYTES) if sharded and not transposed else None
+            g = alloc(local_gram * NS_BYTES)                     # gram = X @ X.T
+            if operand is not None:
+                free(*operand)
+            if gram is not None:
+                free(gram, local_gram * NS_BYTES)
+            gram = g
+            operand = gathered((r * r if transposed else full_rows * r) * NS_BYTES) if sharded else None
+            gu = alloc(local_gram * NS_BYTES)                    # gram_update = addmm(gram, gram, gram)
+            if operand is not None:
+                free(*operand)
+            if gram_update is not None:
+                free(gram_update, local_gram * NS_BYTES)
+            gram_update = gu
+            operand = gathered((r * r if transposed else n * shards) * NS_BYTES) if sharded else None
+            new_x = alloc(n * NS_BYTES)                          # X = addmm(X, gram_update, X)
+            if operand is not None:
+                free(*operand)
+            if x != copy:
+                free(x, n * NS_BYTES)
+            x = new_x
+        free(gram, local_gram * NS_BYTES)
+        free(gram_update, local_gram * NS_BYTES)
+        free(copy, n * pb)
+        previous = (x, n * NS_BYTES)
+    if previous is not None:
+        free(*previous)
+    return ev
+
+
+def _muon_part_of(param) -> int:
+    """torch's Muon takes 2-D parameters of the hidden layers (its documentation: "Other parameters, such as bias,
+    and embedding, should be optimized by a standard method such as AdamW"): the decoder layers' matrices."""
+    return 0 if len(param.shape) == 2 and param.layer_index is not None else 1
+
+
+# ------------------------------------------------------------------------------------------------ bitsandbytes
+
+def _bnb_states(paged: bool) -> Callable[[Shape, int], list[int]]:
+    def states(shape: Shape, pb: int) -> list[int]:
+        n = prod(shape)
+        if n < BNB_MIN_8BIT_SIZE:
+            return [n * F32, n * F32]                  # 32-bit state1, state2 (fp32 whatever the parameter dtype)
+        managed = paged and n >= BNB_PAGED_MIN_NUMEL
+        kept = [] if managed else [n, n]               # uint8 state1, state2 (paged: cudaMallocManaged)
+        return kept + [bnb_blocks(n) * F32, bnb_blocks(n) * F32]   # fp32 absmax1, absmax2
+    return states
+
+
+def _bnb_qmaps(shapes: list[Shape], per_parameter: bool) -> int:
+    """bitsandbytes' two 256-entry fp32 quantisation maps, made on the device at the first 8-bit parameter, once per
+    optimizer (per parameter with --optimizer-in-backward: one optimizer each)."""
+    eight_bit = sum(1 for s in shapes if prod(s) >= BNB_MIN_8BIT_SIZE)
+    copies = eight_bit if per_parameter else min(eight_bit, 1)
+    return copies * 2 * BNB_QMAP_ENTRIES * F32
+
+
+def _bnb_paged_states(shape: Shape) -> int:
+    """PagedAdamW8bit: state1/state2 of >= 1e5 elements are cudaMallocManaged (bnb F.get_paged). PyTorch's counters
+    never see them; while resident (the update prefetches them to the GPU every step) they take device memory."""
+    n = prod(shape)
+    return 2 * n if n >= max(BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL) else 0
+
+
+_BNB_PLAIN = ("{name} is modelled with single and ddp only (bitsandbytes' kernels take plain CUDA tensors, not "
+              "FSDP2/TP DTensor shards); got {method}")
+_BNB_LAYOUT = ("blockwise uint8 state1/state2 + fp32 absmax per 256 elements, fp32 states for parameters under 4096 "
+               "elements, two shared 256-entry fp32 quantisation maps")
+_BNB_ESTIMATE = ("bitsandbytes' state layout, modelled analytically (its CUDA kernels cannot run on fake tensors: the "
+                 "trace uses an emulation with the same state tensors)")
+_BNB_STEP = ("bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bitsandbytes a dependency): an llmem "
+             "emulation allocates exactly bnb's state tensors and updates in place (fused kernel: no temporaries)")
+_PAGED_NOTE = ("paged-adamw-8bit: states of >= 1e5 elements are CUDA managed memory (cudaMallocManaged): not in "
+               "peak_allocated/peak_reserved (PyTorch's counters never see them) but in device_used (component "
+               "managed_memory), assumed resident on the GPU as the update prefetches them")
+_ADAFACTOR_NOTE = ("adafactor: torch.optim.Adafactor's default for-loop implementation (torch does not default it to "
+                   "foreach on CUDA); factored row/col second moments for >= 2-D parameters")
+IN_BACKWARD_NOTE = ("optimizer in backward: one optimizer per parameter stepped in its post-accumulate-grad hook; "
+                    "its gradient is freed right after, states are created at the first backward")
+_LION_NOTE = "lion: llmem.runtime.optimizers.Lion (the lion-pytorch update with foreach kernels)"
+
+
+def _bnb_row(name: str, summary: str, paged: bool) -> OptimizerSpec:
+    notes = [f"{name}: {_BNB_ESTIMATE}; {_BNB_LAYOUT}"], [f"{name}: {_BNB_STEP}; {_BNB_LAYOUT}"]
+    if paged:
+        notes[0].append(_PAGED_NOTE)
+        notes[1].append(_PAGED_NOTE)
+    return OptimizerSpec(name, summary, _bnb_states(paged), _no_events, NO_TEMPORARIES,
+                         shared_state_bytes=_bnb_qmaps,
+                         outside_allocator_bytes=_bnb_paged_states if paged else _nothing_outside,
+                         plain_tensors_only=_BNB_PLAIN, eight_bit=True, paged=paged,
+                         estimate_notes=tuple(notes[0]), step_notes=tuple(notes[1]))
+
+
+_ADAMW = OptimizerSpec("adamw", "torch AdamW, foreach (the CUDA default)", _adam_states, _foreach_copy_events,
+                       PER_GROUP, AFTER_TEMPORARIES, adam=True)
+_MUON_PART = OptimizerSpec("muon-matrices", "torch Muon over the hidden layers' matrices", _one_state, _muon_events,
+                           ALL_PARAMETERS)
+_MUON_NOTE = ("muon: torch.optim.Muon (single-tensor; Newton-Schulz in bf16) over the decoder layers' 2-D weights, "
+              "torch.optim.AdamW (foreach) over the other parameters (embeddings, lm_head, norms, biases), stepped "
+              "Muon first, as torch's documentation pairs them")
+_MUON_SHARDED_NOTE = ("muon on FSDP2 shards: DTensor's redistributions of the Newton-Schulz matmuls are modelled as "
+                      "torch 2.13 places them on 2 shards (checked op by op against the trace); on more shards DTensor "
+                      "places some differently, so the step's temporaries are approximate (within 3 % of the trace "
+                      "at 4 and 8 shards)")
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {o.name: o for o in (
+    _ADAMW,
+    OptimizerSpec("adamw-fused", "torch AdamW(fused=True)", _adam_states, _no_events, NO_TEMPORARIES,
+                  host_step_counters=False, adam=True),
+    OptimizerSpec("adamw-forloop", "torch AdamW(foreach=False)", _adam_states, _forloop_adamw_events,
+                  ALL_PARAMETERS, adam=True),
+    OptimizerSpec("sgd", "torch SGD without momentum", _no_states, _no_events, NO_TEMPORARIES),
+    OptimizerSpec("sgd-momentum", "torch SGD(momentum=0.9)", _one_state, _no_events, NO_TEMPORARIES),
+    OptimizerSpec("adafactor", "torch Adafactor (its default for-loop implementation)", _adafactor_states,
+                  _adafactor_events, PER_GROUP,
+                  plain_tensors_only=("{name} with {method}: torch.optim.Adafactor fails on DTensor parameters "
+                                      "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in "
+                                      "place); use single or ddp"),
+                  estimate_notes=(_ADAFACTOR_NOTE,), step_notes=(_ADAFACTOR_NOTE,)),
+    OptimizerSpec("lion", "Lion (lion-pytorch's update, foreach kernels)", _one_state, _foreach_copy_events,
+                  PER_GROUP, AT_FIRST_FREE, estimate_notes=(_LION_NOTE,), step_notes=(_LION_NOTE,)),
+    OptimizerSpec("muon", "torch Muon for the hidden layers' matrices, AdamW for the rest", _one_state, _muon_events,
+                  PER_GROUP, parts=(_MUON_PART, _ADAMW), part_of=_muon_part_of,
+                  tp_refusal=("{name} with {method}: torch.optim.Muon's Newton-Schulz iteration on tensor-parallel "
+                              "DTensor shards is not modelled; use single, ddp, fsdp or zero2"),
+                  estimate_notes=(_MUON_NOTE,), step_notes=(_MUON_NOTE,), sharded_notes=(_MUON_SHARDED_NOTE,)),
+    _bnb_row("adamw-8bit", "bitsandbytes AdamW8bit", paged=False),
+    _bnb_row("paged-adamw-8bit", "bitsandbytes PagedAdamW8bit", paged=True),
+)}
+EIGHT_BIT_ALTERNATIVE = "adamw-8bit"   # the planner's 8-bit saver for an Adam(W)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    spec = OPTIMIZERS.get(name)
+    if spec is None:
+        raise LlmemError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return spec
+
+
+def step_peak_bytes(events: list[Event]) -> int:
+    """The most bytes a step's temporaries hold at once."""
+    held = peak = 0
+    for sign, _tag, size in events:
+        held += sign * size
+        peak = max(peak, held)
+    return peak

@@ -1,0 +1,57 @@
+"""Precisions: what `--precision` stores, computes and gathers in, and the dtype regime it gives a method.
+
+Three regimes decide the dtypes of activations (llmem.memory.activations):
+- fp32: everything in fp32.
+- lowp: parameters in bf16/fp16 (pure low precision, or FSDP2's MixedPrecisionPolicy, which gathers bf16 weights).
+- autocast: fp32 parameters with `torch.autocast` (methods without FSDP2 under *-mixed precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+F32 = 4   # bytes of an fp32 element
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_bytes: int      # stored trained parameters, their gradients and optimizer states
+    compute_bytes: int    # matmul outputs (activations)
+    compute_dtype: str    # the torch dtype of the compute (autocast's dtype under *-mixed)
+    mixed: bool           # fp32 master weights with low-precision compute
+    accelerate: str       # accelerate's `mixed_precision` value for it
+
+    @property
+    def low_precision(self) -> bool:
+        return self.compute_dtype != "float32"
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", 4, 4, "float32", False, "no"),
+    Precision("bf16-mixed", 4, 2, "bfloat16", True, "bf16"),
+    Precision("fp16-mixed", 4, 2, "float16", True, "fp16"),
+    Precision("bf16", 2, 2, "bfloat16", False, "no"),
+    Precision("fp16", 2, 2, "float16", False, "no"),
+)}
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str        # fp32 / lowp / autocast
+    res: int         # bytes per element of the residual stream (embedding output dtype)
+    mm: int          # bytes per element of matmul outputs
+
+    @property
+    def autocast(self) -> bool:
+        return self.name == "autocast"
+
+
+def regime_for(setup, method) -> Regime:
+    """The regime of `setup` (a TrainingSetup) under `method` (a MethodSpec)."""
+    if setup.precision == "fp32":
+        return Regime("fp32", 4, 4)
+    if setup.mixed and method.autocast_under_mixed:
+        # LoRA keeps the frozen embedding in the compute dtype, so its output - the residual stream - is too
+        return Regime("autocast", setup.stored_bytes(not setup.peft), 2)
+    return Regime("lowp", 2, 2)

@@ -1,0 +1,200 @@
+"""The training set-up a user asks about, as one plain frozen dataclass, and its validation.
+
+Each field carries its command-line option in its metadata (`Option`): llmem.cli builds the argument parser from
+these fields, so a new field is a new flag without a second list to keep in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmem.errors import LlmemError
+from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
+from llmem.setup.precision import PRECISIONS, Precision
+
+ATTENTIONS = ("sdpa", "eager", "flash")
+QUANT_BASES = ("none", "nf4", "int8")
+QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
+    ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
+    ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
+)
+QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
+LORA_ALL_LINEAR = "all-linear"
+
+# Option.group: the sections of --help
+LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL = "layout", "step", "optimizer", "activations", "adapters", \
+    "model"
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a TrainingSetup field is asked for on the command line.
+
+    kind: "value" (a flag taking a value of `type`), "switch" (a flag that sets True), "switches" (flags that each
+    set the value they map to, at most one of them), "negate" (a flag that sets False), "positional".
+    """
+    help: str
+    group: str
+    kind: str = "value"
+    flag: str | None = None                  # default: --field-name
+    type: Any = str
+    metavar: str | None = None
+    cli_default: Any = ...                   # the parser's default when it differs from the field's (None: unset)
+    switches: tuple[tuple[str, Any, str], ...] = ()   # kind "switches": (flag, value, help)
+    noun: str = ""                               # kind "switches": what one chooses ("choose one <noun>")
+    implies: tuple[tuple[str, Any], ...] = ()    # given: these fields take these values too
+    requires: tuple[str, Any] | None = None      # kind "negate": only with field == value
+
+
+def option(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"option": Option(help, group, **kw)})
+
+
+def default_method(gpus: int) -> str:
+    """The method when none is given: one GPU runs single, more run FSDP2."""
+    return "single" if gpus == 1 else "fsdp"
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One fine-tuning step as the user describes it. Sizes are per GPU (batch_size is the micro-batch)."""
+    model: str = field(metadata={"option": Option(
+        "catalog name, hub id, path to config.json, or a model folder", MODEL, kind="positional",
+        metavar="MODEL")})
+    method: str = option("single", "single, ddp (cdp), fsdp (zero3, adp), zero2, tp, fsdp+tp (dp+tp); default "
+                         "single on one GPU, fsdp on more", LAYOUT, cli_default=None)
+    gpus: int = option(1, "number of GPUs (default 1)", LAYOUT, type=int)
+    gpus_per_node: int | None = option(None, "GPUs per node (default: min(gpus, 8))", LAYOUT, type=int)
+    tp: int | None = option(None, "tensor-parallel degree (tp, fsdp+tp)", LAYOUT, type=int)
+    batch_size: int = option(1, "per-GPU micro-batch (default 1)", STEP, type=int)
+    seq_len: int = option(2048, "tokens per sample (default 2048)", STEP, type=int)
+    precision: str = option("bf16-mixed", f"{', '.join(PRECISIONS)} (default bf16-mixed)", STEP)
+    optimizer: str = option("adamw", ", ".join(f"{o.name} ({o.summary})" for o in OPTIMIZERS.values())
+                            + " (default adamw)", OPTIMIZER)
+    grad_ckpt: bool = option(False, "gradient checkpointing of every decoder layer", ACTIVATIONS, kind="switch")
+    attn: str = option("sdpa", "sdpa, flash (flash_attention_2; fp16/bf16) or eager (default sdpa)", ACTIVATIONS)
+    gpu: str = option("A100-80GB", "GPU type (see `llmem gpus`; default A100-80GB)", LAYOUT)
+    gpu_memory: str | None = option(None, "GPU memory, e.g. 80GiB (overrides the catalog)", LAYOUT)
+    cuda_context: str | None = option(None, "CUDA context size, e.g. 500MiB (overrides the assumption)", LAYOUT)
+    expandable_segments: bool = option(False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments", LAYOUT, kind="switch")
+    offload_optimizer: bool = option(False, "optimizer states and update on the CPU", OPTIMIZER, kind="switch")
+    lora_rank: int = option(0, "LoRA adapters of this rank (base frozen); 0: full fine-tuning", ADAPTERS, type=int)
+    lora_alpha: int = option(16, "LoRA alpha (scaling; no effect on memory)", ADAPTERS, type=int)
+    lora_targets: str = option("q_proj,v_proj", "modules to adapt, comma-separated, or all-linear "
+                               "(default q_proj,v_proj)", ADAPTERS)
+    lora_dropout: float = option(0.0, "LoRA dropout on the adapters' input (default 0)", ADAPTERS, type=float)
+    peft_config: str | None = option(None, "adapter_config.json (or its folder) applied with peft: LoRA, DoRA, IA3, "
+                                     "prompt/prefix tuning", ADAPTERS, metavar="PATH")
+    trust_remote_code: bool = option(False, "let transformers run the model's own code", MODEL, kind="switch")
+    optimizer_in_backward: bool = option(False, "step each parameter in its post-accumulate-grad hook and free its "
+                                         "gradient (single GPU)", OPTIMIZER, kind="switch")
+    quant_base: str = option("none", "frozen base quantised by bitsandbytes", ADAPTERS, kind="switches",
+                             noun="quantised base", switches=QUANT_SWITCHES)
+    double_quant: bool = option(True, "--qlora without double quantisation (fp32 absmax per 64-block)", ADAPTERS,
+                                kind="negate", flag="--no-double-quant", requires=("quant_base", "nf4"))
+    ckpt_every: int = option(1, "checkpoint every K-th decoder layer (index %% K == 0); implies --grad-ckpt",
+                             ACTIVATIONS, type=int, flag="--grad-ckpt-every", metavar="K", cli_default=None,
+                             implies=(("grad_ckpt", True),))
+    offload_activations: bool = option(False, "keep saved activations in pinned CPU memory between forward and "
+                                       "backward", ACTIVATIONS, kind="switch")
+    fused_ce: bool = option(False, "fused linear cross-entropy in chunks of tokens (no full fp32 logits)",
+                            ACTIVATIONS, kind="switch")
+    packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise LlmemError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.seq_len < 1:
+            raise LlmemError(f"--seq-len must be >= 1, got {self.seq_len}")
+        if self.precision not in PRECISIONS:
+            raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise LlmemError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.lora_rank < 0:
+            raise LlmemError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise LlmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.peft_config and (self.lora_rank or self.lora_dropout):
+            raise LlmemError("--peft-config sets the adapters itself: drop --lora-rank / --lora-dropout "
+                             "(or drop --peft-config)")
+        if self.lora_dropout and not self.lora_rank:
+            raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
+        if self.attn not in ATTENTIONS:
+            raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
+        if self.attn == "flash" and self.precision == "fp32":
+            raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
+        if self.ckpt_every < 1:
+            raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
+        self._check_quant_base()
+
+    def _check_quant_base(self) -> None:
+        """The combinations llmem models for a bitsandbytes-quantised base."""
+        if self.quant_base not in QUANT_BASES:
+            raise LlmemError(f"unknown quantised base {self.quant_base!r}: choose one of {', '.join(QUANT_BASES)}")
+        if self.quant_base == "none":
+            return
+        flag = QUANT_FLAGS[self.quant_base]
+        if not self.peft:
+            raise LlmemError(f"{flag} quantises the frozen base: bitsandbytes' weights cannot be trained, so give "
+                             "adapters to train (--lora-rank R, or --peft-config PATH)")
+        if self.precision in ("bf16", "fp16"):
+            raise LlmemError(f"{flag} with --precision {self.precision}: peft keeps the adapters of a quantised base "
+                             "in fp32 (their dtype follows the uint8/int8 weight), so there is no pure low-precision "
+                             f"QLoRA; use --precision {self.precision}-mixed (the QLoRA recipe: autocast) or fp32")
+
+    # ------------------------------------------------------------------ the registry rows it names
+    @property
+    def precision_spec(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        return OPTIMIZERS[self.optimizer]
+
+    # ------------------------------------------------------------------ bytes per element
+    @property
+    def mixed(self) -> bool:
+        """fp32 master weights with low-precision compute (autocast / FSDP MixedPrecisionPolicy)."""
+        return self.precision_spec.mixed
+
+    @property
+    def peft(self) -> bool:
+        """The base is frozen and peft adds trainable adapters / prompts (--lora-rank or --peft-config)."""
+        return bool(self.lora_rank or self.peft_config)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the stored parameters, their gradients and optimizer states."""
+        return self.precision_spec.param_bytes
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations (matmul outputs)."""
+        return self.precision_spec.compute_bytes
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.precision_spec.compute_dtype
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes per element FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype under *-mixed)."""
+        return self.compute_bytes if self.mixed else self.param_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element FSDP2 reduce-scatters (reduce_dtype fp32 under *-mixed)."""
+        return 4 if self.mixed else self.param_bytes
+
+    def stored_bytes(self, trainable: bool) -> int:
+        """Bytes per element of a stored parameter: trained ones in param_bytes; frozen ones (LoRA's base) in the
+        compute dtype, as fine-tuning scripts load them (no fp32 master copy of weights that never change). Under a
+        quantised base, the unquantised frozen ones (embeddings, norms, lm_head) are fp32: peft's
+        prepare_model_for_kbit_training, which the QLoRA recipe runs, upcasts them."""
+        if trainable:
+            return self.param_bytes
+        return 4 if self.quant_base != "none" else self.compute_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)

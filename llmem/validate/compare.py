@@ -1,0 +1,113 @@
+"""`llmem validate`: the estimator against the trace (every CI run) or a real measurement (wherever a GPU is).
+
+For each set-up of a matrix, the estimate and the truth give the three counters; the error is
+(estimate - truth) / truth. `validate` builds the rows and the summary; llmem.cli prints them and plots them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.estimator.engine import estimate
+from llmem.result import MemoryResult
+from llmem.setup.training import TrainingSetup
+from llmem.validate.matrices import MATRICES
+
+COUNTERS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")
+
+@dataclass
+class Row:
+    setup: TrainingSetup
+    estimate: MemoryResult
+    truth: MemoryResult | None
+    seconds: float
+    error: str = ""
+    skipped: str = ""      # why the truth engine cannot run this set-up here (not a failure)
+
+    def error_pct(self, counter: str) -> float | None:
+        if self.truth is None:
+            return None
+        truth = getattr(self.truth, counter)
+        return 100.0 * (getattr(self.estimate, counter) - truth) / truth if truth else None
+
+    def to_dict(self) -> dict:
+        out = {"setup": self.setup.to_dict(), "seconds": round(self.seconds, 2), "error": self.error,
+               "skipped": self.skipped,
+               "estimate": {c: getattr(self.estimate, c) for c in COUNTERS}}
+        if self.truth is not None:
+            out["truth"] = {c: getattr(self.truth, c) for c in COUNTERS}
+            out["truth_engine"] = self.truth.engine
+            out["error_pct"] = {c: self.error_pct(c) for c in COUNTERS}
+            out["truth_components"] = self.truth.components
+        out["estimate_components"] = self.estimate.components
+        return out
+
+
+def compared_counters(against: str) -> tuple[str, ...]:
+    """The trace has no real CUDA context, so its device_used repeats our assumption: compare what it knows."""
+    return COUNTERS[:2] if against == "trace" else COUNTERS
+
+
+def run_matrix(setups: list[TrainingSetup], against: str, device: str | None = None,
+               on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    rows = []
+    for setup in setups:
+        est = estimate(setup)
+        start = time.perf_counter()
+        if against == "measure" and (why := measure_skip_reason(setup, device)):
+            rows.append(row := Row(setup, est, None, 0.0, skipped=why))
+            if on_row:
+                on_row(row)
+            continue
+        truth, error = None, ""
+        try:
+            if against == "trace":
+                from llmem.runtime.trace import trace  # the real step: torch's runtime, imported when it runs
+
+                truth = trace(setup)
+            else:
+                from llmem.runtime.measure import measure
+
+                truth = measure(setup, device=device)
+        except LlmemError as exc:
+            error = str(exc)
+        row = Row(setup, est, truth, time.perf_counter() - start, error)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+def measure_skip_reason(setup: TrainingSetup, device: str | None) -> str:
+    """Set-ups a measurement on this device cannot reproduce: activation offload on the CPU (no host to offload to)."""
+    import torch
+
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu and setup.offload_activations:
+        return "--offload-activations needs a GPU (the host is the device)"
+    return ""
+
+
+def worst_error(rows: list[Row], counters: tuple[str, ...]) -> float:
+    errors = [abs(e) for r in rows for c in counters if (e := r.error_pct(c)) is not None]
+    return max(errors, default=0.0)
+
+
+
+def validate(against: str, matrix: str, max_error_pct: float, device: str | None = None,
+             on_row: Callable[[Row], None] | None = None) -> tuple[list[Row], dict]:
+    """Run a matrix against the trace or a measurement: the rows and the summary `--json` prints (`passed`: no
+    row fails and no error exceeds `max_error_pct` on the compared counters)."""
+    if matrix not in MATRICES:
+        raise LlmemError(f"unknown matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
+    counters = compared_counters(against)
+    rows = run_matrix(MATRICES[matrix], against, device, on_row=on_row)
+    failed = [r for r in rows if not r.skipped and (r.error or any(abs(e) > max_error_pct for c in counters
+                                                                    if (e := r.error_pct(c)) is not None))]
+    summary = {"against": against, "matrix": matrix, "max_error_pct": max_error_pct,
+               "worst_error_pct": worst_error(rows, counters), "passed": not failed,
+               "rows": [r.to_dict() for r in rows]}
+    return rows, summary

@@ -1,0 +1,199 @@
+"""The validation matrices: named lists of set-ups the estimator is checked on.
+
+- ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/test_validate.py).
+- large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md).
+- gpu: for a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmem.setup.training import TrainingSetup
+
+CATALOG_PEFT = Path(__file__).resolve().parents[1] / "model" / "catalog" / "peft"
+
+def _s(model: str, method: str = "single", gpus: int = 1, **kw) -> TrainingSetup:
+    return TrainingSetup(model=model, method=method, gpus=gpus, gpu="H100-80GB", **kw)
+
+
+def bundled_peft_config(name: str) -> str:
+    """A folder with an adapter_config.json written by peft's save_pretrained (llmem/model/catalog/peft)."""
+    return str(CATALOG_PEFT / name)
+
+
+# Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
+# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, bitsandbytes' 8-bit
+# AdamW (paged and not), optimizer in backward; SDPA and eager.
+CI_MATRIX: list[TrainingSetup] = [
+    _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
+    _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("gpt2", "ddp", 2, precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=128),
+    _s("gpt2", "fsdp", 2, precision="bf16", optimizer="sgd-momentum", batch_size=4, seq_len=256),
+    _s("facebook/opt-125m", precision="bf16", batch_size=2, seq_len=256),
+    _s("facebook/opt-125m", "fsdp", 4, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("facebook/opt-125m", precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=256),
+    _s("facebook/opt-350m", precision="fp32", optimizer="sgd", grad_ckpt=True, batch_size=1, seq_len=256),
+    _s("tiny-llama", precision="fp32", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256),
+    _s("tiny-llama", "tp", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-llama", "fsdp+tp", 4, tp=2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, batch_size=2, seq_len=256),
+    _s("tiny-mistral", "zero2", 4, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
+    _s("tiny-mistral", "tp", 2, precision="fp32", optimizer="sgd", attn="eager", batch_size=1, seq_len=256),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", batch_size=2, seq_len=128),
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16", optimizer="sgd", grad_ckpt=True, batch_size=2, seq_len=256),
+    _s("tiny-bloom", precision="bf16", optimizer="sgd", batch_size=4, seq_len=256),
+    _s("tiny-bloom", "fsdp", 2, precision="fp32", batch_size=1, seq_len=128),
+    _s("Qwen/Qwen2.5-0.5B", precision="bf16", optimizer="sgd", batch_size=1, seq_len=256),
+    _s("meta-llama/Llama-3.2-1B", "fsdp", 8, precision="bf16-mixed", grad_ckpt=True, batch_size=1, seq_len=256),
+    # LoRA through peft (frozen base in the compute dtype)
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=256, lora_rank=64, lora_targets="all-linear"),
+    _s("facebook/opt-125m", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear"),
+    _s("gpt2", precision="fp32", optimizer="sgd", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear"),
+    _s("tiny-llama", precision="bf16", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
+       lora_targets="all-linear"),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
+    _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8),
+    # optimizers: short sequences, so the optimizer step is the peak or close to it
+    _s("tiny-llama", precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16", optimizer="lion", batch_size=1, seq_len=64),
+    _s("tiny-llama", "tp", 2, precision="bf16", optimizer="lion", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="paged-adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer_in_backward=True, batch_size=1, seq_len=64),
+    _s("gpt2", precision="fp32", optimizer="adafactor", optimizer_in_backward=True, batch_size=1, seq_len=64),
+    # torch.optim.Muon over the decoder layers' matrices, AdamW over the rest (one registry row, one builder)
+    _s("tiny-llama", precision="bf16-mixed", optimizer="muon", batch_size=1, seq_len=64),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="muon", batch_size=1, seq_len=64),
+    # QLoRA / LLM.int8 base (bitsandbytes' storage and transients; its kernels emulated in the trace)
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       quant_base="nf4"),
+    _s("tiny-llama", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
+    _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8, quant_base="nf4", double_quant=False),
+    _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", batch_size=2, seq_len=128, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
+    _s("tiny-mistral", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=8, lora_targets="all-linear",
+       quant_base="int8"),
+    _s("tiny-mistral", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
+       quant_base="int8"),
+    # activations: every-2nd-layer checkpointing, fused cross-entropy, flash attention, offloading
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, ckpt_every=2, batch_size=2,
+       seq_len=256),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", grad_ckpt=True, ckpt_every=2, batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", fused_ce=True, batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", fused_ce=True, grad_ckpt=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-mistral", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", fused_ce=True, batch_size=2,
+       seq_len=256),
+    _s("facebook/opt-125m", precision="bf16", fused_ce=True, grad_ckpt=True, ckpt_every=2, batch_size=2,
+       seq_len=256),
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
+    _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # sequence packing: SDPA with the packed block-diagonal mask (GQA model: repeated k/v), and GPT-2
+    _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", packing=True, batch_size=2, seq_len=256),
+    _s("gpt2", precision="bf16", optimizer="sgd", packing=True, batch_size=2, seq_len=512),
+    # LoRA under autocast (peft's fp32 adapters cast their input), LoRA dropout, and --peft-config adapters
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=8),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=64, lora_targets="all-linear"),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       lora_dropout=0.05),
+    _s("tiny-mistral", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=16, lora_dropout=0.1),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256,
+       peft_config=bundled_peft_config("dora-r8-all-linear")),
+    _s("tiny-qwen2", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("ia3-k-v-down")),
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("ia3-k-v-down")),
+    _s("gpt2", precision="fp32", batch_size=2, seq_len=256, peft_config=bundled_peft_config("prompt-tuning-20")),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("prompt-tuning-20")),
+]
+
+# The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
+LARGE_MODELS = ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-3.1-8B", "mistralai/Mistral-7B-v0.1",
+                "Qwen/Qwen2.5-7B", "meta-llama/Llama-2-70b-hf")
+_LARGE_TP = {"Qwen/Qwen2.5-7B": 4}   # 28 query / 4 kv heads: pure 8-way TP is impossible, fsdp+tp uses tp 4
+LARGE_MATRIX: list[TrainingSetup] = [
+    _s(m, method, 8, tp=tp, precision="bf16-mixed", batch_size=1, seq_len=1024)
+    for m in LARGE_MODELS
+    for method, tp in (("ddp", None), ("fsdp", None), ("zero2", None), ("tp", 8), ("fsdp+tp", _LARGE_TP.get(m, 2)))
+    if not (m.endswith("70b-hf") and method in ("ddp", "zero2"))   # 70B replicas: > 1 TB per GPU, nothing to learn
+    and not (method == "tp" and m in _LARGE_TP)
+] + [_s("meta-llama/Llama-2-7b-hf", "fsdp", 8, precision="bf16-mixed", batch_size=1, seq_len=1024, grad_ckpt=True)]
+
+# For a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
+GPU_MATRIX: list[TrainingSetup] = [
+    TrainingSetup(model=m, method=method, gpus=g, tp=tp, precision=prec, batch_size=b, seq_len=s_, gpu="H200",
+                  grad_ckpt=ckpt, optimizer=opt)
+    for (m, method, g, tp, prec, b, s_, ckpt, opt) in [
+        ("gpt2", "single", 1, None, "fp32", 4, 512, False, "adamw"),
+        ("gpt2", "single", 1, None, "bf16-mixed", 8, 1024, False, "adamw"),
+        ("gpt2", "ddp", 4, None, "bf16-mixed", 8, 1024, False, "adamw"),
+        ("facebook/opt-125m", "single", 1, None, "bf16", 8, 1024, False, "sgd"),
+        ("facebook/opt-350m", "single", 1, None, "bf16-mixed", 8, 1024, True, "adamw"),
+        ("facebook/opt-1.3b", "single", 1, None, "bf16-mixed", 4, 1024, False, "adamw"),
+        ("facebook/opt-1.3b", "fsdp", 4, None, "bf16-mixed", 4, 1024, False, "adamw"),
+        ("bigscience/bloom-560m", "single", 1, None, "bf16-mixed", 4, 512, False, "adamw"),
+        ("bigscience/bloom-1b1", "fsdp", 4, None, "bf16-mixed", 4, 512, True, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16", 8, 2048, True, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("Qwen/Qwen2.5-1.5B", "tp", 2, 2, "bf16-mixed", 2, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "sgd"),
+        ("meta-llama/Llama-3.2-1B", "ddp", 8, None, "bf16-mixed", 4, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "zero2", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "tp", 4, 4, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-1B", "fsdp+tp", 8, 2, "bf16-mixed", 4, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "fsdp", 8, None, "bf16-mixed", 2, 4096, True, "adamw"),
+        ("meta-llama/Llama-3.2-3B", "tp", 8, 8, "bf16", 2, 4096, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "single", 1, None, "bf16", 1, 2048, True, "sgd"),
+        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 2, 2048, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "zero2", 8, None, "bf16-mixed", 1, 2048, True, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "tp", 8, 8, "bf16-mixed", 1, 4096, False, "adamw"),
+        ("meta-llama/Llama-3.1-8B", "fsdp+tp", 8, 2, "bf16-mixed", 1, 4096, True, "adamw"),
+        ("mistralai/Mistral-7B-v0.1", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw-fused"),
+        ("mistralai/Mistral-7B-v0.1", "fsdp+tp", 8, 4, "bf16-mixed", 1, 4096, False, "adamw"),
+        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adafactor"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "lion"),
+        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16-mixed", 4, 2048, False, "muon"),
+        ("meta-llama/Llama-3.2-1B", "fsdp", 2, None, "bf16-mixed", 4, 2048, False, "muon"),
+    ]
+] + [TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16-mixed", batch_size=4, seq_len=2048, gpu="H200",
+                   optimizer_in_backward=True)]   # bitsandbytes' 8-bit states need bnb itself on a GPU: not here
+
+# the activation options on a real GPU (flash runs PyTorch's flash SDPA kernel; offload uses pinned memory)
+GPU_MATRIX += [
+    TrainingSetup(model=m, gpu="H200", precision=prec, batch_size=b, seq_len=s_, optimizer="adamw", **kw)
+    for (m, prec, b, s_, kw) in [
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"grad_ckpt": True, "ckpt_every": 2}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True, "grad_ckpt": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"attn": "flash"}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"packing": True}),
+    ]
+]
+
+MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
+
+
+def label(s: TrainingSetup) -> str:
+    layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
+    extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
+        + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
+        + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \
+        + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
+        + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
+        + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
+        + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \
+        + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else [])
+    return f"{s.model} {layout} {' '.join(extras)}"

@@ -1,0 +1,85 @@
+"""The step's allocation schedule (llmem.estimator.schedule.StepSchedule) piece by piece, and its agreement with the
+step's moments (the explanation and the planner's bound) over the CI matrix."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER
+from llmem.estimator.moments import step_moments
+from llmem.estimator.schedule import StepSchedule, block_plan
+from llmem.estimator.states import model_states
+from llmem.memory.activations.blocks import Block
+from llmem.memory.activations.profile import activation_profile
+from llmem.model.resolved import resolve
+from llmem.setup.training import TrainingSetup
+from llmem.validate.matrices import CI_MATRIX
+
+
+def _schedule(**kw) -> StepSchedule:
+    r = resolve(TrainingSetup(model="tiny-llama", gpu="H100-80GB", batch_size=1, seq_len=64, **kw))
+    return StepSchedule(r, activation_profile(r))
+
+
+def test_block_plan_lays_temporaries_between_kept_tensors():
+    """Kept tensors 10 and 20; a temporary of 5 from before the first to before the second, one of 7 made and freed
+    at the block's end."""
+    b = Block("b", (10, 20), temps=((5, -0.5, 1), (7, 2, 2)))
+    assert block_plan(b) == [(1, 5, 0), (0, 10, -1), (2, 0, 0), (0, 20, -1), (1, 7, 1), (2, 0, 1)]
+
+
+def test_ddp_buckets_in_reverse_parameter_order():
+    """tiny-llama fp32 under DDP: the reducer's first bucket closes at 1 MiB (the lm_head, 32000 x 512 x 4 B), then
+    buckets of 25 MiB: the final norm, layers 3 and 2 (12,652,544 B each: q, k, v, o 512 x 512, gate, up, down
+    512 x 1376, two norms), then layer 1's two norms (registered after its MLP) and its down_proj reach 25 MiB; the
+    rest (the embedding included) is the last."""
+    sch = _schedule(precision="fp32", method="ddp", gpus=2)
+    sch.setup_phase()
+    buckets = [size for sign, _k, size, _s, comp in sch.sch.events if comp == "communication_buffers"]
+    layer = 3 * 512 * 1376 * 4 + 4 * 512 * 512 * 4 + 2 * 512 * 4
+    assert layer == 12_652_544
+    total = 2 * 32000 * 512 * 4 + 4 * layer + 512 * 4
+    second = 512 * 4 + 2 * layer + 2 * 512 * 4 + 512 * 1376 * 4   # 28,129,280
+    assert buckets == [32000 * 512 * 4, second, total - 32000 * 512 * 4 - second]
+
+
+def test_fsdp_collectives_run_on_their_streams():
+    """FSDP2's all-gather copy-in and output on the all-gather stream, the reduce-scatter output on its own."""
+    sch = _schedule(precision="bf16-mixed", method="fsdp", gpus=2)
+    unit = sch.by_layer[0]
+    out = sch.all_gather(unit)
+    gathered = sum(sch.unsharded[p.name] for p in unit) * 2
+    allocs = [(size, stream) for sign, _k, size, stream, _c in sch.sch.events if sign > 0]
+    assert allocs == [(gathered // 2, ALL_GATHER), (gathered, ALL_GATHER)] and out >= 0
+    sch.pending_rs = []
+    sch.reduce_scatter_layer(0)
+    reduced = sum(sch.unsharded[p.name] for p in unit if p.trainable) * 4
+    assert [(size, stream) for sign, _k, size, stream, _c in sch.sch.events[-3:] if sign > 0] == \
+        [(reduced, 0), (reduced // 2, REDUCE_SCATTER)]
+
+
+@pytest.mark.parametrize("optimizer, first", [("adamw", "temporaries"), ("adamw-forloop", "redistribution")])
+def test_vocab_parallel_gradient_is_redistributed_where_the_optimizer_needs_it(optimizer, first):
+    """Under TP the replicated embedding gradient is redistributed to its shard: after foreach AdamW's temporaries,
+    before the for-loop AdamW's (the order the trace records)."""
+    sch = _schedule(precision="bf16", optimizer=optimizer, method="tp", gpus=2)
+    sch.build()
+    redistributed = [(1, 16000 * 512 * 2), (-1, 16000 * 512 * 2)]     # the embedding's shard, made and freed
+    step = [(sign, size) for sign, _k, size, _s, comp in sch.sch.events[sch.sch.phase_starts[-1][0]:]
+            if comp == "optimizer_temporaries"]
+    assert (step[-2:] if first == "temporaries" else step[:2]) == redistributed
+    assert len(step) > 2
+
+
+@pytest.mark.parametrize("setup", CI_MATRIX, ids=lambda s: f"{s.model}-{s.method}-{s.precision}-{s.optimizer}")
+def test_moments_follow_the_schedule(setup):
+    """The moments (tensor sums at the step's candidate peaks) stay within 10 % of the schedule's own tensor peak
+    on every CI row: the planner's quick bound is calibrated on the full estimate, so it needs to follow it."""
+    r = resolve(setup)
+    act = activation_profile(r)
+    quick = max(m.total for m in step_moments(r, act, model_states(r)))
+    held = peak = 0
+    for sign, _k, size, _s, _c in StepSchedule(r, act).build().events:
+        held += sign * size
+        peak = max(peak, held)
+    assert abs(quick - peak) <= 0.10 * peak, (quick, peak)
