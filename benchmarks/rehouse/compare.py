@@ -1,12 +1,18 @@
 """Re-housing check: the JSON of `estimate` (both engines), `trace` and `plan`, dumped from one checkout of llmem and
 compared with another's.
 
-    # the checkout under test (the installed one), then an older one through PYTHONPATH:
+    # the checkout under test (the installed one), then an older one through PYTHONPATH, run from outside the
+    # repository (twice: the second run of its traces tells their run-to-run noise):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rehouse/compare.py dump /tmp/after
-    HF_HUB_OFFLINE=1 PYTHONPATH=/path/to/old/checkout .venv/bin/python benchmarks/rehouse/compare.py dump /tmp/before
-    .venv/bin/python benchmarks/rehouse/compare.py diff /tmp/before /tmp/after > benchmarks/rehouse/result.md
+    cd /tmp && HF_HUB_OFFLINE=1 PYTHONPATH=/path/to/old/checkout /work/main/.venv/bin/python \
+        /work/main/benchmarks/rehouse/compare.py dump /tmp/before
+    cd /tmp && HF_HUB_OFFLINE=1 PYTHONPATH=/path/to/old/checkout /work/main/.venv/bin/python \
+        /work/main/benchmarks/rehouse/compare.py dump /tmp/before2 --only trace
+    .venv/bin/python benchmarks/rehouse/compare.py diff /tmp/before /tmp/after --setup-from-estimate \
+        --noise /tmp/before2 > benchmarks/rehouse/result.md
 
-What is dumped, one JSON file per case (a case is the engine and the set-up's position in its list):
+What is dumped, one JSON file per case (a case is the engine, the set-up's list and a digest of the set-up's repr,
+so that a row added to a matrix after the change is reported as new, not as a shifted neighbour):
 - `estimate` (llmem engine), `paper` (estimate --engine paper) and `trace` for every row of the CI matrix and the
   large matrix (llmem.validate's CI_MATRIX and LARGE_MATRIX);
 - `plan` for every row of the CI matrix and for benchmarks/plan_speed.py's set-ups (every catalog model on

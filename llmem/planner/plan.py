@@ -31,12 +31,12 @@ from llmem.planner.engines import MemoryEngine, memory_engine
 from llmem.planner.options import PlanOptions
 from llmem.planner.search import (
     CandidatePlan,
+    PlanContext,
     attach_time,
     limit_bytes,
     paper_eval,
     rank_by_paper,
     rank_by_time,
-    search_candidate,
 )
 from llmem.planner.suggestions import suggest
 from llmem.planner.timing import peak_flops_per_s
@@ -96,6 +96,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes)
     limit = limit_bytes(gpu, options.headroom)
+    ctx = PlanContext(anatomy, gpu, options, engine, limit)
     heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
     layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *heads, methods=options.methods, tp=options.tp)
     if not layouts:
@@ -108,11 +109,11 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
         if progress:
             progress(f"searching {layout.label}", i, total_steps)
         try:
-            c = search_candidate(setup, layout, engine, limit, options.batch_cap)
+            c = ctx.search(setup, layout)
         except LlmemError as exc:
             notes.append(f"{layout.label} skipped: {exc}")
             continue
-        attach_time(c, anatomy, setup, gpu, options)
+        attach_time(ctx, c, setup)
         if options.ranking == "paper":
             c.eval = paper_eval(layout, c.max_batch_size)
         candidates.append(c)
@@ -149,7 +150,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
             extra = next((c.layout for c in ranked if allowed(c.layout.spec)), None)
             if extra is not None and extra not in closest:
                 closest.append(extra)
-        suggestions = suggest(setup, anatomy, gpu, options, engine, closest or layouts)
+        suggestions = suggest(ctx, setup, closest or layouts)
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s

@@ -101,30 +101,44 @@ def frozen_base_trainable_params(setup: TrainingSetup, anatomy: ModelAnatomy) ->
     return trained.trainable_params if trained.trainable_params < trained.total_params else 0
 
 
-def timed(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, layout: Layout, micro: int, steps: int,
-          options: PlanOptions, adapter_params: int = 0) -> StepTime:
-    """The time model of `setup` (`anatomy`: the base model's) under `layout` at `micro` x `steps`."""
-    r = assemble(setup_for(setup, layout, micro), anatomy, gpu, layout)
-    return step_time(r, micro, steps, mfu=options.mfu, inter_node_gbps=options.inter_node_gbps,
+@dataclass(frozen=True)
+class PlanContext:
+    """What every search of one plan shares: the base model, the GPU, the plan's options, the memory engine and the
+    memory limit (the GPU's less the headroom)."""
+    anatomy: ModelAnatomy
+    gpu: GpuSpec
+    options: PlanOptions
+    engine: MemoryEngine
+    limit: int
+
+    def search(self, setup: TrainingSetup, layout: Layout) -> CandidatePlan:
+        return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap)
+
+
+def timed(ctx: PlanContext, setup: TrainingSetup, layout: Layout, micro: int, steps: int,
+          adapter_params: int = 0) -> StepTime:
+    """The time model of `setup` under `layout` at `micro` x `steps`."""
+    r = assemble(setup_for(setup, layout, micro), ctx.anatomy, ctx.gpu, layout)
+    return step_time(r, micro, steps, mfu=ctx.options.mfu, inter_node_gbps=ctx.options.inter_node_gbps,
                      adapter_params=adapter_params)
 
 
-def attach_time(c: CandidatePlan, anatomy: ModelAnatomy, setup: TrainingSetup, gpu: GpuSpec,
-                options: PlanOptions, adapter_params: int = 0) -> None:
-    """The candidate's step time at the micro-batch and accumulation the plan would use (`anatomy`: the base
-    model's; `adapter_params`: the trained adapters, found from the set-up when 0)."""
+def attach_time(ctx: PlanContext, c: CandidatePlan, setup: TrainingSetup, adapter_params: int = 0) -> None:
+    """The candidate's step time at the micro-batch and accumulation the plan would use (`adapter_params`: the
+    trained adapters, found from the set-up when 0)."""
     if not c.fits:
         return
-    adapter_params = adapter_params or frozen_base_trainable_params(setup, anatomy)
+    options = ctx.options
+    adapter_params = adapter_params or frozen_base_trainable_params(setup, ctx.anatomy)
     if setup.optimizer_in_backward:
         # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
         wanted = -(-options.global_batch // c.layout.dp) if options.global_batch else c.max_batch_size
         micro, steps = min(c.max_batch_size, wanted), 1
     else:
         micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
-    t = timed(setup, anatomy, gpu, c.layout, micro, steps, options, adapter_params)
+    t = timed(ctx, setup, c.layout, micro, steps, adapter_params)
     if c.offload_optimizer:
-        extra = offload_step_extra_s(assemble(setup_for(setup, c.layout, micro), anatomy, gpu, c.layout))
+        extra = offload_step_extra_s(assemble(setup_for(setup, c.layout, micro), ctx.anatomy, ctx.gpu, c.layout))
         t = replace(t, step_s=t.step_s + extra, tokens_per_s=t.tokens_per_step / (t.step_s + extra))
     c.time = t
 

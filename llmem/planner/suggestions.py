@@ -7,23 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
-from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import assemble, setup_for
 from llmem.paper.algorithm1 import CPU_OFFLOADING
-from llmem.planner.engines import LlmemEngine, MemoryEngine
-from llmem.planner.options import PlanOptions
+from llmem.planner.engines import LlmemEngine
 from llmem.planner.search import (
     CandidatePlan,
+    PlanContext,
     attach_time,
     frozen_base_trainable_params,
-    limit_bytes,
     rank_by_time,
-    search_candidate,
     timed,
 )
 from llmem.planner.timing import offload_cpu_ram_bytes
 from llmem.search import calibrated_max, max_batch_size
-from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
 from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
@@ -35,9 +31,9 @@ LORA_TARGETS = LORA_ALL_LINEAR
 MAX_SUGGESTED_GPUS = 64
 SUGGESTION_LAYOUTS = 2              # each what-if is searched on the two closest layouts that can run it
 
-def _best_fitting(setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int, anatomy: ModelAnatomy,
-                  gpu: GpuSpec, options: PlanOptions, adapter_params: int = 0, offload: bool = False,
-                  max_layouts: int | None = None) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+def _best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
+                  offload: bool = False, max_layouts: int | None = None
+                  ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
     """The fastest fitting plan over `layouts` (and every plan searched); with max_layouts, only the first that
     many layouts the set-up can run (a layout that refuses it, e.g. 8-bit AdamW under FSDP2, does not count)."""
     plans: list[CandidatePlan] = []
@@ -45,11 +41,11 @@ def _best_fitting(setup: TrainingSetup, layouts: list[Layout], engine: MemoryEng
         if max_layouts is not None and len(plans) >= max_layouts:
             break
         try:
-            c = search_candidate(setup, layout, engine, limit, options.batch_cap)
+            c = ctx.search(setup, layout)
         except LlmemError:
             continue
         c.offload_optimizer = offload
-        attach_time(c, anatomy, setup, gpu, options, adapter_params)
+        attach_time(ctx, c, setup, adapter_params)
         plans.append(c)
     return rank_by_time(plans), plans
 
@@ -71,9 +67,10 @@ def _closest(plans: list[CandidatePlan]) -> CandidatePlan | None:
     return min(plans, key=lambda c: c.memory.device_used_bytes, default=None)
 
 
-def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine: MemoryEngine,
-                 limit: int, methods: tuple[str, ...] | None = None) -> CandidatePlan | None:
+def _fewest_gpus(ctx: PlanContext, setup: TrainingSetup, methods: tuple[str, ...] | None = None
+                 ) -> CandidatePlan | None:
     """The fastest fitting plan on the smallest power-of-two GPU count above setup.gpus (up to 64), or None."""
+    anatomy, options = ctx.anatomy, ctx.options
     heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
     n = 1
     while n < MAX_SUGGESTED_GPUS:
@@ -85,7 +82,7 @@ def _fewest_gpus(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, opti
             layouts = candidate_layouts(n, per, *heads, methods=methods or options.methods)
         except LlmemError:
             continue
-        best, _ = _best_fitting(replace(setup, gpus=n), layouts, engine, limit, anatomy, gpu, options)
+        best, _ = _best_fitting(ctx, replace(setup, gpus=n), layouts)
         if best is not None:
             return best
     return None
@@ -150,25 +147,24 @@ def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> lis
     return out
 
 
-def time_cost_pct(c: CandidatePlan | None, base: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
-                  options: PlanOptions) -> float | None:
+def time_cost_pct(ctx: PlanContext, c: CandidatePlan | None, base: TrainingSetup) -> float | None:
     """Time per token of a suggestion against the set-up as given, at the same layout and micro-batch (the
     given set-up's time is modelled even though it does not fit): + is slower, - faster."""
     if c is None or not c.fits or c.time is None:
         return None
     micro = c.time.micro_batch_size
-    ref = timed(base, anatomy, gpu, c.layout, micro, c.time.accumulation_steps, options,
-                frozen_base_trainable_params(setup_for(base, c.layout, micro), anatomy))
+    ref = timed(ctx, base, c.layout, micro, c.time.accumulation_steps,
+                frozen_base_trainable_params(setup_for(base, c.layout, micro), ctx.anatomy))
     return 100.0 * (ref.tokens_per_s / c.time.tokens_per_s - 1.0)
 
 
-def saver_suggestion(saver: Saver, setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int,
-                     anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+def saver_suggestion(ctx: PlanContext, saver: Saver, setup: TrainingSetup, layouts: list[Layout],
+                     engine_note: str) -> dict:
     s = saver.apply(setup)
-    best, plans = _best_fitting(s, layouts, engine, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
-    cost = time_cost_pct(best, setup, anatomy, gpu, options)
+    best, plans = _best_fitting(ctx, s, layouts, max_layouts=SUGGESTION_LAYOUTS)
+    cost = time_cost_pct(ctx, best, setup)
     when = f", time per token {cost:+.0f} %" if cost is not None else ""
-    return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, limit)
+    return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, ctx.limit)
                        + engine_note,
                        best or _closest(plans), flags=saver.flags, time_cost_pct=cost,
                        changes=dict(saver.changes))
@@ -214,8 +210,8 @@ def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
     return menus
 
 
-def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layout], engine: MemoryEngine, limit: int,
-                    anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine_note: str) -> dict:
+def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layout],
+                    engine_note: str) -> dict:
     """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion."""
     base = replace(setup, **dict(menu.changes))
     settings: list[dict] = []
@@ -229,7 +225,7 @@ def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layou
         tried.add(changes)
         flags = " ".join(f for k, v, f in variant if (k, v) in changes)
         s = replace(base, **dict(changes))
-        best, plans = _best_fitting(s, layouts, engine, limit, anatomy, gpu, options, max_layouts=SUGGESTION_LAYOUTS)
+        best, plans = _best_fitting(ctx, s, layouts, max_layouts=SUGGESTION_LAYOUTS)
         all_flags = " ".join(f for f in (menu.flags, flags) if f)
         pick = best or _closest(plans)
         if pick is not None and (closest is None
@@ -240,44 +236,43 @@ def menu_suggestion(menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layou
                          "label": pick.layout.label if pick else None,
                          "device_used_bytes": pick.memory.device_used_bytes if pick else None,
                          "tokens_per_s": best.time.tokens_per_s if best and best.time else None,
-                         "time_cost_pct": time_cost_pct(best, setup, anatomy, gpu, options)})
+                         "time_cost_pct": time_cost_pct(ctx, best, setup)})
         if best is not None and best.time is not None and (
                 fastest is None or best.time.tokens_per_s > fastest[0].time.tokens_per_s):
             fastest = (best, all_flags, changes)
-    trainable = frozen_base_trainable_params(base, anatomy)
+    trainable = frozen_base_trainable_params(base, ctx.anatomy)
     head = f"{menu.title} ({trainable:,} trainable parameters)"
     if fastest is None:
-        text = f"{head}: no setting fits — " + describe_fit(None, [closest] if closest else [], limit)
+        text = f"{head}: no setting fits — " + describe_fit(None, [closest] if closest else [], ctx.limit)
         return _suggestion(menu.kind, text + engine_note, closest, flags=menu.flags, settings=settings,
                            adapter_params=trainable, changes=dict(menu.changes))
     best, flags, changes = fastest
     fitting = [x for x in settings if x["fits"]]
     others = "; ".join(f"{x['flags']}: batch {x['max_batch_size']}" for x in fitting if x["flags"] != flags)
-    text = (f"{head}: {flags} — {describe_fit(best, [], limit)}"
+    text = (f"{head}: {flags} — {describe_fit(best, [], ctx.limit)}"
             + (f"; also fits: {others}" if others else "") + engine_note)
     return _suggestion(menu.kind, text, best, flags=flags, settings=settings, adapter_params=trainable,
-                       time_cost_pct=time_cost_pct(best, setup, anatomy, gpu, options),
+                       time_cost_pct=time_cost_pct(ctx, best, setup),
                        changes={**dict(menu.changes), **dict(changes)})
 
 
-def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: PlanOptions, engine: MemoryEngine,
-            layouts: list[Layout]) -> list[dict]:
+def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> list[dict]:
     """What would fit when nothing does: memory savers that keep full fine-tuning (fused CE, 8-bit AdamW, the
     optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
     together), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs."""
-    limit = limit_bytes(gpu, options.headroom)
+    anatomy, gpu, options, engine, limit = ctx.anatomy, ctx.gpu, ctx.options, ctx.engine, ctx.limit
     out: list[dict] = []
     # the paper's equations model none of the savers: they are always priced by the llmem estimator
     engine_note = " (memory from the llmem estimator: the paper engine does not model it)" \
         if options.engine == "paper" else ""
-    saver_engine = engine if isinstance(engine, LlmemEngine) else LlmemEngine(anatomy, gpu)
+    savers = ctx if isinstance(engine, LlmemEngine) else replace(ctx, engine=LlmemEngine(anatomy, gpu))
 
     def describe(c: CandidatePlan | None, plans: list[CandidatePlan]) -> str:
         return describe_fit(c, plans, limit)
 
     # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together
     for saver in full_finetune_savers(setup, [lay.spec for lay in layouts]):
-        out.append(saver_suggestion(saver, setup, layouts, saver_engine, limit, anatomy, gpu, options, engine_note))
+        out.append(saver_suggestion(savers, saver, setup, layouts, engine_note))
     # 2. the longest sequence that fits at batch 1 (searched on draft estimates)
     best_seq, best_c = 0, None
     for layout in layouts:
@@ -299,8 +294,8 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
         if n > best_seq:
             s = replace(setup, seq_len=n)
             best_seq = n
-            best_c = search_candidate(s, layout, engine, limit, options.batch_cap)
-            attach_time(best_c, anatomy, s, gpu, options)
+            best_c = ctx.search(s, layout)
+            attach_time(ctx, best_c, s)
     if best_c is not None:
         out.append(_suggestion("seq_len", f"shorten the sequence: --seq-len {best_seq} is the longest that fits "
                                f"at batch 1 ({best_c.layout.label}, {format_bytes(best_c.memory.device_used_bytes)}"
@@ -310,10 +305,9 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
                                "batch 1", None, seq_len=0))
     # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
     for menu in adapter_menus(setup):
-        out.append(menu_suggestion(menu, setup, layouts, saver_engine, limit, anatomy, gpu, options, engine_note))
+        out.append(menu_suggestion(savers, menu, setup, layouts, engine_note))
     # 4. optimizer states on the CPU
-    best, plans = _best_fitting(replace(setup, offload_optimizer=True), layouts, saver_engine, limit, anatomy, gpu,
-                                options, offload=True)
+    best, plans = _best_fitting(savers, replace(setup, offload_optimizer=True), layouts, offload=True)
     pick = best or _closest(plans)
     ram = offload_cpu_ram_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
@@ -325,9 +319,9 @@ def suggest(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, options: 
     # 5. more GPUs of the same type (then also with checkpointing)
     # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
     methods = tuple(sorted({lay.method for lay in layouts if not lay.spec.one_gpu})) or None
-    found = _fewest_gpus(setup, anatomy, gpu, options, engine, limit, methods)
+    found = _fewest_gpus(ctx, setup, methods)
     if found is None and not setup.grad_ckpt and options.engine != "paper":
-        found = _fewest_gpus(replace(setup, grad_ckpt=True), anatomy, gpu, options, engine, limit, methods)
+        found = _fewest_gpus(ctx, replace(setup, grad_ckpt=True), methods)
         if found is not None:
             out.append(_suggestion("gpus", f"use {found.layout.world_size} {gpu.name} GPUs with --grad-ckpt: "
                                    + describe(found, []), found, grad_ckpt=True))

@@ -45,6 +45,14 @@ from llmem.setup.optimizers import (
 
 LEARNING_RATE = 1e-5   # any: memory does not depend on it
 
+def _closure_loss(closure):
+    """torch.optim.Optimizer.step's closure: re-evaluate the loss with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lion(torch.optim.Optimizer):
     """Lion with foreach kernels. State per parameter: exp_avg (the parameter's shape and dtype)."""
 
@@ -56,10 +64,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, exp_avgs = [], [], []
             for p in group["params"]:
@@ -128,10 +133,7 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

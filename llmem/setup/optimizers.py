@@ -233,22 +233,28 @@ def _muon_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
     def free(t: int, size: int) -> None:
         ev.append((-1, t, size))
 
+    def made(size: int, replaced: tuple[int, int] | None, operand: tuple[int, int] | None) -> tuple[int, int]:
+        new = alloc(size)
+        if operand is not None:
+            free(*operand)
+        if replaced is not None:
+            free(*replaced)
+        return new, size
+
     def gathered(full: int, strided_local: int = 0) -> tuple[int, int]:
         """Replicate a DTensor operand: all-gather (or all-reduce) output and its wait; a Shard(1) view is made
         contiguous first and concatenated after. Returns the replicated tensor, to free after the op."""
-        steps = []
-        if strided_local:
-            steps.append((alloc(strided_local), strided_local))
+        contiguous = alloc(strided_local) if strided_local else None
         out = alloc(full)
         done = alloc(full)
-        if strided_local:
-            cat = alloc(full)
-            free(done, full)
+        if contiguous is None:
             free(out, full)
-            free(*steps[0])
-            return cat, full
+            return done, full
+        cat = alloc(full)
+        free(done, full)
         free(out, full)
-        return done, full
+        free(contiguous, strided_local)
+        return cat, full
 
     previous: tuple[int, int] | None = None          # the previous parameter's update
     for s in shapes:
@@ -266,34 +272,20 @@ def _muon_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
         copy = alloc(n * pb)                          # update = grad.lerp(buf, momentum)
         if previous is not None:
             free(*previous)
-        x = alloc(n * NS_BYTES) if pb != NS_BYTES else copy      # grad.bfloat16()
+        x = (alloc(n * NS_BYTES) if pb != NS_BYTES else copy, n * NS_BYTES)      # grad.bfloat16()
         gram = gram_update = None
         for _ in range(MUON_NS_STEPS):
-            operand = gathered(n * shards * NS_BYTES, n * NS_BYTES) if sharded and not transposed else None
-            g = alloc(local_gram * NS_BYTES)                     # gram = X @ X.T
-            if operand is not None:
-                free(*operand)
-            if gram is not None:
-                free(gram, local_gram * NS_BYTES)
-            gram = g
-            operand = gathered((r * r if transposed else full_rows * r) * NS_BYTES) if sharded else None
-            gu = alloc(local_gram * NS_BYTES)                    # gram_update = addmm(gram, gram, gram)
-            if operand is not None:
-                free(*operand)
-            if gram_update is not None:
-                free(gram_update, local_gram * NS_BYTES)
-            gram_update = gu
-            operand = gathered((r * r if transposed else n * shards) * NS_BYTES) if sharded else None
-            new_x = alloc(n * NS_BYTES)                          # X = addmm(X, gram_update, X)
-            if operand is not None:
-                free(*operand)
-            if x != copy:
-                free(x, n * NS_BYTES)
-            x = new_x
-        free(gram, local_gram * NS_BYTES)
-        free(gram_update, local_gram * NS_BYTES)
+            # each new tensor exists before the operand copy and the tensor it replaces are released
+            gram = made(local_gram * NS_BYTES, gram,                                   # gram = X @ X.T
+                        gathered(n * shards * NS_BYTES, n * NS_BYTES) if sharded and not transposed else None)
+            gram_update = made(local_gram * NS_BYTES, gram_update,                     # addmm(gram, gram, gram)
+                               gathered((r * r if transposed else full_rows * r) * NS_BYTES) if sharded else None)
+            x = made(n * NS_BYTES, x if x[0] != copy else None,                        # addmm(X, gram_update, X)
+                     gathered((r * r if transposed else n * shards) * NS_BYTES) if sharded else None)
+        free(*gram)
+        free(*gram_update)
         free(copy, n * pb)
-        previous = (x, n * NS_BYTES)
+        previous = x
     if previous is not None:
         free(*previous)
     return ev
