@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared script for one GPU (sized for an H200: 41 configurations, 125M to 8B, every method with its ranks
+# One prepared script for one GPU (sized for an H200: 43 configurations, 125M to 8B, every method with its ranks
 # emulated on the one device through a fake process group; under 8 minutes). It measures the three counters
 # (max_memory_allocated, max_memory_reserved, NVML device-used) of the real training step and compares them with
 # the estimate. Results: benchmarks/results/gpu_<gpu>.json and .png (and copies under $OUT when it is set).
