@@ -16,7 +16,7 @@ from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.result import MemoryResult
-from llmem.setup.training import TrainingSetup, default_method
+from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure", "plan"]
 __version__ = "0.1.0"
@@ -25,12 +25,7 @@ __version__ = "0.1.0"
 def _setup(model: str | TrainingSetup, options: dict[str, Any]) -> TrainingSetup:
     if isinstance(model, TrainingSetup):
         return model
-    from llmem.setup.methods import canonical_method
-
-    options = dict(options)
-    options["method"] = canonical_method(options["method"]) if "method" in options \
-        else default_method(options.get("gpus", 1))
-    return TrainingSetup(model=model, **options)
+    return user_setup(model=model, **options)
 
 
 def estimate(model: str | TrainingSetup, *, engine: str = "llmem", m_base: str | int | None = None,

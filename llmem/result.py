@@ -13,6 +13,7 @@ So all components sum to device_used.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 from llmem.setup.record import SetupRecord
@@ -59,22 +60,8 @@ class MemoryResult:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "setup":
-                value = value.to_dict() if value is not None else {}
-            elif f.name == "timeline":
-                if value is None:
-                    continue
-                value = [dict(p) for p in value]
-            elif isinstance(value, (dict, list)):
-                value = _plain(value)
-            out[f.name] = value
+                out["setup"] = value.to_dict() if value is not None else {}
+            elif not (f.name == "timeline" and value is None):
+                out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
         out["fits"] = self.fits
         return out
-
-
-def _plain(value):
-    """A deep copy of dicts and lists (what dataclasses.asdict gives)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value

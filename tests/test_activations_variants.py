@@ -48,15 +48,15 @@ def test_every_second_layer_keeps_inputs_of_half_and_everything_of_the_rest():
 def test_real_step_checkpoints_layers_whose_index_is_a_multiple_of_k():
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from llmem.runtime.build import build_meta_model, enable_checkpointing
+    from llmem.runtime.build import enable_checkpointing, meta_model_for
 
-    model = build_meta_model(_setup(precision="bf16"))
+    model = meta_model_for(_setup(precision="bf16"))
     assert enable_checkpointing(model, 2) == [0, 2]
     flags = [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert flags == [True, False, True, False]
-    model = build_meta_model(_setup(precision="bf16"))
+    model = meta_model_for(_setup(precision="bf16"))
     assert enable_checkpointing(model, 3) == [0, 3]
-    model = build_meta_model(_setup(precision="bf16"))
+    model = meta_model_for(_setup(precision="bf16"))
     assert enable_checkpointing(model, 1) == [0, 1, 2, 3]
 
 
@@ -300,11 +300,11 @@ def test_deep_models_extrapolate_every_kth_layer_checkpointing_exactly():
 def test_fused_step_loss_and_gradients_match_the_hf_loss_on_a_real_model():
     """The step's --fused-ce wiring (causal LM forward -> base model -> lm_head forward = fused loss) on a real
     fp32 tiny-llama on the CPU: same loss and lm_head / embedding gradients as transformers' own loss."""
-    from llmem.runtime.build import build_meta_model, init_real_weights, install_fused_ce
+    from llmem.runtime.build import init_real_weights, install_fused_ce, meta_model_for
 
     torch.manual_seed(0)
     setup = TrainingSetup(model="tiny-llama", precision="fp32", batch_size=2, seq_len=16)
-    model = build_meta_model(setup)
+    model = meta_model_for(setup)
     model.to_empty(device="cpu")
     init_real_weights(model)
     ids = torch.randint(0, V, (2, 16))

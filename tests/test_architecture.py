@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from llmem.planner.export import EXPORTERS
+from llmem.planner.options import EXPORT_KINDS
 from llmem.runtime.optimizers import BUILDERS
 from llmem.setup.methods import METHODS
 from llmem.setup.optimizers import OPTIMIZERS
@@ -120,6 +122,10 @@ def test_torch_runtime_machinery_only_in_the_runtime_floor():
 
 def test_every_optimizer_row_has_a_builder_and_every_builder_a_row():
     assert set(OPTIMIZERS) == set(BUILDERS)
+
+
+def test_every_export_kind_the_cli_offers_has_a_writer():
+    assert set(EXPORT_KINDS) == set(EXPORTERS)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

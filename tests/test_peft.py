@@ -93,11 +93,11 @@ def test_trainable_set_matches_the_traced_peft_model(tmp_path):
     """The anatomy read back from peft agrees with the model the trace runs (requires_grad of the peft model)."""
     from peft import IA3Config
 
-    from llmem.runtime.build import apply_peft, build_meta_model
+    from llmem.runtime.build import apply_peft, meta_model_for
 
     path = _save(tmp_path, "ia3", IA3Config(task_type="CAUSAL_LM"))
     setup = _setup("tiny-mistral", precision="bf16-mixed", peft_config=path)
-    model = apply_peft(build_meta_model(setup), setup)
+    model = apply_peft(meta_model_for(setup), setup)
     traced = {n.replace("base_model.model.", "", 1): p.numel() for n, p in model.named_parameters()
               if p.requires_grad}
     a = trained_anatomy(load_anatomy(setup.model), setup)

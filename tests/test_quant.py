@@ -153,7 +153,7 @@ def test_emulated_modules_hold_bitsandbytes_storage_and_peft_wraps_them():
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from llmem.runtime.build import build_meta_model
+    from llmem.runtime.build import meta_model_for
     from llmem.runtime.quant_kernels import (
         Linear4bitEmulated,
         Linear8bitLtEmulated,
@@ -172,7 +172,7 @@ def test_emulated_modules_hold_bitsandbytes_storage_and_peft_wraps_them():
 
     setup = TrainingSetup(model="tiny-llama", precision="bf16-mixed", lora_rank=8, lora_targets="all-linear",
                           quant_base="nf4")
-    model = build_meta_model(setup)
+    model = meta_model_for(setup)
     assert quantize_base(model, setup, fake=True) == 4 * 7          # every linear of the layers, not lm_head
     assert type(model.lm_head) is nn.Linear
     peft_model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -185,7 +185,7 @@ def test_emulated_modules_hold_bitsandbytes_storage_and_peft_wraps_them():
     wrap_quant_adapters(peft_model)
     assert {p.dtype for p in peft_model.parameters() if p.is_floating_point()} == {torch.float32}
     with pytest.raises(LlmemError, match="measure"):
-        quantize_base(build_meta_model(setup), setup, fake=False)
+        quantize_base(meta_model_for(setup), setup, fake=False)
 
 
 def test_trace_emulates_and_estimate_agrees():

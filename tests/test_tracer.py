@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from llmem.cli.plots import plot_timeline
 from llmem.errors import LlmemError
 from llmem.result import ALLOCATED_COMPONENTS, COMPONENTS
-from llmem.runtime.build import build_meta_model
+from llmem.runtime.build import meta_model_for
 from llmem.runtime.cuda import cuda_autocast_policy, cuda_like_dropout, sdpa_backend
 from llmem.runtime.ledger import Ledger
 from llmem.runtime.optimizers import make_optimizer
@@ -56,7 +56,7 @@ def cfgs(tmp_path_factory):
 
 
 def param_shapes(path: str) -> tuple[list[tuple[int, ...]], int]:
-    model = build_meta_model(TrainingSetup(model=path))
+    model = meta_model_for(TrainingSetup(model=path))
     shapes = [tuple(p.shape) for p in model.parameters()]
     buffers = sum(r512(b.numel() * b.element_size()) for b in model.buffers())
     return shapes, buffers
@@ -291,7 +291,7 @@ def test_fsdp_shards_with_dim0_padding(cfgs):
     assert c["optimizer_states"] == 2 * w
     assert c["optimizer_temporaries"] == w
     # sharded gradients: one flat reduce-scatter output per FSDP unit (each decoder layer, then the root)
-    layers = build_meta_model(TrainingSetup(model=cfgs["llama_odd"])).model.layers
+    layers = meta_model_for(TrainingSetup(model=cfgs["llama_odd"])).model.layers
     per_layer = [sum(math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) for p in layer.parameters())
                  for layer in layers]
     root = sum(shard) - sum(per_layer)

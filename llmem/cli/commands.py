@@ -18,8 +18,8 @@ from llmem.errors import LlmemError
 from llmem.model.catalog import catalog
 from llmem.planner.options import EXPORT_KINDS
 from llmem.result import MemoryResult
-from llmem.setup.gpus import GPU_CATALOG, resolve_gpu
-from llmem.units import format_bytes, parse_bytes
+from llmem.setup.gpus import GPU_CATALOG
+from llmem.units import format_bytes
 from llmem.validate.matrices import MATRICES
 
 # The engines import transformers and torch (seconds): each command imports the ones it runs, so that `--help`,
@@ -34,21 +34,9 @@ def _emit(args: argparse.Namespace, result: MemoryResult) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from llmem.estimator.engine import estimate
-    from llmem.model.anatomy import load_anatomy
-    from llmem.paper.engine import paper_estimate
+    from llmem import estimate
 
-    setup = setup_from_args(args)
-    if args.engine == "paper":
-        anatomy = load_anatomy(setup.model, setup.trust_remote_code)
-        gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
-        m_base = parse_bytes(args.m_base) if args.m_base else None
-        result = paper_estimate(setup, anatomy, gpu, m_base_bytes=m_base)
-    elif args.engine == "llmem":
-        result = estimate(setup)
-    else:
-        raise LlmemError(f"unknown engine {args.engine!r}: choose llmem or paper")
-    _emit(args, result)
+    _emit(args, estimate(setup_from_args(args), engine=args.engine, m_base=args.m_base or None))
     return 0
 
 
@@ -81,7 +69,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from llmem.validate.compare import compared_counters, validate
+    from llmem.validate.compare import compared_counters, failed_rows, validate
 
     counters = compared_counters(args.against)
     console = Console(stderr=args.json)
@@ -98,8 +86,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         console.print(validation_table(rows, args.against, args.matrix, counters, args.max_error))
-        failed = sum(1 for r in rows if not r.skipped and (r.error or any(
-            abs(e) > args.max_error for c in counters if (e := r.error_pct(c)) is not None)))
+        failed = len(failed_rows(rows, counters, args.max_error))
         console.print(f"worst error {summary['worst_error_pct']:.2f}% (limit {args.max_error}%): "
                       + ("[green]pass[/]" if not failed else f"[red]{failed} configuration(s) fail[/]"))
     return 0 if summary["passed"] else 1

@@ -10,7 +10,6 @@ from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.planner.options import PlanOptions
-from llmem.setup.methods import canonical_method
 from llmem.setup.training import (
     ACTIVATIONS,
     ADAPTERS,
@@ -20,7 +19,7 @@ from llmem.setup.training import (
     STEP,
     Option,
     TrainingSetup,
-    default_method,
+    user_setup,
 )
 
 GROUP_TITLES = {MODEL: "model", LAYOUT: "layout", STEP: "step", OPTIMIZER: "optimizer", ACTIVATIONS: "activations",
@@ -93,9 +92,7 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
             values.update(dict(opt.implies))
             if opt.requires and values.get(opt.requires[0]) != opt.requires[1]:
                 raise LlmemError(f"{_flag(f, opt)} applies to {_flag_for(*opt.requires)} only")
-    values["method"] = canonical_method(values["method"]) if "method" in values \
-        else default_method(values.get("gpus", 1))
-    return TrainingSetup(**values)
+    return user_setup(**values)
 
 
 def _flag_for(name: str, value: Any) -> str:

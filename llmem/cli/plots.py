@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from llmem.model.resolved import setup_for
 from llmem.result import MemoryResult
+from llmem.units import GIB
 
 if TYPE_CHECKING:
     from llmem.planner.plan import Plan
@@ -29,9 +30,8 @@ def plot_timeline(result: MemoryResult, path_png: str) -> str:
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if tl:
         ts = [p["t"] for p in tl]
-        gib = 1024 ** 3
-        ax.plot(ts, [p["allocated"] / gib for p in tl], label="allocated", lw=1.2)
-        ax.plot(ts, [p["reserved"] / gib for p in tl], label="reserved", lw=1.2)
+        ax.plot(ts, [p["allocated"] / GIB for p in tl], label="allocated", lw=1.2)
+        ax.plot(ts, [p["reserved"] / GIB for p in tl], label="reserved", lw=1.2)
         colors = {"setup": "#eeeeee", "forward": "#dbe9f6", "backward": "#fde2cf", "optimizer_step": "#dff2dc"}
         start = 0
         for i in range(1, len(tl) + 1):
@@ -39,12 +39,12 @@ def plot_timeline(result: MemoryResult, path_png: str) -> str:
                 end = ts[i] if i < len(tl) else ts[-1]
                 ax.axvspan(ts[start], end, color=colors.get(tl[start]["phase"], "#ffffff"), lw=0)
                 start = i
-        ax.axhline(result.device_used_bytes / gib, color="k", ls=":", lw=0.8, label="device used (peak)")
+        ax.axhline(result.device_used_bytes / GIB, color="k", ls=":", lw=0.8, label="device used (peak)")
     ax.set_xlabel("allocator event")
     ax.set_ylabel("GiB")
     s = result.setup
     ax.set_title(f"{s.model} {s.method} x{s.gpus} {s.precision} "
-                 f"b{s.batch_size} s{s.seq_len}: peak {result.peak_allocated_bytes / 1024**3:.2f}"
+                 f"b{s.batch_size} s{s.seq_len}: peak {result.peak_allocated_bytes / GIB:.2f}"
                  f" GiB allocated ({result.peak_phase})", fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -61,11 +61,11 @@ def plot_plan(p: Plan, path: str, points: int = 40) -> None:
     xs = sorted({max(1, round(top ** (i / (points - 1)))) for i in range(points)})
     fig, ax = plt.subplots(figsize=(8, 5))
     for c in p.candidates:
-        ys = [p.engine.full(setup_for(p.setup, c.layout, b)).device_used_bytes / 2**30 for b in xs]
+        ys = [p.engine.full(setup_for(p.setup, c.layout, b)).device_used_bytes / GIB for b in xs]
         ax.plot(xs, ys, marker=".", label=c.layout.label)
-    ax.axhline(p.gpu.memory_bytes / 2**30, color="red", linestyle="--", label=f"{p.gpu.name} memory")
+    ax.axhline(p.gpu.memory_bytes / GIB, color="red", linestyle="--", label=f"{p.gpu.name} memory")
     if p.options.headroom:
-        ax.axhline(p.limit_bytes / 2**30, color="orange", linestyle=":", label="limit with headroom")
+        ax.axhline(p.limit_bytes / GIB, color="orange", linestyle=":", label="limit with headroom")
     if top > 64:
         ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batch size per GPU")
@@ -82,10 +82,10 @@ def plot_validation(rows: list[Row], counters: tuple[str, ...], path: str) -> No
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 6))
     for c, marker in zip(counters, "osd", strict=False):
-        xs = [getattr(r.truth, c) / 2**30 for r in rows if r.truth]
-        ys = [getattr(r.estimate, c) / 2**30 for r in rows if r.truth]
+        xs = [getattr(r.truth, c) / GIB for r in rows if r.truth]
+        ys = [getattr(r.estimate, c) / GIB for r in rows if r.truth]
         ax.scatter(xs, ys, marker=marker, label=c.replace("_bytes", ""), alpha=0.7)
-    top = max([getattr(r.truth, c) / 2**30 for r in rows if r.truth for c in counters] + [1])
+    top = max([getattr(r.truth, c) / GIB for r in rows if r.truth for c in counters] + [1])
     ax.plot([0, top], [0, top], "k--", lw=0.8, label="estimate = truth")
     ax.set_xscale("log")
     ax.set_yscale("log")

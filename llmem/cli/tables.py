@@ -60,7 +60,6 @@ def print_memory(result: MemoryResult, console: Console | None = None) -> None:
         console.print(f"[yellow]note:[/] {escape(note)}")
 
 
-
 def _fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -118,7 +117,6 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         console.print(f"[cyan]suggestion ({sug['kind']}):[/] {escape(sug['text'])}")
     for note in p.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
-
 
 
 def validation_table(rows: list[Row], against: str, matrix: str, counters: tuple[str, ...],

@@ -11,6 +11,7 @@ from llmem.memory.allocator import CachingAllocator
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
 
+
 @dataclass
 class Schedule:
     """Allocation events, grouped in phases, with the component each tensor belongs to."""

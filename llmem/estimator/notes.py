@@ -21,7 +21,7 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy) -> list[str]:
     kind = ("NF4 4-bit" + (", double-quantised constants" if setup.double_quant else ", fp32 absmax")
             if setup.quant_base == "nf4" else "LLM.int8")
     upcast = sum(p.numel for p in anatomy.params if not p.trainable and not is_quantised(p, setup.quant_base))
-    notes = [f"bitsandbytes {kind} base: {numel / 1e9:.2f} B parameters in {stored / 1024**3:.2f} GiB "
+    notes = [f"bitsandbytes {kind} base: {numel / 1e9:.2f} B parameters in {stored / GIB:.2f} GiB "
              f"({8 * stored / max(numel, 1):.3f} bits each); bitsandbytes' kernels are modelled, not run "
              "(dequantisation transients in forward and backward included)",
              f"QLoRA recipe (peft's prepare_model_for_kbit_training): the {upcast / 1e9:.2f} B unquantised frozen "

@@ -15,7 +15,7 @@ from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.activations.loss import FusedCE
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
-from llmem.memory.activations.quantised import quant_input_bytes
+from llmem.memory.activations.quantised import fp32_behind_quant, quant_input_bytes
 from llmem.memory.quant import is_quantised, storage_tensors, transients
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
@@ -136,10 +136,10 @@ class StepSchedule:
         # bitsandbytes' dequantisation transients per quantised linear (llmem.memory.quant)
         self.quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
         self.quant_tmp = {p.name: transients(p.shape, setup.quant_base, setup.double_quant, self.t, regime.mm,
-                                             setup.precision.startswith("fp16"), p.module_kind == "Conv1D")
+                                             setup.compute_dtype == "float16", p.module_kind == "Conv1D")
                           for p in kept if self.quantised[p.name]}
         self.adapted = {p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name}
-        self.fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
+        self.fp32_behind_quant = fp32_behind_quant(setup.quant_base, regime)
         self.layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
         for i in range(self.layers):
             groups: list[list[ParamInfo]] = [[] for _ in act.blocks]
@@ -151,7 +151,7 @@ class StepSchedule:
         self.optimizer = r.optimizer
         self.in_backward = setup.optimizer_in_backward and not setup.offload_optimizer
         self.shapes = {p.name: local_shape(p, layout) for p in self.trainable}
-        self.shards = layout.dp if self.fsdp else 1          # FSDP2's DTensor shards of dim 0
+        self.shards = layout.shard_degree                    # FSDP2's DTensor shards of dim 0
         self.plans: dict[int, BlockOps] = {}
         # what is live, by role
         self.quant_live: list[int] = []
@@ -183,12 +183,15 @@ class StepSchedule:
         does a quantised one: bitsandbytes dequantises it itself)."""
         return p.trainable or (self.setup.stored_bytes(False) != self.regime.mm and not self.quantised[p.name])
 
-    def cast_bytes(self, params: list[ParamInfo]) -> list[int]:
-        """The autocast weight copies a block's linears keep for backward."""
+    def cast_weights(self, params: list[ParamInfo]) -> list[ParamInfo]:
+        """The weights whose autocast copies a block's linears keep for backward (none outside autocast)."""
         if not self.regime.autocast:
             return []
-        return [self.tp_local[p.name] * self.regime.mm for p in params
-                if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and self.casts(p)]
+        return [p for p in params if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and self.casts(p)]
+
+    def cast_bytes(self, params: list[ParamInfo]) -> list[int]:
+        """The autocast weight copies a block's linears keep for backward."""
+        return [self.tp_local[p.name] * self.regime.mm for p in self.cast_weights(params)]
 
     def offloaded(self, i: int) -> bool:
         """Layer i's saved tensors live on the host between forward and backward (a checkpointed layer's input
@@ -233,7 +236,7 @@ class StepSchedule:
             if self.setup.quant_base != "nf4" or block is None:
                 sch.free_all(keys)
                 continue
-            rows = self.t * (p.shape[1] if p.module_kind == "Conv1D" else p.shape[0])
+            rows = self.t * p.out_features                 # elements of the linear's output
             out = alloc(rows * mm, "activations")
             sch.free_all(keys)                             # the dequantised weight dies with gemm_4bit
             in_bytes = quant_input_bytes(block, self.regime, self.fp32_behind_quant)
@@ -289,15 +292,20 @@ class StepSchedule:
             self.sch.free(k)
 
     # ------------------------------------------------------------------------------------------ gradients
+    def accumulate(self, old: int, size: int) -> int:
+        """AccumulateGrad into an existing gradient (tied weights): out of place, the new gradient and the sum
+        exist before both addends are freed. Returns the sum's key."""
+        new, total = self.sch.alloc(size, "gradients"), self.sch.alloc(size, "gradients")
+        self.sch.free(new)
+        self.sch.free(old)
+        return total
+
     def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
         sch, alloc = self.sch, self.sch.alloc
         if self.fsdp:
             size = self.unsharded[p.name] * self.gather_bytes
             if root_unit and p.name in self.root_unsharded_grads:   # tied: accumulate out of place
-                new, total = alloc(size, "gradients"), alloc(size, "gradients")
-                sch.free(new)
-                sch.free(self.root_unsharded_grads[p.name])
-                self.root_unsharded_grads[p.name] = total
+                self.root_unsharded_grads[p.name] = self.accumulate(self.root_unsharded_grads[p.name], size)
             elif root_unit:
                 self.root_unsharded_grads[p.name] = alloc(size, "gradients")
             else:
@@ -307,10 +315,7 @@ class StepSchedule:
         size = (p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]) * self.pb
         grads = self.grads
         if p.name in grads:       # accumulation into an existing gradient (tied weights): out of place
-            new, total = alloc(size, "gradients"), alloc(size, "gradients")
-            sch.free(new)
-            sch.free(grads[p.name])
-            grads[p.name] = total
+            grads[p.name] = self.accumulate(grads[p.name], size)
             if self.in_backward:
                 self.pending_steps.append(p)
             return
@@ -473,9 +478,7 @@ class StepSchedule:
             for keys in per_block:
                 sch.free_all(keys)
             for params, keys in zip(blocks_params, copies, strict=True):
-                weights = [p for p in params if regime.autocast and p.module_kind in MATMUL_KINDS
-                           and not p.name.endswith("bias") and self.casts(p)]
-                for p, k in zip(weights, keys, strict=True):
+                for p, k in zip(self.cast_weights(params), keys, strict=True):
                     if p.trainable:
                         self.cache.append(k)    # autocast caches casts of leaf weights that require grad
                     else:

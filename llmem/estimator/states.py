@@ -64,7 +64,7 @@ def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int,
     if setup.offload_optimizer:
         return 0, 0, 0                 # states and the update live on the CPU (ZeRO-Offload / FSDP)
     pb = setup.param_bytes
-    shards = layout.dp if layout.shards_model_states else 1     # FSDP2's DTensor shards of dim 0
+    shards = layout.shard_degree                                 # FSDP2's DTensor shards of dim 0
     shapes = {p.name: local_shape(p, layout) for p in trainable}
     states = sum(sum(spec.part(p).states(shapes[p.name], pb)) for p in trainable)
     states += spec.shared_state_bytes([shapes[p.name] for p in trainable], setup.optimizer_in_backward)
@@ -132,8 +132,7 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     if layout.tp > 1:
         for p in embed:
             if tp_split_dim(p) == 0:
-                tp_excess += (p.numel // (layout.dp if layout.shards_model_states else 1)
-                              - tp_local_numel(p, layout)) * pb
+                tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb
     return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
                        embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
                        opt_outside)

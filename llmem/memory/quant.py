@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.model.sharding import MATMUL_KINDS
+from llmem.setup.precision import F32
 from llmem.setup.training import QUANT_BASES
 from llmem.units import ceil_div
 
@@ -46,7 +48,6 @@ NF4_BLOCK = 64                  # Params4bit blocksize (transformers' BitsAndByt
 NESTED_BLOCK = 256              # quantize_blockwise(absmax, blocksize=256) for double quantisation
 NF4_CODE_BYTES = 16 * 4         # get_4bit_type("nf4"): fp32 [16]
 DYNAMIC_CODE_BYTES = 256 * 4    # create_dynamic_map(): fp32 [256], copied into each nested QuantState
-F32 = 4
 GEMM_4BIT_CUSTOM_MAX_ROWS = 1536   # bitsandbytes/backends/cuda/ops.py: past this, dequantise + F.linear
 
 
@@ -78,7 +79,7 @@ def storage_tensors(shape: tuple[int, ...], quant_base: str, double_quant: bool,
 def is_quantised(p, quant_base: str) -> bool:
     """Whether transformers' bitsandbytes integration replaces this parameter's module (a ParamInfo): the weight
     of an nn.Linear / Conv1D that is not the output embedding nor tied (LoRA adapters are never quantised)."""
-    if quant_base == "none" or not p.name.endswith(".weight") or p.module_kind not in ("Linear", "Conv1D"):
+    if quant_base == "none" or not p.name.endswith(".weight") or p.module_kind not in MATMUL_KINDS:
         return False
     module = p.name.rsplit(".", 1)[0]
     return ".lora_" not in p.name and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"

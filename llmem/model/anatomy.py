@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from math import prod
 
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.families import decoder_layers, dimensions, family_of
@@ -25,10 +26,16 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return prod(self.shape)
+
+    @property
+    def in_features(self) -> int:
+        """A matmul weight's input features: nn.Linear stores [out, in], GPT-2's Conv1D [in, out]."""
+        return self.shape[0] if self.module_kind == "Conv1D" else self.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[1] if self.module_kind == "Conv1D" else self.shape[0]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import warnings
 from pathlib import Path
 
-from llmem.errors import LlmemError
+from llmem.errors import LlmemError, first_line
 from llmem.model.catalog import find_entry, load_config_dict, tiny_config_dict
 
 
@@ -48,7 +48,7 @@ def resolve_config(model: str, trust_remote_code: bool = False):
             warnings.simplefilter("ignore")
             cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError, ValueError, HTTP errors...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise LlmemError(f"unknown model {model!r}: not in the catalog (see `llmem models`), not a local config, "
                          f"and the hub lookup failed ({first[:160]})") from None
     return model, cfg

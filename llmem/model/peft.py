@@ -11,9 +11,10 @@ from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
-from llmem.errors import LlmemError
+from llmem.errors import LlmemError, first_line
 from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory
 from llmem.model.config import build_meta_model, resolve_config
+from llmem.model.sharding import MATMUL_KINDS
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
 
 PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
@@ -28,12 +29,17 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
     return anatomy
 
 
+def lora_target_names(targets: str) -> list[str]:
+    """--lora-targets "q_proj, v_proj" -> ["q_proj", "v_proj"] (all-linear stays one name)."""
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
 @lru_cache(maxsize=64)
 def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", dropout: float = 0.0) -> ModelAnatomy:
     """The anatomy as peft's LoRA builds it: every base parameter frozen, adapters A [r, in] and B [out, r] added
     next to each targeted linear of the decoder layers ("all-linear": every Linear/Conv1D inside the layers, as
     peft's all-linear, which leaves lm_head alone). `dropout`: peft's lora_dropout."""
-    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    wanted = set(lora_target_names(targets))
     if not wanted:
         raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
     params: list[ParamInfo] = []
@@ -42,19 +48,18 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
         params.append(replace(p, trainable=False))
         module, leaf = p.name.rsplit(".", 1)
         short = module.rsplit(".", 1)[-1]
-        if (leaf != "weight" or p.layer_index is None or p.module_kind not in ("Linear", "Conv1D")
+        if (leaf != "weight" or p.layer_index is None or p.module_kind not in MATMUL_KINDS
                 or not (LORA_ALL_LINEAR in wanted or short in wanted)):
             continue
         matched.add(short)
-        out_f, in_f = (p.shape[1], p.shape[0]) if p.module_kind == "Conv1D" else (p.shape[0], p.shape[1])
-        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, in_f), "float32", "Linear",
+        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, p.in_features), "float32", "Linear",
                                 p.layer_index, None))
-        params.append(ParamInfo(f"{module}.lora_B.default.weight", (out_f, rank), "float32", "Linear",
+        params.append(ParamInfo(f"{module}.lora_B.default.weight", (p.out_features, rank), "float32", "Linear",
                                 p.layer_index, None))
     missing = wanted - matched - {LORA_ALL_LINEAR}
     if missing:
         names = sorted({p.name.rsplit(".", 2)[-2] for p in anatomy.params
-                        if p.layer_index is not None and p.module_kind in ("Linear", "Conv1D")})
+                        if p.layer_index is not None and p.module_kind in MATMUL_KINDS})
         raise LlmemError(f"--lora-targets {', '.join(sorted(missing))} not found in {anatomy.name}: "
                          f"its layers' linear modules are {', '.join(names)} (or use all-linear)")
     return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
@@ -94,7 +99,7 @@ def peft_config_from_text(text: str):
             warnings.simplefilter("ignore")
             return PeftConfig.from_peft_type(**fields)
     except (TypeError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise LlmemError(f"peft cannot read this config ({fields.get('peft_type')}): {first[:200]}") from None
 
 
@@ -108,7 +113,7 @@ def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
             warnings.simplefilter("ignore")
             return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
     except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise LlmemError(f"peft cannot apply this {config.peft_type} config to the model: {first[:200]}") from None
 
 

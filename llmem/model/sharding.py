@@ -9,9 +9,10 @@ layout, and the size of an FSDP2 unit as it is all-gathered.
 
 from __future__ import annotations
 
+from math import prod
+
 from llmem.model.anatomy import ParamInfo
 from llmem.setup.layout import Layout
-from llmem.setup.optimizers import prod
 
 # Module names whose weights tensor parallelism splits by output (column) or by input (row) features.
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_attn", "c_fc", "query_key_value",

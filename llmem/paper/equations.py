@@ -66,30 +66,16 @@ from llmem.units import MIB, ceil_div
 
 # ---- the paper's constants (paper §3.1) ----
 CU_P = 2 * MIB          # cu_p: CUDA memory page size the paper rounds to
-
-
 B16 = 2                 # B_16
-
-
 B32 = 4                 # B_32
-
-
 E_N = 2                 # e_n: embedding outputs kept (the code always appends the first embedding output twice)
-
-
 LM_FP32_MODEL_TYPES = ("codegen", "gpt_neo")   # HF code casts their logits to fp32 -> B = B_32 in m_lm
-
 
 # ---- Colossal-AI Gemini chunk search defaults (`search_chunk_configuration`): element counts despite the "mb"/"byte"
 # names ----
 MIN_CHUNK_ELEMS = 32 * 1024**2
-
-
 SEARCH_RANGE_ELEMS = 32 * 1024**2
-
-
 SEARCH_INTERVAL_ELEMS = 1024
-
 
 PAPER_METHODS = ("CDP", "ADP", "TP", "DP+TP")
 

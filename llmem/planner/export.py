@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
@@ -102,7 +103,7 @@ def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
         if lay.tp > 1:
             cfg["parallelism_config"] = {
                 "parallelism_config_dp_replicate_size": 1,
-                "parallelism_config_dp_shard_size": lay.dp if lay.spec.shards_model_states else 1,
+                "parallelism_config_dp_shard_size": lay.shard_degree,
                 "parallelism_config_tp_size": lay.tp,
                 "parallelism_config_cp_size": 1,
             }
@@ -185,19 +186,23 @@ def export_deepspeed(e: ExportPlan) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
 
+# one writer per --export kind (llmem.planner.options.EXPORT_KINDS): (plan, its export) -> the file's text
+EXPORTERS: dict[str, Callable[[Plan, ExportPlan], str]] = {
+    "accelerate": lambda p, e: export_accelerate(e, p.anatomy.decoder_layer_class),
+    "torchrun": lambda p, e: export_torchrun(e),
+    "deepspeed": lambda p, e: export_deepspeed(e),
+}
+EXECUTABLE_EXPORTS = ("torchrun",)      # written as a script the user runs
+
+
 def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
-    e = export_plan(p)
-    if kind == "accelerate":
-        text = export_accelerate(e, p.anatomy.decoder_layer_class)
-    elif kind == "torchrun":
-        text = export_torchrun(e)
-    elif kind == "deepspeed":
-        text = export_deepspeed(e)
-    else:
+    writer = EXPORTERS.get(kind)
+    if writer is None:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
+    e = export_plan(p)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    if kind == "torchrun":
+        f.write(writer(p, e))
+    if kind in EXECUTABLE_EXPORTS:
         os.chmod(path, 0o755)
     return e
 

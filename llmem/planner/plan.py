@@ -97,8 +97,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes)
     limit = limit_bytes(gpu, options.headroom)
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
-    heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
-    layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *heads, methods=options.methods, tp=options.tp)
+    layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *ctx.heads, methods=options.methods, tp=options.tp)
     if not layouts:
         raise LlmemError(f"no layout of {setup.gpus} GPU(s) matches the requested method/tp for "
                          f"{anatomy.name}")
@@ -167,7 +166,7 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
         f"{setup.precision} x MFU {options.mfu:g}; links {gpu.link_gbps:g} GB/s in a node, "
         f"{options.inter_node_gbps:g} GB/s per GPU across nodes; optimizer step, data loading not timed",
     ]
-    if setup.precision == "fp32":
+    if not setup.precision_spec.low_precision:
         notes.append("fp32 matmuls timed as TF32 (half the bf16 peak) on Ampere and newer, 1/8 of it before")
     if options.engine == "paper":
         notes.append("paper engine: LLMem's equations (fp16 mixed precision, Gemini chunks, gradient "

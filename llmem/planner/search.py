@@ -68,9 +68,8 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
 
     With the engine's quick bound (tensor bytes at the largest moment, no allocator replay) the search runs on quick
-    values scaled
-    by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and stepped with full
-    estimates, so the result is the full estimator's own largest fitting batch.
+    values scaled by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and
+    stepped with full estimates, so the result is the full estimator's own largest fitting batch.
     """
     cache: dict[int, MemoryResult] = {}
 
@@ -113,6 +112,12 @@ class PlanContext:
 
     def search(self, setup: TrainingSetup, layout: Layout) -> CandidatePlan:
         return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """The (query, key/value) head counts a layout's tp must divide: none under the paper engine, whose 1D TP
+        splits weights, not heads."""
+        return (0, 0) if self.options.engine == "paper" else (self.anatomy.num_heads, self.anatomy.num_kv_heads)
 
 
 def timed(ctx: PlanContext, setup: TrainingSetup, layout: Layout, micro: int, steps: int,
@@ -159,7 +164,6 @@ def rank_by_paper(candidates: list[CandidatePlan]) -> CandidatePlan | None:
         if c.eval and (best is None or c.eval > best.eval):
             best = c
     return best
-
 
 
 def paper_eval(layout: Layout, batch: int) -> float:

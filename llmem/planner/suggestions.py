@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
+from llmem.estimator.states import offloaded_optimizer_host_bytes
 from llmem.model.resolved import assemble, setup_for
 from llmem.paper.algorithm1 import CPU_OFFLOADING
 from llmem.planner.engines import LlmemEngine
@@ -18,7 +19,6 @@ from llmem.planner.search import (
     rank_by_time,
     timed,
 )
-from llmem.planner.timing import offload_cpu_ram_bytes
 from llmem.search import calibrated_max, max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
@@ -30,6 +30,7 @@ LORA_RANK = 16
 LORA_TARGETS = LORA_ALL_LINEAR
 MAX_SUGGESTED_GPUS = 64
 SUGGESTION_LAYOUTS = 2              # each what-if is searched on the two closest layouts that can run it
+
 
 def _best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
                   offload: bool = False, max_layouts: int | None = None
@@ -70,8 +71,6 @@ def _closest(plans: list[CandidatePlan]) -> CandidatePlan | None:
 def _fewest_gpus(ctx: PlanContext, setup: TrainingSetup, methods: tuple[str, ...] | None = None
                  ) -> CandidatePlan | None:
     """The fastest fitting plan on the smallest power-of-two GPU count above setup.gpus (up to 64), or None."""
-    anatomy, options = ctx.anatomy, ctx.options
-    heads = (0, 0) if options.engine == "paper" else (anatomy.num_heads, anatomy.num_kv_heads)
     n = 1
     while n < MAX_SUGGESTED_GPUS:
         n *= 2
@@ -79,7 +78,7 @@ def _fewest_gpus(ctx: PlanContext, setup: TrainingSetup, methods: tuple[str, ...
         if n <= setup.gpus or (per and n > per and n % per):
             continue
         try:
-            layouts = candidate_layouts(n, per, *heads, methods=methods or options.methods)
+            layouts = candidate_layouts(n, per, *ctx.heads, methods=methods or ctx.options.methods)
         except LlmemError:
             continue
         best, _ = _best_fitting(ctx, replace(setup, gpus=n), layouts)
@@ -309,7 +308,7 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> li
     # 4. optimizer states on the CPU
     best, plans = _best_fitting(savers, replace(setup, offload_optimizer=True), layouts, offload=True)
     pick = best or _closest(plans)
-    ram = offload_cpu_ram_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
+    ram = offloaded_optimizer_host_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
     out.append(_suggestion("offload_optimizer", "offload the optimizer to the CPU (states and update, "
                            f"ZeRO-Offload style): {describe(best, plans)}; CPU RAM {format_bytes(ram)} per GPU "

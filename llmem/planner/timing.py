@@ -48,7 +48,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
-from llmem.estimator.states import offloaded_optimizer_host_bytes
 from llmem.memory.activations.profile import activation_profile, effective_attention
 from llmem.memory.quant import is_quantised, storage_bytes
 from llmem.model.anatomy import ModelAnatomy
@@ -56,6 +55,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES
+from llmem.setup.precision import PRECISIONS
 from llmem.setup.training import TrainingSetup
 
 DEFAULT_MFU = 0.4
@@ -63,6 +63,7 @@ DEFAULT_INTER_NODE_GBPS = 25.0      # GB/s per GPU across nodes (one 200 Gb/s NI
 COLLECTIVE_LATENCY_S = 10e-6        # fixed cost of one NCCL collective
 PCIE_GBPS = 25.0                    # host <-> GPU copies: optimizer / activation offloading (PCIe 4.0 x16, one way)
 CPU_ADAM_PARAMS_PER_S = 2e9         # a multi-threaded CPU Adam (DeepSpeed's CPUAdam class of speed), assumed
+
 
 @dataclass(frozen=True)
 class StepFlops:
@@ -147,7 +148,7 @@ def offloaded_activation_bytes(r: ResolvedSetup) -> int:
 def peak_flops_per_s(gpu: GpuSpec, precision: str) -> float:
     """Dense matmul peak for `precision`: bf16/fp16 tensor peak; fp32 as TF32 (half) or 1/8 before Ampere."""
     peak = gpu.bf16_tflops * 1e12
-    if precision == "fp32":
+    if not PRECISIONS[precision].low_precision:
         return peak / 2 if gpu.compute_capability >= (8, 0) else peak / 8
     return peak
 
@@ -202,7 +203,7 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
         sizes["ddp_grad_bytes"] = total * trainable_fraction * pb
     if layout.shards_model_states and layout.dp > 1:
         gather_b = setup.gather_bytes
-        reduce_b = 4 if setup.mixed else pb
+        reduce_b = setup.reduce_bytes
         sizes.update(fsdp_gather_bytes=total * gather_b, fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
                      fsdp_root_gather_bytes=root * gather_b, fsdp_layer_gather_bytes=layer * gather_b,
                      fsdp_root_reduce_bytes=root * trainable_fraction * reduce_b,
@@ -309,12 +310,7 @@ def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) ->
 
 
 def _shard_count(layout: Layout) -> int:
-    return (layout.dp if layout.shards_model_states else 1) * layout.tp
-
-
-def offload_cpu_ram_bytes(r: ResolvedSetup) -> int:
-    """CPU RAM per GPU for optimizer offloading (the estimator's offloaded_optimizer_host_bytes)."""
-    return offloaded_optimizer_host_bytes(r)
+    return layout.shard_degree * layout.tp
 
 
 def offload_step_extra_s(r: ResolvedSetup) -> float:

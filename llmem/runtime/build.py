@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from llmem.errors import LlmemError
-from llmem.model.config import build_meta_model as meta_model_of
-from llmem.model.config import resolve_config, training_config
-from llmem.model.peft import apply_peft_config, read_peft_config
+from llmem.model.config import build_meta_model, resolve_config, training_config
+from llmem.model.families import text_config
+from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
 from llmem.runtime.patches import quiet
+from llmem.setup.training import LORA_ALL_LINEAR
 
 
-def build_meta_model(setup):
+def meta_model_for(setup):
     """The HF causal LM on the meta device, with the setup's attention implementation, no KV cache, train mode."""
     # --attn flash: HF's flash_attention_2 needs the flash-attn package; its kernel is modelled by PyTorch's flash
     # SDPA kernel (same saved tensors: q, k, v, out, logsumexp), so the model runs its SDPA implementation
@@ -29,7 +30,7 @@ def build_meta_model(setup):
             cfg._attn_implementation = attn
         except Exception:  # noqa: BLE001 - some configs validate lazily; set_attn_implementation below decides
             pass
-        model = meta_model_of(cfg, setup.trust_remote_code)
+        model = build_meta_model(cfg, setup.trust_remote_code)
         if getattr(model.config, "_attn_implementation", None) != attn:
             try:
                 model.set_attn_implementation(attn)
@@ -58,8 +59,8 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
         with quiet():
             peft_model = apply_peft_config(model, text, setup.mixed)
     else:
-        targets = (setup.lora_targets if setup.lora_targets == "all-linear"
-                   else [t.strip() for t in setup.lora_targets.split(",") if t.strip()])
+        targets = (setup.lora_targets if setup.lora_targets == LORA_ALL_LINEAR
+                   else lora_target_names(setup.lora_targets))
         config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                             target_modules=targets, task_type="CAUSAL_LM")
         with quiet():
@@ -89,8 +90,9 @@ def collect_after_dora(model: nn.Module, stack: contextlib.ExitStack) -> None:
     """DoRA builds lora_weight = lora_B(lora_A(eye)) every forward and drops its graph unused. On CUDA those
     tensors die by reference counting when DoraLinearLayer.forward returns; under a Python dispatch mode (the
     trace's FakeTensorMode, measure's tracker) they sit in a reference cycle until the garbage collector runs,
-    which made both depend on GC timing (checked: an untracked real run frees them at once). Collect right after each DoRA forward, where CUDA frees them. The objects alive at
-    the first collection are frozen (gc.freeze), so the later full collections only scan the step's new objects."""
+    which made both depend on GC timing (checked: an untracked real run frees them at once). Collect right after
+    each DoRA forward, where CUDA frees them. The objects alive at the first collection are frozen (gc.freeze), so
+    the later full collections only scan the step's new objects."""
     import gc
 
     if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
@@ -205,8 +207,7 @@ def install_fused_ce(model: nn.Module) -> None:
     if head is None or base is None or base is lm or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise LlmemError(f"--fused-ce needs a causal LM with a base model and a linear lm_head; "
                          f"{type(lm).__name__} has none")
-    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    if getattr(text, "final_logit_softcapping", None):
+    if getattr(text_config(lm.config), "final_logit_softcapping", None):
         raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
 
     def head_forward(hidden, labels):
@@ -237,5 +238,5 @@ def packed_position_ids(batch: int, seq: int, device) -> torch.Tensor:
 
 def vocab_size(model: nn.Module) -> int:
     emb = model.get_input_embeddings()
-    return int(getattr(emb, "num_embeddings", None) or model.config.get_text_config().vocab_size)
+    return int(getattr(emb, "num_embeddings", None) or text_config(model.config).vocab_size)
 

@@ -31,7 +31,6 @@ _CUDA_LOWER_PRECISION = (
     "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
 )
 
-
 _CUDA_FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
     "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
@@ -42,15 +41,12 @@ _CUDA_FP32 = (
     "_upsample_bicubic2d_aa",
 )
 
-
 _CUDA_FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
 )
 
-
 _CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
-
 
 _CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "index_put", "scatter_add",
                  "tensordot")
@@ -285,7 +281,7 @@ def _make_cuda_sdpa(capability: tuple[int, int], force: str | None = None):
         bias = None
         if attn_mask is not None:
             bias = attn_mask
-            if bias.dtype == torch.bool:   # sdp::convert_boolean_attn_mask
+            if bias.dtype == torch.bool:
                 # sdp::convert_boolean_attn_mask: where(!mask, -inf, scalar_tensor(0, query dtype)), no fp32 copy
                 bias = torch.where(bias.logical_not(), -math.inf,
                                    torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device))

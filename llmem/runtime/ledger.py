@@ -23,7 +23,6 @@ PHASE_NAMES = {v: k for k, v in PHASE_CODES.items()}
 
 _aten = torch.ops.aten
 
-
 _MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
                       _aten.addbmm.default, _aten.mv.default, _aten.addmv.default, _aten.dot.default,
                       _aten._addmm_activation.default})

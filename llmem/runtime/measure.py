@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from llmem.errors import LlmemError
+from llmem.errors import LlmemError, first_line
 from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
 from llmem.runtime.ledger import PHASE_CODES, Ledger, tracking
-from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, top_allocations_at
+from llmem.runtime.replay import build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, prepared_step
 from llmem.runtime.trace import method_notes
 from llmem.setup.gpus import resolve_gpu
@@ -89,7 +89,7 @@ def measure(setup, *, device: str | torch.device | None = None, iterations: int 
         raise
     except Exception as exc:
         if _is_oom(exc):
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)[:200]
             raise LlmemError(f"out of memory at batch size {setup.batch_size} (seq {setup.seq_len}, "
                              f"{setup.method}, {setup.precision}): {first}; try a smaller --batch-size, "
                              "--grad-ckpt, or a sharded method") from None
@@ -149,9 +149,7 @@ def measure_cpu_with_details(setup, *, iterations: int = 2, progress: Callable[[
     notes.append(f"measure on cpu: live tensor bytes counted per op (512-B rounded), reserved from the allocator "
                  f"model; cuBLAS workspace and CUDA context from the {gpu.name} catalog entry; {wall:.1f} s")
     result = build_result("measure", ledger, resolved.record(), gpu, notes, series, managed)
-    details = TraceDetails(series["phase_peaks"], series["category_max"],
-                           top_allocations_at(ledger, series["peak_index"]), ledger, wall)
-    return result, details
+    return result, trace_details(ledger, series, wall)
 
 
 def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
@@ -186,6 +184,6 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
                  f"{time.perf_counter() - t0:.1f} s")
     phase = last["phase"] if last["phase"] in PHASE_CODES else ""
     return MemoryResult(engine="measure", peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-                        device_used_bytes=peak_res + context + managed, gpu_memory_bytes=torch.cuda.get_device_properties(
-                            device).total_memory, components=comps, setup=resolved.record(), peak_phase=phase,
-                        notes=notes)
+                        device_used_bytes=peak_res + context + managed,
+                        gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory,
+                        components=comps, setup=resolved.record(), peak_phase=phase, notes=notes)

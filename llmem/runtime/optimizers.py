@@ -45,6 +45,7 @@ from llmem.setup.optimizers import (
 
 LEARNING_RATE = 1e-5   # any: memory does not depend on it
 
+
 def _closure_loss(closure):
     """torch.optim.Optimizer.step's closure: re-evaluate the loss with gradients enabled."""
     if closure is None:
@@ -145,7 +146,6 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
         return loss
 
 
-
 class _Adafactor(torch.optim.Adafactor):
     """torch.optim.Adafactor whose host-scalar reads work on fake tensors (fake_scalar_reads, only while it steps:
     the model's own code keeps the fake mode's usual errors)."""
@@ -170,6 +170,13 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
+def _merged_state(optimizers) -> dict:
+    """The `state` of several optimizers that step disjoint parameters, as one optimizer's would read."""
+    out: dict = {}
+    for opt in optimizers:
+        out.update(opt.state)
+    return out
+
 
 class MuonWithAdamW:
     """torch.optim.Muon over the decoder layers' 2-D weights and torch.optim.AdamW (foreach) over the rest, stepped
@@ -187,10 +194,7 @@ class MuonWithAdamW:
 
     @property
     def state(self) -> dict:
-        out: dict = {}
-        for opt in self.optimizers:
-            out.update(opt.state)
-        return out
+        return _merged_state(self.optimizers)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -252,10 +256,7 @@ class InBackwardOptimizer:
 
     @property
     def state(self) -> dict:
-        out = {}
-        for opt in self.optimizers.values():
-            out.update(opt.state)
-        return out
+        return _merged_state(self.optimizers.values())
 
     @property
     def outside_allocator_bytes(self) -> int:

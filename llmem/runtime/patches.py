@@ -92,9 +92,6 @@ def fake_scalar_reads() -> Iterator[None]:
             return 1.0
         return orig(self)
 
-    torch.Tensor.item = item
-    try:
+    with patched(torch.Tensor, "item", item):
         yield
-    finally:
-        torch.Tensor.item = orig
 

@@ -13,6 +13,7 @@ from llmem.setup.record import SetupRecord
 
 MAX_TIMELINE_POINTS = 2000
 
+
 def replay_ledger(ledger: Ledger, *, expandable_segments: bool = False) -> dict:
     """Run the events through the CachingAllocator model.
 
@@ -21,7 +22,7 @@ def replay_ledger(ledger: Ledger, *, expandable_segments: bool = False) -> dict:
     same per phase (at each phase's own peak of tensor bytes), each category's own maximum, and the
     (allocated, reserved, phase) series."""
     alloc = CachingAllocator(expandable_segments=expandable_segments)
-    malloc, free, stats = alloc.malloc, alloc.free, alloc.stats
+    malloc, free = alloc.malloc, alloc.free
     handles: dict[int, int] = {}
     cat_of = ledger.cat
     by_cat: dict[str, int] = dict.fromkeys(ALLOCATED_COMPONENTS, 0)
@@ -52,14 +53,13 @@ def replay_ledger(ledger: Ledger, *, expandable_segments: bool = False) -> dict:
             free(h)
             by_cat[cat] -= size
             tensors -= size
-        st = stats()
-        allocated = st.allocated_bytes
+        allocated = alloc.allocated_bytes
         if allocated > peak:
             peak, peak_idx, peak_cats = allocated, i, dict(by_cat)
         series_alloc.append(allocated)
-        series_res.append(st.reserved_bytes)
+        series_res.append(alloc.reserved_bytes)
         series_phase.append(phase)
-    final = stats()
+    final = alloc.stats()
     return {"peak_allocated": final.peak_allocated_bytes, "peak_reserved": final.peak_reserved_bytes,
             "peak_index": peak_idx, "components": peak_cats, "allocated": series_alloc, "reserved": series_res,
             "phase": series_phase, "num_segments": final.num_segments, "category_max": cat_max,
@@ -76,6 +76,13 @@ class TraceDetails:
     top_at_peak: list[dict]
     ledger: Ledger
     wall_seconds: float = 0.0
+
+
+def trace_details(ledger: Ledger, series: dict, wall_seconds: float) -> TraceDetails:
+    """The details of a replayed step (trace or CPU measure): its phase peaks, category maxima and the largest
+    allocations live at its peak."""
+    return TraceDetails(series["phase_peaks"], series["category_max"],
+                        top_allocations_at(ledger, series["peak_index"]), ledger, wall_seconds)
 
 
 def top_allocations_at(ledger: Ledger, index: int, n: int = 15) -> list[dict]:

@@ -32,7 +32,6 @@ from llmem.errors import LlmemError
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.runtime.build import (
     apply_peft,
-    build_meta_model,
     causal_lm,
     collect_after_dora,
     enable_checkpointing,
@@ -41,6 +40,7 @@ from llmem.runtime.build import (
     low_dtype,
     materialize,
     materialize_prompt_tokens,
+    meta_model_for,
     packed_position_ids,
     tie_if_needed,
     vocab_size,
@@ -60,8 +60,6 @@ from llmem.runtime.patches import hf_untraced_masks, quiet
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
-
-PHASES = ("setup", "forward", "backward", "optimizer_step")
 
 
 @dataclass
@@ -140,7 +138,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     region = hooks.region or (lambda _category: contextlib.nullcontext())
 
     with quiet():
-        model = build_meta_model(setup)
+        model = meta_model_for(setup)
     low = low_dtype(setup)
     if setup.precision_spec.low_precision and not setup.mixed:
         model.to(low)                 # still on meta: dtype only

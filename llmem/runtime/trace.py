@@ -18,7 +18,7 @@ from collections.abc import Callable
 from llmem.memory.activations.profile import activation_notes
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
-from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, top_allocations_at
+from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, prepared_step
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
@@ -80,7 +80,5 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes = method_notes(resolved.layout, setup, "trace")
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
-    details = TraceDetails(series["phase_peaks"], series["category_max"],
-                           top_allocations_at(ledger, series["peak_index"]), ledger, wall)
-    return result, details
+    return result, trace_details(ledger, series, wall)
 

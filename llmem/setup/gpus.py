@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
-from llmem.units import KIB, MIB, parse_bytes
+from llmem.units import GIB, KIB, MIB, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class GpuSpec:
 
     @property
     def memory_gib(self) -> float:
-        return self.memory_bytes / 1024**3
+        return self.memory_bytes / GIB
 
 
 # cuBLAS workspace: PyTorch's default CUBLAS_WORKSPACE_CONFIG is ":4096:8" (8 x 4 MiB... taken as one 32 MiB

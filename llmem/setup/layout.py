@@ -37,6 +37,11 @@ class Layout:
         return self.spec.shards_model_states
 
     @property
+    def shard_degree(self) -> int:
+        """How many ways FSDP2 shards dim 0 of each parameter: dp under a sharding method, else 1."""
+        return self.dp if self.shards_model_states else 1
+
+    @property
     def label(self) -> str:
         spec = self.spec
         if spec.tensor_parallel == TP_NONE and self.dp == 1:

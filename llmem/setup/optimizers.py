@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 
 from llmem.errors import LlmemError
 from llmem.setup.precision import F32
@@ -42,13 +43,6 @@ NO_TEMPORARIES = "none"         # fused kernels / in-place updates
 BEFORE_STEP = "before"
 AFTER_TEMPORARIES = "after"
 AT_FIRST_FREE = "first_free"
-
-
-def prod(shape: Shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def bnb_blocks(numel: int) -> int:

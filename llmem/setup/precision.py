@@ -49,8 +49,8 @@ class Regime:
 
 def regime_for(setup, method) -> Regime:
     """The regime of `setup` (a TrainingSetup) under `method` (a MethodSpec)."""
-    if setup.precision == "fp32":
-        return Regime("fp32", 4, 4)
+    if not setup.precision_spec.low_precision:
+        return Regime("fp32", F32, F32)
     if setup.mixed and method.autocast_under_mixed:
         # LoRA keeps the frozen embedding in the compute dtype, so its output - the residual stream - is too
         return Regime("autocast", setup.stored_bytes(not setup.peft), 2)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.methods import canonical_method
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.precision import PRECISIONS, Precision
 
@@ -54,6 +55,14 @@ def option(default: Any, help: str, group: str, **kw: Any) -> Any:
 def default_method(gpus: int) -> str:
     """The method when none is given: one GPU runs single, more run FSDP2."""
     return "single" if gpus == 1 else "fsdp"
+
+
+def user_setup(**fields: Any) -> TrainingSetup:
+    """The TrainingSetup a user's fields describe (the API's keywords, the CLI's flags): the method's alias
+    resolved, or, when none is given, the default for the GPU count."""
+    fields["method"] = canonical_method(fields["method"]) if "method" in fields \
+        else default_method(fields.get("gpus", 1))
+    return TrainingSetup(**fields)
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ class TrainingSetup:
             raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
-        if self.attn == "flash" and self.precision == "fp32":
+        if self.attn == "flash" and not self.precision_spec.low_precision:
             raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
@@ -138,7 +147,7 @@ class TrainingSetup:
         if not self.peft:
             raise LlmemError(f"{flag} quantises the frozen base: bitsandbytes' weights cannot be trained, so give "
                              "adapters to train (--lora-rank R, or --peft-config PATH)")
-        if self.precision in ("bf16", "fp16"):
+        if self.precision_spec.low_precision and not self.mixed:      # pure bf16 / fp16
             raise LlmemError(f"{flag} with --precision {self.precision}: peft keeps the adapters of a quantised base "
                              "in fp32 (their dtype follows the uint8/int8 weight), so there is no pure low-precision "
                              f"QLoRA; use --precision {self.precision}-mixed (the QLoRA recipe: autocast) or fp32")

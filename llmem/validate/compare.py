@@ -18,6 +18,7 @@ from llmem.validate.matrices import MATRICES
 
 COUNTERS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")
 
+
 @dataclass
 class Row:
     setup: TrainingSetup
@@ -55,30 +56,32 @@ def run_matrix(setups: list[TrainingSetup], against: str, device: str | None = N
                on_row: Callable[[Row], None] | None = None) -> list[Row]:
     rows = []
     for setup in setups:
-        est = estimate(setup)
-        start = time.perf_counter()
-        if against == "measure" and (why := measure_skip_reason(setup, device)):
-            rows.append(row := Row(setup, est, None, 0.0, skipped=why))
-            if on_row:
-                on_row(row)
-            continue
-        truth, error = None, ""
-        try:
-            if against == "trace":
-                from llmem.runtime.trace import trace  # the real step: torch's runtime, imported when it runs
-
-                truth = trace(setup)
-            else:
-                from llmem.runtime.measure import measure
-
-                truth = measure(setup, device=device)
-        except LlmemError as exc:
-            error = str(exc)
-        row = Row(setup, est, truth, time.perf_counter() - start, error)
+        row = compare_one(setup, against, device)
         rows.append(row)
         if on_row:
             on_row(row)
     return rows
+
+
+def compare_one(setup: TrainingSetup, against: str, device: str | None = None) -> Row:
+    """The estimate of one set-up and its truth (skipped where this device cannot reproduce it)."""
+    est = estimate(setup)
+    if against == "measure" and (why := measure_skip_reason(setup, device)):
+        return Row(setup, est, None, 0.0, skipped=why)
+    start = time.perf_counter()
+    truth, error = None, ""
+    try:
+        if against == "trace":
+            from llmem.runtime.trace import trace  # the real step: torch's runtime, imported when it runs
+
+            truth = trace(setup)
+        else:
+            from llmem.runtime.measure import measure
+
+            truth = measure(setup, device=device)
+    except LlmemError as exc:
+        error = str(exc)
+    return Row(setup, est, truth, time.perf_counter() - start, error)
 
 
 def measure_skip_reason(setup: TrainingSetup, device: str | None) -> str:
@@ -96,6 +99,12 @@ def worst_error(rows: list[Row], counters: tuple[str, ...]) -> float:
     return max(errors, default=0.0)
 
 
+def failed_rows(rows: list[Row], counters: tuple[str, ...], max_error_pct: float) -> list[Row]:
+    """The rows that fail: an engine error, or an error beyond `max_error_pct` on a compared counter (skipped rows
+    never fail)."""
+    return [r for r in rows if not r.skipped and (r.error or any(abs(e) > max_error_pct for c in counters
+                                                                 if (e := r.error_pct(c)) is not None))]
+
 
 def validate(against: str, matrix: str, max_error_pct: float, device: str | None = None,
              on_row: Callable[[Row], None] | None = None) -> tuple[list[Row], dict]:
@@ -105,8 +114,7 @@ def validate(against: str, matrix: str, max_error_pct: float, device: str | None
         raise LlmemError(f"unknown matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
     counters = compared_counters(against)
     rows = run_matrix(MATRICES[matrix], against, device, on_row=on_row)
-    failed = [r for r in rows if not r.skipped and (r.error or any(abs(e) > max_error_pct for c in counters
-                                                                    if (e := r.error_pct(c)) is not None))]
+    failed = failed_rows(rows, counters, max_error_pct)
     summary = {"against": against, "matrix": matrix, "max_error_pct": max_error_pct,
                "worst_error_pct": worst_error(rows, counters), "passed": not failed,
                "rows": [r.to_dict() for r in rows]}

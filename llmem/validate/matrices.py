@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmem.setup.methods import METHODS
 from llmem.setup.training import TrainingSetup
 
 CATALOG_PEFT = Path(__file__).resolve().parents[1] / "model" / "catalog" / "peft"
+
 
 def _s(model: str, method: str = "single", gpus: int = 1, **kw) -> TrainingSetup:
     return TrainingSetup(model=model, method=method, gpus=gpus, gpu="H100-80GB", **kw)
@@ -23,8 +25,8 @@ def bundled_peft_config(name: str) -> str:
 
 
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
-# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, bitsandbytes' 8-bit
-# AdamW (paged and not), optimizer in backward; SDPA and eager.
+# all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, Muon, bitsandbytes'
+# 8-bit AdamW (paged and not), optimizer in backward; SDPA and eager.
 CI_MATRIX: list[TrainingSetup] = [
     _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
     _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
@@ -187,7 +189,7 @@ MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
 
 
 def label(s: TrainingSetup) -> str:
-    layout = f"{s.method}{'' if s.method == 'single' else f'({s.gpus}' + (f',tp{s.tp}' if s.tp else '') + ')'}"
+    layout = s.method if METHODS[s.method].one_gpu else f"{s.method}({s.gpus}" + (f",tp{s.tp}" if s.tp else "") + ")"
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
         + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
         + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \

@@ -23,12 +23,16 @@ from llmem.memory.activations.blocks import (
     packed_mask_bytes,
 )
 from llmem.memory.activations.loss import FusedCE, fused_ce_for
-from llmem.memory.activations.quantised import int8_inputs_kept, with_fp32_mlp, with_int8_inputs
+from llmem.memory.activations.quantised import (
+    fp32_behind_quant,
+    int8_inputs_kept,
+    with_fp32_mlp,
+    with_int8_inputs,
+)
 from llmem.memory.activations.recipes import recipe_for
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
-from llmem.setup.precision import F32
 from llmem.setup.training import TrainingSetup
 
 
@@ -166,10 +170,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     d = dims_for(anatomy, setup, r.layout.tp)
     attn = effective_attention(anatomy, setup)
     recipe = recipe_for(anatomy)(anatomy, d, regime, attn)
-    # bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms, under
-    # autocast, the MLP's gate/up outputs (and what silu and the product keep) are fp32, not the compute dtype
-    fp32_behind_quant = setup.quant_base != "none" and regime.autocast and regime.res == F32
-    if fp32_behind_quant:
+    behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
+    if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)
     fused = fused_ce_for(anatomy, setup, r.method.shards_model_states, d, regime) if setup.fused_ce else None
     if fused is not None:   # the lm_head's input (the recipe's last head tensor) is not kept: the loss keeps grads
@@ -179,13 +181,13 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     exact = anatomy.peft is None or anatomy.peft.exact
     if any(not p.trainable for p in anatomy.params):
         recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, regime), frozen_base=not exact,
-                                   quant_base="none" if fp32_behind_quant else setup.quant_base)
+                                   quant_base="none" if behind_fp32 else setup.quant_base)
     if exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
-        recipe = with_adapters(anatomy, recipe, d, regime, fp32_behind_quant)
+        recipe = with_adapters(anatomy, recipe, d, regime, behind_fp32)
     int8_kept: Sizes = ()
     if setup.quant_base == "int8":
-        int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, fp32_behind_quant)
-        if fp32_behind_quant and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
+        int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
+        if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
     return ActivationProfile(
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),

@@ -15,6 +15,13 @@ NORM_FED_BLOCKS = ("qkv_proj", "gate_up_proj", "c_attn", "c_fc", "fc1", "query_k
              "qkv_and_fc_in")
 
 
+def fp32_behind_quant(quant_base: str, r: Regime) -> bool:
+    """bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms under
+    autocast (an fp32 residual stream), the MLP's gate/up outputs (and what silu and the product keep) are fp32,
+    not the compute dtype."""
+    return quant_base != "none" and r.autocast and r.res == F32
+
+
 def quant_input_bytes(block: Block, r: Regime, fp32_behind_quant: bool) -> int:
     """Bytes per element of the input a block's linears read: a norm's output (the residual dtype), the MLP
     product (fp32 behind bitsandbytes' fp32 outputs), else a matmul output."""
@@ -34,8 +41,7 @@ def int8_inputs_kept(anatomy: ModelAnatomy, blocks: tuple[Block, ...], t: int, r
     for p in anatomy.params:
         if p.layer_index == 0 and is_quantised(p, "int8"):
             i = block_owner(blocks, p.name)
-            in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
-            size = t * in_features * quant_input_bytes(blocks[i], r, fp32_behind_quant)
+            size = t * p.in_features * quant_input_bytes(blocks[i], r, fp32_behind_quant)
             per_block[i] = max(per_block.get(i, 0), size)
     return tuple(per_block[i] for i in sorted(per_block))
 
@@ -60,8 +66,7 @@ def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regi
         if p.layer_index == 0 and is_quantised(p, "int8"):
             i = block_owner(recipe.blocks, p.name)
             if quant_input_bytes(recipe.blocks[i], r, True) == F32:
-                in_features = p.shape[0] if p.module_kind == "Conv1D" else p.shape[1]
-                kept[i] = max(kept[i], t * in_features * F32)
+                kept[i] = max(kept[i], t * p.in_features * F32)
     blocks = tuple(replace(b, tensors=b.tensors + ((kept[i],) if kept[i] else ()), for_weights=())
                    for i, b in enumerate(recipe.blocks))
     return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)

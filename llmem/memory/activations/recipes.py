@@ -215,7 +215,6 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
     return LayerRecipe(blocks, (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
-
 Recipe = Callable[[ModelAnatomy, Dims, Regime, str], LayerRecipe]
 RECIPES: dict[str, Recipe] = {
     "llama_like": _llama_like, "gpt2": _gpt2, "opt": _opt, "bloom": _bloom, "parallel_block": _parallel_block,
