@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared script for one GPU (sized for an H200: 43 configurations, 125M to 8B, every method with its ranks
-# emulated on the one device through a fake process group; under 8 minutes). It measures the three counters
+# emulated on the one device through a fake process group; under 8 minutes, then up to 2 more for the OOM boundary
+# of benchmarks/oom_boundary.py). It measures the three counters
 # (max_memory_allocated, max_memory_reserved, NVML device-used) of the real training step and compares them with
 # the estimate. Results: benchmarks/results/gpu_<gpu>.json and .png (and copies under $OUT when it is set).
 #
@@ -16,7 +17,9 @@ out=benchmarks/results/gpu_${gpu,,}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out.nvidia-smi.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$out.nvidia-smi.txt"
 status=0
-timeout 470 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
+timeout 460 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
     --out "$out.json" --plot "$out.png" || status=$?
+# the OOM boundary: the real step under a memory fraction, batch by batch, against the capacity-aware fit
+timeout 120 $PY benchmarks/oom_boundary.py --out "$out.oom_boundary.json" || status=$?
 if [ -n "${OUT:-}" ]; then cp "$out".* "$OUT"/ 2>/dev/null || true; fi
 exit $status

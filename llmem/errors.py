@@ -5,8 +5,13 @@ class LlmemError(ValueError):
     """Bad input or an impossible request. The message names the problem and what to do."""
 
 
-def first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message (its type's name when the message is empty): what a one-line
-    LlmemError quotes of an error raised by transformers, peft or torch."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    LlmemError quotes of an error raised by transformers, peft or torch. A first line that only introduces the next
+    ("Validation error for field 'hidden_size':") is joined with it, so that the line says what is wrong; the
+    result is cut to `limit` characters."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."

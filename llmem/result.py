@@ -3,11 +3,14 @@
 Counters are named as PyTorch names them:
 - peak_allocated: `torch.cuda.max_memory_allocated()`, bytes held by live tensors (512-byte rounded), at the peak.
 - peak_reserved:  `torch.cuda.max_memory_reserved()`, bytes the caching allocator holds in segments.
-- device_used:    what nvidia-smi shows for the process: peak_reserved + the CUDA context (driver, kernels, handles)
-                  + CUDA managed memory resident on the device (paged 8-bit optimizer states).
+- device_used:    what nvidia-smi shows for the process: the reserved peak on the device (capped_reserved when the
+                  allocator had to release its cache to go on) + the CUDA context (driver, kernels, handles)
+                  + CUDA managed memory resident on the device (paged 8-bit optimizer states, evicted when full).
+- fits:           the step's allocations complete on the device (llmem.memory.capacity), as PyTorch decides OOM.
 
 `components` splits the counters at the moment of peak_allocated. The allocated components sum to peak_allocated;
-`allocator_overhead` = peak_reserved - peak_allocated; `cuda_context` + `managed_memory` = device_used - peak_reserved.
+`allocator_overhead` = the reserved peak on the device (capped_reserved, else peak_reserved) - peak_allocated;
+`cuda_context` + `managed_memory` = device_used - that reserved peak.
 So all components sum to device_used.
 """
 
@@ -17,6 +20,7 @@ import copy
 from dataclasses import dataclass, field, fields
 
 from llmem.setup.record import SetupRecord
+from llmem.units import format_bytes
 
 # One name per kind of memory, in display order. Engines may leave any at 0.
 COMPONENTS = (
@@ -37,6 +41,34 @@ COMPONENTS = (
 ALLOCATED_COMPONENTS = COMPONENTS[:-3]
 
 
+@dataclass(frozen=True)
+class OutOfMemory:
+    """Where a replay at a device's capacity failed: the allocation the allocator could not place even after
+    releasing its cache (PyTorch's "CUDA out of memory. Tried to allocate ...")."""
+    phase: str                 # "it0:backward"
+    where: str                 # "layer 12", "loss", "" when unknown
+    component: str             # what the failed tensor is (activations, gradients, ...)
+    requested_bytes: int
+    allocated_bytes: int       # live blocks at the failure
+    reserved_bytes: int        # segments held at the failure (after the cache was released)
+    capacity_bytes: int
+
+    def describe(self) -> str:
+        where = f", {self.where}" if self.where else ""
+        if not self.requested_bytes:   # decided on the allocated peak alone: no release of cache could help
+            return (f"out of memory in {self.phase}: {format_bytes(self.allocated_bytes)} of live tensors at its "
+                    f"peak (the largest part {self.component}) where the allocator may use "
+                    f"{format_bytes(self.capacity_bytes)}")
+        return (f"out of memory in {self.phase}{where}: {format_bytes(self.requested_bytes)} of {self.component} "
+                f"with {format_bytes(self.allocated_bytes)} allocated and {format_bytes(self.reserved_bytes)} "
+                f"reserved of {format_bytes(self.capacity_bytes)} the allocator may use")
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "where": self.where, "component": self.component,
+                "requested_bytes": self.requested_bytes, "allocated_bytes": self.allocated_bytes,
+                "reserved_bytes": self.reserved_bytes, "capacity_bytes": self.capacity_bytes}
+
+
 @dataclass
 class MemoryResult:
     engine: str                          # "llmem", "paper", "trace", "measure"
@@ -50,9 +82,22 @@ class MemoryResult:
     notes: list[str] = field(default_factory=list)
     timeline: list[dict] | None = None   # trace only: [{t, allocated, reserved, phase}]
     moments: list[dict] = field(default_factory=list)  # estimate: allocated bytes at each candidate peak moment
+    # Out of memory as the allocator decides it (llmem.memory.capacity): the step replayed on a device whose
+    # allocator may fill `capacity_bytes` (the GPU's memory, or the planner's limit, less what lies outside the
+    # allocator). 0: not checked (the paper engine, a real measurement), so `fits` compares device_used instead.
+    capacity_bytes: int = 0
+    capped_reserved_bytes: int | None = None  # max_memory_reserved at that capacity (the cache released and retried)
+    oom: OutOfMemory | None = None            # where the step runs out of memory at that capacity
+
+    @property
+    def reserved_on_device_bytes(self) -> int:
+        """The reserved peak on the device: capped where the allocator released its cache to go on."""
+        return self.peak_reserved_bytes if self.capped_reserved_bytes is None else self.capped_reserved_bytes
 
     @property
     def fits(self) -> bool:
+        if self.capacity_bytes:
+            return self.oom is None
         return self.device_used_bytes <= self.gpu_memory_bytes
 
     def to_dict(self) -> dict:
@@ -61,6 +106,8 @@ class MemoryResult:
             value = getattr(self, f.name)
             if f.name == "setup":
                 out["setup"] = value.to_dict() if value is not None else {}
+            elif f.name == "oom":
+                out["oom"] = value.to_dict() if value is not None else None
             elif not (f.name == "timeline" and value is None):
                 out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
         out["fits"] = self.fits

@@ -323,8 +323,9 @@ def test_rtx4090_llama8b_4k_names_the_lora_and_qlora_settings_that_fit():
 
 
 def test_memory_savers_and_their_time_cost_by_hand():
-    # GPT-2 at 1024 tokens on 3630 MiB: full fine-tuning needs about 3.62 GiB; checkpointing fits
-    setup = TrainingSetup(model="gpt2", gpus=1, seq_len=1024, gpu="A100-80GB", gpu_memory="3630MiB")
+    # GPT-2 at 1024 tokens on 3480 MiB: full fine-tuning's live tensors alone (3.0 GiB) and the CUDA context
+    # (420 MiB) exceed it, so no release of cache can help; checkpointing fits
+    setup = TrainingSetup(model="gpt2", gpus=1, seq_len=1024, gpu="A100-80GB", gpu_memory="3480MiB")
     p = plan(setup)
     assert p.recommended is None
     kinds = {s["kind"]: s for s in p.suggestions}

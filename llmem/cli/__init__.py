@@ -15,54 +15,102 @@ from llmem.errors import LlmemError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+PLOT_HELP = "(png, svg or pdf, from the extension)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's usage errors as one line that says where the help is (exit 2, as argparse does)."""
+
+    def error(self, message: str):
+        self.exit(2, _printable(f"{self.prog}: error: {message}; see {self.prog} --help\n"))
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help states each option's default: the help text's own words where it gives them, else "(default X)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.nargs == 0
+                or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))):
+            return text
+        return f"{text} (default %(default)s)".lstrip()
+
+
+class VersionAction(argparse.Action):
+    """--version: the installed package's version, read only when asked (importlib.metadata costs milliseconds)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"llmem {installed_version()}")
+        parser.exit()
+
+
+def installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmem")
+    except PackageNotFoundError:
+        return "(not installed: pip install -e . in the checkout)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     from llmem.cli import commands
     from llmem.cli.options import add_plan_options, add_training_options
+    from llmem.planner.options import ENGINES
 
-    parser = argparse.ArgumentParser(prog="llmem", description="GPU memory of fine-tuning an LLM, per GPU and method")
+    parser = Parser(prog="llmem", description="GPU memory of fine-tuning an LLM, per GPU and method",
+                    formatter_class=DefaultsFormatter)
+    parser.add_argument("--version", action=VersionAction, help="print llmem's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("estimate", help="fast analytic estimate of per-GPU peak memory")
-    add_training_options(p)
-    p.add_argument("--engine", default="llmem", help="llmem (PyTorch-native, default) or paper (LLMem's equations)")
-    p.add_argument("--m-base", default=None, help="paper engine: memory in use before training, e.g. 700MiB")
-    p.set_defaults(func=commands.cmd_estimate)
+    def command(name: str, help: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter)
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("trace", help="run the real step on fake tensors through a model of the CUDA allocator")
+    p = command("estimate", "fast analytic estimate of per-GPU peak memory", commands.cmd_estimate)
     add_training_options(p)
-    p.add_argument("--iterations", type=int, default=2)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write the memory timeline as a PNG")
-    p.set_defaults(func=commands.cmd_trace)
+    p.add_argument("--engine", default="llmem", choices=ENGINES,
+                   help="llmem (PyTorch-native, default) or paper (LLMem's equations)")
+    p.add_argument("--m-base", default=None, metavar="BYTES",
+                   help="paper engine: memory in use before training, e.g. 700MiB (default: 600MiB on V100s, else "
+                        "the CUDA context)")
 
-    p = sub.add_parser("measure", help="run the real step on a real device (GPU if present, else CPU)")
+    p = command("trace", "run the real step on fake tensors through a model of the CUDA allocator",
+                commands.cmd_trace)
     add_training_options(p)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--iterations", type=int, default=2)
-    p.set_defaults(func=commands.cmd_measure)
+    p.add_argument("--iterations", type=int, default=2, metavar="N", help="training steps to run")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help=f"write the memory timeline {PLOT_HELP}")
 
-    p = sub.add_parser("validate", help="compare estimate against trace or measure over a matrix of set-ups")
-    p.add_argument("--against", default="trace", choices=("trace", "measure"))
+    p = command("measure", "run the real step on a real device (GPU if present, else CPU)", commands.cmd_measure)
+    add_training_options(p)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available, else cpu)")
+    p.add_argument("--iterations", type=int, default=2, metavar="N", help="training steps to run")
+
+    p = command("validate", "compare estimate against trace or measure over a matrix of set-ups",
+                commands.cmd_validate)
+    p.add_argument("--against", default="trace", choices=("trace", "measure"), help="the truth engine")
     p.add_argument("--matrix", default="ci", help="ci, large, or gpu (see llmem/validate/matrices.py)")
-    p.add_argument("--max-error", type=float, default=2.0, help="fail when any error exceeds this percentage")
+    p.add_argument("--max-error", type=float, default=2.0, metavar="PCT",
+                   help="fail when any error exceeds this percentage")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write estimate vs truth as a PNG")
-    p.add_argument("--device", default=None, help="measure: cuda or cpu")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=commands.cmd_validate)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help=f"write estimate vs truth {PLOT_HELP}")
+    p.add_argument("--device", default=None,
+                   help="measure: cuda, cuda:N or cpu (default: cuda if available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    p = sub.add_parser("plan", help="largest batch per method, a time model, and a recommendation")
+    p = command("plan", "largest batch per method, a time model, and a recommendation", commands.cmd_plan)
     add_training_options(p)
     add_plan_options(p)
-    p.set_defaults(func=commands.cmd_plan)
 
-    p = sub.add_parser("models", help="list the bundled model catalog")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=commands.cmd_models)
+    p = command("models", "list the bundled model catalog", commands.cmd_models)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    p = sub.add_parser("gpus", help="list the GPU catalog")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=commands.cmd_gpus)
+    p = command("gpus", "list the GPU catalog", commands.cmd_gpus)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -73,11 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except LlmemError as exc:
-        print(f"llmem: error: {exc}", file=sys.stderr)
+        print(f"llmem: error: {_printable(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("llmem: interrupted", file=sys.stderr)
         return 130
+
+
+def _printable(text: str) -> str:
+    """A message naming a path or a model as given: the bytes of a non-UTF-8 name (surrogates in Python's argv)
+    written as \\udcXX, so that any stream can print it (sys.stderr does the same; a captured one may not)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 if __name__ == "__main__":

@@ -5,83 +5,140 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from llmem.cli.options import plan_options_from_args, setup_from_args
-from llmem.cli.plots import plot_plan, plot_timeline, plot_validation
+from llmem.cli.paths import check_device, check_output_path, check_plot_path
 from llmem.cli.progress import LazyProgress
-from llmem.cli.tables import print_json, print_memory, print_plan, validation_table
 from llmem.errors import LlmemError
-from llmem.model.catalog import catalog
 from llmem.planner.options import EXPORT_KINDS
-from llmem.result import MemoryResult
 from llmem.setup.gpus import GPU_CATALOG
+from llmem.setup.methods import METHODS
 from llmem.units import format_bytes
-from llmem.validate.matrices import MATRICES
 
-# The engines import transformers and torch (seconds): each command imports the ones it runs, so that `--help`,
-# `models` and `gpus` start at once.
+if TYPE_CHECKING:
+    from llmem.result import MemoryResult
+
+# The engines import transformers and torch (seconds), rich and matplotlib tens of milliseconds: each command
+# imports what it runs and prints with, so that `--help` and a refused option answer at once (benchmarks/startup.md).
 
 
 def _emit(args: argparse.Namespace, result: MemoryResult) -> None:
+    from llmem.cli.tables import print_json, print_memory
+
     if args.json:
         print_json(result.to_dict())
     else:
         print_memory(result)
 
 
+def _check_iterations(args: argparse.Namespace) -> None:
+    if args.iterations < 1:
+        raise LlmemError(f"--iterations must be >= 1 (the step is run that many times), got {args.iterations}")
+
+
+def _written(flag: str, path: str, write):
+    """Write an output file whose path was checked up front; what the system still refuses (a full disk, a folder
+    removed meanwhile) as one line."""
+    try:
+        return write()
+    except OSError as exc:
+        raise LlmemError(f"{flag} {path}: could not write it ({exc.strerror or exc}); choose another path") from None
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from llmem import estimate
 
+    if args.m_base and args.engine != "paper":
+        raise LlmemError("--m-base applies to --engine paper only: drop it, or add --engine paper")
     _emit(args, estimate(setup_from_args(args), engine=args.engine, m_base=args.m_base or None))
     return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from llmem.runtime.trace import trace
+    from rich.console import Console
+
+    from llmem.cli.plots import plot_timeline
 
     setup = setup_from_args(args)
+    _check_iterations(args)
+    if args.plot is not None:
+        check_plot_path("--plot", args.plot)
+    # torch's runtime (seconds) imported after the refusals, which answer at once
+    from llmem.runtime.trace import trace
+
     if args.json:
         result = trace(setup, iterations=args.iterations)
     else:
         with Console(stderr=True).status("tracing") as status:
             result = trace(setup, iterations=args.iterations, progress=lambda msg: status.update(f"trace: {msg}"))
-    if args.plot:
-        plot_timeline(result, args.plot)
+    if args.plot is not None:
+        _written("--plot", args.plot, lambda: plot_timeline(result, args.plot))
     _emit(args, result)
     return 0
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from llmem.runtime.measure import measure
+    from rich.console import Console
 
     setup = setup_from_args(args)
+    _check_iterations(args)
+    device = _measure_device(args.device)
+    from llmem.runtime.measure import measure
+
     if args.json:
-        result = measure(setup, device=args.device, iterations=args.iterations)
+        result = measure(setup, device=device, iterations=args.iterations)
     else:
         with Console(stderr=True).status("measuring"):
-            result = measure(setup, device=args.device, iterations=args.iterations)
+            result = measure(setup, device=device, iterations=args.iterations)
     _emit(args, result)
     return 0
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from llmem.validate.compare import compared_counters, failed_rows, validate
+def _measure_device(device: str | None) -> str | None:
+    """--device checked before any work: a kind measure runs on, and a CUDA index this machine has."""
+    check_device("--device", device)
+    if device is not None and device.startswith("cuda:"):
+        import torch
 
+        count = torch.cuda.device_count()
+        if count and int(device[5:]) >= count:
+            raise LlmemError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}; choose one of those")
+    return device
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from llmem.cli.plots import plot_validation
+    from llmem.cli.tables import validation_table
+    from llmem.validate.compare import compared_counters, failed_rows, validate
+    from llmem.validate.matrices import MATRICES
+
+    if args.matrix not in MATRICES:
+        raise LlmemError(f"unknown matrix {args.matrix!r}: choose one of {', '.join(MATRICES)}")
+    if not args.max_error >= 0:             # also refuses nan, which no error would exceed
+        raise LlmemError(f"--max-error must be a percentage >= 0, got {args.max_error}")
+    if args.out is not None:
+        check_output_path("--out", args.out, "results.json")
+    if args.plot is not None:
+        check_plot_path("--plot", args.plot)
+    if args.against == "measure":
+        _measure_device(args.device)
+    else:
+        check_device("--device", args.device)
     counters = compared_counters(args.against)
     console = Console(stderr=args.json)
     with Progress(console=console, transient=True, disable=args.json) as progress:
         task = progress.add_task(f"{args.against} x {args.matrix}", total=len(MATRICES.get(args.matrix, ())))
         rows, summary = validate(args.against, args.matrix, args.max_error, args.device,
                                  on_row=lambda r: progress.advance(task))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(summary, fh, indent=2)
-    if args.plot:
-        plot_validation(rows, counters, args.plot)
+    if args.out is not None:
+        _written("--out", args.out, lambda: _write_json(args.out, summary))
+    if args.plot is not None:
+        _written("--plot", args.plot, lambda: plot_validation(rows, counters, args.plot, args.max_error))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -92,31 +149,62 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if summary["passed"] else 1
 
 
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+
+
+EXPORT_FILE_EXAMPLES = {"accelerate": "accelerate.yaml", "torchrun": "launch.sh", "deepspeed": "ds_config.json"}
+
+
+def _check_export(args: argparse.Namespace, setup) -> None:
+    """What --export refuses that the set-up alone decides, before the plan runs."""
+    from llmem.planner.export import unexportable_options
+
+    kind, path = args.export
+    if kind not in EXPORT_KINDS:
+        raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
+    check_output_path(f"--export {kind}", path, EXPORT_FILE_EXAMPLES.get(kind, "launch.cfg"))
+    extra = unexportable_options(setup)
+    if extra:
+        raise LlmemError(f"--export {kind} writes the layout, batch, precision, checkpointing and optimizer offload "
+                         f"of a full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
+                         "--export, or export without these options")
+    if kind == "deepspeed" and args.setup_method and METHODS[setup.method].deepspeed_stage is None:
+        raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {setup.method} (its AutoTP "
+                         "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from llmem.planner.export import write_export
+    from rich.console import Console
+
+    from llmem.cli.plots import plot_plan
+    from llmem.cli.tables import print_json, print_plan
     from llmem.planner.plan import plan
 
     setup = setup_from_args(args)
     options = plan_options_from_args(args, setup)
     export = args.export
-    if export and export[0] not in EXPORT_KINDS:
-        raise LlmemError(f"unknown export {export[0]!r}: choose {', '.join(EXPORT_KINDS)}")
+    if export:
+        _check_export(args, setup)
+    if args.plot is not None:
+        check_plot_path("--plot", args.plot)
     progress = LazyProgress(enabled=not args.json)
     try:
         p = plan(setup, options, progress=progress)
     finally:
         progress.close()
     messages = []
-    if args.plot:
-        plot_plan(p, args.plot)
-        messages.append(f"wrote {args.plot}")
     export_error = None
-    if export:
+    if export:                  # before the plot: a plan with nothing to export is refused without drawing it
         try:
-            e = write_export(p, export[0], export[1])
+            e = _written(f"--export {export[0]}", export[1], lambda: _export(p, *export))
             messages.append(f"wrote {export[0]} config for {e.layout.label} to {export[1]}")
         except LlmemError as exc:
             export_error = exc
+    if args.plot is not None and export_error is None:
+        _written("--plot", args.plot, lambda: plot_plan(p, args.plot))
+        messages.append(f"wrote {args.plot}")
     if args.json:
         out = p.to_dict()
         if messages:
@@ -128,11 +216,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for m in messages:
             console.print(m)
     if export_error is not None:
-        raise LlmemError(f"--export {export[0]}: {export_error}")
+        raise export_error
     return 0
 
 
+def _export(p, kind: str, path: str):
+    from llmem.planner.export import write_export
+
+    try:
+        return write_export(p, kind, path)
+    except LlmemError as exc:
+        raise LlmemError(f"--export {kind}: {exc}") from None
+
+
 def cmd_models(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmem.cli.tables import print_json
+    from llmem.model.catalog import catalog
+
     rows = [{"id": e.hub_id, "aliases": list(e.aliases), "params": e.published_params} for e in catalog().values()]
     if args.json:
         print_json(rows)
@@ -147,6 +250,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmem.cli.tables import print_json
+
     if args.json:
         print_json([asdict(g) for g in GPU_CATALOG.values()])
         return 0

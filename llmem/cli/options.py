@@ -38,6 +38,11 @@ def _dest(f) -> str:
     return f"setup_{f.name}"
 
 
+def _metavar(name: str, type_: Any) -> str:
+    """What --help shows for a flag's value: N for a count, else the field's last word (METHOD, MEMORY, TOKENS)."""
+    return "N" if type_ is int else name.split("_")[-1].upper()
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The set-up's options, grouped as --help shows them, and --json."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
@@ -57,8 +62,8 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
             for flag, value, help_text in opt.switches:
                 g.add_argument(flag, dest=f"{_dest(f)}{flag}", action="store_const", const=value, help=help_text)
         else:
-            g.add_argument(_flag(f, opt), dest=_dest(f), type=opt.type, default=default, metavar=opt.metavar,
-                           help=opt.help)
+            g.add_argument(_flag(f, opt), dest=_dest(f), type=opt.type, default=default,
+                           metavar=opt.metavar or _metavar(f.name, opt.type), help=opt.help)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -114,10 +119,13 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"dest": f"plan_{f.name}", "default": meta["cli_default"], "help": meta["help"]}
         if meta["choices"]:
             kw["choices"] = meta["choices"]
+        else:
+            kw["metavar"] = meta["metavar"] or _metavar(f.name, meta["type"])
         if meta["type"] is not None:
             kw["type"] = meta["type"]
         g.add_argument(meta["flag"], **kw)
-    g.add_argument("--plot", default=None, metavar="FILE.png", help="write memory vs batch size per method as a PNG")
+    g.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="write memory vs batch size per method (png, svg or pdf, from the extension)")
     g.add_argument("--export", nargs=2, default=None, metavar=("KIND", "PATH"),
                    help="write a launch config for the recommended plan: accelerate (YAML), torchrun (shell), "
                         "deepspeed (JSON)")

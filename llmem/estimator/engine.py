@@ -12,6 +12,7 @@ paged 8-bit optimizer states (cudaMallocManaged). The moments (llmem.estimator.m
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 from llmem.estimator.events import Replay, extrapolate, replay
 from llmem.estimator.moments import step_moments
@@ -19,9 +20,10 @@ from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
 from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
+from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
-from llmem.result import COMPONENTS, MemoryResult
+from llmem.result import COMPONENTS, MemoryResult, OutOfMemory
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.training import TrainingSetup
 
@@ -41,33 +43,71 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     return estimate_resolved(resolve(setup, anatomy, gpu), draft=draft)
 
 
-def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelStates | None = None) -> MemoryResult:
+def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelStates | None = None,
+                      limit_bytes: int | None = None) -> MemoryResult:
     """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
-    on the micro-batch shape)."""
+    on the micro-batch shape). `fits` is decided on a device of `limit_bytes` (default: the GPU's memory) as the
+    allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only."""
     act = activation_profile(r)
     ms = states or model_states(r)
     moments = step_moments(r, act, ms)
     rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
+    limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
+    cap = step_at_capacity(r, act, rep, limit - context, draft=draft)
+    reserved = rep.peak_reserved_bytes if cap.reserved_bytes is None else cap.reserved_bytes
+    managed = ms.optimizer_states_outside_allocator
+    if cap.completes:      # paged states: resident while there is room, evicted to the host when there is not
+        managed = resident_managed_bytes(managed, limit - context - reserved)
     components = dict.fromkeys(COMPONENTS, 0)
     components.update(rep.components)
     components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
-    components["allocator_overhead"] = rep.peak_reserved_bytes - rep.peak_allocated_bytes
+    components["allocator_overhead"] = reserved - rep.peak_allocated_bytes
     components["cuda_context"] = context
-    components["managed_memory"] = ms.optimizer_states_outside_allocator
+    components["managed_memory"] = managed
     host = offloaded_optimizer_host_bytes(r) if r.setup.offload_optimizer else 0
     return MemoryResult(
         engine="llmem",
         peak_allocated_bytes=rep.peak_allocated_bytes,
         peak_reserved_bytes=rep.peak_reserved_bytes,
-        device_used_bytes=rep.peak_reserved_bytes + context + ms.optimizer_states_outside_allocator,
+        device_used_bytes=reserved + context + managed,
         gpu_memory_bytes=r.gpu.memory_bytes,
         components=components,
         setup=r.record(),
         peak_phase=rep.peak_phase,
-        notes=estimate_notes(r, act, host),
+        notes=estimate_notes(r, act, host) + capacity_notes(cap, rep.peak_reserved_bytes, managed,
+                                                            ms.optimizer_states_outside_allocator),
         moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
+        capacity_bytes=cap.capacity_bytes,
+        capped_reserved_bytes=cap.reserved_bytes,
+        oom=cap.oom,
     )
+
+
+def step_at_capacity(r: ResolvedSetup, act: ActivationProfile, rep: Replay, capacity_bytes: int,
+                     *, draft: bool = False) -> AtCapacity:
+    """The step on a device whose allocator may fill `capacity_bytes`: decided on the (extrapolated) peaks where
+    they decide it, else by replaying the whole-depth schedule at that capacity (fragmentation does not
+    extrapolate). A draft never replays: it takes an undecided step as fitting, at the capacity."""
+
+    def capped(capacity: int) -> tuple[int, OutOfMemory | None]:
+        if draft:          # undecided: taken as fitting, with the most the allocator may hold there
+            return min(rep.peak_reserved_bytes, capacity), None
+        sched = StepSchedule(r, act).build()
+        got = _without_gc(lambda: replay(sched, r.setup.expandable_segments, capacity_bytes=capacity))
+        return got.peak_reserved_bytes, got.oom
+
+    return at_capacity(rep.peak_allocated_bytes, rep.peak_reserved_bytes, capacity_bytes, capped,
+                       lambda capacity: first_over(rep, capacity))
+
+
+def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
+    """Where allocated memory first exceeds the capacity: the first phase whose peak does, and its largest part."""
+    for name, p in rep.phases.items():
+        if p.allocated > capacity_bytes:
+            top = max(p.components, key=p.components.get, default="")
+            return OutOfMemory(name, "", top, 0, p.allocated, max(p.reserved, p.allocated), capacity_bytes)
+    raise AssertionError("first_over called with the allocated peak within the capacity")
 
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
@@ -90,13 +130,17 @@ def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, i
         k = act.ckpt_every
         small, large = small + (num_layers - small) % k, large + (num_layers - large) % k
         large = large if large > small else small + k
-    # tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses here
+    if num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
+        return _without_gc(lambda: run(None))
+    return _without_gc(lambda: extrapolate(run(small), run(large), small, large, num_layers))
+
+
+def _without_gc(work: Callable[[], Replay]) -> Replay:
+    """Tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses to a replay."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        if num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
-            return run(None)
-        return extrapolate(run(small), run(large), small, large, num_layers)
+        return work()
     finally:
         if was_enabled:
             gc.enable()

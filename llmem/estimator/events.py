@@ -5,9 +5,11 @@ depths and extrapolated, since identical layers add the same bytes to every phas
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
-from llmem.memory.allocator import CachingAllocator
+from llmem.memory.allocator import AllocatorOOM, CachingAllocator
+from llmem.result import OutOfMemory
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
 
@@ -17,6 +19,7 @@ class Schedule:
     """Allocation events, grouped in phases, with the component each tensor belongs to."""
     events: list[tuple[int, int, int, int, str]] = field(default_factory=list)  # (±1, key, size, stream, component)
     phase_starts: list[tuple[int, str]] = field(default_factory=list)          # (first event index, phase)
+    marks: list[tuple[int, str]] = field(default_factory=list)   # (first event index, where: "layer 3", "loss")
     min_bytes: int = 1                 # smaller tensors are left out (see StepSchedule)
     _live: dict[int, tuple[int, str]] = field(default_factory=dict)
     _next: int = 0
@@ -28,6 +31,15 @@ class Schedule:
     @phase.setter
     def phase(self, name: str) -> None:
         self.phase_starts.append((len(self.events), name))
+
+    def mark(self, where: str) -> None:
+        """Name the part of the step the next events belong to (a layer, the loss): where an OOM is reported."""
+        self.marks.append((len(self.events), where))
+
+    def where(self, index: int) -> str:
+        """The mark in force at event `index` ("" before the first)."""
+        at = bisect.bisect_right(self.marks, (index, "\uffff")) - 1
+        return self.marks[at][1] if at >= 0 else ""
 
     def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
         key = self._next
@@ -64,28 +76,41 @@ class Replay:
     components: dict[str, int]        # tensor bytes per component at the moment of peak allocated
     peak_phase: str
     phases: dict[str, PhasePeak] = field(default_factory=dict)   # "it<i>:<phase>" -> its peak
+    oom: OutOfMemory | None = None    # a replay at a capacity that failed (its peaks are those before the failure)
 
 
-def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
+def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes: int | None = None) -> Replay:
     """Run the events through the allocator; per phase, its peak of allocated bytes (and the tensor bytes per
-    component at that moment, found in a second pass) and the reserved bytes at its end."""
-    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    component at that moment, found in a second pass) and the reserved bytes at its end.
+
+    With `capacity_bytes` the allocator behaves as on a device of that size: a segment that does not fit makes it
+    release its cached blocks and retry, as PyTorch does, and the replay stops at an allocation that still fails
+    (`Replay.oom`)."""
+    alloc = CachingAllocator(expandable_segments=expandable_segments, capacity_bytes=capacity_bytes)
     handles: dict[int, int] = {}
     malloc, free = alloc.malloc, alloc.free
     events = schedule.events
     bounds = [*schedule.phase_starts, (len(events), "")]
     peaks: dict[str, list[int]] = {}       # phase -> [peak allocated, reserved at end, event index of the peak]
+    oom = None
     for (start, phase), (end, _) in zip(bounds, bounds[1:], strict=False):
         best, best_at = -1, start
-        for i in range(start, end):
-            sign, key, size, stream, _c = events[i]
-            if sign > 0:
-                handles[key] = malloc(size, stream)
-                if alloc.allocated_bytes > best:
-                    best, best_at = alloc.allocated_bytes, i
-            else:
-                free(handles.pop(key))
+        i = start
+        try:
+            for i in range(start, end):
+                sign, key, size, stream, _c = events[i]
+                if sign > 0:
+                    handles[key] = malloc(size, stream)
+                    if alloc.allocated_bytes > best:
+                        best, best_at = alloc.allocated_bytes, i
+                else:
+                    free(handles.pop(key))
+        except AllocatorOOM as exc:
+            oom = OutOfMemory(phase, schedule.where(i), events[i][4], exc.requested_bytes, exc.allocated_bytes,
+                              exc.reserved_bytes, int(capacity_bytes or 0))
         peaks[phase] = [best, alloc.reserved_bytes, best_at]
+        if oom is not None:
+            break
     # second pass: tensor bytes per component at each phase's peak
     wanted = {v[2]: name for name, v in peaks.items() if v[0] >= 0}
     components: dict[str, dict[str, int]] = {}
@@ -98,7 +123,7 @@ def replay(schedule: Schedule, expandable_segments: bool = False) -> Replay:
     phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
     name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
     return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],
-                  phases)
+                  phases, oom)
 
 
 def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: int, layers: int) -> Replay:

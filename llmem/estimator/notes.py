@@ -42,6 +42,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     if setup.offload_optimizer:
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
+    notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes += quant_notes(setup, anatomy)
     if not has_recipe(anatomy):
         notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "

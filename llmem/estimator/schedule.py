@@ -432,6 +432,7 @@ class StepSchedule:
 
     def forward_layer(self, i: int) -> None:
         sch, alloc, act, regime = self.sch, self.sch.alloc, self.act, self.regime
+        sch.mark(f"layer {i}")
         self.unshard_forward(i, self.by_layer.get(i, []))
         blocks_params = self.layer_blocks_params[i]
         checkpointed = act.checkpointed(i)
@@ -493,6 +494,7 @@ class StepSchedule:
         """The final norm, the lm_head and the loss: full logits, their fp32 upcast and log-softmax (HF's
         ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered."""
         sch, alloc, act, regime, tv, tp = self.sch, self.sch.alloc, self.act, self.regime, self.tv, self.layout.tp
+        sch.mark("lm_head and loss")
         self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
         self.head_offloaded: list[int] = []
         if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
@@ -527,6 +529,7 @@ class StepSchedule:
         sch.phase = f"it{it}:backward"
         layers = self.layers
         self.prefetch(layers - 1, self.by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers it
+        sch.mark("lm_head and loss")
         self.head_backward(it)
         self.pending_rs: list[int] = []
         for i in reversed(range(layers)):
@@ -620,6 +623,7 @@ class StepSchedule:
 
     def backward_layer(self, i: int, it: int) -> None:
         sch, alloc, act = self.sch, self.sch.alloc, self.act
+        sch.mark(f"layer {i}")
         blocks_params = self.layer_blocks_params[i]
         self.unshard_backward(i, self.by_layer.get(i, []))
         if i > 0:

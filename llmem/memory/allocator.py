@@ -40,6 +40,8 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llmem.errors import LlmemError
+
 # Constants of CUDACachingAllocator.cpp
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
 kSmallSize = 1 << 20  # largest "small" allocation is 1 MiB
@@ -206,6 +208,9 @@ class CachingAllocator:
             return handle
         self._num_alloc_calls += 1
         size = round_size(size_bytes)
+        if self._next_addr + size > _ADDR_MASK:  # sizes and addresses are 64-bit (size_t), as in CUDA
+            raise LlmemError(f"the step's tensors pass 2**64 bytes ({size_bytes:,} more asked): no device holds "
+                             "them; make --batch-size or --seq-len smaller")
         pool = self._small if size <= kSmallSize else self._large  # get_pool
         block = self._get_free_block(pool, size, stream)
         if block is None:

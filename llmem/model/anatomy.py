@@ -66,9 +66,12 @@ class ModelAnatomy:
     params: tuple[ParamInfo, ...]          # unique parameters only (a tied weight appears once)
     tied_names: tuple[str, ...] = ()       # names that alias an earlier parameter
     supports_sdpa: bool = True             # HF class accepts attn_implementation="sdpa" (else eager runs)
+    supports_flash_attn: bool = True       # HF class's _supports_flash_attn (attn_implementation="flash_attention_2")
     config: dict = field(default_factory=dict, compare=False, hash=False)
     peft: PeftInfo | None = None           # set when peft adapters / prompts are part of the model
     decoder_layer_class: str = ""          # class name of one decoder layer (FSDP's wrapping unit)
+    max_positions: int | None = None       # config's max_position_embeddings (None: not stated)
+    varied_layers: tuple[str, ...] = ()    # sizes that differ between layers (gemma4, dots3, gemma3n): the largest read
 
     @property
     def total_params(self) -> int:
@@ -96,6 +99,24 @@ class ModelAnatomy:
 
     def params_of_kind(self, *kinds: str) -> list[ParamInfo]:
         return [p for p in self.params if p.module_kind in kinds]
+
+    @property
+    def varied_layers_note(self) -> str | None:
+        """What the activations assume of a model whose layers differ in size (its parameters are counted exactly)."""
+        if not self.varied_layers:
+            return None
+        return (f"{self.model_type}'s decoder layers differ in {', '.join(self.varied_layers)}: activations are "
+                "modelled with the largest layer's sizes for every layer (parameters are counted layer by layer)")
+
+    def positions_note(self, seq_len: int) -> str | None:
+        """The note a result carries when the model runs more tokens than its config's max_position_embeddings (one
+        text for the estimate and the real step): memory is estimated all the same, quality is not promised."""
+        tokens = seq_len + (self.peft.num_virtual_tokens if self.peft is not None else 0)
+        if self.max_positions is None or tokens <= self.max_positions:
+            return None
+        return (f"{tokens} tokens per sample exceed {self.name}'s max_position_embeddings ({self.max_positions}): "
+                "memory is estimated as asked, but the model was not trained for sequences this long (learned "
+                "position tables such as GPT-2's have no rows beyond it)")
 
 
 def _layer_index(name: str, prefix: str) -> int | None:
@@ -139,6 +160,7 @@ def inventory(model, name: str) -> ModelAnatomy:
         name=name, model_type=cfg.model_type, architecture=type(model).__name__,
         family=family_of(cfg.model_type).family, tie_word_embeddings=bool(tied), params=tuple(params),
         tied_names=tuple(tied), supports_sdpa=bool(getattr(type(model), "_supports_sdpa", False)),
+        supports_flash_attn=bool(getattr(type(model), "_supports_flash_attn", False)),
         config=cfg.to_dict(), decoder_layer_class=type(layers[1][0]).__name__ if layers else "", **dims)
 
 

@@ -27,10 +27,11 @@ _LLAMA_TP = TensorParallelPlan(
     ("self_attn.o_proj", "mlp.down_proj"))
 _OPT_TP = TensorParallelPlan(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
                              ("self_attn.out_proj", "fc2"), local_heads=True)
-_CONV1D_TP = ("tp is not supported in trace for {model_type}: its Conv1D c_attn/c_fc/c_proj layers cannot be split by "
-              "torch's ColwiseParallel/RowwiseParallel (nn.Linear/nn.Embedding only)")
-_NO_TP = ("tp is not supported in trace for model_type {model_type!r} (supported: Llama/Mistral/Qwen2 family and "
-          "OPT)")
+_CONV1D_TP = ("tp is not supported for {model_type}: transformers has no TP plan for it (base_model_tp_plan is None) "
+              "and its Conv1D c_attn/c_fc/c_proj layers cannot be split by torch's ColwiseParallel/RowwiseParallel "
+              "(nn.Linear/nn.Embedding only); use ddp, fsdp or zero2")
+_NO_TP = ("tp is not supported for model_type {model_type!r}: llmem has no TP plan for it (supported: Llama/Mistral/"
+          "Qwen2/Qwen3/Gemma/Gemma-2 and OPT); use ddp, fsdp or zero2")
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class FamilySpec:
     separate_qkv: bool = False           # GPT-Neo: q/k/v linears where GPT-2 has one c_attn
     parallel_attention: bool = False     # Falcon: attention and MLP from one LayerNorm, multi-query kv
     tp_plan: TensorParallelPlan | None = None
-    tp_refusal: str = _NO_TP             # why the trace cannot apply TP ({model_type}), when there is no plan
+    tp_refusal: str = _NO_TP             # why no engine runs TP on it ({model_type}), when there is no plan
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -55,11 +56,19 @@ FAMILIES: dict[str, FamilySpec] = {
     "gemma": FamilySpec("llama", None, tp_plan=_LLAMA_TP),
     "gemma2": FamilySpec("llama", "llama_like", norm="rmsnorm_gemma", post_norms=True, tp_plan=_LLAMA_TP),
     "phi3": FamilySpec("llama", "llama_like", fused_projections=True,
-                       tp_refusal="tp is not supported in trace for phi3 (fused qkv_proj / gate_up_proj)"),
+                       tp_refusal="tp is not supported for phi3: transformers' own plan gathers the fused qkv_proj / "
+                                  "gate_up_proj outputs on every rank (colwise_gather_output, rowwise_split_input), "
+                                  "which llmem does not model (its TP splits heads); use ddp, fsdp or zero2"),
     "mixtral": FamilySpec("llama", "llama_like", experts=True,
-                          tp_refusal="tp is not supported in trace for mixtral: its experts are fused 3-D parameters"),
+                          tp_refusal="tp is not supported for mixtral: its experts are fused 3-D parameters "
+                                     "(transformers' plan: packed_colwise / moe_tp_experts, no torch "
+                                     "ParallelStyle), which llmem does not model; use ddp, fsdp or zero2"),
     "gpt2": FamilySpec("gpt2", "gpt2", norm="layernorm", tp_refusal=_CONV1D_TP),
-    "gpt_bigcode": FamilySpec("gpt2", "gpt2", norm="layernorm", tp_refusal=_CONV1D_TP),
+    "gpt_bigcode": FamilySpec("gpt2", "gpt2", norm="layernorm",
+                              tp_refusal="tp is not supported for gpt_bigcode: transformers has no TP plan for it "
+                                         "(base_model_tp_plan is None) and its fused c_attn holds the queries with "
+                                         "the one multi-query key/value head, which a column split cuts across; "
+                                         "use ddp, fsdp or zero2"),
     "gpt_neo": FamilySpec("gpt_neo", "gpt2", norm="layernorm", separate_qkv=True),
     "opt": FamilySpec("opt", "opt", norm="layernorm", tp_plan=_OPT_TP),
     "biogpt": FamilySpec("opt", "opt", norm="layernorm"),
@@ -74,12 +83,18 @@ def family_of(model_type: str) -> FamilySpec:
     return FAMILIES.get(model_type, UNKNOWN_FAMILY)
 
 
+def tp_refusal_of(model_type: str) -> str | None:
+    """Why tensor parallelism cannot run on a model type (estimate, trace and measure refuse it alike), or None."""
+    spec = family_of(model_type)
+    return None if spec.tp_plan is not None else spec.tp_refusal.format(model_type=model_type)
+
+
 def tp_plan_of(model_type: str) -> TensorParallelPlan:
     """The trace's tensor-parallel plan for a model type, or the reason it has none."""
-    spec = family_of(model_type)
-    if spec.tp_plan is None:
-        raise LlmemError(spec.tp_refusal.format(model_type=model_type))
-    return spec.tp_plan
+    refusal = tp_refusal_of(model_type)
+    if refusal is not None:
+        raise LlmemError(refusal)
+    return family_of(model_type).tp_plan
 
 
 def decoder_layers(model) -> tuple[str, object] | None:
@@ -94,14 +109,50 @@ def decoder_layers(model) -> tuple[str, object] | None:
     return best
 
 
-def _first(cfg, *names, default=...):
+# the config's spellings of each size llmem reads, in the order tried
+HIDDEN_FIELDS = ("hidden_size", "n_embd", "d_model")
+HEADS_FIELDS = ("num_attention_heads", "n_head", "num_heads")
+KV_HEADS_FIELDS = ("num_key_value_heads", "num_kv_heads")
+INTERMEDIATE_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
+LAYERS_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+VARIED_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+MAX_LAYERS = 2048          # every decoder layer is built (on the meta device): beyond this no real model, only minutes
+
+
+def _value(cfg, name: str):
+    """A config attribute. A per-layer one (heterogeneous configs: the gemma4 family, dots3) or a list of per-layer
+    values (gemma3n's intermediate_size) reads as its largest value: the largest layer sizes the peak."""
+    try:
+        value = getattr(cfg, name, None)
+    except RuntimeError:       # transformers' AmbiguousGlobalPerLayerAttributeError: read it layer by layer
+        if not getattr(cfg, "is_heterogeneous", False):
+            raise
+        value = [getattr(layer, name, None) for layer in cfg.per_layer_config]
+    if isinstance(value, (list, tuple)) and value and all(_is_int(v) for v in value):
+        return max(value)
+    return value
+
+
+def _field(cfg, *names: str) -> tuple[str, object]:
+    """(the config.json's spelling, its value) of the first of `names` the config sets; (names[0], None) when none.
+    The spelling is the file's (GPT-2's n_embd, not the hidden_size transformers' attribute_map reads it as)."""
+    spelling = getattr(cfg, "attribute_map", None) or {}
     for n in names:
-        value = getattr(cfg, n, None)
+        value = _value(cfg, n)
         if value is not None:
-            return value
-    if default is ...:
-        raise LlmemError(f"config of {cfg.model_type!r} lacks {names[0]}: llmem cannot read its dimensions")
-    return default
+            return spelling.get(n, n), value
+    return names[0], None
+
+
+def _first(cfg, *names, default=...):
+    name, value = _field(cfg, *names)
+    if value is None and default is ...:
+        raise LlmemError(f"config of {cfg.model_type!r} lacks {name}: llmem cannot read its dimensions")
+    return default if value is None else value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def text_config(cfg):
@@ -113,10 +164,10 @@ def head_counts(cfg) -> tuple[int, int]:
     """(query heads, key/value heads) as the model's attention runs them. Falcon without the new decoder
     architecture ignores num_kv_heads: multi-query (one kv head) or multi-head."""
     text = text_config(cfg)
-    heads = _first(text, "num_attention_heads", "n_head", "num_heads")
+    heads = _first(text, *HEADS_FIELDS)
     if cfg.model_type == "falcon" and not getattr(text, "new_decoder_architecture", False):
         return heads, 1 if getattr(text, "multi_query", True) else heads
-    kv_heads = _first(text, "num_key_value_heads", "num_kv_heads", default=None)
+    kv_heads = _first(text, *KV_HEADS_FIELDS, default=None)
     if kv_heads is None:
         kv_heads = 1 if getattr(text, "multi_query", False) else heads
     return heads, kv_heads
@@ -125,13 +176,95 @@ def head_counts(cfg) -> tuple[int, int]:
 def dimensions(cfg) -> dict[str, int]:
     """The sizes activations depend on, read from the config (the first of each field's spellings)."""
     text = text_config(cfg)
-    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    hidden = _first(text, *HIDDEN_FIELDS)
     heads, kv_heads = head_counts(cfg)
     return {
         "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv_heads,
-        "head_dim": getattr(text, "head_dim", None) or hidden // heads,
-        "intermediate_size": _first(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size",
-                                    default=None) or 4 * hidden,
-        "num_layers": _first(text, "num_hidden_layers", "n_layer", "num_layers"),
-        "vocab_size": text.vocab_size,
+        "head_dim": _value(text, "head_dim") or hidden // heads,
+        "intermediate_size": _first(text, *INTERMEDIATE_FIELDS, default=None) or 4 * hidden,
+        "num_layers": _first(text, *LAYERS_FIELDS),
+        "vocab_size": _value(text, "vocab_size"),
+        "max_positions": _positions(text),
+        "varied_layers": tuple(n for n in VARIED_FIELDS if _varies(text, n)),
     }
+
+
+def _varies(cfg, name: str) -> bool:
+    """Whether a size differs between decoder layers (a per-layer attribute, or a list of unequal values)."""
+    try:
+        value = getattr(cfg, name, None)
+    except RuntimeError:       # AmbiguousGlobalPerLayerAttributeError
+        return True
+    return isinstance(value, (list, tuple)) and len(set(value)) > 1
+
+
+def _positions(text) -> int | None:
+    """The longest sequence the model's position table or rope scaling was made for (None: not stated)."""
+    value = _value(text, "max_position_embeddings")
+    return value if _is_int(value) and value > 0 else None
+
+
+# ---------------------------------------------------------------------- degenerate configs, refused before a build
+def _positive(where: str, cfg, names: tuple[str, ...], required: bool = True) -> tuple[str, int | None]:
+    """(spelling, value) of the first of `names` the config sets, checked to be a positive integer (or absent, when
+    not required)."""
+    name, value = _field(cfg, *names)
+    if value is None and required:
+        raise LlmemError(f"config {where} lacks {name}: llmem cannot read its dimensions")
+    if value is not None and (not _is_int(value) or value < 1):
+        raise LlmemError(f"config {where}: {name} is {value!r}; it must be a positive integer")
+    return name, value
+
+
+def check_raw_sizes(raw: dict, where: str) -> None:
+    """A config.json's sizes that are integers but not positive, refused before transformers divides by them (its
+    ZeroDivisionError names no field)."""
+    for name in (*LAYERS_FIELDS, "vocab_size", *HIDDEN_FIELDS, *INTERMEDIATE_FIELDS, *HEADS_FIELDS,
+                 *KV_HEADS_FIELDS, "head_dim"):
+        value = raw.get(name)
+        if _is_int(value) and value < 1:
+            raise LlmemError(f"config {where}: {name} is {value!r}; it must be a positive integer")
+
+
+def check_dimensions(cfg, where: str) -> None:
+    """Refuse what transformers lets through but no model is: no layers, no vocabulary, sizes that are not positive
+    integers, more layers than a real model has, heads that do not split, a rope type transformers cannot build."""
+    text = text_config(cfg)
+    layers_name, layers = _positive(where, text, LAYERS_FIELDS)
+    if layers > MAX_LAYERS:
+        raise LlmemError(f"config {where}: {layers_name} is {layers}; llmem builds every layer and takes at most "
+                         f"{MAX_LAYERS}")
+    _positive(where, text, ("vocab_size",))
+    for names in (INTERMEDIATE_FIELDS, KV_HEADS_FIELDS, ("head_dim",)):
+        _positive(where, text, names, required=False)
+    _check_heads(cfg, text, where)
+    _check_rope(text, where)
+
+
+def _check_heads(cfg, text, where: str) -> None:
+    """Key/value heads divide the query heads; without a head_dim, the hidden size splits into whole heads."""
+    hidden_name, hidden = _positive(where, text, HIDDEN_FIELDS)
+    heads_name, _ = _positive(where, text, HEADS_FIELDS)
+    kv_name, _ = _field(text, *KV_HEADS_FIELDS)
+    heads, kv_heads = head_counts(cfg)
+    if heads % kv_heads:
+        raise LlmemError(f"config {where}: {kv_name} is {kv_heads}, which does not divide {heads_name} ({heads}): "
+                         "each key/value head serves a whole group of query heads")
+    if _value(text, "head_dim") is None and hidden % heads:
+        raise LlmemError(f"config {where}: {hidden_name} {hidden} is not a multiple of {heads_name} {heads}: set "
+                         "head_dim, or give sizes that split into whole heads")
+
+
+def _check_rope(text, where: str) -> None:
+    """The rope type(s) of rope_parameters (transformers' name for rope_scaling) must be ones it can build."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _value(text, "rope_parameters")
+    if not isinstance(params, dict):
+        return
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for group in groups:
+        rope_type = group.get("rope_type", group.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise LlmemError(f"config {where}: rope_scaling's rope_type {rope_type!r} is not one transformers builds "
+                             f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")

@@ -14,7 +14,7 @@ from pathlib import Path
 from llmem.errors import LlmemError, first_line
 from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory
 from llmem.model.config import build_meta_model, resolve_config
-from llmem.model.sharding import MATMUL_KINDS
+from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
 
 PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
@@ -46,6 +46,14 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
     matched: set[str] = set()
     for p in anatomy.params:
         params.append(replace(p, trainable=False))
+        if "lm_head" in wanted and is_lm_head(p) and len(p.shape) == 2:
+            # peft wraps the output layer when named (its all-linear leaves it out): the adapters as peft makes
+            # them; the support check (llmem.setup.support) then says why no engine models them
+            matched.add("lm_head")
+            vocab, hidden = p.shape
+            params.append(ParamInfo("lm_head.lora_A.default.weight", (rank, hidden), "float32", "Linear", None, None))
+            params.append(ParamInfo("lm_head.lora_B.default.weight", (vocab, rank), "float32", "Linear", None, None))
+            continue
         module, leaf = p.name.rsplit(".", 1)
         short = module.rsplit(".", 1)[-1]
         if (leaf != "weight" or p.layer_index is None or p.module_kind not in MATMUL_KINDS
@@ -65,16 +73,29 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
     return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
 
 
+PEFT_CONFIG_MAX_BYTES = 1 << 20     # adapter_config.json files are a few KiB
+
+
 def read_peft_config(path: str) -> tuple[str, dict]:
     """--peft-config PATH (a folder holding adapter_config.json, or the json file) -> (its text, its fields)."""
     p = Path(os.path.expanduser(path))
-    if p.is_dir():
-        p = p / "adapter_config.json"
-        if not p.is_file():
-            raise LlmemError(f"--peft-config folder {path} has no adapter_config.json")
-    elif not p.is_file():
-        raise LlmemError(f"--peft-config {path} does not exist (give an adapter_config.json or its folder)")
-    text = p.read_text()
+    try:
+        if p.is_dir():
+            p = p / "adapter_config.json"
+            if not p.is_file():
+                raise LlmemError(f"--peft-config folder {path} has no adapter_config.json")
+        elif not p.is_file():
+            raise LlmemError(f"--peft-config {path} does not exist (give an adapter_config.json or its folder)")
+        if p.stat().st_size > PEFT_CONFIG_MAX_BYTES:
+            raise LlmemError(f"--peft-config {p} is {p.stat().st_size:,} bytes: not an adapter_config.json (those "
+                             f"are a few KiB)")
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:      # a name too long for the file system, a file that cannot be read
+        raise LlmemError(f"--peft-config {path[:120]}: {exc.strerror or first_line(exc)}; give an "
+                         "adapter_config.json or its folder") from None
+    except UnicodeDecodeError as exc:
+        raise LlmemError(f"--peft-config {p} is not UTF-8 text (byte {exc.start}): give an adapter_config.json "
+                         "written by peft") from None
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as exc:

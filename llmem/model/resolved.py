@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from llmem.model.anatomy import ModelAnatomy, load_anatomy
+from llmem.model.families import tp_refusal_of
 from llmem.model.peft import trained_anatomy
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, resolve_layout
@@ -15,7 +16,7 @@ from llmem.setup.methods import TP_NONE, MethodSpec
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.precision import Regime, regime_for
 from llmem.setup.record import SetupRecord
-from llmem.setup.support import check_support
+from llmem.setup.support import ModelSupport, check_support
 from llmem.setup.training import TrainingSetup
 
 
@@ -48,7 +49,7 @@ class ResolvedSetup:
     def with_layout(self, layout: Layout, batch_size: int | None = None) -> ResolvedSetup:
         """The same set-up under another layout of the same model and GPU (support checked for it)."""
         setup = setup_for(self.setup, layout, self.setup.batch_size if batch_size is None else batch_size)
-        check_support(setup, layout.spec)
+        check_support(setup, layout.spec, model_support(self.anatomy))
         return ResolvedSetup(setup, self.anatomy, self.base, self.gpu, layout)
 
     def record(self) -> SetupRecord:
@@ -69,18 +70,59 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             trained.num_heads, trained.num_kv_heads)
-    check_support(setup, layout.spec)
+    check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
+
+
+HEAD_ADAPTER_MARKS = (".lora_", ".ia3_")   # peft's LoRA / IA3 parameters (modules_to_save copies are not adapters)
+
+
+def model_support(anatomy: ModelAnatomy) -> ModelSupport:
+    """What `anatomy` (the trained one) can run, from its transformers class's flags and its family's row."""
+    head = next((p.name.split(".", 1)[0] for p in anatomy.params
+                 if p.name.startswith("lm_head.") and any(m in p.name for m in HEAD_ADAPTER_MARKS)), None)
+    return ModelSupport(anatomy.architecture, anatomy.model_type, anatomy.supports_sdpa, anatomy.supports_flash_attn,
+                        tp_refusal_of(anatomy.model_type), head)
 
 
 def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> SetupRecord:
     """The record of `setup` as it runs: `anatomy` (the trained one) under `layout` on `gpu`. Models without an
-    SDPA implementation in transformers run eager attention."""
+    SDPA implementation in transformers run eager attention. The adapters are read from the trained anatomy (what
+    peft builds), not from the options: their kind, rank and the modules they adapt."""
     resolved = replace(setup, model=anatomy.name, method=layout.method, tp=layout.tp, gpus=layout.world_size,
                        gpus_per_node=layout.gpus_per_node, gpu=gpu.name,
-                       attn=setup.attn if anatomy.supports_sdpa else "eager")
+                       attn=setup.attn if anatomy.supports_sdpa or setup.attn == "flash" else "eager")
+    kind, rank, targets, virtual = _adapters(anatomy, setup)
     return SetupRecord(resolved, anatomy.model_type, anatomy.total_params, anatomy.trainable_params, layout.dp,
-                       layout.nodes, gpu.memory_bytes, gpu.cuda_context_bytes)
+                       layout.nodes, gpu.memory_bytes, gpu.cuda_context_bytes, layout=layout.label, adapter=kind,
+                       adapter_rank=rank, adapter_targets=targets, virtual_tokens=virtual, attn_requested=setup.attn)
+
+
+_PEFT_KINDS = {"LORA": "LoRA", "IA3": "IA3", "PROMPT_TUNING": "prompt tuning", "PREFIX_TUNING": "prefix tuning",
+               "P_TUNING": "p-tuning", "ADALORA": "AdaLoRA", "LOHA": "LoHa", "LOKR": "LoKr", "BOFT": "BOFT",
+               "OFT": "OFT", "VERA": "VeRA"}
+
+
+def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[str, int, tuple[str, ...], int]:
+    """(kind, rank, adapted module names, virtual tokens) of the trained anatomy's peft adapters; ("", 0, (), 0)
+    for full fine-tuning."""
+    info = anatomy.peft
+    if info is None:
+        return "", 0, (), 0
+    kind = "DoRA" if info.use_dora else _PEFT_KINDS.get(info.peft_type, info.peft_type)
+    if kind == "LoRA" and setup.quant_base == "nf4":
+        kind = "QLoRA"
+    rank, targets = 0, []
+    for p in anatomy.params:
+        parts = p.name.split(".")
+        if not p.trainable or "default" not in parts:
+            continue
+        at = parts.index("default")        # peft's adapter name: <module>.<adapter part>.default[.weight]
+        if at >= 2 and parts[at - 2] not in targets:
+            targets.append(parts[at - 2])
+        if not rank and parts[at - 1] == "lora_A" and len(p.shape) == 2:
+            rank = p.shape[0]
+    return kind, rank, tuple(targets), info.num_virtual_tokens
 
 
 def assemble(setup: TrainingSetup, base: ModelAnatomy, gpu: GpuSpec, layout: Layout) -> ResolvedSetup:

@@ -29,8 +29,9 @@ class MemoryEngine:
     name = ""
     has_quick = False
 
-    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec) -> None:
-        self.anatomy, self.gpu = anatomy, gpu
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
+        # fits: within limit_bytes of device memory (the planner's GPU memory less its headroom; None: all of it)
+        self.anatomy, self.gpu, self.limit_bytes = anatomy, gpu, limit_bytes
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
         raise NotImplementedError
@@ -49,8 +50,8 @@ class LlmemEngine(MemoryEngine):
     name = "llmem"
     has_quick = True
 
-    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec) -> None:
-        super().__init__(anatomy, gpu)
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
+        super().__init__(anatomy, gpu, limit_bytes)
         self._prepared: dict[TrainingSetup, tuple[ResolvedSetup, ModelStates]] = {}
 
     def prepared(self, setup: TrainingSetup) -> tuple[ResolvedSetup, ModelStates]:
@@ -65,11 +66,11 @@ class LlmemEngine(MemoryEngine):
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
         r, states = self.prepared(setup)
-        return estimate_resolved(r, states=states)
+        return estimate_resolved(r, states=states, limit_bytes=self.limit_bytes)
 
     def draft(self, setup: TrainingSetup) -> MemoryResult:
         r, states = self.prepared(setup)
-        return estimate_resolved(r, draft=True, states=states)
+        return estimate_resolved(r, draft=True, states=states, limit_bytes=self.limit_bytes)
 
     def quick(self, setup: TrainingSetup) -> int:
         r, states = self.prepared(setup)
@@ -79,17 +80,20 @@ class LlmemEngine(MemoryEngine):
 class PaperEngine(MemoryEngine):
     name = "paper"
 
-    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> None:
-        super().__init__(anatomy, gpu)
+    def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None,
+                 limit_bytes: int | None = None) -> None:
+        super().__init__(anatomy, gpu, limit_bytes)
         self.m_base_bytes = m_base_bytes
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
         return paper_estimate(setup, self.anatomy, self.gpu, m_base_bytes=self.m_base_bytes)
 
 
-def memory_engine(name: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None) -> MemoryEngine:
+def memory_engine(name: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None,
+                  limit_bytes: int | None = None) -> MemoryEngine:
+    """The engine by name; `limit_bytes`: the device memory a step may use to fit (default: the GPU's)."""
     if name == "llmem":
-        return LlmemEngine(anatomy, gpu)
+        return LlmemEngine(anatomy, gpu, limit_bytes)
     if name == "paper":
-        return PaperEngine(anatomy, gpu, m_base_bytes)
+        return PaperEngine(anatomy, gpu, m_base_bytes, limit_bytes)
     raise LlmemError(f"unknown engine {name!r}: choose llmem or paper")

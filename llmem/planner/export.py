@@ -1,6 +1,11 @@
 """Launch configs for a plan (`llmem plan --export KIND PATH`): an accelerate YAML, a torchrun script, a DeepSpeed
 JSON for the recommended layout, batch and accumulation (or, when nothing fits, the optimizer-offload
-suggestion's)."""
+suggestion's).
+
+The torchrun script launches the training script llmem ships (`python -m llmem.runtime.train_script`, run by
+torchrun's `-m`) with exactly the flags that script reads (checked against its own parser when exported). The
+DeepSpeed JSON says in its "comment" that llmem estimated PyTorch's method (FSDP2, DDP or tensor parallelism), whose
+memory differs from DeepSpeed ZeRO's; `ExportPlan.notes` carries the same for the command line."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import json
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
 from llmem.planner.options import EXPORT_KINDS
@@ -32,6 +37,9 @@ class ExportPlan:
     precision: str
     grad_ckpt: bool
     offload_optimizer: bool
+    optimizer: str = "adamw"
+    gpus_per_node: int | None = None
+    notes: tuple[str, ...] = ()          # what the written file does not match of the estimate (for the CLI)
 
 
 def unexportable_options(setup: TrainingSetup) -> list[str]:
@@ -69,7 +77,7 @@ def export_plan(p: Plan) -> ExportPlan:
         layout = c.layout
         micro, steps = c.time.micro_batch_size, c.time.accumulation_steps
     return ExportPlan(p.anatomy.name, p.anatomy.architecture, layout, micro, steps, p.setup.seq_len,
-                      p.setup.precision, p.setup.grad_ckpt, offload)
+                      p.setup.precision, p.setup.grad_ckpt, offload, p.setup.optimizer, layout.gpus_per_node)
 
 
 def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
@@ -122,8 +130,34 @@ def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
     return "\n".join(header) + "\n" + yaml.safe_dump(cfg, sort_keys=True)
 
 
+def train_script_args(e: ExportPlan) -> list[str]:
+    """The flags of llmem's training script (llmem.runtime.train_script) for the plan, checked by its own parser."""
+    from llmem.runtime.train_script import SCRIPT_OPTIMIZERS, build_parser
+
+    lay = e.layout
+    if e.optimizer not in SCRIPT_OPTIMIZERS:
+        raise LlmemError(f"--export torchrun: llmem's training script builds {', '.join(SCRIPT_OPTIMIZERS)}, not "
+                         f"--optimizer {e.optimizer}: export accelerate for your own script")
+    if e.offload_optimizer and not lay.spec.shards_model_states:
+        raise LlmemError(f"--export torchrun: the optimizer offload of {lay.label} is DeepSpeed's ZeRO-Offload, which "
+                         "PyTorch has no native form of: export deepspeed for this plan")
+    args = ["--model", e.model, "--method", lay.method, "--dp", str(lay.dp), "--tp", str(lay.tp),
+            "--micro-batch-size", str(e.micro_batch_size), "--gradient-accumulation-steps", str(e.accumulation_steps),
+            "--seq-len", str(e.seq_len), "--precision", e.precision, "--optimizer", e.optimizer,
+            "--gpus-per-node", str(e.gpus_per_node or lay.gpus_per_node)]
+    if e.grad_ckpt:
+        args.append("--grad-ckpt")
+    if e.offload_optimizer:
+        args.append("--offload-optimizer")
+    build_parser().parse_args(args)          # the script reads exactly these flags
+    return args
+
+
 def export_torchrun(e: ExportPlan) -> str:
-    """A shell script launching a PyTorch-native training script with torchrun for the plan."""
+    """A shell script launching llmem's training script with torchrun for the plan (extra flags such as --steps,
+    --data or --pretrained pass through)."""
+    from llmem.runtime.train_script import MODULE
+
     lay = e.layout
     per_node = lay.world_size // lay.nodes
     launcher = ["torchrun", "--nnodes", str(lay.nodes), "--nproc_per_node", str(per_node)]
@@ -132,23 +166,28 @@ def export_torchrun(e: ExportPlan) -> str:
     else:
         launcher += ["--node_rank", '"${NODE_RANK:?set NODE_RANK}"', "--rdzv_backend", "c10d",
                      "--rdzv_endpoint", '"${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}"']
-    script = ['"${TRAIN_SCRIPT:-train.py}"', "--model", shlex.quote(e.model), "--method", lay.method,
-              "--dp", str(lay.dp), "--tp", str(lay.tp), "--micro-batch-size", str(e.micro_batch_size),
-              "--gradient-accumulation-steps", str(e.accumulation_steps), "--seq-len", str(e.seq_len),
-              "--precision", e.precision]
-    if e.grad_ckpt:
-        script.append("--grad-ckpt")
-    if e.offload_optimizer:
-        script.append("--offload-optimizer")
+    script = ["-m", MODULE] + [shlex.quote(a) for a in train_script_args(e)]
     lines = [
         "#!/usr/bin/env bash",
         f"# llmem plan for {e.model}: {lay.label} on {lay.world_size} GPU(s), {lay.nodes} node(s)",
-        f"# the script should build: {lay.spec.torch_recipe.format(dp=lay.dp, tp=lay.tp)}",
+        f"# runs llmem's training script (python -m {MODULE} --help): random weights and tokens unless you add",
+        "# --pretrained and --data TOKENS.npy; --steps N (default 10). It builds what llmem estimated:",
+        f"# {lay.spec.torch_recipe.format(dp=lay.dp, tp=lay.tp)}",
+        "# run it where llmem is installed (torchrun from the same environment)",
         "set -euo pipefail",
         " ".join(launcher + script) + ' "$@"',
         "",
     ]
     return "\n".join(lines)
+
+
+def deepspeed_note(e: ExportPlan) -> str:
+    """What the DeepSpeed JSON's memory is: llmem estimated PyTorch's method, not DeepSpeed's ZeRO."""
+    lay = e.layout
+    return (f"llmem estimated this plan's memory for PyTorch's {lay.method} "
+            f"({lay.spec.torch_recipe.format(dp=lay.dp, tp=lay.tp)}), not for DeepSpeed: DeepSpeed ZeRO stage "
+            f"{lay.spec.deepspeed_stage}'s memory differs from it (its own gradient and optimizer-state handling, "
+            f"buckets and communication buffers); check micro-batch {e.micro_batch_size} with a short DeepSpeed run")
 
 
 def export_deepspeed(e: ExportPlan) -> str:
@@ -168,6 +207,7 @@ def export_deepspeed(e: ExportPlan) -> str:
         if stage == 0:
             zero["stage"] = 1            # DeepSpeed offloads the optimizer from ZeRO stage 1 on
     cfg: dict = {
+        "comment": deepspeed_note(e),
         "train_micro_batch_size_per_gpu": e.micro_batch_size,
         "gradient_accumulation_steps": e.accumulation_steps,
         "train_batch_size": e.micro_batch_size * e.accumulation_steps * lay.dp,
@@ -193,6 +233,8 @@ EXPORTERS: dict[str, Callable[[Plan, ExportPlan], str]] = {
     "deepspeed": lambda p, e: export_deepspeed(e),
 }
 EXECUTABLE_EXPORTS = ("torchrun",)      # written as a script the user runs
+# what a kind's file does not match of the estimate, for the command line to print beside "wrote ..."
+EXPORT_NOTES: dict[str, Callable[[ExportPlan], str]] = {"deepspeed": deepspeed_note}
 
 
 def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
@@ -200,8 +242,11 @@ def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
     if writer is None:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
     e = export_plan(p)
+    text = writer(p, e)                 # refusals before the file is opened
+    if kind in EXPORT_NOTES:
+        e = replace(e, notes=(EXPORT_NOTES[kind](e),))
     with open(path, "w", encoding="utf-8") as f:
-        f.write(writer(p, e))
+        f.write(text)
     if kind in EXECUTABLE_EXPORTS:
         os.chmod(path, 0o755)
     return e

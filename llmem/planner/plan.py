@@ -94,8 +94,8 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     options = options or PlanOptions()
     anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
-    engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes)
     limit = limit_bytes(gpu, options.headroom)
+    engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
     layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *ctx.heads, methods=options.methods, tp=options.tp)
     if not layouts:
@@ -140,16 +140,8 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     if not any(c.fits for c in candidates):
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
-        # what-ifs are tried on the two layouts that came closest to fitting (each try is a batch search), and on
-        # the closest without tensor parallelism and the closest replicated one (fused CE, 8-bit optimizers and a
-        # quantised base are modelled without TP / with single and ddp only)
-        ranked = sorted(candidates, key=lambda c: c.memory.device_used_bytes)
-        closest = [c.layout for c in ranked[:2]]
-        for allowed in (lambda spec: not spec.has_tp, lambda spec: spec.plain_tensors):
-            extra = next((c.layout for c in ranked if allowed(c.layout.spec)), None)
-            if extra is not None and extra not in closest:
-                closest.append(extra)
-        suggestions = suggest(ctx, setup, closest or layouts)
+        # every what-if is searched on every layout that can run it (screened by the quick bound: suggestions.py)
+        suggestions = suggest(ctx, setup, layouts)
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
@@ -158,10 +150,18 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     return result
 
 
+def fits_note(gpu: GpuSpec, options: PlanOptions) -> str:
+    limit = f"{100 * (1 - options.headroom):g}% of {format_bytes(gpu.memory_bytes)} = " \
+            f"{format_bytes(limit_bytes(gpu, options.headroom))}"
+    if options.engine == "paper":
+        return f"fits: device-used memory <= {limit} (engine paper)"
+    return (f"fits: the step's allocations complete within {limit} less the CUDA context, as PyTorch decides OOM "
+            f"(the allocator releases its cache and retries when full); engine {options.engine}")
+
+
 def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy: ModelAnatomy) -> list[str]:
     notes = [
-        f"fits: device-used memory <= {100 * (1 - options.headroom):g}% of {format_bytes(gpu.memory_bytes)} "
-        f"= {format_bytes(limit_bytes(gpu, options.headroom))} (engine {options.engine})",
+        fits_note(gpu, options),
         f"time model: {gpu.name} peak {peak_flops_per_s(gpu, setup.precision) / 1e12:g} TFLOP/s for "
         f"{setup.precision} x MFU {options.mfu:g}; links {gpu.link_gbps:g} GB/s in a node, "
         f"{options.inter_node_gbps:g} GB/s per GPU across nodes; optimizer step, data loading not timed",

@@ -45,6 +45,8 @@ class CandidatePlan:
             "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
             "batch_size_at_memory": max(self.max_batch_size, 1),
             "peak_reserved_bytes": self.memory.peak_reserved_bytes,
+            "capped_reserved_bytes": self.memory.capped_reserved_bytes,
+            "oom": self.memory.oom.to_dict() if self.memory.oom else None,
             "device_used_bytes": self.memory.device_used_bytes, "limit_bytes": self.limit_bytes,
             "micro_batch_size": t.micro_batch_size if t else None,
             "accumulation_steps": t.accumulation_steps if t else None,
@@ -63,6 +65,12 @@ def limit_bytes(gpu: GpuSpec, headroom: float) -> int:
     return int(gpu.memory_bytes * (1 - headroom))
 
 
+def fits_within(m: MemoryResult, limit: int) -> bool:
+    """Fits in `limit` bytes of device memory: as the allocator decides it where the engine replayed the step at
+    that limit (the llmem engine built with it), else device-used memory against the limit (the paper engine)."""
+    return m.fits if m.capacity_bytes else m.device_used_bytes <= limit
+
+
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
                      cap: int = BATCH_CAP) -> CandidatePlan:
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
@@ -79,7 +87,7 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
         return cache[bs]
 
     def fits(bs: int) -> bool:
-        return at(bs).device_used_bytes <= limit
+        return fits_within(at(bs), limit)
 
     if not engine.has_quick:
         best = max_batch_size(fits, cap)
@@ -87,8 +95,10 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
     # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
     d1 = engine.draft(setup_for(base, layout, 1))
-    if d1.peak_allocated_bytes + (d1.device_used_bytes - d1.peak_reserved_bytes) > limit:
+    if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
+    # device_used <= limit is the same decision as `fits` at this limit (llmem.memory.capacity): the numbers
+    # calibrate the search, the predicate is the allocator's
     best = calibrated_max(lambda bs: at(bs).device_used_bytes, lambda bs: engine.quick(setup_for(base, layout, bs)),
                           limit, cap)
     return CandidatePlan(layout, best, at(max(best, 1)), limit)

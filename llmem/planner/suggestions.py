@@ -23,24 +23,61 @@ from llmem.search import calibrated_max, max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
 from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
+from llmem.setup.support import check_support
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
 from llmem.units import format_bytes
 
 LORA_RANK = 16
 LORA_TARGETS = LORA_ALL_LINEAR
 MAX_SUGGESTED_GPUS = 64
-SUGGESTION_LAYOUTS = 2              # each what-if is searched on the two closest layouts that can run it
+# Each what-if is searched on every layout that can run it, screened by the engine's quick bound at batch 1 (tensor
+# bytes at the step's largest moment, ~1 ms): a layout whose bound exceeds the limit by more than QUICK_SLACK is
+# not batch-searched (the bound lay within 0.98-1.16x of the allocated peak on the sweeps, and the allocated peak
+# never exceeds what the step needs); the CLOSEST_LAYOUTS with the lowest bound are always searched, so a what-if
+# that fits nowhere is reported against full estimates of its nearest layouts.
+QUICK_SLACK = 0.25
+CLOSEST_LAYOUTS = 3
+CHEAP_SAVERS = ("fused_ce", "optimizer_8bit", "grad_ckpt")   # the savers tried together ("combined")
+
+
+def plan_layouts(ctx: PlanContext, gpus: int, per_node: int | None) -> list[Layout]:
+    """Every layout the plan may use on `gpus` GPUs (the plan's --method / --tp restrictions kept)."""
+    return candidate_layouts(gpus, per_node, *ctx.heads, methods=ctx.options.methods, tp=ctx.options.tp)
+
+
+def supports(setup: TrainingSetup, method: MethodSpec) -> bool:
+    """Whether the support check lets `method` run `setup` (llmem.setup.support, the engines' own check)."""
+    try:
+        check_support(setup, method)
+    except LlmemError:
+        return False
+    return True
+
+
+def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> list[Layout]:
+    """The layouts worth a full batch search for `setup`: those whose method supports it and whose quick bound at
+    batch 1 does not rule them out, and at least the CLOSEST_LAYOUTS nearest by that bound; in the given order."""
+    runnable = [lay for lay in layouts if supports(setup, lay.spec)]
+    if not ctx.engine.has_quick:
+        return runnable
+    scored: list[tuple[int, int, Layout]] = []
+    for i, lay in enumerate(runnable):
+        try:
+            scored.append((ctx.engine.quick(setup_for(setup, lay, 1)), i, lay))
+        except LlmemError:          # the model refuses it (e.g. no tensor-parallel plan): not a layout for it
+            continue
+    scored.sort(key=lambda x: (x[0], x[1]))
+    bound = ctx.limit * (1 + QUICK_SLACK)
+    keep = {i for k, (q, i, _) in enumerate(scored) if q <= bound or k < CLOSEST_LAYOUTS}
+    return [lay for i, lay in enumerate(runnable) if i in keep]
 
 
 def _best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
-                  offload: bool = False, max_layouts: int | None = None
-                  ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
-    """The fastest fitting plan over `layouts` (and every plan searched); with max_layouts, only the first that
-    many layouts the set-up can run (a layout that refuses it, e.g. 8-bit AdamW under FSDP2, does not count)."""
+                  offload: bool = False) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+    """The fastest fitting plan of `setup` over every layout in `layouts` that can run it (screened by the quick
+    bound, then batch-searched with full estimates), and every plan searched."""
     plans: list[CandidatePlan] = []
-    for layout in layouts:
-        if max_layouts is not None and len(plans) >= max_layouts:
-            break
+    for layout in screened_layouts(ctx, setup, layouts):
         try:
             c = ctx.search(setup, layout)
         except LlmemError:
@@ -112,21 +149,19 @@ class Saver:
 
 
 def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> list[Saver]:
-    """Ways to keep full fine-tuning with less memory, cheapest in time first (those already on are skipped), then
-    the cheap ones together (fused CE, 8-bit AdamW, checkpointing every layer)."""
+    """Ways to keep full fine-tuning with less memory, cheapest in time first: those already on are skipped, and so
+    is one no method in `methods` supports (the support check decides). The savers tried together are
+    `combined_savers`'."""
     out: list[Saver] = []
     if not setup.fused_ce:
         out.append(Saver("fused_ce", (("fused_ce", True),), "--fused-ce",
                          "no [tokens, vocab] fp32 logits, same FLOPs"))
     optimizer = setup.optimizer_spec
-    eight_bit = optimizer.adam and not optimizer.eight_bit and not setup.offload_optimizer \
-        and any(m.plain_tensors for m in methods)
-    if eight_bit:
+    if optimizer.adam and not optimizer.eight_bit and not setup.offload_optimizer:
         out.append(Saver("optimizer_8bit", (("optimizer", EIGHT_BIT_ALTERNATIVE),),
                          f"--optimizer {EIGHT_BIT_ALTERNATIVE}",
                          "bitsandbytes' 8-bit Adam states, 2 instead of 8 bytes per parameter"))
-    if not setup.optimizer_in_backward and not setup.offload_optimizer \
-            and any(m.steps_in_backward for m in methods) and not optimizer.eight_bit:
+    if not setup.optimizer_in_backward and not optimizer.eight_bit:
         out.append(Saver("optimizer_in_backward", (("optimizer_in_backward", True),), "--optimizer-in-backward",
                          "each gradient freed after its own update; no gradient accumulation"))
     if not setup.grad_ckpt:
@@ -138,11 +173,33 @@ def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> lis
     if not setup.offload_activations:
         out.append(Saver("offload_activations", (("offload_activations", True),), "--offload-activations",
                          "saved activations to pinned host memory and back over PCIe"))
-    cheap = [sv for sv in out if sv.kind in ("fused_ce", "optimizer_8bit", "grad_ckpt")]
-    if len(cheap) > 1:
-        changes = tuple(c for sv in cheap for c in sv.changes)
-        out.append(Saver("combined", changes, " ".join(sv.flags for sv in cheap),
-                         "; ".join(sv.cost for sv in cheap)))
+    return [sv for sv in out if any(supports(sv.apply(setup), m) for m in methods)]
+
+
+def combined_savers(setup: TrainingSetup, savers: list[Saver], methods: list[MethodSpec]
+                    ) -> list[tuple[Saver, tuple[str, ...]]]:
+    """The cheap savers together, as each method allows them: for every method, those of CHEAP_SAVERS (in order)
+    that the support check accepts on top of the ones already taken; one "combined" saver per distinct set of two
+    or more, with the methods it is for (8-bit AdamW joins only where plain tensors are kept, fused CE only
+    without tensor parallelism, as llmem.setup.support says)."""
+    cheap = [sv for sv in savers if sv.kind in CHEAP_SAVERS]
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for method in methods:
+        taken, s = [], setup
+        for sv in cheap:
+            if supports(sv.apply(s), method):
+                taken.append(sv)
+                s = sv.apply(s)
+        if len(taken) > 1:
+            names = groups.setdefault(tuple(sv.kind for sv in taken), [])
+            if method.name not in names:
+                names.append(method.name)
+    by_kind = {sv.kind: sv for sv in cheap}
+    out = []
+    for kinds, names in groups.items():
+        chosen = [by_kind[k] for k in kinds]
+        out.append((Saver("combined", tuple(c for sv in chosen for c in sv.changes),
+                          " ".join(sv.flags for sv in chosen), "; ".join(sv.cost for sv in chosen)), tuple(names)))
     return out
 
 
@@ -160,13 +217,46 @@ def time_cost_pct(ctx: PlanContext, c: CandidatePlan | None, base: TrainingSetup
 def saver_suggestion(ctx: PlanContext, saver: Saver, setup: TrainingSetup, layouts: list[Layout],
                      engine_note: str) -> dict:
     s = saver.apply(setup)
-    best, plans = _best_fitting(ctx, s, layouts, max_layouts=SUGGESTION_LAYOUTS)
+    best, plans = _best_fitting(ctx, s, layouts)
+    return _saver_dict(ctx, saver, setup, best, plans, engine_note)
+
+
+def _saver_dict(ctx: PlanContext, saver: Saver, setup: TrainingSetup, best: CandidatePlan | None,
+                plans: list[CandidatePlan], engine_note: str, also: str = "", **extra) -> dict:
     cost = time_cost_pct(ctx, best, setup)
     when = f", time per token {cost:+.0f} %" if cost is not None else ""
     return _suggestion(saver.kind, f"{saver.flags} ({saver.cost}{when}): " + describe_fit(best, plans, ctx.limit)
-                       + engine_note,
+                       + also + engine_note,
                        best or _closest(plans), flags=saver.flags, time_cost_pct=cost,
-                       changes=dict(saver.changes))
+                       changes=dict(saver.changes), **extra)
+
+
+def combined_suggestion(ctx: PlanContext, combos: list[tuple[Saver, tuple[str, ...]]], setup: TrainingSetup,
+                        layouts: list[Layout], engine_note: str) -> dict:
+    """The cheap savers together: each method's combination searched on that method's layouts; the fastest that
+    fits (else the closest) is the suggestion, the others are listed under `alternatives`."""
+    tried = []
+    for saver, methods in combos:
+        best, plans = _best_fitting(ctx, saver.apply(setup), [lay for lay in layouts if lay.method in methods])
+        tried.append((saver, best, plans))
+    fitting = [(sv, b, p) for sv, b, p in tried if b is not None]
+    if fitting:
+        pick = max(fitting, key=lambda x: x[1].time.tokens_per_s)
+    else:
+        pick = min(tried, key=lambda x: _closest(x[2]).memory.device_used_bytes if x[2] else float("inf"))
+    alternatives = []
+    for sv, b, p in tried:
+        if sv is pick[0]:
+            continue
+        c = b or _closest(p)
+        alternatives.append({"flags": sv.flags, "fits": b is not None, "label": c.layout.label if c else None,
+                             "max_batch_size": b.max_batch_size if b else 0,
+                             "device_used_bytes": c.memory.device_used_bytes if c else None})
+    also = "".join(f"; {a['flags']}: {a['label']} " + (f"batch {a['max_batch_size']}" if a["fits"] else
+                                                        f"needs {format_bytes(a['device_used_bytes'])}")
+                   for a in alternatives if a["label"])
+    return _saver_dict(ctx, pick[0], setup, pick[1], pick[2], engine_note,
+                       also=f" (also tried{also[1:]})" if also else "", alternatives=alternatives)
 
 
 @dataclass(frozen=True)
@@ -224,7 +314,7 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
         tried.add(changes)
         flags = " ".join(f for k, v, f in variant if (k, v) in changes)
         s = replace(base, **dict(changes))
-        best, plans = _best_fitting(ctx, s, layouts, max_layouts=SUGGESTION_LAYOUTS)
+        best, plans = _best_fitting(ctx, s, layouts)
         all_flags = " ".join(f for f in (menu.flags, flags) if f)
         pick = best or _closest(plans)
         if pick is not None and (closest is None
@@ -255,26 +345,36 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
                        changes={**dict(menu.changes), **dict(changes)})
 
 
-def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> list[dict]:
+def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None = None) -> list[dict]:
     """What would fit when nothing does: memory savers that keep full fine-tuning (fused CE, 8-bit AdamW, the
     optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
-    together), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs."""
+    together as each method allows them), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer
+    offload, more GPUs. Each is searched over every layout in `layouts` (default: every layout of the plan on
+    setup.gpus GPUs) that can run it."""
     anatomy, gpu, options, engine, limit = ctx.anatomy, ctx.gpu, ctx.options, ctx.engine, ctx.limit
+    if layouts is None:
+        layouts = plan_layouts(ctx, setup.gpus, setup.gpus_per_node)
     out: list[dict] = []
     # the paper's equations model none of the savers: they are always priced by the llmem estimator
     engine_note = " (memory from the llmem estimator: the paper engine does not model it)" \
         if options.engine == "paper" else ""
-    savers = ctx if isinstance(engine, LlmemEngine) else replace(ctx, engine=LlmemEngine(anatomy, gpu))
+    savers = ctx if isinstance(engine, LlmemEngine) else replace(ctx, engine=LlmemEngine(anatomy, gpu, limit))
 
     def describe(c: CandidatePlan | None, plans: list[CandidatePlan]) -> str:
         return describe_fit(c, plans, limit)
 
-    # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together
-    for saver in full_finetune_savers(setup, [lay.spec for lay in layouts]):
+    # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together (as each method allows)
+    methods = list({lay.spec.name: lay.spec for lay in layouts}.values())
+    alone = full_finetune_savers(setup, methods)
+    for saver in alone:
         out.append(saver_suggestion(savers, saver, setup, layouts, engine_note))
-    # 2. the longest sequence that fits at batch 1 (searched on draft estimates)
+    combos = combined_savers(setup, alone, methods)
+    if combos:
+        out.append(combined_suggestion(savers, combos, setup, layouts, engine_note))
+    # 2. the longest sequence that fits at batch 1 (searched on draft estimates), on the layouts whose quick bound
+    # at one token does not rule them out
     best_seq, best_c = 0, None
-    for layout in layouts:
+    for layout in screened_layouts(ctx, replace(setup, seq_len=1), layouts):
         def fits_seq(n: int, layout=layout) -> bool:
             return engine.draft(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
         quick = engine.quick if engine.has_quick else None

@@ -13,18 +13,19 @@ from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
-from llmem.runtime.patches import quiet
+from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.setup.training import LORA_ALL_LINEAR
 
 
 def meta_model_for(setup):
     """The HF causal LM on the meta device, with the setup's attention implementation, no KV cache, train mode."""
     # --attn flash: HF's flash_attention_2 needs the flash-attn package; its kernel is modelled by PyTorch's flash
-    # SDPA kernel (same saved tensors: q, k, v, out, logsumexp), so the model runs its SDPA implementation
-    attn = "sdpa" if setup.attn == "flash" else setup.attn
+    # SDPA kernel (same saved tensors: q, k, v, out, logsumexp), so the model runs its SDPA implementation, or
+    # llmem's flash-kernel one where the class has flash attention but no SDPA one (Gemma-2: softcapping)
     _, cfg = resolve_config(setup.model, setup.trust_remote_code)
     cfg = training_config(cfg)
-    with warnings.catch_warnings():
+    attn = attention_implementation(cfg, setup.attn)
+    with warnings.catch_warnings(), flash_kernel_attention():
         warnings.simplefilter("ignore")
         try:
             cfg._attn_implementation = attn
@@ -42,6 +43,25 @@ def meta_model_for(setup):
     model.to(torch.float32)
     model.train()
     return model
+
+
+def attention_implementation(cfg, requested: str) -> str:
+    """The attn_implementation the step builds for --attn `requested`, from the class's own flags as every engine
+    reads them (llmem.setup.support): sdpa where the class has it, else eager (transformers' own fallback; the
+    estimate and the setup record say eager too); flash as SDPA's flash kernel, or llmem's flash-kernel
+    implementation on a class with flash but no SDPA attention. Classes outside transformers' mapping (remote
+    code) get the request as it is."""
+    if requested == "eager":
+        return "eager"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except (KeyError, ValueError):
+        return "sdpa"
+    if getattr(cls, "_supports_sdpa", False):
+        return "sdpa"
+    return FLASH_KERNEL if requested == "flash" else "eager"
 
 
 def apply_peft(model: nn.Module, setup) -> nn.Module:

@@ -25,7 +25,7 @@ from llmem.errors import LlmemError, first_line
 from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
 from llmem.runtime.ledger import PHASE_CODES, Ledger, tracking
 from llmem.runtime.replay import build_result, replay_ledger, trace_details
-from llmem.runtime.step import StepHooks, prepared_step
+from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.runtime.trace import method_notes
 from llmem.setup.gpus import resolve_gpu
 
@@ -78,6 +78,7 @@ def _device_used_bytes(device: torch.device) -> int | None:
 def measure(setup, *, device: str | torch.device | None = None, iterations: int = 2,
             progress: Callable[[str], None] | None = None) -> MemoryResult:
     """Run `iterations` real training steps of `setup` and report the memory counters (engine "measure")."""
+    check_iterations(iterations)
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LlmemError("measure --device cuda: no CUDA GPU is visible to torch")
@@ -135,6 +136,7 @@ def _measure_cpu(setup, device, iterations, progress) -> MemoryResult:
 
 def measure_cpu_with_details(setup, *, iterations: int = 2, progress: Callable[[str], None] | None = None):
     """The CPU measurement with the ledger's details (phase peaks, category maxima) for cross-checks."""
+    check_iterations(iterations)
     if setup.offload_activations:
         raise LlmemError("measure --device cpu: --offload-activations needs a device distinct from the host (the "
                          "saved tensors would stay where they are); use trace, or measure on a GPU")

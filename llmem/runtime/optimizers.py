@@ -268,3 +268,52 @@ class InBackwardOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
 
+
+
+class HostOffloadedOptimizer:
+    """--offload-optimizer as ZeRO-Offload and FSDP's optimizer offload run it: the optimizer steps fp32 master
+    copies of the trained parameters (this rank's shards) in host memory, its states live there too. On the device
+    the gradients stay until zero_grad (they are copied to the host for the step) and the parameters are updated
+    in place by the copy back: the step allocates nothing on the GPU.
+
+    The host side is made on the meta device, outside the fake mode (as ActivationOffload makes its host copies):
+    its tensors are not device memory and reach no allocator. The step runs the registry row's own optimizer on
+    them, so a composite or a for-loop implementation behaves as it would on the host."""
+
+    outside_allocator_bytes = 0
+
+    def __init__(self, model: nn.Module, optimizer: str) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        with unset_fake_temporarily():
+            groups = []
+            for g in param_groups(model):
+                hosts = []
+                for p in g["params"]:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    host = nn.Parameter(torch.empty(local.shape, dtype=torch.float32, device="meta"))
+                    self.pairs.append((p, host))
+                    hosts.append(host)
+                groups.append({**g, "params": hosts})
+            holder = nn.Module()
+            holder.params = nn.ParameterList([h for _, h in self.pairs])
+            self.host = make_optimizer(holder, optimizer, groups)
+
+    @property
+    def state(self) -> dict:
+        return {}          # on the host: no device tensor is an optimizer state
+
+    def step(self) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), fake_scalar_reads():
+            for p, host in self.pairs:      # the gradient's device -> host copy lands in host memory
+                host.grad = torch.empty(host.shape, dtype=host.dtype, device="meta") if p.grad is not None else None
+            self.host.step()
+            for _, host in self.pairs:
+                host.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self.pairs:
+            p.grad = None

@@ -95,3 +95,63 @@ def fake_scalar_reads() -> Iterator[None]:
     with patched(torch.Tensor, "item", item):
         yield
 
+
+
+@contextlib.contextmanager
+def grouped_mm_meta_any_float() -> Iterator[None]:
+    """The fake (meta) kernel of `aten._grouped_mm` accepting the dtypes the real kernels run.
+
+    torch's meta kernel copies the bf16 fast path's check ("Expected inputs of BF16 type"), but the real CPU kernel
+    runs fp32 (and returns fp32), and autocast has no `_grouped_mm` entry on either key (AutocastCUDA and AutocastCPU
+    let it through uncast), while transformers' MoE experts cast their input to the weight's dtype: under *-mixed
+    the experts' matmuls run on the fp32 master weights. The trace's fake step runs them so, with the output shape
+    and dtype of torch's own `_create_grouped_mm_output_tensor` (restored on exit)."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        torch._check(mat_a.dtype == mat_b.dtype and mat_a.is_floating_point(),
+                     lambda: f"grouped_mm: mat_a {mat_a.dtype} and mat_b {mat_b.dtype} must be one floating dtype")
+        torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3), lambda: "grouped_mm: 2-D or 3-D operands")
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("_grouped_mm", meta, "Meta")
+        yield
+    finally:
+        lib._destroy()
+
+
+FLASH_KERNEL = "llmem_fused_kernel"   # the attention implementation --attn flash runs where a class has no SDPA one
+
+
+def _flash_kernel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF flash_attention_2's memory on a class with flash but no SDPA attention (Gemma-2): PyTorch's SDPA, causal
+    and without a mask, which the trace's flash kernel (llmem.runtime.cuda) keeps q, k, v, out and logsumexp of,
+    as flash-attn does. softcap and sliding_window change the scores, not what the kernel keeps."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for name in ("softcap", "sliding_window", "is_causal"):
+        kwargs.pop(name, None)
+    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                  **kwargs)
+
+
+@contextlib.contextmanager
+def flash_kernel_attention() -> Iterator[str]:
+    """Register FLASH_KERNEL in transformers' attention and mask interfaces (flash's: no mask without padding) for
+    the block; both registries are put back as they were on exit."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    saved = [(iface, dict(iface._global_mapping)) for iface in (AttentionInterface, AttentionMaskInterface)]
+    AttentionInterface.register(FLASH_KERNEL, _flash_kernel_attention)
+    AttentionMaskInterface.register(FLASH_KERNEL, flash_attention_mask)
+    try:
+        yield FLASH_KERNEL
+    finally:
+        for iface, mapping in saved:
+            iface._global_mapping.clear()
+            iface._global_mapping.update(mapping)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.memory.allocator import CachingAllocator
-from llmem.result import ALLOCATED_COMPONENTS, MemoryResult
+from llmem.memory.allocator import AllocatorOOM, CachingAllocator
+from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
+from llmem.result import ALLOCATED_COMPONENTS, MemoryResult, OutOfMemory
 from llmem.runtime.ledger import PHASE_NAMES, Ledger
+from llmem.setup.gpus import outside_allocator_bytes
 from llmem.setup.record import SetupRecord
 
 MAX_TIMELINE_POINTS = 2000
@@ -123,24 +125,62 @@ def downsample(series: dict, max_points: int = MAX_TIMELINE_POINTS) -> list[dict
     return [{"t": i, "allocated": alloc[i], "reserved": res[i], "phase": PHASE_NAMES[phase[i]]} for i in picks]
 
 
+def ledger_at_capacity(ledger: Ledger, series: dict, capacity_bytes: int, expandable_segments: bool) -> AtCapacity:
+    """The traced step on a device whose allocator may fill `capacity_bytes` (llmem.memory.capacity): decided on
+    the uncapped peaks where they decide it, else by replaying the ledger at that capacity."""
+
+    def capped(capacity: int) -> tuple[int, OutOfMemory | None]:
+        alloc = CachingAllocator(expandable_segments=expandable_segments, capacity_bytes=capacity)
+        handles: dict[int, int] = {}
+        for is_alloc, key, size, phase, it, mod, stream in ledger.events:
+            if not is_alloc:
+                h = handles.pop(key, None)
+                if h is not None:
+                    alloc.free(h)
+                continue
+            try:
+                handles[key] = alloc.malloc(size, stream)
+            except AllocatorOOM as exc:
+                return 0, OutOfMemory(f"it{it}:{PHASE_NAMES[phase]}", ledger.module_names[mod],
+                                      ledger.cat.get(key, "activations"), size, exc.allocated_bytes,
+                                      exc.reserved_bytes, capacity)
+        return alloc.stats().peak_reserved_bytes, None
+
+    def first_over(capacity: int) -> OutOfMemory:
+        # the ledger is at hand: the replay at capacity names the very allocation that fails
+        oom = capped(capacity)[1]
+        assert oom is not None, "a step whose allocated peak exceeds the capacity completed at it"
+        return oom
+
+    return at_capacity(series["peak_allocated"], series["peak_reserved"], capacity_bytes, capped, first_over)
+
+
 def build_result(engine: str, ledger: Ledger, record: SetupRecord, gpu, notes: list[str],
                  series: dict | None = None, managed_bytes: int = 0) -> MemoryResult:
     """The result of a traced (or CPU-measured) step: the counters from the replay, the breakdown at its peak;
-    device_used adds the CUDA context (the catalog's assumption) and the managed memory outside the allocator."""
+    device_used adds what lies outside the allocator (the CUDA context, the catalog's assumption, and NCCL's
+    buffers) and the managed memory resident on the device. `fits`: the ledger completes on the GPU's memory."""
     series = series or replay_ledger(ledger, expandable_segments=record.expandable_segments)
     peak_alloc = series["peak_allocated"]
-    peak_res = series["peak_reserved"]
+    outside = outside_allocator_bytes(gpu, record.gpus)
+    cap = ledger_at_capacity(ledger, series, gpu.memory_bytes - outside, record.expandable_segments)
+    peak_res = series["peak_reserved"] if cap.reserved_bytes is None else cap.reserved_bytes
+    paged = managed_bytes
+    if cap.completes:      # paged optimizer states: resident while there is room, evicted when there is not
+        managed_bytes = resident_managed_bytes(managed_bytes, cap.capacity_bytes - peak_res)
     comps = {name: int(series["components"].get(name, 0)) for name in ALLOCATED_COMPONENTS}
     # The categories hold tensor bytes (512-B rounded). CUDA's memory_allocated also counts the unsplit tail of a
     # large block (a 21.5 MiB tensor cut from a 22 MiB segment holds all 22 MiB): that is block_rounding.
     comps["block_rounding"] = peak_alloc - sum(comps.values())
     comps["allocator_overhead"] = peak_res - peak_alloc
-    comps["cuda_context"] = gpu.cuda_context_bytes
+    comps["cuda_context"] = outside
     comps["managed_memory"] = managed_bytes      # paged optimizer states: device memory outside the allocator
     phase = PHASE_NAMES[series["phase"][series["peak_index"]]] if series["phase"] else ""
-    return MemoryResult(engine=engine, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-                        device_used_bytes=peak_res + gpu.cuda_context_bytes + managed_bytes,
+    notes = notes + capacity_notes(cap, series["peak_reserved"], managed_bytes, paged)
+    return MemoryResult(engine=engine, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=series["peak_reserved"],
+                        device_used_bytes=peak_res + outside + managed_bytes,
                         gpu_memory_bytes=gpu.memory_bytes,
                         components=comps, setup=record, peak_phase=phase, notes=notes,
-                        timeline=downsample(series))
+                        timeline=downsample(series), capacity_bytes=cap.capacity_bytes,
+                        capped_reserved_bytes=cap.reserved_bytes, oom=cap.oom)
 

@@ -55,11 +55,12 @@ from llmem.runtime.distributed import (
     fake_process_group,
 )
 from llmem.runtime.offload import ActivationOffload
-from llmem.runtime.optimizers import InBackwardOptimizer, make_optimizer
-from llmem.runtime.patches import hf_untraced_masks, quiet
+from llmem.runtime.optimizers import HostOffloadedOptimizer, InBackwardOptimizer, make_optimizer
+from llmem.runtime.patches import flash_kernel_attention, grouped_mm_meta_any_float, hf_untraced_masks, quiet
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
+from llmem.units import format_bytes
 
 
 @dataclass
@@ -119,6 +120,57 @@ class TrainingStep:
             self.iteration(it)
 
 
+def check_iterations(iterations) -> None:
+    """trace and measure run whole steps: at least one (with none, the result would be the weights alone)."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise LlmemError(f"iterations must be a whole number >= 1, got {iterations!r}: the memory of a step is "
+                         "measured by running it (2 by default: the second one holds the optimizer states)")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_bytes_bound() -> int:
+    """What trace and measure may allocate for real on the host: half its physical memory."""
+    return host_memory_bytes() // 2
+
+
+def real_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> tuple[int, str]:
+    """The bytes the step allocates for real on the host (at least), and what they are. peft initialises its
+    adapters on the host before moving them to the base layer's device (meta here), also under the trace's fake
+    tensors; a measure on the CPU holds the whole model, its gradients and the step's logits there too."""
+    base = {p.name for p in resolved.base.params}
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}
+    added = [p for p in resolved.anatomy.params if p.name not in base]
+    adapters = sum(p.numel * size.get(p.dtype, 4) for p in added)
+    if fake or device_type != "cpu":
+        return adapters, "peft's adapters, initialised on the host"
+    setup = resolved.setup
+    low = setup.precision_spec.low_precision
+    trained = 2 if low and not setup.mixed else 4          # fp32 master weights unless pure bf16 / fp16
+    frozen = {"nf4": 0.5, "int8": 1}.get(setup.quant_base, 2 if low else 4)   # the frozen base's storage
+    params = sum(p.numel * (trained if p.trainable else frozen) for p in resolved.anatomy.params)
+    grads = sum(p.numel * trained for p in resolved.anatomy.params if p.trainable)
+    # the loss's logits, [batch, seq, vocab] in fp32 at least once (none under --fused-ce)
+    logits = 0 if setup.fused_ce else setup.batch_size * setup.seq_len * resolved.anatomy.vocab_size * 4
+    method = resolved.method
+    shards = resolved.layout.world_size if method.shards_model_states or method.has_tp else 1   # local shards only
+    return max(adapters, int(params + grads) // shards + logits), "the model's weights and gradients and the logits"
+
+
+def check_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> None:
+    """Refuse, before anything is built, a step that would allocate more than the bound on the host."""
+    need, what = real_host_bytes(resolved, fake, device_type)
+    bound = host_bytes_bound()
+    if need > bound:
+        engine = "trace" if fake else f"measure on {device_type}"
+        raise LlmemError(f"{engine} would allocate {format_bytes(need)} for real on the host ({what}), over the "
+                         f"bound of {format_bytes(bound)} (half this host's memory): use a smaller --lora-rank or "
+                         "model, or llmem estimate (nothing allocated)")
+
+
 @contextlib.contextmanager
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
@@ -134,6 +186,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     device = torch.device(device)
     say = progress or (lambda msg: None)
     resolved = resolve(setup)      # the layout, the support check: as every engine resolves them
+    check_host_bytes(resolved, fake, device.type)
     gpu, layout, spec = resolved.gpu, resolved.layout, resolved.method
     region = hooks.region or (lambda _category: contextlib.nullcontext())
 
@@ -154,6 +207,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(quiet())
+        stack.enter_context(flash_kernel_attention())   # the step's attention, where --attn flash needs it
         real_pg = False
         if not spec.one_gpu:
             import torch.distributed as dist
@@ -193,6 +247,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
             # rows, so the traced flash step gets no packed mask
             stack.enter_context(hf_untraced_masks(packed=packing and setup.attn != "flash"))
+            stack.enter_context(grouped_mm_meta_any_float())
             stack.enter_context(fake_mode)
         if before_model is not None:
             before_model()
@@ -222,6 +277,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                 runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
         if setup.optimizer_in_backward:
             optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
+        elif setup.offload_optimizer and fake:
+            optimizer = HostOffloadedOptimizer(model, setup.optimizer)
         else:
             optimizer = make_optimizer(model, setup.optimizer)
         ids = torch.randint(0, vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,

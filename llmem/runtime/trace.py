@@ -19,7 +19,7 @@ from llmem.memory.activations.profile import activation_notes
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
-from llmem.runtime.step import StepHooks, prepared_step
+from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
@@ -30,12 +30,15 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
     notes = []
     if layout.world_size > 1:
         notes.append(f"rank 0 of {layout.world_size} emulated on a fake process group ({layout.label}); NCCL's "
-                     "internal buffers are not included")
+                     "internal buffers are not traced (device_used adds the catalog's assumption for them)")
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
     if setup.quant_base != "none":
         notes.append(f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, "
                      "dequantisation / int8 buffers as bitsandbytes allocates them), not run")
+    if setup.offload_optimizer and engine == "trace":
+        notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "
+                     "device keeps the gradients until zero_grad and is updated in place (no device allocations)")
     return notes + activation_notes(setup) + setup.optimizer_spec.notes(engine, setup.optimizer_in_backward)
 
 
@@ -52,6 +55,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                        progress: Callable[[str], None] | None = None,
                        cuda_kernels: bool = True) -> tuple[MemoryResult, TraceDetails]:
     """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak)."""
+    check_iterations(iterations)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -78,6 +82,8 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(resolved.layout, setup, "trace")
+    anatomy = resolved.anatomy
+    notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     return result, trace_details(ledger, series, wall)

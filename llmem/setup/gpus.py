@@ -1,6 +1,9 @@
 """GPU catalog: memory capacity, the CUDA context assumption, compute and link speeds.
 
-Memory is the total that nvidia-smi / `torch.cuda.get_device_properties().total_memory` reports.
+Memory is the device's total as the driver reports it to PyTorch (`torch.cuda.mem_get_info()[1]`, the "GPU 0 has a
+total capacity of X GiB" of PyTorch's OOM message), which is less than the marketing size and than nvidia-smi's
+"Total" (the driver keeps some). Each entry names its source (`memory_source`); where no driver figure was found,
+the nvidia-smi total stands and says so. `--gpu-memory` overrides.
 The CUDA context (driver context, kernel images loaded lazily, cuBLAS/cuDNN handles) lives outside PyTorch's caching
 allocator, so it appears in `device_used` but not in `max_memory_reserved`. Its size depends on the driver, the CUDA
 version and which kernels load; the values below are typical of PyTorch 2.x with CUDA 12 and lazy module loading
@@ -16,6 +19,9 @@ from dataclasses import dataclass, replace
 from llmem.errors import LlmemError
 from llmem.units import GIB, KIB, MIB, parse_bytes
 
+_UNMEASURED = "nvidia-smi total; the driver's total (what PyTorch can use) not found for this GPU, likely ~1-2 % less"
+_OOM_MESSAGE = "driver total as PyTorch's OOM message and get_device_properties report it on Linux"
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -27,6 +33,7 @@ class GpuSpec:
     link_gbps: float              # per-GPU bandwidth to peers inside a node, GB/s, one direction
     compute_capability: tuple[int, int] = (8, 0)
     memory_gbps: float = 2039.0   # device-memory (HBM/GDDR) bandwidth, GB/s: memory-bound work (dequantisation)
+    memory_source: str = _UNMEASURED
 
     @property
     def memory_gib(self) -> float:
@@ -42,16 +49,20 @@ _WS_PRE_HOPPER = 2 * 4096 * KIB + 8 * 16 * KIB
 GPU_CATALOG: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0),
+        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0,
+                "the paper's m_total (16384 MiB, kept so the paper engine reproduces it); the driver reports less"),
         GpuSpec("V100-32GB", 32768 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0),
-        GpuSpec("T4", 15360 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5), 320.0),
+        GpuSpec("T4", 15102 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5), 320.0, _OOM_MESSAGE + " (14.75 GiB)"),
         GpuSpec("A10G", 23028 * MIB, 420 * MIB, _WS_PRE_HOPPER, 70.0, 16.0, (8, 6), 600.0),
         GpuSpec("RTX3090", 24576 * MIB, 420 * MIB, _WS_PRE_HOPPER, 71.0, 25.0, (8, 6), 936.0),
-        GpuSpec("RTX4090", 24564 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9), 1008.0),
+        GpuSpec("RTX4090", 24218 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9), 1008.0,
+                _OOM_MESSAGE + " (23.65 GiB)"),
         GpuSpec("L4", 23034 * MIB, 420 * MIB, _WS_PRE_HOPPER, 121.0, 25.0, (8, 9), 300.0),
         GpuSpec("L40S", 46068 * MIB, 420 * MIB, _WS_PRE_HOPPER, 362.0, 25.0, (8, 9), 864.0),
-        GpuSpec("A100-40GB", 40960 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 1555.0),
-        GpuSpec("A100-80GB", 81920 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 2039.0),
+        GpuSpec("A100-40GB", 42_298_834_944, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 1555.0,
+                "driver total measured on an A100-40GB (issue 10: 42,298,834,944 B = 39.39 GiB)"),
+        GpuSpec("A100-80GB", 81050 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 2039.0,
+                _OOM_MESSAGE + " (79.15 GiB, total_memory=81050MB)"),
         GpuSpec("H100-80GB", 81559 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 3350.0),
         GpuSpec("H200", 143771 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 4800.0),
         GpuSpec("B200", 183359 * MIB, 600 * MIB, _WS_HOPPER, 2250.0, 900.0, (10, 0), 8000.0),
@@ -80,6 +91,7 @@ def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
     changes = {}
     if memory is not None:
         changes["memory_bytes"] = parse_bytes(memory)
+        changes["memory_source"] = "--gpu-memory"
     if cuda_context is not None:
         changes["cuda_context_bytes"] = 0 if str(cuda_context) in ("0", "0B") else parse_bytes(cuda_context)
     if changes:

@@ -329,7 +329,8 @@ _BNB_STEP = ("bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bits
              "emulation allocates exactly bnb's state tensors and updates in place (fused kernel: no temporaries)")
 _PAGED_NOTE = ("paged-adamw-8bit: states of >= 1e5 elements are CUDA managed memory (cudaMallocManaged): not in "
                "peak_allocated/peak_reserved (PyTorch's counters never see them) but in device_used (component "
-               "managed_memory), assumed resident on the GPU as the update prefetches them")
+               "managed_memory) while there is room: the driver evicts their pages to the host when the device is full, so "
+               "they do not count against fitting")
 _ADAFACTOR_NOTE = ("adafactor: torch.optim.Adafactor's default for-loop implementation (torch does not default it to "
                    "foreach on CUDA); factored row/col second moments for >= 2-D parameters")
 IN_BACKWARD_NOTE = ("optimizer in backward: one optimizer per parameter stepped in its post-accumulate-grad hook; "

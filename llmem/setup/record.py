@@ -1,6 +1,7 @@
 """The set-up as every engine reports it: the user's set-up with what resolving it decided (the model's name, the
-layout, the GPU, the attention kernel that runs) and the facts the numbers depend on. One record, filled one way
-(llmem.model.resolved.ResolvedSetup.record), in every MemoryResult."""
+layout, the GPU, the attention kernel that runs, the adapters peft builds) and the facts the numbers depend on. One
+record, filled one way (llmem.model.resolved.setup_record), in every MemoryResult; `describe()` says it in words
+(the tables' and the plots' titles)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ class SetupRecord:
     nodes: int
     gpu_memory_bytes: int
     cuda_context_bytes: int
+    layout: str = ""                      # the resolved layout's label, as plan tables name it: "fsdp (4)"
+    adapter: str = ""                     # what trains besides nothing: "LoRA", "QLoRA", "DoRA", "IA3", ...; "" (full)
+    adapter_rank: int = 0                 # LoRA / DoRA rank (0: not a low-rank adapter)
+    adapter_targets: tuple[str, ...] = ()  # the adapted modules' names (q_proj, v_proj, ...)
+    virtual_tokens: int = 0               # prompt tuning: prepended embeddings
+    attn_requested: str = ""              # --attn as asked (setup.attn is the kernel that runs)
 
     def __getattr__(self, name: str):
         # the set-up's own fields read through the record (record.model, record.batch_size, ...)
@@ -30,5 +37,73 @@ class SetupRecord:
         out = self.setup.to_dict()
         out.update(model_type=self.model_type, total_params=self.total_params,
                    trainable_params=self.trainable_params, dp=self.dp, nodes=self.nodes,
-                   gpu_memory_bytes=self.gpu_memory_bytes, cuda_context_bytes=self.cuda_context_bytes)
+                   gpu_memory_bytes=self.gpu_memory_bytes, cuda_context_bytes=self.cuda_context_bytes,
+                   layout=self.layout, layout_text=self.layout_text(), adapter=self.adapter or None,
+                   adapter_rank=self.adapter_rank or None, adapter_targets=list(self.adapter_targets),
+                   virtual_tokens=self.virtual_tokens, attn_requested=self.attn_requested or self.setup.attn,
+                   attn_kernel=self.setup.attn, description=self.describe())
         return out
+
+    # ------------------------------------------------------------------ in words
+    def layout_text(self) -> str:
+        """'single on 1× A100-80GB', 'fsdp on 4× H100-80GB', 'fsdp+tp (dp 2 × tp 4) on 8× H100-80GB'."""
+        s = self.setup
+        tp = s.tp or 1
+        detail = f" (dp {self.dp} × tp {tp})" if self.dp > 1 and tp > 1 else ""
+        nodes = f", {self.nodes} nodes of {s.gpus_per_node}" if self.nodes > 1 else ""
+        return f"{s.method}{detail} on {s.gpus}× {s.gpu}{nodes}"
+
+    def adapter_text(self) -> str:
+        """What trains: 'LoRA r16 on c_attn', 'QLoRA (nf4 base, double quant) r8 on q_proj, v_proj', 'IA3 on
+        k_proj, v_proj, down_proj', 'prompt tuning (20 virtual tokens)', or 'full fine-tuning'."""
+        s = self.setup
+        if not self.adapter:
+            return "full fine-tuning"
+        kind = self.adapter
+        if s.quant_base == "nf4":
+            kind += f" (nf4 base{', double quant' if s.double_quant else ''})"
+        elif s.quant_base == "int8":
+            kind += " (int8 base)"
+        if self.adapter_rank:
+            kind += f" r{self.adapter_rank}"
+        if s.lora_dropout:
+            kind += f" dropout {s.lora_dropout:g}"
+        if self.virtual_tokens:
+            kind += f" ({self.virtual_tokens} virtual tokens)"
+        if self.adapter_targets:
+            kind += " on " + ", ".join(self.adapter_targets)
+        return kind
+
+    def trainable_text(self) -> str:
+        """'589,824 trainable params (0.474%)'; under full fine-tuning the count alone."""
+        trained = f"{self.trainable_params:,} trainable params"
+        if not self.adapter or not self.total_params:
+            return trained
+        return f"{trained} ({100 * self.trainable_params / self.total_params:.3g}%)"
+
+    def describe(self, layout: bool = True, shape: bool = True) -> list[str]:
+        """The set-up as phrases, in the order titles show them: model, layout, shape, precision, optimizer,
+        adapters and their trainable count, and the activation options that change memory, the attention kernel
+        last. layout / shape False: without those two (a plan searches them)."""
+        s = self.setup
+        optimizer = s.optimizer + (" in backward" if s.optimizer_in_backward else "") \
+            + (" offloaded to CPU" if s.offload_optimizer else "")
+        parts = [s.model]
+        if layout:
+            parts.append(self.layout_text())
+        if shape:
+            parts.append(f"batch {s.batch_size} × seq {s.seq_len}")
+        parts += [s.precision, optimizer, self.adapter_text(), self.trainable_text()]
+        if s.grad_ckpt:
+            parts.append("grad-ckpt" + (f" every {s.ckpt_every} layers" if s.ckpt_every > 1 else ""))
+        if s.fused_ce:
+            parts.append("fused CE")
+        if s.offload_activations:
+            parts.append("activations offloaded to CPU")
+        if s.packing:
+            parts.append("packing")
+        if s.expandable_segments:
+            parts.append("expandable segments")
+        requested = self.attn_requested or s.attn
+        parts.append(f"attn {s.attn}" + (f" ({requested} unsupported)" if requested != s.attn else ""))
+        return parts

@@ -1,15 +1,33 @@
 """The one support check: what a set-up's options need of its method, raised by every engine once the method is
-resolved (so a planner can build the set-up and skip the layouts that cannot run it, with the same message)."""
+resolved (so a planner can build the set-up and skip the layouts that cannot run it, with the same message).
+
+With the model's facts (`ModelSupport`, read by llmem.model from transformers' own class flags and the family
+table), the same check refuses what the model cannot run: tensor parallelism without a plan, an attention kernel
+transformers does not implement for the class, adapters on the lm_head. estimate, trace and measure all resolve
+the set-up through it, so they accept and refuse the same set-ups with the same message."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.training import QUANT_FLAGS, TrainingSetup
 
 
-def check_support(setup: TrainingSetup, method: MethodSpec) -> None:
-    """Raise LlmemError naming the first option that `method`'s real code path does not support."""
+@dataclass(frozen=True)
+class ModelSupport:
+    """What a model can run, as its transformers class and llmem's family row say (built by llmem.model)."""
+    architecture: str                # the transformers class, e.g. Gemma2ForCausalLM
+    model_type: str
+    supports_sdpa: bool              # the class's _supports_sdpa (without it transformers runs eager attention)
+    supports_flash_attn: bool        # the class's _supports_flash_attn (attn_implementation="flash_attention_2")
+    tp_refusal: str | None = None    # why tensor parallelism cannot run on it (None: the family has a TP plan)
+    adapted_head: str | None = None  # the output layer's name when peft adapters sit on it (LoRA on lm_head)
+
+
+def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> None:
+    """Raise LlmemError naming the first option that `method`'s real code path (or `model`) does not support."""
     if setup.optimizer_in_backward and setup.offload_optimizer:
         raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
     if setup.optimizer_in_backward and not method.steps_in_backward:
@@ -32,3 +50,20 @@ def check_support(setup: TrainingSetup, method: MethodSpec) -> None:
         raise LlmemError(f"{QUANT_FLAGS[setup.quant_base]} with {method.name}: a bitsandbytes-quantised base is "
                          "modelled on one GPU or under DDP (FSDP2 over quantised storage, as FSDP-QLoRA runs it, and "
                          "TP are not modelled)")
+    if model is not None:
+        check_model_support(setup, method, model)
+
+
+def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport) -> None:
+    """What the model itself cannot run under `setup` and `method` (the same refusal in every engine)."""
+    if method.has_tp and model.tp_refusal:
+        raise LlmemError(model.tp_refusal)
+    if setup.attn == "flash" and not model.supports_flash_attn:
+        able = "sdpa or eager" if model.supports_sdpa else "eager"
+        raise LlmemError(f"--attn flash: transformers has no flash attention for {model.architecture} "
+                         f"(_supports_flash_attn is False); use --attn {able}")
+    if model.adapted_head:
+        raise LlmemError(f"adapters on the output layer {model.adapted_head!r} are not modelled: peft can wrap it "
+                         "(a lora.Linear adding a [tokens, vocab] output to the logits, which --fused-ce would skip), "
+                         "but llmem's logits and loss model has no adapter there; target the decoder layers' modules "
+                         "(peft's all-linear leaves the output layer out too)")

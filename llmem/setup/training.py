@@ -22,6 +22,11 @@ QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
 )
 QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
 LORA_ALL_LINEAR = "all-linear"
+# Bounds of one micro-batch: far past any real run (the largest contexts are ~10M tokens), and small enough that a
+# step's tensors stay below 2**64 bytes (CUDA's size_t) on real models; the allocator model refuses the rest
+MAX_BATCH_SIZE = 1 << 20
+MAX_SEQ_LEN = 1 << 24
+MAX_STEP_TOKENS = 1 << 28
 
 # Option.group: the sections of --help
 LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL = "layout", "step", "optimizer", "activations", "adapters", \
@@ -75,7 +80,8 @@ class TrainingSetup:
                          "single on one GPU, fsdp on more", LAYOUT, cli_default=None)
     gpus: int = option(1, "number of GPUs (default 1)", LAYOUT, type=int)
     gpus_per_node: int | None = option(None, "GPUs per node (default: min(gpus, 8))", LAYOUT, type=int)
-    tp: int | None = option(None, "tensor-parallel degree (tp, fsdp+tp)", LAYOUT, type=int)
+    tp: int | None = option(None, "tensor-parallel degree (default: all GPUs under tp, 2 under fsdp+tp)",
+                            LAYOUT, type=int)
     batch_size: int = option(1, "per-GPU micro-batch (default 1)", STEP, type=int)
     seq_len: int = option(2048, "tokens per sample (default 2048)", STEP, type=int)
     precision: str = option("bf16-mixed", f"{', '.join(PRECISIONS)} (default bf16-mixed)", STEP)
@@ -112,10 +118,7 @@ class TrainingSetup:
     packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise LlmemError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.seq_len < 1:
-            raise LlmemError(f"--seq-len must be >= 1, got {self.seq_len}")
+        self._check_step_size()
         if self.precision not in PRECISIONS:
             raise LlmemError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -136,6 +139,17 @@ class TrainingSetup:
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         self._check_quant_base()
+
+    def _check_step_size(self) -> None:
+        """Sizes a GPU step can have: beyond the bounds no device holds them, and the allocator model's sizes would
+        overflow (sizes are 64-bit, as in CUDA's allocator)."""
+        for flag, value, bound in (("--batch-size", self.batch_size, MAX_BATCH_SIZE),
+                                   ("--seq-len", self.seq_len, MAX_SEQ_LEN)):
+            if not 1 <= value <= bound:
+                raise LlmemError(f"{flag} must lie in [1, {bound:,}], got {value:,}")
+        if self.batch_size * self.seq_len > MAX_STEP_TOKENS:
+            raise LlmemError(f"--batch-size x --seq-len is {self.batch_size * self.seq_len:,} tokens per micro-batch; "
+                             f"llmem takes at most {MAX_STEP_TOKENS:,} (2**28)")
 
     def _check_quant_base(self) -> None:
         """The combinations llmem models for a bitsandbytes-quantised base."""

@@ -98,6 +98,9 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # the optimizer offloaded (states and update on the host: ZeRO-Offload / FSDP's), one GPU and FSDP2
+    _s("gpt2", precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),
+    _s("gpt2", "fsdp", 2, precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),
     # sequence packing: SDPA with the packed block-diagonal mask (GQA model: repeated k/v), and GPT-2
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", packing=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", packing=True, batch_size=2, seq_len=512),
@@ -196,6 +199,7 @@ def label(s: TrainingSetup) -> str:
         + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
+        + (["offload-opt"] if s.offload_optimizer else []) \
         + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \
         + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else [])
     return f"{s.model} {layout} {' '.join(extras)}"

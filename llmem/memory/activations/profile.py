@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.errors import LlmemError
 from llmem.memory.activations.adapters import (
     adapters_read_input,
     first_layer_skip,
@@ -133,10 +132,9 @@ def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
     """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2).
 
     flash (HF flash_attention_2) keeps what PyTorch's flash SDPA kernel keeps (q, k, v, out, logsumexp; GQA native,
-    dropout regenerated from the RNG state): the sdpa recipe."""
+    dropout regenerated from the RNG state): the sdpa recipe, also for classes with flash but no SDPA attention
+    (Gemma-2). Whether the class has flash attention at all is the support check's (llmem.setup.support)."""
     if setup.attn == "flash":
-        if not anatomy.supports_sdpa:
-            raise LlmemError(f"--attn flash: transformers has no flash attention for {anatomy.model_type!r} models")
         return "sdpa"
     return setup.attn if anatomy.supports_sdpa else "eager"
 

@@ -7,6 +7,7 @@ model's publisher states (tests check that building the config on the meta devic
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -44,7 +45,10 @@ def find_entry(name: str) -> CatalogEntry | None:
 
 def tiny_config_dict(name: str) -> dict | None:
     """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom) for fast validation."""
-    path = resources.files(__package__).joinpath("tiny", f"{name.strip().lower()}.json")
+    key = name.strip().lower()
+    if not re.fullmatch(r"tiny-[a-z0-9_-]+", key):     # a name, never a path out of tiny/
+        return None
+    path = resources.files(__package__).joinpath("tiny", f"{key}.json")
     return json.loads(path.read_text()) if path.is_file() else None
 
 

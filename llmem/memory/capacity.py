@@ -1,0 +1,82 @@
+"""Out of memory as PyTorch decides it: a step fits when its allocations complete on a device of the GPU's size.
+
+The caching allocator does not fail because of its cache. When cudaMalloc cannot place a new segment,
+`CUDACachingAllocator.cpp` `malloc` frees the cached blocks it holds (`release_available_cached_blocks`, then
+`release_cached_blocks`, the same as `torch.cuda.empty_cache()`) and retries (`alloc_block(params, isRetry=true)`);
+only a retry that still fails raises "CUDA out of memory". So a step whose uncapped reserved peak exceeds the
+device can still run, with a capped reserved peak: deciding `fits` on the uncapped peak flips back and forth as
+fragmentation does between neighbouring batch sizes and sequence lengths, while the replay at capacity does not.
+
+The capacity the allocator may fill is the device's memory (or the planner's limit) less what lies outside it
+(the CUDA context, NCCL's buffers: `llmem.setup.gpus.outside_allocator_bytes`). CUDA managed memory (paged
+optimizer states) is not subtracted: the driver evicts its pages to the host when the device is full.
+
+Three cases, cheapest first (one engine's replay function is passed in):
+1. the uncapped reserved peak is within the capacity: no cudaMalloc fails, the capped replay is the same;
+2. the allocated peak exceeds it: no release of cache helps, out of memory where allocated first crosses it;
+3. in between: replay at the capacity and see whether the retries carry it through.
+
+Known limitations: `fits` is monotone in batch size and sequence length on the sweeps tested
+(tests/test_capacity.py, tests/test_invariants.py) but not guaranteed to be monotone in the capacity itself: when the
+cache is released changes the segments' layout, so a little more memory can leave a worse-fragmented pool at the
+step's peak (tiny-llama zero2 x4 at 1024 tokens fits with 1440 MiB, runs out at 1460 MiB, fits again at 1480) - the
+real allocator is deterministic in the same way. Deep models (llmem.estimator.engine.EXTRAPOLATE_FROM) are decided
+on their extrapolated peaks in cases 1 and 2 and replayed at full depth in case 3. The capacity is only as good as
+the GPU's memory figure (llmem.setup.gpus names each one's source) and the CUDA-context assumption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmem.result import OutOfMemory
+from llmem.units import format_bytes
+
+
+@dataclass(frozen=True)
+class AtCapacity:
+    """The step on a device of `capacity_bytes`: its reserved peak there, or where it runs out of memory."""
+    capacity_bytes: int
+    reserved_bytes: int | None       # max_memory_reserved at that capacity (None when it runs out)
+    oom: OutOfMemory | None
+
+    @property
+    def completes(self) -> bool:
+        return self.oom is None
+
+
+def at_capacity(peak_allocated_bytes: int, peak_reserved_bytes: int, capacity_bytes: int,
+                replay_capped: Callable[[int], tuple[int, OutOfMemory | None]],
+                first_over: Callable[[int], OutOfMemory]) -> AtCapacity:
+    """Decide the step at `capacity_bytes` from its uncapped peaks, replaying at the capacity only when the
+    uncapped peaks do not decide it. `replay_capped(capacity)` -> (reserved peak, OOM or None);
+    `first_over(capacity)` -> where allocated memory first exceeds the capacity."""
+    if capacity_bytes <= 0:
+        return AtCapacity(capacity_bytes, None, OutOfMemory("setup", "", "cuda_context", 0, 0, 0, capacity_bytes))
+    if peak_reserved_bytes <= capacity_bytes:
+        return AtCapacity(capacity_bytes, peak_reserved_bytes, None)
+    if peak_allocated_bytes > capacity_bytes:
+        return AtCapacity(capacity_bytes, None, first_over(capacity_bytes))
+    reserved, oom = replay_capped(capacity_bytes)
+    return AtCapacity(capacity_bytes, None if oom else reserved, oom)
+
+
+def resident_managed_bytes(managed_bytes: int, room_bytes: int) -> int:
+    """Managed (paged) memory resident on the device: the driver migrates its pages in on use and evicts them when
+    the device is full, so at most the room the allocator's segments and the context leave."""
+    return max(0, min(managed_bytes, room_bytes))
+
+
+def capacity_notes(cap: AtCapacity, uncapped_reserved_bytes: int, managed_bytes: int, paged_bytes: int) -> list[str]:
+    """What the result says about the capacity: the cache released to go on, paged states evicted."""
+    notes = []     # an OOM is the result's own field (MemoryResult.oom), not a note
+    if cap.completes and cap.reserved_bytes is not None and cap.reserved_bytes < uncapped_reserved_bytes:
+        notes.append(f"the allocator reaches the device's capacity and releases its cached blocks to go on (as "
+                     f"PyTorch does before it raises OOM): reserved peak {format_bytes(cap.reserved_bytes)} on the "
+                     f"device, {format_bytes(uncapped_reserved_bytes)} where memory is unlimited")
+    if cap.completes and managed_bytes < paged_bytes:
+        notes.append(f"paged optimizer states: {format_bytes(paged_bytes - managed_bytes)} of "
+                     f"{format_bytes(paged_bytes)} evicted to host memory (CUDA managed memory), not counted against "
+                     f"fitting")
+    return notes
