@@ -88,6 +88,7 @@ class MemoryResult:
     capacity_bytes: int = 0
     capped_reserved_bytes: int | None = None  # max_memory_reserved at that capacity (the cache released and retried)
     oom: OutOfMemory | None = None            # where the step runs out of memory at that capacity
+    by_fragmentation: bool = False            # fits / OOM decided by the cached segments' layout: marginal
 
     @property
     def reserved_on_device_bytes(self) -> int:

@@ -147,3 +147,16 @@ def test_written_deepspeed_export_carries_its_note(micro_config, tmp_path):
     cfg = json.loads(path.read_text())
     assert e.notes == (cfg["comment"],) and "PyTorch's fsdp" in cfg["comment"]
     assert "ZeRO stage 3" in cfg["comment"]
+
+
+def test_the_cli_says_which_memory_a_deepspeed_export_assumes(tmp_path, capsys):
+    from llmem.cli import main
+
+    out = tmp_path / "ds.json"
+    assert main(["plan", "tiny-llama", "--gpus", "2", "--method", "fsdp", "--seq-len", "256",
+                 "--export", "deepspeed", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    # the same words in the file's comment and on the screen, beside "wrote ..."
+    assert "note:" in printed and "DeepSpeed" in written["comment"]
+    assert re.sub(r"\s+", " ", written["comment"])[:60] in re.sub(r"\s+", " ", printed)

@@ -5,7 +5,8 @@ llmem.memory.capacity) is monotone in batch size and sequence length, so the lar
 The reserved peak itself is not monotone (fragmentation: the real allocator's behaviour; max_memory_allocated
 neither, by the blocks it hands out whole), which is why `fits` is
 decided by a replay at the device's capacity and not by the uncapped reserved peak. The default run covers every
-catalog model on a small grid; `-m slow` sweeps a larger one."""
+catalog model on a small grid; `-m slow` sweeps a larger one. An answer decided by the pool's fragmentation alone
+(the live tensors fit, the cached segments do not) is marked as marginal and may differ between neighbours."""
 
 from __future__ import annotations
 
@@ -53,19 +54,38 @@ def _sweep(model: str, batches: tuple[int, ...], seqs: tuple[int, ...], gpus: tu
     for b in batches:   # and with the sequence
         _check_grows([by_shape[b, s] for s in seqs], (model, b))
     # fits on a device whose capacity falls inside the sweep (between batch 1's and the largest batch's needs)
-    s = seqs[-1]
-    lo, hi = by_shape[batches[0], s], by_shape[batches[-1], s]
+    lo, hi = by_shape[batches[0], seqs[-1]], by_shape[batches[-1], seqs[-1]]
     memory = (lo.device_used_bytes + hi.peak_allocated_bytes + lo.components["cuda_context"]) // 2
-    capped = [_run(model, batch_size=b, seq_len=s, gpu_memory=memory) for b in batches]
-    assert _monotone_fits([r.fits for r in capped]), (model, memory, [r.fits for r in capped])
-    for r in capped:
+    short, long = (_largest_batch(model, batches, memory, seq_len=s)[0] for s in (seqs[0], seqs[-1]))
+    assert short >= long, (model, memory, short, long)      # the largest batch never grows with the sequence
+    sharded = [_largest_batch(model, batches, memory, seq_len=seqs[-1], gpus=n, method="fsdp") for n in gpus]
+    counts = [largest for largest, _ in sharded]
+    assert counts == sorted(counts), (model, memory, counts)  # nor falls with more FSDP GPUs
+    per_gpu = [runs[0].peak_allocated_bytes for _, runs in sharded]
+    assert per_gpu == sorted(per_gpu, reverse=True), (model, gpus, per_gpu)   # whose per-GPU memory never grows
+
+
+def _largest_batch(model: str, batches: tuple[int, ...], memory: int, **fields) -> tuple[int, list]:
+    """The largest batch of the sweep that fits in `memory`, after checking over the sweep that fits is monotone,
+    allocated grows, the components add up and what fits stays within the memory."""
+    runs = [_run(model, batch_size=b, gpu_memory=memory, **fields) for b in batches]
+    # answers the peaks decide are monotone; an answer decided by the pool's fragmentation is marked as such
+    # (llmem.memory.capacity, case 3) and may flip between neighbours: reading it as "the live tensors fit", the
+    # whole sequence is monotone too
+    decided = [r.fits for r in runs if not r.by_fragmentation]
+    assert _monotone_fits(decided), (model, fields, memory, decided)
+    fits = [r.fits or r.by_fragmentation for r in runs]
+    assert _monotone_fits(fits), (model, fields, memory, fits)
+    for r in runs:
+        if r.by_fragmentation:
+            assert r.peak_allocated_bytes <= r.capacity_bytes < r.peak_reserved_bytes
+            assert any(n.startswith("marginal:") for n in r.notes)
+    _check_grows(runs, (model, fields))
+    for r in runs:
         _check_sums(r)
         if r.fits:
             assert r.device_used_bytes <= memory
-    # per-GPU memory never grows with more FSDP GPUs
-    per_gpu = [_run(model, batch_size=batches[0], seq_len=seqs[0], gpus=n, method="fsdp").peak_allocated_bytes
-               for n in gpus]
-    assert per_gpu == sorted(per_gpu, reverse=True), (model, gpus, per_gpu)
+    return max((b for b, ok in zip(batches, fits, strict=True) if ok), default=0), runs
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -200,6 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         try:
             e = _written(f"--export {export[0]}", export[1], lambda: _export(p, *export))
             messages.append(f"wrote {export[0]} config for {e.layout.label} to {export[1]}")
+            messages += [f"note: {n}" for n in e.notes]   # e.g. which memory a DeepSpeed JSON assumes
         except LlmemError as exc:
             export_error = exc
     if args.plot is not None and export_error is None:

@@ -81,6 +81,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         capacity_bytes=cap.capacity_bytes,
         capped_reserved_bytes=cap.reserved_bytes,
         oom=cap.oom,
+        by_fragmentation=cap.by_fragmentation,
     )
 
 

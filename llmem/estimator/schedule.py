@@ -695,6 +695,7 @@ class StepSchedule:
         zero_grad(set_to_none=True)."""
         sch, spec = self.sch, self.optimizer
         sch.phase = f"it{it}:optimizer_step"
+        sch.mark("optimizer step")
         if not self.setup.offload_optimizer:
             groups = foreach_groups(self.trainable, self.layout)
             if it == 0 and not self.in_backward:

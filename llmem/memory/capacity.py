@@ -16,8 +16,11 @@ Three cases, cheapest first (one engine's replay function is passed in):
 2. the allocated peak exceeds it: no release of cache helps, out of memory where allocated first crosses it;
 3. in between: replay at the capacity and see whether the retries carry it through.
 
-Known limitations: `fits` is monotone in batch size and sequence length on the sweeps tested
-(tests/test_capacity.py, tests/test_invariants.py) but not guaranteed to be monotone in the capacity itself: when the
+Known limitations: in case 3 the answer depends on how fragmented the pool is, which the batch size and sequence
+length change in ways that are not monotone (Llama-3.1-8B, one GPU, 256 tokens, 156.1 GiB of capacity: batch 1
+runs out at the optimizer step while batches 2 and 4 fit, with the same tensors live at that peak). Such an answer
+is marked (`MemoryResult.by_fragmentation` and a "marginal" note); answers of cases 1 and 2 are monotone. Nor is
+`fits` monotone in the capacity itself: when the
 cache is released changes the segments' layout, so a little more memory can leave a worse-fragmented pool at the
 step's peak (tiny-llama zero2 x4 at 1024 tokens fits with 1440 MiB, runs out at 1460 MiB, fits again at 1480) - the
 real allocator is deterministic in the same way. Deep models (llmem.estimator.engine.EXTRAPOLATE_FROM) are decided
@@ -40,6 +43,7 @@ class AtCapacity:
     capacity_bytes: int
     reserved_bytes: int | None       # max_memory_reserved at that capacity (None when it runs out)
     oom: OutOfMemory | None
+    by_fragmentation: bool = False   # case 3: decided by how the cached segments lie (a marginal answer)
 
     @property
     def completes(self) -> bool:
@@ -59,7 +63,7 @@ def at_capacity(peak_allocated_bytes: int, peak_reserved_bytes: int, capacity_by
     if peak_allocated_bytes > capacity_bytes:
         return AtCapacity(capacity_bytes, None, first_over(capacity_bytes))
     reserved, oom = replay_capped(capacity_bytes)
-    return AtCapacity(capacity_bytes, None if oom else reserved, oom)
+    return AtCapacity(capacity_bytes, None if oom else reserved, oom, by_fragmentation=True)
 
 
 def resident_managed_bytes(managed_bytes: int, room_bytes: int) -> int:
@@ -71,6 +75,12 @@ def resident_managed_bytes(managed_bytes: int, room_bytes: int) -> int:
 def capacity_notes(cap: AtCapacity, uncapped_reserved_bytes: int, managed_bytes: int, paged_bytes: int) -> list[str]:
     """What the result says about the capacity: the cache released to go on, paged states evicted."""
     notes = []     # an OOM is the result's own field (MemoryResult.oom), not a note
+    if cap.by_fragmentation:
+        outcome = "it runs out" if cap.oom else "it fits"
+        notes.append(f"marginal: the live tensors fit in the {format_bytes(cap.capacity_bytes)} the allocator may "
+                     f"use but the cached segments do not, so {outcome} by how fragmented the pool is once the "
+                     "cache is released; neighbouring batch sizes and sequence lengths can answer differently "
+                     "(--expandable-segments, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, fragments less)")
     if cap.completes and cap.reserved_bytes is not None and cap.reserved_bytes < uncapped_reserved_bytes:
         notes.append(f"the allocator reaches the device's capacity and releases its cached blocks to go on (as "
                      f"PyTorch does before it raises OOM): reserved peak {format_bytes(cap.reserved_bytes)} on the "

@@ -182,5 +182,6 @@ def build_result(engine: str, ledger: Ledger, record: SetupRecord, gpu, notes: l
                         gpu_memory_bytes=gpu.memory_bytes,
                         components=comps, setup=record, peak_phase=phase, notes=notes,
                         timeline=downsample(series), capacity_bytes=cap.capacity_bytes,
-                        capped_reserved_bytes=cap.reserved_bytes, oom=cap.oom)
+                        capped_reserved_bytes=cap.reserved_bytes, oom=cap.oom,
+                        by_fragmentation=cap.by_fragmentation)
 
