@@ -291,3 +291,15 @@ def test_validation_plot_ticks_do_not_collide(validation_rows):
             assert not _overlaps(boxes), [t.get_text() for t in ticks]
         assert ax.get_legend() is not None
     assert "(GiB)" in fig.axes[0].get_xlabel()
+
+
+def test_wrapped_titles_keep_their_separator_within_the_width():
+    # a line broken before a phrase ends with " ·": at 80 columns the validate title once left a lone "·" line
+    from llmem.cli.tables import SEPARATOR, wrap_phrases
+
+    parts = ["estimate vs trace", "matrix ci (67 set-ups)", "error = (estimate - truth) / truth", "limit ±2%"]
+    for width in range(20, 120):
+        lines = wrap_phrases(parts, width)
+        assert SEPARATOR.join(parts) == " ".join(lines).replace(SEPARATOR.rstrip() + " ", SEPARATOR)
+        for line in lines:
+            assert len(line) <= width or any(len(p) > width - len(SEPARATOR.rstrip()) for p in parts), (width, line)

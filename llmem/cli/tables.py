@@ -50,10 +50,13 @@ def wrap_phrases(parts: Iterable[str], width: int, sep: str = SEPARATOR) -> list
     longer than a line gets a line of its own, which the console then wraps at its spaces)."""
     lines: list[str] = []
     line = ""
-    for part in parts:
+    parts = list(parts)
+    mark = sep.rstrip()      # a broken line ends with the separator: keep room for it
+    for i, part in enumerate(parts):
         candidate = f"{line}{sep}{part}" if line else part
-        if line and len(candidate) > width:
-            lines.append(line + sep.rstrip())
+        room = width if i == len(parts) - 1 else width - len(mark)
+        if line and len(candidate) > room:
+            lines.append(line + mark)
             line = part
         else:
             line = candidate
