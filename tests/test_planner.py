@@ -575,3 +575,16 @@ def test_decoder_layer_class_is_the_class_of_the_decoder_layers():
     for name in ("meta-llama/Llama-3.1-8B", "gpt2", "facebook/opt-125m", "bigscience/bloom-560m", "tiiuae/falcon-7b"):
         a = load_anatomy(name)
         assert a.decoder_layer_class == getattr(transformers, a.architecture)._no_split_modules[0]
+
+
+def test_optimizer_offload_times_only_what_is_trained():
+    # gpt2, LoRA r16 on c_attn: 12 layers x 16 x (768 + 2304) = 589,824 adapter parameters; under bf16-mixed they
+    # are fp32 (4 B), so each step moves 4 B of gradient down and 4 B of parameter up per adapter parameter and
+    # steps them on the CPU; the frozen base's 124 M parameters are not the optimizer's
+    from llmem.planner.timing import CPU_ADAM_PARAMS_PER_S, PCIE_GBPS, offload_step_extra_s
+
+    adapters = 12 * 16 * (768 + 2304)
+    setup = TrainingSetup(model="gpt2", seq_len=256, lora_rank=16, lora_targets="c_attn", offload_optimizer=True)
+    r = assemble(setup, load_anatomy("gpt2"), resolve_gpu("A100-80GB"), Layout("single", 1, 1, 1))
+    want = adapters * (4 + 4) / (PCIE_GBPS * 1e9) + adapters / CPU_ADAM_PARAMS_PER_S
+    assert offload_step_extra_s(r) == pytest.approx(want)

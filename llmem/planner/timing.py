@@ -315,9 +315,9 @@ def _shard_count(layout: Layout) -> int:
 
 def offload_step_extra_s(r: ResolvedSetup) -> float:
     """Time offloading adds per step, not overlapped (an upper bound): gradients to the host, the CPU update, the
-    updated parameters back, at PCIE_GBPS and CPU_ADAM_PARAMS_PER_S (the base model's parameters: an upper
-    bound for adapters)."""
-    local = r.base.trainable_params / _shard_count(r.layout)
+    updated parameters back, at PCIE_GBPS and CPU_ADAM_PARAMS_PER_S, for the parameters the step trains (a frozen
+    base's adapters only: the optimizer never sees the base)."""
+    local = r.anatomy.trainable_params / _shard_count(r.layout)
     moved = local * (4 + r.setup.param_bytes)           # fp32 gradients down, parameters up
     return moved / (PCIE_GBPS * 1e9) + local / CPU_ADAM_PARAMS_PER_S
 
