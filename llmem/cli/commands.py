@@ -159,17 +159,13 @@ EXPORT_FILE_EXAMPLES = {"accelerate": "accelerate.yaml", "torchrun": "launch.sh"
 
 def _check_export(args: argparse.Namespace, setup) -> None:
     """What --export refuses that the set-up alone decides, before the plan runs."""
-    from llmem.planner.export import unexportable_options
+    from llmem.planner.export import check_exportable
 
     kind, path = args.export
     if kind not in EXPORT_KINDS:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
     check_output_path(f"--export {kind}", path, EXPORT_FILE_EXAMPLES.get(kind, "launch.cfg"))
-    extra = unexportable_options(setup)
-    if extra:
-        raise LlmemError(f"--export {kind} writes the layout, batch, precision, checkpointing and optimizer offload "
-                         f"of a full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
-                         "--export, or export without these options")
+    check_exportable(setup, f"--export {kind}")
     if kind == "deepspeed" and args.setup_method and METHODS[setup.method].deepspeed_stage is None:
         raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {setup.method} (its AutoTP "
                          "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")

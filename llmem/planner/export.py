@@ -56,13 +56,18 @@ def unexportable_options(setup: TrainingSetup) -> list[str]:
     return found
 
 
-def export_plan(p: Plan) -> ExportPlan:
-    """The recommended plan, or, when nothing fits, the optimizer-offload suggestion if it fits."""
-    extra = unexportable_options(p.setup)
+def check_exportable(setup: TrainingSetup, flag: str = "--export") -> None:
+    """Refuse a set-up whose options no export can write (decided by the set-up alone, so before any plan)."""
+    extra = unexportable_options(setup)
     if extra:
-        raise LlmemError(f"--export writes the layout, batch, precision, checkpointing and optimizer offload of a "
+        raise LlmemError(f"{flag} writes the layout, batch, precision, checkpointing and optimizer offload of a "
                          f"full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
                          "--export, or export without these options")
+
+
+def export_plan(p: Plan) -> ExportPlan:
+    """The recommended plan, or, when nothing fits, the optimizer-offload suggestion if it fits."""
+    check_exportable(p.setup)
     c = p.recommended
     offload = False
     if c is None:
