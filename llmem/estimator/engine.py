@@ -11,10 +11,11 @@ paged 8-bit optimizer states (cudaMallocManaged). The moments (llmem.estimator.m
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 
-from llmem.estimator.events import Replay, extrapolate, replay
+from llmem.estimator.events import Replay, Schedule, extrapolate, replay
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
@@ -51,10 +52,11 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     act = activation_profile(r)
     ms = states or model_states(r)
     moments = step_moments(r, act, ms)
-    rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM)
+    whole = functools.cache(lambda: StepSchedule(r, act).build())    # built once: replayed, maybe at capacity
+    rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
-    cap = step_at_capacity(r, act, rep, limit - context, draft=draft)
+    cap = step_at_capacity(r, rep, limit - context, whole, draft=draft)
     reserved = rep.peak_reserved_bytes if cap.reserved_bytes is None else cap.reserved_bytes
     managed = ms.optimizer_states_outside_allocator
     if cap.completes:      # paged states: resident while there is room, evicted to the host when there is not
@@ -85,17 +87,17 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     )
 
 
-def step_at_capacity(r: ResolvedSetup, act: ActivationProfile, rep: Replay, capacity_bytes: int,
+def step_at_capacity(r: ResolvedSetup, rep: Replay, capacity_bytes: int, whole: Callable[[], Schedule],
                      *, draft: bool = False) -> AtCapacity:
     """The step on a device whose allocator may fill `capacity_bytes`: decided on the (extrapolated) peaks where
     they decide it, else by replaying the whole-depth schedule at that capacity (fragmentation does not
-    extrapolate). A draft never replays: it takes an undecided step as fitting, at the capacity."""
+    extrapolate; `whole` gives that schedule). A draft never replays: it takes an undecided step as fitting, at the
+    capacity."""
 
     def capped(capacity: int) -> tuple[int, OutOfMemory | None]:
         if draft:          # undecided: taken as fitting, with the most the allocator may hold there
             return min(rep.peak_reserved_bytes, capacity), None
-        sched = StepSchedule(r, act).build()
-        got = _without_gc(lambda: replay(sched, r.setup.expandable_segments, capacity_bytes=capacity))
+        got = _without_gc(lambda: replay(whole(), r.setup.expandable_segments, capacity_bytes=capacity))
         return got.peak_reserved_bytes, got.oom
 
     return at_capacity(rep.peak_allocated_bytes, rep.peak_reserved_bytes, capacity_bytes, capped,
@@ -116,12 +118,15 @@ def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) ->
     return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
 
 
-def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, int] = EXTRAPOLATE_FROM) -> Replay:
-    """The step's allocation schedule through the allocator model (extrapolated in depth for deep models)."""
+def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, int] = EXTRAPOLATE_FROM,
+                  *, whole: Callable[[], Schedule] | None = None) -> Replay:
+    """The step's allocation schedule through the allocator model (extrapolated in depth for deep models);
+    `whole`: the whole-depth schedule's builder when the caller keeps it."""
     expandable = r.setup.expandable_segments
 
     def run(layers: int | None) -> Replay:
-        return replay(StepSchedule(r, act, layers=layers).build(), expandable_segments=expandable)
+        sched = whole() if layers is None and whole is not None else StepSchedule(r, act, layers=layers).build()
+        return replay(sched, expandable_segments=expandable)
 
     small, large = depths
     num_layers = r.anatomy.num_layers
