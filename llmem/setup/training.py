@@ -15,11 +15,17 @@ from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.precision import PRECISIONS, Precision
 
 ATTENTIONS = ("sdpa", "eager", "flash")
-QUANT_BASES = ("none", "nf4", "int8")
+QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
 QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
     ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
     ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
+    ("--qlora-torchao", "torchao-nf4", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs adapters "
+     "(--lora-rank)"),
 )
+# TrainingSetup.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
+# axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
+# (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)
+ADAPTER_DTYPES = ("fp32", "base")
 QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
 LORA_ALL_LINEAR = "all-linear"
 # Bounds of one micro-batch: far past any real run (the largest contexts are ~10M tokens), and small enough that a
@@ -106,6 +112,12 @@ class TrainingSetup:
                                          "gradient (single GPU)", OPTIMIZER, kind="switch")
     quant_base: str = option("none", "frozen base quantised by bitsandbytes", ADAPTERS, kind="switches",
                              noun="quantised base", switches=QUANT_SWITCHES)
+    kbit_upcast: bool = option(True, "quantised base without peft's prepare_model_for_kbit_training upcast of the "
+                               "unquantised frozen parameters (embeddings, norms, lm_head) to fp32", ADAPTERS,
+                               kind="negate", flag="--no-kbit-upcast")
+    adapter_dtype: str = option("fp32", "fp32 (peft's autocast_adapter_dtype, its default: adapters in fp32 also on "
+                                "a bf16/fp16 base) or base (adapters in the base's dtype, torchtune's LoRA)",
+                                ADAPTERS)
     double_quant: bool = option(True, "--qlora without double quantisation (fp32 absmax per 64-block)", ADAPTERS,
                                 kind="negate", flag="--no-double-quant", requires=("quant_base", "nf4"))
     ckpt_every: int = option(1, "checkpoint every K-th decoder layer (index %% K == 0); implies --grad-ckpt",
@@ -138,6 +150,8 @@ class TrainingSetup:
             raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
         self._check_quant_base()
 
     def _check_step_size(self) -> None:
@@ -156,6 +170,9 @@ class TrainingSetup:
         if self.quant_base not in QUANT_BASES:
             raise LlmemError(f"unknown quantised base {self.quant_base!r}: choose one of {', '.join(QUANT_BASES)}")
         if self.quant_base == "none":
+            if not self.kbit_upcast:
+                raise LlmemError("--no-kbit-upcast applies to a quantised base only (--qlora, --qlora-torchao, "
+                                 "--load-in-8bit)")
             return
         flag = QUANT_FLAGS[self.quant_base]
         if not self.peft:
@@ -217,7 +234,12 @@ class TrainingSetup:
         prepare_model_for_kbit_training, which the QLoRA recipe runs, upcasts them."""
         if trainable:
             return self.param_bytes
-        return 4 if self.quant_base != "none" else self.compute_bytes
+        return 4 if self.kbit_upcasts else self.compute_bytes
+
+    @property
+    def kbit_upcasts(self) -> bool:
+        """peft's prepare_model_for_kbit_training runs: a quantised base with the upcast (--no-kbit-upcast: not)."""
+        return self.quant_base != "none" and self.kbit_upcast
 
     def to_dict(self) -> dict:
         return asdict(self)
