@@ -18,7 +18,8 @@ from llmem.errors import LlmemError
 from llmem.result import MemoryResult
 from llmem.setup.training import TrainingSetup, user_setup
 
-__all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure", "plan"]
+__all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure", "plan", "check",
+           "LlmemCallback"]
 __version__ = "0.1.0"
 
 
@@ -69,3 +70,19 @@ def plan(model: str | TrainingSetup, *, plan_options: Any = None, **options: Any
     from llmem.planner.plan import plan as _plan
 
     return _plan(_setup(model, options), plan_options)
+
+
+def check(model: Any, optimizer: Any, **options: Any):
+    """Inside a real run: its memory counters (`measured`, from a llmem.validate.live.MemoryWatch) against llmem's
+    estimate of the set-up rebuilt from the live model and optimizer (a llmem.validate.live.LiveCheck)."""
+    from llmem.validate.live import check as _check
+
+    return _check(model, optimizer, **options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LlmemCallback":       # transformers.TrainerCallback: imported only when asked for
+        from llmem.validate.live import LlmemCallback
+
+        return LlmemCallback
+    raise AttributeError(f"module 'llmem' has no attribute {name!r}")
