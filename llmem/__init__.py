@@ -4,6 +4,7 @@
     result = llmem.estimate("meta-llama/Llama-3.1-8B", method="fsdp", gpus=4, seq_len=4096, batch_size=1)
     result.peak_reserved_bytes, result.components, result.fits
     llmem.plan("meta-llama/Llama-3.1-8B", gpus=4, seq_len=4096).recommendation
+    llmem.estimate(llmem.setup_from_file("qlora.yml", model="meta-llama/Llama-3.1-8B"))
 
 The floors, from the ground up (docs/architecture.md): errors, units, search; setup (the set-up and the
 registries of its variants); result; model (anatomy, families, sharding, the resolved set-up); memory (activations,
@@ -19,14 +20,26 @@ from llmem.result import MemoryResult
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["TrainingSetup", "MemoryResult", "LlmemError", "estimate", "trace", "measure", "plan", "check",
-           "LlmemCallback"]
+           "LlmemCallback", "setup_from_file"]
 __version__ = "0.1.0"
 
 
-def _setup(model: str | TrainingSetup, options: dict[str, Any]) -> TrainingSetup:
+def _setup(model: Any, options: dict[str, Any]) -> TrainingSetup:
     if isinstance(model, TrainingSetup):
         return model
+    if isinstance(getattr(model, "setup", None), TrainingSetup):     # setup_from_file's FileSetup
+        return model.setup
     return user_setup(model=model, **options)
+
+
+def setup_from_file(path: Any, **overrides: Any):
+    """The set-up a training config describes (axolotl, LLaMA-Factory, TRL / TrainingArguments, torchtune or
+    accelerate YAML, DeepSpeed JSON, torchtitan TOML; a list of paths: a training config and its accelerate config),
+    `overrides` (TrainingSetup fields) over the file's values: a FileSetup with `.setup` and `.record` (each key used
+    or ignored, and why). Every engine takes it: llmem.estimate(llmem.setup_from_file("qlora.yml"))."""
+    from llmem.setup.sources import setup_from_file as _read
+
+    return _read(path, **overrides)
 
 
 def estimate(model: str | TrainingSetup, *, engine: str = "llmem", m_base: str | int | None = None,

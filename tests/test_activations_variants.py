@@ -219,18 +219,75 @@ def test_offload_keeps_only_the_lm_head_input_on_the_device_at_the_loss():
 def test_offloaded_bytes_are_the_saved_tensors_that_leave_the_device():
     """bf16 tiny-llama b=2 s=256, by hand: a layer keeps 11,948,032 B (the test above); the final RMSNorm keeps
     4th + 4t + 2th = 1,574,912 and rotary cos/sin 2 x 256 x 64 x 2 = 65,536 (both go to the host); the lm_head's
-    input stays; a checkpointed layer's input stays (held by the checkpoint)."""
-    layer, norm, rotary = 11_948_032, 4 * T * H + 4 * T + 2 * T * H, 2 * (256 * 64 * 2)
-    assert (layer, norm, rotary) == (11_948_032, 1_574_912, 65_536)
+    input stays. Checkpointed, a layer's input (2th = 524,288, the hidden states torch's checkpoint saves) goes to
+    the host too, while rotary cos/sin stay: the checkpoints' recompute partials hold them (the trace: the
+    layer inputs packed by the offload hooks from inside torch.utils.checkpoint, cos/sin live at the loss)."""
+    layer, norm, rotary, layer_input = 11_948_032, 4 * T * H + 4 * T + 2 * T * H, 2 * (256 * 64 * 2), 2 * T * H
+    assert (layer, norm, rotary, layer_input) == (11_948_032, 1_574_912, 65_536, 524_288)
 
     def offloaded(**kw) -> int:
         setup = _setup(precision="bf16", optimizer="sgd", offload_activations=True, **kw)
         return activation_profile(resolve(setup)).offloaded_bytes
 
     assert offloaded() == 4 * layer + norm + rotary == 49_432_576
-    assert offloaded(grad_ckpt=True) == norm + rotary == 1_640_448
-    assert offloaded(grad_ckpt=True, ckpt_every=2) == 2 * layer + norm + rotary == 25_536_512   # layers 1 and 3
+    assert offloaded(grad_ckpt=True) == 4 * layer_input + norm == 3_672_064
+    # layers 0 and 2 checkpointed (their inputs), 1 and 3 whole
+    assert offloaded(grad_ckpt=True, ckpt_every=2) == 2 * layer + 2 * layer_input + norm == 26_519_552
     assert activation_profile(resolve(_setup(precision="bf16", optimizer="sgd"))).offloaded_bytes == 0
+
+
+def _offload_drop(**kw) -> tuple[int, int]:
+    """(peak_allocated drop, live activations drop at the backward's start) of --offload-activations, estimate."""
+    from llmem import estimate
+
+    on, off = _setup(precision="bf16", offload_activations=True, **kw), _setup(precision="bf16", **kw)
+    return (estimate(off).peak_allocated_bytes - estimate(on).peak_allocated_bytes,
+            _live_activations_at_backward(off) - _live_activations_at_backward(on))
+
+
+def test_offload_under_checkpointing_moves_the_checkpointed_inputs_to_the_host():
+    """bf16 tiny-llama b=2 s=256 (t = 512), checkpointed. torch's non-reentrant checkpoint saves each layer's input
+    (the hidden states, t x 512 x 2 B = 524,288) through the saved-tensor hooks outside its own, so torchtune's
+    OffloadActivations packs it to the host; so does the final RMSNorm (fp32 copy 4th, rsqrt 4t, normalised 2th:
+    1,574,912). Rotary cos/sin stay (the recompute's keyword arguments). At the loss, where the peak is, the device
+    holds that much less:
+    - full fine-tuning: 4 inputs + the norm = 3,672,064;
+    - every 2nd layer: layers 1 and 3 whole (11,948,032 each) + the inputs of 0 and 2 + the norm = 26,519,552;
+    - LoRA r8 (frozen base): the embedding's output is a leaf that requires grad (transformers'
+      enable_input_require_grads under checkpointing), held by its AccumulateGrad node: layer 0's input stays; the
+      frozen norm keeps no normalised tensor and the frozen lm_head no input: 3 inputs + 4th + 4t = 2,623,488.
+    The trace measures the same drops (test_offload_drops_match_the_trace)."""
+    layer_input, norm = 2 * T * H, 4 * T * H + 4 * T + 2 * T * H
+    assert (layer_input, norm) == (524_288, 1_574_912)
+    full = 4 * layer_input + norm
+    assert _offload_drop(optimizer="sgd", grad_ckpt=True) == (full, full) == (3_672_064,) * 2
+    every2 = 2 * 11_948_032 + 2 * layer_input + norm
+    assert _offload_drop(optimizer="sgd", grad_ckpt=True, ckpt_every=2) == (every2, every2) == (26_519_552,) * 2
+    lora = 3 * layer_input + 4 * T * H + 4 * T
+    assert _offload_drop(lora_rank=8, grad_ckpt=True) == (lora, lora) == (2_623_488,) * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{"optimizer": "sgd"}, {"optimizer": "sgd", "ckpt_every": 2}, {"lora_rank": 8}],
+                         ids=["full", "every-2", "lora"])
+def test_offload_drops_match_the_trace(kw):
+    """The live activations when the backward starts, traced with and without offloading under checkpointing: the
+    real step's drop is the estimate's (the hand numbers above)."""
+    from llmem.runtime.trace import trace_with_details
+
+    def live(setup) -> int:
+        _, details = trace_with_details(setup)
+        led, total = details.ledger, 0
+        for is_alloc, key, size, phase, it, _m, _s in led.events:
+            if it == 1 and phase == 2:
+                break
+            if led.cat.get(key) == "activations":
+                total += size if is_alloc else -size
+        return total
+
+    on = _setup(precision="bf16", grad_ckpt=True, offload_activations=True, **kw)
+    off = _setup(precision="bf16", grad_ckpt=True, **kw)
+    assert live(off) - live(on) == _live_activations_at_backward(off) - _live_activations_at_backward(on)
 
 
 def test_offload_trace_has_no_layer_activations_on_the_device_at_the_loss():

@@ -6,7 +6,7 @@ any exception other than SystemExit fails the test, with the command line in hyp
 Bounded: a fixed number of examples and a per-example deadline; estimate, plan, models and gpus run for real on
 tiny or small models; trace, measure and validate run their whole command-line path (parsing, the set-up's checks,
 the output-path checks, the tables, plots and files they write) with the engine's run replaced by the estimate of
-the same set-up, so that no real step runs here.
+the same set-up, so that no real step runs here; serve checks its address and binds it, then closes it unserved.
 """
 
 from __future__ import annotations
@@ -128,10 +128,18 @@ def _rows(setups, against, device=None, on_row=None):
     return rows
 
 
+def _bound(host: str, port: int) -> None:
+    """`llmem serve`'s stand-in: its checks and the listening socket, closed again instead of serving."""
+    from llmem.cli.serve import bind
+
+    bind(host, port).close()
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A scratch folder as the working directory, with a folder, a file and malformed configs in it; the engines'
     runs replaced (see the module's docstring)."""
+    import llmem.cli.serve
     import llmem.runtime.measure
     import llmem.runtime.trace
     import llmem.validate.compare
@@ -149,6 +157,7 @@ def scratch(tmp_path_factory):
         mp.setattr(llmem.runtime.trace, "trace", _estimated)
         mp.setattr(llmem.runtime.measure, "measure", _estimated)
         mp.setattr(llmem.validate.compare, "run_matrix", _rows)
+        mp.setattr(llmem.cli.serve, "serve", _bound)
         os.chdir(work)
         try:
             assert main(["estimate", "tiny-llama", "--json"]) == 0      # imports and first builds, not timed
@@ -168,7 +177,7 @@ def _run(argv: list[str]) -> int:
 
 def test_fuzz_fixture_sees_every_subcommand():
     """The fuzz reads the real parser: every subcommand and its options are there to be drawn."""
-    assert set(SUBCOMMANDS) == {"estimate", "trace", "measure", "validate", "plan", "models", "gpus"}
+    assert set(SUBCOMMANDS) == {"estimate", "trace", "measure", "validate", "plan", "models", "gpus", "serve"}
     _, options = _arguments(SUBCOMMANDS["plan"])
     flags = {f for a in options for f in a.option_strings}
     assert {"--batch-size", "--export", "--plot", "--max-batch", "--lora-rank"} <= flags

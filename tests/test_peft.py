@@ -105,6 +105,64 @@ def test_trainable_set_matches_the_traced_peft_model(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the adapters' dtype (peft's autocast_adapter_dtype)
+
+def _trained_dtypes(setup: TrainingSetup) -> set:
+    """The dtypes of the trained parameters of the model the trace runs."""
+    from llmem.runtime.build import apply_peft, meta_model_for
+
+    model = meta_model_for(setup)
+    if not setup.mixed and setup.precision != "fp32":
+        import torch
+
+        model.to(torch.bfloat16)         # as the step does under pure bf16, before peft
+    return {str(p.dtype) for p in apply_peft(model, setup).parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("precision, adapter_dtype, dtype", [
+    ("bf16", "fp32", "torch.float32"), ("bf16", "base", "torch.bfloat16"),
+    ("bf16-mixed", "fp32", "torch.float32"), ("bf16-mixed", "base", "torch.float32")])
+def test_traced_adapters_take_peft_dtype(precision, adapter_dtype, dtype):
+    """get_peft_model(autocast_adapter_dtype=True) upcasts bf16 adapters to fp32 (tuners_utils.cast_adapter_dtype);
+    False leaves them in the base layer's dtype (_move_adapter_to_device_of_base_layer). Under *-mixed peft builds
+    them on the fp32 model: fp32 either way."""
+    assert _trained_dtypes(_setup(precision=precision, lora_rank=8, adapter_dtype=adapter_dtype)) == {dtype}
+
+
+def test_fp32_adapters_on_a_bf16_base_hold_fp32_states():
+    """tiny-llama, LoRA r8 on q and v: 4 layers x 2 x (8 x 512 + 512 x 8) = 65,536 adapter parameters. Under pure
+    bf16 with peft's default fp32 adapters their weights, gradients and AdamW's two states are 4 B each; with
+    --adapter-dtype base 2 B. The frozen base (bf16) is the same in both."""
+    from llmem.estimator.states import model_states
+
+    n = 4 * 2 * (8 * 512 + 512 * 8)
+    assert n == 65_536
+    fp32 = model_states(resolve(_setup(precision="bf16", lora_rank=8)))
+    base = model_states(resolve(_setup(precision="bf16", lora_rank=8, adapter_dtype="base")))
+    assert (fp32.gradients, fp32.optimizer_states) == (n * 4, 2 * n * 4)
+    assert (base.gradients, base.optimizer_states) == (n * 2, 2 * n * 2)
+    assert fp32.weights - base.weights == n * (4 - 2)
+
+
+def test_peft_types_hold_the_dtype_peft_gives_them(tmp_path):
+    """--peft-config on a pure bf16 base, read back from peft itself: IA3's vectors (k, v: 512 each; down_proj:
+    1376; 4 layers) and DoRA's adapters and magnitudes follow autocast_adapter_dtype like LoRA's; prompt tuning's
+    embedding (20 x 512) is fp32 either way (peft builds prompt encoders in fp32 and casts only their output)."""
+    from llmem.estimator.states import model_states
+    from llmem.validate.matrices import bundled_peft_config
+
+    def grads(name: str, adapter_dtype: str) -> int:
+        setup = _setup(precision="bf16", peft_config=bundled_peft_config(name), adapter_dtype=adapter_dtype)
+        return model_states(resolve(setup)).gradients
+
+    ia3 = 4 * (512 + 512 + 1376)
+    assert (grads("ia3-k-v-down", "fp32"), grads("ia3-k-v-down", "base")) == (ia3 * 4, ia3 * 2)
+    assert (grads("prompt-tuning-20", "fp32"), grads("prompt-tuning-20", "base")) == (20 * 512 * 4,) * 2
+    dora = grads("dora-r8-all-linear", "fp32")
+    assert dora == 2 * grads("dora-r8-all-linear", "base")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # bad input
 
 def test_bad_peft_config_paths_and_json(tmp_path):
@@ -167,13 +225,29 @@ def test_lora_under_autocast_keeps_its_own_cast():
 
 
 def test_lora_dropout_keeps_mask_and_output():
-    """bf16 (no autocast), r8 on q and v, dropout 0.1: lora_A reads the dropout output (T x 512 x 2 B), native
-    dropout keeps a bool mask (T x 512 x 1 B); the norm output is no longer read by any adapter."""
-    qkv = _blocks(_setup(precision="bf16", lora_rank=8, lora_dropout=0.1))["qkv_proj"]
+    """bf16 (no autocast), r8 on q and v, dropout 0.1, adapters in the base's dtype (autocast_adapter_dtype=False):
+    lora_A reads the dropout output (T x 512 x 2 B), native dropout keeps a bool mask (T x 512 x 1 B); the norm
+    output is no longer read by any adapter."""
+    qkv = _blocks(_setup(precision="bf16", lora_rank=8, lora_dropout=0.1, adapter_dtype="base"))["qkv_proj"]
     assert sorted(qkv.tensors) == sorted((T * 512 * 2, T * 512, T * 8 * 2) * 2 + (T * 512 * 2,))   # + v's output
     assert (T * 512 * 2) in [n for n, _, _ in qkv.temps]     # the norm output: made, read, freed
-    no_dropout = _blocks(_setup(precision="bf16", lora_rank=8))["qkv_proj"]
+    no_dropout = _blocks(_setup(precision="bf16", lora_rank=8, adapter_dtype="base"))["qkv_proj"]
     assert sorted(no_dropout.tensors) == sorted((T * 512 * 2, T * 8 * 2, T * 8 * 2, T * 512 * 2))  # + norm output
+
+
+def test_fp32_adapters_on_a_bf16_base_keep_fp32_copies():
+    """bf16, r8 on q and v, peft's default fp32 adapters (lora/layer.py: x cast to lora_A's fp32 dtype, the sum
+    with the bf16 base output made in fp32 and cast back): each lora_A keeps its own fp32 copy of the norm output
+    (T x 512 x 4 B), lora_B its fp32 input (T x 8 x 4 B); v's output (the bf16 cast of the sum, which SDPA keeps)
+    is made by the adapter; the norm output itself is read only by the frozen base linears: not kept. With
+    dropout 0.1: lora_A keeps the fp32 dropout output and the bool mask instead, the copy lives until the forward
+    returns. Forward temporaries per adapter: lora_B's output, its scaled copy and the sum, fp32 [T, 512]."""
+    qkv = _blocks(_setup(precision="bf16", lora_rank=8))["qkv_proj"]
+    assert qkv.tensors == (T * 512 * 4, T * 8 * 4, T * 512 * 4, T * 8 * 4, T * 512 * 2)
+    assert [n for n, _, _ in qkv.temps].count(T * 512 * 4) == 2 * 3
+    dropout = _blocks(_setup(precision="bf16", lora_rank=8, lora_dropout=0.1))["qkv_proj"]
+    assert dropout.tensors == (T * 512 * 4, T * 512, T * 8 * 4) * 2 + (T * 512 * 2,)
+    assert [n for n, _, _ in dropout.temps].count(T * 512 * 4) == 2 * 4      # + the copy
 
 
 def test_ia3_terms_by_hand(tmp_path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the screens of the README's "Screens" section: each text file starts with the command that made it.
-#   bash docs/screens/make.sh            # estimate, trace, plan (a few minutes)
+#   bash docs/screens/make.sh            # estimate, trace, plan, the web page (a few minutes)
 #   bash docs/screens/make.sh validate   # also validate --matrix ci at 80 and 120 columns (traces: ~10 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +22,8 @@ for w in 80 120; do
   run docs/screens/plan-$w.txt $w plan meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --seq-len 4096 --grad-ckpt \
       --plot docs/screens/plan.png
 done
+# the web page (llmem serve) in headless Chromium, as tests/test_browser.py drives it
+LLMEM_SCREENSHOT=docs/screens/serve.png .venv/bin/python -m pytest -q tests/test_browser.py -k query_url
 if [ "${1:-}" = validate ]; then
   for w in 80 120; do
     rm -f docs/screens/validate-$w.txt

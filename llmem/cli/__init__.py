@@ -1,5 +1,6 @@
-"""`llmem` command line: estimate, trace, measure, validate, plan, models, gpus. A thin layer over the library:
-options built from the dataclasses' fields (options), commands (commands), rich tables (tables), plots (plots).
+"""`llmem` command line: estimate, trace, measure, validate, plan, models, gpus, serve. A thin layer over the
+library: options built from the dataclasses' fields (options), commands (commands), rich tables (tables), plots
+(plots), the local web page (serve).
 
 Every command takes --json. Bad input prints one line on stderr and exits with code 2.
 """
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("gpus", "list the GPU catalog", commands.cmd_gpus)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = command("serve", "a local web page: the estimate, its breakdown, sweeps and the plan, from a form",
+                commands.cmd_serve)
+    p.add_argument("--host", default="127.0.0.1", help="IP address to listen on (0.0.0.0: every interface), or "
+                   "localhost")
+    p.add_argument("--port", type=int, default=8000, metavar="N", help="port to listen on (0: any free one)")
     return parser
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from llmem.cli.options import plan_options_from_args, setup_from_args
+from llmem.cli.options import plan_options_from_args, setup_and_source
 from llmem.cli.paths import check_device, check_output_path, check_plot_path
 from llmem.cli.progress import LazyProgress
 from llmem.errors import LlmemError
@@ -18,18 +19,35 @@ from llmem.units import format_bytes
 
 if TYPE_CHECKING:
     from llmem.result import MemoryResult
+    from llmem.setup.sources import SourceRecord
 
 # The engines import transformers and torch (seconds), rich and matplotlib tens of milliseconds: each command
 # imports what it runs and prints with, so that `--help` and a refused option answer at once (benchmarks/startup.md).
 
 
-def _emit(args: argparse.Namespace, result: MemoryResult) -> None:
-    from llmem.cli.tables import print_json, print_memory
+def _emit(args: argparse.Namespace, result: MemoryResult, source: SourceRecord | None = None) -> None:
+    from llmem.cli.tables import print_json, print_memory, print_source
 
     if args.json:
-        print_json(result.to_dict())
+        print_json(result.to_dict() | ({"from_file": source.to_dict()} if source is not None else {}))
     else:
         print_memory(result)
+        if source is not None:
+            print_source(source)
+
+
+@contextmanager
+def _file_model(source: SourceRecord | None):
+    """A model the --from file names that llmem cannot find: the refusal says how to name another."""
+    try:
+        yield
+    except LlmemError as exc:
+        named = [u for u in source.used if u.field == "model"] if source is not None else []
+        if not named or "model" in source.overridden or not str(exc).startswith("unknown model"):
+            raise
+        raise LlmemError(f"{exc}; {named[-1].file}'s {named[-1].key} names it: give MODEL before --from to use a "
+                         "catalog model of the same architecture (e.g. llmem estimate meta-llama/Llama-3.1-8B --from "
+                         "FILE)") from None
 
 
 def _check_iterations(args: argparse.Namespace) -> None:
@@ -51,7 +69,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     if args.m_base and args.engine != "paper":
         raise LlmemError("--m-base applies to --engine paper only: drop it, or add --engine paper")
-    _emit(args, estimate(setup_from_args(args), engine=args.engine, m_base=args.m_base or None))
+    setup, source = setup_and_source(args)
+    with _file_model(source):
+        result = estimate(setup, engine=args.engine, m_base=args.m_base or None)
+    _emit(args, result, source)
     return 0
 
 
@@ -60,28 +81,30 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from llmem.cli.plots import plot_timeline
 
-    setup = setup_from_args(args)
+    setup, source = setup_and_source(args)
     _check_iterations(args)
     if args.plot is not None:
         check_plot_path("--plot", args.plot)
     # torch's runtime (seconds) imported after the refusals, which answer at once
     from llmem.runtime.trace import trace
 
-    if args.json:
-        result = trace(setup, iterations=args.iterations)
-    else:
-        with Console(stderr=True).status("tracing") as status:
-            result = trace(setup, iterations=args.iterations, progress=lambda msg: status.update(f"trace: {msg}"))
+    with _file_model(source):
+        if args.json:
+            result = trace(setup, iterations=args.iterations)
+        else:
+            with Console(stderr=True).status("tracing") as status:
+                result = trace(setup, iterations=args.iterations,
+                               progress=lambda msg: status.update(f"trace: {msg}"))
     if args.plot is not None:
         _written("--plot", args.plot, lambda: plot_timeline(result, args.plot))
-    _emit(args, result)
+    _emit(args, result, source)
     return 0
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    setup = setup_from_args(args)
+    setup, source = setup_and_source(args)
     _check_iterations(args)
     device = _measure_device(args.device)
     from llmem.runtime.measure import measure
@@ -91,7 +114,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     else:
         with Console(stderr=True).status("measuring"):
             result = measure(setup, device=device, iterations=args.iterations)
-    _emit(args, result)
+    _emit(args, result, source)
     return 0
 
 
@@ -175,11 +198,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from llmem.cli.plots import plot_plan
-    from llmem.cli.tables import print_json, print_plan
+    from llmem.cli.tables import print_json, print_plan, print_source
     from llmem.planner.plan import plan
 
-    setup = setup_from_args(args)
-    options = plan_options_from_args(args, setup)
+    setup, source = setup_and_source(args)
+    options = plan_options_from_args(args, setup, source)
     export = args.export
     if export:
         _check_export(args, setup)
@@ -187,7 +210,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path("--plot", args.plot)
     progress = LazyProgress(enabled=not args.json)
     try:
-        p = plan(setup, options, progress=progress)
+        with _file_model(source):
+            p = plan(setup, options, progress=progress)
     finally:
         progress.close()
     messages = []
@@ -206,10 +230,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = p.to_dict()
         if messages:
             out["written"] = messages
+        if source is not None:
+            out["from_file"] = source.to_dict()
         print_json(out)
     else:
         console = Console()
         print_plan(p, console)
+        if source is not None:
+            print_source(source, console)
         for m in messages:
             console.print(m)
     if export_error is not None:
@@ -262,4 +290,11 @@ def cmd_gpus(args: argparse.Namespace) -> int:
         table.add_row(g.name, format_bytes(g.memory_bytes), format_bytes(g.cuda_context_bytes),
                       f"{g.bf16_tflops:g}", f"{g.link_gbps:g}", f"{g.memory_gbps:g}")
     Console().print(table)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llmem.cli.serve import serve
+
+    serve(args.host, args.port)
     return 0

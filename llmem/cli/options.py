@@ -10,6 +10,7 @@ from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.planner.options import PlanOptions
+from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
     ACTIVATIONS,
     ADAPTERS,
@@ -19,6 +20,7 @@ from llmem.setup.training import (
     STEP,
     Option,
     TrainingSetup,
+    default_method,
     user_setup,
 )
 
@@ -43,8 +45,20 @@ def _metavar(name: str, type_: Any) -> str:
     return "N" if type_ is int else name.split("_")[-1].upper()
 
 
+GIVEN = "setup_given"      # the namespace's set of the dests the command line gave
+
+
+class _Given(argparse.Action):
+    """argparse's store / store_true / store_false / store_const that also notes its dest as given, so that --from
+    FILE knows which flags override the file (also one given at its default value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
-    """The set-up's options, grouped as --help shows them, and --json."""
+    """The set-up's options, grouped as --help shows them, --from and --json."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
     for f in fields(TrainingSetup):
         opt = _option(f)
@@ -53,24 +67,37 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         g = groups[opt.group]
         default = f.default if opt.cli_default is ... else opt.cli_default
         if opt.kind == "positional":
-            g.add_argument(_dest(f), metavar=opt.metavar, help=opt.help)
+            g.add_argument(_dest(f), metavar=opt.metavar, nargs="?", default=None,
+                           help=opt.help + " (optional with --from: the file names it)")
         elif opt.kind == "switch":
-            g.add_argument(_flag(f, opt), dest=_dest(f), action="store_true", help=opt.help)
+            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, nargs=0, const=True, default=False,
+                           help=opt.help)
         elif opt.kind == "negate":
-            g.add_argument(_flag(f, opt), dest=_dest(f), action="store_false", help=opt.help)
+            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, nargs=0, const=False, default=True,
+                           help=opt.help)
         elif opt.kind == "switches":
             for flag, value, help_text in opt.switches:
-                g.add_argument(flag, dest=f"{_dest(f)}{flag}", action="store_const", const=value, help=help_text)
+                g.add_argument(flag, dest=f"{_dest(f)}{flag}", action=_Given, nargs=0, const=value, help=help_text)
         else:
-            g.add_argument(_flag(f, opt), dest=_dest(f), type=opt.type, default=default,
+            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, type=opt.type, default=default,
                            metavar=opt.metavar or _metavar(f.name, opt.type), help=opt.help)
+    groups[MODEL].add_argument("--from", dest="from_files", action="append", default=None, metavar="FILE",
+                               help="read the set-up from a training config: axolotl, LLaMA-Factory, TRL / "
+                               "TrainingArguments, torchtune or accelerate YAML, DeepSpeed JSON, torchtitan TOML "
+                               "(repeat to add the accelerate config it is launched with); flags override the file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
     """The TrainingSetup the parsed options describe (what a flag implies, what excludes or requires what)."""
+    return setup_and_source(args)[0]
+
+
+def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRecord | None]:
+    """The set-up and, under --from FILE, how the file was read (the flags given override the file's values)."""
     values: dict[str, Any] = {}
     given: set[str] = set()
+    recorded = getattr(args, GIVEN, frozenset())
     for f in fields(TrainingSetup):
         opt = _option(f)
         if opt is None:
@@ -86,7 +113,7 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
             continue
         value = getattr(args, _dest(f))
         parser_default = f.default if opt.cli_default is ... else opt.cli_default
-        if opt.kind == "positional" or value != parser_default:
+        if value is not None if opt.kind == "positional" else (value != parser_default or _dest(f) in recorded):
             given.add(f.name)
         if value is None and parser_default is None and f.default is not None:
             continue                       # not given: the field's default (or what resolving decides)
@@ -97,7 +124,16 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
             values.update(dict(opt.implies))
             if opt.requires and values.get(opt.requires[0]) != opt.requires[1]:
                 raise LlmemError(f"{_flag(f, opt)} applies to {_flag_for(*opt.requires)} only")
-    return user_setup(**values)
+    files = getattr(args, "from_files", None)
+    if files:
+        implied = {k: v for f in fields(TrainingSetup) if f.name in given and _option(f) is not None
+                   for k, v in _option(f).implies}
+        read = setup_from_file(files, **{k: values[k] for k in given | set(implied) if k in values})
+        return read.setup, read.record
+    if values.get("model") is None:
+        raise LlmemError("give a MODEL (a catalog name, hub id, config.json or model folder), or --from FILE with "
+                         "the training config that names it")
+    return user_setup(**values), None
 
 
 def _flag_for(name: str, value: Any) -> str:
@@ -131,7 +167,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                         "deepspeed (JSON)")
 
 
-def plan_options_from_args(args: argparse.Namespace, setup: TrainingSetup) -> PlanOptions:
+def plan_options_from_args(args: argparse.Namespace, setup: TrainingSetup,
+                           source: SourceRecord | None = None) -> PlanOptions:
+    """`plan`'s options; the method searched is the one given, by --method or by the --from file (`source`)."""
     values: dict[str, Any] = {}
     for f in fields(PlanOptions):
         meta = f.metadata
@@ -139,5 +177,45 @@ def plan_options_from_args(args: argparse.Namespace, setup: TrainingSetup) -> Pl
             continue
         value = getattr(args, f"plan_{f.name}")
         values[f.name] = meta["parse"](value) if meta["parse"] is not None and value is not None else value
-    given_method = getattr(args, "setup_method", None)
+    given_method = getattr(args, "setup_method", None) or (source is not None and source.states_method)
     return PlanOptions(**values, methods=(setup.method,) if given_method else None, tp=setup.tp)
+
+
+def option_flags(values: dict[str, Any], attached: bool = False) -> list[str]:
+    """The flags that set TrainingSetup fields to `values` (field name -> value, MODEL left out), in field order:
+    a switch when true, a negated switch when false, one of several switches by the value it maps to. attached:
+    `--flag=VALUE`, which argparse reads as the value even when it starts with '-'."""
+    out: list[str] = []
+    for f in fields(TrainingSetup):
+        opt = _option(f)
+        if opt is None or opt.kind == "positional" or f.name not in values:
+            continue
+        value = values[f.name]
+        if opt.kind == "switch":
+            out += [_flag(f, opt)] if value else []
+        elif opt.kind == "negate":
+            out += [] if value else [_flag(f, opt)]
+        elif opt.kind == "switches":
+            out += [flag for flag, v, _ in opt.switches if v == value]
+        elif value is not None:
+            out += [f"{_flag(f, opt)}={value}"] if attached else [_flag(f, opt), str(value)]
+    return out
+
+
+def _unset_value(name: str, setup: TrainingSetup) -> Any:
+    """A field's value when its flag is not given: the method follows --gpus (user_setup), the others their
+    field's default."""
+    if name == "method":
+        return default_method(setup.gpus)
+    return next(f.default for f in fields(TrainingSetup) if f.name == name)
+
+
+def setup_flags(setup: TrainingSetup) -> list[str]:
+    """`setup` as the command line that gives it (the inverse of setup_from_args): MODEL, then the flag of each
+    field whose value differs from its unset value, less what a given flag implies (--grad-ckpt under
+    --grad-ckpt-every K)."""
+    changed = {f.name: getattr(setup, f.name) for f in fields(TrainingSetup)
+               if _option(f) is not None and getattr(setup, f.name) != _unset_value(f.name, setup)}
+    implied = {name: value for f in fields(TrainingSetup) if f.name in changed
+               for name, value in _option(f).implies}
+    return [setup.model] + option_flags({k: v for k, v in changed.items() if implied.get(k, ...) != v})

@@ -28,6 +28,7 @@ from llmem.units import GIB, MIB, format_bytes
 
 if TYPE_CHECKING:
     from llmem.planner.plan import Plan
+    from llmem.setup.sources import SourceRecord
     from llmem.validate.compare import Row
 
 WIDE_COLUMNS = 120     # from this terminal width on, plan and validate draw their wide layout where it fits
@@ -143,6 +144,23 @@ def print_memory(result: MemoryResult, console: Console | None = None) -> None:
         console.print(f"[red]out of memory:[/] {escape(oom.describe())}")
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
+
+
+def print_source(record: SourceRecord, console: Console | None = None) -> None:
+    """Under a result read --from a file: each file, the keys used (key = value -> field = value), those ignored
+    and why, the notes."""
+    console = console or Console()
+    several = len({p for p, _ in record.files}) > 1
+    for path, fmt in record.files:
+        console.print(f"[bold]from[/] {escape(path)} ({fmt})")
+    for u in record.used:
+        console.print(f"  [green]used[/] {escape((u.file + ': ') if several else '')}{escape(u.text())}")
+    for i in record.ignored:
+        console.print(f"  [yellow]ignored[/] {escape((i.file + ': ') if several else '')}{escape(i.text())}")
+    if record.overridden:
+        console.print(f"  overridden by the command line: {escape(', '.join(record.overridden))}")
+    for note in record.notes:
+        console.print(f"  [yellow]note:[/] {escape(note)}")
 
 
 # ------------------------------------------------------------------------------------------------ a plan
@@ -304,7 +322,8 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
     if s.peft_config:
         words.append(f"peft:{Path(s.peft_config).name}")
     if s.quant_base != "none":
-        words.append(s.quant_base + ("" if s.double_quant or s.quant_base != "nf4" else "-no-dq"))
+        words.append(s.quant_base + ("" if s.double_quant or s.quant_base != "nf4" else "-no-dq")
+                     + ("" if s.kbit_upcast or s.quant_base == "torchao-nf4" else "-no-upcast"))
     if s.grad_ckpt:
         words.append("ckpt" + (f"/{s.ckpt_every}" if s.ckpt_every > 1 else ""))
     if s.attn != "sdpa":

@@ -20,6 +20,13 @@ from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
 from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
+from llmem.memory.activations.learned import (
+    learned_for,
+    learning_failure,
+    learning_key,
+    learning_need,
+    remember_failure,
+)
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
 from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
@@ -49,6 +56,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
     on the micro-batch shape). `fits` is decided on a device of `limit_bytes` (default: the GPU's memory) as the
     allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only."""
+    learn_if_needed(r)
     act = activation_profile(r)
     ms = states or model_states(r)
     moments = step_moments(r, act, ms)
@@ -115,7 +123,24 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
     """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
+    learn_if_needed(r)
     return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
+
+
+def learn_if_needed(r: ResolvedSetup) -> None:
+    """Set-ups without a hand recipe (a family with none, a peft type without an exact model) get their activations
+    learned from the real code (llmem.runtime.learn: a shallow copy run on fake tensors, once per model and set-up,
+    cached); imported only then, so hand-recipe estimates import no runtime. A refusal is kept as the reason the
+    notes give, and the hand recipes stand."""
+    need, _ = learning_need(r)
+    if not need or learned_for(r) is not None or learning_failure(r) is not None:
+        return
+    from llmem.runtime.learn import LearnError, learned_activations
+
+    try:
+        learned_activations(r)
+    except LearnError as exc:
+        remember_failure(learning_key(r), str(exc))
 
 
 def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, int] = EXTRAPOLATE_FROM,

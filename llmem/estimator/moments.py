@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.blocks import block_owner
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
+from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
+from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_embedding, local_numel, tp_local_numel
 from llmem.setup.precision import F32
@@ -46,6 +48,7 @@ def layer_costs(r: ResolvedSetup, act: ActivationProfile) -> LayerCosts:
     n = len(act.blocks)
     grads = [0] * n
     copies = [0] * n
+    quant = [0] * n
     fsdp = layout.shards_model_states
     gather_bytes = setup.gather_bytes
     for p in layer0:
@@ -53,21 +56,29 @@ def layer_costs(r: ResolvedSetup, act: ActivationProfile) -> LayerCosts:
         if fsdp:
             grads[i] += fsdp_unit_numel([p], layout) * gather_bytes
         else:
-            grads[i] += local_numel(p, layout) * setup.param_bytes
+            grads[i] += local_numel(p, layout) * element_bytes(p, setup)
         if regime.autocast and p.module_kind in MATMUL_KINDS and not p.name.endswith("bias"):
             copies[i] += tp_local_numel(p, layout) * regime.mm
-    transient = [b.transient + (copies[i] if regime.autocast else 0) for i, b in enumerate(act.blocks)]
+    # a quantised base: the largest dequantisation its linears make in the block's backward (llmem.memory.quant)
+    args = quant_args(setup, fsdp)
+    for p in anatomy.params:
+        if p.layer_index == 0 and is_quantised(p, setup.quant_base):
+            tr = transients(p.shape, setup.quant_base, args, 0, False, p.module_kind == "Conv1D")
+            i = block_owner(act.blocks, p.name)
+            quant[i] = max(quant[i], events_peak(tr.backward))
+    transient = [b.transient + (copies[i] if regime.autocast else 0) + quant[i] for i, b in enumerate(act.blocks)]
     return LayerCosts(tuple(b.saved for b in act.blocks), tuple(copies), tuple(grads), tuple(transient))
 
 
-def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool) -> int:
+def _walk_layer_backward(base: int, costs: LayerCosts, keep_copies: bool, recompute_extra: int = 0) -> int:
     """Backward through one layer's blocks in reverse; the peak inside the layer.
 
     `base` already holds everything outside this layer. Each block's backward allocates its weight gradients and
-    a transient, then frees what the block kept for backward.
+    a transient, then frees what the block kept for backward. `recompute_extra`: held only while the layer's
+    recompute runs (the unpacked input of an offloaded checkpoint).
     """
     held = base + sum(costs.saved) + (sum(costs.copies) if keep_copies else 0)
-    peak = held
+    peak = held + recompute_extra
     for i in reversed(range(len(costs.saved))):
         peak = max(peak, held + costs.grads_live[i] + costs.transient[i])
         held += costs.grads_live[i] - costs.saved[i] - (costs.copies[i] if keep_copies else 0)
@@ -100,8 +111,14 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
     # layers that keep everything (not checkpointed) also keep their autocast weight copies
     full_layers = 0 if act.offload else layers - act.checkpointed_layers()   # offloaded: copies on the host
-    outside = act.embed_saved + act.shared_saved if not act.offload else 0     # on the device during backward
+    # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
+    outside = act.embed_saved + act.shared_saved if not act.offload else \
+        act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0
     top_ckpt = act.checkpointed(layers - 1)
+    # a checkpointed layer's backward: the gradient of its output (the residual stream's) is live throughout, and
+    # the offloaded input copied back while it recomputes
+    top_stream = act.ckpt_input_bytes if top_ckpt else 0
+    bottom_stream = act.ckpt_input_bytes if act.checkpointed(0) else 0
     gather_bytes = setup.gather_bytes
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
     head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
@@ -162,8 +179,9 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     other_copies = max(full_layers - (0 if top_ckpt else 1), 0) * layer_copies
     gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
     prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
-    base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch
-    top_peak = _walk_layer_backward(base_top, costs, keep_copies=regime.autocast)
+    base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch + top_stream
+    top_peak = _walk_layer_backward(base_top, costs, regime.autocast,
+                                    act.recompute_input_bytes if top_ckpt else 0)
     moments.append(_lump("backward", static, top_peak, {
         "gathered_weights": gathered_top + other_copies, "gradients": head_live,
         "communication_buffers": static["communication_buffers"] + prefetch}))
@@ -171,8 +189,9 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     below_grads = (layers - 1) * layer_final_grads
     rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
     base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
-        + below_grads + outside + rs_prev
-    bottom_peak = _walk_layer_backward(base_bottom, costs, keep_copies=regime.autocast)
+        + below_grads + outside + rs_prev + bottom_stream
+    bottom_peak = _walk_layer_backward(base_bottom, costs, regime.autocast,
+                                       act.recompute_input_bytes if bottom_stream else 0)
     moments.append(_lump("backward", static, bottom_peak, {
         "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
         "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
@@ -183,7 +202,8 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
         # AccumulateGrad adds the embedding's gradient to the lm_head's one out of place: old + new + sum
         tied = [p for p in anatomy.params if is_embedding(p) and p.tied_to is not None]
         tied_extra = 2 * (fsdp_unit_numel(tied, layout) * gather_bytes if fsdp
-                          else sum(local_numel(p, layout) for p in tied) * setup.param_bytes)
+                          else sum(local_numel(p, layout) * (element_bytes(p, setup) if p.trainable
+                                                             else setup.param_bytes) for p in tied))
     embed_transient = tied_extra or embed_live
     moments.append(Moment("backward", {
         **static,

@@ -3,30 +3,59 @@ notes are shared with the trace and measure (the real step), the rest is the est
 
 from __future__ import annotations
 
-from llmem.memory.activations.profile import ActivationProfile, activation_notes, has_recipe
-from llmem.memory.quant import is_quantised, storage_bytes
+from llmem.memory.activations.learned import activation_source_notes
+from llmem.memory.activations.profile import ActivationProfile, activation_notes
+from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup
+from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
 from llmem.units import GIB
 
 
-def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy) -> list[str]:
-    """What the estimate says about a bitsandbytes-quantised base (its kernels are modelled, never run)."""
+def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | None = None) -> list[str]:
+    """What the estimate says about a quantised base: its storage, who runs it that way, the kbit upcast (its kernels
+    are modelled, never run)."""
     if setup.quant_base == "none":
         return []
+    q = quant_layout(setup.quant_base)
+    shards = layout.dp if layout is not None and layout.shards_model_states else 1
+    args = quant_args(setup, shards > 1)
     quantised = [p for p in anatomy.params if is_quantised(p, setup.quant_base)]
-    stored = sum(storage_bytes(p, setup.quant_base, setup.double_quant) for p in quantised)
+    stored = sum(storage_bytes(p, setup.quant_base, args) for p in quantised)
     numel = sum(p.numel for p in quantised)
-    kind = ("NF4 4-bit" + (", double-quantised constants" if setup.double_quant else ", fp32 absmax")
-            if setup.quant_base == "nf4" else "LLM.int8")
-    upcast = sum(p.numel for p in anatomy.params if not p.trainable and not is_quantised(p, setup.quant_base))
-    notes = [f"bitsandbytes {kind} base: {numel / 1e9:.2f} B parameters in {stored / GIB:.2f} GiB "
-             f"({8 * stored / max(numel, 1):.3f} bits each); bitsandbytes' kernels are modelled, not run "
-             "(dequantisation transients in forward and backward included)",
-             f"QLoRA recipe (peft's prepare_model_for_kbit_training): the {upcast / 1e9:.2f} B unquantised frozen "
-             "parameters (embeddings, norms, lm_head) are fp32, and so is the residual stream"]
-    if anatomy.family != "llama" and setup.mixed:
+    dtype = setup.compute_dtype.replace("bfloat", "bf").replace("float", "fp")
+    kind = {"nf4": "NF4 4-bit" + (", double-quantised constants" if setup.double_quant else ", fp32 absmax"),
+            "int8": "LLM.int8", "torchao-nf4": "NF4Tensor (block 64, scalers double-quantised per 256)"}[q.name]
+    size = (f"{q.library} {kind} base: {numel / 1e9:.2f} B parameters in {stored / GIB:.2f} GiB "
+            f"({8 * stored / max(numel, 1):.3f} bits each)")
+    if shards > 1:
+        size += (f", the packed weights (in {dtype}: bnb_4bit_quant_storage, the FSDP-QLoRA recipe) sharded by FSDP2 "
+                 f"over {shards} GPUs, the quantisation state replicated" if q.name == "nf4" else
+                 f", quantized_data / scalers / factors sharded by FSDP2 over {shards} GPUs and all-gathered per "
+                 "layer in their own dtypes (fsdp_pre_all_gather), scaler_mean and the nf4 table replicated")
+    if q.library == "torchao":
+        notes = [size + "; torchao's dequantisation (get_original_weight in eager mode: int64 nibble planes, "
+                 "about 7x the weight for a moment, in forward and again in backward) is modelled, not run",
+                 f"torchtune's QLoRA (LoRALinear(quantize_base=True)): no prepare_model_for_kbit_training, so the "
+                 f"embeddings, norms and output projection stay in {dtype}, and the adapters are in the model dtype"]
+    else:
+        notes = [size + "; bitsandbytes' kernels are modelled, not run (dequantisation transients in forward and "
+                 "backward included)"]
+        upcast = sum(p.numel for p in anatomy.params if not p.trainable and not is_quantised(p, setup.quant_base))
+        if setup.kbit_upcasts:
+            notes.append(f"QLoRA recipe (peft's prepare_model_for_kbit_training, as HF/TRL run it on one GPU or "
+                         f"DDP): the {upcast / 1e9:.2f} B unquantised frozen parameters (embeddings, norms, "
+                         "lm_head) are fp32, and so is the residual stream" + (
+                             "; without autocast every activation is then fp32 (only bitsandbytes' matmuls run in "
+                             f"{dtype})" if not setup.mixed and setup.precision_spec.low_precision else ""))
+            if shards > 1:
+                notes.append("TRL's SFTTrainer and axolotl skip prepare_model_for_kbit_training for FSDP-QLoRA: "
+                             "--no-kbit-upcast models their run")
+        else:
+            notes.append(f"no prepare_model_for_kbit_training (--no-kbit-upcast, as TRL and axolotl run "
+                         f"FSDP-QLoRA): the {upcast / 1e9:.2f} B unquantised frozen parameters stay in {dtype}")
+    if anatomy.family != "llama" and setup.mixed and q.library == "bitsandbytes" and setup.kbit_upcasts:
         notes.append(f"activations behind bitsandbytes' fp32-returning linears are modelled for the Llama family; "
                      f"for {anatomy.model_type!r} they are approximate (llmem trace gives the step)")
     return notes
@@ -43,10 +72,8 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
-    notes += quant_notes(setup, anatomy)
-    if not has_recipe(anatomy):
-        notes.append(f"no activation recipe for model_type {anatomy.model_type!r}: the Llama recipe is used, so "
-                     "activations are approximate (llmem trace gives the exact step)")
+    notes += quant_notes(setup, anatomy, r.layout)
+    notes += activation_source_notes(r)     # learned from the real code, or the fallback recipe and why
     notes.extend(activation_notes(setup))
     if act.offload:
         notes.append(f"activations offloaded: about {act.offloaded_bytes / GIB:.2f} GiB of pinned host memory per GPU")

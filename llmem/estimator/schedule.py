@@ -12,12 +12,14 @@ the step's events; each names the PyTorch behaviour it lays out.
 from __future__ import annotations
 
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
+from llmem.estimator.states import by_bytes, fsdp_gathered_tensors, fsdp_shards
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.activations.loss import FusedCE
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
 from llmem.memory.activations.quantised import fp32_behind_quant, quant_input_bytes
-from llmem.memory.quant import is_quantised, storage_tensors, transients
+from llmem.memory.quant import allocated, is_quantised, quant_args, storage_tensors, transients
 from llmem.model.anatomy import ParamInfo
+from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
     MATMUL_KINDS,
@@ -115,7 +117,8 @@ class StepSchedule:
         # Above a billion parameters, tensors under 64 KiB (biases, norm weights and their states, per-token
         # statistics) are < 0.01 % of the step; leaving them out halves the events to replay.
         self.sch = Schedule(min_bytes=SMALL_TENSOR_BYTES if anatomy.total_params >= 1e9 else 1)
-        self.pb = setup.param_bytes
+        # bytes per element of each trained parameter, its gradient and states (peft's fp32 adapters: 4)
+        self.pb = {p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable}
         self.fsdp = layout.shards_model_states
         self.reshard = r.method.reshard_after_forward
         self.gather_bytes, self.reduce_bytes = setup.gather_bytes, setup.reduce_bytes
@@ -133,9 +136,15 @@ class StepSchedule:
         self.shard_numel = {p.name: local_numel(p, layout) for p in kept}
         self.tp_local = {p.name: tp_local_numel(p, layout) for p in kept}
         self.unsharded = {p.name: fsdp_unit_numel([p], layout) for p in kept} if self.fsdp else {}
-        # bitsandbytes' dequantisation transients per quantised linear (llmem.memory.quant)
+        # FSDP2's all-gather outputs per parameter (a quantised weight's sharded tensors in their storage dtypes)
+        self.gather_sizes = {p.name: fsdp_gathered_tensors(p, setup, layout) for p in kept} if self.fsdp else {}
+        # ... and whether MixedPrecisionPolicy casts it on the way (its stored dtype is not param_dtype)
+        self.cast_in = {p.name: setup.mixed and not is_quantised(p, setup.quant_base)
+                        and setup.stored_bytes(p.trainable) != setup.gather_bytes for p in kept}
+        # the quantised base's storage and dequantisation transients per quantised linear (llmem.memory.quant)
         self.quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
-        self.quant_tmp = {p.name: transients(p.shape, setup.quant_base, setup.double_quant, self.t, regime.mm,
+        self.quant_args = quant_args(setup, self.fsdp)
+        self.quant_tmp = {p.name: transients(p.shape, setup.quant_base, self.quant_args, self.t,
                                              setup.compute_dtype == "float16", p.module_kind == "Conv1D")
                           for p in kept if self.quantised[p.name]}
         self.adapted = {p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name}
@@ -178,6 +187,10 @@ class StepSchedule:
     def unit_bytes(self, unit: list[ParamInfo], per: int, only_trainable: bool = False) -> int:
         return sum(self.unsharded[p.name] for p in unit if p.trainable or not only_trainable) * per
 
+    def gathered_bytes(self, unit: list[ParamInfo]) -> int:
+        """A unit's all-gather output (FSDP2 gathers mixed dtypes as one uint8 buffer of the same bytes)."""
+        return sum(sum(self.gather_sizes[p.name]) for p in unit)
+
     def casts(self, p: ParamInfo) -> bool:
         """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none, nor
         does a quantised one: bitsandbytes dequantises it itself)."""
@@ -218,21 +231,32 @@ class StepSchedule:
                 self.sch.free(temps.pop(k))
         return keys
 
+    def play(self, events) -> list[int]:
+        """A quantised linear's transient events (llmem.memory.quant); returns the keys they leave allocated."""
+        keys: dict[int, int] = {}
+        for sign, tag, n in events:
+            if sign > 0:
+                keys[tag] = self.sch.alloc(n, "activations")
+            else:
+                self.sch.free(keys.pop(tag))
+        return list(keys.values())
+
     def dequantise(self, params: list[ParamInfo], backward: bool, block: Block | None = None) -> None:
-        """Forward: each quantised linear's transients, one after the other, then (nf4) its output in the compute
-        dtype, its cast back to the input dtype (Linear4bit returns the input's dtype) and, in peft's 4-bit LoRA
-        layer, the clone of it that the adapter's output is added into. Backward: the largest one's, live while
-        the block's input gradients are made (the caller frees them)."""
-        sch, alloc, mm = self.sch, self.sch.alloc, self.regime.mm
+        """Forward: each quantised linear's transients, one after the other, then (bitsandbytes nf4) its output in
+        the compute dtype, its cast back to the input dtype (Linear4bit returns the input's dtype) and, in peft's
+        4-bit LoRA layer, the clone of it that the adapter's output is added into (torchao's LinearNF4 returns
+        F.linear's output itself: the recipe's tensor). Backward: the largest one's, what it leaves live while the
+        block's input gradients are made (the caller frees them)."""
+        sch, alloc, mm = self.sch, self.sch.alloc, self.quant_args.dtype_bytes
         if backward:
             sets = [self.quant_tmp[p.name].backward for p in params if p.name in self.quant_tmp]
             if sets:
-                self.quant_live.extend(alloc(n, "activations") for n in max(sets, key=sum))
+                self.quant_live.extend(self.play(max(sets, key=lambda e: sum(allocated(e)))))
             return
         for p in params:
             if p.name not in self.quant_tmp:
                 continue
-            keys = [alloc(n, "activations") for n in self.quant_tmp[p.name].forward]
+            keys = self.play(self.quant_tmp[p.name].forward)
             if self.setup.quant_base != "nf4" or block is None:
                 sch.free_all(keys)
                 continue
@@ -254,17 +278,19 @@ class StepSchedule:
 
     # ------------------------------------------------------------------------------------------ FSDP2 units
     def all_gather(self, unit: list[ParamInfo]) -> int:
-        """FSDP2 foreach_all_gather: a copy-in of the local shards and the gathered output, on its stream."""
+        """FSDP2 foreach_all_gather: the copy-in of the local shards that MixedPrecisionPolicy casts (a parameter
+        already in param_dtype, or without a policy, is copied straight into the output: _get_param_all_gather_inputs)
+        and the gathered output, on its stream."""
         alloc = self.sch.alloc
-        inp = alloc(self.unit_bytes(unit, self.gather_bytes) // self.layout.dp, "communication_buffers",
-                    ALL_GATHER)
-        out = alloc(self.unit_bytes(unit, self.gather_bytes), "communication_buffers", ALL_GATHER)
+        cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.layout.dp
+        inp = alloc(cast, "communication_buffers", ALL_GATHER) if cast else -1
+        out = alloc(self.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
         self.sch.free(inp)
         return out
 
     def copy_out(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
-        alloc, per = self.sch.alloc, self.gather_bytes
-        self.gathered[unit_key] = [alloc(self.unsharded[p.name] * per, "gathered_weights") for p in unit]
+        alloc = self.sch.alloc
+        self.gathered[unit_key] = [alloc(n, "gathered_weights") for p in unit for n in self.gather_sizes[p.name]]
 
     def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         if not self.fsdp or unit_key in self.gathered:
@@ -312,7 +338,7 @@ class StepSchedule:
                 self.layer_unsharded.append(alloc(size, "gradients"))
             return
         # DTensor: a vocab-parallel embedding's gradient comes back replicated (full size)
-        size = (p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]) * self.pb
+        size = (p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]) * self.pb[p.name]
         grads = self.grads
         if p.name in grads:       # accumulation into an existing gradient (tied weights): out of place
             grads[p.name] = self.accumulate(grads[p.name], size)
@@ -341,13 +367,13 @@ class StepSchedule:
             if shared and spec.shared_state_bytes([shapes[p.name]], per_parameter):
                 self.states.extend(alloc(shared // 2, "optimizer_states") for _ in range(2))
                 shared = 0
-            self.states.extend(alloc(b, "optimizer_states") for b in spec.part(p).states(shapes[p.name], pb))
+            self.states.extend(alloc(b, "optimizer_states") for b in spec.part(p).states(shapes[p.name], pb[p.name]))
 
     def redistribute_vocab_grads(self, params: list[ParamInfo]) -> None:
         """DTensor: the replicated vocab-parallel embedding gradient is redistributed to the parameter's shards
         where the optimizer first combines it with a sharded tensor (a temporary of the shard's size)."""
         alloc = self.sch.alloc
-        redistributed = [alloc(self.shard_numel[p.name] * self.pb, "optimizer_temporaries")
+        redistributed = [alloc(self.shard_numel[p.name] * self.pb[p.name], "optimizer_temporaries")
                          for p in params if p.name in self.vocab_parallel]
         self.sch.free_all(redistributed)
 
@@ -355,9 +381,11 @@ class StepSchedule:
         """One step's temporaries over `params` (a composite optimizer: each part over its own, in order)."""
         sch = self.sch
         redistribute = self.optimizer.redistribute == AT_FIRST_FREE   # e.g. Lion: in _foreach_add_(updates, grads)
-        for part, ps in self.optimizer.split(params):
+        # per dtype (foreach kernels group their tensors by dtype), then per part of a composite optimizer
+        runs = [(part, ps, n) for n, same in by_bytes(params, self.pb) for part, ps in self.optimizer.split(same)]
+        for part, ps, n in runs:
             keys: dict[int, int] = {}
-            for sign, tag, size in part.step_events([self.shapes[p.name] for p in ps], self.pb, self.shards):
+            for sign, tag, size in part.step_events([self.shapes[p.name] for p in ps], n, self.shards):
                 if sign > 0:
                     keys[tag] = sch.alloc(size, "optimizer_temporaries")
                 else:
@@ -387,16 +415,17 @@ class StepSchedule:
         sch, setup = self.sch, self.setup
         sch.phase = "setup:setup"
         for p in self.kept:
-            if self.quantised[p.name]:       # bitsandbytes' storage: packed weight and quantisation constants
-                for n in storage_tensors(p.shape, setup.quant_base, setup.double_quant, p.module_kind == "Conv1D"):
+            if self.quantised[p.name]:       # the quantised storage: packed weight and quantisation constants
+                for n in storage_tensors(p.shape, setup.quant_base, self.quant_args, p.module_kind == "Conv1D",
+                                         fsdp_shards(self.layout)):
                     sch.alloc(n, "weights")
             else:
-                sch.alloc(self.shard_numel[p.name] * setup.stored_bytes(p.trainable), "weights")
+                sch.alloc(self.shard_numel[p.name] * element_bytes(p, setup), "weights")
         if self.layout.spec.gradient_buckets:
             # the reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB
             cap, filled = DDP_FIRST_BUCKET_BYTES, 0
             for p in reversed(self.trainable):
-                filled += self.shard_numel[p.name] * self.pb
+                filled += self.shard_numel[p.name] * self.pb[p.name]
                 if filled >= cap:
                     sch.alloc(filled, "communication_buffers")
                     cap, filled = DDP_BUCKET_CAP_BYTES, 0
@@ -412,20 +441,27 @@ class StepSchedule:
         self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
         if act.offload:
             sch.free_all(self.embed_keys)
+            # a frozen embedding's output under checkpointing: a leaf its AccumulateGrad node holds on the device
+            # (without offloading it is layer 0's checkpointed input, counted there)
+            self.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         self.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
         if self.workspace < 0:
             self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
         self.layer_keys: dict[int, list[list[int]]] = {}
         self.ckpt_keys: dict[int, int] = {}
+        self.passed = -1    # offloaded checkpointing: the last checkpointed layer's output, the next layer's input
         self.int8_keys: dict[int, list[int]] = {}   # LLM.int8's inputs a checkpointed layer keeps (ctx attributes)
         for i in range(self.layers):
             self.forward_layer(i)
         sch.free_all(self.last_forward_ag)
         sch.free(mask_key)              # the packed mask dies with the model's forward
         self.head_forward()
+        sch.free(self.passed)           # the final norm has read the last layer's output
         sch.free_all(self.bias_cache)   # autocast exit clears its cache; saved weight copies stay referenced
-        if act.offload:                 # the model's forward drops its rotary cos/sin; the layers' copies are on host
+        if act.offload and not act.grad_ckpt:
+            # the model's forward drops its rotary cos/sin and the layers' copies are on the host; checkpointed
+            # layers' recompute partials (HF passes them as keywords) hold them on the device until their backward
             sch.free_all(self.shared_keys)
         sch.free_all(self.cache)
         sch.free(self.logits)           # the model output is dropped before backward
@@ -469,13 +505,16 @@ class StepSchedule:
             pending = (params, False, b)
         if pending is not None and not checkpointed:
             self.dequantise(*pending)
+        out = -1
         if checkpointed or self.offloaded(i):
             # a checkpointed layer keeps only its input (the rest is recomputed); an offloaded one keeps
             # nothing on the device (its saved tensors, autocast's casts included, are on the host)
             if checkpointed:
                 # (the layer's output, the next layer's kept input, exists before its intermediates die)
-                self.ckpt_keys[i] = alloc(act.checkpoint_saved - sum(act.int8_kept), "activations")
+                out = alloc(act.ckpt_input_bytes, "activations")
                 self.int8_keys[i] = [alloc(n, "activations") for n in act.int8_kept]
+                if not act.offload:
+                    self.ckpt_keys[i] = out
             for keys in per_block:
                 sch.free_all(keys)
             for params, keys in zip(blocks_params, copies, strict=True):
@@ -485,6 +524,11 @@ class StepSchedule:
                     else:
                         sch.free(k)             # a frozen weight's cast dies with the discarded graph
             copies = [[] for _ in copies]
+        if act.offload:
+            # offloaded checkpointing: the checkpoint packed its input (the previous layer's output) to the host, so
+            # the device tensor dies once this layer has used it; this layer's output lives on for the next one
+            sch.free(self.passed)
+            self.passed = out
         self.layer_keys[i] = per_block
         self.copies_by_layer[i] = copies
         if self.reshard:
@@ -498,7 +542,7 @@ class StepSchedule:
         self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
         self.head_offloaded: list[int] = []
         if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
-            self.head_offloaded = list(act.head_tensors if act.fused_ce is not None else act.head_tensors[:-1])
+            self.head_offloaded = list(act.head_tensors[:-1] if act.lm_head_input else act.head_tensors)
             sch.free_all(self.head_keys[:len(self.head_offloaded)])
             self.head_keys = self.head_keys[len(self.head_offloaded):]
         self.head_copy: list[int] = []
@@ -534,6 +578,8 @@ class StepSchedule:
         self.pending_rs: list[int] = []
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
+        if self.act.offload and self.act.embed_leaf_bytes:   # AccumulateGrad gives the leaf its .grad
+            self.embed_keys.append(sch.alloc(self.act.embed_leaf_bytes, "activations"))
         # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
         embeds = [p for p in self.root if p.trainable and is_embedding(p)]
         stream_grad = sch.alloc(self.t * self.hidden_size * self.regime.res, "activations") if embeds else -1
@@ -631,12 +677,20 @@ class StepSchedule:
         per_block = self.layer_keys[i]
         copies = self.copies_by_layer[i]
         checkpointed = act.checkpointed(i)
+        stream_grad = -1
         if checkpointed:       # recompute the layer's forward
+            # the gradient of the layer's output (the residual stream's, in its dtype) is live through the layer's
+            # backward: the residual adds' backward passes it on and sums into a new one
+            stream_grad = alloc(act.ckpt_input_bytes, "activations")
+            # offloaded: the unpack hook copies the input back first (when the recompute keeps it as it is, it is
+            # the first block's first tensor)
+            unpacked = alloc(act.recompute_input_bytes, "activations") if act.recompute_input_bytes else -1
             copies = [[alloc(n, "gathered_weights") for n in self.cast_bytes(params)] for params in blocks_params]
             per_block = []
             for b, params in zip(act.blocks, blocks_params, strict=True):
                 per_block.append(self.forward_block(b))
                 self.dequantise(params, backward=False, block=b)
+            sch.free(unpacked)     # the unpack hook's arguments die when the recompute returns
         self.layer_unsharded.clear()
         for j in reversed(range(len(act.blocks))):
             if self.offloaded(i) and (i > 0 or j >= act.first_layer_skip):   # back from the host for backward
@@ -655,8 +709,9 @@ class StepSchedule:
             sch.free_all(copies[j])
             self.flush_steps(it)
         if checkpointed:
-            sch.free(self.ckpt_keys.pop(i))
+            sch.free(self.ckpt_keys.pop(i, -1))
             sch.free_all(self.int8_keys.pop(i))
+            sch.free(stream_grad)
         if self.fsdp:
             self.reduce_scatter_layer(i)
 

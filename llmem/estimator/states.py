@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmem.memory.quant import is_quantised, storage_bytes
+from llmem.memory.quant import check_quantisable, gathered_tensors, is_quantised, quant_args, storage_bytes
 from llmem.model.anatomy import ParamInfo
+from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
     MATMUL_KINDS,
@@ -25,6 +26,7 @@ from llmem.model.sharding import (
     tp_local_numel,
     tp_split_dim,
 )
+from llmem.setup.layout import Layout
 from llmem.setup.optimizers import step_peak_bytes
 from llmem.setup.training import TrainingSetup
 
@@ -50,12 +52,40 @@ class ModelStates:
     optimizer_states_outside_allocator: int = 0   # paged 8-bit states (cudaMallocManaged): in device_used only
 
 
-def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int) -> int:
-    """Bytes a parameter is stored in on this GPU (`local` elements of it): bitsandbytes' layout for a quantised
-    base weight (llmem.memory.quant), else the set-up's dtype for trained / frozen parameters."""
+def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int, layout: Layout | None = None) -> int:
+    """Bytes a parameter is stored in on this GPU (`local` elements of it): the quantised layout of a quantised
+    base weight (llmem.memory.quant: FSDP2's shard of its sharded tensors, the quantisation state replicated), else
+    the set-up's dtype for trained / frozen parameters."""
     if is_quantised(p, setup.quant_base):
-        return storage_bytes(p, setup.quant_base, setup.double_quant)
-    return local * setup.stored_bytes(p.trainable)
+        shards = fsdp_shards(layout)
+        check_quantisable(p, setup.quant_base, shards)
+        return storage_bytes(p, setup.quant_base, quant_args(setup, shards > 1), shards)
+    return local * element_bytes(p, setup)
+
+
+def fsdp_shards(layout: Layout | None) -> int:
+    """How many ranks FSDP2 shards a parameter over (1: not sharded)."""
+    return layout.dp if layout is not None and layout.shards_model_states else 1
+
+
+def fsdp_gathered_tensors(p: ParamInfo, setup: TrainingSetup, layout: Layout) -> tuple[int, ...]:
+    """Bytes of FSDP2's all-gather outputs for one parameter (FSDPParam.alloc_all_gather_outputs): a quantised
+    weight's sharded tensors in their storage dtypes (llmem.memory.quant.gathered_tensors); any other parameter
+    padded to a multiple of dp, in MixedPrecisionPolicy's param_dtype under *-mixed, else in its own dtype (a kbit
+    upcast's fp32 norms and embeddings stay fp32)."""
+    if is_quantised(p, setup.quant_base):
+        return gathered_tensors(p.shape, setup.quant_base, quant_args(setup, True), layout.dp,
+                                p.module_kind == "Conv1D")
+    per = setup.gather_bytes if setup.mixed else element_bytes(p, setup)
+    return (fsdp_unit_numel([p], layout) * per,)
+
+
+def by_bytes(params: list[ParamInfo], pb: dict[str, int]) -> list[tuple[int, list[ParamInfo]]]:
+    """`params` split by bytes per element (in order of first appearance): one group when all share a dtype."""
+    groups: dict[int, list[ParamInfo]] = {}
+    for p in params:
+        groups.setdefault(pb[p.name], []).append(p)
+    return list(groups.items())
 
 
 def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int, int, int]:
@@ -63,21 +93,23 @@ def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int,
     setup, layout, spec = r.setup, r.layout, r.optimizer
     if setup.offload_optimizer:
         return 0, 0, 0                 # states and the update live on the CPU (ZeRO-Offload / FSDP)
-    pb = setup.param_bytes
+    pb = {p.name: element_bytes(p, setup) for p in trainable}   # peft's fp32 adapters on a bf16 base: 4
     shards = layout.shard_degree                                 # FSDP2's DTensor shards of dim 0
     shapes = {p.name: local_shape(p, layout) for p in trainable}
-    states = sum(sum(spec.part(p).states(shapes[p.name], pb)) for p in trainable)
+    states = sum(sum(spec.part(p).states(shapes[p.name], pb[p.name])) for p in trainable)
     states += spec.shared_state_bytes([shapes[p.name] for p in trainable], setup.optimizer_in_backward)
     outside = sum(spec.outside_allocator_bytes(shapes[p.name]) for p in trainable) if spec.paged else 0
     if setup.optimizer_in_backward:
         # one optimizer per parameter: the step's temporaries are those of the largest single parameter
-        temporaries = max((step_peak_bytes(spec.part(p).step_events([shapes[p.name]], pb, shards)) for p in trainable),
-                          default=0)
+        temporaries = max((step_peak_bytes(spec.part(p).step_events([shapes[p.name]], pb[p.name], shards))
+                           for p in trainable), default=0)
     else:
         # per parameter group (fused AdamW, SGD and bitsandbytes' fused 8-bit kernels: none); a composite's parts
         # step one after the other
-        temporaries = max((step_peak_bytes(part.step_events([shapes[p.name] for p in ps], pb, shards))
-                           for g in foreach_groups(trainable, layout) for part, ps in spec.split(g)), default=0)
+        # (foreach kernels group their tensors by dtype too: torch's _group_tensors_by_device_and_dtype)
+        temporaries = max((step_peak_bytes(part.step_events([shapes[p.name] for p in ps], n, shards))
+                           for g in foreach_groups(trainable, layout) for n, dg in by_bytes(g, pb)
+                           for part, ps in spec.split(dg)), default=0)
     return states, temporaries, outside
 
 
@@ -103,11 +135,11 @@ def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
 
 def model_states(r: ResolvedSetup) -> ModelStates:
     setup, layout, params = r.setup, r.layout, r.anatomy.params
-    pb = setup.param_bytes
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
-    weights = sum(param_storage_bytes(p, setup, local[p.name]) for p in params)
-    grads = sum(local[p.name] for p in trainable) * pb
+    pb = {p.name: element_bytes(p, setup) for p in trainable}    # a gradient in its parameter's dtype
+    weights = sum(param_storage_bytes(p, setup, local[p.name], layout) for p in params)
+    grads = sum(local[p.name] * pb[p.name] for p in trainable)
     opt_states, opt_temp, opt_outside = _optimizer_bytes(r, trainable)
     ddp_buckets = grads if r.method.gradient_buckets else 0   # gradient_as_bucket_view=False: a second copy
     ac_w, ac_b = _autocast_copies(r)
@@ -115,24 +147,24 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     head = [p for p in trainable if p.layer_index is None and not is_embedding(p)]
     embed = [p for p in trainable if p.layer_index is None and is_embedding(p)]
     layer0 = [p for p in trainable if p.layer_index == 0]
-    head_grads = sum(local[p.name] for p in head) * pb
-    embed_grads = sum(local[p.name] for p in embed) * pb
-    layer_grads = sum(local[p.name] for p in layer0) * pb
+    head_grads = sum(local[p.name] * pb[p.name] for p in head)
+    embed_grads = sum(local[p.name] * pb[p.name] for p in embed)
+    layer_grads = sum(local[p.name] * pb[p.name] for p in layer0)
 
     root_gathered = layer_gathered = layer_reduce = root_reduce = 0
     if layout.shards_model_states:
-        gather_bytes, reduce_bytes = setup.gather_bytes, setup.reduce_bytes
+        reduce_bytes = setup.reduce_bytes
         root = [p for p in params if p.layer_index is None]
         layer0_all = [p for p in params if p.layer_index == 0]
-        layer_gathered = fsdp_unit_numel(layer0_all, layout) * gather_bytes
-        root_gathered = fsdp_unit_numel(root, layout) * gather_bytes
+        layer_gathered = sum(sum(fsdp_gathered_tensors(p, setup, layout)) for p in layer0_all)
+        root_gathered = sum(sum(fsdp_gathered_tensors(p, setup, layout)) for p in root)
         layer_reduce = fsdp_unit_numel(layer0, layout) * reduce_bytes
         root_reduce = fsdp_unit_numel([p for p in root if p.trainable], layout) * reduce_bytes
     tp_excess = 0
     if layout.tp > 1:
         for p in embed:
             if tp_split_dim(p) == 0:
-                tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb
+                tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb[p.name]
     return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
                        embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
                        opt_outside)

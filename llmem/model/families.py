@@ -2,7 +2,8 @@
 and the rule that reads its head counts.
 
 A row says which activation recipe describes its decoder layer (llmem.memory.activations.recipes.RECIPES, by
-name; None: none written, Llama's is used with a note), the architectural details that recipe branches on, and
+name; None: none written, the activations are learned from the real code (llmem.runtime.learn), Llama's recipe only
+where learning is refused, with a note), the architectural details that recipe branches on, and
 how the trace applies tensor parallelism to it (a Megatron-style plan of column- and row-parallel modules, or why
 it cannot). Adding a family: docs/architecture.md.
 """
@@ -37,7 +38,7 @@ _NO_TP = ("tp is not supported for model_type {model_type!r}: llmem has no TP pl
 @dataclass(frozen=True)
 class FamilySpec:
     family: str                          # ModelAnatomy.family: the family whose conventions the model follows
-    recipe: str | None                   # activation recipe name; None: Llama's, with a note
+    recipe: str | None                   # activation recipe name; None: learned from the real code
     norm: str = "rmsnorm"                # rmsnorm (HF Llama), rmsnorm_gemma (fp32 weight multiply), layernorm
     fused_projections: bool = False      # one qkv_proj and one gate_up_proj linear (Phi-3)
     post_norms: bool = False             # post-attention and post-feedforward norms (Gemma-2)
@@ -76,7 +77,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "falcon": FamilySpec("falcon", "parallel_block", norm="layernorm", parallel_attention=True),
     "codegen": FamilySpec("codegen", "parallel_block", norm="layernorm"),
 }
-UNKNOWN_FAMILY = FamilySpec("llama", None)   # model types without a row: Llama's conventions, with a note
+UNKNOWN_FAMILY = FamilySpec("llama", None)   # model types without a row: activations learned from the real code
 
 
 def family_of(model_type: str) -> FamilySpec:

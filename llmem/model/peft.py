@@ -22,11 +22,34 @@ PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models writte
 
 def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy:
     """`anatomy` (the base model's) as `setup` trains it (cached per model and adapter settings)."""
+    upcast = setup.adapter_dtype == "fp32"
     if setup.peft_config:
-        return peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0])
+        return peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0], upcast)
     if setup.lora_rank:
-        return with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout)
+        return with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout, upcast)
     return anatomy
+
+
+# The dtype a trained anatomy gives each trained parameter (ParamInfo.dtype) is the one peft gives it on a bf16 base
+# (fp16 alike): fp32 where peft upcasts it (get_peft_model(autocast_adapter_dtype=True), its default:
+# tuners_utils.cast_adapter_dtype upcasts the fp16/bf16 parameters of every BaseTunerLayer's adapter dicts) or
+# builds it in fp32 whatever the base (prompt learning's encoders, which peft never casts), else LOW_DTYPE
+# (autocast_adapter_dtype=False: _move_adapter_to_device_of_base_layer casts the adapters to the base layer's
+# dtype; a trained base parameter, e.g. a bias, keeps its own).
+LOW_DTYPE = "bfloat16"
+
+
+def element_bytes(p: ParamInfo, setup: TrainingSetup) -> int:
+    """Bytes per element of a parameter as the step holds it, its gradient and optimizer states alike (they follow
+    the parameter's dtype): frozen ones as TrainingSetup.stored_bytes says; trained ones in the precision's
+    param_bytes, except peft's fp32 ones under pure fp16/bf16 (LOW_DTYPE's rule). Under *-mixed and fp32 every
+    trained parameter is fp32: llmem builds the adapters on the fp32 model (the masters *-mixed names) before the
+    frozen base is cast to the compute dtype, so --adapter-dtype base changes nothing there."""
+    if not p.trainable:
+        return setup.stored_bytes(False)
+    if setup.peft and setup.precision_spec.low_precision and not setup.mixed and p.dtype == "float32":
+        return 4
+    return setup.param_bytes
 
 
 def lora_target_names(targets: str) -> list[str]:
@@ -35,10 +58,13 @@ def lora_target_names(targets: str) -> list[str]:
 
 
 @lru_cache(maxsize=64)
-def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", dropout: float = 0.0) -> ModelAnatomy:
+def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", dropout: float = 0.0,
+              upcast: bool = True) -> ModelAnatomy:
     """The anatomy as peft's LoRA builds it: every base parameter frozen, adapters A [r, in] and B [out, r] added
     next to each targeted linear of the decoder layers ("all-linear": every Linear/Conv1D inside the layers, as
-    peft's all-linear, which leaves lm_head alone). `dropout`: peft's lora_dropout."""
+    peft's all-linear, which leaves lm_head alone). `dropout`: peft's lora_dropout; `upcast`: peft's
+    autocast_adapter_dtype (the adapters' dtype on a low-precision base: LOW_DTYPE's rule)."""
+    dtype = "float32" if upcast else LOW_DTYPE
     wanted = set(lora_target_names(targets))
     if not wanted:
         raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
@@ -51,8 +77,8 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
             # them; the support check (llmem.setup.support) then says why no engine models them
             matched.add("lm_head")
             vocab, hidden = p.shape
-            params.append(ParamInfo("lm_head.lora_A.default.weight", (rank, hidden), "float32", "Linear", None, None))
-            params.append(ParamInfo("lm_head.lora_B.default.weight", (vocab, rank), "float32", "Linear", None, None))
+            params.append(ParamInfo("lm_head.lora_A.default.weight", (rank, hidden), dtype, "Linear", None, None))
+            params.append(ParamInfo("lm_head.lora_B.default.weight", (vocab, rank), dtype, "Linear", None, None))
             continue
         module, leaf = p.name.rsplit(".", 1)
         short = module.rsplit(".", 1)[-1]
@@ -60,9 +86,9 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
                 or not (LORA_ALL_LINEAR in wanted or short in wanted)):
             continue
         matched.add(short)
-        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, p.in_features), "float32", "Linear",
+        params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, p.in_features), dtype, "Linear",
                                 p.layer_index, None))
-        params.append(ParamInfo(f"{module}.lora_B.default.weight", (p.out_features, rank), "float32", "Linear",
+        params.append(ParamInfo(f"{module}.lora_B.default.weight", (p.out_features, rank), dtype, "Linear",
                                 p.layer_index, None))
     missing = wanted - matched - {LORA_ALL_LINEAR}
     if missing:
@@ -119,6 +145,9 @@ def peft_config_from_text(text: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return PeftConfig.from_peft_type(**fields)
+    except ImportError as exc:      # AdaMSS's config: "scikit-learn is required for AdaMSS. Please install it ..."
+        raise LlmemError(f"peft's {fields.get('peft_type')} needs a package that is not installed: "
+                         f"{first_line(exc, 200)}") from None
     except (TypeError, ValueError, KeyError) as exc:
         first = first_line(exc)
         raise LlmemError(f"peft cannot read this config ({fields.get('peft_type')}): {first[:200]}") from None
@@ -133,9 +162,21 @@ def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
-    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as exc:
+    except ImportError as exc:      # e.g. AdaMSS: "scikit-learn is required for AdaMSS. Please install it with: ..."
+        raise LlmemError(f"peft's {_kind(config)} needs a package that is not installed: {first_line(exc, 200)}") \
+            from None
+    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError) as exc:
         first = first_line(exc)
-        raise LlmemError(f"peft cannot apply this {config.peft_type} config to the model: {first[:200]}") from None
+        if "meta" in first:         # FRoD, SHIRA, LoRA's "mica" init read the weights' values at get_peft_model
+            raise LlmemError(f"peft's {_kind(config)} initialises its adapters from the base weights' values "
+                             f"({first[:120]}); llmem builds models from shapes alone (the meta device) and cannot "
+                             "build it: no estimate or trace for this config") from None
+        raise LlmemError(f"peft cannot apply this {_kind(config)} config to the model: {first[:200]}") from None
+
+
+def _kind(config) -> str:
+    """A peft config's type as peft names it (PeftType.LORA -> LORA)."""
+    return str(getattr(config.peft_type, "value", config.peft_type))
 
 
 def _peft_name(name: str) -> str:
@@ -144,11 +185,16 @@ def _peft_name(name: str) -> str:
 
 
 @lru_cache(maxsize=32)
-def peft_anatomy(model: str, trust_remote_code: bool, config_text: str) -> ModelAnatomy:
-    """The anatomy of the peft model peft builds from this config on the meta device (cached per model and config
-    text: the planner estimates many set-ups of one model)."""
+def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: bool = True) -> ModelAnatomy:
+    """The anatomy of the peft model peft builds from this config on the meta device (cached per model, config
+    text and `upcast`, peft's autocast_adapter_dtype: the planner estimates many set-ups of one model). The base is
+    cast to bf16 first, so the dtypes peft gives the trained parameters are those of a low-precision base
+    (LOW_DTYPE's rule)."""
+    import torch
+
     name, cfg = resolve_config(model, trust_remote_code)
-    peft_model = apply_peft_config(build_meta_model(cfg, trust_remote_code), config_text, False)
+    base_model = build_meta_model(cfg, trust_remote_code).to(torch.bfloat16)
+    peft_model = apply_peft_config(base_model, config_text, upcast)
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
     grad: dict[str, bool] = {}
@@ -178,8 +224,8 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str) -> Model
                      "modelled from layer 0")
     if not exact and not notes:
         kind = "DoRA with lora_dropout" if use_dora else peft_type
-        notes.append(f"no exact activation model for peft type {kind}: trainable set from peft itself, "
-                     "activations as for the frozen base (llmem trace runs peft's real code)")
+        notes.append(f"peft type {kind}: trainable set from peft itself; no hand-written activation model (the "
+                     "estimate learns them from peft's real code, llmem.runtime.learn)")
     if json.loads(config_text).get("prompt_tuning_init") == "TEXT":
         notes.append("prompt_tuning_init TEXT needs a tokenizer: RANDOM initialisation used (same memory)")
     info = PeftInfo(peft_type, lora_dropout=lora_dropout, use_dora=use_dora,

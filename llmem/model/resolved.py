@@ -110,7 +110,7 @@ def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[str, int, tu
     if info is None:
         return "", 0, (), 0
     kind = "DoRA" if info.use_dora else _PEFT_KINDS.get(info.peft_type, info.peft_type)
-    if kind == "LoRA" and setup.quant_base == "nf4":
+    if kind == "LoRA" and setup.quant_base in ("nf4", "torchao-nf4"):
         kind = "QLoRA"
     rank, targets = 0, []
     for p in anatomy.params:

@@ -22,7 +22,7 @@ from llmem.planner.timing import accumulation_for
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS
 from llmem.setup.precision import PRECISIONS
-from llmem.setup.training import TrainingSetup
+from llmem.setup.training import QUANT_FLAGS, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def unexportable_options(setup: TrainingSetup) -> list[str]:
     s = setup
     found = [flag for flag, on in (
         ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
-        ("--qlora" if s.quant_base == "nf4" else "--load-in-8bit", s.quant_base != "none"),
+        (QUANT_FLAGS.get(s.quant_base, ""), s.quant_base != "none"),
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),

@@ -266,6 +266,7 @@ class AdapterMenu:
     title: str
     changes: tuple[tuple[str, object], ...]
     flags: str
+    sharded: bool | None = None     # only layouts that shard model states (True), that replicate them (False), any
 
 
 # (field, value, flag) sets tried on top of each adapter menu, cheapest in time first
@@ -278,9 +279,15 @@ ADAPTER_VARIANTS: tuple[tuple[tuple[str, object, str], ...], ...] = (
 
 
 def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
-    """LoRA r16 on all linear layers over the base as given, and the same over a 4-bit NF4 base (QLoRA, mixed
-    precision: bitsandbytes keeps fp32 adapters over a uint8 base, so pure bf16 becomes bf16-mixed). A set-up
-    that already trains adapters gets the QLoRA menu on its own adapters; a quantised one gets neither."""
+    """LoRA r16 on all linear layers over the base as given, and the same over a 4-bit NF4 base as each framework
+    runs it:
+    - QLoRA, HF/TRL's recipe: bitsandbytes NF4 with prepare_model_for_kbit_training's fp32 upcast, under autocast
+      (TRL's bf16=True; so pure bf16 becomes bf16-mixed), on one GPU or DDP;
+    - FSDP-QLoRA on several GPUs (Answer.AI's recipe, TRL, axolotl): the NF4 weights packed in the compute dtype
+      (bnb_4bit_quant_storage) and sharded by FSDP2 / zero2, without the upcast (TRL and axolotl skip it there);
+    - for a pure bf16 / fp32 set-up with LoRA, torchtune's QLoRA: torchao's NF4Tensor, adapters in the model dtype,
+      no upcast, on any layout.
+    A set-up that already trains adapters gets the QLoRA menus on its own adapters; a quantised one gets none."""
     if setup.quant_base != "none":
         return []
     lora = (("lora_rank", LORA_RANK), ("lora_targets", LORA_TARGETS))
@@ -290,12 +297,27 @@ def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
         menus.append(AdapterMenu("lora", f"LoRA r={LORA_RANK} on all linear layers", lora, lora_flags))
     else:
         lora, lora_flags = (), ""
+    with_lora = f" with LoRA r={LORA_RANK} on all linear layers" if lora else " with the given adapters"
     mixed = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(setup.precision)
     precision = (("precision", mixed),) if mixed else ()
-    flags = " ".join(f for f in ("--qlora", lora_flags, f"--precision {mixed}" if mixed else "") if f)
-    title = "QLoRA (4-bit NF4 base, double quantisation)" + (f" with LoRA r={LORA_RANK} on all linear layers"
-                                                             if lora else " with the given adapters")
-    menus.append(AdapterMenu("qlora", title, (("quant_base", "nf4"),) + lora + precision, flags))
+
+    def flags(*parts: str) -> str:
+        return " ".join(f for f in (*parts, lora_flags, f"--precision {mixed}" if mixed else "") if f)
+
+    menus.append(AdapterMenu("qlora", "QLoRA (bitsandbytes 4-bit NF4 base, double quantisation)" + with_lora,
+                             (("quant_base", "nf4"),) + lora + precision, flags("--qlora"),
+                             sharded=False if setup.gpus > 1 else None))
+    if setup.gpus > 1:
+        menus.append(AdapterMenu(
+            "fsdp-qlora", "FSDP-QLoRA (NF4 base packed in the compute dtype and sharded, no kbit upcast)" + with_lora,
+            (("quant_base", "nf4"), ("kbit_upcast", False)) + lora + precision,
+            flags("--qlora", "--no-kbit-upcast"), sharded=True))
+    if setup.precision in ("bf16", "fp32") and not setup.peft_config:
+        base = (("adapter_dtype", "base"),) if setup.precision == "bf16" else ()
+        menus.append(AdapterMenu(
+            "qlora-torchao", "torchtune's QLoRA (torchao NF4Tensor base, adapters in the model dtype)" + with_lora,
+            (("quant_base", "torchao-nf4"),) + base + lora,
+            " ".join(f for f in ("--qlora-torchao", "--adapter-dtype base" if base else "", lora_flags) if f)))
     return menus
 
 
@@ -303,6 +325,8 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
                     engine_note: str) -> dict:
     """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion."""
     base = replace(setup, **dict(menu.changes))
+    if menu.sharded is not None:
+        layouts = [lay for lay in layouts if lay.shards_model_states == menu.sharded]
     settings: list[dict] = []
     fastest: tuple[CandidatePlan, str, tuple] | None = None
     closest: CandidatePlan | None = None

@@ -48,8 +48,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.profile import activation_profile, effective_attention
-from llmem.memory.quant import is_quantised, storage_bytes
+from llmem.memory.quant import allocated, is_quantised, quant_args, storage_bytes, torchao_dequantise_events
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup
 from llmem.setup.gpus import GpuSpec
@@ -130,11 +131,20 @@ def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> i
     """Device-memory traffic of dequantising a bitsandbytes base once (every quantised weight read in its storage
     and written in the compute dtype): memory-bound work the matmul FLOPs do not count. MatMul4Bit dequantises in
     forward and again in backward (and in the recompute under checkpointing); LLM.int8 dequantises in backward and
-    quantises the input in forward (counted alike, an approximation)."""
+    quantises the input in forward (counted alike, an approximation); torchao's NF4Tensor, forward and backward,
+    through eager temporaries each written and read once (llmem.memory.quant.torchao_dequantise_events)."""
     if setup.quant_base == "none":
         return 0
-    return sum(storage_bytes(p, setup.quant_base, setup.double_quant) + p.numel * setup.compute_bytes
-               for p in anatomy.params if is_quantised(p, setup.quant_base))
+    args = quant_args(setup, False)
+    total = 0
+    for p in anatomy.params:
+        if is_quantised(p, setup.quant_base):
+            weight = p.numel * setup.compute_bytes
+            # torchao's eager get_original_weight writes and reads back its temporaries (int64 nibble planes, ...)
+            temps = sum(allocated(torchao_dequantise_events(p.numel, setup.compute_bytes))) - weight \
+                if setup.quant_base == "torchao-nf4" else 0
+            total += storage_bytes(p, setup.quant_base, args) + weight + 2 * temps
+    return total
 
 
 def offloaded_activation_bytes(r: ResolvedSetup) -> int:
@@ -189,6 +199,14 @@ class CommSizes:
     tp_logits_gather_bytes: float = 0.0
 
 
+def quantised_gather_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> tuple[float, float, float]:
+    """FSDP2's all-gather bytes over a quantised base (every unit, the root, one layer): its sharded storage in its
+    own dtypes, the other parameters as FSDP2 gathers them (llmem.estimator.states.fsdp_gathered_tensors)."""
+    per = {p.name: sum(fsdp_gathered_tensors(p, setup, layout)) for p in anatomy.params}
+    return (float(sum(per.values())), float(sum(per[p.name] for p in anatomy.params if p.layer_index is None)),
+            float(sum(per[p.name] for p in anatomy.params if p.layer_index == 0)))
+
+
 def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micro_batch: int,
                trainable_fraction: float = 1.0) -> CommSizes:
     """What `layout` communicates per micro-step at `micro_batch`; trainable_fraction scales gradient traffic
@@ -204,8 +222,11 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
     if layout.shards_model_states and layout.dp > 1:
         gather_b = setup.gather_bytes
         reduce_b = setup.reduce_bytes
-        sizes.update(fsdp_gather_bytes=total * gather_b, fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
-                     fsdp_root_gather_bytes=root * gather_b, fsdp_layer_gather_bytes=layer * gather_b,
+        gathered = (total * gather_b, root * gather_b, layer * gather_b)
+        if setup.quant_base != "none":   # FSDP-QLoRA gathers the quantised storage, not compute-dtype weights
+            gathered = quantised_gather_bytes(anatomy, setup, layout)
+        sizes.update(fsdp_gather_bytes=gathered[0], fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
+                     fsdp_root_gather_bytes=gathered[1], fsdp_layer_gather_bytes=gathered[2],
                      fsdp_root_reduce_bytes=root * trainable_fraction * reduce_b,
                      fsdp_units=anatomy.num_layers + 1)
     if tp > 1:

@@ -67,8 +67,10 @@ def attention_implementation(cfg, requested: str) -> str:
 def apply_peft(model: nn.Module, setup) -> nn.Module:
     """peft on the meta model (adapters, prompts and the trainable set from peft itself): --lora-rank builds a
     LoraConfig, --peft-config loads the user's adapter_config.json. The frozen base is kept in the compute dtype, as
-    fine-tuning scripts load it; adapters are fp32 under mixed precision (peft's autocast_adapter_dtype) and in the
-    model dtype under pure bf16/fp16."""
+    fine-tuning scripts load it. --adapter-dtype fp32 is get_peft_model(autocast_adapter_dtype=True), peft's
+    default: under pure bf16/fp16 (the model already cast) peft upcasts the adapters to fp32; base is False: they
+    follow the base layer's dtype. Under *-mixed peft builds them on the fp32 model (fp32 either way) and the frozen
+    base is cast to the compute dtype after."""
     from peft import LoraConfig, get_peft_model
 
     if setup.peft_config:
@@ -77,7 +79,7 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
             raise LlmemError("DoRA on a bitsandbytes-quantised base is not emulated in trace (peft dequantises the "
                              "weight every forward); llmem estimate models it analytically")
         with quiet():
-            peft_model = apply_peft_config(model, text, setup.mixed)
+            peft_model = apply_peft_config(model, text, setup.adapter_dtype == "fp32")
     else:
         targets = (setup.lora_targets if setup.lora_targets == LORA_ALL_LINEAR
                    else lora_target_names(setup.lora_targets))
@@ -85,7 +87,7 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
                             target_modules=targets, task_type="CAUSAL_LM")
         with quiet():
             try:
-                peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.mixed)
+                peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
             except ValueError as exc:
                 raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
     low = low_dtype(setup)

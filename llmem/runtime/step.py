@@ -200,7 +200,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     if setup.peft:
         model = apply_peft(model, setup)
     if setup.quant_base != "none":
-        wrap_quant_adapters(model)
+        wrap_quant_adapters(model, setup)
     autocast_dtype = low if (setup.mixed and spec.autocast_under_mixed) else None
     on_cuda = device.type == "cuda"
     sharded = spec.shards_model_states or spec.has_tp

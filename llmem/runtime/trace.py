@@ -18,6 +18,7 @@ from collections.abc import Callable
 from llmem.memory.activations.profile import activation_notes
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
+from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.gpus import resolve_gpu
@@ -34,8 +35,7 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
     if setup.quant_base != "none":
-        notes.append(f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, "
-                     "dequantisation / int8 buffers as bitsandbytes allocates them), not run")
+        notes.append(emulation_note(setup))
     if setup.offload_optimizer and engine == "trace":
         notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "
                      "device keeps the gradients until zero_grad and is updated in place (no device allocations)")

@@ -49,7 +49,10 @@ class Regime:
 
 def regime_for(setup, method) -> Regime:
     """The regime of `setup` (a TrainingSetup) under `method` (a MethodSpec)."""
-    if not setup.precision_spec.low_precision:
+    if not setup.precision_spec.low_precision or (setup.kbit_upcasts and not setup.mixed):
+        # pure bf16/fp16 QLoRA with prepare_model_for_kbit_training: the fp32 embedding and norms make the residual
+        # stream fp32, bitsandbytes' linears return their input's dtype and the fp32 lm_head fp32 logits, so every
+        # activation is fp32 (only bitsandbytes' own matmuls run in the compute dtype)
         return Regime("fp32", F32, F32)
     if setup.mixed and method.autocast_under_mixed:
         # LoRA keeps the frozen embedding in the compute dtype, so its output - the residual stream - is too

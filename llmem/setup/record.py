@@ -64,6 +64,10 @@ class SetupRecord:
             kind += f" (nf4 base{', double quant' if s.double_quant else ''})"
         elif s.quant_base == "int8":
             kind += " (int8 base)"
+        elif s.quant_base == "torchao-nf4":
+            kind += " (torchao nf4 base)"
+        if s.quant_base in ("nf4", "int8") and not s.kbit_upcast:
+            kind = kind[:-1] + ", no kbit upcast)"
         if self.adapter_rank:
             kind += f" r{self.adapter_rank}"
         if s.lora_dropout:

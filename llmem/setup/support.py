@@ -46,12 +46,24 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
     if setup.fused_ce and method.has_tp:
         raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
                          "vocab-parallel loss")
-    if setup.quant_base != "none" and not method.plain_tensors:
-        raise LlmemError(f"{QUANT_FLAGS[setup.quant_base]} with {method.name}: a bitsandbytes-quantised base is "
-                         "modelled on one GPU or under DDP (FSDP2 over quantised storage, as FSDP-QLoRA runs it, and "
-                         "TP are not modelled)")
+    if setup.quant_base != "none":
+        check_quant_method(setup, method)
     if model is not None:
         check_model_support(setup, method, model)
+
+
+def check_quant_method(setup: TrainingSetup, method: MethodSpec) -> None:
+    """A quantised base under `method`: one GPU and DDP (replicated), FSDP2 / zero2 over the quantised storage
+    (FSDP-QLoRA: bitsandbytes' NF4 packed in the compute dtype, bnb_4bit_quant_storage; torchao's NF4Tensor through
+    its fsdp_pre/post_all_gather), not LLM.int8 under FSDP, not tensor parallelism."""
+    flag = QUANT_FLAGS[setup.quant_base]
+    if method.has_tp:
+        raise LlmemError(f"{flag} with {method.name}: tensor parallelism over quantised linears is not modelled "
+                         "(DTensor cannot split bitsandbytes' packed weights; NF4Tensor has no TP sharding); use "
+                         "single, ddp, fsdp or zero2")
+    if method.shards_model_states and setup.quant_base == "int8":
+        raise LlmemError(f"{flag} with {method.name}: FSDP cannot shard LLM.int8's int8 weights (bitsandbytes has "
+                         "no float storage for them, unlike NF4's bnb_4bit_quant_storage); use --qlora, or ddp")
 
 
 def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport) -> None:

@@ -110,7 +110,7 @@ class TrainingSetup:
     trust_remote_code: bool = option(False, "let transformers run the model's own code", MODEL, kind="switch")
     optimizer_in_backward: bool = option(False, "step each parameter in its post-accumulate-grad hook and free its "
                                          "gradient (single GPU)", OPTIMIZER, kind="switch")
-    quant_base: str = option("none", "frozen base quantised by bitsandbytes", ADAPTERS, kind="switches",
+    quant_base: str = option("none", "frozen base quantised (bitsandbytes or torchao)", ADAPTERS, kind="switches",
                              noun="quantised base", switches=QUANT_SWITCHES)
     kbit_upcast: bool = option(True, "quantised base without peft's prepare_model_for_kbit_training upcast of the "
                                "unquantised frozen parameters (embeddings, norms, lm_head) to fp32", ADAPTERS,
@@ -166,7 +166,8 @@ class TrainingSetup:
                              f"llmem takes at most {MAX_STEP_TOKENS:,} (2**28)")
 
     def _check_quant_base(self) -> None:
-        """The combinations llmem models for a bitsandbytes-quantised base."""
+        """The combinations llmem models for a quantised base: bitsandbytes' under peft (HF, TRL, axolotl), torchao's
+        NF4Tensor under torchtune's LoRA recipes."""
         if self.quant_base not in QUANT_BASES:
             raise LlmemError(f"unknown quantised base {self.quant_base!r}: choose one of {', '.join(QUANT_BASES)}")
         if self.quant_base == "none":
@@ -176,12 +177,32 @@ class TrainingSetup:
             return
         flag = QUANT_FLAGS[self.quant_base]
         if not self.peft:
-            raise LlmemError(f"{flag} quantises the frozen base: bitsandbytes' weights cannot be trained, so give "
-                             "adapters to train (--lora-rank R, or --peft-config PATH)")
-        if self.precision_spec.low_precision and not self.mixed:      # pure bf16 / fp16
-            raise LlmemError(f"{flag} with --precision {self.precision}: peft keeps the adapters of a quantised base "
-                             "in fp32 (their dtype follows the uint8/int8 weight), so there is no pure low-precision "
-                             f"QLoRA; use --precision {self.precision}-mixed (the QLoRA recipe: autocast) or fp32")
+            raise LlmemError(f"{flag} quantises the frozen base: its weights cannot be trained, so give adapters to "
+                             "train (--lora-rank R, or --peft-config PATH)")
+        pure_low = self.precision_spec.low_precision and not self.mixed
+        if pure_low and self.kbit_upcasts and self.attn == "flash":
+            raise LlmemError(f"{flag} under --precision {self.precision} with the kbit upcast gives attention fp32 "
+                             "inputs (an fp32 residual stream), which flash attention does not take (transformers' "
+                             "cast back to the compute dtype is not modelled): add --no-kbit-upcast or use --attn sdpa")
+        if self.quant_base == "int8":
+            if pure_low:
+                raise LlmemError(f"{flag} with --precision {self.precision}: pure low-precision LLM.int8 is not "
+                                 f"modelled; use --precision {self.precision}-mixed or fp32")
+            if self.adapter_dtype == "base" and self.precision_spec.low_precision:
+                raise LlmemError(f"{flag} with --adapter-dtype base: peft casts adapters to the base layer's dtype "
+                                 "only when it is a float dtype, and Linear8bitLt's is int8, so they stay fp32; drop "
+                                 "--adapter-dtype base")
+        if self.quant_base == "torchao-nf4":
+            # torchtune's LoRA recipes: fp32 or bf16, no autocast, adapters built in the model's dtype
+            if self.mixed or self.precision == "fp16":
+                raise LlmemError(f"{flag} runs torchtune's QLoRA, which trains in fp32 or pure bf16 (no autocast, no "
+                                 "fp16): use --precision bf16 or fp32")
+            if pure_low and self.adapter_dtype == "fp32":
+                raise LlmemError(f"{flag}: torchtune's LoRALinear keeps its adapters in the model dtype: add "
+                                 "--adapter-dtype base")
+            if not self.double_quant:
+                raise LlmemError(f"{flag}: torchao's NF4Tensor always quantises its scalers (drop "
+                                 "--no-double-quant)")
 
     # ------------------------------------------------------------------ the registry rows it names
     @property
@@ -238,8 +259,9 @@ class TrainingSetup:
 
     @property
     def kbit_upcasts(self) -> bool:
-        """peft's prepare_model_for_kbit_training runs: a quantised base with the upcast (--no-kbit-upcast: not)."""
-        return self.quant_base != "none" and self.kbit_upcast
+        """peft's prepare_model_for_kbit_training runs: a bitsandbytes base with the upcast (--no-kbit-upcast: not).
+        torchtune, which runs torchao's NF4 base, has no such step: its frozen parameters stay in the model dtype."""
+        return self.quant_base not in ("none", "torchao-nf4") and self.kbit_upcast
 
     def to_dict(self) -> dict:
         return asdict(self)

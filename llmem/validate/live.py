@@ -69,9 +69,13 @@ def _optimizer_name(optimizer: Any, on_cuda: bool) -> str:
 
 
 def _precision(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str:
-    """fp32 trained weights under autocast are `*-mixed`; bf16/fp16 trained weights are pure low precision."""
-    trained = [p.dtype for p in model.parameters() if p.requires_grad]
-    dtype = trained[0] if trained else next(model.parameters()).dtype
+    """fp32 weights under autocast are `*-mixed`; bf16/fp16 weights are pure low precision. Under peft the frozen
+    base's dtype decides (fp32 adapters on a bf16 base are `--precision bf16` with peft's fp32 adapters)."""
+    params = list(model.parameters())
+    frozen = [p.dtype for p in params if not p.requires_grad and p.is_floating_point()]
+    decided = frozen if getattr(model, "peft_config", None) and frozen else \
+        [p.dtype for p in params if p.requires_grad] or [params[0].dtype]
+    dtype = decided[0]
     if dtype == torch.float32 and autocast_dtype in (torch.bfloat16, torch.float16):
         return "bf16-mixed" if autocast_dtype == torch.bfloat16 else "fp16-mixed"
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

@@ -84,6 +84,21 @@ CI_MATRIX: list[TrainingSetup] = [
        quant_base="int8"),
     _s("tiny-mistral", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
        quant_base="int8"),
+    # QLoRA as each framework runs it: pure bf16 (peft's fp32 adapters; with and without the kbit upcast),
+    # torchao's NF4Tensor (torchtune: bf16 adapters), FSDP-QLoRA (bnb storage in the compute dtype; torchao's
+    # sharded NF4Tensor), QLoRA under DDP
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       quant_base="nf4"),
+    _s("tiny-llama", precision="bf16", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4", kbit_upcast=False),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       quant_base="torchao-nf4", adapter_dtype="base"),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4", kbit_upcast=False),
+    _s("tiny-mistral", "fsdp", 2, precision="bf16", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="torchao-nf4", adapter_dtype="base"),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
     # activations: every-2nd-layer checkpointing, fused cross-entropy, flash attention, offloading
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, ckpt_every=2, batch_size=2,
        seq_len=256),
@@ -98,12 +113,44 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # offloading under checkpointing (torchtune's: the checkpointed layer inputs on the host until recompute)
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, offload_activations=True, batch_size=2,
+       seq_len=256),
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", grad_ckpt=True, lora_rank=8, offload_activations=True,
+       batch_size=2, seq_len=512),
+    _s("gpt2", precision="bf16", optimizer="sgd", grad_ckpt=True, ckpt_every=2, offload_activations=True,
+       batch_size=4, seq_len=512),
     # the optimizer offloaded (states and update on the host: ZeRO-Offload / FSDP's), one GPU and FSDP2
     _s("gpt2", precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),
     _s("gpt2", "fsdp", 2, precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),
     # sequence packing: SDPA with the packed block-diagonal mask (GQA model: repeated k/v), and GPT-2
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", packing=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", packing=True, batch_size=2, seq_len=512),
+    # adapters as peft makes them on a pure bf16 base: fp32 (autocast_adapter_dtype, its default) or the base's
+    # dtype (--adapter-dtype base: torchtune's, autocast_adapter_dtype=False)
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("dora-r8-all-linear")),
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=256, lora_rank=64, lora_targets="all-linear",
+       lora_dropout=0.1),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
+       adapter_dtype="base"),
+    _s("tiny-llama", precision="bf16", adapter_dtype="base", lora_rank=8, lora_alpha=16,
+       lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", optimizer="adamw-fused", grad_ckpt=True,
+       batch_size=2, seq_len=256),
+    # activations learned from the real code (llmem.runtime.learn) where no hand recipe exists: peft types without
+    # an exact model (OFT, VeRA, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("oft-r32-q-v")),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384,
+       peft_config=bundled_peft_config("vera-r256-q-v")),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("miss-r64-q-v")),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("hira-r32-q-v")),
+    _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("road2-q-v")),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, grad_ckpt=True,
+       peft_config=bundled_peft_config("oft-r32-q-v")),
+    _s("tiny-qwen3", precision="bf16", batch_size=2, seq_len=384),
+    _s("tiny-qwen3", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=8),
+    _s("tiny-phi", precision="fp32", batch_size=2, seq_len=256),
+    _s("tiny-phi", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=8, grad_ckpt=True),
+    _s("tiny-pythia", precision="bf16-mixed", batch_size=2, seq_len=384),
     # LoRA under autocast (peft's fp32 adapters cast their input), LoRA dropout, and --peft-config adapters
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=8),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, lora_rank=64, lora_targets="all-linear"),

@@ -10,6 +10,7 @@ from llmem.memory.quant import is_quantised
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.sharding import is_embedding
 from llmem.setup.precision import F32, Regime
+from llmem.setup.training import TrainingSetup
 
 
 def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, adapters_read: bool = True,
@@ -62,15 +63,26 @@ def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, adapters_read:
     return LayerRecipe(blocks, recipe.embed, keep(recipe.head, recipe.head_for_weights, root), recipe.shared)
 
 
-def adapters_read_input(anatomy: ModelAnatomy, r: Regime) -> bool:
+def adapters_upcast(anatomy: ModelAnatomy, setup: TrainingSetup, r: Regime) -> bool:
+    """peft's fp32 adapters over a pure fp16/bf16 base (get_peft_model(autocast_adapter_dtype=True), peft's default:
+    llmem.model.peft.LOW_DTYPE): each adapted linear casts its input to fp32 (`_cast_input_dtype`), runs its adapter
+    in fp32 and casts the sum back to the base's dtype (`result.to(torch_result_dtype)`). Not under autocast (its
+    own path), nor where the stream is fp32 anyway (a kbit upcast), nor in peft's bitsandbytes layers (lora/bnb.py
+    casts lora_B's output back before the sum: llmem.memory.quant's transients)."""
+    return (setup.precision_spec.low_precision and not setup.mixed and not r.autocast and r.mm != F32
+            and setup.quant_base == "none" and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
+
+
+def adapters_read_input(anatomy: ModelAnatomy, r: Regime, upcast: bool = False) -> bool:
     """Whether LoRA's lora_A keeps the very tensor the base linear reads. Not under autocast: peft casts the input
     to the fp32 adapter dtype (`_cast_input_dtype`, autocast_adapter_dtype) and autocast casts that copy back for
-    lora_A, which keeps its own low-precision cast; not with dropout: lora_A reads the dropout output."""
-    return not r.autocast and not (anatomy.peft is not None and anatomy.peft.lora_dropout > 0)
+    lora_A, which keeps its own low-precision cast; not with fp32 adapters on a pure low-precision base
+    (`upcast`): lora_A keeps peft's fp32 copy; not with dropout: lora_A reads the dropout output."""
+    return not r.autocast and not upcast and not (anatomy.peft is not None and anatomy.peft.lora_dropout > 0)
 
 
 def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime,
-                  fp32_behind_quant: bool = False) -> LayerRecipe:
+                  fp32_behind_quant: bool = False, upcast: bool = False) -> LayerRecipe:
     """What peft's adapters keep for backward, per block, in forward order (peft's lora/layer.py, ia3/layer.py).
 
     LoRA, `result + lora_B(lora_A(dropout(x.to(adapter dtype)))) * scaling`: lora_B keeps its input (lora_A's
@@ -82,6 +94,10 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
     IA3 on an output (k, v: `(base(x) * ia3_l).to(dtype)`): the multiply keeps the base output [t, out] for the
     vector's gradient; the product is fp32 under autocast (ia3_l is fp32) until cast back. IA3 on a feed-forward
     input (down_proj: `(x.to(ia3 dtype) * ia3_l).to(dtype)`): the multiply keeps x, an fp32 copy under autocast.
+    `upcast` (adapters_upcast: fp32 adapters on a pure fp16/bf16 base): lora_A keeps peft's fp32 copy of the input
+    (or, with dropout, the fp32 dropout output and its mask; the copy lives until the forward returns), lora_B its
+    fp32 input; lora_B's output, its scaled copy and the sum with the base output are fp32, the sum cast back to the
+    base's dtype; IA3 as under autocast (fp32 vectors).
     Applied after with_trainability: the tensors it adds are all needed.
     """
     dropout = anatomy.peft.lora_dropout if anatomy.peft is not None else 0.0
@@ -90,14 +106,23 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
     back = [0] * len(recipe.blocks)
     t = d.t
     taken: set[tuple[int, int]] = set()      # (block, tensor) made by an adapter instead (Block.outputs)
+    trailing: list[int] = []                 # the last handoff's trailing tensors, kept right after it
 
     def handoff(name: str) -> int:
-        """Bytes of the later block's tensor that is this adapted linear's output (0: none); it moves here."""
+        """Bytes of the later block's tensor that is this adapted linear's output (0: none); it moves here. When
+        that tensor opens its block, the tensors after it up to the next linear's output move too (`trailing`): they
+        are made from it before the next linear runs (silu(gate) before up_proj)."""
         module = name.split(".lora_A.")[0].split(".ia3_l.")[0].rsplit(".", 1)[-1]
+        trailing.clear()
         for jb, b in enumerate(recipe.blocks):
             for m, x in b.outputs:
                 if m == module and jb > j and (jb, x) not in taken:
                     taken.add((jb, x))
+                    if x == 0:
+                        others = {y for _, y in b.outputs}
+                        for y in range(1, next((y for y in sorted(others) if y > 0), len(b.tensors))):
+                            taken.add((jb, y))
+                            trailing.append(b.tensors[y])
                     return b.tensors[x]
         return 0
 
@@ -112,12 +137,20 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
             rank, in_f = p.shape
             out_f = next((q.shape[0] for q in anatomy.params
                           if q.name == p.name.replace(".lora_A.", ".lora_B.")), in_f)
-            k, tm = dora_forward(t, in_f, out_f, rank, r, i)
+            k, tm = dora_forward(t, in_f, out_f, rank, r, i, upcast)
             kept += k
             temps += tm
             # backward of the two magnitude multiplies: the incoming gradient times base_result / lora_result
             # (for the vectors, before their sum), and the gradients of base_result and lora_result [t, out]
-            back[j] = max(back[j], 3 * t * out_f * (F32 if r.autocast else r.mm))
+            back[j] = max(back[j], 3 * t * out_f * (F32 if r.autocast or upcast else r.mm))
+        elif ".lora_A." in p.name and upcast:
+            rank, in_f = p.shape
+            out_f = next((q.shape[0] for q in anatomy.params
+                          if q.name == p.name.replace(".lora_A.", ".lora_B.")), in_f)
+            k, tm, b = upcast_lora_forward(t, in_f, out_f, rank, r, i, dropout, handoff(p.name))
+            kept += k + trailing
+            temps += tm
+            back[j] = max(back[j], b - block.transient)   # the base's input gradient comes after: not on top
         elif ".lora_A." in p.name:
             rank, in_f = p.shape
             out_f = next((q.shape[0] for q in anatomy.params
@@ -143,7 +176,7 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
             last = i + len(mine) - 1
             moved = handoff(p.name)
             if moved:                                  # the sum is the tensor a later block keeps
-                mine.append(moved)
+                mine += [moved, *trailing]
                 done = last + 1.5
             else:                                      # the sum, made and handed on (the module's output)
                 temps.append((t * out_f * out_bytes, last + 0.3, last + 0.5))
@@ -154,27 +187,65 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
             kept += mine
         elif ".ia3_l." in p.name:
             out_f, in_f = p.shape
+            fp32 = r.autocast or upcast                            # ia3_l fp32 over a low-precision base
             if in_f == 1:                                          # output scaling [out, 1]
                 kept.append(t * out_f * r.mm)                      # base(x), kept for ia3_l's gradient
                 moved = handoff(p.name)
-                if r.autocast:                                     # the fp32 product, until cast back
+                if fp32:                                           # the fp32 product, until cast back
                     temps.append((t * out_f * F32, i + 0.3, i + 1.5 if moved else i + 0.5))
                 elif not moved:
                     temps.append((t * out_f * r.mm, i + 0.3, i + 0.5))
                 if moved:
-                    kept.append(moved)
-            elif r.autocast:                                       # feed-forward input scaling [1, in]
-                kept.append(t * in_f * F32)
-                temps += [(t * in_f * F32, i + 0.5, i + 0.5), (t * in_f * r.mm, i + 0.5, i + 0.5)]
-            else:                                                  # x * ia3_l, the base linear's input
-                temps.append((t * in_f * r.mm, i + 0.5, i + 0.5))
+                    kept += [moved, *trailing]
+                # backward: the incoming gradient (cast up to fp32), its products with ia3_l and with base(x)
+                back[j] = max(back[j], 3 * t * out_f * F32 if fp32 else 2 * t * out_f * r.mm)
+            else:                                                  # feed-forward input scaling [1, in]
+                if fp32:
+                    kept.append(t * in_f * F32)
+                    temps += [(t * in_f * F32, i + 0.5, i + 0.5), (t * in_f * r.mm, i + 0.5, i + 0.5)]
+                else:                                              # x * ia3_l, the base linear's input
+                    temps.append((t * in_f * r.mm, i + 0.5, i + 0.5))
+                # backward, after the base linear's input gradient (the block's transient): that gradient cast up
+                # to fp32 (which frees it) or kept, and its products with ia3_l and with x
+                back[j] = max(back[j], 3 * t * in_f * (F32 if fp32 else r.mm) - block.transient)
     blocks = tuple(Block(b.name, tuple(n for x, n in enumerate(b.tensors) if (j, x) not in taken) + tuple(k),
                          b.params, b.transient + back[j], b.for_weights, b.temps + tuple(tm))
                    for j, (b, (k, tm)) in enumerate(zip(recipe.blocks, added, strict=True)))
     return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
 
 
-def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int
+def upcast_lora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, dropout: float, moved: int
+                        ) -> tuple[list[int], list[tuple[int, float, float]], int]:
+    """One LoRA-adapted linear with fp32 adapters on a pure low-precision base (peft's lora/layer.py Linear.forward:
+    `x = self._cast_input_dtype(x, lora_A.weight.dtype)`, `result = result + lora_B(lora_A(dropout(x))) * scaling`,
+    `result.to(torch_result_dtype)`), as (kept tensors from index i, forward temporaries, backward transient).
+
+    Kept: the fp32 copy of the input (lora_A's input; with dropout the fp32 dropout output and its bool mask
+    instead, the copy a temporary until the forward returns), lora_A's fp32 output, and `moved` (the cast-back sum,
+    when a later block keeps the module's output). Temporaries, in the order the forward makes them: the base
+    output (until the sum is made), lora_B's fp32 output (freed once scaled), its scaled copy (freed after the sum),
+    the fp32 sum (freed once cast back) and the cast (the module's output, handed on when no block keeps it)."""
+    base, wide = t * out_f * r.mm, t * out_f * F32
+    copy = t * in_f * F32
+    kept = [copy, t * in_f * MASK] if dropout > 0 else [copy]   # lora_A's input (the dropout's output and mask)
+    kept.append(t * rank * F32)                                 # lora_B's input
+    last = i + len(kept) - 1
+    temps = [(base, i - 0.5, last + 0.33)]
+    if dropout > 0:
+        temps.append((copy, i - 0.4, last + 1.5 if moved else last + 0.6))
+    temps += [(wide, last + 0.2, last + 0.27), (wide, last + 0.25, last + 0.31), (wide, last + 0.3, last + 0.4)]
+    if moved:                          # the cast-back sum is the tensor a later block keeps: made at last + 1
+        kept.append(moved)
+        temps[-1] = (wide, last + 0.3, last + 1.5)
+    else:
+        temps.append((base, last + 0.35, last + 0.5))
+    # backward, above what is kept: the gradient for the base output (cast to its dtype) stays while the fp32
+    # gradients of the sum and of lora_B's output are made, then lora_A's fp32 input gradient (its fp32 input is
+    # freed as that node runs, before the cast back and the base linear's input gradient)
+    return kept, temps, t * out_f * r.mm + max(2 * wide, t * in_f * F32)
+
+
+def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, upcast: bool = False
                  ) -> tuple[list[int], list[tuple[int, float, float]]]:
     """One DoRA-adapted linear in training (peft's lora/dora.py DoraLinearLayer.forward, no dropout), as (kept
     tensors, forward temporaries at positions from i, the index of its first kept tensor).
@@ -184,18 +255,22 @@ def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int
     lora_weight's graph until the forward returns. Then (m / norm - 1) * base_result + (m / norm) * lora_result *
     scaling: the two multiplies keep base_result and lora_result [t, out] (and [out] vectors); their products are
     fp32 under autocast (the magnitude is fp32). Under autocast x is peft's fp32 copy of the input, cast again for
-    lora_A (kept); otherwise lora_A keeps x itself (the base linear's input)."""
-    ad = F32 if r.autocast else r.mm          # x's dtype inside the adapter (the adapter dtype)
-    prod = F32 if r.autocast else r.mm        # the magnitude products
+    lora_A (kept); with fp32 adapters on a pure low-precision base (`upcast`) lora_A keeps that fp32 copy itself,
+    the adapter computes in fp32 (the eye, lora_weight, W's copy, lora_A's and lora_B's outputs) and the fp32 sum is
+    cast back; otherwise lora_A keeps x itself (the base linear's input)."""
+    fp32 = r.autocast or upcast
+    ad = F32 if fp32 else r.mm                # x's dtype inside the adapter (the adapter dtype)
+    prod = F32 if fp32 else r.mm              # the magnitude products
+    mm = F32 if upcast else r.mm              # the adapter's matmul outputs
     kept = [t * out_f * r.mm]                 # base_result, kept by (m / norm - 1) * base_result
-    if r.autocast:
-        kept.append(t * in_f * r.mm)          # lora_A's cast of the fp32 copy
-    kept += [t * rank * r.mm, t * out_f * r.mm, 3 * out_f * F32]   # lora_B's input, lora_result, the vectors
+    if fp32:
+        kept.append(t * in_f * (F32 if upcast else r.mm))   # lora_A's input: the fp32 copy (or autocast's cast)
+    kept += [t * rank * mm, t * out_f * mm, 3 * out_f * F32]   # lora_B's input, lora_result, the vectors
     last = i + len(kept) - 1                  # the products follow the last kept tensor
     end = last + 0.9
     temps = [(in_f * in_f * ad, i + 0.2, i + 0.35 if r.autocast else end),   # eye(in) (lora_A keeps it: lowp)
-             (in_f * rank * r.mm, i + 0.22, end),                              # lora_A(eye)
-             (in_f * out_f * r.mm, i + 0.23, i + 0.4 if r.autocast else end),  # lora_B(...)
+             (in_f * rank * mm, i + 0.22, end),                                # lora_A(eye)
+             (in_f * out_f * mm, i + 0.23, i + 0.4 if r.autocast else end),    # lora_B(...)
              (out_f * in_f * ad, i + 0.45, i + 0.7),                           # scaling * lora_weight
              (out_f * in_f * ad, i + 0.5, i + 0.7),                            # W + that
              (t * out_f * prod, last + 0.1, last + 0.6), (t * out_f * prod, last + 0.2, last + 0.4),
@@ -204,8 +279,11 @@ def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int
     if r.autocast:
         temps += [(t * in_f * F32, i + 0.1, end),            # x.to(fp32) for the adapter
                   (in_f * in_f * r.mm, i + 0.21, end),       # lora_A's cast of the eye, kept by the graph
-                  (out_f * in_f * F32, i + 0.3, end),        # lora_weight.to(fp32)
-                  (out_f * in_f * F32, i + 0.4, end)]        # W.to(fp32)
+                  (out_f * in_f * F32, i + 0.3, end)]        # lora_weight.to(fp32)
+    if fp32:
+        temps.append((out_f * in_f * F32, i + 0.4, end))     # W.to(fp32)
+    if upcast:
+        temps.append((t * out_f * r.mm, last + 0.9, last + 0.97))   # the sum cast back (the module's output)
     return kept, temps
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from llmem.memory.activations.adapters import (
     adapters_read_input,
+    adapters_upcast,
     first_layer_skip,
     with_adapters,
     with_trainability,
@@ -21,10 +22,13 @@ from llmem.memory.activations.blocks import (
     loss_peak_bytes,
     packed_mask_bytes,
 )
+from llmem.memory.activations.learned import learned_recipe
 from llmem.memory.activations.loss import FusedCE, fused_ce_for
 from llmem.memory.activations.quantised import (
+    adapter_regime,
     fp32_behind_quant,
     int8_inputs_kept,
+    quant_adapters_upcast,
     with_fp32_mlp,
     with_int8_inputs,
 )
@@ -32,6 +36,8 @@ from llmem.memory.activations.recipes import recipe_for
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import is_embedding, is_lm_head
+from llmem.setup.precision import Regime
 from llmem.setup.training import TrainingSetup
 
 
@@ -54,8 +60,15 @@ class ActivationProfile:
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
     ckpt_every: int = 1        # with grad_ckpt: layers whose index % ckpt_every == 0 are checkpointed
     fused_ce: FusedCE | None = None   # the fused linear cross-entropy's tensors (None: HF's loss on full logits)
-    offload: bool = False      # saved tensors of the layers (not checkpointed) and the final norm on the host
+    offload: bool = False      # saved tensors of the layers (checkpointed layers' inputs too) and the final norm
+                               # on the host
     first_layer_skip: int = 0  # leading blocks of layer 0 that keep nothing (their inputs need no gradient)
+    # checkpointing with a frozen token embedding: transformers' activation_checkpointing_enable calls
+    # enable_input_require_grads, whose hook makes the embedding output a leaf that requires grad; its AccumulateGrad
+    # node holds it (offloaded or not) until the graph dies after backward, and gives it a .grad at layer 0's backward
+    embed_leaf_bytes: int = 0
+    lm_head_kept: bool = True  # the last head tensor is the lm_head's input (not when the fused loss or a frozen
+                               # lm_head keeps none)
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -75,25 +88,58 @@ class ActivationProfile:
         ck = self.checkpointed_layers(n)
         return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
 
+    @property
+    def ckpt_input_bytes(self) -> int:
+        """The layer input a checkpointed layer saves (torch.utils.checkpoint's non-reentrant `save_inputs`: the
+        positional tensor arguments, which transformers' GradientCheckpointingLayer passes as the hidden states
+        alone; masks and rotary cos/sin are keywords, bound in the recompute's partial, not saved)."""
+        return self.checkpoint_saved - sum(self.int8_kept)
+
+    @property
+    def ckpt_device_saved(self) -> int:
+        """What a checkpointed layer keeps on the device between forward and backward: its input, unless offloaded
+        (`save_inputs` packs it through the saved-tensor hooks outside the checkpoint's own, so torchtune's
+        OffloadActivations moves it to the host); LLM.int8's ctx attributes are not saved tensors and stay."""
+        return sum(self.int8_kept) if self.offload else self.checkpoint_saved
+
+    @property
+    def recompute_input_bytes(self) -> int:
+        """Offloaded checkpointing: the layer input brought back to the device at its recompute (the unpack hook
+        makes a device copy) that the recompute's own saved tensors do not already count: 0 when the first tensor
+        the layer keeps is its input itself (an fp32 stream, a LayerNorm's input), else the copy, held by the
+        checkpoint's unpack hook (`args = frame.get_inputs()`) until the recompute returns."""
+        if not (self.offload and self.grad_ckpt):
+            return 0
+        first = self.blocks[0].tensors[:1] if self.blocks else ()
+        return 0 if first == (self.ckpt_input_bytes,) else self.ckpt_input_bytes
+
     def device_layers_saved(self, layers: int | None = None) -> int:
-        """What the first `layers` decoder layers keep on the device at the end of the forward: with offloading only
-        the checkpointed layers' inputs (held by the checkpoint), the rest is on the host."""
+        """What the first `layers` decoder layers keep on the device at the end of the forward: with offloading
+        nothing but LLM.int8's inputs of the checkpointed layers, the rest is on the host."""
         n = self.layers if layers is None else layers
-        return self.checkpointed_layers(n) * self.checkpoint_saved if self.offload else self.layers_saved(n)
+        return self.checkpointed_layers(n) * self.ckpt_device_saved if self.offload else self.layers_saved(n)
 
     @property
     def device_outside_saved(self) -> int:
         """Embedding, head and shared tensors on the device at the end of the forward: with offloading only the
-        lm_head's input (the output layer is not offloaded; the fused loss keeps none)."""
+        lm_head's input (the output layer is not offloaded; the fused loss keeps none) and, when a layer is
+        checkpointed, the shared rotary cos/sin (keyword arguments its recompute's partial holds) and a frozen
+        embedding's output (`embed_leaf_bytes`)."""
         if not self.offload:
             return self.embed_saved + self.head_saved + self.shared_saved
-        return self.head_tensors[-1] if self.head_tensors and self.fused_ce is None else 0
+        return self.lm_head_input + (self.shared_saved + self.embed_leaf_bytes if self.grad_ckpt else 0)
+
+    @property
+    def lm_head_input(self) -> int:
+        """The lm_head's kept input (its weight's gradient needs it; the output layer is not offloaded): 0 when the
+        head keeps none."""
+        return self.head_tensors[-1] if self.head_tensors and self.lm_head_kept else 0
 
     @property
     def offloaded_bytes(self) -> int:
         """--offload-activations: the saved tensors that leave the device in forward (one formula for the estimate's
-        note and the planner): the layers not checkpointed, the embedding's, the shared rotary cos/sin and the final
-        norm's; a checkpointed layer's input (held by the checkpoint) and the lm_head's input stay. Each tensor is
+        note and the planner): the layers' (a checkpointed layer's input included), the embedding's, the final
+        norm's and, without checkpointing, the shared rotary cos/sin; the lm_head's input stays. Each tensor is
         counted once: autograd packs a tensor per save (a norm's fp32 input twice, a shared input per linear), so the
         pinned host copies can add up to more."""
         if not self.offload:
@@ -152,7 +198,11 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
         notes.append("--offload-activations: saved tensors of 1 KiB and more (parameters and their views excepted) "
                      "in pinned host memory from their layer's forward to its backward (torchtune's "
                      "OffloadActivations rules, weight views kept too); the lm_head and the loss stay on the "
-                     "device; synchronous copies")
+                     "device; synchronous copies" + (
+                         "; a checkpointed layer's input (the hidden states torch's checkpoint saves) goes to the "
+                         "host too and is copied back for its recompute; the rotary cos/sin and masks bound to the "
+                         "recompute, and a frozen embedding's output (a leaf its AccumulateGrad node holds), stay "
+                         "on the device" if setup.grad_ckpt else ""))
     if setup.packing:
         notes.append("--packing: position ids restart per packed sample; " + (
             "flash attention runs varlen (cu_seqlens, no mask)" if setup.attn == "flash" else
@@ -160,14 +210,32 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
             if setup.attn == "sdpa" else "eager attention's mask is [b, 1, s, s] as without packing"))
     if setup.grad_ckpt and setup.ckpt_every > 1:
         notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
+    if setup.peft and setup.mixed and setup.adapter_dtype == "base":
+        notes.append(f"--adapter-dtype base under {setup.precision}: peft builds the adapters on the fp32 model "
+                     "(the masters *-mixed trains) before the frozen base is cast, so they are fp32 as with fp32; "
+                     f"for adapters in the base's dtype use --precision {setup.precision.removesuffix('-mixed')} "
+                     "--adapter-dtype base")
     return notes
+
+
+def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Regime) -> int:
+    """The token embedding's output when the embedding is frozen (made a leaf that requires grad by
+    transformers' enable_input_require_grads under checkpointing): [batch, seq_len, hidden] in the stream's dtype
+    (prompt tuning's virtual tokens are concatenated after it). 0 when the embedding trains (its output has a
+    graph already)."""
+    tokens = [p for p in anatomy.params if is_embedding(p) and p.layer_index is None and p.shape
+              and p.shape[0] == anatomy.vocab_size]
+    if any(p.trainable for p in tokens):
+        return 0
+    return setup.batch_size * setup.seq_len * anatomy.hidden_size * regime.res
 
 
 def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     anatomy, setup, regime = r.anatomy, r.setup, r.regime
     d = dims_for(anatomy, setup, r.layout.tp)
     attn = effective_attention(anatomy, setup)
-    recipe = recipe_for(anatomy)(anatomy, d, regime, attn)
+    learned = learned_recipe(r)    # activations learned from the real code (no hand recipe for this set-up)
+    recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
     if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)
@@ -177,17 +245,22 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         recipe = LayerRecipe(recipe.blocks, recipe.embed, recipe.head[:last], recipe.shared,
                              tuple(tag for tag in recipe.head_for_weights if tag[0] < last))
     exact = anatomy.peft is None or anatomy.peft.exact
-    if any(not p.trainable for p in anatomy.params):
-        recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, regime), frozen_base=not exact,
-                                   quant_base="none" if behind_fp32 else setup.quant_base)
-    if exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
-        recipe = with_adapters(anatomy, recipe, d, regime, behind_fp32)
+    adapted = adapter_regime(setup.quant_base, regime)    # what peft's bitsandbytes LoRA layers cast
+    # fp32 adapters on a pure low-precision base (peft's bitsandbytes LoRA layers cast alike outside autocast)
+    upcast = adapters_upcast(anatomy, setup, adapted) or quant_adapters_upcast(anatomy, setup, adapted)
+    if learned is None and any(not p.trainable for p in anatomy.params):   # learned: as peft runs already
+        recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, adapted, upcast),
+                                   frozen_base=not exact, quant_base="none" if behind_fp32 else setup.quant_base)
+    if learned is None and exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
+        recipe = with_adapters(anatomy, recipe, d, adapted, behind_fp32, upcast)
     int8_kept: Sizes = ()
     if setup.quant_base == "int8":
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
     return ActivationProfile(
+        embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
+        lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) for p in anatomy.params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.t * d.h * regime.res + sum(int8_kept),

@@ -19,7 +19,28 @@ def fp32_behind_quant(quant_base: str, r: Regime) -> bool:
     """bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms under
     autocast (an fp32 residual stream), the MLP's gate/up outputs (and what silu and the product keep) are fp32,
     not the compute dtype."""
-    return quant_base != "none" and r.autocast and r.res == F32
+    return quant_base in ("nf4", "int8") and r.autocast and r.res == F32
+
+
+def adapter_regime(quant_base: str, r: Regime) -> Regime:
+    """The regime peft's adapters see in its bitsandbytes LoRA layers (peft/tuners/lora/bnb.py forward): under
+    autocast they cast nothing (`requires_conversion = not torch.is_autocast_enabled()`), so with a low-precision
+    input (no kbit upcast: a bf16 residual stream) lora_A reads and keeps the base linear's input itself, as outside
+    autocast; behind the upcast's fp32 norms autocast casts that input for lora_A as for any fp32 activation."""
+    if quant_base in ("nf4", "int8") and r.autocast and r.res != F32:
+        return Regime("lowp", r.res, r.mm)
+    return r
+
+
+def quant_adapters_upcast(anatomy: ModelAnatomy, setup, r: Regime) -> bool:
+    """peft's bitsandbytes LoRA layers outside autocast (lora/bnb.py: `requires_conversion`): fp32 adapters over a
+    bf16/fp16 input (pure low precision without the kbit upcast; under *-mixed autocast is on, or FSDP2 gathers the
+    adapters in bf16) cast it to fp32 (`_cast_input_dtype`), lora_A and
+    lora_B run in fp32 and their output is cast back before the sum. Modelled as peft's plain lora.Linear upcast
+    (the same kept tensors: the fp32 copy, lora_A's fp32 output); the clone and the low-precision sum are laid out
+    with the dequantisation (estimator.schedule.StepSchedule.dequantise)."""
+    return (setup.quant_base in ("nf4", "int8") and setup.precision_spec.low_precision and not setup.mixed
+            and r.mm != F32 and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
 
 
 def quant_input_bytes(block: Block, r: Regime, fp32_behind_quant: bool) -> int:

@@ -1,0 +1,17 @@
+"""llmem's one cache folder on disk: $LLMEM_CACHE_DIR, else $XDG_CACHE_HOME/llmem, else ~/.cache/llmem. Learned
+activations (llmem.memory.activations.learned) and the peft configs `--from FILE` writes (llmem.setup.sources) keep
+their files in sub-folders of it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "LLMEM_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(os.path.expanduser(root))
+    return Path(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache")) / "llmem"

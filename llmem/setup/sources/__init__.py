@@ -1,0 +1,195 @@
+"""Training configs users already have, read into a TrainingSetup (`llmem estimate / plan / trace --from FILE`,
+`llmem.setup_from_file`): axolotl, LLaMA-Factory, TRL / TrainingArguments and torchtune YAML, accelerate config YAML,
+DeepSpeed JSON (alone or referenced) and torchtitan TOML. The format is told from the content (READERS, in order:
+the first whose `detect` accepts the mapping), one module per framework; every key used or ignored is recorded
+(record.SourceRecord) and command-line fields override the file's.
+
+Several files read together (a training config and the accelerate config it is launched with) merge in order,
+accelerate configs first: a later file's fields win, and the training config says what the script loads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from llmem.errors import LlmemError
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.methods import METHODS, canonical_method
+from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
+from llmem.setup.sources.deepspeed import read_deepspeed
+from llmem.setup.sources.files import load
+from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
+from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
+from llmem.setup.support import check_support
+from llmem.setup.training import user_setup
+
+__all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
+
+
+@dataclass(frozen=True)
+class Context:
+    text: str               # the file as written (torchtune's launch line is a comment)
+    bf16_capable: bool      # the GPU runs bf16 (axolotl's bf16: auto)
+
+
+@dataclass(frozen=True)
+class Reader:
+    name: str
+    title: str
+    detect: Callable[[dict], bool]
+    read: Callable[[Keys, Reading, Context], None]
+
+
+def _deepspeed_alone(keys: Keys, r: Reading, ctx: Context) -> None:
+    read_deepspeed(r, keys.data, r.file, None)
+
+
+def _is_deepspeed(data: dict) -> bool:
+    return "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data
+
+
+READERS: dict[str, Reader] = {rd.name: rd for rd in (
+    Reader("torchtune", "torchtune recipe YAML", torchtune.detect, lambda k, r, c: torchtune.read(k, r, c.text)),
+    Reader("torchtitan", "torchtitan TOML", torchtitan.detect, lambda k, r, c: torchtitan.read(k, r)),
+    Reader("deepspeed", "DeepSpeed JSON", _is_deepspeed, _deepspeed_alone),
+    Reader("accelerate", "accelerate config YAML", accelerate.detect, lambda k, r, c: accelerate.read(k, r)),
+    Reader("axolotl", "axolotl YAML", axolotl.detect, lambda k, r, c: axolotl.read(k, r, c.bf16_capable)),
+    Reader("llamafactory", "LLaMA-Factory YAML", llamafactory.detect, lambda k, r, c: llamafactory.read(k, r)),
+    Reader("trl", "TRL / TrainingArguments YAML or JSON", trl.detect, lambda k, r, c: trl.read(k, r)),
+)}
+EXPECTED = ("an axolotl, LLaMA-Factory, TRL / TrainingArguments, torchtune or accelerate YAML, a DeepSpeed JSON or a "
+            "torchtitan TOML")
+
+
+def detect_format(path: Path, data: dict) -> str:
+    for reader in READERS.values():
+        if reader.detect(data):
+            return reader.name
+    keys = ", ".join(list(map(str, data))[:6]) + (", ..." if len(data) > 6 else "")
+    raise LlmemError(f"{path}: not a training config llmem reads (its keys: {keys}); expected {EXPECTED}")
+
+
+def read_file(path: str | os.PathLike, bf16_capable: bool = True) -> Reading:
+    p, data = load(path)
+    fmt = detect_format(p, data)
+    r = Reading(p, fmt)
+    READERS[fmt].read(Keys(data), r, Context(p.read_text(encoding="utf-8"), bf16_capable))
+    return r
+
+
+def setup_from_file(paths: str | os.PathLike | Sequence[str | os.PathLike], **overrides: Any) -> FileSetup:
+    """The TrainingSetup the config(s) describe, `overrides` (TrainingSetup fields, the command line's flags) over
+    the files' values, and the record of what each key became."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise LlmemError("--from needs a file")
+    gpu = resolve_gpu(overrides.get("gpu", "A100-80GB"), overrides.get("gpu_memory"))
+    readings = [read_file(p, gpu.compute_capability >= (8, 0)) for p in paths]
+    readings.sort(key=lambda r: r.format != "accelerate")
+    return build(readings, overrides)
+
+
+def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
+    values: dict[str, Any] = {}
+    used: list[Used] = []
+    ignored: list[Ignored] = []
+    notes: list[str] = []
+    files: list[tuple[str, str]] = []
+    d = Dtypes()
+    method, multi, gpus, per_node = None, "ddp", None, None
+    for r in readings:
+        values.update(r.values)
+        used += r.used
+        ignored += r.ignored
+        notes += [n for n in r.notes if n not in notes]
+        files += [(str(r.path), r.format)] + r.files
+        d = _merge(d, r.dtypes)
+        method = r.method or method
+        multi = r.multi_gpu_method if r.format != "accelerate" else multi
+        gpus = r.gpus or gpus
+        per_node = r.gpus_per_node or per_node
+    main = readings[-1]
+    _precision(main, values, used, notes, d)
+    if method is not None:
+        values["method"] = method
+    if gpus is not None:
+        values["gpus"] = gpus
+    if per_node is not None:
+        values["gpus_per_node"] = per_node
+    overridden = tuple(sorted(k for k, v in overrides.items() if k in values and values[k] != v))
+    values.update(overrides)
+    _check_gpus(main, values, multi)
+    if "model" not in values:
+        raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
+                         f"(llmem estimate MODEL --from {main.path})")
+    used = _marked(used, overrides)
+    try:
+        setup = user_setup(**values)
+        check_support(setup, METHODS[setup.method])
+    except LlmemError as exc:
+        why = "".join(f" ({n})" for n in notes if n.startswith("DeepSpeed"))
+        raise LlmemError(f"{main.path}: llmem cannot run the set-up it describes: {exc}{why}") from None
+    return FileSetup(setup, SourceRecord(tuple(files), tuple(used), tuple(ignored), tuple(notes), overridden,
+                                         states_method=method is not None))
+
+
+def _merge(a: Dtypes, b: Dtypes) -> Dtypes:
+    return Dtypes(b.compute or a.compute, b.weights or a.weights, b.adapters if b.adapters != "fp32" else a.adapters,
+                  a.masters or b.masters, b.kbit_upcast if b.kbit_upcast is not None else a.kbit_upcast)
+
+
+def _precision(r: Reading, values: dict, used: list[Used], notes: list[str], d: Dtypes) -> None:
+    """--precision, --adapter-dtype and --no-kbit-upcast from the merged dtype facts."""
+    peft = bool(values.get("lora_rank") or values.get("peft_config"))
+    if d.compute is None:
+        used.append(Used(r.file, "(precision)", "auto", "", None, "the trainer fills fp16 / bf16: llmem's "
+                         "--precision decides (default bf16-mixed)"))
+        return
+    precision, adapter_dtype = resolve_precision(d, peft)
+    trained = "fp32 masters" if d.masters else f"{d.adapters} adapters" if peft else f"{d.weights or d.compute} weights"
+    how = f"{d.compute} compute, model loaded in {d.weights or d.compute}, trained parameters: {trained}"
+    values["precision"] = precision
+    used.append(Used(r.file, "(precision)", how, "precision", precision))
+    if peft:
+        values["adapter_dtype"] = adapter_dtype
+        if adapter_dtype == "base":
+            used.append(Used(r.file, "(adapters)", "the base's dtype", "adapter_dtype", "base"))
+        if d.weights == "fp32" and d.compute != "fp32" and values.get("quant_base", "none") == "none":
+            notes.append(f"the frozen base loads in fp32 ({r.format}'s dtype) under {d.compute} autocast: llmem holds "
+                         "a LoRA's frozen base in the compute dtype, so its bytes are half what this run holds; load "
+                         "the model in bf16 to match")
+    quant = values.get("quant_base", "none")
+    if quant not in ("none", "torchao-nf4"):        # torchao's NF4 base has no upcast step (kbit_upcasts)
+        upcast = bool(d.kbit_upcast) or d.weights == "fp32"
+        values["kbit_upcast"] = upcast
+        why = ("peft's prepare_model_for_kbit_training upcasts them" if d.kbit_upcast else
+               "they load in fp32" if upcast else "nothing upcasts them")
+        used.append(Used(r.file, "(quantised base)", quant, "kbit_upcast", upcast, f"the unquantised frozen "
+                         f"parameters: {why}"))
+
+
+def _check_gpus(r: Reading, values: dict, multi: str) -> None:
+    gpus = values.get("gpus")
+    if "method" not in values:
+        values["method"] = multi if (gpus or 1) > 1 else "single"
+    spec = METHODS[canonical_method(values["method"])]
+    if not spec.one_gpu and gpus is None:
+        raise LlmemError(f"{r.path}: runs {values['method']} on several GPUs, but the file does not say how many "
+                         "(the launcher decides): give --gpus N")
+
+
+def _marked(used: list[Used], overrides: dict[str, Any]) -> list[Used]:
+    """Entries whose field a later entry or the command line set again, marked so."""
+    last = {u.field: i for i, u in enumerate(used) if u.field}
+    out = []
+    for i, u in enumerate(used):
+        if u.field in overrides and overrides[u.field] != u.value:
+            u = replace(u, note=f"overridden by the command line: {overrides[u.field]}")
+        elif u.field and last[u.field] != i and used[last[u.field]].value != u.value:
+            later = used[last[u.field]]
+            u = replace(u, note=f"superseded by {later.file}: {later.key}")
+        out.append(u)
+    return out

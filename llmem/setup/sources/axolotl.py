@@ -1,0 +1,277 @@
+"""axolotl's YAML (axolotl 0.19's schema, utils/schemas/): the model, micro_batch_size, sequence_len, sample_packing,
+bf16 / fp16 ("auto": bf16 where the GPU has it, utils/config resolve_dtype), the optimizer, checkpointing and
+activation offloading, LoRA / QLoRA (load_in_4bit / load_in_8bit), attention, Liger and Cut Cross-Entropy, FSDP,
+DeepSpeed, and Ray's worker count.
+
+Precision: axolotl loads the model in bf16 under bf16 (cfg.torch_dtype) and HF Trainer autocasts over it, so a full
+fine-tune trains bf16 parameters (llmem's bf16) and LoRA trains fp32 adapters (peft's default) on the bf16 base
+(bf16-mixed); under FSDP or DeepSpeed the trained parameters are fp32 masters (bf16-mixed). The kbit upcast
+(prepare_model_for_kbit_training) runs on a quantised base except where axolotl skips it (loaders/model.py
+_prepare_model_for_quantization): QLoRA under FSDP, FSDP's cpu_ram_efficient_loading, ZeRO-3, LoftQ."""
+
+from __future__ import annotations
+
+from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
+from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.fsdp import read_fsdp_config
+from llmem.setup.sources.hf import (
+    LIGER_CE_NOTE,
+    LIGER_REST_WHY,
+    read_attention,
+    read_deepspeed_ref,
+    read_optimizer,
+)
+from llmem.setup.sources.reading import Keys, Reading
+
+RL_BATCH = {"dpo": 2, "ipo": 2, "orpo": 2, "simpo": 2, "kto": 1, "grpo": 1}
+CCE_PLUGIN = "cut_cross_entropy"
+LIGER_PLUGIN = "liger"
+
+
+def detect(data: dict) -> bool:
+    return "base_model" in data or ("micro_batch_size" in data and "sequence_len" in data)
+
+
+def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
+    r.multi_gpu_method = "ddp"
+    if "base_model" in keys:
+        r.set("base_model", keys.get("base_model"), "model", str(keys.get("base_model")))
+    for key in ("base_model_config", "model_type", "tokenizer_type", "tokenizer_config"):
+        keys.get(key)
+    if keys.get("trust_remote_code"):
+        r.set("trust_remote_code", True, "trust_remote_code", True)
+    batch = r.integer("micro_batch_size", keys.get("micro_batch_size", 1), what="a micro-batch")
+    _batch_with_rl(r, keys, batch)
+    r.set("sequence_len", keys.get("sequence_len", 512), "seq_len",
+          r.integer("sequence_len", keys.get("sequence_len", 512), what="a sequence length"),
+          "" if "sequence_len" in keys else "axolotl's default")
+    if "sample_packing" in keys:
+        r.set("sample_packing", keys.get("sample_packing"), "packing", r.boolean("sample_packing",
+                                                                                keys.get("sample_packing")))
+    if "pad_to_sequence_len" in keys:
+        r.note_used("pad_to_sequence_len", keys.get("pad_to_sequence_len"), "rows of sequence_len: llmem's shape")
+    for key in ("eval_sample_packing", "eval_batch_size", "eval_sequence_len", "min_sample_len"):
+        keys.get(key)
+    if "gradient_accumulation_steps" in keys:
+        r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
+    keys.get("batch_size")
+    optimizer = keys.get("optimizer", "adamw_torch_fused")
+    read_optimizer(r, "optimizer" if "optimizer" in keys else "optimizer (default)", optimizer)
+    _dtypes(r, keys, bf16_capable)
+    _checkpointing(r, keys)
+    _attention(r, keys)
+    _kernels(r, keys)
+    quantised = _quantised(r, keys)
+    _adapters(r, keys, quantised)
+    _distributed(r, keys, quantised)
+    _unmodelled(r, keys)
+    r.not_read(keys)
+
+
+def _batch_with_rl(r: Reading, keys: Keys, batch: int) -> None:
+    rl = str(keys.get("rl", "")).lower()
+    if keys.get("reward_model"):
+        r.set("micro_batch_size", batch, "batch_size", 2 * batch, "reward model: chosen and rejected rows in one "
+              "batch")
+        r.ignore("reward_model", True, "a sequence-classification head (hidden x num_labels) instead of the lm_head "
+                 "is not modelled: the causal LM's logits are counted (an upper bound)")
+        return
+    factor = RL_BATCH.get(rl, 1)
+    if rl and rl not in RL_BATCH:
+        r.ignore("rl", rl, "this RL trainer is not modelled: estimated as supervised fine-tuning")
+    note = f"rl {rl}: chosen and rejected rows run as one batch of {factor}x" if factor > 1 else ""
+    r.set("micro_batch_size", batch, "batch_size", factor * batch, note)
+    if rl in RL_BATCH:
+        r.ignore("rl", rl, "the reference model's forward (no_grad) and the RL loss' tensors are not modelled"
+                 if rl != "grpo" else "GRPO's generation and reference model are not modelled: estimated as the "
+                 "policy's training step")
+
+
+def _dtypes(r: Reading, keys: Keys, bf16_capable: bool) -> None:
+    """utils/config resolve_dtype: bf16 'auto' -> the GPU's bf16 support; torch_dtype bf16 / fp16 / fp32."""
+    bf16 = keys.get("bf16", False)
+    fp16 = keys.get("fp16")
+    if bf16 == "auto":
+        bf16 = bf16_capable and not fp16
+        if not bf16 and fp16 is None and not keys.get("float16"):
+            fp16 = True
+        r.note_used("bf16", "auto", f"{'bf16' if bf16 else 'no bf16'} on the GPU (--gpu)")
+    else:
+        bf16 = r.boolean("bf16", bf16)
+        if "bf16" in keys:
+            r.note_used("bf16", bf16, "autocast in bf16" if bf16 else "off")
+    fp16 = bool(fp16) and not bf16
+    if fp16:
+        r.note_used("fp16", True, "autocast in fp16")
+    pure_bf16, pure_fp16 = keys.get("bfloat16"), keys.get("float16")
+    weights = "bf16" if bf16 or pure_bf16 else "fp16" if (fp16 or pure_fp16 or keys.get("load_in_8bit")) else "fp32"
+    compute = "bf16" if bf16 or pure_bf16 else "fp16" if fp16 or pure_fp16 else "fp32"
+    r.dtype(compute=compute, weights=weights)
+    if keys.get("float32"):
+        r.dtype(compute="fp32", weights="fp32")
+    keys.get("tf32")
+
+
+def _checkpointing(r: Reading, keys: Keys) -> None:
+    gc = keys.get("gradient_checkpointing", False)
+    if gc in ("offload", "offload_disk"):
+        r.set("gradient_checkpointing", gc, "grad_ckpt", True)
+        r.set("gradient_checkpointing", gc, "offload_activations", True, "the checkpointed layer inputs offloaded "
+              "(modelled as activation offloading)")
+    elif "gradient_checkpointing" in keys:
+        r.set("gradient_checkpointing", gc, "grad_ckpt", r.boolean("gradient_checkpointing", gc))
+    kwargs = keys.get("gradient_checkpointing_kwargs")
+    if kwargs:
+        r.note_used("gradient_checkpointing_kwargs", kwargs, "the checkpoint's implementation: the same tensors "
+                    "saved")
+    off = keys.get("activation_offloading", False)
+    if off:
+        note = {"legacy": "the legacy offloader", "disk": "offloaded to disk, modelled as to CPU",
+                "hidden_states": "the checkpoint inputs offloaded, modelled as activation offloading"}.get(str(off), "")
+        r.set("activation_offloading", off, "offload_activations", True, note)
+    if keys.get("selective_checkpointing"):
+        r.ignore("selective_checkpointing", keys.get("selective_checkpointing"), "selective checkpointing (saving "
+                 "attention inside checkpointed layers) is not modelled: full checkpointing stands in")
+
+
+def _attention(r: Reading, keys: Keys) -> None:
+    if "attn_implementation" in keys:
+        read_attention(r, "attn_implementation", keys.get("attn_implementation"))
+    for key, value in (("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa"),
+                       ("eager_attention", "eager"), ("flex_attention", "flex_attention")):
+        if keys.get(key):
+            read_attention(r, key, value)
+    if keys.get("xformers_attention"):
+        r.ignore("xformers_attention", True, "xformers' memory-efficient attention is not modelled: sdpa stands in")
+    for key in ("s2_attention", "sample_packing_eff_est"):
+        keys.get(key)
+
+
+def _kernels(r: Reading, keys: Keys) -> None:
+    plugins = [str(p) for p in keys.get("plugins", []) or []]
+    if keys.get("liger_fused_linear_cross_entropy"):
+        r.set("liger_fused_linear_cross_entropy", True, "fused_ce", True, LIGER_CE_NOTE)
+    for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm", "liger_cross_entropy"):
+        if keys.get(key):
+            r.ignore(key, True, LIGER_REST_WHY)
+    cce = any(CCE_PLUGIN in p.lower().replace("crossentropy", "cross_entropy") for p in plugins)
+    if cce and keys.get("cut_cross_entropy", True):
+        r.set("plugins", "CutCrossEntropyPlugin", "fused_ce", True, "Cut Cross-Entropy, modelled by the fused linear "
+              "cross-entropy (neither holds the full logits)")
+    keys.get("cut_cross_entropy")
+    for p in plugins:
+        if CCE_PLUGIN not in p.lower().replace("crossentropy", "cross_entropy") and LIGER_PLUGIN not in p.lower():
+            r.ignore("plugins", p, "a plugin llmem does not model")
+
+
+def _quantised(r: Reading, keys: Keys) -> bool:
+    bnb = keys.get("bnb_config_kwargs") or {}
+    if keys.get("load_in_4bit"):
+        r.set("load_in_4bit", True, "quant_base", "nf4", "bitsandbytes NF4")
+        double = bool(bnb.get("bnb_4bit_use_double_quant", True)) if isinstance(bnb, dict) else True
+        r.values["double_quant"] = double
+        if isinstance(bnb, dict) and "bnb_4bit_use_double_quant" in bnb:
+            r.set("bnb_config_kwargs.bnb_4bit_use_double_quant", double, "double_quant", double)
+        return True
+    if keys.get("load_in_8bit"):
+        r.set("load_in_8bit", True, "quant_base", "int8", "bitsandbytes LLM.int8")
+        return True
+    keys.get("load_in_4bit")
+    keys.get("load_in_8bit")
+    return False
+
+
+def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
+    adapter = str(keys.get("adapter", "") or "").lower()
+    for key in ("lora_model_dir", "lora_fan_in_fan_out", "peft_use_rslora", "lora_on_cpu"):
+        keys.get(key)
+    if not adapter:
+        return
+    if adapter not in ("lora", "qlora"):
+        r.ignore("adapter", adapter, "only LoRA / QLoRA adapters are read from axolotl configs: full fine-tuning "
+                 "stands in")
+        return
+    rank = r.integer("lora_r", keys.get("lora_r", 8), what="a LoRA rank")
+    linear = bool(keys.get("lora_target_linear"))
+    targets = "all-linear" if linear else targets_text(keys.get("lora_target_modules", "q_proj,v_proj"))
+    save = tuple(str(m) for m in keys.get("lora_modules_to_save", []) or [])
+    lora = Lora(rank, float(keys.get("lora_alpha", rank)), r.fraction("lora_dropout", keys.get("lora_dropout", 0.0)),
+                targets, save, bool(keys.get("peft_use_dora", False)))
+    sources = {name: (key, keys.get(key)) for name, key in (
+        ("lora_rank", "lora_r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
+        ("lora_targets", "lora_target_linear" if linear else "lora_target_modules"),
+        ("modules_to_save", "lora_modules_to_save"), ("use_dora", "peft_use_dora")) if key in keys}
+    r.note_used("adapter", adapter, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
+    apply_lora(r, lora, sources)
+    if keys.get("peft_autocast_adapter_dtype") is False:
+        r.set("peft_autocast_adapter_dtype", False, "adapter_dtype", "base", "adapters in the base's dtype")
+        r.dtype(adapters="base")
+    if quantised and keys.get("embeddings_skip_upcast"):
+        r.ignore("embeddings_skip_upcast", True, "embed_tokens / lm_head kept in low precision while the norms are "
+                 "upcast: not modelled (the kbit upcast counts them in fp32)")
+
+
+def _distributed(r: Reading, keys: Keys, quantised: bool) -> None:
+    fsdp = keys.get("fsdp")
+    fsdp_config = keys.sub("fsdp_config")
+    version = keys.get("fsdp_version")
+    if fsdp or version or (fsdp_config.data and ("fsdp_version" in fsdp_config or "version" in fsdp_config)):
+        if fsdp:
+            r.note_used("fsdp", fsdp, "FSDP")
+        read_fsdp_config(r, fsdp_config, version=version)
+    trainer = TrainerValues("TrainingArguments", r.values.get("batch_size"), _accum(r, keys),
+                            None, r.dtypes.compute == "bf16", r.dtypes.compute == "fp16")
+    if "deepspeed" in keys:
+        read_deepspeed_ref(r, "deepspeed", keys.get("deepspeed"), trainer)
+    zero3 = r.zero_stage == 3
+    cpu_ram = fsdp_config.data.get("fsdp_cpu_ram_efficient_loading", fsdp_config.data.get("cpu_ram_efficient_loading"))
+    fsdp_on = bool(fsdp or version)
+    skip = (quantised and fsdp_on) or (fsdp_on and bool(cpu_ram)) or zero3
+    r.dtype(kbit_upcast=not skip)
+    if quantised and skip:
+        r.notes.append("axolotl skips prepare_model_for_kbit_training here (QLoRA under FSDP, cpu_ram_efficient_loading "
+                       "or ZeRO-3): the unquantised frozen parameters stay in the base's dtype")
+    if keys.get("use_ray"):
+        workers = r.integer("ray_num_workers", keys.get("ray_num_workers", 1), what="a worker count")
+        r.gpus = workers
+        r.note_used("ray_num_workers", workers, f"gpus = {workers} (one GPU per Ray worker)")
+    keys.get("ray_num_workers")
+    tp = r.integer("tensor_parallel_size", keys.get("tensor_parallel_size", 1), what="a tensor-parallel degree")
+    shard = keys.get("dp_shard_size")
+    if shard is not None:
+        r.note_used("dp_shard_size", shard, "FSDP's shard count: all GPUs but the tensor-parallel ones")
+    if tp > 1:
+        r.set("tensor_parallel_size", tp, "tp", tp)
+        r.method = "fsdp+tp" if fsdp_on or (shard or 1) > 1 else "tp"
+    for key in ("context_parallel_size", "sequence_parallel_degree"):
+        if key in keys and r.integer(key, keys.get(key)) > 1:
+            r.ignore(key, keys.get(key), "context parallelism (each sequence split over GPUs) is not modelled: "
+                     "estimated at the whole sequence per GPU; give --seq-len for one GPU's share")
+    if "dp_replicate_size" in keys and r.integer("dp_replicate_size", keys.get("dp_replicate_size")) > 1:
+        r.ignore("dp_replicate_size", keys.get("dp_replicate_size"), "replication across shard groups (HSDP) is "
+                 "modelled as sharding over all GPUs")
+    if keys.get("tensor_parallel"):
+        r.ignore("tensor_parallel", keys.get("tensor_parallel"), "a branch-only key (tensor_parallel 'auto': all "
+                 "GPUs) without a degree: give --method tp --gpus N")
+
+
+def _accum(r: Reading, keys: Keys) -> int | None:
+    raw = keys.get("gradient_accumulation_steps")
+    return r.integer("gradient_accumulation_steps", raw, what="a step count") if raw is not None else 1
+
+
+def _unmodelled(r: Reading, keys: Keys) -> None:
+    for key, why in (
+            ("unfrozen_parameters", "training only the parameters matching these patterns is not expressible: "
+             "full fine-tuning stands in (an upper bound)"),
+            ("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+            ("tiled_mlp", "tiled MLP (the MLP computed in sequence tiles) is not modelled: the whole MLP's "
+             "activations are counted"),
+            ("layer_offloading", "offload of layer parameters is not modelled"),
+            ("model_quantization_config", "a quantisation config of the checkpoint (e.g. MXFP4 dequantized on load) "
+             "is not modelled: the weights are counted in the load dtype"),
+            ("model_config", "overrides of the model's config are not applied (llmem reads the model's own config)"),
+            ("output_router_logits", "the MoE router's auxiliary loss tensors are not modelled")):
+        if key in keys and keys.get(key) not in (False, [], {}):
+            r.ignore(key, keys.get(key), why)
+    keys.get("model_quantization_config_kwargs")

@@ -1,0 +1,111 @@
+"""What the HF-Trainer-based configs share (TRL / TrainingArguments, LLaMA-Factory, axolotl): the optimizer names,
+attention, gradient checkpointing, Liger kernels, and FSDP / DeepSpeed through TrainingArguments' `fsdp`,
+`fsdp_config` and `deepspeed` (a path, resolved beside the file, above it or in the working folder, or the JSON
+itself)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmem.setup.sources.deepspeed import TrainerValues, read_deepspeed
+from llmem.setup.sources.files import find_reference, load
+from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
+from llmem.setup.sources.names import HF_ATTENTIONS, HF_OPTIMIZERS
+from llmem.setup.sources.reading import Keys, Reading
+
+LIGER_CE_NOTE = "Liger's fused linear cross-entropy (no full logits)"
+LIGER_REST_WHY = ("Liger's RMSNorm / RoPE / SwiGLU kernels save slightly different tensors: modelled as the unfused "
+                  "ops")
+
+
+def read_optimizer(r: Reading, key: str, raw: Any) -> None:
+    row = HF_OPTIMIZERS.get(str(raw).strip().lower())
+    if row is None:
+        r.ignore(key, raw, "not an optimizer llmem knows (transformers' OptimizerNames): llmem's optimizer stands in")
+    elif row.llmem is None:
+        r.ignore(key, raw, f"{row.note}: llmem's optimizer (adamw unless --optimizer) stands in")
+    else:
+        r.set(key, raw, "optimizer", row.llmem, row.note)
+
+
+def read_attention(r: Reading, key: str, raw: Any) -> None:
+    row = HF_ATTENTIONS.get(str(raw).strip())
+    if row is None:
+        r.ignore(key, raw, "an attention implementation llmem does not model: sdpa stands in")
+    elif row.llmem is None:
+        r.ignore(key, raw, row.note)
+    else:
+        r.set(key, raw, "attn", row.llmem, row.note)
+
+
+def read_checkpointing(r: Reading, keys: Keys, default: bool) -> None:
+    """TrainingArguments' activation_checkpointing (gradient_checkpointing, its deprecated alias) and its kwargs:
+    every_n_layers -> --grad-ckpt-every, offload -> --offload-activations (transformers 5's
+    activation_checkpointing_kwargs)."""
+    key = "activation_checkpointing" if "activation_checkpointing" in keys else "gradient_checkpointing"
+    on = r.boolean(key, keys.get(key)) if key in keys else default
+    if key in keys or on:
+        r.set(key if key in keys else f"{key} (default)", keys.get(key, default), "grad_ckpt", on)
+    kw_key = f"{key}_kwargs"
+    kwargs = keys.get(kw_key) or {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            raise r.error(kw_key, kwargs, "is not a JSON mapping", 'write e.g. {"use_reentrant": false}') from None
+    if not isinstance(kwargs, dict):
+        raise r.error(kw_key, kwargs, "is not a mapping", 'write e.g. {"use_reentrant": false}')
+    for name, value in kwargs.items():
+        full = f"{kw_key}.{name}"
+        if name == "every_n_layers" and on:
+            r.set(full, value, "ckpt_every", r.integer(full, value, what="a layer stride"))
+        elif name == "offload" and on and r.boolean(full, value):
+            r.set(full, value, "offload_activations", True, "saved activations held in pinned host memory")
+        elif name == "use_reentrant":
+            r.note_used(full, value, "the checkpoint's implementation: the same tensors saved")
+        else:
+            r.ignore(full, value, "not modelled")
+
+
+def read_liger(r: Reading, keys: Keys) -> None:
+    """TrainingArguments' use_liger_kernel (apply_liger_kernel_to_<model>, fused_linear_cross_entropy on by default)
+    and liger_kernel_config."""
+    if "use_liger_kernel" not in keys or not r.boolean("use_liger_kernel", keys.get("use_liger_kernel")):
+        keys.get("liger_kernel_config")
+        return
+    config = keys.get("liger_kernel_config") or {}
+    fused = bool(config.get("fused_linear_cross_entropy", True)) if isinstance(config, dict) else True
+    r.set("use_liger_kernel", True, "fused_ce", fused, LIGER_CE_NOTE if fused else "fused_linear_cross_entropy off")
+    r.ignore("use_liger_kernel", True, LIGER_REST_WHY)
+
+
+def trainer_distributed(r: Reading, keys: Keys, trainer: TrainerValues) -> None:
+    """TrainingArguments' fsdp / fsdp_config / deepspeed."""
+    strategy = strategy_from_options(r, "fsdp", keys.get("fsdp")) if "fsdp" in keys else None
+    config = keys.get("fsdp_config")
+    if isinstance(config, str) and config:
+        path = find_reference(config, r.path, "fsdp_config")
+        _, data = load(path)
+        r.files.append((str(path), "fsdp_config"))
+        config = data
+    if strategy is not None or (isinstance(config, dict) and config and keys.get("fsdp")):
+        read_fsdp_config(r, Keys(config if isinstance(config, dict) else {}, "fsdp_config."), strategy)
+    elif isinstance(config, dict) and config:
+        r.ignore("fsdp_config", "...", "fsdp is not set, so transformers does not use fsdp_config")
+    if "deepspeed" in keys:
+        read_deepspeed_ref(r, "deepspeed", keys.get("deepspeed"), trainer)
+
+
+def read_deepspeed_ref(r: Reading, key: str, ref: Any, trainer: TrainerValues) -> None:
+    """A `deepspeed:` value: the JSON's path (or the mapping itself), read with the trainer's values for "auto"."""
+    if isinstance(ref, dict):
+        read_deepspeed(r, ref, f"{key} (inline)", trainer)
+        return
+    if not isinstance(ref, str) or not ref.strip():
+        raise r.error(key, ref, "is not a path to a DeepSpeed JSON", "give e.g. deepspeed_configs/zero3.json")
+    path = find_reference(ref.strip(), r.path, key)
+    _, data = load(path)
+    r.files.append((str(path), "deepspeed"))
+    r.note_used(key, ref, f"read {path}")
+    read_deepspeed(r, data, path.name, trainer)

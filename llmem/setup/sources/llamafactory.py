@@ -1,0 +1,159 @@
+"""LLaMA-Factory's YAML (0.9.5, src/llamafactory/hparams/): model_name_or_path, stage, finetuning_type, LoRA
+(lora_rank 8, lora_alpha None = 2 x rank, lora_target "all" = every linear but the output layer), quantization_bit
+(bitsandbytes, double quantisation on by default), cutoff_len (2048), packing (None: on for stage pt only),
+flash_attn, enable_liger_kernel, disable_gradient_checkpointing (checkpointing is on unless disabled), pure_bf16, and
+the TrainingArguments it passes on (batch, optim, bf16 / fp16, deepspeed).
+
+Precision: the model loads in the checkpoint's dtype (torch_dtype "auto": bf16 for the Llama 3 / Qwen checkpoints),
+then model/adapter.py init_adapter upcasts the trained parameters to fp32 unless pure_bf16 (or ZeRO-3, whose
+partitions are fp32 already): bf16 is bf16-mixed for LoRA and full fine-tuning alike; pure_bf16 is llmem's bf16 with
+the adapters in the base's dtype. It never runs prepare_model_for_kbit_training (--no-kbit-upcast)."""
+
+from __future__ import annotations
+
+from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
+from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.hf import LIGER_CE_NOTE, LIGER_REST_WHY, read_optimizer, trainer_distributed
+from llmem.setup.sources.reading import Keys, Reading
+
+MARKS = ("stage", "finetuning_type", "cutoff_len", "template", "lora_target", "quantization_bit")
+FLASH = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash", "fa3": "flash"}
+PAIRED_STAGES = {"dpo": 2, "rm": 2, "kto": 1}
+
+
+def detect(data: dict) -> bool:
+    return "model_name_or_path" in data and any(k in data for k in MARKS)
+
+
+def read(keys: Keys, r: Reading) -> None:
+    r.multi_gpu_method = "ddp"
+    r.set("model_name_or_path", keys.get("model_name_or_path"), "model", str(keys.get("model_name_or_path")))
+    if keys.get("trust_remote_code"):
+        r.set("trust_remote_code", True, "trust_remote_code", True)
+    stage = str(keys.get("stage", "sft")).lower()
+    batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 8), what="a micro-batch")
+    factor = PAIRED_STAGES.get(stage, 1)
+    r.set("per_device_train_batch_size", batch, "batch_size", factor * batch,
+          f"stage {stage}: chosen and rejected rows run as one batch of {factor}x" if factor > 1 else "")
+    if stage in ("sft", "pt") and "stage" in keys:
+        r.note_used("stage", stage, "supervised fine-tuning" if stage == "sft" else "pre-training")
+    if stage in ("dpo", "kto", "ppo", "rm"):
+        r.ignore("stage", stage, "the reference / reward model's forward and the loss' own tensors are not modelled"
+                 + ("; the reward model's value head stands as the lm_head" if stage in ("rm", "ppo") else ""))
+    cutoff = keys.get("cutoff_len", 2048)
+    r.set("cutoff_len" if "cutoff_len" in keys else "cutoff_len (default)", cutoff, "seq_len",
+          r.integer("cutoff_len", cutoff, what="a sequence length"))
+    packing = keys.get("packing")
+    packing = stage == "pt" if packing is None else r.boolean("packing", packing)
+    if keys.get("neat_packing"):
+        packing = True
+    if packing or "packing" in keys:
+        r.set("packing" if "packing" in keys else "packing (default: stage pt)", keys.get("packing", packing),
+              "packing", packing)
+    if "gradient_accumulation_steps" in keys:
+        r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
+    read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
+                   keys.get("optim", "adamw_torch_fused"))
+    disabled = keys.get("disable_gradient_checkpointing", False)
+    r.set("disable_gradient_checkpointing" + ("" if "disable_gradient_checkpointing" in keys else " (default)"),
+          disabled, "grad_ckpt", not r.boolean("disable_gradient_checkpointing", disabled))
+    if keys.get("use_unsloth_gc"):
+        r.set("use_unsloth_gc", True, "offload_activations", True, "unsloth's checkpointing offloads the "
+              "checkpointed inputs (modelled as activation offloading)")
+    flash = str(keys.get("flash_attn", "auto")).lower()
+    attn = r.choice("flash_attn", flash, FLASH)
+    if attn is not None:
+        r.set("flash_attn", flash, "attn", attn)
+    if keys.get("enable_liger_kernel"):
+        r.set("enable_liger_kernel", True, "fused_ce", True, LIGER_CE_NOTE)
+        r.ignore("enable_liger_kernel", True, LIGER_REST_WHY)
+    _dtypes(r, keys)
+    quantised = _quantisation(r, keys)
+    _finetuning(r, keys, stage, quantised)
+    accum = keys.get("gradient_accumulation_steps", 1)
+    trainer = TrainerValues("TrainingArguments", batch, accum if isinstance(accum, int) else None, None,
+                            r.dtypes.compute == "bf16", r.dtypes.compute == "fp16")
+    trainer_distributed(r, keys, trainer)
+    if r.zero_stage == 3 and not quantised:
+        r.notes.append("LLaMA-Factory under ZeRO-3 keeps the trained parameters in ZeRO-3's fp32 partitions")
+    for key, why in (("upcast_layernorm", "the norms upcast to fp32: not modelled (a few MB)"),
+                     ("use_galore", "GaLore's projected optimizer states are not modelled"),
+                     ("use_apollo", "APOLLO's optimizer states are not modelled"),
+                     ("use_badam", "BAdam's block-wise training is not modelled"),
+                     ("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+                     ("use_unsloth", "unsloth's kernels are not modelled"),
+                     ("shift_attn", "LongLoRA's shifted attention is not modelled"),
+                     ("mixture_of_depths", "mixture of depths is not modelled")):
+        if keys.get(key):
+            r.ignore(key, keys.get(key), why)
+    r.not_read(keys)
+
+
+def _dtypes(r: Reading, keys: Keys) -> None:
+    """hparams/parser.py: compute_dtype bf16 under bf16 or pure_bf16, fp16 under fp16; the trained parameters upcast
+    to fp32 unless pure_bf16 (model/adapter.py)."""
+    bf16 = r.boolean("bf16", keys.get("bf16", False))
+    fp16 = r.boolean("fp16", keys.get("fp16", False))
+    pure = r.boolean("pure_bf16", keys.get("pure_bf16", False))
+    compute = "bf16" if bf16 or pure else "fp16" if fp16 else "fp32"
+    for key, on in (("bf16", bf16), ("fp16", fp16), ("pure_bf16", pure)):
+        if key in keys:
+            r.note_used(key, on, {"bf16": "autocast in bf16", "fp16": "autocast in fp16",
+                                  "pure_bf16": "bf16 weights and adapters, no fp32 upcast"}[key] if on else "off")
+    r.dtype(compute=compute, weights="bf16" if compute != "fp32" else "fp32", masters=not pure,
+            adapters="base" if pure else "fp32", kbit_upcast=False)
+
+
+def _quantisation(r: Reading, keys: Keys) -> bool:
+    if "quantization_bit" not in keys:
+        return False
+    bits = r.choice("quantization_bit", keys.get("quantization_bit"), {"2": 2, "3": 3, "4": 4, "8": 8})
+    method = str(keys.get("quantization_method", "bnb")).lower()
+    if method != "bnb" or bits not in (4, 8):
+        r.ignore("quantization_bit", bits, f"{method} {bits}-bit quantisation is not modelled (llmem models "
+                 "bitsandbytes' 4-bit NF4 and LLM.int8): estimated with the base unquantised")
+        return False
+    if bits == 4:
+        r.set("quantization_bit", bits, "quant_base", "nf4", "bitsandbytes 4-bit")
+        qtype = str(keys.get("quantization_type", "nf4")).lower()
+        if qtype != "nf4":
+            r.ignore("quantization_type", qtype, "FP4 is stored as NF4 is (4 bits per weight, the same absmax): "
+                     "modelled as nf4")
+        double = r.boolean("double_quantization", keys.get("double_quantization", True))
+        r.set("double_quantization" if "double_quantization" in keys else "double_quantization (default)", double,
+              "double_quant", double)
+    else:
+        r.set("quantization_bit", bits, "quant_base", "int8", "bitsandbytes LLM.int8")
+    if "quantization_method" in keys:
+        r.note_used("quantization_method", method, "bitsandbytes")
+    return True
+
+
+def _finetuning(r: Reading, keys: Keys, stage: str, quantised: bool) -> None:
+    kind = str(keys.get("finetuning_type", "lora")).lower()
+    if kind == "full":
+        r.note_used("finetuning_type", kind, "full fine-tuning")
+        return
+    if kind == "freeze":
+        r.ignore("finetuning_type", kind, "freeze tuning (the last freeze_trainable_layers layers trained) is not "
+                 "expressible: full fine-tuning stands in (an upper bound)")
+        return
+    if kind != "lora":
+        r.ignore("finetuning_type", kind, f"{kind} adapters are not modelled: full fine-tuning stands in")
+        return
+    rank = r.integer("lora_rank", keys.get("lora_rank", 8), what="a LoRA rank")
+    alpha = keys.get("lora_alpha", rank * 2)
+    dropout = r.fraction("lora_dropout", keys.get("lora_dropout", 0.0))
+    targets = targets_text(keys.get("lora_target", "all"))
+    extra = keys.get("additional_target")
+    save = tuple(targets_text(extra).split(",")) if extra else ()
+    sources = {name: (key, keys.get(key)) for name, key in (
+        ("lora_rank", "lora_rank"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
+        ("lora_targets", "lora_target"), ("modules_to_save", "additional_target"), ("use_dora", "use_dora"))
+        if key in keys}
+    if "lora_alpha" not in keys:
+        sources["lora_alpha"] = ("lora_alpha (default: 2 x lora_rank)", None)
+    r.note_used("finetuning_type", kind, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
+    apply_lora(r, Lora(rank, float(alpha), dropout, targets, save, bool(keys.get("use_dora", False))), sources)
+    for key in ("use_rslora", "pissa_init", "pissa_convert", "create_new_adapter", "adapter_name_or_path"):
+        keys.get(key)

@@ -1,0 +1,162 @@
+"""torchtitan's train-config TOML, in its two schemas: [training] local_batch_size / seq_len with [parallelism]
+(2025-2026, until the TOMLs gave way to Python presets) and the older one with batch_size and the parallel degrees
+under [training] ([experimental] for pipeline / context parallel).
+
+torchtitan shards with FSDP2 (data_parallel_shard_degree, -1: every remaining GPU) under MixedPrecisionPolicy
+(mixed_precision_param bfloat16, mixed_precision_reduce float32 by default: llmem's fsdp bf16-mixed), and
+tensor_parallel_degree > 1 adds TP (fsdp+tp). Its AdamW is torch's, fused by default (implementation "fused");
+[activation_checkpoint] mode full checkpoints every block, selective with an integer option every N-th."""
+
+from __future__ import annotations
+
+from llmem.setup.sources.deepspeed import GA_NOTE
+from llmem.setup.sources.reading import Keys, Reading
+
+FLAVORS = {("llama3", "8b"): "meta-llama/Llama-3.1-8B", ("llama3", "70b"): "meta-llama/Llama-3.1-70B",
+           ("llama3", "405b"): "meta-llama/Llama-3.1-405B", ("llama3", "1b"): "meta-llama/Llama-3.2-1B",
+           ("llama3", "3b"): "meta-llama/Llama-3.2-3B", ("llama2", "7b"): "meta-llama/Llama-2-7b-hf",
+           ("llama2", "13b"): "meta-llama/Llama-2-13b-hf", ("llama2", "70b"): "meta-llama/Llama-2-70b-hf"}
+IMPLEMENTATIONS = {"fused": "adamw-fused", "foreach": "adamw", "for-loop": "adamw-forloop"}
+PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def detect(data: dict) -> bool:
+    return isinstance(data.get("training"), dict) and isinstance(data.get("model"), dict) and \
+        ("job" in data or "parallelism" in data or "seq_len" in data["training"])
+
+
+def read(keys: Keys, r: Reading) -> None:
+    r.multi_gpu_method = "fsdp"
+    training = keys.sub("training")
+    new = "parallelism" in keys.data or "local_batch_size" in training.data
+    old = any(k in training.data for k in ("batch_size", "data_parallel_shard_degree", "tensor_parallel_degree"))
+    if not new and not old:
+        raise r.error("training", "...", "has neither local_batch_size ([parallelism] schema) nor batch_size (the "
+                      "older schema): an unknown torchtitan version", "give a torchtitan train config TOML")
+    parallel = keys.sub("parallelism") if new else training
+    _model(r, keys.sub("model"))
+    batch_key = "local_batch_size" if "local_batch_size" in training else "batch_size"
+    batch = training.get(batch_key, 8)
+    r.set(f"training.{batch_key}" + ("" if batch_key in training else " (default)"), batch, "batch_size",
+          r.integer(f"training.{batch_key}", batch, what="a micro-batch"))
+    seq = training.get("seq_len", 2048)
+    r.set("training.seq_len", seq, "seq_len", r.integer("training.seq_len", seq, what="a sequence length"))
+    if "global_batch_size" in training:
+        r.note_used("training.global_batch_size", training.get("global_batch_size"), f"gradient accumulation; {GA_NOTE}")
+    _parallelism(r, parallel, keys.sub("experimental"), "training." if old else "parallelism.")
+    _precision(r, training)
+    _optimizer(r, keys.sub("optimizer"))
+    _checkpointing(r, keys.sub("activation_checkpoint"))
+    compile_on = keys.sub("compile").get("enable", training.get("compile", False))
+    if compile_on:
+        r.ignore("compile.enable", True, "torch.compile is not modelled (its fusions change what is saved)")
+    if training.get("enable_cpu_offload"):
+        r.ignore("training.enable_cpu_offload", True, "FSDP2's CPUOffloadPolicy is not modelled yet: estimated with "
+                 "the parameters on the GPU (an upper bound)")
+    converters = keys.sub("model").get("converters") or []
+    if converters or keys.sub("float8").get("enable_float8_linear"):
+        r.ignore("model.converters", converters, "float8 training (torchao's Float8Linear) is not modelled: bf16 "
+                 "stands in")
+    for section in ("job", "profiling", "metrics", "checkpoint", "lr_scheduler", "validation", "quantize",
+                    "float8", "comm", "memory_estimation"):
+        keys.sub(section)
+    for key in ("warmup_steps", "max_norm", "steps", "dataset", "dataset_path", "seed", "deterministic",
+                "gc_freq"):
+        training.get(key)
+    r.not_read(keys)
+
+
+def _model(r: Reading, model: Keys) -> None:
+    name, flavor = str(model.get("name", "")), str(model.get("flavor", ""))
+    hub = FLAVORS.get((name.lower(), flavor.lower()))
+    if hub:
+        r.set("model.name + flavor", f"{name} {flavor}", "model", hub, "the same architecture")
+    else:
+        r.ignore("model.name + flavor", f"{name} {flavor}", "no hub id llmem knows for this flavor: give MODEL on "
+                 "the command line")
+    for key in ("hf_assets_path", "tokenizer_path", "norm_type"):
+        model.get(key)
+
+
+def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
+    def degree(keys: Keys, name: str, default: int) -> int:
+        raw = keys.get(name, default)
+        return -1 if raw == -1 else r.integer(f"{keys.prefix or prefix}{name}", raw, what="a parallel degree")
+
+    shard = degree(p, "data_parallel_shard_degree", -1)
+    replicate = degree(p, "data_parallel_replicate_degree", 1)
+    tp = degree(p, "tensor_parallel_degree", 1)
+    pp = degree(p if "pipeline_parallel_degree" in p else experimental, "pipeline_parallel_degree", 1)
+    cp = degree(p if "context_parallel_degree" in p else experimental, "context_parallel_degree", 1)
+    r.method = "fsdp+tp" if tp > 1 else "fsdp"
+    r.note_used(f"{prefix}data_parallel_shard_degree", shard, "FSDP2 over " + ("every remaining GPU" if shard == -1
+                                                                                else f"{shard} GPUs"))
+    if tp > 1:
+        r.set(f"{prefix}tensor_parallel_degree", tp, "tp", tp)
+    if shard > 0 and min(replicate, pp, cp) > 0:
+        r.gpus = shard * replicate * tp * pp * cp
+        r.note_used(f"{prefix}(degrees)", f"{shard} x {replicate} x {tp} x {pp} x {cp}", f"gpus = {r.gpus}")
+    if replicate > 1:
+        r.ignore(f"{prefix}data_parallel_replicate_degree", replicate, "replication across shard groups (HSDP) is "
+                 "modelled as sharding over all GPUs")
+    if pp > 1:
+        r.ignore("pipeline_parallel_degree", pp, "pipeline parallelism is not modelled")
+    if cp > 1:
+        r.ignore("context_parallel_degree", cp, "context parallelism is not modelled: the whole sequence per GPU")
+    if p.get("enable_async_tensor_parallel"):
+        r.ignore(f"{prefix}enable_async_tensor_parallel", True, "async TP's overlapped buffers are not modelled")
+    for key in ("fsdp_reshard_after_forward",):
+        if key in p and str(p.get(key)).lower() == "never":
+            r.method = "zero2" if r.method == "fsdp" else r.method
+            r.note_used(f"{prefix}{key}", "never", f"method {r.method}")
+    for key in ("enable_compiled_autograd", "pipeline_parallel_schedule", "disable_loss_parallel"):
+        p.get(key)
+
+
+def _precision(r: Reading, training: Keys) -> None:
+    """FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce) over
+    fp32 parameters."""
+    raw = training.get("mixed_precision_param", "bfloat16")
+    compute = r.choice("training.mixed_precision_param", raw, PRECISION)
+    r.note_used("training.mixed_precision_param" + ("" if "mixed_precision_param" in training else " (default)"),
+                raw, "FSDP2 gathers and computes in it, fp32 parameters")
+    r.dtype(compute=compute, weights="fp32", masters=True)
+    reduce = training.get("mixed_precision_reduce", "float32")
+    if str(reduce) != "float32":
+        r.ignore("training.mixed_precision_reduce", reduce, "llmem's *-mixed reduces in fp32")
+
+
+def _optimizer(r: Reading, opt: Keys) -> None:
+    name = str(opt.get("name", "AdamW"))
+    impl = str(opt.get("implementation", "fused"))
+    for key in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+        opt.get(key)
+    if name.lower() not in ("adamw", "adam"):
+        r.ignore("optimizer.name", name, "not in llmem's optimizer registry: llmem's optimizer stands in")
+        return
+    if impl not in IMPLEMENTATIONS:
+        raise r.error("optimizer.implementation", impl, "is not a torch implementation", "choose fused, foreach or "
+                      "for-loop")
+    r.set("optimizer.name + implementation", f"{name} {impl}", "optimizer", IMPLEMENTATIONS[impl],
+          "" if "implementation" in opt else "torchtitan's default implementation: fused")
+
+
+def _checkpointing(r: Reading, ac: Keys) -> None:
+    mode = str(ac.get("mode", "selective")).lower()
+    if mode == "full":
+        r.set("activation_checkpoint.mode", mode, "grad_ckpt", True)
+    elif mode == "selective":
+        option = str(ac.get("selective_ac_option", "2"))
+        if option.isdigit() and int(option) >= 1:
+            r.set("activation_checkpoint.selective_ac_option", option, "ckpt_every", int(option),
+                  "every N-th block checkpointed")
+            r.values["grad_ckpt"] = True
+        else:
+            r.ignore("activation_checkpoint.selective_ac_option", option, "op-level selective checkpointing (matmul "
+                     "outputs saved, the rest recomputed) is not expressible: estimated without checkpointing (an "
+                     "upper bound); --grad-ckpt gives the lower bound")
+    elif mode != "none":
+        raise r.error("activation_checkpoint.mode", mode, "is not a torchtitan checkpointing mode",
+                      "choose none, selective or full")
+    for key in ("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget"):
+        ac.get(key)

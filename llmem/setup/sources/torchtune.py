@@ -1,0 +1,206 @@
+"""torchtune's recipe YAML (torchtune's recipes/configs/): the model builder (`model._component_`), its LoRA keys
+(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, lora_rank / alpha / dropout; the qlora_ builders: a
+torchao NF4 base), tokenizer.max_seq_len, dataset.packed, batch_size, dtype, the optimizer component,
+optimizer_in_bwd, activation checkpointing and offloading, and the recipe the file's `tune run` line names (a
+*_distributed recipe shards with FSDP2, --nproc_per_node GPUs).
+
+Precision: torchtune builds the model in `dtype` and trains it there (training.get_dtype): dtype bf16 is llmem's
+pure bf16, and its LoRA modules are built in that dtype too (--adapter-dtype base). The NF4 base (torchao's
+to_nf4) is never upcast (--no-kbit-upcast). The distributed recipes shard with fully_shard and no
+MixedPrecisionPolicy: the shards are bf16."""
+
+from __future__ import annotations
+
+import re
+
+from llmem.setup.sources.adapters import Lora, apply_lora
+from llmem.setup.sources.deepspeed import GA_NOTE
+from llmem.setup.sources.names import TORCH_CLASSES
+from llmem.setup.sources.reading import Keys, Reading
+
+# torchtune's builders -> a hub id of the same architecture (the checkpoint's name without -Instruct)
+BUILDERS = {
+    "llama3_1_8b": "meta-llama/Llama-3.1-8B", "llama3_1_70b": "meta-llama/Llama-3.1-70B",
+    "llama3_1_405b": "meta-llama/Llama-3.1-405B", "llama3_2_1b": "meta-llama/Llama-3.2-1B",
+    "llama3_2_3b": "meta-llama/Llama-3.2-3B", "llama3_8b": "meta-llama/Meta-Llama-3-8B",
+    "llama3_70b": "meta-llama/Meta-Llama-3-70B", "llama2_7b": "meta-llama/Llama-2-7b-hf",
+    "llama2_13b": "meta-llama/Llama-2-13b-hf", "llama2_70b": "meta-llama/Llama-2-70b-hf",
+    "mistral_7b": "mistralai/Mistral-7B-v0.1", "gemma2_2b": "google/gemma-2-2b", "gemma2_9b": "google/gemma-2-9b",
+    "phi3_mini": "microsoft/Phi-3-mini-4k-instruct", "qwen2_5_0_5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2_5_1_5b": "Qwen/Qwen2.5-1.5B", "qwen2_5_7b": "Qwen/Qwen2.5-7B", "qwen2_5_14b": "Qwen/Qwen2.5-14B",
+    "qwen2_5_32b": "Qwen/Qwen2.5-32B", "qwen2_5_72b": "Qwen/Qwen2.5-72B",
+}
+# torchtune's module names -> transformers' (torchtune's convert_weights mapping)
+MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+MLP = ("gate_proj", "up_proj", "down_proj")
+DTYPES = {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
+TUNE_RUN = re.compile(r"^#\s*tune run\s+(?P<args>.*)$", re.MULTILINE)
+
+
+def detect(data: dict) -> bool:
+    model = data.get("model")
+    return isinstance(model, dict) and "_component_" in model
+
+
+def read(keys: Keys, r: Reading, text: str) -> None:
+    r.multi_gpu_method = "fsdp"
+    model = keys.sub("model")
+    component = str(model.get("_component_"))
+    builder = component.rsplit(".", 1)[-1]
+    qlora = builder.startswith("qlora_")
+    lora = qlora or builder.startswith("lora_")
+    base = builder.split("_", 1)[1] if lora else builder
+    if not component.startswith("torchtune.models."):
+        raise r.error("model._component_", component, "is not a torchtune model builder",
+                      "name one of torchtune.models.* (or give MODEL on the command line)")
+    if base in BUILDERS:
+        r.set("model._component_", component, "model", BUILDERS[base], f"torchtune's {base}: the same architecture")
+    else:
+        r.ignore("model._component_", component, f"torchtune's {base} has no hub id llmem knows: give MODEL on the "
+                 "command line")
+    _recipe(r, text)
+    batch = r.integer("batch_size", keys.get("batch_size", 1), what="a micro-batch")
+    dpo = str(keys.sub("loss").get("_component_", "")).endswith("DPOLoss")
+    r.set("batch_size", keys.get("batch_size", 1), "batch_size", 2 * batch if dpo else batch,
+          "DPOLoss: chosen and rejected rows run as one batch of 2x" if dpo else "")
+    tokenizer = keys.sub("tokenizer")
+    seq = tokenizer.get("max_seq_len")
+    if seq is not None:
+        r.set("tokenizer.max_seq_len", seq, "seq_len", r.integer("tokenizer.max_seq_len", seq,
+                                                                   what="a sequence length"))
+    else:
+        r.ignore("tokenizer.max_seq_len", None, "no limit: the data's longest sample decides (llmem's --seq-len)")
+    for key in ("_component_", "path", "prompt_template"):
+        tokenizer.get(key)
+    dataset = keys.sub("dataset")
+    if dataset.get("packed"):
+        r.set("dataset.packed", True, "packing", True)
+    for key in ("_component_", "split", "packed"):
+        dataset.get(key)
+    if "gradient_accumulation_steps" in keys:
+        r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
+    dtype = r.choice("dtype", keys.get("dtype", "bf16"), DTYPES)
+    r.note_used("dtype", keys.get("dtype", "bf16"), f"the model built and trained in {dtype}")
+    r.dtype(compute=dtype, weights=dtype, adapters="base", kbit_upcast=False)
+    _optimizer(r, keys)
+    if "optimizer_in_bwd" in keys and r.boolean("optimizer_in_bwd", keys.get("optimizer_in_bwd")):
+        r.set("optimizer_in_bwd", True, "optimizer_in_backward", True)
+    if "enable_activation_checkpointing" in keys:
+        r.set("enable_activation_checkpointing", keys.get("enable_activation_checkpointing"), "grad_ckpt",
+              r.boolean("enable_activation_checkpointing", keys.get("enable_activation_checkpointing")))
+    if "enable_activation_offloading" in keys and r.boolean("enable_activation_offloading",
+                                                            keys.get("enable_activation_offloading")):
+        r.set("enable_activation_offloading", True, "offload_activations", True)
+    if keys.get("ac_mode") == "selective" and isinstance(keys.get("ac_option"), int):
+        r.set("ac_option", keys.get("ac_option"), "ckpt_every", r.integer("ac_option", keys.get("ac_option")))
+    if lora:
+        _lora(r, model, qlora)
+    _loss(r, keys.sub("loss"))
+    _distributed(r, keys)
+    keys.get("ac_mode")
+    r.not_read(keys)
+
+
+def _recipe(r: Reading, text: str) -> None:
+    """The file's documented launch line, `tune run [--nproc_per_node N] RECIPE --config NAME`."""
+    match = TUNE_RUN.search(text)
+    if match is None:
+        return
+    words = match.group("args").split()
+    recipe = next((w for w in words if not w.startswith("-") and not w.isdigit()), "")
+    nproc = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--nproc_per_node"), None)
+    if recipe.endswith("_distributed") or "distributed" in recipe:
+        r.method = "fsdp"
+        gpus = r.integer("# tune run --nproc_per_node", nproc, what="a process count") if nproc else None
+        r.gpus = gpus
+        r.note_used("# tune run", match.group("args").strip(), f"{recipe}: FSDP2's fully_shard"
+                    + (f" over gpus = {gpus}" if gpus else ""))
+    elif recipe:
+        r.method, r.gpus = "single", 1
+        r.note_used("# tune run", match.group("args").strip(), f"{recipe}: one GPU")
+
+
+def _optimizer(r: Reading, keys: Keys) -> None:
+    opt = keys.sub("optimizer")
+    component = str(opt.get("_component_", "torch.optim.AdamW"))
+    row = TORCH_CLASSES.get(component)
+    fused = opt.get("fused", False)
+    for key in ("lr", "weight_decay", "betas", "eps", "momentum", "foreach"):
+        opt.get(key)
+    if row is None or row.llmem is None:
+        r.ignore("optimizer._component_", component, (row.note if row else "not in llmem's optimizer registry")
+                 + ": llmem's optimizer stands in")
+        return
+    name = row.llmem
+    if name == "adamw" and fused:
+        name = "adamw-fused"
+    if name == "sgd" and opt.get("momentum", 0):
+        name = "sgd-momentum"
+    r.set("optimizer._component_" + (" + fused" if fused else ""), component, "optimizer", name, row.note)
+
+
+def _lora(r: Reading, model: Keys, qlora: bool) -> None:
+    attn = [str(m) for m in model.get("lora_attn_modules", ["q_proj", "v_proj"])]
+    names = [MODULES.get(m, m) for m in attn]
+    if model.get("apply_lora_to_mlp", False):
+        names += MLP
+    if model.get("apply_lora_to_output", False):
+        names.append("lm_head")
+    rank = r.integer("model.lora_rank", model.get("lora_rank", 8), what="a LoRA rank")
+    lora = Lora(rank, float(model.get("lora_alpha", 16)), r.fraction("model.lora_dropout",
+                                                                      model.get("lora_dropout", 0.0)),
+                ",".join(names))
+    sources = {"lora_rank": ("model.lora_rank", model.get("lora_rank")),
+               "lora_alpha": ("model.lora_alpha", model.get("lora_alpha")),
+               "lora_dropout": ("model.lora_dropout", model.get("lora_dropout")),
+               "lora_targets": ("model.lora_attn_modules + apply_lora_to_mlp / _output",
+                                f"{attn}, mlp {model.get('apply_lora_to_mlp', False)}, output "
+                                f"{model.get('apply_lora_to_output', False)}")}
+    apply_lora(r, lora, sources)
+    if qlora:
+        r.set("model._component_", "qlora_*", "quant_base", "torchao-nf4", "torchao NF4Tensor base (to_nf4)")
+    for key in ("use_dora", "quantize_base"):
+        if model.get(key):
+            r.ignore(f"model.{key}", model.get(key), "not modelled")
+
+
+def _loss(r: Reading, loss: Keys) -> None:
+    component = str(loss.get("_component_", ""))
+    if component.endswith("LinearCrossEntropyLoss") or component.endswith("CEWithChunkedOutputLoss"):
+        r.ignore("loss._component_", component, "torchtune's chunked output loss projects and upcasts chunk by chunk, "
+                 "but keeps every chunk's fp32 log-probabilities for backward (all the logits' worth): modelled as "
+                 "the unfused loss (an upper bound; --fused-ce gives the lower one)")
+    elif component.endswith("DPOLoss"):
+        r.ignore("loss._component_", component, "DPO's reference forward (the adapters disabled, no_grad) is not "
+                 "modelled")
+    loss.get("num_output_chunks")
+
+
+def _distributed(r: Reading, keys: Keys) -> None:
+    if r.method is None and any(k in keys for k in ("fsdp_cpu_offload", "custom_sharded_layers",
+                                                     "fsdp_reshard_after_forward", "tensor_parallel_dim")):
+        r.method = "fsdp"
+        r.note_used("(distributed keys)", "fsdp_*", "a distributed recipe: FSDP2's fully_shard")
+    if "fsdp_reshard_after_forward" in keys and r.method == "fsdp":
+        if not r.boolean("fsdp_reshard_after_forward", keys.get("fsdp_reshard_after_forward")):
+            r.method = "zero2"
+        r.note_used("fsdp_reshard_after_forward", keys.get("fsdp_reshard_after_forward"), f"method {r.method}")
+    if keys.get("fsdp_cpu_offload"):
+        r.ignore("fsdp_cpu_offload", True, "FSDP's CPU offload of parameters (CPUOffloadPolicy) is not modelled yet: "
+                 "estimated with the parameters on the GPU (an upper bound)")
+    if keys.get("custom_sharded_layers"):
+        r.ignore("custom_sharded_layers", keys.get("custom_sharded_layers"), "tok_embeddings / output as FSDP units "
+                 "of their own: llmem's fsdp shards them with the root")
+    tp = keys.get("tensor_parallel_dim", 1)
+    if r.integer("tensor_parallel_dim", tp) > 1:
+        r.set("tensor_parallel_dim", tp, "tp", tp)
+        r.method = "fsdp+tp"
+    keys.sub("tensor_parallel_plan")
+    if keys.get("compile"):
+        r.ignore("compile", True, "torch.compile is not modelled (its fusions change what is saved)")
+    for key in ("device", "seed", "shuffle", "epochs", "max_steps_per_epoch", "output_dir", "resume_from_checkpoint",
+                "log_every_n_steps", "log_peak_memory_stats", "log_level", "clip_grad_norm", "batch_size_val",
+                "run_val_every_n_steps", "save_adapter_weights_only", "low_cpu_ram"):
+        keys.get(key)
+    for key in ("checkpointer", "metric_logger", "profiler", "lr_scheduler", "dataset_val"):
+        keys.sub(key)

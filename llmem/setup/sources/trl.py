@@ -1,0 +1,163 @@
+"""TRL's configs and transformers' TrainingArguments (YAML or JSON): `trl sft --config` files (ModelConfig +
+SFTConfig / DPOConfig / GRPOConfig fields in one mapping), and a TrainingArguments mapping (training_args.json).
+
+TRL's defaults differ from TrainingArguments' (trl/trainer/sft_config.py): gradient_checkpointing True, bf16 True
+unless fp16, max_length 1024; a model given by name loads in ModelConfig.dtype, float32 by default
+(trl/trainer/model_config.py), so bf16 autocasts over fp32 weights: bf16-mixed; `dtype: bfloat16` trains bf16
+weights (llmem's bf16; LoRA's fp32 adapters keep bf16-mixed). TRL never runs prepare_model_for_kbit_training: the
+unquantised frozen parameters of a 4/8-bit base stay in the load dtype (fp32 under the default dtype, which
+llmem's kbit upcast models). Under DeepSpeed ZeRO-3 with an unquantised base TRL builds the adapters in the base's
+dtype (autocast_adapter_dtype=False, sft_trainer.py). A mapping without TRL's keys reads with TrainingArguments'
+defaults (no checkpointing, no bf16, the sequence length from the command line)."""
+
+from __future__ import annotations
+
+from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
+from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.hf import (
+    read_attention,
+    read_checkpointing,
+    read_liger,
+    read_optimizer,
+    trainer_distributed,
+)
+from llmem.setup.sources.reading import Keys, Reading
+
+TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", "packing", "padding_free", "use_peft", "lora_r",
+             "dataset_text_field", "completion_only_loss", "num_generations", "beta", "max_prompt_length",
+             "max_completion_length", "model_init_kwargs")
+HF_MARKS = ("per_device_train_batch_size", "output_dir", "gradient_accumulation_steps", "optim",
+            "gradient_checkpointing", "activation_checkpointing", "deepspeed", "fsdp", "learning_rate",
+            "num_train_epochs")
+DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
+          "auto": "bf16"}
+
+
+def detect(data: dict) -> bool:
+    return any(k in data for k in TRL_MARKS + HF_MARKS)
+
+
+def read(keys: Keys, r: Reading) -> None:
+    trl = any(k in keys.data for k in TRL_MARKS)
+    r.multi_gpu_method = "ddp"
+    if "model_name_or_path" in keys:
+        r.set("model_name_or_path", keys.get("model_name_or_path"), "model", str(keys.get("model_name_or_path")))
+    grpo = "num_generations" in keys or "max_completion_length" in keys
+    dpo = not grpo and ("beta" in keys or "max_prompt_length" in keys)
+    batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 8), what="a micro-batch")
+    r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"), batch,
+          "batch_size", 2 * batch if dpo else batch, "DPO: chosen and rejected rows run as one batch of 2x" if dpo
+          else "")
+    if dpo:
+        r.ignore("beta", keys.get("beta"), "DPO's reference forward (no_grad) and loss tensors are not modelled")
+    if grpo:
+        r.ignore("num_generations", keys.get("num_generations"), "GRPO's generation (and a reference model when "
+                 "beta > 0) is not modelled: estimated as the policy's training step")
+    _sequence(r, keys, trl, grpo)
+    if "gradient_accumulation_steps" in keys:
+        r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
+    read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
+                   keys.get("optim", "adamw_torch_fused"))
+    read_checkpointing(r, keys, default=trl)
+    if trl and "activation_offloading" in keys and r.boolean("activation_offloading", keys.get("activation_offloading")):
+        r.set("activation_offloading", True, "offload_activations", True)
+    init = keys.sub("model_init_kwargs")
+    attn = keys.get("attn_implementation") or init.get("attn_implementation")
+    if attn:
+        read_attention(r, "attn_implementation", attn)
+    read_liger(r, keys)
+    _dtypes(r, keys, init, trl)
+    quantised = _quantisation(r, keys)
+    _adapters(r, keys, quantised)
+    accum = keys.get("gradient_accumulation_steps", 1)
+    trainer = TrainerValues("TrainingArguments", batch, accum if isinstance(accum, int) else None, None,
+                            r.dtypes.compute == "bf16", r.dtypes.compute == "fp16")
+    trainer_distributed(r, keys, trainer)
+    if r.values.get("lora_rank") or r.values.get("peft_config"):
+        if r.zero_stage == 3 and not quantised:
+            r.dtype(adapters="base")
+            r.notes.append("TRL under ZeRO-3 builds the adapters in the base's dtype (autocast_adapter_dtype=False)")
+    for key, why in (("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+                     ("use_vllm", "vLLM's generation engine is not modelled"),
+                     ("auto_find_batch_size", "the batch is the one the file states (the search halves it on OOM)")):
+        if keys.get(key):
+            r.ignore(key, keys.get(key), why)
+    r.not_read(keys)
+
+
+def _sequence(r: Reading, keys: Keys, trl: bool, grpo: bool) -> None:
+    if grpo:
+        prompt = keys.get("max_prompt_length", 512)
+        completion = keys.get("max_completion_length", 512)
+        total = r.integer("max_prompt_length", prompt) + r.integer("max_completion_length", completion)
+        r.set("max_prompt_length + max_completion_length", f"{prompt} + {completion}", "seq_len", total)
+    elif "max_length" in keys or trl:
+        raw = keys.get("max_length", 1024)
+        r.set("max_length" if "max_length" in keys else "max_length (TRL's default)", raw, "seq_len",
+              r.integer("max_length", raw, what="a sequence length"))
+    for key in ("packing", "padding_free"):
+        if key in keys and r.boolean(key, keys.get(key)):
+            r.set(key, True, "packing", True, "position_ids restart per sample" if key == "padding_free" else "")
+    for key in ("packing_strategy", "eval_packing", "dataset_text_field", "dataset_name", "dataset_config"):
+        keys.get(key)
+
+
+def _dtypes(r: Reading, keys: Keys, init: Keys, trl: bool) -> None:
+    fp16 = r.boolean("fp16", keys.get("fp16", False))
+    bf16 = r.boolean("bf16", keys.get("bf16", trl and not fp16))
+    compute = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    r.note_used("bf16" if "bf16" in keys else "bf16 (TRL's default)" if trl else "bf16 (default)", bf16,
+                "autocast in bf16" if bf16 else "off")
+    if fp16:
+        r.note_used("fp16", True, "autocast in fp16")
+    raw = keys.get("dtype") or keys.get("torch_dtype") or init.get("dtype") or init.get("torch_dtype")
+    if raw is not None:
+        weights = r.choice("dtype", raw, DTYPES)
+        r.note_used("dtype", raw, f"the model loaded in {weights}" + (" (the checkpoint's: bf16 assumed)"
+                                                                      if str(raw) == "auto" else ""))
+    else:
+        weights = "fp32" if trl else "bf16"
+        if trl:
+            r.note_used("dtype (TRL's default)", "float32", "the model loaded in fp32")
+    r.dtype(compute=compute, weights=weights, kbit_upcast=False)
+
+
+def _quantisation(r: Reading, keys: Keys) -> bool:
+    if keys.get("load_in_4bit"):
+        r.set("load_in_4bit", True, "quant_base", "nf4", "bitsandbytes 4-bit")
+        qtype = str(keys.get("bnb_4bit_quant_type", "nf4")).lower()
+        if qtype != "nf4":
+            r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4")
+        nested = r.boolean("use_bnb_nested_quant", keys.get("use_bnb_nested_quant", False))
+        r.set("use_bnb_nested_quant" + ("" if "use_bnb_nested_quant" in keys else " (TRL's default)"), nested,
+              "double_quant", nested)
+        keys.get("bnb_4bit_quant_storage")
+        return True
+    if keys.get("load_in_8bit"):
+        r.set("load_in_8bit", True, "quant_base", "int8", "bitsandbytes LLM.int8")
+        return True
+    return False
+
+
+def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
+    if not keys.get("use_peft", False):
+        for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save"):
+            if key in keys:
+                r.ignore(key, keys.get(key), "use_peft is not set, so TRL trains the whole model")
+        return
+    rank = r.integer("lora_r", keys.get("lora_r", 16), what="a LoRA rank")
+    raw_targets = keys.get("lora_target_modules")
+    targets = targets_text(raw_targets) if raw_targets else "q_proj,v_proj"
+    save = tuple(str(m) for m in keys.get("lora_modules_to_save", []) or [])
+    lora = Lora(rank, float(keys.get("lora_alpha", 32)), r.fraction("lora_dropout", keys.get("lora_dropout", 0.05)),
+                targets, save, bool(keys.get("use_dora", False)))
+    sources = {name: (key, keys.get(key)) for name, key in (
+        ("lora_rank", "lora_r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
+        ("lora_targets", "lora_target_modules"), ("modules_to_save", "lora_modules_to_save"),
+        ("use_dora", "use_dora")) if key in keys}
+    if not raw_targets:
+        sources["lora_targets"] = ("lora_target_modules (peft's default for the model type)", None)
+    r.note_used("use_peft", True, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
+    apply_lora(r, lora, sources)
+    for key in ("lora_task_type", "use_rslora", "lora_target_parameters"):
+        keys.get(key)

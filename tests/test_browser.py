@@ -1,0 +1,163 @@
+"""`llmem serve`'s page in a real headless browser: Debian's Chromium (`apt-get install chromium`; .ci/run installs it)
+driven by Playwright (no browser download: `executable_path` points at the system's). The server runs as `llmem serve`
+runs it (uvicorn on a bound socket), in a thread on a free port. The page is opened with a query URL, then a model is
+typed into its form; each answer read from the page equals the library's and the CLI's `--json` for the command line
+the page shows. A screenshot is written to the test's folder, and to $LLMEM_SCREENSHOT when set
+(docs/screens/make.sh regenerates docs/screens/serve.png that way)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+sync_api = pytest.importorskip("playwright.sync_api",
+                               reason="playwright is not installed: pip install -e '.[dev]' (no browser download "
+                                      "needed: the test runs the system's chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: apt-get install chromium (Debian's "
+                                                         "package; .ci/run installs it)")
+
+import llmem  # noqa: E402
+from llmem.cli import main  # noqa: E402
+from llmem.cli.serve import bind, make_app, server, url_of  # noqa: E402
+
+COUNTERS = {"peak_allocated": "peak_allocated_bytes", "peak_reserved": "peak_reserved_bytes",
+            "device_used": "device_used_bytes"}
+ANSWERED = "document.getElementById('status').dataset.state === 'done'"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    sock = bind("127.0.0.1", 0)
+    srv = server(make_app(tmp_path_factory.mktemp("uploads")), sock)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.started, "uvicorn did not start"
+    yield url_of(sock)
+    srv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+def _page_answer(page) -> tuple[dict[str, int], bool, str]:
+    """The counters (bytes), fits and the command line, as the page shows them."""
+    counters = {key: int(page.get_attribute(f"#{cid}", "data-bytes")) for cid, key in COUNTERS.items()}
+    return counters, page.get_attribute("#fits", "data-fits") == "true", page.text_content("#command")
+
+
+def _cli(command: str, capsys) -> dict:
+    argv = shlex.split(command)
+    assert argv[:2] == ["llmem", "estimate"]
+    capsys.readouterr()
+    assert main(argv[1:] + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _same_as_cli(page, capsys) -> str:
+    counters, fits, command = _page_answer(page)
+    cli = _cli(command, capsys)
+    assert counters == {key: cli[key] for key in COUNTERS.values()}
+    assert fits == cli["fits"]
+    return command
+
+
+def test_the_page_answers_a_query_url_and_a_typed_model_as_the_cli_does(served, browser, tmp_path, capsys):
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # 1. a shared link: the URL's query fills the form and answers
+    page.goto(served + "?model=tiny-llama&batch_size=2&seq_len=128")
+    page.wait_for_function(ANSWERED, timeout=120_000)
+    assert page.input_value("#f-batch_size") == "2" and page.input_value("#f-seq_len") == "128"
+    command = _same_as_cli(page, capsys)
+    assert command == "llmem estimate tiny-llama --batch-size 2 --seq-len 128"
+    counters, _, _ = _page_answer(page)
+    expected = llmem.estimate("tiny-llama", batch_size=2, seq_len=128)
+    assert counters == {key: getattr(expected, key) for key in COUNTERS.values()}
+
+    # 2. a model typed into the form, two GPUs and an option ticked: the page answers it, the URL carries the query
+    page.fill("#f-model", "gpt2")
+    page.fill("#f-gpus", "2")
+    page.click("details[data-group=activations] > summary")      # a closed section of the form, opened
+    page.check("#f-grad_ckpt")
+    page.click("#run")
+    page.wait_for_function("document.getElementById('command').textContent.includes('gpt2') && " + ANSWERED,
+                           timeout=60_000)
+    command = _same_as_cli(page, capsys)
+    assert command == "llmem estimate gpt2 --gpus 2 --batch-size 2 --seq-len 128 --grad-ckpt"   # fsdp: 2 GPUs' default
+    assert "model=gpt2" in page.url and "gpus=2" in page.url and "grad_ckpt=1" in page.url
+
+    # the breakdown, both sweeps and the plan are drawn from the same answer
+    shown = page.eval_on_selector_all("#breakdown [data-component]",
+                                      "gs => Object.fromEntries(gs.map(g => [g.dataset.component, +g.dataset.bytes]))")
+    result = llmem.estimate("gpt2", gpus=2, method="fsdp", batch_size=2, seq_len=128, grad_ckpt=True)
+    assert shown == {k: v for k, v in result.components.items() if v > 0}
+    for axis in ("batch_size", "seq_len"):
+        assert page.locator(f"#chart-{axis} circle").count() >= 3 * 5
+    # (the plan's numbers are the library's: tests/test_serve.py; here, that the page lays them out)
+    labels = page.eval_on_selector_all("#plan-table tr[data-label]", "rs => rs.map(r => r.dataset.label)")
+    assert {"ddp (2)", "fsdp (2)", "zero2 (2)"} <= set(labels)
+    recommended = page.get_attribute("#plan-table tr.recommended", "data-label")
+    assert page.text_content("#recommendation").startswith(f"recommended: {recommended} — ")
+    assert page.text_content("#plan-command") == "llmem plan gpt2 --gpus 2 --seq-len 128 --grad-ckpt"
+    assert not errors, errors
+
+    shot = tmp_path / "serve.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("LLMEM_SCREENSHOT"):
+        shutil.copyfile(shot, Path(os.environ["LLMEM_SCREENSHOT"]))
+    page.close()
+
+
+def test_a_refusal_shows_one_line_on_the_page(served, browser):
+    page = browser.new_page()
+    page.goto(served + "?model=tiny-llama&batch_size=0")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=60_000)
+    assert page.text_content("#error") == "--batch-size must lie in [1, 1,048,576], got 0"
+    page.close()
+
+
+def test_an_uploaded_config_answers_and_its_link_reopens_it(served, browser, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256,
+                                  "max_position_embeddings": 512}))
+    expected = llmem.estimate(str(config), seq_len=64)
+    page = browser.new_page()
+    page.goto(served + "?seq_len=64")                # no model yet: the form waits for one
+    page.wait_for_function("document.getElementById('status').dataset.state === 'idle'", timeout=60_000)
+    page.set_input_files("#upload", str(config))
+    page.wait_for_function("document.getElementById('command').textContent.startsWith('llmem estimate config.json') "
+                           "&& " + ANSWERED, timeout=60_000)
+    counters, _, command = _page_answer(page)
+    assert command == "llmem estimate config.json --seq-len 64"
+    assert counters == {key: getattr(expected, key) for key in COUNTERS.values()}
+    link = page.url
+    assert "config=" in link
+    again = browser.new_page()                       # the link carries the config: a new page answers the same
+    again.goto(link)
+    again.wait_for_function(ANSWERED, timeout=60_000)
+    assert _page_answer(again)[0] == counters
+    again.close()
+    page.close()
