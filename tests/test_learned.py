@@ -156,9 +156,10 @@ def test_learned_path_equals_the_hand_recipes(model, kw, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,kw", [
-    ("tiny-llama", {"peft_config": _bundled("oft-r32-q-v")}), ("tiny-llama", {"peft_config": _bundled("vera-r256-q-v")}),
+    ("tiny-llama", {"peft_config": _bundled("oft-r32-q-v")}), ("tiny-llama", {"peft_config": _bundled("delora-r32-q-v")}),
     ("tiny-llama", {"peft_config": _bundled("miss-r64-q-v")}), ("tiny-llama", {"peft_config": _bundled("hira-r32-q-v")}),
-    ("tiny-llama", {"peft_config": _bundled("road2-q-v")}), ("tiny-qwen3", {}), ("tiny-phi", {}), ("tiny-pythia", {}),
+    ("tiny-llama", {"peft_config": _bundled("road2-q-v")}), ("tiny-llama", {"peft_config": _bundled("c3a-q-v")}),
+    ("tiny-qwen3", {}), ("tiny-phi", {}), ("tiny-pythia", {}),
     ("tiny-phi", {"lora_rank": 8, "grad_ckpt": True}),
 ])
 def test_learned_path_against_the_trace(model, kw, monkeypatch):

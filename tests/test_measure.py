@@ -42,6 +42,7 @@ def _compare(setup):
     return traced, measured, td, md
 
 
+@pytest.mark.slow   # 20-30 s on 2 cores; test_trace_matches_real_cpu_methods and the CI matrix cover the path by default
 def test_trace_matches_real_cpu_gpt2():
     # SGD keeps the model states small, so activations and logits decide the forward / backward peaks
     setup = TrainingSetup(model="gpt2", batch_size=1, seq_len=128, precision="fp32", optimizer="sgd")
@@ -50,6 +51,7 @@ def test_trace_matches_real_cpu_gpt2():
     assert td.category_max["logits_and_loss"] == md.category_max["logits_and_loss"]
 
 
+@pytest.mark.slow   # 20-30 s on 2 cores; test_trace_matches_real_cpu_methods and the CI matrix cover the path by default
 def test_trace_matches_real_cpu_opt125m():
     setup = TrainingSetup(model="facebook/opt-125m", batch_size=1, seq_len=128, precision="fp32")
     traced, measured, _, _ = _compare(setup)

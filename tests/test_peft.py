@@ -336,6 +336,7 @@ def test_ci_matrix_covers_the_peft_grid():
     assert {(8, "q_proj,v_proj"), (64, "all-linear")} <= autocast
 
 
+@pytest.mark.slow   # ~20 s on 2 cores; the CI matrix's DoRA rows check the estimate against the trace by default
 def test_dora_trace_equals_a_real_cpu_step():
     """The trace's peft path against real tensors: DoRA (which drops lora_weight's graph every forward) on
     tiny-llama, fp32, CPU kernels: the fake-tensor trace and the real CPU step allocate the same bytes."""

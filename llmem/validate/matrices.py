@@ -137,10 +137,11 @@ CI_MATRIX: list[TrainingSetup] = [
        lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", optimizer="adamw-fused", grad_ckpt=True,
        batch_size=2, seq_len=256),
     # activations learned from the real code (llmem.runtime.learn) where no hand recipe exists: peft types without
-    # an exact model (OFT, VeRA, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
+    # an exact model (OFT, DeLoRA, C3A, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("oft-r32-q-v")),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384,
-       peft_config=bundled_peft_config("vera-r256-q-v")),
+       peft_config=bundled_peft_config("delora-r32-q-v")),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("c3a-q-v")),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("miss-r64-q-v")),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("hira-r32-q-v")),
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("road2-q-v")),
@@ -232,6 +233,17 @@ GPU_MATRIX += [
         ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"attn": "flash"}),
         ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True}),
         ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"packing": True}),
+        # issue 10's options: offload under checkpointing, peft's fp32 adapters on a bf16 base (and torchtune's
+        # bf16 ones), pure-bf16 bitsandbytes QLoRA, torchao NF4, a peft type through the learned path
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True, "grad_ckpt": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear"}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
+                                                      "adapter_dtype": "base"}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
+                                                      "quant_base": "nf4"}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
+                                                      "quant_base": "torchao-nf4", "adapter_dtype": "base"}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"peft_config": bundled_peft_config("oft-r32-q-v")}),
     ]
 ]
 
