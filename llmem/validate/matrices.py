@@ -138,12 +138,8 @@ CI_MATRIX: list[TrainingSetup] = [
        batch_size=2, seq_len=256),
     # activations learned from the real code (llmem.runtime.learn) where no hand recipe exists: peft types without
     # an exact model (OFT, DeLoRA, C3A, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("oft-r32-q-v")),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384,
-       peft_config=bundled_peft_config("delora-r32-q-v")),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("c3a-q-v")),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("miss-r64-q-v")),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config("hira-r32-q-v")),
+    *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
+      for name in ("oft-r32-q-v", "delora-r32-q-v", "c3a-q-v", "miss-r64-q-v", "hira-r32-q-v")),
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("road2-q-v")),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, grad_ckpt=True,
        peft_config=bundled_peft_config("oft-r32-q-v")),
