@@ -20,7 +20,9 @@ import sys
 from dataclasses import dataclass, field
 
 import llmem
+from llmem.cli.options import setup_flags
 from llmem.errors import LlmemError
+from llmem.setup.training import user_setup
 
 GIB, GB = 2**30, 10**9
 UNITS = {"GiB": GIB, "GB": GB}
@@ -160,17 +162,8 @@ def evaluate(row: PublishedRun) -> dict:
 
 
 def flags(setup: dict) -> str:
-    """The set-up as llmem's command line."""
-    parts = [setup["model"]]
-    for k, v in setup.items():
-        if k == "model" or v is False:
-            continue
-        if k == "quant_base":
-            parts.append({"nf4": "--qlora", "int8": "--load-in-8bit", "torchao-nf4": "--qlora-torchao"}[v])
-            continue
-        flag = "--grad-ckpt-every" if k == "ckpt_every" else "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {v}")
-    return " ".join(parts)
+    """The set-up as llmem's command line (the CLI's own writer, the inverse of its parser)."""
+    return " ".join(setup_flags(user_setup(**setup)))
 
 
 def markdown(results: list[dict]) -> str:
