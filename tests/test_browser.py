@@ -29,6 +29,9 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: a
 import llmem  # noqa: E402
 from llmem.cli import main  # noqa: E402
 from llmem.cli.serve import bind, make_app, server, url_of  # noqa: E402
+from llmem.setup.sources import setup_from_file  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
 
 COUNTERS = {"peak_allocated": "peak_allocated_bytes", "peak_reserved": "peak_reserved_bytes",
             "device_used": "device_used_bytes"}
@@ -160,4 +163,33 @@ def test_an_uploaded_config_answers_and_its_link_reopens_it(served, browser, tmp
     again.wait_for_function(ANSWERED, timeout=60_000)
     assert _page_answer(again)[0] == counters
     again.close()
+    page.close()
+
+
+def test_a_training_config_and_its_deepspeed_json_answer_as_setup_from_file(served, browser):
+    """Both files chosen at once in the training-config input: the answer is the library's for setup_from_file of
+    the files in place, the fields set on the page override the file's, the page lists what the files set."""
+    if not CONFIGS.is_dir():
+        pytest.skip("../shared/data/configs is not beside the checkout")
+    config = CONFIGS / "llamafactory/examples/train_full/llama3_full_sft.yaml"
+    ds = CONFIGS / "llamafactory/examples/deepspeed/ds_z3_config.json"
+    expected = llmem.estimate(setup_from_file(config, model="tiny-llama", gpus=2, seq_len=128).setup)
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(served + "?gpus=2&seq_len=128")        # no model yet: the form waits for one
+    page.wait_for_function("document.getElementById('status').dataset.state === 'idle'", timeout=60_000)
+    page.fill("#f-model", "tiny-llama")
+    page.set_input_files("#from-upload", [str(config), str(ds)])
+    page.wait_for_function("document.getElementById('command').textContent.includes('--from') && " + ANSWERED,
+                           timeout=60_000)
+    counters, fits, command = _page_answer(page)
+    assert command == "llmem estimate tiny-llama --gpus 2 --seq-len 128 --from llama3_full_sft.yaml"
+    assert counters == {key: getattr(expected, key) for key in COUNTERS.values()} and fits == expected.fits
+    assert page.text_content("#from-files") == \
+        "llama3_full_sft.yaml (llamafactory) · examples/deepspeed/ds_z3_config.json (deepspeed)"
+    assert page.text_content("#from-table tr[data-kind=used][data-key='zero_optimization.stage'] td:nth-child(3)") \
+        == "zero_optimization.stage = 3"                   # the JSON's stage: it was found where the YAML names it
+    assert "from=llama3_full_sft.yaml%3A" in page.url and "from=ds_z3_config.json%3A" in page.url
+    assert not errors, errors
     page.close()

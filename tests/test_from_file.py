@@ -103,16 +103,19 @@ def test_axolotl_full_finetune_is_pure_bf16_and_fsdp_qlora_skips_the_upcast():
 
 
 def test_axolotl_deepspeed_reference_resolves_from_the_framework_folder():
-    """lora-1b-ray.yml names deepspeed_configs/zero3.json from axolotl's root: ZeRO-3 -> fsdp (said so), the 'auto'
-    micro-batch filled from micro_batch_size, 4 Ray workers -> 4 GPUs."""
+    """lora-1b-ray.yml names deepspeed_configs/zero3.json from axolotl's root: ZeRO-3 -> ds-zero3 with the JSON's
+    buffer keys ('auto' kept for llmem to fill from the hidden size, max_live_parameters / max_reuse_distance 0, one
+    sub-group per parameter), the 'auto' micro-batch filled from micro_batch_size, 4 Ray workers -> 4 GPUs."""
     fs = setup_from_file(cfg("axolotl/examples/llama-3/lora-1b-ray.yml"), optimizer="adamw")
     assert fs.record.files[1] == (str(CONFIGS / "axolotl/deepspeed_configs/zero3.json"), "deepspeed")
     s = fs.setup
-    assert (s.method, s.gpus, s.batch_size, s.precision, s.lora_rank, s.lora_alpha) == ("fsdp", 4, 2, "bf16-mixed",
-                                                                                         16, 32)
-    assert any("ZeRO-3 is modelled by its FSDP2 equivalent" in n for n in fs.record.notes)
-    # adamw_8bit (bitsandbytes) under the FSDP2 stand-in is refused with the file named
-    with pytest.raises(LlmemError, match=r"lora-1b-ray.yml: llmem cannot run.*adamw-8bit.*ZeRO-3"):
+    assert (s.method, s.gpus, s.batch_size, s.precision, s.lora_rank, s.lora_alpha) == ("ds-zero3", 4, 2,
+                                                                                         "bf16-mixed", 16, 32)
+    assert (s.reduce_bucket_size, s.prefetch_bucket_size, s.param_persistence_threshold) == ("auto",) * 3
+    assert (s.overlap_comm, s.sub_group_size, s.max_live_parameters, s.max_reuse_distance) == (True, 0, 0, 0)
+    assert any("ZeRO-3 as DeepSpeed's engine runs it" in n for n in fs.record.notes)
+    # adamw_8bit (bitsandbytes) on the ZeRO optimizer's flat partition is refused with the file named
+    with pytest.raises(LlmemError, match=r"lora-1b-ray.yml: llmem cannot run.*adamw-8bit.*ds-zero3"):
         setup_from_file(cfg("axolotl/examples/llama-3/lora-1b-ray.yml"))
 
 
@@ -192,18 +195,18 @@ def test_accelerate_configs():
     assert (fs.setup.method, fs.setup.gpus) == ("single", 1)
     assert any(i.key == "num_processes" for i in fs.record.ignored)
     s = setup_from_file(cfg("accelerate/examples/config_yaml_templates/deepspeed.yaml"), model="tiny-llama").setup
-    assert (s.method, s.gpus, s.precision, s.optimizer) == ("ddp", 2, "fp16-mixed", "adamw")
+    assert (s.method, s.gpus, s.precision, s.optimizer) == ("ds-zero1", 2, "fp16-mixed", "adamw")
 
 
 def test_deepspeed_alone():
     """ds_z3_fp8_config.json: ZeRO-3 with offload_optimizer cpu; bf16 'auto' is the trainer's to fill (llmem's
-    default stands); zero3_bf16_cpuoffload_params.json: offload_param is not modelled and says so."""
+    default stands); zero3_bf16_cpuoffload_params.json: offload_param cpu."""
     fs = setup_from_file(cfg("llamafactory/examples/deepspeed/ds_z3_fp8_config.json"), model="tiny-llama", gpus=2)
-    assert (fs.setup.method, fs.setup.offload_optimizer, fs.setup.precision) == ("fsdp", True, "bf16-mixed")
+    assert (fs.setup.method, fs.setup.offload_optimizer, fs.setup.precision) == ("ds-zero3", True, "bf16-mixed")
     fs = setup_from_file(cfg("axolotl/deepspeed_configs/zero3_bf16_cpuoffload_params.json"), model="tiny-llama",
                          gpus=2)
-    assert not fs.setup.offload_optimizer
-    assert any(i.key == "zero_optimization.offload_param.device" for i in fs.record.ignored)
+    assert not fs.setup.offload_optimizer and fs.setup.offload_param
+    assert any(u.key == "zero_optimization.offload_param.device" for u in fs.record.used)
 
 
 def test_auto_is_filled_as_transformers_fills_it():
@@ -311,7 +314,9 @@ def test_estimate_from_accelerate_equals_its_flags():
 
 def test_estimate_from_deepspeed_equals_its_flags():
     _same([str(cfg("axolotl/deepspeed_configs/zero3_bf16_cpuoffload_all.json")), "--gpus", "4"],
-          "--method fsdp --gpus 4 --precision bf16-mixed --offload-optimizer")
+          "--method ds-zero3 --gpus 4 --precision bf16-mixed --offload-optimizer --offload-param --overlap-comm "
+          "--sub-group-size 0 --reduce-bucket-size auto --prefetch-bucket-size auto --param-persistence-threshold auto "
+          "--max-live-parameters 0 --max-reuse-distance 0")
 
 
 def test_plan_from_file_restricts_to_the_files_method():

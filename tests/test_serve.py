@@ -10,7 +10,8 @@ import json
 import os
 import re
 import shlex
-from dataclasses import fields
+from dataclasses import fields, replace
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +27,11 @@ from llmem.cli import build_parser, main  # noqa: E402
 from llmem.cli.options import setup_flags, setup_from_args  # noqa: E402
 from llmem.cli.serve import bind, make_app  # noqa: E402
 from llmem.errors import LlmemError  # noqa: E402
+from llmem.planner.options import PlanOptions  # noqa: E402
+from llmem.setup.sources import setup_from_file  # noqa: E402
 from llmem.setup.training import TrainingSetup, user_setup  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,18 @@ def client(tmp_path_factory):
 def _plain(obj) -> dict:
     """As JSON carries it (tuples as lists)."""
     return json.loads(json.dumps(obj))
+
+
+def _upload(path: Path, name: str | None = None, raw: bytes | None = None) -> str:
+    """A `from` value as the page writes it: the file's name, ':', base64url of its bytes."""
+    data = path.read_bytes() if raw is None else raw
+    return f"{name or path.name}:" + base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _config(rel: str) -> Path:
+    if not CONFIGS.is_dir():
+        pytest.skip("../shared/data/configs is not beside the checkout")
+    return CONFIGS / rel
 
 
 def _cli_json(command: str, capsys) -> dict:
@@ -121,6 +138,76 @@ def test_an_uploaded_config_is_estimated_and_named_as_the_users_file(client, tmp
     assert body["title"][0] == "my-config.json"
 
 
+def test_a_training_config_is_read_as_setup_from_file_reads_it(client, capsys, monkeypatch):
+    """A torchtune recipe (batch_size 4 in the file) with batch size 1 set on the page: a field given at its default
+    still overrides the file, as a flag given does. The answer is llmem.estimate of setup_from_file's set-up; the
+    command line shown, run beside the user's file, gives it too."""
+    path = _config("torchtune/recipes/configs/llama3_2/3B_full_single_device.yaml")
+    r = client.get("/api/estimate", params={"from": _upload(path), "batch_size": "1"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    read = setup_from_file(path, batch_size=1)
+    assert read.setup.model == "meta-llama/Llama-3.2-3B" and read.setup.batch_size == 1
+    assert body["result"] == _plain(llmem.estimate(read.setup).to_dict())
+    assert body["command"] == "llmem estimate --batch-size 1 --from 3B_full_single_device.yaml"
+    record = _plain(read.record.to_dict())
+    assert body["from_file"] == record | {"files": [{"path": path.name, "format": "torchtune"}]}
+    assert body["from_file"]["overridden_by_command_line"] == ["batch_size"]
+    assert {"key": "batch_size", "raw": 4, "field": "batch_size"}.items() <= next(
+        u for u in body["from_file"]["used"] if u["key"] == "batch_size").items()
+    monkeypatch.chdir(path.parent)
+    assert _cli_json(body["command"], capsys)["peak_reserved_bytes"] == body["result"]["peak_reserved_bytes"]
+
+
+@pytest.mark.parametrize("config, reference", [
+    ("llamafactory/examples/train_full/llama3_full_sft.yaml",                                  # examples/deepspeed/
+     "llamafactory/examples/deepspeed/ds_z3_config.json"),
+    ("accelerate/examples/config_yaml_templates/deepspeed.yaml",                              # ../deepspeed_config_...
+     "accelerate/examples/deepspeed_config_templates/zero_stage1_config.json"),
+])
+def test_a_config_and_the_deepspeed_json_it_names_upload_together(client, config, reference):
+    """Uploaded side by side, the JSON is found where the config's relative path names it; the estimate, a sweep
+    point and the plan are the library's over setup_from_file of the files in place (../shared keeps the upstream
+    layout); the command line names the config alone (it finds the JSON itself)."""
+    path, ds = _config(config), _config(reference)
+    params = {"from": [_upload(path), _upload(ds)], "model": "tiny-llama", "gpus": "2", "seq_len": "256"}
+    read = setup_from_file(path, model="tiny-llama", gpus=2, seq_len=256)
+    assert read.record.states_method and read.setup.gpus == 2        # the JSON's ZeRO stage, as llmem models it
+    body = client.get("/api/estimate", params=params).json()
+    assert body["result"] == _plain(llmem.estimate(read.setup).to_dict()), body
+    assert body["command"] == f"llmem estimate tiny-llama --gpus 2 --seq-len 256 --from {path.name}"
+    assert [f["format"] for f in body["from_file"]["files"]] == [config.split("/")[0], "deepspeed"]
+    # the JSON named by the path the config gives (its `read` entry), as the files in place read it
+    ref = next(u.raw for u in read.record.used if u.note.startswith("read "))
+    assert body["from_file"]["files"][1]["path"] == ref and Path(read.record.files[1][0]).name == Path(ref).name
+    fields_set = [(u["file"], u["key"], u["field"], u["value"]) for u in _plain(read.record.to_dict())["used"]]
+    assert [(u["file"], u["key"], u["field"], u["value"]) for u in body["from_file"]["used"]] == fields_set
+    sweep = client.get("/api/sweep/batch_size", params=params | {"points": "3"}).json()
+    assert sweep["points"][0]["peak_reserved_bytes"] == \
+        llmem.estimate(replace(read.setup, batch_size=3)).peak_reserved_bytes
+    plan = client.get("/api/plan", params=params).json()
+    # the files name the method (a ZeRO stage): `llmem plan --from` plans that method only
+    options = PlanOptions(methods=(read.setup.method,))
+    assert plan["plan"] == _plain(llmem.plan(read.setup, plan_options=options).to_dict())
+    assert {m["method"] for m in plan["plan"]["methods"]} == {read.setup.method}
+    assert plan["command"] == f"llmem plan tiny-llama --gpus 2 --seq-len 256 --from {path.name}"
+
+
+def test_uploads_no_file_reads_by_reference_are_each_a_from_file(client, tmp_path):
+    """A Trainer YAML that only mentions the JSON's name (output_dir) and the DeepSpeed JSON: two --from files, in
+    the order uploaded, as `llmem estimate --from train.yaml --from zero1.json` reads them."""
+    ds = _config("axolotl/deepspeed_configs/zero1.json")
+    trainer = tmp_path / "train.yaml"
+    trainer.write_text("model_name_or_path: tiny-llama\noutput_dir: zero1.json\nper_device_train_batch_size: 2\n")
+    body = client.get("/api/estimate", params={"from": [_upload(trainer), _upload(ds)], "gpus": "2"}).json()
+    read = setup_from_file([trainer, ds], gpus=2)
+    assert read.setup.batch_size == 2 and read.record.states_method
+    assert body["result"] == _plain(llmem.estimate(read.setup).to_dict()), body
+    assert body["command"] == "llmem estimate --gpus 2 --from train.yaml --from zero1.json"
+    assert body["from_file"]["files"] == [{"path": "train.yaml", "format": "trl"},
+                                          {"path": "zero1.json", "format": "deepspeed"}]
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 
 
@@ -141,6 +228,41 @@ def test_a_refusal_is_http_400_with_one_line(client, params, words):
     assert r.status_code == 400
     error = r.json()["error"]
     assert words in error and "\n" not in error and "Traceback" not in error
+
+
+def _yaml(text: str, name: str = "train.yaml") -> str:
+    return _upload(Path(name), name=name, raw=text.encode())
+
+
+@pytest.mark.parametrize("uploads, words", [
+    (["train.yaml:%%%"], "the uploaded training config train.yaml is not base64url text"),
+    (["train.yaml"], "give NAME:BASE64URL"),
+    ([_yaml("a: 1", name="../train.yaml")], "'../train.yaml' is not a file name"),
+    ([_yaml("#" * (32 * 1024 + 1))], "the uploaded train.yaml is 32,769 bytes; a training config is a few KiB"),
+    ([_yaml("foo: 1\nbar: 2\n")], "train.yaml: not a training config llmem reads (its keys: foo, bar)"),
+    ([_yaml("model_name_or_path: gpt2\nper_device_train_batch_size: many\n")],
+     "train.yaml: per_device_train_batch_size = 'many' is not a micro-batch"),
+    ([_yaml("base_model: gpt2\ndeepspeed: ds_config.json\n")],
+     "train.yaml: deepspeed = 'ds_config.json' not found (looked beside the file, in the folders above it and in the "
+     "working folder); give the path to the file, or copy it there; on this page: choose that file too"),
+    ([_yaml("a: 1"), _yaml("b: 2")], "two uploaded training configs have the same name"),
+])
+def test_a_bad_training_config_is_refused_in_one_line_naming_the_users_file(client, uploads, words):
+    for endpoint in ("/api/estimate", "/api/sweep/seq_len", "/api/plan"):
+        r = client.get(endpoint, params={"from": uploads})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert words in error and "\n" not in error and "llmem-serve" not in error and "from-" not in error, error
+
+
+def test_a_reference_outside_the_upload_is_refused(client):
+    """An absolute path to a file on the server's disk: the page's answer comes from the link's files only."""
+    on_disk = _config("axolotl/deepspeed_configs/zero1.json")
+    r = client.get("/api/estimate", params={"from": _yaml(f"base_model: gpt2\ndeepspeed: {on_disk}\n"),
+                                            "gpus": "2"})
+    assert r.status_code == 400
+    assert r.json()["error"] == f"{on_disk} is not among the uploaded files: choose it too, with the config that " \
+                                "names it (the page reads only the files it is given)"
 
 
 def test_an_unexpected_failure_is_one_line_too(tmp_path, monkeypatch):

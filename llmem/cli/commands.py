@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from llmem.cli.options import plan_options_from_args, setup_and_source
+from llmem.cli.options import file_model, plan_options_from_args, setup_and_source
 from llmem.cli.paths import check_device, check_output_path, check_plot_path
 from llmem.cli.progress import LazyProgress
 from llmem.errors import LlmemError
@@ -36,20 +35,6 @@ def _emit(args: argparse.Namespace, result: MemoryResult, source: SourceRecord |
             print_source(source)
 
 
-@contextmanager
-def _file_model(source: SourceRecord | None):
-    """A model the --from file names that llmem cannot find: the refusal says how to name another."""
-    try:
-        yield
-    except LlmemError as exc:
-        named = [u for u in source.used if u.field == "model"] if source is not None else []
-        if not named or "model" in source.overridden or not str(exc).startswith("unknown model"):
-            raise
-        raise LlmemError(f"{exc}; {named[-1].file}'s {named[-1].key} names it: give MODEL before --from to use a "
-                         "catalog model of the same architecture (e.g. llmem estimate meta-llama/Llama-3.1-8B --from "
-                         "FILE)") from None
-
-
 def _check_iterations(args: argparse.Namespace) -> None:
     if args.iterations < 1:
         raise LlmemError(f"--iterations must be >= 1 (the step is run that many times), got {args.iterations}")
@@ -70,7 +55,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.m_base and args.engine != "paper":
         raise LlmemError("--m-base applies to --engine paper only: drop it, or add --engine paper")
     setup, source = setup_and_source(args)
-    with _file_model(source):
+    with file_model(source):
         result = estimate(setup, engine=args.engine, m_base=args.m_base or None)
     _emit(args, result, source)
     return 0
@@ -88,7 +73,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     # torch's runtime (seconds) imported after the refusals, which answer at once
     from llmem.runtime.trace import trace
 
-    with _file_model(source):
+    with file_model(source):
         if args.json:
             result = trace(setup, iterations=args.iterations)
         else:
@@ -210,7 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path("--plot", args.plot)
     progress = LazyProgress(enabled=not args.json)
     try:
-        with _file_model(source):
+        with file_model(source):
             p = plan(setup, options, progress=progress)
     finally:
         progress.close()

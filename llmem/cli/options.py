@@ -5,6 +5,7 @@ same fields, so they cannot drift apart."""
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -14,6 +15,7 @@ from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
     ACTIVATIONS,
     ADAPTERS,
+    DEEPSPEED,
     LAYOUT,
     MODEL,
     OPTIMIZER,
@@ -25,7 +27,7 @@ from llmem.setup.training import (
 )
 
 GROUP_TITLES = {MODEL: "model", LAYOUT: "layout", STEP: "step", OPTIMIZER: "optimizer", ACTIVATIONS: "activations",
-                ADAPTERS: "adapters"}
+                ADAPTERS: "adapters", DEEPSPEED: "DeepSpeed ZeRO (ds-zero1/2/3)"}
 
 
 def _option(f) -> Option | None:
@@ -91,6 +93,20 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
     """The TrainingSetup the parsed options describe (what a flag implies, what excludes or requires what)."""
     return setup_and_source(args)[0]
+
+
+@contextmanager
+def file_model(source: SourceRecord | None):
+    """A model the --from file names that llmem cannot find: the refusal says how to name another."""
+    try:
+        yield
+    except LlmemError as exc:
+        named = [u for u in source.used if u.field == "model"] if source is not None else []
+        if not named or "model" in source.overridden or not str(exc).startswith("unknown model"):
+            raise
+        raise LlmemError(f"{exc}; {named[-1].file}'s {named[-1].key} names it: give MODEL before --from to use a "
+                         "catalog model of the same architecture (e.g. llmem estimate meta-llama/Llama-3.1-8B --from "
+                         "FILE)") from None
 
 
 def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRecord | None]:

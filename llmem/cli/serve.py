@@ -4,16 +4,21 @@ The page (web/index.html: one file, vanilla JS, inline SVG charts, nothing fetch
 `llmem estimate` asks for: its form is built from the TrainingSetup fields' `Option`s (GET /api/form), as the
 command line's flags are (options.py), so a new field appears on the page by itself. A query is the page's URL
 query: one parameter per field name (`?model=gpt2&gpus=4&grad_ckpt=1`), `config` for an uploaded config.json
-(base64url of its JSON, so that the link carries it). Each endpoint turns the query into the command line's flags and
-reads them with the command line's own parser (`setup_from_args`, `plan_options_from_args`), then calls
+(base64url of its JSON, so that the link carries it), `from` for each uploaded training config (`NAME:BASE64URL`,
+repeated for several files: the command line's `--from FILE`). Each endpoint turns the query into the command line's
+flags and reads them with the command line's own parser (`setup_and_source`, `plan_options_from_args`), then calls
 `llmem.estimate` / `llmem.plan`: the page's answer is the CLI's answer, and the page shows the command line that gives
-it (`setup_flags`). Refusals (LlmemError, argparse's usage errors) come back as HTTP 400 {"error": one line}.
+it (`setup_flags`; under `from`, the flags given and `--from NAME`). Refusals (LlmemError, argparse's usage errors)
+come back as HTTP 400 {"error": one line}, with the uploads' names for the server's paths.
 
     GET /                      the page
     GET /api/form              the fields, their groups and choices (GPUs, methods, ...), the models, the sweeps
-    GET /api/estimate?QUERY    {"result": MemoryResult.to_dict(), "command", "title", "setup", "oom"}
+    GET /api/estimate?QUERY    {"result": MemoryResult.to_dict(), "command", "title", "setup", "oom", "from_file"}
     GET /api/sweep/AXIS?QUERY  the estimate at each batch size or sequence length (`points=1,2,4` to choose them)
-    GET /api/plan?QUERY        {"plan": Plan.to_dict(), "command", "title"}: every method on the GPUs given
+    GET /api/plan?QUERY        {"plan": Plan.to_dict(), "command", "title", "from_file"}: every method on the GPUs
+                               given (under `from`, the file's method when it names one, as `llmem plan --from`)
+
+"from_file" is the SourceRecord (`--json`'s "from_file": the keys each file set, those ignored and why), or null.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shlex
 import socket
 import tempfile
 import threading
-from dataclasses import fields, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import FastAPI, Request  # module-level: FastAPI reads the endpoints' annotations from here
@@ -41,16 +49,19 @@ from llmem.cli.options import (
     GROUP_TITLES,
     add_plan_options,
     add_training_options,
+    file_model,
     option_flags,
     plan_options_from_args,
+    setup_and_source,
     setup_flags,
-    setup_from_args,
 )
 from llmem.errors import LlmemError
 from llmem.setup.gpus import GPU_CATALOG
 from llmem.setup.methods import METHODS
 from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.precision import PRECISIONS
+from llmem.setup.sources import SourceRecord
+from llmem.setup.sources.files import parse
 from llmem.setup.training import (
     ADAPTER_DTYPES,
     ATTENTIONS,
@@ -63,6 +74,13 @@ log = logging.getLogger("llmem.serve")
 
 CONFIG_KEY = "config"                 # the query's uploaded config.json (base64url of its JSON)
 MAX_CONFIG_BYTES = 1 << 20            # a config.json is a few KiB; anything near this is not one
+FROM_KEY = "from"                     # each uploaded training config: NAME:BASE64URL, the key repeated per file
+MAX_TRAINING_CONFIG_BYTES = 32 << 10   # training configs are a few KiB (the published ones: at most 4 KiB)
+MAX_TRAINING_CONFIGS = 8              # a training config, the accelerate config it is launched with, their JSONs
+MAX_REFERENCE_UPS = 4                 # a reference may climb this many folders ('../ds.json') inside the upload
+# The request line carries the uploads: h11 (uvicorn's HTTP parser) refuses one over 16 KiB by default, before the
+# app could answer; room for every upload at its limit, so that the app's own one-line refusal answers instead
+MAX_REQUEST_BYTES = 8 << 20
 # The registries a field's value is one of (the page offers a list); a field without one gets a text box
 CHOICES: dict[str, Any] = {"method": METHODS, "precision": PRECISIONS, "optimizer": OPTIMIZERS, "attn": ATTENTIONS,
                            "gpu": GPU_CATALOG, "adapter_dtype": ADAPTER_DTYPES}
@@ -106,13 +124,132 @@ def form_schema() -> dict:
     tiny = sorted(p.name[:-5] for p in resources.files("llmem.model.catalog").joinpath("tiny").iterdir()
                   if p.name.endswith(".json"))
     return {"fields": items, "groups": [[k, t] for k, t in GROUP_TITLES.items()], "models": tiny + models,
-            "sweeps": {axis: list(points) for axis, (points, _) in SWEEPS.items()}, "config_key": CONFIG_KEY}
+            "sweeps": {axis: list(points) for axis, (points, _) in SWEEPS.items()}, "config_key": CONFIG_KEY,
+            "from_key": FROM_KEY, "from_max_bytes": MAX_TRAINING_CONFIG_BYTES}
 
 
 def _shown_value(opt) -> Any:
     """A value that makes option_flags write the field's flag (for the form's labels)."""
     return {"switch": True, "negate": False, "switches": opt.switches[0][1] if opt.switches else None}.get(
         opt.kind, "X")
+
+
+# ------------------------------------------------------------------------------------------------ uploads
+
+
+def _decoded(encoded: str, what: str) -> bytes:
+    """base64url text (padding optional) as bytes."""
+    try:
+        return base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        raise LlmemError(f"{what} is not base64url text: upload it again") from None
+
+
+def _write_once(path: Path, raw: bytes) -> None:
+    """`raw` at `path` unless it is there (a folder is named by its content): written whole, then renamed, so that
+    a concurrent request never reads half a file."""
+    if path.is_file():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        part.write_bytes(raw)
+        os.replace(part, path)
+    except OSError as exc:
+        raise LlmemError(f"cannot write the upload {path.name} ({exc.strerror or exc}); upload the files again, "
+                         "or restart llmem serve") from None
+
+
+def _training_file(item: str) -> tuple[str, bytes]:
+    """One `from` value, NAME:BASE64URL (base64url has no ':', so the last one separates), as (name, bytes)."""
+    name, sep, encoded = item.rpartition(":")
+    if not sep or not name:
+        raise LlmemError(f"{FROM_KEY}={item[:40]!r}: give NAME:BASE64URL (the file's name, then its content)")
+    if name in (".", "..") or any(c in name for c in "/\\\0") or len(name.encode()) > 255:
+        raise LlmemError(f"{FROM_KEY}: {name[:60]!r} is not a file name; upload the training config again")
+    raw = _decoded(encoded, f"the uploaded training config {name}")
+    if len(raw) > MAX_TRAINING_CONFIG_BYTES:
+        raise LlmemError(f"the uploaded {name} is {len(raw):,} bytes; a training config is a few KiB (at most "
+                         f"{MAX_TRAINING_CONFIG_BYTES:,}): upload the config file")
+    return name, raw
+
+
+def _strings(data: Any) -> list[str]:
+    """Every string value in a parsed config, each mapping or list walked once (YAML aliases share one: a file
+    of nested aliases is small however many times they repeat)."""
+    out, seen, todo = [], set(), [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item.strip())
+        elif isinstance(item, (dict, list)) and id(item) not in seen:
+            seen.add(id(item))
+            todo += list(item.values() if isinstance(item, dict) else item)
+    return out
+
+
+def _references(name: str, raw: bytes, names: set[str]) -> list[PurePosixPath]:
+    """The relative paths in an uploaded config that end in another upload's name (`deepspeed:
+    deepspeed_configs/zero3.json`, `deepspeed_config_file: ../ds.json`): where that upload must lie for the reader's
+    lookup beside the file (files.find_reference) to find it. A file that does not parse has none (the reader names
+    what is wrong with it)."""
+    try:
+        data = parse(Path(name), raw.decode("utf-8"))
+    except (LlmemError, UnicodeDecodeError, ValueError, TypeError, RecursionError):
+        return []
+    out = []
+    for text in _strings(data):
+        ref = PurePosixPath(text)
+        if ref.name not in names or ref.name == name or ref.is_absolute() or text.startswith("~") or "\\" in text:
+            continue                        # a path the reader looks for elsewhere (~ is the server's home)
+        if _ups(ref) <= MAX_REFERENCE_UPS and ".." not in ref.parts[_ups(ref):]:
+            out.append(ref)
+    return out
+
+
+def _ups(ref: PurePosixPath) -> int:
+    """How many folders a relative path climbs first ('../../ds.json': 2)."""
+    n = 0
+    while n < len(ref.parts) and ref.parts[n] == "..":
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class TrainingUpload:
+    """Training configs uploaded together, written side by side under one folder per content (their names as given)
+    and again where another upload's relative reference looks for them."""
+    folder: Path                        # every file written lies under it
+    base: Path                          # the uploads under their names: `folder`, or a subfolder of it when a
+    #                                     reference climbs ('../ds.json' lies in `folder`)
+    read: tuple[Path, ...]              # the --from files: those no other upload references
+    referenced: tuple[Path, ...]        # the others, which the reader finds by reference (read as --from if not)
+
+
+def write_training(items: list[str], uploads: Path) -> TrainingUpload:
+    """The `from` values written under `uploads` (once per content), and which of them are read as --from."""
+    if len(items) > MAX_TRAINING_CONFIGS:
+        raise LlmemError(f"{len(items)} training configs uploaded; give at most {MAX_TRAINING_CONFIGS} (a training "
+                         "config, the accelerate config it is launched with, the DeepSpeed JSONs they name)")
+    files = dict(_training_file(item) for item in items)
+    if len(files) < len(items):
+        raise LlmemError("two uploaded training configs have the same name: rename one (a config names the other "
+                         "by its file name)")
+    refs = {name: _references(name, raw, set(files)) for name, raw in files.items()}
+    ups = max((_ups(r) for rs in refs.values() for r in rs), default=0)
+    digest = hashlib.sha256()
+    for name, raw in sorted(files.items()):
+        digest.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(raw).digest())
+    folder = uploads / f"from-{digest.hexdigest()[:16]}"
+    base = folder.joinpath(*["_"] * ups)
+    for name, raw in files.items():
+        _write_once(base / name, raw)
+        for ref in refs[name]:
+            if ref.parent != PurePosixPath("."):
+                _write_once(Path(os.path.normpath(base / ref)), files[ref.name])
+    referenced = {r.name for rs in refs.values() for r in rs}
+    read = tuple(base / n for n in files if n not in referenced) or tuple(base / n for n in files)
+    return TrainingUpload(folder, base, read, tuple(base / n for n in files if base / n not in read))
 
 
 # ------------------------------------------------------------------------------------------------ a query
@@ -138,27 +275,28 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 class Query:
-    """A page's query (name -> text) read as the command line reads flags, an uploaded config written where the
-    model loader can read it."""
+    """A page's query (name -> text, and the `from` values) read as the command line reads flags, an uploaded
+    config.json written where the model loader can read it, uploaded training configs where --from can."""
 
-    def __init__(self, params: dict[str, str], uploads: Path):
+    def __init__(self, params: dict[str, str], uploads: Path, training: list[str] | None = None):
         self.params = dict(params)
         self.uploads = uploads
         known = {f.name for f in fields(TrainingSetup) if _option(f) is not None} | {CONFIG_KEY}
         unknown = sorted(set(self.params) - known)
         if unknown:
-            raise LlmemError(f"unknown query field {unknown[0]!r}: the fields are {', '.join(sorted(known))}")
+            names = ", ".join(sorted(known | {FROM_KEY}))
+            raise LlmemError(f"unknown query field {unknown[0]!r}: the fields are {names}")
+        self.training = write_training(training, uploads) if training else None
+        self.from_paths = self.training.read if self.training else ()
         self.model = self.params.get("model", "").strip()
-        if not self.model:
-            raise LlmemError("no model: give a catalog name (`llmem models`), a hub id, or upload a config.json")
+        if not self.model and self.training is None:
+            raise LlmemError("no model: give a catalog name (`llmem models`), a hub id, or upload a config.json "
+                             "or a training config that names it")
         self.model_path = self._upload(self.params[CONFIG_KEY]) if self.params.get(CONFIG_KEY) else self.model
 
     def _upload(self, encoded: str) -> str:
         """The uploaded config.json, written once per content under `uploads`: its path."""
-        try:
-            raw = base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True)
-        except (binascii.Error, ValueError):
-            raise LlmemError("the uploaded config is not base64url text: upload the config.json again") from None
+        raw = _decoded(encoded, "the uploaded config")
         if len(raw) > MAX_CONFIG_BYTES:
             raise LlmemError(f"the uploaded config is {len(raw):,} bytes; a config.json is a few KiB: upload the "
                              "model's config.json")
@@ -167,11 +305,8 @@ class Query:
                 raise ValueError
         except ValueError:
             raise LlmemError("the uploaded file is not a JSON object: upload the model's config.json") from None
-        folder = self.uploads / hashlib.sha256(raw).hexdigest()[:16]
-        path = folder / "config.json"
-        if not path.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(raw)
+        path = self.uploads / hashlib.sha256(raw).hexdigest()[:16] / "config.json"
+        _write_once(path, raw)
         return str(path)
 
     def values(self, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -192,17 +327,83 @@ class Query:
 
     def args(self, command: str, drop: tuple[str, ...] = ()) -> argparse.Namespace:
         """The query parsed by `llmem COMMAND`'s own parser (flags as --flag=VALUE, the model after '--')."""
-        return _parser(command).parse_args([*option_flags(self.values(drop), attached=True), "--", self.model_path])
+        return _parser(command).parse_args([*option_flags(self.values(drop), attached=True),
+                                            *(f"--from={p}" for p in self.from_paths),
+                                            *(["--", self.model_path] if self.model else [])])
 
-    def command(self, command: str, setup: TrainingSetup) -> str:
-        """The command line that gives `setup`'s answer, the uploaded config named as the user's file."""
-        argv = setup_flags(setup)
-        argv[0] = self.model
+    def setup(self, command: str, drop: tuple[str, ...] = ()) -> tuple[argparse.Namespace, TrainingSetup,
+                                                                      SourceRecord | None]:
+        """The parsed query, its set-up and, under `from`, how the files were read (the fields given override
+        theirs, as the command line's flags do)."""
+        with self.named():
+            args = self.args(command, drop)
+            setup, source = setup_and_source(args)
+            if source is not None and self._unread(source):      # a name in a value that is no reference: --from
+                self.from_paths = (*self.from_paths, *self._unread(source))
+                args = self.args(command, drop)
+                setup, source = setup_and_source(args)
+            if source is not None:
+                self._check_read(source)
+        return args, setup, source
+
+    def _unread(self, source: SourceRecord) -> tuple[Path, ...]:
+        read = {os.path.normpath(p) for p, _ in source.files}
+        return tuple(p for p in self.training.referenced if str(p) not in read
+                     and not any(Path(r).name == p.name for r in read))
+
+    def _check_read(self, source: SourceRecord) -> None:
+        """What the files made llmem read lies in the upload: the answer is the link's, not the server's disk's."""
+        inside = str(self.training.folder) + os.sep
+        for path, _ in source.files:
+            if not os.path.normpath(path).startswith(inside):
+                raise LlmemError(f"{self.shown(path)} is not among the uploaded files: choose it too, with the config "
+                                 "that names it (the page reads only the files it is given)")
+
+    def command(self, command: str, setup: TrainingSetup, source: SourceRecord | None = None,
+                drop: tuple[str, ...] = ()) -> str:
+        """The command line that gives `setup`'s answer, the uploaded files named as the user's files: the set-up's
+        flags, or under `from` the fields given and --from per file read."""
+        if source is None:
+            argv = setup_flags(setup)
+            argv[0] = self.model
+        else:
+            argv = [*([self.model] if self.model else []), *option_flags(self.values(drop))]
+            argv += [a for p in self.from_paths for a in ("--from", p.name)]
         return shlex.join(["llmem", command, *argv])
 
     def shown(self, text: str) -> str:
-        """A text naming the uploaded config's path, with the user's file name instead."""
-        return text.replace(self.model_path, self.model) if self.model_path != self.model else text
+        """A text naming the uploads' paths, with the user's file names instead (a referenced upload by the path
+        its referrer gives: deepspeed_configs/zero3.json)."""
+        if self.model_path != self.model:
+            text = text.replace(self.model_path, self.model)
+        if self.training is not None:
+            for folder in (self.training.base, self.training.folder):
+                text = text.replace(str(folder) + os.sep, "")
+        return text
+
+    def shown_all(self, obj: Any) -> Any:
+        """shown() over every string of a JSON-like value (a SourceRecord's to_dict)."""
+        if isinstance(obj, str):
+            return self.shown(obj)
+        if isinstance(obj, dict):
+            return {k: self.shown_all(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [self.shown_all(v) for v in obj]
+        return obj
+
+    def record(self, source: SourceRecord | None) -> dict | None:
+        return self.shown_all(source.to_dict()) if source is not None else None
+
+    @contextmanager
+    def named(self) -> Iterator[None]:
+        """Refusals naming the uploads by the user's file names."""
+        try:
+            yield
+        except LlmemError as exc:
+            text = self.shown(str(exc))
+            if self.training is not None and " not found (looked beside the file" in text:   # files.find_reference
+                text += "; on this page: choose that file too (with the config, or after it)"
+            raise LlmemError(text) from None
 
 
 def sweep_points(axis: str, setup: TrainingSetup, given: str | None) -> list[int]:
@@ -244,7 +445,8 @@ def make_app(uploads: Path | None = None):
     import llmem
     from llmem.cli.tables import memory_title, plan_title, to_json
 
-    uploads = uploads or Path(tempfile.mkdtemp(prefix="llmem-serve-"))
+    # resolved: the readers name a referenced file by its resolved folder (files.find_reference)
+    uploads = (uploads or Path(tempfile.mkdtemp(prefix="llmem-serve-"))).resolve()
     lock = threading.Lock()
     page = resources.files("llmem.cli").joinpath("web", "index.html").read_text(encoding="utf-8")
     app = FastAPI(title="llmem", docs_url=None, redoc_url=None, openapi_url=None)
@@ -262,7 +464,8 @@ def make_app(uploads: Path | None = None):
                                                 "has the traceback)")}, status_code=500)
 
     def query(request: Request, *extra: str) -> Query:
-        return Query({k: v for k, v in request.query_params.items() if k not in extra}, uploads)
+        params = {k: v for k, v in request.query_params.items() if k not in extra and k != FROM_KEY}
+        return Query(params, uploads, request.query_params.getlist(FROM_KEY))
 
     @app.get("/", response_class=HTMLResponse)
     def index():
@@ -275,21 +478,22 @@ def make_app(uploads: Path | None = None):
     @app.get("/api/estimate")
     def estimate(request: Request):
         q = query(request)
-        setup = setup_from_args(q.args("estimate"))
-        with lock:
+        _, setup, source = q.setup("estimate")
+        with lock, q.named(), file_model(source):
             result = llmem.estimate(setup)
-        return answer({"result": result.to_dict(), "command": q.command("estimate", setup),
+        return answer({"result": result.to_dict(), "command": q.command("estimate", setup, source),
                        "title": [q.shown(t) for t in memory_title(result)], "setup": setup.to_dict(),
-                       "oom": result.oom.describe() if result.oom is not None else None})
+                       "oom": result.oom.describe() if result.oom is not None else None,
+                       "from_file": q.record(source)})
 
     @app.get("/api/sweep/{axis}")
     def sweep(axis: str, request: Request):
         q = query(request, "points")
-        setup = setup_from_args(q.args("estimate"))
+        _, setup, source = q.setup("estimate")
         out = []
         for value in sweep_points(axis, setup, request.query_params.get("points")):
             try:
-                with lock:
+                with lock, q.named(), file_model(source):
                     r = llmem.estimate(replace(setup, **{axis: value}))
             except LlmemError as exc:         # a point past what the set-up allows (too many tokens, positions)
                 out.append({"value": value, "error": _one_line(str(exc))})
@@ -302,13 +506,13 @@ def make_app(uploads: Path | None = None):
     @app.get("/api/plan")
     def plan(request: Request):
         q = query(request)
-        args = q.args("plan", drop=PLAN_DROPS)
-        setup = setup_from_args(args)
-        options = plan_options_from_args(args, setup)
-        with lock:
+        args, setup, source = q.setup("plan", drop=PLAN_DROPS)
+        with q.named():
+            options = plan_options_from_args(args, setup, source)
+        with lock, q.named(), file_model(source):
             p = llmem.plan(setup, plan_options=options)
-        return answer({"plan": p.to_dict(), "command": q.command("plan", setup),
-                       "title": [q.shown(t) for t in plan_title(p)]})
+        return answer({"plan": p.to_dict(), "command": q.command("plan", setup, source, drop=PLAN_DROPS),
+                       "title": [q.shown(t) for t in plan_title(p)], "from_file": q.record(source)})
 
     app.state.lock = lock
     return app
@@ -350,7 +554,8 @@ def server(app, sock: socket.socket):
     """A uvicorn server for `app` on `sock` (run it with .run(sockets=[sock]); .should_exit stops it)."""
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                         h11_max_incomplete_event_size=MAX_REQUEST_BYTES))
 
 
 def warm_up(app) -> None:

@@ -15,6 +15,7 @@ import functools
 import gc
 from collections.abc import Callable
 
+from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.events import Replay, Schedule, extrapolate, replay
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
@@ -60,7 +61,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     act = activation_profile(r)
     ms = states or model_states(r)
     moments = step_moments(r, act, ms)
-    whole = functools.cache(lambda: StepSchedule(r, act).build())    # built once: replayed, maybe at capacity
+    whole = functools.cache(lambda: step_schedule(r, act).build())    # built once: replayed, maybe at capacity
     rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
@@ -75,7 +76,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     components["allocator_overhead"] = reserved - rep.peak_allocated_bytes
     components["cuda_context"] = context
     components["managed_memory"] = managed
-    host = offloaded_optimizer_host_bytes(r) if r.setup.offload_optimizer else 0
+    host = offloaded_optimizer_host_bytes(r) if r.setup.offload_optimizer or r.setup.offload_param else 0
     return MemoryResult(
         engine="llmem",
         peak_allocated_bytes=rep.peak_allocated_bytes,
@@ -150,7 +151,7 @@ def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, i
     expandable = r.setup.expandable_segments
 
     def run(layers: int | None) -> Replay:
-        sched = whole() if layers is None and whole is not None else StepSchedule(r, act, layers=layers).build()
+        sched = whole() if layers is None and whole is not None else step_schedule(r, act, layers).build()
         return replay(sched, expandable_segments=expandable)
 
     small, large = depths
@@ -164,6 +165,12 @@ def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, i
     if num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
         return _without_gc(lambda: run(None))
     return _without_gc(lambda: extrapolate(run(small), run(large), small, large, num_layers))
+
+
+def step_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> StepSchedule:
+    """The step's schedule: PyTorch's, or DeepSpeed's engine under a ds-zero method."""
+    cls = DeepSpeedSchedule if r.method.zero_stage is not None else StepSchedule
+    return cls(r, act, layers=layers)
 
 
 def _without_gc(work: Callable[[], Replay]) -> Replay:

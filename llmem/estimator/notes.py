@@ -8,6 +8,7 @@ from llmem.memory.activations.profile import ActivationProfile, activation_notes
 from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup
+from llmem.setup.deepspeed import AUTO, bucket_buffers, zero_config
 from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
 from llmem.units import GIB
@@ -61,6 +62,31 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
     return notes
 
 
+def deepspeed_notes(r: ResolvedSetup, host_bytes: int) -> list[str]:
+    """What a ds-zero estimate assumed of DeepSpeed's engine: its ZeRO knobs as resolved, the buffers they make."""
+    setup, hidden = r.setup, r.anatomy.hidden_size
+    zero = zero_config(setup, r.method.zero_stage, hidden)
+    auto = " (auto: hidden_size^2)" if setup.reduce_bucket_size == AUTO else \
+        "" if setup.reduce_bucket_size is not None else " (DeepSpeed's default)"
+    bucket_gib = bucket_buffers(zero) * zero.reduce_bucket_size * setup.compute_bytes / GIB
+    notes = [f"DeepSpeed ZeRO-{zero.stage} as DeepSpeed's engine runs it (deepspeed 0.19): the module cast to "
+             f"{setup.compute_dtype.replace('bfloat', 'bf').replace('float', 'fp')} (no autocast), an fp32 master "
+             f"partition and the optimizer's states over it; {bucket_buffers(zero)} IPG buffer(s) of "
+             f"reduce_bucket_size {zero.reduce_bucket_size:,} elements{auto} = {bucket_gib:.2f} GiB, overlap_comm "
+             f"{'on' if zero.overlap_comm else 'off'}; one parameter group (HF's Trainer makes two: a few bytes "
+             "more alignment)"]
+    if zero.stage == 3:
+        notes.append(f"ZeRO-3's coordinator, per decoder layer: prefetch {zero.prefetch_bucket_size:,} elements, "
+                     f"persistence threshold {zero.param_persistence_threshold:,}, max live "
+                     f"{zero.max_live_parameters:,}, reuse distance {zero.max_reuse_distance:,} (from the second "
+                     "step, layers used again within it stay gathered)")
+    if zero.offload_optimizer or zero.offload_param:
+        what = " and ".join(w for w, on in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param))
+                            if on)
+        notes.append(f"DeepSpeed offload of the {what}: about {host_bytes / GIB:.1f} GiB of pinned CPU RAM per GPU")
+    return notes
+
+
 def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_bytes: int) -> list[str]:
     """Every note of an estimate, in the order the result lists them. `offloaded_host_bytes`: the optimizer's host
     RAM per GPU under --offload-optimizer."""
@@ -68,7 +94,9 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     notes = setup.optimizer_spec.notes("estimate", setup.optimizer_in_backward)
     if r.layout.shards_model_states:
         notes += setup.optimizer_spec.sharded_notes
-    if setup.offload_optimizer:
+    if r.method.zero_stage is not None:
+        notes += deepspeed_notes(r, offloaded_host_bytes)
+    elif setup.offload_optimizer:
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]

@@ -26,8 +26,16 @@ from llmem.model.sharding import (
     tp_local_numel,
     tp_split_dim,
 )
+from llmem.setup.deepspeed import (
+    bucket_buffers,
+    param_partition_numel,
+    partition_numel,
+    sub_group_numels,
+    zero_config,
+)
 from llmem.setup.layout import Layout
 from llmem.setup.optimizers import step_peak_bytes
+from llmem.setup.precision import F32
 from llmem.setup.training import TrainingSetup
 
 
@@ -133,7 +141,36 @@ def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
     return weights, biases
 
 
+def zero_model_states(r: ResolvedSetup) -> ModelStates:
+    """Model states of DeepSpeed's engine (llmem.estimator.deepspeed lays them out): the module in its bf16 / fp16
+    (stage 3: this rank's partitions, persistent parameters whole, one layer gathered), the fp32 master partition
+    and the optimizer's states over it, the partition's gradients (ZeRO-1: the whole gradients until the end of
+    backward), the IPG buffers, the step's fp32 gradient of one (sub-)group."""
+    zero = zero_config(r.setup, r.method.zero_stage, r.anatomy.hidden_size)
+    params, dp, mb = r.anatomy.params, r.layout.dp, r.setup.compute_bytes
+    trainable = [p for p in params if p.trainable]
+    part = partition_numel([p.numel for p in trainable], zero.stage, dp)
+    if zero.stage == 3:
+        small = [p for p in params if p.numel <= zero.param_persistence_threshold]
+        layer0 = sum(p.numel for p in params if p.layer_index == 0)
+        weights = (sum(param_partition_numel(p.numel, dp) for p in params) + sum(p.numel for p in small)
+                   + layer0) * mb
+    else:
+        weights = (sum(p.numel for p in params if not p.trainable) + part * dp) * mb
+    grads = sum(p.numel for p in trainable) * mb if zero.stage == 1 else part * mb
+    states = 0 if zero.offload_optimizer else part * F32 + sum(
+        r.optimizer.states((part,), F32))
+    sub = max(sub_group_numels([param_partition_numel(p.numel, dp) for p in trainable], zero.sub_group_size),
+              default=0) if zero.stage == 3 else part
+    temporaries = 0 if zero.offload_optimizer else sub * F32 + step_peak_bytes(r.optimizer.step_events([(sub,)], F32, 1))
+    buckets = bucket_buffers(zero) * zero.reduce_bucket_size * mb
+    layer_grads = sum(p.numel for p in trainable if p.layer_index == 0) * mb if zero.stage == 1 else 0
+    return ModelStates(weights, grads, states, temporaries, buckets, 0, 0, 0, layer_grads, 0, 0, 0, 0, 0, 0)
+
+
 def model_states(r: ResolvedSetup) -> ModelStates:
+    if r.method.zero_stage is not None:
+        return zero_model_states(r)
     setup, layout, params = r.setup, r.layout, r.anatomy.params
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
@@ -170,10 +207,28 @@ def model_states(r: ResolvedSetup) -> ModelStates:
                        opt_outside)
 
 
+def zero_host_bytes(r: ResolvedSetup) -> int:
+    """CPU RAM per GPU of DeepSpeed's offload (pinned by default): under offload_optimizer the fp32 master
+    partition, its fp32 gradient, the optimizer's states and the bf16 staging copy (stage_1_and_2.py
+    param_buffer_of_bit16_for_cpu_offload_groups; stage 3 the same per sub-group); under offload_param the bf16
+    partitions as well."""
+    zero = zero_config(r.setup, r.method.zero_stage, r.anatomy.hidden_size)
+    dp, mb = r.layout.dp, r.setup.compute_bytes
+    part = partition_numel([p.numel for p in r.anatomy.params if p.trainable], zero.stage, dp)
+    host = 0
+    if zero.offload_optimizer:
+        host += part * (F32 + F32 + mb) + sum(r.optimizer.states((part,), F32))
+    if zero.offload_param:
+        host += sum(param_partition_numel(p.numel, dp) for p in r.anatomy.params) * mb
+    return host
+
+
 def offloaded_optimizer_host_bytes(r: ResolvedSetup) -> int:
     """CPU RAM per GPU when the optimizer runs on the host (ZeRO-Offload, FSDP CPU offload): its states for this
     GPU's share of the trained parameters and an fp32 master copy of that share, all in fp32 (attention does not
     enter the model states, so any set-up attention stands in fp32)."""
+    if r.method.zero_stage is not None:
+        return zero_host_bytes(r)
     fp32 = replace(r.setup, precision="fp32", attn="sdpa", offload_optimizer=False)
     states = model_states(ResolvedSetup(fp32, r.anatomy, r.base, r.gpu, r.layout))
     return states.optimizer_states + states.gradients   # fp32 gradients: one fp32 copy of the trained share

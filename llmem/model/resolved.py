@@ -12,12 +12,14 @@ from llmem.model.families import tp_refusal_of
 from llmem.model.peft import trained_anatomy
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, resolve_layout
-from llmem.setup.methods import TP_NONE, MethodSpec
+from llmem.setup.methods import METHODS, TP_NONE, MethodSpec, canonical_method
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.precision import Regime, regime_for
 from llmem.setup.record import SetupRecord
 from llmem.setup.support import ModelSupport, check_support
 from llmem.setup.training import TrainingSetup
+
+DEEPSPEED_METHODS = frozenset(m.name for m in METHODS.values() if m.zero_stage is not None)
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,21 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
     and the support check of its options under the method (LlmemError names the first problem)."""
     base = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
+    setup = engine_cast(setup)
     trained = trained_anatomy(base, setup)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             trained.num_heads, trained.num_kv_heads)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
+
+
+def engine_cast(setup: TrainingSetup) -> TrainingSetup:
+    """DeepSpeed's engine casts the whole module to its bf16 / fp16 (engine.py _configure_distributed_model), so
+    peft's fp32 adapters run in the compute dtype there: adapter_dtype "base"."""
+    if canonical_method(setup.method) in DEEPSPEED_METHODS and setup.mixed and setup.adapter_dtype == "fp32":
+        return replace(setup, adapter_dtype="base")
+    return setup
 
 
 HEAD_ADAPTER_MARKS = (".lora_", ".ia3_")   # peft's LoRA / IA3 parameters (modules_to_save copies are not adapters)

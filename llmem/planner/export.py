@@ -19,6 +19,7 @@ from llmem.errors import LlmemError
 from llmem.planner.options import EXPORT_KINDS
 from llmem.planner.plan import Plan
 from llmem.planner.timing import accumulation_for
+from llmem.setup.deepspeed import ZeroConfig, zero_config
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS
 from llmem.setup.precision import PRECISIONS
@@ -40,6 +41,7 @@ class ExportPlan:
     optimizer: str = "adamw"
     gpus_per_node: int | None = None
     notes: tuple[str, ...] = ()          # what the written file does not match of the estimate (for the CLI)
+    zero: ZeroConfig | None = None       # DeepSpeed's ZeRO section the estimate assumed (a ds-zero layout)
 
 
 def unexportable_options(setup: TrainingSetup) -> list[str]:
@@ -81,8 +83,12 @@ def export_plan(p: Plan) -> ExportPlan:
     else:
         layout = c.layout
         micro, steps = c.time.micro_batch_size, c.time.accumulation_steps
+    stage = layout.spec.zero_stage
+    zero = None if stage is None else zero_config(replace(p.setup, offload_optimizer=offload or
+                                                          p.setup.offload_optimizer), stage, p.anatomy.hidden_size)
     return ExportPlan(p.anatomy.name, p.anatomy.architecture, layout, micro, steps, p.setup.seq_len,
-                      p.setup.precision, p.setup.grad_ckpt, offload, p.setup.optimizer, layout.gpus_per_node)
+                      p.setup.precision, p.setup.grad_ckpt, offload or p.setup.offload_optimizer, p.setup.optimizer,
+                      layout.gpus_per_node, zero=zero)
 
 
 def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
@@ -196,9 +202,12 @@ def deepspeed_note(e: ExportPlan) -> str:
 
 
 def export_deepspeed(e: ExportPlan) -> str:
-    """A DeepSpeed JSON config: ZeRO-3 for fsdp, ZeRO-2 for zero2, ZeRO-0 for ddp, AutoTP for tp."""
+    """A DeepSpeed JSON config: a ds-zero plan's ZeRO section as the estimate assumed it; for PyTorch's methods
+    their nearest stage (ZeRO-3 for fsdp, ZeRO-2 for zero2, ZeRO-0 for ddp, AutoTP for tp), said not to match."""
     lay = e.layout
     stage = lay.spec.deepspeed_stage
+    if e.zero is not None:
+        return json.dumps(deepspeed_json(e, e.zero.to_json()), indent=2) + "\n"
     if stage is None:
         raise LlmemError("DeepSpeed's AutoTP works with ZeRO stages 0-2 only, not ZeRO-3 (fsdp+tp): export "
                          "accelerate or torchrun for this plan")
@@ -211,11 +220,19 @@ def export_deepspeed(e: ExportPlan) -> str:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 0:
             zero["stage"] = 1            # DeepSpeed offloads the optimizer from ZeRO stage 1 on
+    cfg = deepspeed_json(e, zero)
+    cfg = {"comment": deepspeed_note(e), **cfg}
+    if lay.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": lay.tp}
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def deepspeed_json(e: ExportPlan, zero: dict) -> dict:
+    """A DeepSpeed JSON around its `zero_optimization` block: the batch, accumulation and precision of the plan."""
     cfg: dict = {
-        "comment": deepspeed_note(e),
         "train_micro_batch_size_per_gpu": e.micro_batch_size,
         "gradient_accumulation_steps": e.accumulation_steps,
-        "train_batch_size": e.micro_batch_size * e.accumulation_steps * lay.dp,
+        "train_batch_size": e.micro_batch_size * e.accumulation_steps * e.layout.dp,
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
         "steps_per_print": 100,
@@ -226,9 +243,7 @@ def export_deepspeed(e: ExportPlan) -> str:
     elif PRECISIONS[e.precision].compute_dtype == "float16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1}
-    if lay.tp > 1:
-        cfg["tensor_parallel"] = {"autotp_size": lay.tp}
-    return json.dumps(cfg, indent=2) + "\n"
+    return cfg
 
 
 # one writer per --export kind (llmem.planner.options.EXPORT_KINDS): (plan, its export) -> the file's text
@@ -240,6 +255,8 @@ EXPORTERS: dict[str, Callable[[Plan, ExportPlan], str]] = {
 EXECUTABLE_EXPORTS = ("torchrun",)      # written as a script the user runs
 # what a kind's file does not match of the estimate, for the command line to print beside "wrote ..."
 EXPORT_NOTES: dict[str, Callable[[ExportPlan], str]] = {"deepspeed": deepspeed_note}
+# kinds that launch PyTorch's own methods: a plan of DeepSpeed's engine is exported as its JSON
+TORCH_EXPORTS = ("accelerate", "torchrun")
 
 
 def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
@@ -247,8 +264,11 @@ def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
     if writer is None:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
     e = export_plan(p)
+    if e.zero is not None and kind in TORCH_EXPORTS:
+        raise LlmemError(f"the plan runs DeepSpeed's engine ({e.layout.method}): --export deepspeed writes its "
+                         f"config; {kind} launches PyTorch's own methods")
     text = writer(p, e)                 # refusals before the file is opened
-    if kind in EXPORT_NOTES:
+    if kind in EXPORT_NOTES and e.zero is None:
         e = replace(e, notes=(EXPORT_NOTES[kind](e),))
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

@@ -217,11 +217,16 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
     root = float(anatomy.root_params) / tp
     layer = float(anatomy.layer_params(0)) / tp
     sizes: dict = {}
-    if layout.spec.gradient_buckets and layout.dp > 1:
+    stage = layout.spec.zero_stage
+    if stage is not None:
+        # DeepSpeed's engine communicates the module's dtype. ZeRO-1/2: the gradients reduced to their partitions
+        # and the updated partitions all-gathered after the step, an all-reduce's volume; ZeRO-3: FSDP's pattern
+        pb = setup.compute_bytes
+    if (layout.spec.gradient_buckets or stage in (1, 2)) and layout.dp > 1:
         sizes["ddp_grad_bytes"] = total * trainable_fraction * pb
-    if layout.shards_model_states and layout.dp > 1:
-        gather_b = setup.gather_bytes
-        reduce_b = setup.reduce_bytes
+    if (layout.shards_model_states or stage == 3) and layout.dp > 1:
+        gather_b = setup.gather_bytes if stage is None else pb
+        reduce_b = setup.reduce_bytes if stage is None else pb
         gathered = (total * gather_b, root * gather_b, layer * gather_b)
         if setup.quant_base != "none":   # FSDP-QLoRA gathers the quantised storage, not compute-dtype weights
             gathered = quantised_gather_bytes(anatomy, setup, layout)
@@ -300,7 +305,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
         ag = ring_allgather_time_s(c.fsdp_gather_bytes, layout.dp, dp_bw) + lat
         rs = ring_allgather_time_s(c.fsdp_reduce_bytes, layout.dp, dp_bw) + lat
-        ag_bwd = ag if layout.spec.reshard_after_forward else 0.0
+        ag_bwd = ag if layout.spec.reshard_after_forward or layout.spec.zero_stage == 3 else 0.0
         tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, layout.dp, dp_bw)
                 + ring_allgather_time_s(c.fsdp_layer_gather_bytes, layout.dp, dp_bw)
                 + ring_allgather_time_s(c.fsdp_root_reduce_bytes, layout.dp, dp_bw))

@@ -23,6 +23,7 @@ from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trac
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
+from llmem.setup.methods import method_spec
 from llmem.setup.training import TrainingSetup
 
 
@@ -56,6 +57,10 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                        cuda_kernels: bool = True) -> tuple[MemoryResult, TraceDetails]:
     """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak)."""
     check_iterations(iterations)
+    if method_spec(setup.method).zero_stage is not None:     # DeepSpeed's own engine runs the step
+        from llmem.runtime.deepspeed import deepspeed_step
+
+        return deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()

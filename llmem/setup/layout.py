@@ -112,7 +112,7 @@ def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
                       methods: Iterable[str] | None = None, tp: int | None = None) -> list[Layout]:
     """Every layout worth planning on `gpus` GPUs, in registry order (the paper's tie order); invalid ones skipped.
 
-    A one-GPU method only on one GPU; the others on more: no tp once; tp over all GPUs when they fit in one node;
+    A one-GPU method only on one GPU; DeepSpeed's only when `methods` names them; the others on more: no tp once; tp over all GPUs when they fit in one node;
     an inner tp for each tp in the divisors of the node size (> 1) with dp = gpus / tp >= 2. `methods` / `tp`
     restrict the list. num_heads = num_kv_heads = 0 skips the head-divisibility check.
     """
@@ -122,6 +122,8 @@ def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
     for spec in METHODS.values():
         if spec.one_gpu != (gpus == 1):
             continue
+        if spec.zero_stage is not None and (wanted is None or spec.name not in wanted):
+            continue                      # DeepSpeed's engine: searched when asked for (--method ds-zero*)
         if spec.tensor_parallel == TP_NONE:
             specs.append((spec.name, None))
         elif spec.tensor_parallel == TP_ALL:

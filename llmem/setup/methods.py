@@ -7,6 +7,9 @@ A method decides how model states are split across GPUs:
 - zero2: FSDP2 without resharding after forward (parameters stay gathered from forward to backward).
 - tp: Megatron-style tensor parallelism (column/row split of attention and MLP) over all GPUs.
 - fsdp+tp: FSDP2 over the dp dimension of a 2-D mesh whose tp dimension holds the tensor-parallel layers.
+- ds-zero1 / ds-zero2 / ds-zero3: DeepSpeed's engine with ZeRO stage 1 / 2 / 3 as DeepSpeed runs it (its flat
+  buffers, buckets and stage-3 parameter coordinator: llmem.setup.deepspeed, llmem.estimator.deepspeed), not
+  FSDP2's equivalent.
 
 Everything else reads these rows: the layout rules (llmem.setup.layout), the support check (llmem.setup.support),
 the estimator's sharding and buffers, the trace's method application (llmem.runtime.distributed), the time model,
@@ -46,11 +49,12 @@ class MethodSpec:
     torch_recipe: str               # what a PyTorch-native script builds, for the torchrun export ({dp}, {tp})
     label_format: str               # how tables name a layout of it ({name}, {dp}, {tp})
     one_gpu: bool = False           # runs on exactly one GPU
+    zero_stage: int | None = None   # DeepSpeed's engine runs it with this ZeRO stage (None: PyTorch-native)
 
     @property
     def plain_tensors(self) -> bool:
         """Parameters stay plain tensors (no DTensor): what bitsandbytes' kernels and torch's Adafactor need."""
-        return not self.shards_model_states and self.tensor_parallel == TP_NONE
+        return not self.shards_model_states and self.tensor_parallel == TP_NONE and self.zero_stage is None
 
     @property
     def has_tp(self) -> bool:
@@ -78,6 +82,12 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("fsdp+tp", ("dp+tp", "fsdp-tp", "2d"), True, True, TP_INNER, False, False, False, "DP+TP", 4, None,
                "init_device_mesh('cuda', ({dp}, {tp}), mesh_dim_names=('dp', 'tp')): parallelize_module on "
                "mesh['tp'], then fully_shard on mesh['dp']", "{name} ({dp}dp x {tp}tp)"),
+    # DeepSpeed's engine (deepspeed.initialize): bf16/fp16 run without autocast (the engine casts the module), its
+    # ZeRO optimizer partitions the states itself (no FSDP2 sharding, no DDP reducer)
+    *(MethodSpec(f"ds-zero{stage}", (f"deepspeed-zero{stage}", f"ds{stage}"), False, False, TP_NONE, False, False,
+                 False, "ADP" if stage == 3 else "CDP", 5 + stage, stage,
+                 f"deepspeed.initialize(model, config={{'zero_optimization': {{'stage': {stage}}}, ...}})",
+                 "{name} ({dp})", zero_stage=stage) for stage in (1, 2, 3)),
 )}
 METHOD_ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
 

@@ -46,10 +46,38 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
     if setup.fused_ce and method.has_tp:
         raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
                          "vocab-parallel loss")
+    if method.zero_stage is not None:
+        check_deepspeed(setup, method)
     if setup.quant_base != "none":
         check_quant_method(setup, method)
     if model is not None:
         check_model_support(setup, method, model)
+
+
+def check_deepspeed(setup: TrainingSetup, method: MethodSpec) -> None:
+    why = deepspeed_refusal(setup, method)
+    if why:
+        raise LlmemError(why)
+
+
+def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup` under DeepSpeed's engine (None: it does). It models DeepSpeed's bf16 / fp16
+    sections (fp32 master weights in the ZeRO optimizer) or fp32, a torch optimizer stepping the flat fp32
+    partition, no quantised base."""
+    if method.zero_stage is None:
+        return None
+    if setup.precision_spec.low_precision and not setup.mixed:
+        return (f"--precision {setup.precision} with {method.name}: DeepSpeed's bf16 / fp16 keep fp32 master "
+                f"weights in the ZeRO optimizer, which --precision {setup.precision}-mixed describes; use it")
+    if setup.quant_base != "none":
+        return (f"{QUANT_FLAGS[setup.quant_base]} with {method.name}: a quantised base under DeepSpeed's ZeRO is "
+                "not modelled; use single, ddp, fsdp or zero2")
+    spec = setup.optimizer_spec
+    if spec.parts or spec.plain_tensors_only or spec.eight_bit:
+        return (f"--optimizer {spec.name} with {method.name}: the ZeRO optimizer steps one flat fp32 partition, "
+                "which llmem models for elementwise torch optimizers only (adamw, adamw-fused, adamw-forloop, sgd, "
+                "sgd-momentum, lion)")
+    return None
 
 
 def check_quant_method(setup: TrainingSetup, method: MethodSpec) -> None:

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmem.errors import LlmemError
-from llmem.setup.methods import canonical_method
+from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
+from llmem.setup.methods import canonical_method, method_spec
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.precision import PRECISIONS, Precision
 
@@ -35,8 +36,8 @@ MAX_SEQ_LEN = 1 << 24
 MAX_STEP_TOKENS = 1 << 28
 
 # Option.group: the sections of --help
-LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL = "layout", "step", "optimizer", "activations", "adapters", \
-    "model"
+LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL, DEEPSPEED = "layout", "step", "optimizer", "activations", \
+    "adapters", "model", "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,24 @@ class Option:
     noun: str = ""                               # kind "switches": what one chooses ("choose one <noun>")
     implies: tuple[tuple[str, Any], ...] = ()    # given: these fields take these values too
     requires: tuple[str, Any] | None = None      # kind "negate": only with field == value
+
+
+def count(text: str) -> int:
+    """A count of elements as DeepSpeed's configs write them: 500000000, 5e8 or 5_0000_0000."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return count(str(text))
+    try:
+        value = float(str(text).replace("_", ""))
+    except ValueError:
+        raise LlmemError(f"{text!r} is not a count: write e.g. 500000000 or 5e8") from None
+    if value != int(value) or value < 0:
+        raise LlmemError(f"{text!r} is not a whole number of elements >= 0: write e.g. 500000000 or 5e8")
+    return int(value)
+
+
+def count_or_auto(text: str) -> int | str:
+    """A count, or "auto": the value HF's Trainer and accelerate fill from the model's hidden size."""
+    return "auto" if str(text).strip().lower() == "auto" else count(text)
 
 
 def option(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -82,8 +101,8 @@ class TrainingSetup:
     model: str = field(metadata={"option": Option(
         "catalog name, hub id, path to config.json, or a model folder", MODEL, kind="positional",
         metavar="MODEL")})
-    method: str = option("single", "single, ddp (cdp), fsdp (zero3, adp), zero2, tp, fsdp+tp (dp+tp); default "
-                         "single on one GPU, fsdp on more", LAYOUT, cli_default=None)
+    method: str = option("single", "single, ddp (cdp), fsdp (zero3, adp), zero2, tp, fsdp+tp (dp+tp), DeepSpeed's "
+                         "ds-zero1/2/3; default single on one GPU, fsdp on more", LAYOUT, cli_default=None)
     gpus: int = option(1, "number of GPUs (default 1)", LAYOUT, type=int)
     gpus_per_node: int | None = option(None, "GPUs per node (default: min(gpus, 8))", LAYOUT, type=int)
     tp: int | None = option(None, "tensor-parallel degree (default: all GPUs under tp, 2 under fsdp+tp)",
@@ -128,6 +147,29 @@ class TrainingSetup:
     fused_ce: bool = option(False, "fused linear cross-entropy in chunks of tokens (no full fp32 logits)",
                             ACTIVATIONS, kind="switch")
     packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
+    # DeepSpeed's ZeRO section (methods ds-zero1/2/3; None: DeepSpeed's default, llmem.setup.deepspeed)
+    reduce_bucket_size: int | str | None = option(None, "elements per gradient bucket (IPG buffer; DeepSpeed's "
+                                                  "default 5e8; auto: HF's hidden_size^2)", DEEPSPEED,
+                                                  type=count_or_auto)
+    overlap_comm: bool | None = option(None, "reduce gradients while backward runs (DeepSpeed's default: on for "
+                                       "stage 3 only); stages 1-2 then keep two IPG buffers", DEEPSPEED,
+                                       kind="switches", noun="overlap setting", switches=(
+                                           ("--overlap-comm", True, "overlap_comm: true (ds-zero*)"),
+                                           ("--no-overlap-comm", False, "overlap_comm: false (ds-zero*)")))
+    prefetch_bucket_size: int | str | None = option(None, "ds-zero3: elements prefetched ahead (stage3_prefetch_"
+                                                    "bucket_size; default 5e7; auto: HF's 0.9 x hidden_size^2)",
+                                                    DEEPSPEED, type=count_or_auto)
+    param_persistence_threshold: int | str | None = option(None, "ds-zero3: parameters of at most this many "
+                                                           "elements stay gathered (default 1e5; auto: HF's 10 x "
+                                                           "hidden_size)", DEEPSPEED, type=count_or_auto)
+    max_live_parameters: int | None = option(None, "ds-zero3: most gathered elements before prefetching stops "
+                                             "(default 1e9)", DEEPSPEED, type=count)
+    max_reuse_distance: int | None = option(None, "ds-zero3: a parameter used again within this many elements "
+                                            "stays gathered (default 1e9)", DEEPSPEED, type=count)
+    sub_group_size: int | None = option(None, "elements per optimizer sub-group (the step's fp32 gradient "
+                                        "transient under ds-zero3; default 1e9)", DEEPSPEED, type=count)
+    offload_param: bool = option(False, "ds-zero3: parameters partitioned in pinned CPU memory (offload_param)",
+                                 DEEPSPEED, kind="switch")
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -153,6 +195,29 @@ class TrainingSetup:
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
         self._check_quant_base()
+        self._check_deepspeed()
+
+    def _check_deepspeed(self) -> None:
+        """DeepSpeed's options belong to its methods, stage 3's to stage 3 (DeepSpeed refuses offload_param below
+        it: DeepSpeedZeroConfig's offload_param "valid only with stage 3")."""
+        stage = method_spec(self.method).zero_stage
+        for name, needs in ZERO_FIELDS.items():
+            value = getattr(self, name)
+            if value is None or value is False and name == "offload_param":   # not set (offload_param: a switch)
+                continue
+            flag = "--" + name.replace("_", "-")
+            if stage is None:
+                raise LlmemError(f"{flag} is a DeepSpeed ZeRO setting: use --method ds-zero1, ds-zero2 or ds-zero3 "
+                                 f"(got {self.method})")
+            if needs is not None and stage < needs:
+                raise LlmemError(f"{flag} applies to ZeRO stage {needs} only: use --method ds-zero{needs} "
+                                 f"(got {self.method})")
+        for name in ZERO_FIELDS:     # the API takes the same values as the flags
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                object.__setattr__(self, name, count_or_auto(value) if name in HIDDEN_SIZE_RULES else count(value))
+        if stage is not None and self.reduce_bucket_size == 0:
+            raise LlmemError("--reduce-bucket-size must be > 0 (DeepSpeed's reduce_bucket_size is gt=0)")
 
     def _check_step_size(self) -> None:
         """Sizes a GPU step can have: beyond the bounds no device holds them, and the allocator model's sizes would

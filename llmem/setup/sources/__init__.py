@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.methods import METHODS, canonical_method
 from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
-from llmem.setup.sources.deepspeed import read_deepspeed
+from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, read_deepspeed
 from llmem.setup.sources.files import load
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import check_support
-from llmem.setup.training import user_setup
+from llmem.setup.support import check_support, deepspeed_refusal
+from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
 
@@ -127,13 +128,27 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
                          f"(llmem estimate MODEL --from {main.path})")
     used = _marked(used, overrides)
     try:
-        setup = user_setup(**values)
+        setup = _stand_in(user_setup(**values), values, overrides, notes)
         check_support(setup, METHODS[setup.method])
     except LlmemError as exc:
         why = "".join(f" ({n})" for n in notes if n.startswith("DeepSpeed"))
         raise LlmemError(f"{main.path}: llmem cannot run the set-up it describes: {exc}{why}") from None
     return FileSetup(setup, SourceRecord(tuple(files), tuple(used), tuple(ignored), tuple(notes), overridden,
                                          states_method=method is not None))
+
+
+def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str, Any],
+              notes: list[str]) -> TrainingSetup:
+    """The file's DeepSpeed ZeRO with what llmem does not model under DeepSpeed's engine (a quantised base, an
+    8-bit or composite optimizer): its PyTorch equivalent stands in, said so; a method given on the command line
+    stays as given (and is refused)."""
+    why = deepspeed_refusal(setup, METHODS[setup.method])
+    if why is None or "method" in overrides or setup.method not in STANDINS:
+        return setup
+    notes[:] = [n for n in notes if n not in STAGE_NOTES.values()]
+    notes.append(STANDIN_NOTE.format(standin=STANDINS[setup.method], method=setup.method, why=why))
+    kept = {k: v for k, v in values.items() if k not in ZERO_FIELDS}    # DeepSpeed's knobs: not the stand-in's
+    return user_setup(**{**kept, "method": STANDINS[setup.method]})
 
 
 def _merge(a: Dtypes, b: Dtypes) -> Dtypes:

@@ -10,11 +10,10 @@ stage3_prefetch_bucket_size = int(0.9*h*h), stage3_param_persistence_threshold =
 (DeepSpeedPlugin.set_mixed_precision, accelerate/utils/dataclasses.py) fp16/bf16.enabled follow `mixed_precision`
 and gradient_accumulation_steps the plugin's. A JSON read alone leaves "auto" to the trainer: llmem's own flags.
 
-llmem has no DeepSpeed methods yet: ZeRO-3 is modelled by its FSDP2 equivalent (fsdp: parameters, gradients and
-optimizer states sharded, parameters gathered per layer), ZeRO-2 by zero2 (FSDP2 without resharding after forward:
-the whole parameters held through the step, gradients and optimizer states sharded), ZeRO-1 and 0 by ddp (ZeRO-1's
-sharded optimizer states are not: an upper bound). DeepSpeed's own buffers (flat fp16 buffers, IPG and reduce
-buckets, stage 3's prefetch and persistence) are listed as not modelled with the values they resolve to."""
+ZeRO stages 1-3 become llmem's ds-zero1/2/3 (DeepSpeed's engine as it runs: llmem.estimator.deepspeed) and their
+buffer keys the set-up's DeepSpeed fields ("auto" kept as "auto": resolved from the model's hidden size as HF fills
+it); stage 0 is modelled by ddp. Where llmem does not model DeepSpeed's engine (a quantised base, an 8-bit or
+composite optimizer) the FSDP2 / DDP equivalent stands in (STANDINS), with a note."""
 
 from __future__ import annotations
 
@@ -22,34 +21,50 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.sources.names import NameRow
 from llmem.setup.sources.reading import Keys, Reading
 
 AUTO = "auto"
 GA_NOTE = ("no memory effect in llmem's model: one micro-batch per step (the gradients held across micro-batches "
            "are not modelled)")
-STAGE_METHODS = {3: "fsdp", 2: "zero2", 1: "ddp", 0: "ddp"}
+STAGE_METHODS = {3: "ds-zero3", 2: "ds-zero2", 1: "ds-zero1", 0: "ddp"}
 STAGE_NOTES = {
-    3: "DeepSpeed ZeRO-3 is modelled by its FSDP2 equivalent (fsdp) until llmem's ds-zero methods exist",
-    2: "DeepSpeed ZeRO-2 is modelled by its FSDP2 equivalent (zero2: no resharding after forward) until llmem's "
-       "ds-zero methods exist",
-    1: "DeepSpeed ZeRO-1 is modelled by ddp until llmem's ds-zero methods exist (its sharded optimizer states are "
-       "not: an upper bound)",
+    3: "DeepSpeed ZeRO-3 as DeepSpeed's engine runs it (ds-zero3)",
+    2: "DeepSpeed ZeRO-2 as DeepSpeed's engine runs it (ds-zero2)",
+    1: "DeepSpeed ZeRO-1 as DeepSpeed's engine runs it (ds-zero1)",
     0: "DeepSpeed ZeRO-0 (data parallel) is modelled by ddp",
 }
+# where llmem does not model DeepSpeed's engine (a quantised base): the FSDP2 / DDP equivalent and why
+STANDINS = {"ds-zero3": "fsdp", "ds-zero2": "zero2", "ds-zero1": "ddp"}
+STANDIN_NOTE = ("DeepSpeed's engine is not modelled for this set-up ({why}): its PyTorch equivalent {standin} "
+                "stands in for {method}")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 HIDDEN_SIZE_KEYS = {     # trainer_config_finalize's hidden-size "auto" keys: h -> value
     "zero_optimization.reduce_bucket_size": ("hidden_size*hidden_size", lambda h: h * h),
     "zero_optimization.stage3_prefetch_bucket_size": ("int(0.9*hidden_size*hidden_size)", lambda h: int(0.9 * h * h)),
     "zero_optimization.stage3_param_persistence_threshold": ("10*hidden_size", lambda h: 10 * h),
 }
-# DeepSpeed's own buffers: read, but not modelled until the ds-zero methods exist
-BUFFER_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-               "stage3_param_persistence_threshold", "param_persistence_threshold", "stage3_max_live_parameters",
-               "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance", "sub_group_size",
-               "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-               "round_robin_gradients", "stage3_model_persistence_threshold", "model_persistence_threshold")
-BUFFERS_WHY = "DeepSpeed's buffers are not modelled until llmem's ds-zero methods exist"
+# zero_optimization keys -> the set-up's DeepSpeed fields (stage3_* and their aliases, as DeepSpeedZeroConfig reads)
+BUFFER_FIELDS = {
+    "reduce_bucket_size": "reduce_bucket_size", "overlap_comm": "overlap_comm", "sub_group_size": "sub_group_size",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size", "prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters", "max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
+}
+# read and not modelled, with why
+BUFFER_IGNORED = {
+    "allgather_bucket_size": "no buffer of its size: the post-step all-gather writes into the flat buffer "
+                             "(all_gather_into_tensor, deepspeed/runtime/utils.py)",
+    "contiguous_gradients": "modelled as DeepSpeed's default (true)",
+    "reduce_scatter": "the reduction's collective, not its buffers",
+    "allgather_partitions": "the all-gather's collective, not its buffers",
+    "round_robin_gradients": "the order of the partitions' gradients, not their size",
+    "stage3_model_persistence_threshold": "modelled as DeepSpeed's default (no cap on persistent parameters)",
+    "model_persistence_threshold": "modelled as DeepSpeed's default (no cap on persistent parameters)",
+}
 # DeepSpeed's optimizer block (deepspeed/runtime/engine.py _configure_basic_optimizer)
 DS_OPTIMIZERS = {
     "adamw": NameRow("adamw-fused", "DeepSpeed's FusedAdam (multi-tensor CUDA kernel, no step temporaries), modelled by "
@@ -194,14 +209,7 @@ def read_deepspeed(r: Reading, config: dict, file: str, trainer: TrainerValues |
     _read_batch(r, keys, file, filled, trainer)
     _read_offload(r, zero, file)
     _read_optimizer(r, keys, file)
-    buffers = {}
-    for name in BUFFER_KEYS:
-        if name in zero:
-            raw = zero.get(name)
-            rule = HIDDEN_SIZE_KEYS.get(f"zero_optimization.{name}")
-            buffers[name] = f"auto = {rule[0]}" if raw == AUTO and rule else raw
-    if buffers:
-        r.ignore("zero_optimization." + "/".join(buffers), buffers, BUFFERS_WHY, file=file)
+    _read_buffers(r, zero, file, stage)
     if "tensor_parallel" in keys:
         r.ignore("tensor_parallel", keys.get("tensor_parallel"), "DeepSpeed AutoTP is not modelled: estimated "
                  "without tensor parallelism", file=file)
@@ -217,6 +225,30 @@ def read_deepspeed(r: Reading, config: dict, file: str, trainer: TrainerValues |
                  "_comment"):
         keys.get(name)
     r.not_read(keys, file=file)
+
+
+def _read_buffers(r: Reading, zero: Keys, file: str, stage: int) -> None:
+    """The ZeRO section's buffer keys into the set-up's DeepSpeed fields ("auto" stays "auto": llmem fills it from the
+    model's hidden size as HF does); stage-3 keys under stages 1-2 are DeepSpeed's no-ops there."""
+    for key, name in BUFFER_FIELDS.items():
+        if key not in zero:
+            continue
+        raw = zero.get(key)
+        if stage == 0 or (ZERO_FIELDS[name] == 3 and stage < 3):
+            r.ignore(f"zero_optimization.{key}", raw, f"no effect at ZeRO stage {stage}", file=file)
+            continue
+        if name == "overlap_comm":
+            value = r.boolean(f"{file}: zero_optimization.{key}", raw)
+        elif raw == AUTO:
+            value = AUTO
+        else:
+            value = r.integer(f"{file}: zero_optimization.{key}", raw, low=0, what="a number of elements")
+        rule = HIDDEN_SIZE_RULES.get(name)
+        r.set(f"zero_optimization.{key}", raw, name, value,
+              f"auto = {rule[0]} (as HF fills it)" if raw == AUTO and rule else "", file=file)
+    for key, why in BUFFER_IGNORED.items():
+        if key in zero:
+            r.ignore(f"zero_optimization.{key}", zero.get(key), why, file=file)
 
 
 def _read_dtypes(r: Reading, keys: Keys, file: str, filled: dict) -> None:
@@ -277,8 +309,8 @@ def _read_offload(r: Reading, zero: Keys, file: str) -> None:
     param = zero.sub("offload_param")
     device = str(param.get("device", "none")).lower()
     if device in ("cpu", "nvme"):
-        r.ignore("zero_optimization.offload_param.device", device, "offload of parameters is not modelled yet: "
-                 "estimated with the parameters on the GPU (an upper bound)", file=file)
+        note = "NVMe offload modelled as CPU offload (nothing of it on the GPU either way)" if device == "nvme" else ""
+        r.set("zero_optimization.offload_param.device", device, "offload_param", True, note, file=file)
         for name in ("pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu"):
             param.get(name)
     for legacy in ("cpu_offload", "cpu_offload_params"):

@@ -1,0 +1,312 @@
+"""DeepSpeed ZeRO stages 1-3 as DeepSpeed's engine runs them: the step's allocation schedule of rank 0.
+
+`DeepSpeedSchedule` extends the PyTorch step's schedule (llmem.estimator.schedule) where DeepSpeed's engine differs:
+the module cast to bf16/fp16 by the engine (no autocast, no fp32 weights on the device), the ZeRO optimizer's flat
+buffers and partitions, its gradient buckets and stage 3's parameter coordinator. The activations are the PyTorch
+step's (the same HF model, in the engine's dtype). Every term names the DeepSpeed code it copies (the installed
+deepspeed 0.19.x: deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, partitioned_param_coordinator.py).
+
+Known Limitations: one parameter group (HF's Trainer makes two, decay and no-decay: each padded to 2 x dp elements,
+a few bytes); ZeRO++ (hpZ, quantised weights / gradients), MiCS, AutoTP and the NVMe offload are not modelled; the
+stage-3 coordinator is modelled per decoder layer, not per leaf module (its prefetch and reuse-distance decisions
+move at layer boundaries); the all-gather of the updated partitions after the step is taken as in place.
+"""
+
+from __future__ import annotations
+
+from llmem.estimator.schedule import StepSchedule
+from llmem.memory.activations.profile import ActivationProfile
+from llmem.model.anatomy import ParamInfo
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import is_embedding
+from llmem.setup.deepspeed import (
+    ZeroConfig,
+    bucket_buffers,
+    param_partition_numel,
+    partition_numel,
+    sub_group_numels,
+    zero_config,
+)
+from llmem.setup.optimizers import NO_TEMPORARIES
+from llmem.setup.precision import F32
+
+EMBED = "embed"     # stage 3's unit key of the input embedding (None: the rest of the root, as in the FSDP2 step)
+
+
+def model_bytes(r: ResolvedSetup) -> int:
+    """Bytes per element of the engine's module: DeepSpeed casts it whole to bf16 / fp16 (engine.py
+    _configure_distributed_model: self.module.bfloat16() / .half()), adapters and frozen weights included."""
+    return r.setup.compute_bytes
+
+
+class DeepSpeedSchedule(StepSchedule):
+    """Two iterations of DeepSpeed's engine step on rank 0: forward, engine.backward, engine.step."""
+
+    def __init__(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> None:
+        super().__init__(r, act, layers)
+        self.zero: ZeroConfig = zero_config(r.setup, r.method.zero_stage, r.anatomy.hidden_size)
+        self.stage, self.dp, self.mb = self.zero.stage, r.layout.dp, model_bytes(r)
+        self.fsdp = False                 # no FSDP2 units: DeepSpeed partitions the states itself
+        self.reshard = self.stage == 3    # stage 3 releases a layer's parameters after its forward (reshard_unit)
+        # a parameter of at most param_persistence_threshold elements stays gathered (stage3.py persistent params)
+        self.persistent = {p.name for p in self.kept
+                           if self.stage == 3 and p.numel <= self.zero.param_persistence_threshold}
+        self.partition = partition_numel([p.numel for p in self.trainable], self.stage, self.dp)
+        self.largest_numel = max((p.numel for p in self.trainable), default=0)
+        self.layer_numel = {u: sum(p.numel for p in self.unit_params(u))
+                            for u in [*range(self.layers), None, EMBED]}
+        self.bucket = -1                  # the IPG buffers of this backward
+        self.grad_partition = -1          # the gradients of this rank's partition (bf16)
+        self.full_grads: list[int] = []   # ZeRO-1: whole gradients until the end of backward
+        self.live_units: dict[int | None, int] = {}   # stage 3: gathered parameters per unit
+        self.iteration = 0
+
+    # ------------------------------------------------------------------------------------------ model states
+    def setup_phase(self) -> None:
+        """deepspeed.initialize: the module in the engine's dtype, the ZeRO optimizer's buffers and its states."""
+        sch, alloc, mb = self.sch, self.sch.alloc, self.mb
+        sch.phase = "setup:setup"
+        if self.stage == 3:
+            self.partitioned_weights()
+        else:
+            for p in self.kept:           # frozen ones are not in the optimizer's groups: left whole
+                if not p.trainable:
+                    alloc(p.numel * mb, "weights")
+            # stage_1_and_2.py: the trained parameters flattened into one buffer (they become views of it); the
+            # copy needs them and the buffer at once ("2x model size ... params + flat copy")
+            originals = [alloc(p.numel * mb, "weights") for p in self.trainable]
+            alloc(self.partition * self.dp * mb, "weights")
+            sch.free_all(originals)
+        offload = self.zero.offload_optimizer
+        if self.stage == 3:
+            # the partition's gradient buffer (grad_partitions_flat_buffer; pinned host memory under the optimizer's
+            # offload) and the one IPG bucket (__ipg_bucket_flat_buffer), both made at init
+            self.grad_partition = -1 if offload else alloc(self.partition * mb, "gradients")
+            self.bucket = alloc(self.zero.reduce_bucket_size * mb, "communication_buffers")
+        if offload:
+            return                        # the fp32 partition, its gradient and the states in pinned host memory
+        # the fp32 master partition (single_partition_of_fp32_groups / fp32_partitioned_groups_flat)
+        alloc(self.partition * F32, "optimizer_states")
+        # initialize_optimizer_states: a zero fp32 gradient and one optimizer step create the states
+        grad = alloc(max((n for n, in self.flat_shapes()), default=0) * F32, "optimizer_temporaries")
+        self.create_flat_states()
+        sch.free(grad)
+
+    def partitioned_weights(self) -> None:
+        """Stage 3: zero.Init partitions each parameter as it is built (HF's from_pretrained under ZeRO-3), then
+        stage3.py _create_fp16_partitions_with_defragmentation moves the trained partitions into one flat buffer;
+        persistent parameters stay whole on every rank after their first use. Under offload_param the partitions
+        live in pinned host memory."""
+        sch, alloc, mb = self.sch, self.sch.alloc, self.mb
+        if not self.zero.offload_param:
+            parts = [alloc(param_partition_numel(p.numel, self.dp) * mb, "weights") for p in self.kept]
+            alloc(self.partition * mb, "weights")
+            frozen = sum(param_partition_numel(p.numel, self.dp) for p in self.kept if not p.trainable) * mb
+            sch.free_all(parts)
+            if frozen:
+                alloc(frozen, "weights")
+        for p in self.kept:
+            if p.name in self.persistent:
+                alloc(p.numel * mb, "weights")
+
+    def flat_shapes(self) -> list[tuple[int]]:
+        """The fp32 partition as the optimizer steps it: one flat tensor per sub-group (stage 3:
+        sub_group_numels), the whole partition under stages 1-2."""
+        if self.stage < 3:
+            return [(self.partition,)]
+        parts = [param_partition_numel(p.numel, self.dp) for p in self.trainable]
+        return [(n,) for n in sub_group_numels(parts, self.zero.sub_group_size)]
+
+    def create_flat_states(self) -> None:
+        spec = self.optimizer
+        for shape in self.flat_shapes():
+            self.states.extend(self.sch.alloc(b, "optimizer_states") for b in spec.states(shape, F32))
+
+    # ------------------------------------------------------------------------------------------ stage 3 gathering
+    def unit_params(self, unit_key: int | str | None) -> list[ParamInfo]:
+        """A unit's gathered parameters: a decoder layer's, the input embedding's (EMBED) or the rest of the root's
+        (None: final norm, lm_head), persistent ones excepted."""
+        if unit_key == EMBED or unit_key is None:
+            root = [p for p in self.root if p.name not in self.persistent]
+            return [p for p in root if (is_embedding(p) and p.tied_to is None) == (unit_key == EMBED)]
+        return [p for p in self.by_layer.get(unit_key, []) if p.name not in self.persistent]
+
+    def gather(self, unit_key: int | None) -> None:
+        """stage 3 fetch_sub_module: an all-gather of the unit's parameters into one flat buffer they view."""
+        if unit_key in self.live_units:
+            return
+        numel = sum(p.numel for p in self.unit_params(unit_key))
+        if numel:
+            self.live_units[unit_key] = self.sch.alloc(numel * self.mb, "gathered_weights")
+
+    def release(self, unit_key: int | None, distance_numel: int) -> None:
+        """release_sub_module: freed unless it is used again within max_reuse_distance elements (only once the
+        first step has recorded the module trace: partitioned_param_coordinator.__params_to_release)."""
+        if unit_key in self.live_units and (self.iteration == 0 or distance_numel >= self.zero.max_reuse_distance):
+            self.sch.free(self.live_units.pop(unit_key))
+
+    def prefetch_after(self, order: list[int | None]) -> None:
+        """Prefetch of the next units in the trace, up to stage3_prefetch_bucket_size elements and while fewer
+        than stage3_max_live_parameters are gathered (none in the first step: the trace is not complete)."""
+        if self.iteration == 0:
+            return
+        budget = self.zero.prefetch_bucket_size
+        live = sum(self.numel_of(u) for u in self.live_units)
+        for u in order:
+            n = self.numel_of(u)
+            if u in self.live_units:
+                continue
+            if n > budget or live + n > self.zero.max_live_parameters:
+                break
+            self.gather(u)
+            budget, live = budget - n, live + n
+
+    def numel_of(self, unit_key: int | str | None) -> int:
+        return self.layer_numel.get(unit_key, 0)
+
+    def forward_distance(self, i: int) -> int:
+        """Elements fetched between a unit's forward and its backward: the layers above it twice and the head
+        (the embedding, i = -1: all of them)."""
+        above = sum(self.numel_of(j) for j in range(i + 1, self.layers))
+        return 2 * above + self.numel_of(None)
+
+    # the PyTorch step's hooks, as stage 3 runs them (stages 1-2 gather nothing)
+    def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if self.stage != 3:
+            return
+        if unit_key is None:              # the model's forward starts with the input embedding
+            self.gather(EMBED)
+            return
+        if unit_key == 0:
+            self.release(EMBED, self.forward_distance(-1))
+        self.gather(unit_key)
+        self.prefetch_after([*range(unit_key + 1, self.layers), None])
+
+    def head_forward(self) -> None:
+        if self.stage == 3:
+            self.gather(None)
+        super().head_forward()
+
+    def head_backward(self, it: int) -> None:
+        super().head_backward(it)
+        if self.stage == 3:               # the head's next use is the next step's forward
+            self.release(None, self.zero.max_reuse_distance)
+
+    def backward_layer(self, i: int, it: int) -> None:
+        super().backward_layer(i, it)
+        if self.stage == 3:
+            self.release(i, self.zero.max_reuse_distance)      # next used in the next step
+            if i == 0:
+                self.gather(EMBED)        # the embedding's backward follows
+
+    def unshard_backward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        if self.stage == 3 and unit_key is not None:
+            self.gather(unit_key)
+            self.prefetch_after([*range(unit_key - 1, -1, -1), EMBED])
+
+    def prefetch(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
+        return                            # stage 3 prefetches through its own coordinator (prefetch_after)
+
+    def reshard_unit(self, unit_key: int | None) -> None:
+        """After a layer's forward (the PyTorch step calls it where FSDP2 reshards)."""
+        if self.stage == 3 and isinstance(unit_key, int):
+            self.release(unit_key, self.forward_distance(unit_key))
+
+    # ------------------------------------------------------------------------------------------ gradients
+    def backward(self, it: int) -> None:
+        """engine.backward: stages 1-2 set up their IPG buffers at the first gradient hook (setup_buckets:
+        reduce_bucket_size elements, a second under overlap_comm) and release them at the end of the backward
+        (_release_ipg_buffers); stage 3's one bucket was made at init. Then the autograd backward and the epilogue."""
+        self.iteration = it
+        sch = self.sch
+        sch.phase = f"it{it}:backward"
+        if self.stage < 3:
+            self.bucket = sch.alloc(bucket_buffers(self.zero) * self.zero.reduce_bucket_size * self.mb,
+                                    "communication_buffers")
+        self.bucket_filled = 0
+        super().backward(it)
+        stolen = list(self.grads.values())    # gradients handed over whole (the fused loss's lm_head gradient)
+        self.grads.clear()
+        if self.stage == 3:
+            self.release(EMBED, self.zero.max_reuse_distance)
+        if self.stage == 1:
+            # ZeRO-1's epilogue (reduce_gradients): the whole gradients go through the bucket, all-reduced; this
+            # rank's partition is flattened out of them (averaged_gradients: get_flat_partition); the whole
+            # gradients stay until the step
+            self.full_grads += stolen
+            self.reduce_bucket(self.partition * self.dp)
+            self.grad_partition = sch.alloc(self.partition * self.mb, "gradients")
+        else:
+            self.sch.free_all(stolen)
+            if self.bucket_filled:
+                self.reduce_bucket(self.bucket_filled)
+        if self.stage < 3:
+            sch.free(self.bucket)
+            self.bucket = -1
+
+    def forward(self, it: int) -> None:
+        self.iteration = it
+        super().forward(it)
+
+    def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
+        """AccumulateGrad's whole gradient in the module's dtype. ZeRO-1 keeps it until the step; under stages 2-3
+        the reduce hook copies it into the IPG bucket at once (reduce_independent_p_g_buckets_and_remove_grads) and
+        it dies; a bucket that would overflow is reduced first."""
+        sch, size = self.sch, p.numel * self.mb
+        if self.stage == 1:
+            self.full_grads.append(sch.alloc(size, "gradients"))
+            return
+        sch.free(sch.alloc(size, "gradients"))
+        if self.bucket_filled + p.numel > self.zero.reduce_bucket_size:
+            self.reduce_bucket(self.bucket_filled)
+        self.bucket_filled += p.numel
+
+    def reduce_bucket(self, numel: int) -> None:
+        """reduce_ipg_grads of `numel` bucketed elements: a flattened copy of the bucket for the collective
+        (stages 1-2: allreduce_bucket's flatten; stage 3: reduce_scatter_coalesced's torch.cat), then stage 2
+        copies this rank's share into grads_in_partition (allocated at the first copy: copy_grads_in_partition)
+        and stage 3 into its gradient partition buffer."""
+        chunk = min(numel, self.zero.reduce_bucket_size) * self.mb
+        for _ in range(-(-numel // self.zero.reduce_bucket_size) if numel else 0):
+            self.sch.free(self.sch.alloc(chunk, "communication_buffers"))
+        if self.stage == 2 and self.grad_partition < 0:
+            # grads_in_partition; under the optimizer's offload the share goes to pinned host memory through
+            # temp_grad_buffer_for_gpu_offload (the largest parameter's size)
+            size = self.largest_numel if self.zero.offload_optimizer else self.partition
+            self.grad_partition = self.sch.alloc(size * self.mb, "gradients")
+        self.bucket_filled = 0
+
+    # ------------------------------------------------------------------------------------------ the step
+    def optimizer_step(self, it: int) -> None:
+        """engine.step, per (sub-)group: the partition's gradients flattened and upcast to fp32 (stage_1_and_2.py
+        step: flatten_dense_tensors_aligned(...).to(fp32); stage3.py _prepare_fp32_grad_for_sub_group), the optimizer
+        step on the flat fp32 partition, the fp32 gradient released, the updated weights copied back into the bf16
+        partition and all-gathered in place (all_gather_into_tensor: no buffer). Then zero_grad."""
+        sch = self.sch
+        sch.phase = f"it{it}:optimizer_step"
+        sch.mark("optimizer step")
+        if not self.zero.offload_optimizer:
+            for shape in self.flat_shapes():
+                flat = sch.alloc(shape[0] * self.mb, "optimizer_temporaries")
+                grad = sch.alloc(shape[0] * F32, "optimizer_temporaries")
+                sch.free(flat)
+                if self.stage < 3:        # averaged_gradients dropped once upcast
+                    sch.free(self.grad_partition)
+                    self.grad_partition = -1
+                self.flat_step_temporaries(shape)
+                sch.free(grad)
+        if self.stage < 3:
+            sch.free(self.grad_partition)
+            self.grad_partition = -1
+        sch.free_all(self.full_grads)     # ZeRO-1's whole gradients: zero_grad
+
+    def flat_step_temporaries(self, shape: tuple[int]) -> None:
+        spec = self.optimizer
+        if spec.step_scope == NO_TEMPORARIES:
+            return
+        keys: dict[int, int] = {}
+        for sign, tag, size in spec.step_events([shape], F32, 1):
+            if sign > 0:
+                keys[tag] = self.sch.alloc(size, "optimizer_temporaries")
+            else:
+                self.sch.free(keys.pop(tag))
