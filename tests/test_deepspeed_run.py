@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 BLOCK = 512                       # every allocation is rounded to the caching allocator's 512 B
 DP = 2
 BUCKET = 500_000_000              # DeepSpeedZeroConfig.reduce_bucket_size's default, in elements
-H, I, L, V = 512, 1376, 4, 32000  # tiny-llama
+H, I, L, V = 512, 1376, 4, 32000  # tiny-llama  # noqa: E741 (the intermediate size, as in the configs)
 # model.parameters() order: embed, per layer q k v o gate up down + two norms, final norm, lm_head
 LAYER = [H * H] * 4 + [H * I] * 3 + [H, H]
 NUMELS = [V * H] + LAYER * L + [H, V * H]
