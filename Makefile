@@ -12,8 +12,12 @@ $(BIN)/llmem: pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
 	echo "$(TORCH_PIN)" > $(VENV)/torch-pin.txt
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev]'
-	# DeepSpeed only to check exported configs with its own parser (tests); no CUDA ops are built
+	# DeepSpeed: its engine runs the ds-zero traces on fake tensors (and its own estimators are checked); no CUDA ops
+	# are built
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation -c $(VENV)/torch-pin.txt deepspeed
+	# TRL for the trace of --objective dpo: its own DPOTrainer loss code and fused LM head, pinned as pyproject's
+	# trl extra (llmem emulates that head's CUDA path, llmem/runtime/objectives.py)
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt 'trl>=1.16,<1.17'
 	touch $(BIN)/llmem
 
 install: $(BIN)/llmem
@@ -25,10 +29,10 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks
 	$(BIN)/lint-imports
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto --maxprocesses 4
 
 test-slow: install
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow -n auto --maxprocesses 4
 
 lint: install
 	$(BIN)/ruff check llmem tests benchmarks

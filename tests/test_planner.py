@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
@@ -120,7 +121,8 @@ TABLE3 = [  # (model, the method LLMem selected in the paper's Table 3)
 ]
 
 
-def _paper_plan(model):
+@functools.cache
+def _paper_plan(model):                 # one plan per model, shared by the Table 3 tests (it is never mutated)
     setup = TrainingSetup(model=model, gpus=4, seq_len=512, precision="fp16-mixed", grad_ckpt=True,
                           gpu="V100-16GB")
     return plan(setup, PlanOptions(engine="paper", ranking="paper"))
@@ -588,3 +590,72 @@ def test_optimizer_offload_times_only_what_is_trained():
     r = assemble(setup, load_anatomy("gpt2"), resolve_gpu("A100-80GB"), Layout("single", 1, 1, 1))
     want = adapters * (4 + 4) / (PCIE_GBPS * 1e9) + adapters / CPU_ADAM_PARAMS_PER_S
     assert offload_step_extra_s(r) == pytest.approx(want)
+
+
+# ------------------------------------------------------------------------------------------------ CPU offload
+
+
+def _offload_70b_context():
+    from llmem.planner.search import PlanContext, limit_bytes
+
+    anatomy, gpu = load_anatomy("meta-llama/Llama-3.1-70B"), resolve_gpu("A100-80GB")
+    options = PlanOptions()
+    limit = limit_bytes(gpu, options.headroom)
+    return PlanContext(anatomy, gpu, options, memory_engine("llmem", anatomy, gpu, None, limit), limit)
+
+
+def test_offload_param_suggestion_fits_llama70b_on_8xa100_and_says_its_time():
+    """The acceptance line's what-if on its fsdp layout (the whole plan: the slow test below): a full fine-tune of
+    Llama-3.1-70B at 4096 tokens fits 8 A100-80GB with FSDP2's CPU offload. Its host RAM by hand: every dimension
+    splits over 8, so each rank pins 70,553,706,496 / 8 fp32 parameters and as many fp32 gradients (70.55 GB), and
+    AdamW keeps two fp32 states (70.55 GB) and steps its largest shard (embed_tokens' 128256 x 8192 / 8) with two
+    temporaries; its optimizer step on the host: 8.8 G parameters at one core's rate."""
+    from llmem.planner.suggestions import offload_param_suggestion
+    from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S
+
+    ctx = _offload_70b_context()
+    setup = TrainingSetup(model="meta-llama/Llama-3.1-70B", gpus=8, gpu="A100-80GB", seq_len=4096)
+    fsdp = [lay for lay in candidate_layouts(8, None, 64, 8) if lay.method == "fsdp"]
+    sug = offload_param_suggestion(ctx, setup, fsdp, "")
+    assert sug["fits"] and sug["method"] == "fsdp" and sug["max_batch_size"] >= 1
+    assert sug["changes"]["offload_param"] and "lora_rank" not in sug["changes"]
+    assert sug["device_used_bytes"] <= ctx.limit
+    shard = 70_553_706_496 // 8
+    assert sug["cpu_ram_bytes_per_gpu"] == shard * (4 + 4) + shard * 8 + 2 * (128256 * 8192 // 8) * 4
+    assert sug["cpu_ram_bytes_per_node"] == 8 * sug["cpu_ram_bytes_per_gpu"]
+    host_step = shard / HOST_ADAMW_PARAMS_PER_S
+    assert sug["step_time_s"] > host_step and sug["tokens_per_s"] > 0
+    assert f"{host_step:.1f} s is the optimizer step on the host" in sug["text"]
+
+
+@pytest.mark.slow
+def test_acceptance_llama70b_on_8xa100_finds_a_full_finetune_that_fits(capsys):
+    """`llmem plan meta-llama/Llama-3.1-70B --gpus 8 --gpu A100-80GB --seq-len 4096`: nothing fits as given, and a
+    full fine-tune does with FSDP2's CPU offload, with its step time and tokens/s (about 30 s)."""
+    from llmem.cli import main
+
+    assert main(["plan", "meta-llama/Llama-3.1-70B", "--gpus", "8", "--gpu", "A100-80GB", "--seq-len", "4096",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not any(m["fits"] for m in out["methods"])
+    full = [s for s in out["suggestions"] if s["fits"] and s["kind"] == "offload_param"]
+    assert full and full[0]["step_time_s"] > 0 and full[0]["tokens_per_s"] > 0
+    assert "lora_rank" not in full[0]["changes"]
+
+
+def test_offload_param_exports():
+    """A planned --offload-param: accelerate's fsdp_offload_params, the training script's CPUOffloadPolicy flag,
+    DeepSpeed's ZeRO-3 stand-in with both offloads; ZeRO-2 cannot offload parameters."""
+    import yaml
+
+    e = replace(_export_for("fsdp", 8, 1), offload_param=True)
+    text = export_accelerate(e, "LlamaDecoderLayer")
+    assert yaml.safe_load(text)["fsdp_config"]["fsdp_offload_params"] is True and "--offload-param" in text
+    line = next(x for x in export_torchrun(e).splitlines() if x.startswith("torchrun"))
+    assert "--offload-optimizer" in shlex.split(line)
+    zero = json.loads(export_deepspeed(e))["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"] == zero["offload_optimizer"] == {"device": "cpu",
+                                                                                          "pin_memory": True}
+    with pytest.raises(LlmemError, match="ZeRO-3 only"):
+        export_deepspeed(replace(_export_for("zero2", 8, 1), offload_param=True))
+    assert not yaml.safe_load(export_accelerate(_export_for("fsdp", 8, 1), "X"))["fsdp_config"]["fsdp_offload_params"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmem.estimator.engine import step_schedule
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER
 from llmem.estimator.moments import step_moments
 from llmem.estimator.schedule import StepSchedule, block_plan
@@ -79,7 +80,7 @@ def test_moments_follow_the_schedule(setup):
     act = activation_profile(r)
     quick = max(m.total for m in step_moments(r, act, model_states(r)))
     held = peak = 0
-    for sign, _k, size, _s, _c in StepSchedule(r, act).build().events:
+    for sign, _k, size, _s, _c in step_schedule(r, act).build().events:
         held += sign * size
         peak = max(peak, held)
     assert abs(quick - peak) <= 0.10 * peak, (quick, peak)

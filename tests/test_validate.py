@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from llmem.cli import main
 from llmem.validate.compare import COUNTERS
 from llmem.validate.matrices import CI_MATRIX
@@ -12,7 +14,7 @@ from llmem.validate.matrices import CI_MATRIX
 
 def test_ci_matrix_covers_the_required_space():
     methods = {s.method for s in CI_MATRIX}
-    assert methods >= {"single", "ddp", "fsdp", "zero2", "tp", "fsdp+tp"}
+    assert methods >= {"single", "ddp", "fsdp", "zero2", "tp", "fsdp+tp", "ds-zero1", "ds-zero2", "ds-zero3"}
     assert {s.precision for s in CI_MATRIX} >= {"fp32", "bf16-mixed", "bf16"}
     assert {s.grad_ckpt for s in CI_MATRIX} == {True, False}
     assert {s.optimizer.split("-")[0] for s in CI_MATRIX} >= {"adamw", "sgd"}
@@ -35,16 +37,28 @@ def test_ci_matrix_covers_the_required_space():
     assert len(CI_MATRIX) >= 20
 
 
-def test_estimate_agrees_with_trace_within_2_percent(tmp_path):
+SHARDS = 4     # the matrix in four parts, so that test workers (pytest -n) share it
+
+
+@pytest.mark.parametrize("shard", range(1, SHARDS + 1))
+def test_estimate_agrees_with_trace_within_2_percent(tmp_path, shard):
     out, png = tmp_path / "ci.json", tmp_path / "ci.png"
-    code = main(["validate", "--against", "trace", "--matrix", "ci", "--max-error", "2", "--out", str(out),
-                 "--plot", str(png), "--json"])
+    code = main(["validate", "--against", "trace", "--matrix", "ci", "--max-error", "2", "--shard",
+                 f"{shard}/{SHARDS}", "--out", str(out), "--plot", str(png), "--json"])
     data = json.loads(out.read_text())
     worst = {r["setup"]["model"] + " " + r["setup"]["method"]: r.get("error_pct") for r in data["rows"]}
     assert code == 0, worst
     assert png.stat().st_size > 10_000
+    assert len(data["rows"]) == len(CI_MATRIX[shard - 1::SHARDS]) and data["shard"] == f"{shard}/{SHARDS}"
     for row in data["rows"]:
         assert not row["error"], row["error"]
         for counter in COUNTERS[:2]:
             truth, est = row["truth"][counter], row["estimate"][counter]
             assert abs(est - truth) <= 0.02 * truth, (row["setup"], counter, est, truth)
+
+
+@pytest.mark.parametrize("bad", ["0/4", "5/4", "1-4", "a/b", "1/0"])
+def test_a_bad_shard_is_one_line(bad, capsys):
+    assert main(["validate", "--shard", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--shard" in err

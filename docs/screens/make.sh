@@ -17,6 +17,8 @@ for w in 80 120; do
   run docs/screens/estimate-$w.txt $w estimate meta-llama/Llama-3.1-8B --gpus 4 --method fsdp --seq-len 4096 \
       --batch-size 6 --grad-ckpt
   run docs/screens/estimate-$w.txt $w estimate facebook/opt-1.3b --engine paper --gpus 4 --method fsdp
+  run docs/screens/estimate-$w.txt $w estimate meta-llama/Llama-3.1-8B --gpus 8 --method ds-zero3 --seq-len 4096 \
+      --grad-ckpt --reduce-bucket-size auto --prefetch-bucket-size auto --param-persistence-threshold auto
   run docs/screens/trace-$w.txt $w trace gpt2 --method fsdp --gpus 2 --batch-size 1 --seq-len 128 \
       --plot docs/screens/trace.png
   run docs/screens/plan-$w.txt $w plan meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --seq-len 4096 --grad-ckpt \

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matrix", default="ci", help="ci, large, or gpu (see llmem/validate/matrices.py)")
     p.add_argument("--max-error", type=float, default=2.0, metavar="PCT",
                    help="fail when any error exceeds this percentage")
+    p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th row from the I-th (split a matrix "
+                   "over machines)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help=f"write estimate vs truth {PLOT_HELP}")
     p.add_argument("--device", default=None,

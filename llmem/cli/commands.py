@@ -116,13 +116,26 @@ def _measure_device(device: str | None) -> str | None:
     return device
 
 
+def _shard(text: str | None) -> tuple[int, int] | None:
+    """--shard I/N as (I, N); checked by llmem.validate.compare.shard_of."""
+    if text is None:
+        return None
+    parts = text.split("/")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise LlmemError(f"--shard {text!r}: write I/N with 1 <= I <= N, e.g. --shard 1/4")
+    i, n = (int(p) for p in parts)
+    if not 1 <= i <= n:
+        raise LlmemError(f"--shard {text}: write I/N with 1 <= I <= N, e.g. --shard 1/4")
+    return i, n
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
     from llmem.cli.plots import plot_validation
     from llmem.cli.tables import validation_table
-    from llmem.validate.compare import compared_counters, failed_rows, validate
+    from llmem.validate.compare import compared_counters, failed_rows, shard_of, validate
     from llmem.validate.matrices import MATRICES
 
     if args.matrix not in MATRICES:
@@ -138,11 +151,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         check_device("--device", args.device)
     counters = compared_counters(args.against)
+    shard = _shard(args.shard)
+    total = len(shard_of(MATRICES[args.matrix], shard))
     console = Console(stderr=args.json)
     with Progress(console=console, transient=True, disable=args.json) as progress:
-        task = progress.add_task(f"{args.against} x {args.matrix}", total=len(MATRICES.get(args.matrix, ())))
+        task = progress.add_task(f"{args.against} x {args.matrix}", total=total)
         rows, summary = validate(args.against, args.matrix, args.max_error, args.device,
-                                 on_row=lambda r: progress.advance(task))
+                                 on_row=lambda r: progress.advance(task), shard=shard)
     if args.out is not None:
         _written("--out", args.out, lambda: _write_json(args.out, summary))
     if args.plot is not None:

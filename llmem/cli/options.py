@@ -11,6 +11,7 @@ from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.planner.options import PlanOptions
+from llmem.setup.objectives import OBJECTIVE_GROUP
 from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
     ACTIVATIONS,
@@ -27,7 +28,8 @@ from llmem.setup.training import (
 )
 
 GROUP_TITLES = {MODEL: "model", LAYOUT: "layout", STEP: "step", OPTIMIZER: "optimizer", ACTIVATIONS: "activations",
-                ADAPTERS: "adapters", DEEPSPEED: "DeepSpeed ZeRO (ds-zero1/2/3)"}
+                ADAPTERS: "adapters", DEEPSPEED: "DeepSpeed ZeRO (ds-zero1/2/3)",
+                OBJECTIVE_GROUP: "objective (TRL's trainers)"}
 
 
 def _option(f) -> Option | None:
@@ -59,6 +61,22 @@ class _Given(argparse.Action):
         setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
 
 
+def _typed(convert: Any) -> Any:
+    """A field's converter as argparse calls it: llmem's own converters' refusals (LlmemError: the problem and the
+    fix) become argparse's message for the flag; int, float and str keep argparse's own."""
+    if convert in (int, float, str):
+        return convert
+
+    def typed(text: str) -> Any:
+        try:
+            return convert(text)
+        except LlmemError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = getattr(convert, "__name__", "value")
+    return typed
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The set-up's options, grouped as --help shows them, --from and --json."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
@@ -81,7 +99,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
             for flag, value, help_text in opt.switches:
                 g.add_argument(flag, dest=f"{_dest(f)}{flag}", action=_Given, nargs=0, const=value, help=help_text)
         else:
-            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, type=opt.type, default=default,
+            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, type=_typed(opt.type), default=default,
                            metavar=opt.metavar or _metavar(f.name, opt.type), help=opt.help)
     groups[MODEL].add_argument("--from", dest="from_files", action="append", default=None, metavar="FILE",
                                help="read the set-up from a training config: axolotl, LLaMA-Factory, TRL / "

@@ -23,6 +23,7 @@ from llmem.setup.deepspeed import (
     ZeroConfig,
     bucket_buffers,
     param_partition_numel,
+    partition_gradient_numels,
     partition_numel,
     sub_group_numels,
     zero_config,
@@ -53,17 +54,18 @@ class DeepSpeedSchedule(StepSchedule):
                            if self.stage == 3 and p.numel <= self.zero.param_persistence_threshold}
         self.partition = partition_numel([p.numel for p in self.trainable], self.stage, self.dp)
         self.largest_numel = max((p.numel for p in self.trainable), default=0)
+        self.in_partition = partition_gradient_numels([p.numel for p in self.trainable], self.stage, self.dp)
         self.layer_numel = {u: sum(p.numel for p in self.unit_params(u))
                             for u in [*range(self.layers), None, EMBED]}
         self.bucket = -1                  # the IPG buffers of this backward
         self.grad_partition = -1          # the gradients of this rank's partition (bf16)
-        self.full_grads: list[int] = []   # ZeRO-1: whole gradients until the end of backward
+        self.full_grads: list[tuple[int, int]] = []   # ZeRO-1: (key, elements) of the whole gradients
         self.live_units: dict[int | None, int] = {}   # stage 3: gathered parameters per unit
         self.iteration = 0
 
     # ------------------------------------------------------------------------------------------ model states
     def setup_phase(self) -> None:
-        """deepspeed.initialize: the module in the engine's dtype, the ZeRO optimizer's buffers and its states."""
+        """deepspeed.initialize: the module in the engine's dtype, the ZeRO optimizer's buffers."""
         sch, alloc, mb = self.sch, self.sch.alloc, self.mb
         sch.phase = "setup:setup"
         if self.stage == 3:
@@ -72,11 +74,10 @@ class DeepSpeedSchedule(StepSchedule):
             for p in self.kept:           # frozen ones are not in the optimizer's groups: left whole
                 if not p.trainable:
                     alloc(p.numel * mb, "weights")
-            # stage_1_and_2.py: the trained parameters flattened into one buffer (they become views of it); the
-            # copy needs them and the buffer at once ("2x model size ... params + flat copy")
-            originals = [alloc(p.numel * mb, "weights") for p in self.trainable]
+            # stage_1_and_2.py: the trained parameters flattened into one buffer (they become views of it). The
+            # copy needs them and the buffer at once ("2x model size ... params + flat copy"), an init-time peak
+            # the notes give; DeepSpeed's empty_cache calls around it leave the step only the buffer
             alloc(self.partition * self.dp * mb, "weights")
-            sch.free_all(originals)
         offload = self.zero.offload_optimizer
         if self.stage == 3:
             # the partition's gradient buffer (grad_partitions_flat_buffer; pinned host memory under the optimizer's
@@ -85,24 +86,19 @@ class DeepSpeedSchedule(StepSchedule):
             self.bucket = alloc(self.zero.reduce_bucket_size * mb, "communication_buffers")
         if offload:
             return                        # the fp32 partition, its gradient and the states in pinned host memory
-        # the fp32 master partition (single_partition_of_fp32_groups / fp32_partitioned_groups_flat)
-        alloc(self.partition * F32, "optimizer_states")
-        # initialize_optimizer_states: a zero fp32 gradient and one optimizer step create the states
-        grad = alloc(max((n for n, in self.flat_shapes()), default=0) * F32, "optimizer_temporaries")
-        self.create_flat_states()
-        sch.free(grad)
+        # the fp32 master partition (single_partition_of_fp32_groups / fp32_partitioned_groups_flat); the
+        # optimizer's states over it come at its first step, as torch's optimizers make them
+        alloc(self.partition * F32, "weights")
 
     def partitioned_weights(self) -> None:
         """Stage 3: zero.Init partitions each parameter as it is built (HF's from_pretrained under ZeRO-3), then
         stage3.py _create_fp16_partitions_with_defragmentation moves the trained partitions into one flat buffer;
         persistent parameters stay whole on every rank after their first use. Under offload_param the partitions
         live in pinned host memory."""
-        sch, alloc, mb = self.sch, self.sch.alloc, self.mb
-        if not self.zero.offload_param:
-            parts = [alloc(param_partition_numel(p.numel, self.dp) * mb, "weights") for p in self.kept]
+        alloc, mb = self.sch.alloc, self.mb
+        if not self.zero.offload_param:   # (the partitions moved into the buffer are freed at init: not laid out)
             alloc(self.partition * mb, "weights")
             frozen = sum(param_partition_numel(p.numel, self.dp) for p in self.kept if not p.trainable) * mb
-            sch.free_all(parts)
             if frozen:
                 alloc(frozen, "weights")
         for p in self.kept:
@@ -114,13 +110,7 @@ class DeepSpeedSchedule(StepSchedule):
         sub_group_numels), the whole partition under stages 1-2."""
         if self.stage < 3:
             return [(self.partition,)]
-        parts = [param_partition_numel(p.numel, self.dp) for p in self.trainable]
-        return [(n,) for n in sub_group_numels(parts, self.zero.sub_group_size)]
-
-    def create_flat_states(self) -> None:
-        spec = self.optimizer
-        for shape in self.flat_shapes():
-            self.states.extend(self.sch.alloc(b, "optimizer_states") for b in spec.states(shape, F32))
+        return [(n,) for n in sub_group_numels(self.in_partition, self.zero.sub_group_size)]
 
     # ------------------------------------------------------------------------------------------ stage 3 gathering
     def unit_params(self, unit_key: int | str | None) -> list[ParamInfo]:
@@ -214,15 +204,12 @@ class DeepSpeedSchedule(StepSchedule):
 
     # ------------------------------------------------------------------------------------------ gradients
     def backward(self, it: int) -> None:
-        """engine.backward: stages 1-2 set up their IPG buffers at the first gradient hook (setup_buckets:
-        reduce_bucket_size elements, a second under overlap_comm) and release them at the end of the backward
-        (_release_ipg_buffers); stage 3's one bucket was made at init. Then the autograd backward and the epilogue."""
+        """engine.backward: the autograd backward (stages 1-2 set up their IPG buffers at its first gradient,
+        make_grad), then the epilogue: the last bucket reduced, stages 1-2's buffers released
+        (_release_ipg_buffers; stage 3's one bucket, made at init, stays)."""
         self.iteration = it
         sch = self.sch
         sch.phase = f"it{it}:backward"
-        if self.stage < 3:
-            self.bucket = sch.alloc(bucket_buffers(self.zero) * self.zero.reduce_bucket_size * self.mb,
-                                    "communication_buffers")
         self.bucket_filled = 0
         super().backward(it)
         stolen = list(self.grads.values())    # gradients handed over whole (the fused loss's lm_head gradient)
@@ -230,12 +217,8 @@ class DeepSpeedSchedule(StepSchedule):
         if self.stage == 3:
             self.release(EMBED, self.zero.max_reuse_distance)
         if self.stage == 1:
-            # ZeRO-1's epilogue (reduce_gradients): the whole gradients go through the bucket, all-reduced; this
-            # rank's partition is flattened out of them (averaged_gradients: get_flat_partition); the whole
-            # gradients stay until the step
-            self.full_grads += stolen
-            self.reduce_bucket(self.partition * self.dp)
-            self.grad_partition = sch.alloc(self.partition * self.mb, "gradients")
+            self.full_grads += [(k, self.sch.size_of(k) // self.mb) for k in stolen]
+            self.reduce_whole_gradients()
         else:
             self.sch.free_all(stolen)
             if self.bucket_filled:
@@ -253,13 +236,38 @@ class DeepSpeedSchedule(StepSchedule):
         the reduce hook copies it into the IPG bucket at once (reduce_independent_p_g_buckets_and_remove_grads) and
         it dies; a bucket that would overflow is reduced first."""
         sch, size = self.sch, p.numel * self.mb
+        if self.stage < 3 and self.bucket < 0:     # setup_buckets at the backward's first gradient
+            self.bucket = sch.alloc(bucket_buffers(self.zero) * self.zero.reduce_bucket_size * self.mb,
+                                    "communication_buffers")
         if self.stage == 1:
-            self.full_grads.append(sch.alloc(size, "gradients"))
+            self.full_grads.append((sch.alloc(size, "gradients"), p.numel))
             return
         sch.free(sch.alloc(size, "gradients"))
         if self.bucket_filled + p.numel > self.zero.reduce_bucket_size:
             self.reduce_bucket(self.bucket_filled)
         self.bucket_filled += p.numel
+
+    def reduce_whole_gradients(self) -> None:
+        """ZeRO-1's epilogue (reduce_gradients, no overlap_comm): the whole gradients go into the bucket a bucket's
+        worth at a time (each freed as it is copied in), each full bucket reduced through a flattened copy; this
+        rank's share is kept from the first one on (averaged_gradients: the parameters overlapping its partition,
+        whole)."""
+        filled, batch = 0, []
+        for key, numel in self.full_grads:
+            if batch and filled + numel > self.zero.reduce_bucket_size:
+                self.flush_whole(batch, filled)
+                filled, batch = 0, []
+            batch.append(key)
+            filled += numel
+        if batch:
+            self.flush_whole(batch, filled)
+        self.full_grads.clear()
+
+    def flush_whole(self, keys: list[int], numel: int) -> None:
+        self.sch.free_all(keys)
+        self.reduce_bucket(numel)
+        if self.grad_partition < 0:
+            self.grad_partition = self.sch.alloc(sum(self.in_partition) * self.mb, "gradients")
 
     def reduce_bucket(self, numel: int) -> None:
         """reduce_ipg_grads of `numel` bucketed elements: a flattened copy of the bucket for the collective
@@ -272,7 +280,7 @@ class DeepSpeedSchedule(StepSchedule):
         if self.stage == 2 and self.grad_partition < 0:
             # grads_in_partition; under the optimizer's offload the share goes to pinned host memory through
             # temp_grad_buffer_for_gpu_offload (the largest parameter's size)
-            size = self.largest_numel if self.zero.offload_optimizer else self.partition
+            size = self.largest_numel if self.zero.offload_optimizer else sum(self.in_partition)
             self.grad_partition = self.sch.alloc(size * self.mb, "gradients")
         self.bucket_filled = 0
 
@@ -286,6 +294,7 @@ class DeepSpeedSchedule(StepSchedule):
         sch.phase = f"it{it}:optimizer_step"
         sch.mark("optimizer step")
         if not self.zero.offload_optimizer:
+            self.grad_norm()
             for shape in self.flat_shapes():
                 flat = sch.alloc(shape[0] * self.mb, "optimizer_temporaries")
                 grad = sch.alloc(shape[0] * F32, "optimizer_temporaries")
@@ -293,12 +302,19 @@ class DeepSpeedSchedule(StepSchedule):
                 if self.stage < 3:        # averaged_gradients dropped once upcast
                     sch.free(self.grad_partition)
                     self.grad_partition = -1
+                if it == 0:               # torch's optimizer makes its states at its first step
+                    self.states.extend(sch.alloc(b, "optimizer_states") for b in self.optimizer.states(shape, F32))
                 self.flat_step_temporaries(shape)
                 sch.free(grad)
         if self.stage < 3:
             sch.free(self.grad_partition)
             self.grad_partition = -1
-        sch.free_all(self.full_grads)     # ZeRO-1's whole gradients: zero_grad
+
+    def grad_norm(self) -> None:
+        """compute_grad_norm (on by default): get_grad_norm_direct takes each gradient this rank holds to
+        get_norm_dtype (fp64) for torch.linalg.vector_norm, one after the other."""
+        for n in self.in_partition:
+            self.sch.free(self.sch.alloc(n * 8, "optimizer_temporaries"))
 
     def flat_step_temporaries(self, shape: tuple[int]) -> None:
         spec = self.optimizer

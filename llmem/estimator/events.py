@@ -50,6 +50,10 @@ class Schedule:
         self._live[key] = (size, component)
         return key
 
+    def size_of(self, key: int) -> int:
+        """Bytes of a live tensor (0 for -1: one below min_bytes, never laid out)."""
+        return self._live[key][0] if key >= 0 else 0
+
     def free(self, key: int) -> None:
         if key >= 0:
             size, component = self._live.pop(key)

@@ -1,6 +1,6 @@
 """The step's moments: memory at each moment where the peak of one training step can occur, as sums of the
-tensors live then (the forward's end, the loss backward, the backward of the top and the bottom decoder layer,
-the embedding's backward, FSDP2's root post-backward, the optimizer step).
+tensors live then (the forward's end, the loss backward, the backward of the top and the bottom decoder layer and
+under FSDP2 of a middle one, the embedding's backward, FSDP2's root post-backward, the optimizer step).
 
 They explain the peak (`--json` "moments") and give the planner a 1 ms bound for its searches; the counters
 themselves come from the allocation schedule (llmem.estimator.schedule), which lays out the same tensors in
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmem.estimator.objectives import preference_moments
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.blocks import block_owner
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
@@ -92,6 +93,10 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     walked block by block (memory is linear in the layer index between them); then the embedding's backward and
     the optimizer step.
     """
+    if r.method.zero_stage is not None:
+        return zero_moments(r, act, ms)
+    if r.setup.objective != "sft":     # TRL's preference step: these moments of its doubled batch, adjusted
+        return preference_moments(r, act, ms, step_moments)
     anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
     costs = layer_costs(r, act)
     tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
@@ -185,9 +190,9 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     moments.append(_lump("backward", static, top_peak, {
         "gathered_weights": gathered_top + other_copies, "gradients": head_live,
         "communication_buffers": static["communication_buffers"] + prefetch}))
+    rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
     # 4. bottom decoder layer: every other layer's final gradients exist
     below_grads = (layers - 1) * layer_final_grads
-    rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
     base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
         + below_grads + outside + rs_prev + bottom_stream
     bottom_peak = _walk_layer_backward(base_bottom, costs, regime.autocast,
@@ -195,6 +200,17 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     moments.append(_lump("backward", static, bottom_peak, {
         "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
         "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
+    if fsdp and layers > 2:
+        # 4b. FSDP2, the layer below the top (and so the middle layers): the previous layer's reduce-scatter input
+        # is still held (FSDPParamGroup's reduce-scatter state) while the next unit is prefetched
+        i = layers - 2
+        ckpt = act.checkpointed(i)
+        base_mid = sum(static.values()) + gathered_top + head_live + layer_final_grads + outside \
+            + act.device_layers_saved(i) + prefetch + rs_prev + (act.ckpt_input_bytes if ckpt else 0)
+        mid_peak = _walk_layer_backward(base_mid, costs, regime.autocast, act.recompute_input_bytes if ckpt else 0)
+        moments.append(_lump("backward", static, mid_peak, {
+            "gathered_weights": gathered_top, "gradients": head_live + layer_final_grads,
+            "communication_buffers": static["communication_buffers"] + prefetch + rs_prev}))
     # 5. embedding backward: all layer gradients final; the last layer's reduce-scatter may still be in flight
     all_layer_grads = layers * layer_final_grads
     tied_extra = 0
@@ -229,6 +245,24 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
             "optimizer_temporaries": ms.optimizer_temporaries,
         }))
     return moments
+
+
+def zero_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> list[Moment]:
+    """DeepSpeed's engine (ModelStates as llmem.estimator.states.zero_model_states fills them): the loss with every
+    saved activation, the end of backward (the IPG buffers and a bucket's flattened copy), the step."""
+    stage = r.method.zero_stage
+    static = {"weights": ms.weights, "optimizer_states": ms.optimizer_states,
+              "cuda_workspaces": r.gpu.cublas_workspace_bytes}
+    held = {"gradients": ms.gradients, "communication_buffers": ms.ddp_buckets} if stage == 3 else {}
+    gathered = {"gathered_weights": ms.fsdp_layer_gathered}
+    saved = act.device_layers_saved() + act.device_outside_saved
+    return [
+        Moment("forward", {**static, **held, **gathered, "activations": saved + act.mask_bytes,
+                           "logits_and_loss": act.loss_peak}),
+        Moment("backward", {**static, **gathered, "gradients": ms.gradients if stage == 3 else 0,
+                            "communication_buffers": ms.ddp_buckets + ms.layer_grads}),
+        Moment("optimizer_step", {**static, **held, "optimizer_temporaries": ms.optimizer_temporaries}),
+    ]
 
 
 def _lump(phase: str, static: dict[str, int], total: int, known: dict[str, int]) -> Moment:

@@ -3,6 +3,7 @@ notes are shared with the trace and measure (the real step), the rest is the est
 
 from __future__ import annotations
 
+from llmem.estimator.states import cpu_offload, cpu_offload_host_bytes
 from llmem.memory.activations.learned import activation_source_notes
 from llmem.memory.activations.profile import ActivationProfile, activation_notes
 from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_bytes
@@ -87,6 +88,20 @@ def deepspeed_notes(r: ResolvedSetup, host_bytes: int) -> list[str]:
     return notes
 
 
+def cpu_offload_note(r: ResolvedSetup) -> str:
+    """What FSDP2's CPUOffloadPolicy leaves on the device, and the host RAM it needs per GPU and per node."""
+    host = cpu_offload_host_bytes(r)
+    per_node = r.layout.gpus_per_node
+    implied = "" if r.setup.offload_optimizer else "; --offload-optimizer is implied (FSDP2 has no optimizer-only " \
+        "offload)"
+    return (f"FSDP2 CPUOffloadPolicy(pin_memory=True): the sharded parameters and gradients in pinned host memory "
+            f"({host.pinned / GIB:.1f} GiB per GPU), the optimizer steps them on the host ({host.optimizer / GIB:.1f} "
+            f"GiB of states and one parameter's step temporaries){implied}; CPU RAM about "
+            f"{host.total / GIB:.1f} GiB per GPU, {host.total * per_node / GIB:.1f} GiB per node of {per_node} GPUs. "
+            "On the device: the gathered units, their unsharded gradients until the reduce-scatter, each shard's "
+            "copy from the host before its all-gather and the reduce-scatter output until its copy to the host")
+
+
 def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_bytes: int) -> list[str]:
     """Every note of an estimate, in the order the result lists them. `offloaded_host_bytes`: the optimizer's host
     RAM per GPU under --offload-optimizer."""
@@ -96,6 +111,8 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes += setup.optimizer_spec.sharded_notes
     if r.method.zero_stage is not None:
         notes += deepspeed_notes(r, offloaded_host_bytes)
+    elif cpu_offload(r):
+        notes.append(cpu_offload_note(r))
     elif setup.offload_optimizer:
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")

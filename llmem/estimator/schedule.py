@@ -12,7 +12,8 @@ the step's events; each names the PyTorch behaviour it lays out.
 from __future__ import annotations
 
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
-from llmem.estimator.states import by_bytes, fsdp_gathered_tensors, fsdp_shards
+from llmem.estimator.objectives import PreferenceEvents, objective_view
+from llmem.estimator.states import by_bytes, cpu_offload, fsdp_gathered_tensors, fsdp_shards, steps_on_host
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.activations.loss import FusedCE
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
@@ -110,6 +111,9 @@ class StepSchedule:
     """
 
     def __init__(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> None:
+        preference = r.setup.objective != "sft"   # TRL's preference step (llmem.estimator.objectives)
+        if preference:
+            r, act = objective_view(r, act)       # chosen and rejected: twice the sequences
         anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
         self.setup, self.layout, self.act, self.regime = setup, layout, act, regime
         self.hidden_size, self.vocab_size = anatomy.hidden_size, anatomy.vocab_size
@@ -120,6 +124,9 @@ class StepSchedule:
         # bytes per element of each trained parameter, its gradient and states (peft's fp32 adapters: 4)
         self.pb = {p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable}
         self.fsdp = layout.shards_model_states
+        # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer on the host
+        self.cpu_offload = cpu_offload(r)
+        self.host_step = steps_on_host(r)
         self.reshard = r.method.reshard_after_forward
         self.gather_bytes, self.reduce_bytes = setup.gather_bytes, setup.reduce_bytes
         self.t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
@@ -158,7 +165,7 @@ class StepSchedule:
         self.vocab_parallel = {p.name for p in self.root if layout.tp > 1 and is_embedding(p) and p.shape
                                and p.shape[0] == anatomy.vocab_size}
         self.optimizer = r.optimizer
-        self.in_backward = setup.optimizer_in_backward and not setup.offload_optimizer
+        self.in_backward = setup.optimizer_in_backward and not self.host_step
         self.shapes = {p.name: local_shape(p, layout) for p in self.trainable}
         self.shards = layout.shard_degree                    # FSDP2's DTensor shards of dim 0
         self.plans: dict[int, BlockOps] = {}
@@ -174,6 +181,7 @@ class StepSchedule:
         self.ag_out: dict[int | None, int] = {}     # prefetched all-gather outputs, not yet copied out (backward)
         self.last_forward_ag: list[int] = []
         self.pending_steps: list[ParamInfo] = []
+        self.objective = PreferenceEvents(self, r) if preference else None
 
     def build(self, iterations: int = 2) -> Schedule:
         self.setup_phase()
@@ -282,11 +290,30 @@ class StepSchedule:
         already in param_dtype, or without a policy, is copied straight into the output: _get_param_all_gather_inputs)
         and the gathered output, on its stream."""
         alloc = self.sch.alloc
-        cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.layout.dp
-        inp = alloc(cast, "communication_buffers", ALL_GATHER) if cast else -1
+        if self.cpu_offload:
+            inputs = self.copies_from_host(unit)
+        else:
+            cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.layout.dp
+            inputs = [alloc(cast, "communication_buffers", ALL_GATHER)] if cast else []
         out = alloc(self.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
-        self.sch.free(inp)
+        self.sch.free_all(inputs)
         return out
+
+    def copies_from_host(self, unit: list[ParamInfo]) -> list[int]:
+        """CPUOffloadPolicy's all-gather inputs (FSDPParam.all_gather_inputs, no foreach copy): each parameter's
+        padded shard copied from the host in its stored dtype (`.to(device)`), then cast to MixedPrecisionPolicy's
+        param_dtype where that differs (the copy dies with the cast); they live until the copy-in is done."""
+        alloc, dp = self.sch.alloc, self.layout.dp
+        keys = []
+        for p in unit:
+            copy = alloc(self.unsharded[p.name] // dp * element_bytes(p, self.setup), "communication_buffers",
+                         ALL_GATHER)
+            if self.cast_in[p.name]:
+                keys.append(alloc(sum(self.gather_sizes[p.name]) // dp, "communication_buffers", ALL_GATHER))
+                self.sch.free(copy)
+            else:
+                keys.append(copy)
+        return keys
 
     def copy_out(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         alloc = self.sch.alloc
@@ -419,7 +446,7 @@ class StepSchedule:
                 for n in storage_tensors(p.shape, setup.quant_base, self.quant_args, p.module_kind == "Conv1D",
                                          fsdp_shards(self.layout)):
                     sch.alloc(n, "weights")
-            else:
+            elif not self.cpu_offload:       # CPUOffloadPolicy: every sharded parameter is on the host
                 sch.alloc(self.shard_numel[p.name] * element_bytes(p, setup), "weights")
         if self.layout.spec.gradient_buckets:
             # the reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB
@@ -433,7 +460,12 @@ class StepSchedule:
 
     def forward(self, it: int) -> None:
         sch, alloc, act = self.sch, self.sch.alloc, self.act
+        if self.objective is not None and it == 0:    # the reference copy's weights and the batch, before the step
+            self.objective.reference_weights()
+            self.objective.batch()
         sch.phase = f"it{it}:forward"
+        if self.objective is not None:    # forwards before the policy's own (KTO's KL sequences)
+            self.objective.before_forward()
         self.unshard_forward(None, self.root)          # the root is not resharded after forward (FSDP2 default)
         self.cache: list[int] = []           # autocast's cached low-precision weight copies
         self.bias_cache: list[int] = []
@@ -537,6 +569,8 @@ class StepSchedule:
     def head_forward(self) -> None:
         """The final norm, the lm_head and the loss: full logits, their fp32 upcast and log-softmax (HF's
         ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered."""
+        if self.objective is not None:    # TRL's fused head and the reference forward
+            return self.objective.head_forward()
         sch, alloc, act, regime, tv, tp = self.sch, self.sch.alloc, self.act, self.regime, self.tv, self.layout.tp
         sch.mark("lm_head and loss")
         self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
@@ -595,6 +629,8 @@ class StepSchedule:
     def head_backward(self, it: int) -> None:
         """The loss's backward (three fp32 [tokens, vocab] tensors; with TP the gradient sliced back to the vocab
         shard) or the fused loss's hand-over, then the lm_head's and the final norm's gradients."""
+        if self.objective is not None:    # TRL's fused head
+            return self.objective.head_backward(it)
         sch, alloc, act, regime, tv = self.sch, self.sch.alloc, self.act, self.regime, self.tv
         if act.fused_ce is not None:   # the loss's backward hands over the gradients it kept
             cast_grad = -1
@@ -724,9 +760,17 @@ class StepSchedule:
         sch.free_all(self.pending_rs)
         rs_in = alloc(self.unit_bytes(unit, self.reduce_bytes, True), "communication_buffers")
         sch.free_all(self.layer_unsharded)
-        self.rs_outputs.append(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.layout.dp, "gradients",
-                                     REDUCE_SCATTER))
+        self.sharded_grads(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.layout.dp, "gradients",
+                                 REDUCE_SCATTER))
         self.pending_rs.append(rs_in)
+
+    def sharded_grads(self, key: int) -> None:
+        """foreach_reduce's output: the sharded gradients until the optimizer step, or under CPUOffloadPolicy
+        copied to the host as it returns (`new_sharded_grad.to("cpu")`), so the device output dies then."""
+        if self.cpu_offload:
+            self.sch.free(key)
+        else:
+            self.rs_outputs.append(key)
 
     def root_post_backward(self) -> None:
         """FSDPParamGroup.post_backward of the root: it reshards before foreach_reduce; the copy-in loop's variable
@@ -738,9 +782,9 @@ class StepSchedule:
         ordered = [self.root_unsharded_grads[p.name] for p in root if p.name in self.root_unsharded_grads]
         for k in ordered[:-1]:
             sch.free(k)
-        self.rs_outputs.append(alloc(self.unit_bytes(root, self.reduce_bytes, True) // self.layout.dp, "gradients",
-                                     REDUCE_SCATTER))
+        out = alloc(self.unit_bytes(root, self.reduce_bytes, True) // self.layout.dp, "gradients", REDUCE_SCATTER)
         sch.free_all(ordered[-1:])
+        self.sharded_grads(out)
         sch.free(rs_in)
         for u in list(self.gathered):
             self.reshard_unit(u)
@@ -751,7 +795,7 @@ class StepSchedule:
         sch, spec = self.sch, self.optimizer
         sch.phase = f"it{it}:optimizer_step"
         sch.mark("optimizer step")
-        if not self.setup.offload_optimizer:
+        if not self.host_step:
             groups = foreach_groups(self.trainable, self.layout)
             if it == 0 and not self.in_backward:
                 self.create_states(self.trainable)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmem.errors import LlmemError
 from llmem.memory.quant import check_quantisable, gathered_tensors, is_quantised, quant_args, storage_bytes
 from llmem.model.anatomy import ParamInfo
 from llmem.model.peft import element_bytes
@@ -29,12 +30,13 @@ from llmem.model.sharding import (
 from llmem.setup.deepspeed import (
     bucket_buffers,
     param_partition_numel,
+    partition_gradient_numels,
     partition_numel,
     sub_group_numels,
     zero_config,
 )
 from llmem.setup.layout import Layout
-from llmem.setup.optimizers import step_peak_bytes
+from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec, step_peak_bytes
 from llmem.setup.precision import F32
 from llmem.setup.training import TrainingSetup
 
@@ -71,6 +73,18 @@ def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int, layout: 
     return local * element_bytes(p, setup)
 
 
+def cpu_offload(r: ResolvedSetup) -> bool:
+    """FSDP2's CPUOffloadPolicy (--offload-param under fsdp / zero2 / fsdp+tp): the sharded parameters, their
+    gradients and the optimizer live in pinned host memory; the device holds only what the step gathers."""
+    return r.setup.offload_param and r.layout.shards_model_states
+
+
+def steps_on_host(r: ResolvedSetup) -> bool:
+    """The optimizer's states and update are on the host: --offload-optimizer, or implied by CPUOffloadPolicy
+    (FSDP2 has no optimizer-only offload; llmem.runtime.optimizers.steps_on_host is the trace's)."""
+    return r.setup.offload_optimizer or cpu_offload(r)
+
+
 def fsdp_shards(layout: Layout | None) -> int:
     """How many ranks FSDP2 shards a parameter over (1: not sharded)."""
     return layout.dp if layout is not None and layout.shards_model_states else 1
@@ -96,10 +110,24 @@ def by_bytes(params: list[ParamInfo], pb: dict[str, int]) -> list[tuple[int, lis
     return list(groups.items())
 
 
+# torch.optim on CPU tensors: no foreach kernels there (_default_to_fused_or_foreach), so a foreach row steps its
+# for-loop implementation on the host
+HOST_IMPLEMENTATION = {"adamw": "adamw-forloop"}
+
+
+def per_parameter_temporaries(r: ResolvedSetup, trainable: list[ParamInfo], spec: OptimizerSpec | None = None
+                              ) -> int:
+    """The step's temporaries when it runs one parameter at a time (an optimizer per parameter, or torch's for-loop
+    implementation): those of the largest single parameter (`spec`: the optimizer row, the set-up's by default)."""
+    setup, layout, spec = r.setup, r.layout, spec or r.optimizer
+    return max((step_peak_bytes(spec.part(p).step_events([local_shape(p, layout)], element_bytes(p, setup),
+                                                         layout.shard_degree)) for p in trainable), default=0)
+
+
 def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int, int, int]:
     """(device states, step temporaries, states outside the allocator) of the trained parameters."""
     setup, layout, spec = r.setup, r.layout, r.optimizer
-    if setup.offload_optimizer:
+    if steps_on_host(r):
         return 0, 0, 0                 # states and the update live on the CPU (ZeRO-Offload / FSDP)
     pb = {p.name: element_bytes(p, setup) for p in trainable}   # peft's fp32 adapters on a bf16 base: 4
     shards = layout.shard_degree                                 # FSDP2's DTensor shards of dim 0
@@ -109,8 +137,7 @@ def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int,
     outside = sum(spec.outside_allocator_bytes(shapes[p.name]) for p in trainable) if spec.paged else 0
     if setup.optimizer_in_backward:
         # one optimizer per parameter: the step's temporaries are those of the largest single parameter
-        temporaries = max((step_peak_bytes(spec.part(p).step_events([shapes[p.name]], pb[p.name], shards))
-                           for p in trainable), default=0)
+        temporaries = per_parameter_temporaries(r, trainable)
     else:
         # per parameter group (fused AdamW, SGD and bitsandbytes' fused 8-bit kernels: none); a composite's parts
         # step one after the other
@@ -142,35 +169,66 @@ def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
 
 
 def zero_model_states(r: ResolvedSetup) -> ModelStates:
-    """Model states of DeepSpeed's engine (llmem.estimator.deepspeed lays them out): the module in its bf16 / fp16
-    (stage 3: this rank's partitions, persistent parameters whole, one layer gathered), the fp32 master partition
-    and the optimizer's states over it, the partition's gradients (ZeRO-1: the whole gradients until the end of
-    backward), the IPG buffers, the step's fp32 gradient of one (sub-)group."""
+    """Model states of DeepSpeed's engine (llmem.estimator.deepspeed lays them out), in ModelStates' fields: weights
+    the module in its bf16 / fp16 (stage 3: this rank's partitions and the persistent parameters whole) and the
+    fp32 master partition; gradients the partition's gradients (held from the end of backward to the step; stage 3's
+    buffer always); optimizer_states the optimizer's over the fp32 partition; optimizer_temporaries the step's
+    largest moment (flattened and fp32 gradients, the fp64 norm, the optimizer's temporaries); ddp_buckets the IPG
+    buffers; layer_grads the reduction's flattened copy of a bucket; fsdp_layer_gathered stage 3's gathered
+    parameters (all of them when DeepSpeed's reuse distance keeps every layer gathered, else one layer)."""
     zero = zero_config(r.setup, r.method.zero_stage, r.anatomy.hidden_size)
     params, dp, mb = r.anatomy.params, r.layout.dp, r.setup.compute_bytes
     trainable = [p for p in params if p.trainable]
-    part = partition_numel([p.numel for p in trainable], zero.stage, dp)
+    numels = [p.numel for p in trainable]
+    part = partition_numel(numels, zero.stage, dp)
+    pieces = partition_gradient_numels(numels, zero.stage, dp)     # the gradients rank 0's step reads
+    offload = zero.offload_optimizer
+    master = 0 if offload else part * F32
     if zero.stage == 3:
-        small = [p for p in params if p.numel <= zero.param_persistence_threshold]
-        layer0 = sum(p.numel for p in params if p.layer_index == 0)
-        weights = (sum(param_partition_numel(p.numel, dp) for p in params) + sum(p.numel for p in small)
-                   + layer0) * mb
+        persistent = sum(p.numel for p in params if p.numel <= zero.param_persistence_threshold)
+        on_device = 0 if zero.offload_param else sum(param_partition_numel(p.numel, dp) for p in params)
+        weights = (on_device + persistent) * mb + master
+        groups = sub_group_numels(pieces, zero.sub_group_size)
+        grads = 0 if offload else part * mb
+        layer = max((sum(p.numel for p in params if p.layer_index == i) for i in range(r.anatomy.num_layers)),
+                    default=0)
+        total = sum(p.numel for p in params if p.numel > zero.param_persistence_threshold)
+        gathered = (total if 2 * total < zero.max_reuse_distance else layer) * mb
     else:
-        weights = (sum(p.numel for p in params if not p.trainable) + part * dp) * mb
-    grads = sum(p.numel for p in trainable) * mb if zero.stage == 1 else part * mb
-    states = 0 if zero.offload_optimizer else part * F32 + sum(
-        r.optimizer.states((part,), F32))
-    sub = max(sub_group_numels([param_partition_numel(p.numel, dp) for p in trainable], zero.sub_group_size),
-              default=0) if zero.stage == 3 else part
-    temporaries = 0 if zero.offload_optimizer else sub * F32 + step_peak_bytes(r.optimizer.step_events([(sub,)], F32, 1))
+        weights = (sum(p.numel for p in params if not p.trainable) + part * dp) * mb + master
+        groups = [part]
+        grads = sum(pieces) * mb
+        gathered = 0
+    states = 0 if offload else sum(sum(r.optimizer.states((g,), F32)) for g in groups)
+    biggest = max(groups, default=0)
+    step = 0 if offload else max(biggest * (mb + F32) + (grads if zero.stage < 3 else 0),
+                                 biggest * F32 + step_peak_bytes(r.optimizer.step_events([(biggest,)], F32, 1)),
+                                 8 * max(pieces, default=0))
     buckets = bucket_buffers(zero) * zero.reduce_bucket_size * mb
-    layer_grads = sum(p.numel for p in trainable if p.layer_index == 0) * mb if zero.stage == 1 else 0
-    return ModelStates(weights, grads, states, temporaries, buckets, 0, 0, 0, layer_grads, 0, 0, 0, 0, 0, 0)
+    flattened = min(sum(numels), zero.reduce_bucket_size) * mb
+    return ModelStates(weights, grads, states, step, buckets, 0, 0, 0, flattened, 0, 0, gathered, 0, 0, 0)
+
+
+def check_cpu_offload(r: ResolvedSetup) -> None:
+    """FSDP2's CPUOffloadPolicy is modelled over plain (unquantised) parameters."""
+    if cpu_offload(r) and r.setup.quant_base != "none":
+        raise LlmemError(f"--offload-param with a quantised base under {r.layout.method} is not modelled (FSDP2 "
+                         "copies a quantised shard through its tensor subclass): drop --offload-param or the "
+                         "quantisation")
+
+
+def cpu_offloaded_states(ms: ModelStates) -> ModelStates:
+    """Model states under CPUOffloadPolicy: the sharded parameters and gradients (FSDPParam._init_sharded_param
+    pins them on the host; foreach_reduce copies each sharded gradient there) and the optimizer leave the device;
+    the gathered units and their reduce-scatter buffers stay."""
+    return replace(ms, weights=0, gradients=0, optimizer_states=0, optimizer_temporaries=0, layer_grads=0,
+                   head_grads=0, embed_grads=0, optimizer_states_outside_allocator=0)
 
 
 def model_states(r: ResolvedSetup) -> ModelStates:
     if r.method.zero_stage is not None:
         return zero_model_states(r)
+    check_cpu_offload(r)
     setup, layout, params = r.setup, r.layout, r.anatomy.params
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
@@ -202,9 +260,10 @@ def model_states(r: ResolvedSetup) -> ModelStates:
         for p in embed:
             if tp_split_dim(p) == 0:
                 tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb[p.name]
-    return ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
-                       embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
-                       opt_outside)
+    states = ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
+                         embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
+                         opt_outside)
+    return cpu_offloaded_states(states) if cpu_offload(r) else states
 
 
 def zero_host_bytes(r: ResolvedSetup) -> int:
@@ -229,6 +288,32 @@ def offloaded_optimizer_host_bytes(r: ResolvedSetup) -> int:
     enter the model states, so any set-up attention stands in fp32)."""
     if r.method.zero_stage is not None:
         return zero_host_bytes(r)
+    if cpu_offload(r):
+        return cpu_offload_host_bytes(r).total
     fp32 = replace(r.setup, precision="fp32", attn="sdpa", offload_optimizer=False)
     states = model_states(ResolvedSetup(fp32, r.anatomy, r.base, r.gpu, r.layout))
     return states.optimizer_states + states.gradients   # fp32 gradients: one fp32 copy of the trained share
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """Host RAM per GPU under FSDP2's CPUOffloadPolicy: what the device would otherwise hold of the model states."""
+    pinned: int            # the sharded parameters and gradients (CPUOffloadPolicy(pin_memory=True))
+    optimizer: int         # the optimizer's states and its step's largest temporaries (pageable)
+
+    @property
+    def total(self) -> int:
+        return self.pinned + self.optimizer
+
+
+def cpu_offload_host_bytes(r: ResolvedSetup) -> HostBytes:
+    """CPUOffloadPolicy's host side: this rank's padded shards of every parameter in its stored dtype (fp32 masters
+    under *-mixed), their sharded gradients (foreach_reduce's output cast to the parameter dtype, copied to pinned
+    memory) and the optimizer stepping them there: its states as on the device, its temporaries one parameter's
+    (HOST_IMPLEMENTATION: torch.optim's for-loop implementation, its default for CPU tensors)."""
+    on_device = ResolvedSetup(replace(r.setup, offload_param=False, offload_optimizer=False), r.anatomy, r.base,
+                              r.gpu, r.layout)
+    ms = model_states(on_device)
+    host = OPTIMIZERS[HOST_IMPLEMENTATION.get(r.optimizer.name, r.optimizer.name)]
+    step = per_parameter_temporaries(on_device, [p for p in r.anatomy.params if p.trainable], host)
+    return HostBytes(ms.weights + ms.gradients, ms.optimizer_states + step)

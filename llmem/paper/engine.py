@@ -33,6 +33,7 @@ computed, so it is an input here (``m_base_bytes``). Defaults, see `default_m_ba
 
 from __future__ import annotations
 
+from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.peft import trained_anatomy
 from llmem.model.resolved import setup_record
@@ -41,7 +42,7 @@ from llmem.result import COMPONENTS, MemoryResult
 from llmem.search import max_batch_size
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout, resolve_layout
-from llmem.setup.methods import METHODS
+from llmem.setup.methods import METHODS, canonical_method
 from llmem.setup.training import TrainingSetup
 from llmem.units import MIB, format_bytes, parse_bytes
 
@@ -65,7 +66,14 @@ def m_base_for(setup: TrainingSetup | None, gpu: GpuSpec, m_base_bytes: int | No
 
 
 def paper_layout(setup: TrainingSetup) -> Layout:
-    """The paper's 1D TP splits each weight's last dimension (not heads): no head-divisibility check."""
+    """The paper's 1D TP splits each weight's last dimension (not heads): no head-divisibility check. The paper
+    models one model's fine-tuning step under Colossal-AI's methods: not DeepSpeed's engine, not TRL's objectives."""
+    if METHODS[canonical_method(setup.method)].zero_stage is not None:
+        raise LlmemError(f"--engine paper with {setup.method}: the paper's methods are Colossal-AI's (its ADP is "
+                         "ZeRO-3-style); DeepSpeed's engine is the llmem engine's: drop --engine paper")
+    if setup.objective != "sft":
+        raise LlmemError(f"--engine paper with --objective {setup.objective}: the paper models one model's "
+                         "fine-tuning loss; drop --engine paper")
     return resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
 
 

@@ -1,6 +1,7 @@
 """Launch configs for a plan (`llmem plan --export KIND PATH`): an accelerate YAML, a torchrun script, a DeepSpeed
-JSON for the recommended layout, batch and accumulation (or, when nothing fits, the optimizer-offload
-suggestion's).
+JSON for the recommended layout, batch and accumulation (or, when nothing fits, the fastest offload suggestion's:
+FSDP2's CPUOffloadPolicy is accelerate's fsdp_offload_params, the training script's --offload-optimizer and, on a
+ZeRO-3 stand-in, DeepSpeed's offload_param).
 
 The torchrun script launches the training script llmem ships (`python -m llmem.runtime.train_script`, run by
 torchrun's `-m`) with exactly the flags that script reads (checked against its own parser when exported). The
@@ -42,6 +43,13 @@ class ExportPlan:
     gpus_per_node: int | None = None
     notes: tuple[str, ...] = ()          # what the written file does not match of the estimate (for the CLI)
     zero: ZeroConfig | None = None       # DeepSpeed's ZeRO section the estimate assumed (a ds-zero layout)
+    offload_param: bool = False          # FSDP2's CPUOffloadPolicy, as planned (--offload-param)
+
+    @property
+    def cpu_offload_policy(self) -> bool:
+        """FSDP2's CPUOffloadPolicy in the launch: planned (--offload-param), or FSDP2's only form of an optimizer
+        offload (--offload-optimizer on an FSDP2 layout)."""
+        return self.offload_param or self.offload_optimizer and self.layout.shards_model_states
 
 
 def unexportable_options(setup: TrainingSetup) -> list[str]:
@@ -54,7 +62,7 @@ def unexportable_options(setup: TrainingSetup) -> list[str]:
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
-        (f"--attn {s.attn}", s.attn != "sdpa")) if on]
+        (f"--attn {s.attn}", s.attn != "sdpa"), (f"--objective {s.objective}", s.objective != "sft")) if on]
     return found
 
 
@@ -67,19 +75,38 @@ def check_exportable(setup: TrainingSetup, flag: str = "--export") -> None:
                          "--export, or export without these options")
 
 
+OFFLOAD_SUGGESTIONS = ("offload_param", "offload_optimizer")    # what an export of a plan that fits nowhere can use
+
+
+def offload_suggestion(p: Plan) -> dict:
+    """The fastest offload suggestion that fits (FSDP2's CPU offload, or the optimizer's alone) and that an export
+    can write, for a plan where nothing fits as given; refused when none does."""
+    fitting = sorted((s for s in p.suggestions if s["kind"] in OFFLOAD_SUGGESTIONS and s["fits"]),
+                     key=lambda s: -(s.get("tokens_per_s") or 0.0))
+    if not fitting:
+        raise LlmemError("nothing fits, not even with the parameters or the optimizer offloaded: there is no plan to "
+                         "export")
+    writable = [s for s in fitting if not s.get("changes", {}).get("fused_ce")]
+    if not writable:
+        sug = fitting[0]
+        raise LlmemError(f"what fits is {sug['flags']} ({sug['label']}), and no export writes --fused-ce: plan "
+                         f"with --method {sug['method']} --offload-param --grad-ckpt and export that")
+    return writable[0]
+
+
 def export_plan(p: Plan) -> ExportPlan:
-    """The recommended plan, or, when nothing fits, the optimizer-offload suggestion if it fits."""
+    """The recommended plan, or, when nothing fits, the fastest offload suggestion that fits."""
     check_exportable(p.setup)
     c = p.recommended
-    offload = False
+    offload = offload_param = False
+    grad_ckpt = p.setup.grad_ckpt
     if c is None:
-        sug = next((s for s in p.suggestions if s["kind"] == "offload_optimizer" and s["fits"]), None)
-        if sug is None:
-            raise LlmemError("nothing fits, not even with the optimizer offloaded: there is no plan to export")
+        sug = offload_suggestion(p)
         layout = resolve_layout(sug["method"], sug["gpus"], sug["tp"] if METHODS[sug["method"]].has_tp else None,
                                 p.setup.gpus_per_node, 0, 0)
         micro, steps = accumulation_for(p.options.global_batch, sug["max_batch_size"], layout.dp)
-        offload = True
+        offload, offload_param = sug["kind"] == "offload_optimizer", sug["kind"] == "offload_param"
+        grad_ckpt = grad_ckpt or bool(sug.get("changes", {}).get("grad_ckpt"))
     else:
         layout = c.layout
         micro, steps = c.time.micro_batch_size, c.time.accumulation_steps
@@ -87,8 +114,8 @@ def export_plan(p: Plan) -> ExportPlan:
     zero = None if stage is None else zero_config(replace(p.setup, offload_optimizer=offload or
                                                           p.setup.offload_optimizer), stage, p.anatomy.hidden_size)
     return ExportPlan(p.anatomy.name, p.anatomy.architecture, layout, micro, steps, p.setup.seq_len,
-                      p.setup.precision, p.setup.grad_ckpt, offload or p.setup.offload_optimizer, p.setup.optimizer,
-                      layout.gpus_per_node, zero=zero)
+                      p.setup.precision, grad_ckpt, offload or p.setup.offload_optimizer, p.setup.optimizer,
+                      layout.gpus_per_node, zero=zero, offload_param=offload_param or p.setup.offload_param)
 
 
 def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
@@ -115,7 +142,7 @@ def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_transformer_layer_cls_to_wrap": layer_cls,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_offload_params": e.offload_optimizer,
+            "fsdp_offload_params": e.cpu_offload_policy,
             "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_activation_checkpointing": e.grad_ckpt,
         }
@@ -131,7 +158,10 @@ def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
         f"# per-GPU micro-batch {e.micro_batch_size}, gradient accumulation {e.accumulation_steps}, "
         f"seq {e.seq_len}, {e.precision}{', gradient checkpointing' if e.grad_ckpt else ''}",
     ]
-    if e.offload_optimizer:
+    if e.offload_param:
+        header.append("# fsdp_offload_params: FSDP2's CPUOffloadPolicy, as planned (--offload-param): parameters, "
+                      "gradients and the optimizer step on the CPU")
+    elif e.offload_optimizer:
         header.append("# FSDP2 has no optimizer-only offload: fsdp_offload_params moves parameters, gradients and "
                       "optimizer states to the CPU")
     if lay.spec.gradient_buckets and e.grad_ckpt:
@@ -158,8 +188,8 @@ def train_script_args(e: ExportPlan) -> list[str]:
             "--gpus-per-node", str(e.gpus_per_node or lay.gpus_per_node)]
     if e.grad_ckpt:
         args.append("--grad-ckpt")
-    if e.offload_optimizer:
-        args.append("--offload-optimizer")
+    if e.offload_optimizer or e.cpu_offload_policy:
+        args.append("--offload-optimizer")   # the script's flag for FSDP2's CPUOffloadPolicy
     build_parser().parse_args(args)          # the script reads exactly these flags
     return args
 
@@ -216,10 +246,15 @@ def export_deepspeed(e: ExportPlan) -> str:
         zero.update({"overlap_comm": True, "contiguous_gradients": True})
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if e.offload_optimizer:
+    if e.offload_param and stage != 3:
+        raise LlmemError(f"the plan offloads parameters (FSDP2's CPUOffloadPolicy on {lay.label}) and DeepSpeed "
+                         "offloads them under ZeRO-3 only: export accelerate or torchrun for this plan")
+    if e.offload_optimizer or e.offload_param:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 0:
             zero["stage"] = 1            # DeepSpeed offloads the optimizer from ZeRO stage 1 on
+    if e.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     cfg = deepspeed_json(e, zero)
     cfg = {"comment": deepspeed_note(e), **cfg}
     if lay.tp > 1:

@@ -14,7 +14,9 @@ For a model, a GPU type and count, a sequence length and the training options, t
    8-bit AdamW, the optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the
    cheap ones together), a shorter sequence, the LoRA (r16, all linear layers) and QLoRA (the same over a 4-bit
    NF4 base) settings that fit (each tried plain, with fused CE, with checkpointing, with both), optimizer
-   offloading, or more GPUs of the same type;
+   offloading, FSDP2's CPU offload of parameters, gradients and optimizer (CPUOffloadPolicy, plain and with
+   checkpointing and fused CE, timed with its host <-> device copies and the optimizer step on the host), or more
+   GPUs of the same type;
 5. writes a table or JSON, a memory-vs-batch plot, and a launch config for the recommended plan (accelerate YAML,
    torchrun script, DeepSpeed JSON).
 """
@@ -39,7 +41,7 @@ from llmem.planner.search import (
     rank_by_time,
 )
 from llmem.planner.suggestions import suggest
-from llmem.planner.timing import peak_flops_per_s
+from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import candidate_layouts, gpus_per_node
 from llmem.setup.training import TrainingSetup
@@ -164,7 +166,9 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
         fits_note(gpu, options),
         f"time model: {gpu.name} peak {peak_flops_per_s(gpu, setup.precision) / 1e12:g} TFLOP/s for "
         f"{setup.precision} x MFU {options.mfu:g}; links {gpu.link_gbps:g} GB/s in a node, "
-        f"{options.inter_node_gbps:g} GB/s per GPU across nodes; optimizer step, data loading not timed",
+        f"{options.inter_node_gbps:g} GB/s per GPU across nodes; optimizer step, data loading not timed "
+        f"(except the host's step under CPU offload: {HOST_ADAMW_PARAMS_PER_S / 1e9:g} G parameters/s per rank, "
+        f"host <-> device copies at {PCIE_GBPS:g} GB/s)",
     ]
     if not setup.precision_spec.low_precision:
         notes.append("fp32 matmuls timed as TF32 (half the bf16 peak) on Ampere and newer, 1/8 of it before")

@@ -1,13 +1,14 @@
 """What would fit when nothing does (`llmem plan`'s suggestions): memory savers that keep full fine-tuning, a shorter
-sequence, the LoRA and QLoRA settings that fit, optimizer offload, more GPUs; each with its largest batch, memory,
-tokens/s and its time per token against the set-up as given."""
+sequence, the LoRA and QLoRA settings that fit, optimizer offload, FSDP2's CPU offload of parameters, gradients and
+optimizer, more GPUs; each with its largest batch, memory, tokens/s and its time per token against the set-up as
+given."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
-from llmem.estimator.states import offloaded_optimizer_host_bytes
+from llmem.estimator.states import cpu_offload_host_bytes, offloaded_optimizer_host_bytes
 from llmem.model.resolved import assemble, setup_for
 from llmem.paper.algorithm1 import CPU_OFFLOADING
 from llmem.planner.engines import LlmemEngine
@@ -19,6 +20,7 @@ from llmem.planner.search import (
     rank_by_time,
     timed,
 )
+from llmem.planner.timing import accumulation_for
 from llmem.search import calibrated_max, max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
@@ -54,9 +56,10 @@ def supports(setup: TrainingSetup, method: MethodSpec) -> bool:
     return True
 
 
-def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> list[Layout]:
+def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],
+                     closest: int = CLOSEST_LAYOUTS) -> list[Layout]:
     """The layouts worth a full batch search for `setup`: those whose method supports it and whose quick bound at
-    batch 1 does not rule them out, and at least the CLOSEST_LAYOUTS nearest by that bound; in the given order."""
+    batch 1 does not rule them out, and at least the `closest` nearest by that bound; in the given order."""
     runnable = [lay for lay in layouts if supports(setup, lay.spec)]
     if not ctx.engine.has_quick:
         return runnable
@@ -68,16 +71,17 @@ def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layou
             continue
     scored.sort(key=lambda x: (x[0], x[1]))
     bound = ctx.limit * (1 + QUICK_SLACK)
-    keep = {i for k, (q, i, _) in enumerate(scored) if q <= bound or k < CLOSEST_LAYOUTS}
+    keep = {i for k, (q, i, _) in enumerate(scored) if q <= bound or k < closest}
     return [lay for i, lay in enumerate(runnable) if i in keep]
 
 
 def _best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
-                  offload: bool = False) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+                  offload: bool = False, closest: int = CLOSEST_LAYOUTS
+                  ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
     """The fastest fitting plan of `setup` over every layout in `layouts` that can run it (screened by the quick
     bound, then batch-searched with full estimates), and every plan searched."""
     plans: list[CandidatePlan] = []
-    for layout in screened_layouts(ctx, setup, layouts):
+    for layout in screened_layouts(ctx, setup, layouts, closest):
         try:
             c = ctx.search(setup, layout)
         except LlmemError:
@@ -439,7 +443,11 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
                            f"({format_bytes(ram * per_node)} per node) for the states and an fp32 master copy"
                            + engine_note,
                            pick, cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node))
-    # 5. more GPUs of the same type (then also with checkpointing)
+    # 5. FSDP2's CPU offload of the parameters, gradients and optimizer
+    offloaded = offload_param_suggestion(savers, setup, layouts, engine_note)
+    if offloaded is not None:
+        out.append(offloaded)
+    # 6. more GPUs of the same type (then also with checkpointing)
     # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
     methods = tuple(sorted({lay.method for lay in layouts if not lay.spec.one_gpu})) or None
     found = _fewest_gpus(ctx, setup, methods)
@@ -459,3 +467,106 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
                                "training) when no method fits at batch 1", None))
     return out
 
+
+
+# --offload-param with the activation savers, each layout's method taking those its support check allows (fused CE:
+# not under tensor parallelism): fused CE alone (same FLOPs, so never slower than no saver), then checkpointing too.
+# The host's optimizer step dominates the step time, so the larger micro-batch checkpointing allows usually wins
+# despite its recompute: the fastest that fits is the suggestion.
+OFFLOAD_PARAM_VARIANTS: tuple[tuple[tuple[str, object, str], ...], ...] = (
+    (("fused_ce", True, "--fused-ce"),),
+    (("grad_ckpt", True, "--grad-ckpt"), ("fused_ce", True, "--fused-ce")),
+)
+
+
+def _variant_groups(base: TrainingSetup, variant: tuple[tuple[str, object, str], ...], layouts: list[Layout]
+                    ) -> dict[tuple, list[Layout]]:
+    """The layouts by the changes of `variant` their method takes on top of `base` (what it lacks and supports)."""
+    groups: dict[tuple, list[Layout]] = {}
+    for lay in layouts:
+        s, taken = base, []
+        for f, v, flag in variant:
+            if getattr(s, f) != v and supports(replace(s, **{f: v}), lay.spec):
+                s = replace(s, **{f: v})
+                taken.append((f, v, flag))
+        groups.setdefault(tuple(taken), []).append(lay)
+    return groups
+
+
+def _quick_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
+    """An upper bound on the micro-batch `layout` fits: the largest whose quick bound stays within the screening
+    slack (the bound never lay above 1.16x the allocated peak, and a batch that fits keeps that within the
+    limit)."""
+    bound = ctx.limit * (1 + QUICK_SLACK)
+    return max_batch_size(lambda b: ctx.engine.quick(setup_for(setup, layout, b)) <= bound,
+                          ctx.options.batch_cap)
+
+
+def _tokens_per_s_at(ctx: PlanContext, setup: TrainingSetup, layout: Layout, batch: int) -> float:
+    """The time model's tokens/s of `layout` if its largest micro-batch were `batch` (attach_time's accumulation)."""
+    micro, steps = accumulation_for(ctx.options.global_batch, batch, layout.dp)
+    return timed(ctx, setup, layout, micro, steps).tokens_per_s
+
+
+def offload_param_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],
+                             engine_note: str) -> dict | None:
+    """FSDP2's CPUOffloadPolicy on the layouts that shard with FSDP2 (fsdp, zero2, fsdp+tp): the device keeps only
+    the gathered units, so full fine-tuning can fit where nothing else does, at the price of the host <-> device
+    copies and the optimizer step on the host (llmem.planner.timing.host_copies). Every variant
+    (OFFLOAD_PARAM_VARIANTS) on every layout its quick bound admits is a candidate; each one's tokens/s at its
+    quick batch bound bounds what it can reach (tokens/s grows with the micro-batch), so they are batch-searched in
+    the order of that bound until the next cannot beat the fastest found. When none fits, the last variant is
+    searched on its nearest layouts, for the report. None when the set-up offloads already or no layout shards
+    with FSDP2."""
+    sharded = [lay for lay in layouts if lay.shards_model_states]
+    if setup.offload_param or not sharded:
+        return None
+    base = replace(setup, method=sharded[0].method, offload_param=True)
+    candidates: list[tuple[float, int, TrainingSetup, tuple, Layout]] = []
+    by_variant = [list(_variant_groups(base, variant, sharded).items()) for variant in OFFLOAD_PARAM_VARIANTS]
+    for changes, group in (x for groups in by_variant for x in groups):
+        s = replace(base, **{f: v for f, v, _ in changes})
+        for lay in screened_layouts(ctx, s, group, closest=0):
+            bound = _quick_batch_bound(ctx, s, lay)
+            if bound:
+                candidates.append((_tokens_per_s_at(ctx, s, lay, bound), len(candidates), s, changes, lay))
+    best, plans, chosen, seen = None, [], (), set()
+    for upper, _i, s, changes, lay in sorted(candidates, key=lambda x: (-x[0], x[1])):
+        if best is not None and upper <= best.time.tokens_per_s:
+            break                                   # nothing left can beat it
+        if (s, lay) in seen:
+            continue
+        seen.add((s, lay))
+        found, searched = _best_fitting(ctx, s, [lay], closest=0)
+        plans += searched
+        if found is not None and (best is None or found.time.tokens_per_s > best.time.tokens_per_s):
+            best, chosen = found, changes
+    for changes, group in by_variant[-1] if best is None else ():
+        _, searched = _best_fitting(ctx, replace(base, **{f: v for f, v, _ in changes}), group)
+        plans += searched
+    flags = " ".join(["--offload-param", *(flag for _, _, flag in chosen)])
+    pick = best or _closest(plans)
+    host = cpu_offload_host_bytes(assemble(setup_for(base, pick.layout, 1), ctx.anatomy, ctx.gpu, pick.layout)) \
+        if pick else None
+    per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
+    ram = host.total if host else 0
+    cost = time_cost_pct(ctx, best, setup)
+    text = (f"{flags} (FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer in host memory"
+            + (f", time per token {cost:+.0f} %" if cost is not None else "") + "): "
+            + describe_fit(best, plans, ctx.limit) + _offload_time(best)
+            + (f"; CPU RAM {format_bytes(ram)} per GPU ({format_bytes(ram * per_node)} per node: "
+               f"{format_bytes(host.pinned)} of pinned parameters and gradients, {format_bytes(host.optimizer)} of "
+               "optimizer states per GPU)" if host else "") + engine_note)
+    return _suggestion("offload_param", text, pick, flags=flags, time_cost_pct=cost,
+                       changes={"offload_param": True, **{f: v for f, v, _ in chosen}},
+                       cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node)
+
+
+def _offload_time(c: CandidatePlan | None) -> str:
+    """What the offload costs in the plan's step: the host's optimizer step and the host <-> device copies."""
+    if c is None or c.time is None:
+        return ""
+    t = c.time
+    return (f"; of its {t.step_s:.1f} s step, {t.host_step_s:.1f} s is the optimizer step on the host (torch's "
+            f"AdamW, one core per rank: more gradient accumulation amortises it) and {t.host_copy_s:.1f} s the host "
+            "<-> device copies (overlapped with compute where they are shorter)")

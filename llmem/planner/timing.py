@@ -38,8 +38,13 @@ Time model (all functions pure; units in the names; every assumption is stated h
     checkpointing, one for the vocab-parallel embedding forward and one for the lm_head input backward, plus the
     all-gather of the vocab-split logits; none overlaps (it is on the critical path).
   - fsdp+tp: FSDP over the dp group on the TP-local shards, plus TP within the node.
-  - not modelled: the optimizer step's own time (memory-bound, small against compute at the batch sizes that fill a
-    GPU), data loading, pipeline bubbles (no pipeline parallelism here), kernel-launch overhead.
+  - FSDP2's CPUOffloadPolicy (--offload-param): before each all-gather every unit's shard is copied from pinned
+    host memory (in its stored dtype: fp32 under *-mixed), after each reduce-scatter the sharded gradients are
+    copied back, both at PCIE_GBPS and on the collectives' streams, so each joins its collective's chain (hidden
+    behind compute where the chain is shorter; the root unit's copy is exposed with its gather); the optimizer
+    then steps every shard on the host at HOST_ADAMW_PARAMS_PER_S, after backward, hidden behind nothing.
+  - not modelled: the optimizer step's own time on the GPU (memory-bound, small against compute at the batch
+    sizes that fill a GPU), data loading, pipeline bubbles (no pipeline parallelism here), kernel-launch overhead.
 * step time = accumulation_steps x micro-step; tokens/s = global tokens per step / step time.
 """
 
@@ -48,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
-from llmem.estimator.states import fsdp_gathered_tensors
+from llmem.estimator.states import cpu_offload, fsdp_gathered_tensors
 from llmem.memory.activations.profile import activation_profile, effective_attention
 from llmem.memory.quant import allocated, is_quantised, quant_args, storage_bytes, torchao_dequantise_events
 from llmem.model.anatomy import ModelAnatomy
@@ -62,8 +67,14 @@ from llmem.setup.training import TrainingSetup
 DEFAULT_MFU = 0.4
 DEFAULT_INTER_NODE_GBPS = 25.0      # GB/s per GPU across nodes (one 200 Gb/s NIC per GPU)
 COLLECTIVE_LATENCY_S = 10e-6        # fixed cost of one NCCL collective
-PCIE_GBPS = 25.0                    # host <-> GPU copies: optimizer / activation offloading (PCIe 4.0 x16, one way)
-CPU_ADAM_PARAMS_PER_S = 2e9         # a multi-threaded CPU Adam (DeepSpeed's CPUAdam class of speed), assumed
+# Host <-> device, the constants of every offload (optimizer, activations, FSDP2's CPUOffloadPolicy), with their sources:
+PCIE_GBPS = 25.0                    # pinned host <-> GPU copies, one way: PCIe 4.0 x16 is 32 GB/s raw, ~25 achieved
+CPU_ADAM_PARAMS_PER_S = 2e9         # --offload-optimizer: a multi-threaded CPU Adam (DeepSpeed's CPUAdam), assumed
+# --offload-param: FSDP2 leaves the step to torch.optim on the host's sharded parameters. AdamW's default on CPU
+# tensors is its for-loop implementation (no foreach kernels on the CPU), and torchrun starts each rank with
+# OMP_NUM_THREADS=1: one core per rank. Measured with torch 2.13 on one AMD EPYC core, 40 M fp32 parameters:
+# 0.09e9 parameters/s (foreach=True 0.07e9, fused=True 0.41e9).
+HOST_ADAMW_PARAMS_PER_S = 0.1e9
 
 
 @dataclass(frozen=True)
@@ -256,6 +267,8 @@ class StepTime:
     tp_comm_s: float              # tensor-parallel collectives per step (never hidden)
     step_s: float
     tokens_per_s: float
+    host_copy_s: float = 0.0      # --offload-param: host <-> device copies per step (in dp_comm_s, overlappable)
+    host_step_s: float = 0.0      # --offload-param: the optimizer step on the host (in step_s, never hidden)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -295,6 +308,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     tp_bw = gpu.link_gbps                       # tp stays inside a node
     a = accumulation_steps
 
+    copies = host_copies(r, adapter_params)
     dp_comm = exposed = 0.0
     if c.ddp_grad_bytes:
         ar = ring_allreduce_time_s(c.ddp_grad_bytes, layout.dp, dp_bw)
@@ -303,12 +317,12 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         exposed = max(0.0, ar - bwd_s) + tail   # once per step, behind the last micro-step's backward
     elif c.fsdp_units:
         lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
-        ag = ring_allgather_time_s(c.fsdp_gather_bytes, layout.dp, dp_bw) + lat
-        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, layout.dp, dp_bw) + lat
+        ag = ring_allgather_time_s(c.fsdp_gather_bytes, layout.dp, dp_bw) + lat + copies.params_s
+        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, layout.dp, dp_bw) + lat + copies.grads_s
         ag_bwd = ag if layout.spec.reshard_after_forward or layout.spec.zero_stage == 3 else 0.0
         tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, layout.dp, dp_bw)
                 + ring_allgather_time_s(c.fsdp_layer_gather_bytes, layout.dp, dp_bw)
-                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, layout.dp, dp_bw))
+                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, layout.dp, dp_bw) + copies.root_s)
         dp_comm = a * (ag + ag_bwd + rs)
         exposed = a * (max(0.0, ag - fwd_s) + max(0.0, ag_bwd + rs - bwd_s) + tail)
     tp_comm = 0.0
@@ -316,11 +330,38 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         tp_comm = a * (c.tp_allreduces * ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
                        + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
     compute = a * micro_compute_s
-    step = compute + exposed + tp_comm
+    step = compute + exposed + tp_comm + copies.step_s
     global_batch = micro_batch * a * layout.dp
     tokens_per_step = global_batch * setup.seq_len
+    copy_s = a * (copies.params_s * (2 if layout.spec.reshard_after_forward else 1) + copies.grads_s)
     return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
-                    tokens_per_step / step)
+                    tokens_per_step / step, copy_s, copies.step_s)
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """FSDP2 CPUOffloadPolicy's host side per micro-step (module docstring), seconds; zero without it."""
+    params_s: float = 0.0         # every unit's shard to the device, once per all-gather pass
+    grads_s: float = 0.0          # the sharded gradients to the host, once per backward
+    root_s: float = 0.0           # the root unit's share of params_s (exposed with its gather)
+    step_s: float = 0.0           # the optimizer step on the host, once per optimizer step
+
+
+def host_copies(r: ResolvedSetup, adapter_params: int = 0) -> HostCopies:
+    """The host <-> device copies and the host's optimizer step of --offload-param for this rank's shards: the
+    parameters in their stored dtypes (trained ones in param_bytes, a frozen base in the compute dtype), the trained
+    ones' gradients in param_bytes (foreach_reduce casts the reduce-scatter output to the parameter dtype)."""
+    if not cpu_offload(r):
+        return HostCopies()
+    anatomy, setup = r.base, r.setup
+    shards = _shard_count(r.layout)
+    trained = adapter_params or anatomy.total_params
+    frozen = anatomy.total_params if adapter_params else 0       # a frozen base under its adapters
+    params_bytes = (trained * setup.param_bytes + frozen * setup.stored_bytes(False)) / shards
+    bandwidth = PCIE_GBPS * 1e9
+    root_share = anatomy.root_params / max(anatomy.total_params, 1)
+    return HostCopies(params_bytes / bandwidth, trained * setup.param_bytes / shards / bandwidth,
+                      root_share * params_bytes / bandwidth, trained / shards / HOST_ADAMW_PARAMS_PER_S)
 
 
 def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ DeepSpeed's code runs unchanged on fake tensors but for these named patches (dee
 - zero/utils.py assert_ints_same_as_other_ranks does nothing: it broadcasts rank 0's list of ids and compares it
   with the data read back (ZeRO-3's partitioned_param_coordinator.py reset_step); one emulated rank agrees with
   itself.
+- torch.nn.functional.linear is put back after the run: ZeRO-3 replaces it with its own and does not restore it.
 - the engine's `module.to(device)` (engine.py _configure_distributed_model) is a no-op: the parameters are already
   on the engine's device, and Module._apply swaps fake parameters (torch.utils.swap_tensors refuses them).
 
@@ -193,6 +194,10 @@ def deepspeed_patches(ledger: Ledger, accelerator, gpu_memory_bytes: int, fake: 
             track(t)
 
     with contextlib.ExitStack() as stack:
+        # ZeRO-3 replaces torch.nn.functional.linear with its own (zero/linear.py zero3_linear_wrap, through
+        # partition_parameters' Init) and leaves it there: put the original back, or every later step in the process
+        # would run DeepSpeed's linear
+        stack.enter_context(patched(torch.nn.functional, "linear", torch.nn.functional.linear))
         stack.enter_context(patched(ledger, "track", track_on_device))
         stack.enter_context(patched(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None))
         stack.enter_context(patched(accelerator, "available_memory", available_memory))

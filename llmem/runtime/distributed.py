@@ -4,6 +4,13 @@ through PyTorch's own APIs (DDP, FSDP2 `fully_shard`, DTensor `parallelize_modul
 On the fake process group collectives do nothing, but every buffer a method allocates (DDP buckets, FSDP2's
 all-gather / reduce-scatter buffers, DTensor redistributions) is still a tensor. Each patch here restores what it
 replaced on exit.
+
+FSDP2's CPUOffloadPolicy (--offload-param) on fake tensors: host and device are one fake cpu device, so the sharded
+parameters are made inside `region(HOST)` (the ledger counts no host tensor), and the two copies that the one
+device turns into no-ops are made explicitly: FSDPParam.all_gather_inputs' host -> device copy of each shard
+(`_HostShardedParam`, a subclass the FSDPParams are switched to) and foreach_reduce's device -> host copy of each
+sharded gradient (`_gradients_to_host`, after the group's post-backward). Pinning a fake tensor (FSDPParam's
+`pin_memory()`) is the fake mode's: llmem.runtime.ledger.TracingFakeMode returns it as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from torch import nn
 
 from llmem.errors import LlmemError
 from llmem.model.families import decoder_layers, tp_plan_of
+from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
 from llmem.setup.layout import Layout
 
@@ -166,19 +174,92 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int) -> None:
             out.weight = inp.weight
 
 
-def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool) -> None:
+def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool, region=None) -> None:
     """fully_shard each decoder layer, then the root; under *-mixed FSDP2's MixedPrecisionPolicy (low-precision
-    parameters gathered, fp32 gradients reduced)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    parameters gathered, fp32 gradients reduced); under --offload-param its CPUOffloadPolicy (pinned, the default),
+    on fake tensors only (`region`: the ledger's, for the host side)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if setup.mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, setup.compute_dtype),
                                                reduce_dtype=torch.float32)
-    for layer in layer_list(model):
-        fully_shard(layer, **kw)
-    # the root as users write it: fully_shard's default (None) keeps the root gathered from forward to backward
-    fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
+    host = contextlib.nullcontext()
+    if setup.offload_param:
+        if setup.quant_base != "none":
+            raise LlmemError("--offload-param with a quantised base is not modelled (FSDP2 copies a quantised shard "
+                             "through its tensor subclass): drop --offload-param or the quantisation")
+        if next(model.parameters()).is_meta:
+            raise LlmemError("--offload-param under FSDP2 is traced, not measured: FSDP2's CPUOffloadPolicy needs "
+                             "the model materialised on the host (use llmem trace, or the exported torchrun script)")
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        host = region(HOST) if region is not None else host
+    with host:           # the sharded parameters: FSDPParam._init_sharded_param's .cpu().pin_memory()
+        for layer in layer_list(model):
+            fully_shard(layer, **kw)
+        # the root as users write it: fully_shard's default (None) keeps the root gathered from forward to backward
+        fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
+    if setup.offload_param and region is not None:
+        emulate_host_copies(model, region)
+
+
+def _offloaded_groups(model: nn.Module) -> Iterator:
+    """The FSDPParamGroups of `model`'s fully_shard modules that offload to the CPU."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and all(p.offload_to_cpu for p in group.fsdp_params):
+                yield group
+
+
+def _host_sharded_param_class():
+    """FSDPParam whose all-gather input of a sharded (host) parameter is first copied to the device, as
+    FSDPParam.all_gather_inputs does (`sharded_param_data.to(self.device, non_blocking=True)`, then the cast to
+    param_dtype): on the one fake device that copy would return the host tensor itself."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+
+    class _HostShardedParam(FSDPParam):
+        @property
+        def all_gather_inputs(self) -> list[torch.Tensor]:
+            if self.sharded_state != ShardedState.SHARDED or hasattr(self._sharded_local_tensor,
+                                                                      "fsdp_pre_all_gather"):
+                return super().all_gather_inputs
+            on_device = self._sharded_param_data.clone()      # the host -> device copy, on the copy-in stream
+            return [_to_dtype_if_needed(on_device, self.param_dtype)]
+
+    return _HostShardedParam
+
+
+def _gradients_to_host(group, region) -> None:
+    """After the group's post-backward, each sharded gradient (a view of the reduce-scatter output on the device)
+    copied to the host, as foreach_reduce does under CPUOffloadPolicy (`new_sharded_grad.to("cpu")`): the device
+    output then dies with its last view, as it does when foreach_reduce returns."""
+    post_backward = group.post_backward
+
+    def post_backward_to_host(*args, **kwargs):
+        out = post_backward(*args, **kwargs)
+        with region(HOST):
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None and not getattr(grad, "_llmem_on_host", False):
+                    host = fsdp_param.to_sharded_dtensor(grad._local_tensor.clone())
+                    host._llmem_on_host = True
+                    fsdp_param.sharded_param.grad = host
+        return out
+
+    group.post_backward = post_backward_to_host
+
+
+def emulate_host_copies(model: nn.Module, region) -> None:
+    """The host <-> device copies of FSDP2's CPUOffloadPolicy on the one fake device (module docstring)."""
+    cls = _host_sharded_param_class()
+    for group in _offloaded_groups(model):
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.__class__ = cls
+        _gradients_to_host(group, region)
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -211,5 +292,6 @@ def apply_method(model: nn.Module, layout: Layout, mesh, setup, region, fake_pg:
     if spec.has_tp:
         apply_tensor_parallel(model, mesh["tp"] if two_d else mesh, layout.tp)
     if spec.shards_model_states:
-        apply_fsdp(model, mesh["dp"] if two_d else mesh, setup, reshard=spec.reshard_after_forward)
+        apply_fsdp(model, mesh["dp"] if two_d else mesh, setup, reshard=spec.reshard_after_forward,
+                   region=region)
     return model

@@ -4,6 +4,10 @@ An alloc event when an op first produces a storage (size rounded to 512 B like t
 when its last reference dies (a weakref callback on the storage), and FSDP2's storage resizes. Each event carries
 its category (a component of the result), phase, module and stream. On fake tensors a FakeTensorMode subclass
 reports every op; on real tensors (measure) a TorchDispatchMode does.
+
+Host memory on the one fake device: a storage born inside `region(HOST)` (FSDP2's CPUOffloadPolicy: the sharded
+parameters and gradients, llmem.runtime.distributed) is registered without a key, so it never reaches the device's
+events, nor does any view of it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ _MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, 
 
 
 _TO_COPY = _aten._to_copy.default
+_PIN_MEMORY = _aten._pin_memory.default
+HOST = "host"      # the region category of host memory: no event (llmem.runtime.distributed's CPU offload)
 
 
 class Ledger:
@@ -142,7 +148,8 @@ class Ledger:
             return None   # a host-side scalar in the real run (optimizer step counters)
         n = st.nbytes()
         self.refs[sid] = weakref.ref(st, self._finalizer(sid))
-        key = self._alloc(n, category) if n > 0 else None
+        on_host = (category or self.category_now()) == HOST
+        key = self._alloc(n, category) if n > 0 and not on_host else None
         self.sid_key[sid] = key
         return key
 
@@ -258,6 +265,9 @@ class TracingFakeMode(FakeTensorMode):
     _depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PIN_MEMORY:
+            # a fake tensor has no host memory to pin (FakeTensorMode has no kernel for it): the tensor as it is
+            return args[0]
         led = self.ledger
         if led is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)

@@ -18,6 +18,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -28,6 +29,7 @@ from llmem.runtime.replay import build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.runtime.trace import method_notes
 from llmem.setup.gpus import resolve_gpu
+from llmem.setup.methods import method_spec
 
 
 def _default_device() -> torch.device:
@@ -82,6 +84,8 @@ def measure(setup, *, device: str | torch.device | None = None, iterations: int 
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LlmemError("measure --device cuda: no CUDA GPU is visible to torch")
+    if method_spec(setup.method).zero_stage is not None:
+        return _measure_deepspeed(setup, device, iterations, progress)
     try:
         if device.type == "cuda":
             return _measure_cuda(setup, device, iterations, progress)
@@ -95,6 +99,19 @@ def measure(setup, *, device: str | torch.device | None = None, iterations: int 
                              f"{setup.method}, {setup.precision}): {first}; try a smaller --batch-size, "
                              "--grad-ckpt, or a sharded method") from None
         raise
+
+
+def _measure_deepspeed(setup, device: torch.device, iterations: int, progress) -> MemoryResult:
+    """ds-zero: DeepSpeed's engine on real CPU tensors (llmem.runtime.deepspeed, rank 0 on a fake process group).
+    On a GPU, DeepSpeed's own launcher runs the ranks: llmem.check / LlmemCallback compare inside that run."""
+    if device.type == "cuda":
+        raise LlmemError(f"measure --device cuda with {setup.method}: DeepSpeed's engine is measured inside your own "
+                         "deepspeed / accelerate launch: add llmem.LlmemCallback to the Trainer (or call "
+                         "llmem.check after a step), or use --device cpu")
+    from llmem.runtime.deepspeed import deepspeed_step
+
+    result, _ = deepspeed_step(setup, iterations=iterations, progress=progress, fake=False)
+    return replace(result, engine="measure")
 
 
 def _run(setup, device: torch.device, iterations: int, ledger: Ledger, on_phase_extra, say):

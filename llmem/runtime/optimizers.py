@@ -35,6 +35,7 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.runtime.distributed import layer_list
 from llmem.runtime.patches import fake_scalar_reads
+from llmem.setup.methods import method_spec
 from llmem.setup.optimizers import (
     BNB_MIN_8BIT_SIZE,
     BNB_PAGED_MIN_NUMEL,
@@ -269,12 +270,20 @@ class InBackwardOptimizer:
         pass
 
 
+def steps_on_host(setup) -> bool:
+    """The optimizer steps on the host: --offload-optimizer, or FSDP2's CPUOffloadPolicy (--offload-param under
+    fsdp / zero2 / fsdp+tp), whose sharded parameters and gradients are host tensors, so its states and update
+    are too (FSDP2 has no optimizer-only offload: --offload-optimizer is implied)."""
+    return setup.offload_optimizer or setup.offload_param and method_spec(setup.method).shards_model_states
+
 
 class HostOffloadedOptimizer:
     """--offload-optimizer as ZeRO-Offload and FSDP's optimizer offload run it: the optimizer steps fp32 master
     copies of the trained parameters (this rank's shards) in host memory, its states live there too. On the device
     the gradients stay until zero_grad (they are copied to the host for the step) and the parameters are updated
-    in place by the copy back: the step allocates nothing on the GPU.
+    in place by the copy back: the step allocates nothing on the GPU. Under FSDP2's CPUOffloadPolicy the sharded
+    parameters and gradients are host tensors already (llmem.runtime.distributed): the same step, nothing on the
+    device either.
 
     The host side is made on the meta device, outside the fake mode (as ActivationOffload makes its host copies):
     its tensors are not device memory and reach no allocator. The step runs the registry row's own optimizer on

@@ -55,7 +55,12 @@ from llmem.runtime.distributed import (
     fake_process_group,
 )
 from llmem.runtime.offload import ActivationOffload
-from llmem.runtime.optimizers import HostOffloadedOptimizer, InBackwardOptimizer, make_optimizer
+from llmem.runtime.optimizers import (
+    HostOffloadedOptimizer,
+    InBackwardOptimizer,
+    make_optimizer,
+    steps_on_host,
+)
 from llmem.runtime.patches import flash_kernel_attention, grouped_mm_meta_any_float, hf_untraced_masks, quiet
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.layout import Layout
@@ -94,6 +99,10 @@ class TrainingStep:
             self.hooks.on_phase(name, it)
 
     def iteration(self, it: int) -> None:
+        if self.setup.objective != "sft":   # TRL's preference step (llmem.runtime.objectives)
+            from llmem.runtime.objectives import preference_iteration
+
+            return preference_iteration(self, it)
         ids = self.input_ids
         self._phase("forward", it)
         if self.autocast_dtype is not None:
@@ -277,7 +286,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                 runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
         if setup.optimizer_in_backward:
             optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
-        elif setup.offload_optimizer and fake:
+        elif steps_on_host(setup) and fake:
             optimizer = HostOffloadedOptimizer(model, setup.optimizer)
         else:
             optimizer = make_optimizer(model, setup.optimizer)

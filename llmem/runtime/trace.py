@@ -24,6 +24,7 @@ from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
 from llmem.setup.methods import method_spec
+from llmem.setup.objectives import objective_notes
 from llmem.setup.training import TrainingSetup
 
 
@@ -40,6 +41,10 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
     if setup.offload_optimizer and engine == "trace":
         notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "
                      "device keeps the gradients until zero_grad and is updated in place (no device allocations)")
+    if setup.objective != "sft":         # TRL's trainer code and what the run emulates of it
+        from llmem.runtime.objectives import emulation_notes
+
+        notes += emulation_notes(setup) if engine == "trace" else objective_notes(setup)
     return notes + activation_notes(setup) + setup.optimizer_spec.notes(engine, setup.optimizer_in_backward)
 
 

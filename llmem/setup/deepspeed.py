@@ -134,3 +134,17 @@ def sub_group_numels(partitions: list[int], sub_group_size: int) -> list[int]:
             groups.append(filled)
             filled = 0
     return groups + ([filled] if filled else [])
+
+
+def partition_gradient_numels(numels: list[int], stage: int, dp: int) -> list[int]:
+    """Element counts of the gradients rank 0 holds for its step, in order: stages 1-2 every trained parameter that
+    overlaps its share of the flat buffer, whole (params_in_partition, as grads_in_partition holds them); stage 3 its
+    partition of each."""
+    if stage == 3:
+        return [param_partition_numel(n, dp) for n in numels]
+    share, out, start = flat_partition_numel(sum(numels), dp), [], 0
+    for n in numels:
+        if start < share:
+            out.append(n)
+        start += n
+    return out

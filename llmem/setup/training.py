@@ -6,12 +6,21 @@ these fields, so a new field is a new flag without a second list to keep in step
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.methods import canonical_method, method_spec
+from llmem.setup.objectives import (
+    DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    OBJECTIVE_GROUP,
+    OBJECTIVES,
+    REF_DTYPES,
+    check_objective,
+)
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.precision import PRECISIONS, Precision
 
@@ -34,6 +43,7 @@ LORA_ALL_LINEAR = "all-linear"
 MAX_BATCH_SIZE = 1 << 20
 MAX_SEQ_LEN = 1 << 24
 MAX_STEP_TOKENS = 1 << 28
+MAX_COUNT = 1 << 48            # a DeepSpeed size in elements: 2**48 bf16 elements are 512 TiB
 
 # Option.group: the sections of --help
 LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL, DEEPSPEED = "layout", "step", "optimizer", "activations", \
@@ -68,8 +78,10 @@ def count(text: str) -> int:
         value = float(str(text).replace("_", ""))
     except ValueError:
         raise LlmemError(f"{text!r} is not a count: write e.g. 500000000 or 5e8") from None
-    if value != int(value) or value < 0:
+    if not math.isfinite(value) or value != int(value) or value < 0:
         raise LlmemError(f"{text!r} is not a whole number of elements >= 0: write e.g. 500000000 or 5e8")
+    if value > MAX_COUNT:
+        raise LlmemError(f"{text!r} elements is more than any GPU holds (at most 2**48): write e.g. 500000000 or 5e8")
     return int(value)
 
 
@@ -168,8 +180,27 @@ class TrainingSetup:
                                             "stays gathered (default 1e9)", DEEPSPEED, type=count)
     sub_group_size: int | None = option(None, "elements per optimizer sub-group (the step's fp32 gradient "
                                         "transient under ds-zero3; default 1e9)", DEEPSPEED, type=count)
-    offload_param: bool = option(False, "ds-zero3: parameters partitioned in pinned CPU memory (offload_param)",
-                                 DEEPSPEED, kind="switch")
+    offload_param: bool = option(False, "parameters sharded in pinned CPU memory: ds-zero3's offload_param; under "
+                                 "fsdp / zero2 / fsdp+tp FSDP2's CPUOffloadPolicy (gradients and the optimizer "
+                                 "step on the host too)", DEEPSPEED, kind="switch")
+    # The training objective (llmem.setup.objectives): TRL's trainers' names and defaults
+    objective: str = option("sft", f"{', '.join(OBJECTIVES)}: sft (one model's causal-LM loss), TRL's DPOTrainer "
+                            "(chosen and rejected in one forward against a reference) or KTOTrainer (unpaired "
+                            "completions against a reference; default sft)", OBJECTIVE_GROUP)
+    loss_type: str | None = option(None, f"the trainer's loss_type (dpo: {', '.join(DPO_LOSS_TYPES[:4])}, ..., "
+                                   f"default sigmoid; kto: {', '.join(KTO_LOSS_TYPES)}, default kto)",
+                                   OBJECTIVE_GROUP)
+    precompute_ref_log_probs: bool = option(False, "dpo/kto: the reference's log-probs computed before training "
+                                            "(precompute_ref_log_probs): no reference in the step",
+                                            OBJECTIVE_GROUP, kind="switch")
+    ref_dtype: str = option("policy", f"{', '.join(REF_DTYPES)}: the reference copy's dtype (policy: TRL's "
+                            "dtype=model.dtype, fp32 under *-mixed; compute: the compute dtype)", OBJECTIVE_GROUP)
+    prompt_len: int = option(0, "dpo/kto: prompt tokens at the start of each --seq-len sequence (not scored: TRL's "
+                             "labels are -100 there; default 0, every token but the first scored)", OBJECTIVE_GROUP,
+                             type=int)
+    max_length: int | None = option(None, "dpo/kto: TRL's max_length, to which it truncates each sequence (default "
+                                    "1024, the configs'); --seq-len is the length after truncation",
+                                    OBJECTIVE_GROUP, type=int)
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -196,16 +227,23 @@ class TrainingSetup:
             raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
         self._check_quant_base()
         self._check_deepspeed()
+        check_objective(self)
 
     def _check_deepspeed(self) -> None:
         """DeepSpeed's options belong to its methods, stage 3's to stage 3 (DeepSpeed refuses offload_param below
         it: DeepSpeedZeroConfig's offload_param "valid only with stage 3")."""
-        stage = method_spec(self.method).zero_stage
+        spec = method_spec(self.method)
+        stage = spec.zero_stage
         for name, needs in ZERO_FIELDS.items():
             value = getattr(self, name)
             if value is None or value is False and name == "offload_param":   # not set (offload_param: a switch)
                 continue
+            if name == "offload_param" and spec.shards_model_states:
+                continue                  # FSDP2's CPUOffloadPolicy
             flag = "--" + name.replace("_", "-")
+            if stage is None and name == "offload_param":
+                raise LlmemError(f"{flag} offloads sharded parameters: use --method fsdp, zero2, fsdp+tp (FSDP2's "
+                                 f"CPUOffloadPolicy) or ds-zero3 (got {self.method})")
             if stage is None:
                 raise LlmemError(f"{flag} is a DeepSpeed ZeRO setting: use --method ds-zero1, ds-zero2 or ds-zero3 "
                                  f"(got {self.method})")

@@ -106,16 +106,29 @@ def failed_rows(rows: list[Row], counters: tuple[str, ...], max_error_pct: float
                                                                  if (e := r.error_pct(c)) is not None))]
 
 
+def shard_of(setups: list, shard: tuple[int, int] | None) -> list:
+    """The `shard` = (i, n) part of a matrix: every n-th row from the i-th (1-based), for splitting a validation
+    over machines or test workers; None: all of it."""
+    if shard is None:
+        return list(setups)
+    i, n = shard
+    if not 1 <= i <= n:
+        raise LlmemError(f"--shard {i}/{n}: write I/N with 1 <= I <= N, e.g. --shard 1/4")
+    return list(setups)[i - 1::n]
+
+
 def validate(against: str, matrix: str, max_error_pct: float, device: str | None = None,
-             on_row: Callable[[Row], None] | None = None) -> tuple[list[Row], dict]:
-    """Run a matrix against the trace or a measurement: the rows and the summary `--json` prints (`passed`: no
-    row fails and no error exceeds `max_error_pct` on the compared counters)."""
+             on_row: Callable[[Row], None] | None = None,
+             shard: tuple[int, int] | None = None) -> tuple[list[Row], dict]:
+    """Run a matrix (or one `shard` of it) against the trace or a measurement: the rows and the summary `--json`
+    prints (`passed`: no row fails and no error exceeds `max_error_pct` on the compared counters)."""
     if matrix not in MATRICES:
         raise LlmemError(f"unknown matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
     counters = compared_counters(against)
-    rows = run_matrix(MATRICES[matrix], against, device, on_row=on_row)
+    rows = run_matrix(shard_of(MATRICES[matrix], shard), against, device, on_row=on_row)
     failed = failed_rows(rows, counters, max_error_pct)
-    summary = {"against": against, "matrix": matrix, "max_error_pct": max_error_pct,
+    summary = {"against": against, "matrix": matrix, "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+               "max_error_pct": max_error_pct,
                "worst_error_pct": worst_error(rows, counters), "passed": not failed,
                "rows": [r.to_dict() for r in rows]}
     return rows, summary

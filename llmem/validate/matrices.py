@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.methods import METHODS
 from llmem.setup.training import TrainingSetup
 
@@ -160,7 +161,40 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("ia3-k-v-down")),
     _s("gpt2", precision="fp32", batch_size=2, seq_len=256, peft_config=bundled_peft_config("prompt-tuning-20")),
     _s("tiny-llama", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("prompt-tuning-20")),
+    # DeepSpeed's engine (llmem.estimator.deepspeed) against DeepSpeed's own engine traced (llmem.runtime.deepspeed):
+    # ZeRO-1 / 2 / 3, HF's auto buckets and DeepSpeed's defaults, overlap_comm, checkpointing, LoRA (frozen
+    # parameters left whole), fp32 and fp16
+    _s("tiny-llama", "ds-zero1", 2, precision="bf16-mixed", batch_size=1, seq_len=256, reduce_bucket_size="auto"),
+    _s("tiny-llama", "ds-zero2", 4, precision="bf16-mixed", batch_size=2, seq_len=256, overlap_comm=True,
+       grad_ckpt=True),
+    _s("tiny-llama", "ds-zero2", 2, precision="fp16-mixed", batch_size=1, seq_len=256, reduce_bucket_size=5_000_000),
+    _s("tiny-mistral", "ds-zero2", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
+    _s("tiny-llama", "ds-zero3", 2, precision="bf16-mixed", batch_size=1, seq_len=256),
+    _s("gpt2", "ds-zero3", 2, precision="fp32", optimizer="sgd", batch_size=2, seq_len=128),
+    _s("tiny-qwen2", "ds-zero3", 2, precision="bf16-mixed", batch_size=2, seq_len=256, grad_ckpt=True,
+       reduce_bucket_size=2_000_000),
+    # FSDP2's CPUOffloadPolicy (--offload-param): sharded parameters, gradients and the optimizer on the host; fp32
+    # (each shard's host copy is the all-gather input) and bf16-mixed under zero2 (the copy cast to bf16)
+    _s("tiny-llama", "fsdp", 4, precision="fp32", batch_size=2, seq_len=256, grad_ckpt=True, offload_param=True),
+    _s("tiny-llama", "zero2", 2, precision="bf16-mixed", batch_size=1, seq_len=256, grad_ckpt=True,
+       offload_param=True),
+    # TRL's DPOTrainer (--objective dpo; llmem.estimator.objectives against TRL's own _compute_loss traced,
+    # llmem.runtime.objectives): chosen + rejected in one forward, TRL's fused LM head; the reference as a frozen
+    # copy, the policy with its adapters disabled (LoRA), precomputed log-probs; DDP; another loss type and a prompt
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="dpo"),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="dpo", lora_rank=16),
+    _s("tiny-llama", precision="bf16", optimizer="sgd", grad_ckpt=True, batch_size=2, seq_len=256, objective="dpo",
+       precompute_ref_log_probs=True),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128, objective="dpo"),
+    _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="dpo",
+       loss_type="ipo", prompt_len=64),
+    # TRL's KTOTrainer (--objective kto): unpaired completions and their KL sequences (no_grad forwards of the policy
+    # and the reference); the reference as a copy, and as the policy with its adapters disabled
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="kto"),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="kto", lora_rank=16),
 ]
+OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
 # The committed accuracy report (benchmarks/accuracy.md): 7B-70B models, every method on 8 GPUs.
 LARGE_MODELS = ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-3.1-8B", "mistralai/Mistral-7B-v0.1",
@@ -243,7 +277,7 @@ GPU_MATRIX += [
     ]
 ]
 
-MATRICES = {"ci": CI_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
+MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
 
 
 def label(s: TrainingSetup) -> str:
@@ -256,5 +290,10 @@ def label(s: TrainingSetup) -> str:
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
         + (["offload-opt"] if s.offload_optimizer else []) \
         + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \
-        + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else [])
+        + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else []) \
+        + [f"{name}={getattr(s, name)}" for name in ZERO_FIELDS if getattr(s, name) is not None
+           and getattr(s, name) is not False] \
+        + ([s.objective] if s.objective != "sft" else []) + ([f"loss={s.loss_type}"] if s.loss_type else []) \
+        + (["precomputed-ref"] if s.precompute_ref_log_probs else []) \
+        + ([f"prompt{s.prompt_len}"] if s.prompt_len else [])
     return f"{s.model} {layout} {' '.join(extras)}"

@@ -1,0 +1,431 @@
+"""A preference objective's events in the step's schedule (--objective dpo / kto): TRL's DPOTrainer and KTOTrainer as
+llmem.runtime.objectives traces them.
+
+StepSchedule calls these at its entry points (`PreferenceEvents`): the reference copy's weights after the policy's
+and the batch before the step, KTO's no_grad forward of the KL sequences before the policy's own, TRL's fused LM
+head and the reference forward(s) in place of the loss on full logits, and the fused head's backward. DPO's forward
+runs 2 x --batch-size sequences (`objective_view`: the set-up at that batch, its activation profile), chosen then
+rejected; KTO's runs --batch-size completions.
+
+TRL's fused head (trl/trainer/utils.py add_fused_lm_head, trl/kernels/chunked_logprob.py ChunkedLogProbFunction),
+on CUDA: the final norm's output [rows, S, H] lives until the head returns; only the N completion tokens are
+projected (`hidden[mask]`, a copy [N, H] saved for backward, as are the targets [N] int64); per tile of
+[min(N, 4096), 32768] (one buffer, `mm_buf`, in the compute dtype, whatever the vocabulary) the token chunk cast to
+the compute dtype and the weight chunk cast to it (when their dtypes differ); seven fp32 statistics per token;
+log_z and entropy saved. Backward: fp32 accumulators for the hidden states' gradient [N, H] and, when the lm_head
+trains, the weight's [V, H] (AccumulateGrad takes it as the gradient), the tile buffer again, the casts (the
+weight chunk held until the next one replaces it), then the gradient scattered back to [rows, S-1, H]
+(index_put on zeros) and to [rows, S, H] (the slice's backward).
+
+A forward under no_grad (the reference's; KTO's KL sequences through the policy and the reference): a decoder
+layer's tensors live only until the next block has used them (modelled as two adjacent blocks' tensors live),
+autocast casts a frozen fp32 weight for each use (freed after) and caches the casts of the policy's trained fp32
+weights until the forward returns (its own autocast region), and the fused head allocates what the policy's does,
+all of it freed when it returns.
+
+Per-token and per-pair scalars (masks, the five per-token outputs, the loss's terms) are a few KiB; the ones that
+live through the step are laid out, the loss's own are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmem.memory.activations.blocks import norm_saved
+from llmem.memory.activations.profile import ActivationProfile, activation_profile
+from llmem.model.families import family_of
+from llmem.model.peft import element_bytes
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.setup.objectives import (
+    FUSED_TOKEN_CHUNK,
+    FUSED_VOCAB_CHUNK,
+    REF_ADAPTERS_OFF,
+    REF_COPY,
+    REF_HEAD_OUTPUTS,
+    REF_PRECOMPUTED,
+    check_dropout_free,
+    completion_tokens,
+    kl_sequences,
+    objective_spec,
+    reference_mode,
+)
+from llmem.setup.precision import F32, Regime
+
+INT64, BOOL = 8, 1
+BATCH_FIELDS = 3          # input_ids, attention_mask, completion_mask: [rows, S] int64 each
+
+
+def objective_view(r: ResolvedSetup, act: ActivationProfile) -> tuple[ResolvedSetup, ActivationProfile]:
+    """The forward the objective runs: `sequences_per_sample` x --batch-size sequences (dpo: chosen + rejected)."""
+    spec = objective_spec(r.setup.objective)
+    check_dropout_free(spec.name, r.anatomy.config)
+    if spec.sequences_per_sample == 1:
+        return r, act
+    doubled = r.with_shape(r.setup.batch_size * spec.sequences_per_sample)
+    return doubled, activation_profile(doubled)
+
+
+def reference_regime(policy: Regime, ref_bytes: int) -> Regime:
+    """The reference copy's dtypes: the policy's regime when it is stored like the policy's trained parameters,
+    else (a 16-bit copy) a 16-bit residual stream (autocast over 16-bit weights, or pure low precision)."""
+    if ref_bytes == F32 or policy.res == ref_bytes:
+        return policy
+    return Regime(policy.name, ref_bytes, policy.mm)
+
+
+class FusedHead:
+    """TRL's fused LM head over N completion tokens (one call's sizes)."""
+
+    def __init__(self, rows: int, seq: int, tokens: int, hidden: int, vocab: int, out_bytes: int, mm: int,
+                 weight_bytes: int, outputs: tuple[str, ...]) -> None:
+        self.rows, self.seq, self.n, self.h, self.v = rows, seq, tokens, hidden, vocab
+        self.out_bytes, self.mm, self.weight_bytes = out_bytes, mm, weight_bytes
+        self.outputs = outputs       # the per-token fields it computes (add_fused_lm_head's `outputs`)
+
+    @property
+    def tile_bytes(self) -> int:
+        return min(self.n, FUSED_TOKEN_CHUNK) * FUSED_VOCAB_CHUNK * self.mm
+
+    def token_chunks(self) -> list[int]:
+        return [min(FUSED_TOKEN_CHUNK, self.n - s) for s in range(0, self.n, FUSED_TOKEN_CHUNK)]
+
+    def vocab_chunks(self) -> list[int]:
+        return [min(FUSED_VOCAB_CHUNK, self.v - s) for s in range(0, self.v, FUSED_VOCAB_CHUNK)]
+
+    def hidden_cast(self, n: int) -> int:
+        return n * self.h * self.mm if self.out_bytes != self.mm else 0
+
+    def weight_cast(self, c: int) -> int:
+        return c * self.h * self.mm if self.weight_bytes != self.mm else 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """What one policy call leaves for backward: the mask, the completion tokens, the targets, log_z and
+        entropy."""
+        stats = 2 if "entropy" in self.outputs else 1
+        return self.rows * (self.seq - 1) * BOOL + self.n * (self.h * self.out_bytes + INT64 + stats * F32)
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        """The call's largest moment (the final norm's output included): its saved tensors, the seven statistics,
+        the tile buffer and the first chunks' casts."""
+        return (self.rows * self.seq * self.h * self.out_bytes + self.saved_bytes + 7 * self.n * F32
+                + self.tile_bytes + self.hidden_cast(self.token_chunks()[0]) + self.weight_cast(self.vocab_chunks()[0]))
+
+    def backward_peak_bytes(self, weight_grad_bytes: int | None) -> int:
+        """The backward's largest moment: the saved tensors, the fp32 accumulators (the weight's when it trains,
+        `weight_grad_bytes` its gradient's bytes per element), the tile buffer, the casts, the returned casts."""
+        v = self.v * self.h
+        weight = 0 if weight_grad_bytes is None else v * F32 + (v * weight_grad_bytes if weight_grad_bytes != F32
+                                                                else 0)
+        hidden = self.n * self.h * (F32 + (self.out_bytes if self.out_bytes != F32 else 0))
+        return (self.saved_bytes + self.n * F32 + hidden + weight + self.tile_bytes
+                + self.hidden_cast(self.token_chunks()[0]) + self.weight_cast(self.vocab_chunks()[0]))
+
+
+def fused_head(r: ResolvedSetup, regime: Regime, weight_bytes: int, outputs: tuple[str, ...] | None = None
+               ) -> FusedHead:
+    """TRL's fused head over the doubled set-up `r`'s completion tokens, its hidden states the final norm's output
+    under `regime`, its lm_head weight in `weight_bytes` per element, computing `outputs` (the policy's: DPOTrainer's
+    metrics' fields; a reference copy's: the log-probs only)."""
+    setup, anatomy = r.setup, r.anatomy
+    rows, seq, h = setup.batch_size, setup.seq_len, anatomy.hidden_size
+    _, out = norm_saved(family_of(anatomy.model_type).norm, regime, rows * seq, h)
+    out_bytes = out // (rows * seq * h)
+    mm = regime.mm if regime.autocast else out_bytes   # ChunkedLogProbFunction: autocast's dtype, else the input's
+    return FusedHead(rows, seq, rows * completion_tokens(setup), h, anatomy.vocab_size, out_bytes, mm, weight_bytes,
+                     objective_spec(setup.objective).head_outputs if outputs is None else outputs)
+
+
+def lm_head_param(r: ResolvedSetup):
+    """The lm_head weight, or the embedding tied to it."""
+    return next(p for p in r.anatomy.params if p.layer_index is None and is_lm_head(p))
+
+
+def policy_weight_bytes(r: ResolvedSetup) -> int:
+    p = lm_head_param(r)
+    return element_bytes(p, r.setup) if p.trainable else r.setup.stored_bytes(False)
+
+
+def reference_bytes(setup) -> int:
+    """Bytes per element of the reference copy: TRL loads it in the policy's dtype (dtype=self.model.dtype), or
+    --ref-dtype compute."""
+    return setup.compute_bytes if setup.ref_dtype == "compute" else setup.param_bytes
+
+
+def reference_head(r: ResolvedSetup) -> FusedHead:
+    """The reference forward's fused head: the copy's (its own dtype), or the policy's with adapters off."""
+    if reference_mode(r.setup) == REF_COPY:
+        ref = reference_bytes(r.setup)
+        return fused_head(r, reference_regime(r.regime, ref), ref, REF_HEAD_OUTPUTS)
+    return fused_head(r, r.regime, policy_weight_bytes(r))
+
+
+def preference_moments(r: ResolvedSetup, act: ActivationProfile, ms, sft_moments) -> list:
+    """The step's moments (llmem.estimator.moments) for a preference objective: `sft_moments` (step_moments, passed
+    in) of the doubled batch, with the reference copy's weights, and TRL's fused head in place of the loss on full
+    logits at the forward's end (the policy's call, or the reference's on top of what the policy's keeps) and at
+    the loss backward; the lm_head's autocast copy is the head's own transient there."""
+    doubled, act2 = objective_view(r, act)
+    plain = replace(doubled.setup, objective="sft", loss_type=None, precompute_ref_log_probs=False,
+                    ref_dtype="policy", prompt_len=0, max_length=None)
+    sft = ResolvedSetup(plain, doubled.anatomy, doubled.base, doubled.gpu, doubled.layout)
+    moments = sft_moments(sft, act2, ms)
+    mode = reference_mode(r.setup)
+    ref_weights = sum(p.numel for p in r.anatomy.params) * reference_bytes(r.setup) if mode == REF_COPY else 0
+    head = fused_head(doubled, doubled.regime, policy_weight_bytes(doubled))
+    p = lm_head_param(doubled)
+    copy = head.v * head.h * doubled.regime.mm if doubled.regime.autocast and head.weight_bytes != head.mm else 0
+    forward = head.forward_peak_bytes
+    if mode in (REF_COPY, REF_ADAPTERS_OFF):
+        forward = max(forward, head.saved_bytes + reference_head(doubled).forward_peak_bytes)
+    backward = head.backward_peak_bytes(element_bytes(p, doubled.setup) if p.trainable else None)
+    out = []
+    for i, m in enumerate(moments):
+        parts = dict(m.components)
+        parts["weights"] = parts.get("weights", 0) + ref_weights
+        if i < 2:         # 1. the forward's end, 2. the loss backward
+            parts["logits_and_loss"] = forward if i == 0 else backward
+            parts["gathered_weights"] = max(parts.get("gathered_weights", 0) - copy, 0)
+        out.append(type(m)(m.phase, parts))
+    return out
+
+
+class PreferenceEvents:
+    """The DPO step's own events, written into a StepSchedule `s` (which runs the doubled batch)."""
+
+    def __init__(self, s, r: ResolvedSetup) -> None:
+        self.s, self.r = s, r
+        setup = r.setup
+        self.spec = objective_spec(setup.objective)
+        self.mode = reference_mode(setup)
+        self.kl = kl_sequences(setup)
+        self.rows, self.seq = setup.batch_size, setup.seq_len          # dpo: the doubled batch
+        self.samples = self.rows // self.spec.sequences_per_sample
+        self.n = self.rows * completion_tokens(setup)
+        self.head_param = lm_head_param(r)
+        self.ref_bytes = reference_bytes(setup)
+        self.ref_regime = reference_regime(s.regime, self.ref_bytes) if self.mode == REF_COPY else s.regime
+        self.batch_keys: list[int] = []
+
+    def policy_head(self) -> FusedHead:
+        return fused_head(self.r, self.s.regime, policy_weight_bytes(self.r))
+
+    # ---------------------------------------------------------------------------------------------- setup
+    def reference_weights(self) -> None:
+        """The reference copy's parameters (every one, frozen, in ref_bytes), after the policy's."""
+        if self.mode != REF_COPY:
+            return
+        alloc = self.s.sch.alloc
+        for p in self.s.kept:
+            alloc(self.s.shard_numel[p.name] * self.ref_bytes, "weights")
+
+    def batch(self) -> None:
+        """The collator's batch on the device, live through the step: three [rows, S] int64 tensors (input ids,
+        attention and completion masks; KTO's KL sequences three more) and, precomputed, the reference's log-probs
+        (fp32 per sample: chosen and rejected, or KTO's completions and KL sequences); KTO's labels [B] bool."""
+        alloc = self.s.sch.alloc
+        fields = BATCH_FIELDS * (2 if self.kl else 1)
+        self.batch_keys = [alloc(self.rows * self.seq * INT64, "activations") for _ in range(fields)]
+        if self.mode == REF_PRECOMPUTED:
+            logps = 2 if self.spec.paired or self.kl else 1
+            self.batch_keys += [alloc(self.samples * F32, "activations") for _ in range(logps)]
+        if not self.spec.paired:
+            self.batch_keys.append(alloc(self.samples * BOOL, "activations"))
+
+    def before_forward(self) -> None:
+        """KTO's KL term: the policy runs the KL sequences under no_grad before its own forward."""
+        if self.kl:
+            self.s.sch.mark("policy KL forward")
+            self.no_grad_forward(self.s.regime, "cached", self.policy_head(), workspace=True)
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def head_forward(self) -> None:
+        """_compute_loss up to the loss: the policy's fused head (its saved tensors kept), the reference forward
+        and its head (transient), the per-token outputs."""
+        s = self.s
+        sch, alloc, act = s.sch, s.sch.alloc, s.act
+        sch.mark("lm_head and loss")
+        head = self.policy_head()
+        # the recipe's final norm tensors; its last one, the lm_head's input (kept for a trained lm_head's weight
+        # gradient), is not kept: the fused head copies the completion tokens instead
+        kept = act.head_tensors[:-1] if act.lm_head_kept else act.head_tensors
+        s.head_keys = [alloc(n, "activations") for n in kept]
+        s.head_offloaded, s.head_copy = [], []
+        s.logits = s.log_softmax = -1
+        self.labels = alloc(self.rows * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
+        norm_out = alloc(self.rows * self.seq * s.hidden_size * head.out_bytes, "activations")
+        self.saved, outputs = self.fused_forward(head, keep=True)
+        sch.free(norm_out)                       # the backbone's output dies when the fused forward returns
+        if self.mode in (REF_COPY, REF_ADAPTERS_OFF):
+            for _ in range(1 + self.kl):                   # KTO: the KL sequences first, then the completions
+                self.reference_forward()
+        sch.mark("loss")
+        sch.free_all(outputs)                    # _compute_loss returns: its outputs and labels die
+        sch.free(self.labels)
+
+    def fused_forward(self, head: FusedHead, keep: bool) -> tuple[list[int], list[int]]:
+        """One `model(..., fused_lm_head=True)` after the backbone: the mask, the completion tokens and targets,
+        ChunkedLogProbFunction's forward, the per-token outputs scattered back to [rows, S-1]. Returns the keys
+        of what the backward keeps (the mask, the completion tokens, targets, log_z, entropy) and of the outputs
+        (keep; else all of it is freed: no graph)."""
+        sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
+        per_token = self.rows * (self.seq - 1)
+        n = head.n
+        mask = alloc(per_token * BOOL, "logits_and_loss")
+        nz = alloc(n * 2 * INT64, "logits_and_loss")                       # nonzero of the [rows, S-1] mask
+        hidden = alloc(n * head.h * head.out_bytes, "logits_and_loss")    # hidden_states[mask]
+        free(nz)
+        nz = alloc(n * 2 * INT64, "logits_and_loss")
+        targets = alloc(n * INT64, "logits_and_loss")                      # labels[mask]
+        free(nz)
+        stats = [alloc(n * F32, "logits_and_loss") for _ in range(7)]
+        tile = alloc(head.tile_bytes, "logits_and_loss")
+        chunk = -1
+        for c in head.token_chunks():
+            new = alloc(head.hidden_cast(c), "logits_and_loss")
+            free(chunk)
+            chunk = new
+            for v in head.vocab_chunks():
+                free(alloc(head.weight_cast(v), "gathered_weights"))
+        tmp = alloc(n * F32, "logits_and_loss")
+        log_z = alloc(n * F32, "logits_and_loss")
+        free(tmp)
+        outs = [alloc(n * F32, "logits_and_loss")]                         # log-probs
+        entropy = -1
+        if "entropy" in head.outputs:
+            tmp = alloc(n * F32, "logits_and_loss")
+            entropy = alloc(n * F32, "logits_and_loss")
+            free(tmp)
+        if "mean_logits" in head.outputs:
+            outs.append(alloc(n * F32, "logits_and_loss"))
+        if "is_top1" in head.outputs:
+            tops = [alloc(n * BOOL, "logits_and_loss") for _ in range(3)]  # two comparisons and their &
+            sch.free_all(tops[:2])
+            outs.append(tops[2])
+        sch.free_all(stats)
+        free(chunk)
+        free(tile)
+        scattered = []
+        for name in head.outputs:                                          # new_zeros(...).masked_scatter(...)
+            size = BOOL if name == "is_top1" else F32
+            zeros = alloc(per_token * size, "logits_and_loss")
+            scattered.append(alloc(per_token * size, "logits_and_loss"))
+            free(zeros)
+        sch.free_all(outs)
+        if keep:
+            return [mask, hidden, targets, log_z, entropy], scattered
+        sch.free_all([mask, hidden, targets, log_z, entropy] + scattered)
+        return [], []
+
+    def reference_forward(self) -> None:
+        """The reference's forward under no_grad: the copy (its frozen fp32 weights cast per use under autocast),
+        or the policy with its adapters disabled (its frozen base needs no casts)."""
+        self.s.sch.mark("reference forward")
+        casts = "per_use" if self.mode == REF_COPY and self.ref_bytes == F32 else "none"
+        self.no_grad_forward(self.ref_regime, casts, reference_head(self.r))
+
+    def no_grad_forward(self, regime: Regime, casts: str, head: FusedHead, workspace: bool = False) -> None:
+        """A forward under no_grad: embedding, decoder layers (two adjacent blocks' tensors live), the final norm,
+        the fused head; nothing survives but the per-sequence log-probs (a few bytes). Autocast's casts of the
+        weights: "per_use" (frozen fp32 weights: made and freed at each matmul), "cached" (the policy's trained
+        fp32 weights: autocast's cache holds them until the forward returns) or "none"."""
+        s = self.s
+        sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
+        t, h = self.rows * self.seq, s.hidden_size
+        stream = alloc(t * h * regime.res, "activations")
+        if workspace and s.workspace < 0:             # cuBLAS's, at the step's first matmul
+            s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
+        cached: list[int] = []
+        for i in range(s.layers):
+            sch.mark(f"no_grad layer {i}")
+            previous: list[int] = []
+            for b, params in zip(s.act.blocks, s.layer_blocks_params[i], strict=True):
+                for p in self.cast_weights(regime, casts, params):
+                    key = alloc(s.tp_local[p.name] * regime.mm, "gathered_weights")
+                    if casts == "cached":
+                        cached.append(key)
+                    else:
+                        free(key)
+                current = [alloc(n, "activations") for n in b.tensors]
+                sch.free_all(previous)
+                previous = current
+            out = alloc(t * h * regime.res, "activations")      # the layer's output, the next one's input
+            sch.free_all(previous)
+            free(stream)
+            stream = out
+        norm_out = alloc(t * h * head.out_bytes, "activations")
+        free(stream)
+        self.fused_forward(head, keep=False)
+        free(norm_out)
+        sch.free_all(cached)                                    # autocast's exit clears its cache
+
+    def cast_weights(self, regime: Regime, casts: str, params) -> list:
+        """The weights a no-grad forward's matmuls cast to the compute dtype."""
+        if casts == "none" or not regime.autocast:
+            return []
+        matmul = [p for p in params if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")]
+        if casts == "per_use":
+            return matmul
+        return [p for p in matmul if p.trainable and self.s.pb[p.name] == F32]      # autocast caches these
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def head_backward(self, it: int) -> None:
+        """The fused head's backward, the scatter of its gradient back to [rows, S, H], then the head parameters'
+        gradients (the lm_head's is the fp32 accumulator, or its cast to a 16-bit weight)."""
+        s = self.s
+        sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
+        head = self.policy_head()
+        p = self.head_param
+        mask, hidden, targets, log_z, entropy = self.saved
+        grad_logps = alloc(self.n * F32, "logits_and_loss")                  # masked_select of the grad
+        grad_hidden = alloc(self.n * head.h * F32, "logits_and_loss")
+        grad_weight = alloc(head.v * head.h * F32, "gradients") if p.trainable else -1
+        tile = alloc(head.tile_bytes, "logits_and_loss")
+        chunk = w = -1
+        for c in head.token_chunks():
+            new = alloc(head.hidden_cast(c), "logits_and_loss")
+            free(chunk)
+            chunk = new
+            for v in head.vocab_chunks():
+                new_w = alloc(head.weight_cast(v), "gathered_weights")
+                free(w)
+                w = new_w
+        # the return casts the accumulators to the inputs' dtypes while the function's locals still live; they are
+        # released in order: the accumulators (when cast), the token chunk, the weight chunk, the tile buffer
+        hidden_out = grad_hidden
+        if head.out_bytes != F32:             # grad_hidden.to(hidden.dtype)
+            hidden_out = alloc(self.n * head.h * head.out_bytes, "logits_and_loss")
+        weight_out = grad_weight
+        if grad_weight >= 0 and s.pb[p.name] != F32:
+            weight_out = alloc(head.v * head.h * s.pb[p.name], "gradients")
+        for old, new in ((grad_hidden, hidden_out), (grad_weight, weight_out)):
+            if new != old:
+                free(old)
+        sch.free_all([chunk, w, tile])
+        grad_hidden, grad_weight = hidden_out, weight_out
+        sch.free_all([hidden, targets, log_z, entropy, grad_logps])
+        # IndexBackward: index_put(zeros, [mask], grad) out of place; SliceBackward: [rows, S, H]
+        zeros = alloc(self.rows * (self.seq - 1) * head.h * head.out_bytes, "activations")
+        nz = alloc(self.n * 2 * INT64, "activations")
+        put = alloc(self.rows * (self.seq - 1) * head.h * head.out_bytes, "activations")
+        free(nz)
+        free(zeros)
+        free(grad_hidden)
+        stream_grad = alloc(self.rows * self.seq * head.h * head.out_bytes, "activations")
+        free(put)
+        free(mask)
+        s.root_unsharded_grads.clear()
+        s.layer_unsharded.clear()
+        # as StepSchedule.head_backward's fused branch: AccumulateGrad takes the accumulator as the lm_head's gradient
+        for q in [q for q in s.root if q.trainable and (not is_embedding(q) or q.tied_to is not None)]:
+            if grad_weight >= 0 and is_lm_head(q):
+                (s.root_unsharded_grads if s.fsdp else s.grads)[q.name] = grad_weight
+                grad_weight = -1
+            else:
+                s.make_grad(q, root_unit=True)
+        sch.free_all(s.head_keys)
+        s.flush_steps(it)
+        free(stream_grad)
+

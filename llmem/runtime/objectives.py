@@ -1,0 +1,425 @@
+"""The step of a TRL preference objective (--objective dpo / kto) on the prepared model: TRL's own trainer code.
+
+Each iteration calls the trainer's `_compute_loss` (trl/trainer/dpo_trainer.py or kto_trainer.py, the installed trl)
+on the step's model, then backward and the optimizer step, as transformers' Trainer.training_step does. The
+trainer object is not constructed (its __init__ loads a tokenizer, tokenizes a dataset and builds an Accelerator):
+`_compute_loss` runs on an instance made with `DPOTrainer.__new__` / `KTOTrainer.__new__` carrying the attributes it
+reads, set from the config's defaults and the set-up (`_trainer_for`); the policy gets TRL's fused LM head
+(`add_fused_lm_head`, with the per-token fields the trainer's metrics read) and TRL's `disable_dropout_in_model` as
+the trainer's __init__ gives them, and each model's forward runs in its own autocast region, as
+Accelerator.prepare_model wraps it. The batch is what the collator returns, on the device (`preference_inputs`):
+DPO's chosen rows then rejected rows, KTO's completions (half desirable) and their KL sequences, each `--seq-len`
+tokens, the first `--prompt-len` of them prompt.
+
+The reference, as the trainers hold it: a second model built like the policy (the same class and attention,
+materialised on fake tensors in the policy's dtype, TRL's `dtype=self.model.dtype`, or --ref-dtype compute), frozen,
+in eval mode, with its own fused head (log-probs only), made before the step starts (TRL loads it at trainer init,
+before DDP's buckets); under peft none (TRL's `use_adapter(model, None)` disables the adapters for the reference
+forward); with --precompute-ref-log-probs none (the log-probs come with the batch).
+
+Emulated, because fake tensors cannot run it (`emulation_notes`):
+- TRL's CUDA path of its fused head (`_use_triton` is true on CUDA): only the completion tokens are projected
+  (`hidden[mask]`), its Triton kernels fold each [tokens, vocab] tile in place (no allocations: here a no-op), and
+  the gradient GEMMs accumulate with `addmm(out_dtype=float32, out=acc)` (no fp32 copies of the tile);
+- the data-dependent shapes of boolean-mask indexing (`x[mask]`, `masked_select`, `nonzero`): the number of true
+  entries of a completion mask is known from the set-up (`completion_tokens` per row), KTO's labels are half
+  desirable; the index tensor CUDA's nonzero makes is allocated as on the device; host reads of a scalar (`.item()`,
+  `if t > 0`: only the trainers' metrics read any) read 1;
+- the padding mask: every sequence is full length (all ones), so transformers' SDPA skips the causal mask, as it does
+  for real tensors (it keeps it for fake ones);
+- `disable_gradient_checkpointing` around the reference forward turns the layers' checkpointing off and restores it
+  as it was (TRL's re-enables it with the trainer's kwargs, which here are llmem's);
+- the metrics' gathers across ranks (a few scalars) are the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import MISSING, dataclass, fields
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmem.errors import LlmemError
+from llmem.runtime.build import causal_lm, init_real_weights, materialize, meta_model_for, vocab_size
+from llmem.runtime.cuda import is_fake_tensor
+from llmem.runtime.patches import quiet
+from llmem.setup.objectives import (
+    REF_COPY,
+    check_dropout_free,
+    completion_tokens,
+    kl_sequences,
+    loss_type_of,
+    objective_notes,
+    objective_spec,
+    reference_mode,
+)
+
+_aten = torch.ops.aten
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _set(obj, name: str, value) -> Iterator[None]:
+    """Set an attribute for the block (created when missing, removed again on exit)."""
+    saved = getattr(obj, name, _MISSING)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, saved)
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA's path
+class _InPlaceKernel:
+    """A Triton kernel launched as `kernel[grid](...)` that writes only into tensors it is given: no allocation."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _addmm_fp32_cuda(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """chunked_logprob._addmm_fp32 on CUDA: one addmm into the fp32 accumulator (out_dtype=float32 for 16-bit
+    inputs), no fp32 copies of its operands."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a, b)
+
+
+@contextlib.contextmanager
+def trl_cuda_head() -> Iterator[None]:
+    """TRL's fused LM head as it runs on CUDA (module docstring); restored on exit."""
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+
+    needed = [(trl_utils, "_use_triton"), (chunked_logprob, "_use_triton"), (chunked_logprob, "_forward_kernel"),
+              (chunked_logprob, "_backward_kernel"), (chunked_logprob, "_addmm_fp32")]
+    missing = [f"{m.__name__}.{name}" for m, name in needed if not hasattr(m, name)]
+    if missing:
+        raise LlmemError(f"the trace of a TRL objective emulates trl 1.16's fused LM head, and the installed trl has "
+                         f"no {', '.join(missing)}: pip install 'trl>=1.16,<1.17'")
+    on_cuda = lambda device: True  # noqa: E731 - the step's device is a CUDA GPU
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_set(trl_utils, "_use_triton", on_cuda))
+        stack.enter_context(_set(chunked_logprob, "_use_triton", on_cuda))
+        stack.enter_context(_set(chunked_logprob, "_forward_kernel", _InPlaceKernel()))
+        stack.enter_context(_set(chunked_logprob, "_backward_kernel", _InPlaceKernel()))
+        stack.enter_context(_set(chunked_logprob, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
+        stack.enter_context(_set(chunked_logprob, "_addmm_fp32", _addmm_fp32_cuda))
+        yield
+
+
+@contextlib.contextmanager
+def full_length_padding_mask() -> Iterator[None]:
+    """transformers' SDPA mask shortcut for a padding mask of all ones (every pair full length): the check the real
+    run evaluates (`padding_mask.all()`), then its answer for no padding, also for fake tensors."""
+    from transformers import masking_utils
+
+    orig = masking_utils._ignore_causal_mask_sdpa
+
+    def ignore(padding_mask, *args, **kwargs):
+        if padding_mask is not None and is_fake_tensor(padding_mask):
+            padding_mask.all()
+            padding_mask = None
+        return orig(padding_mask, *args, **kwargs)
+
+    with _set(masking_utils, "_ignore_causal_mask_sdpa", ignore):
+        yield
+
+
+class KnownMasks(TorchDispatchMode):
+    """Boolean-mask ops on the batch's masks, whose true count fake tensors cannot know: `valid[(dims, last dim)]`
+    true entries per row (rows = the product of the other dims): completion masks, KTO's desirable labels. The
+    index CUDA's nonzero makes ([count, dims] int64) is allocated, then the op runs on it, as at::index does. Host
+    scalar reads (only the trainers' metrics read any) return 1."""
+
+    def __init__(self, valid: dict[tuple[int, int], int]) -> None:
+        super().__init__()
+        self.valid = valid
+
+    def count(self, mask: torch.Tensor) -> int:
+        per = self.valid.get((mask.dim(), mask.shape[-1])) if mask.dim() else None
+        if per is None:
+            raise LlmemError(f"trace: a boolean mask of shape {tuple(mask.shape)} the preference step does not "
+                             "know (its true count is data-dependent)")
+        return mask.numel() // mask.shape[-1] * per
+
+    def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.empty((self.count(mask), mask.dim()), dtype=torch.int64, device=mask.device)
+
+    def long_indices(self, indices) -> list:
+        out = []
+        for ix in indices:
+            if isinstance(ix, torch.Tensor) and ix.dtype == torch.bool:
+                out.extend(self.nonzero(ix).unbind(1))
+            else:
+                out.append(ix)
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default and is_fake_tensor(args[0]):
+            t = args[0]
+            return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+        if func is _aten.nonzero.default and is_fake_tensor(args[0]):
+            return self.nonzero(args[0])
+        if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+                    _aten._index_put_impl_.default) and any(
+                isinstance(ix, torch.Tensor) and ix.dtype == torch.bool for ix in args[1]):
+            return func(args[0], self.long_indices(args[1]), *args[2:], **kwargs)
+        if func is _aten.masked_select.default and is_fake_tensor(args[1]):
+            index = self.nonzero(args[1])
+            return args[0].expand(args[1].shape)[tuple(index.unbind(1))]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def policy_checkpointing_paused(model, gradient_checkpointing_kwargs=None) -> Iterator[None]:
+    """trl.models.utils.disable_gradient_checkpointing for the reference forward: every layer's checkpointing off,
+    then each layer's flag as it was (TRL re-enables it with its trainer's kwargs; here llmem enabled it)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    flags = [layer.gradient_checkpointing for layer in layers]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, flags, strict=True):
+            layer.gradient_checkpointing = flag
+
+
+# ---------------------------------------------------------------------------------------------------- the trainer
+class _Accelerator:
+    """What `_compute_loss` asks of the trainer's Accelerator on one process: the device, the unwrapped model, and
+    gathers (the identity: the metrics' scalars of the other ranks are not traced)."""
+
+    def __init__(self, device: torch.device, model) -> None:
+        self.device = device
+        self.model = model
+
+    def unwrap_model(self, model):
+        return self.model
+
+    def gather_for_metrics(self, x):
+        return x
+
+    def gather(self, x):
+        return x
+
+
+def config_defaults(objective: str) -> dict:
+    """The trainer config's field defaults (the installed trl's DPOConfig / KTOConfig), without building a
+    TrainingArguments."""
+    import trl
+
+    out = {}
+    for f in fields(getattr(trl, objective_spec(objective).trainer.replace("Trainer", "Config"))):
+        if f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+        elif f.default is not MISSING:
+            out[f.name] = f.default
+    return out
+
+
+def trainer_class(objective: str):
+    import trl
+
+    return getattr(trl, objective_spec(objective).trainer)
+
+
+def _trainer_for(step, ref_model):
+    """A DPOTrainer / KTOTrainer carrying what its `_compute_loss` reads (its __init__'s attributes, from its
+    config's defaults and the set-up)."""
+    setup = step.setup
+    defaults = config_defaults(setup.objective)
+    loss_type = loss_type_of(setup)
+    trainer = trainer_class(setup.objective).__new__(trainer_class(setup.objective))
+    attrs = {
+        "model": step.model, "ref_model": ref_model,
+        "accelerator": _Accelerator(next(step.model.parameters()).device, step.model),
+        "args": types.SimpleNamespace(gradient_checkpointing_kwargs=None, discopop_tau=defaults.get("discopop_tau")),
+        "beta": defaults["beta"], "precompute_ref_logps": setup.precompute_ref_log_probs,
+        "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
+        "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)}, "_total_train_tokens": 0, "_tp_size": 1,
+    }
+    if setup.objective == "dpo":
+        attrs.update({
+            "loss_types": [loss_type], "loss_weights": [1.0], "ld_alpha": defaults["ld_alpha"],
+            "f_divergence_type": defaults["f_divergence_type"],
+            "f_alpha_divergence_coef": defaults["f_alpha_divergence_coef"],
+            # exo_pair needs a label smoothing > 0 (DPOTrainer refuses 0): the EXO paper's 1e-3
+            "label_smoothing": 1e-3 if loss_type == "exo_pair" else defaults["label_smoothing"],
+            "use_weighting": defaults["use_weighting"]})
+    else:
+        attrs.update({"loss_type": loss_type, "desirable_weight": defaults["desirable_weight"],
+                      "undesirable_weight": defaults["undesirable_weight"], "calculate_KL": kl_sequences(setup)})
+    for name, value in attrs.items():
+        object.__setattr__(trainer, name, value)
+    return trainer
+
+
+def _fused_head(model, objective: str) -> None:
+    """The trainer's __init__: dropout off (disable_dropout, the config's default) and TRL's fused LM head on the
+    causal LM (under peft its base model), computing the per-token fields the trainer's metrics read."""
+    from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+    disable_dropout_in_model(model)
+    add_fused_lm_head(causal_lm(model), outputs=objective_spec(objective).head_outputs)
+
+
+def autocast_per_call(module: torch.nn.Module, step) -> None:
+    """Accelerator.prepare_model under mixed precision: the module's forward runs in its own autocast region (so
+    autocast's cache of weight casts is cleared when each forward returns), not the whole step."""
+    if step.autocast_dtype is None:
+        return
+    forward = module.forward
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(step.device_type, dtype=step.autocast_dtype):
+            out = forward(*args, **kwargs)
+        if step.autocast_policy is not None and not torch.is_autocast_enabled(step.device_type):
+            step.autocast_policy.cache.clear()    # llmem's CUDA-policy kernels keep their own cache
+        return out
+
+    module.forward = autocast_forward
+
+
+def reference_copy(step) -> torch.nn.Module:
+    """The reference model DPOTrainer loads: the policy's class and config, in the policy's dtype (its trained
+    parameters' dtype: fp32 under *-mixed) or the compute dtype (--ref-dtype compute), frozen, in eval mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+    setup = step.setup
+    dtype = getattr(torch, setup.compute_dtype) if setup.ref_dtype == "compute" else \
+        getattr(torch, {4: "float32", 2: setup.compute_dtype}[setup.param_bytes])
+    with unset_fake_temporarily(), quiet():     # built on the meta device, as the policy was
+        ref = meta_model_for(setup)
+        ref.to(dtype)
+        ref.requires_grad_(False)
+    materialize(ref, next(step.model.parameters()).device)
+    if not is_fake_tensor(step.input_ids):      # measure: real random weights, as the policy's
+        init_real_weights(ref)
+    ref.eval()
+    disable_dropout_in_model(ref)
+    add_fused_lm_head(ref)
+    return ref
+
+
+def preference_inputs(step) -> dict[str, torch.Tensor]:
+    """The collator's batch on the device. DataCollatorForPreference: input_ids, attention_mask, completion_mask
+    [2B, S] int64 (chosen rows then rejected rows), precomputed: ref_chosen_logps, ref_rejected_logps [B] fp32.
+    DataCollatorForUnpairedPreference: the same three [B, S] (and, with the KL term, KL_input_ids,
+    KL_attention_mask, KL_completion_mask), label [B] bool (the first half desirable), precomputed: ref_logps (and
+    ref_KL_logps) [B] fp32."""
+    setup = step.setup
+    device = step.input_ids.device
+    spec = objective_spec(setup.objective)
+    rows, seq = spec.sequences_per_sample * setup.batch_size, setup.seq_len
+    vocab = vocab_size(causal_lm(step.model))
+
+    def sequences(prefix: str) -> dict[str, torch.Tensor]:
+        completion = torch.ones((rows, seq), dtype=torch.int64, device=device)
+        completion[:, :setup.prompt_len] = 0
+        return {f"{prefix}input_ids": torch.randint(0, vocab, (rows, seq), dtype=torch.int64, device=device),
+                f"{prefix}attention_mask": torch.ones((rows, seq), dtype=torch.int64, device=device),
+                f"{prefix}completion_mask": completion}
+
+    def logps(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(setup.batch_size, dtype=torch.float32, device=device) for name in names}
+
+    batch = sequences("")
+    if spec.paired:
+        if setup.precompute_ref_log_probs:
+            batch.update(logps(("ref_chosen_logps", "ref_rejected_logps")))
+        return batch
+    kl = kl_sequences(setup)
+    if kl:
+        batch.update(sequences("KL_"))
+    if setup.precompute_ref_log_probs:
+        batch.update(logps(("ref_logps", "ref_KL_logps")[:1 + kl]))
+    label = torch.zeros(setup.batch_size, dtype=torch.bool, device=device)
+    label[:setup.batch_size // 2] = True
+    batch["label"] = label
+    return batch
+
+
+@dataclass
+class PreferenceRun:
+    trainer: object
+    inputs: dict[str, torch.Tensor]
+    masks: KnownMasks
+
+
+def preference_run(step) -> PreferenceRun:
+    """What the step keeps across iterations, made once before it starts: the fused heads, the reference, the
+    batch (as activations), the trainer."""
+    run = step.__dict__.get("_preference_run")
+    if run is not None:
+        return run
+    try:
+        import trl  # noqa: F401 - the trace runs TRL's own code
+    except ImportError:
+        raise LlmemError(f"the trace of --objective {step.setup.objective} runs TRL's own trainer code: pip install "
+                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+    setup = step.setup
+    region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+    check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
+    _fused_head(step.model, setup.objective)
+    autocast_per_call(step.model, step)
+    ref = None
+    if reference_mode(setup) == REF_COPY:
+        with region("weights"):
+            ref = reference_copy(step)
+        autocast_per_call(ref, step)
+    with region("activations"):
+        inputs = preference_inputs(step)
+    seq = setup.seq_len
+    masks = KnownMasks({(2, seq - 1): completion_tokens(setup), (2, seq): seq - setup.prompt_len,
+                        (1, setup.batch_size): setup.batch_size // 2})     # KTO's labels: half desirable
+    run = PreferenceRun(_trainer_for(step, ref), inputs, masks)
+    step.__dict__["_preference_run"] = run
+    return run
+
+
+def preference_iteration(step, it: int) -> None:
+    """One preference training step: the trainer's `_compute_loss` (policy forward, reference forward, loss),
+    backward, the optimizer step and zero_grad, as Trainer.training_step runs them."""
+    import sys
+
+    run = preference_run(step)
+    cls = type(run.trainer)
+    step._phase("forward", it)
+    with contextlib.ExitStack() as stack:
+        if is_fake_tensor(step.input_ids):      # the trace: what fake tensors cannot run (module docstring)
+            stack.enter_context(trl_cuda_head())
+            stack.enter_context(full_length_padding_mask())
+            stack.enter_context(run.masks)
+        stack.enter_context(_set(sys.modules[cls.__module__], "disable_gradient_checkpointing",
+                                 policy_checkpointing_paused))
+        loss = cls._compute_loss(run.trainer, step.runner, run.inputs, False)
+        step._phase("backward", it)
+        loss.backward()
+        del loss
+    step._phase("optimizer_step", it)
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+
+
+def emulation_notes(setup) -> list[str]:
+    """What the trace's result says about the preference step it ran: TRL's code, and what it emulates."""
+    spec = objective_spec(setup.objective)
+    return objective_notes(setup) + [
+        f"trace: TRL's {spec.trainer}._compute_loss (its __init__ not run: the attributes from "
+        f"{spec.trainer.replace('Trainer', 'Config')}'s defaults); its fused LM head on CUDA's path (only the completion tokens projected, the "
+        "Triton kernels in place without allocations, fp32 accumulation without copies); boolean-mask counts from "
+        "the set-up, host scalar reads 1; full-length pairs (no padding mask); metric gathers across ranks not traced"]
