@@ -6,6 +6,8 @@ turns learning on where it checks it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 LEARNING_MODULES = ("test_validate",)     # test modules that run with LLMEM_LEARN=auto
@@ -20,3 +22,14 @@ def _learned_activations_isolated(request, tmp_path_factory, monkeypatch):
     monkeypatch.setenv(LEARN_ENV, "auto" if module in LEARNING_MODULES else "never")
     yield
     forget_in_memory()
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    """A 2-layer Llama config.json (hidden 256, MLP 512, vocab 2000): real CPU steps of it take seconds."""
+    path = tmp_path_factory.mktemp("cfg") / "small_llama.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2000, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}))
+    return str(path)

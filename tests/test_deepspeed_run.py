@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import math
 
 import pytest
@@ -173,16 +172,6 @@ def test_both_iterations_run_and_checkpointing_only_cuts_activations(stage):
     plain, cut = details.phase_peaks["forward"]["components"], ckpt.phase_peaks["forward"]["components"]
     assert cut["activations"] < plain["activations"]
     assert cut["weights"] == plain["weights"] and cut["optimizer_states"] == plain["optimizer_states"]
-
-
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "small_llama.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2000, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}))
-    return str(path)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

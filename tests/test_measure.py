@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -12,16 +10,6 @@ from llmem.result import COMPONENTS
 from llmem.runtime.measure import measure, measure_cpu_with_details
 from llmem.runtime.trace import trace_with_details
 from llmem.setup.training import TrainingSetup
-
-
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "small_llama.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2000, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}))
-    return str(path)
 
 
 def _close(a: int, b: int, rel: float = 0.005) -> bool:
