@@ -5,12 +5,13 @@ Counters are named as PyTorch names them:
 - peak_reserved:  `torch.cuda.max_memory_reserved()`, bytes the caching allocator holds in segments.
 - device_used:    what nvidia-smi shows for the process: the reserved peak on the device (capped_reserved when the
                   allocator had to release its cache to go on) + the CUDA context (driver, kernels, handles)
-                  + CUDA managed memory resident on the device (paged 8-bit optimizer states, evicted when full).
+                  + CUDA managed memory resident on the device (paged 8-bit optimizer states, evicted when full)
+                  + a colocated vLLM engine's pool while it is resident (GRPO --use-vllm).
 - fits:           the step's allocations complete on the device (llmem.memory.capacity), as PyTorch decides OOM.
 
 `components` splits the counters at the moment of peak_allocated. The allocated components sum to peak_allocated;
 `allocator_overhead` = the reserved peak on the device (capped_reserved, else peak_reserved) - peak_allocated;
-`cuda_context` + `managed_memory` = device_used - that reserved peak.
+`cuda_context` + `managed_memory` + `vllm_pool` = device_used - that reserved peak.
 So all components sum to device_used.
 """
 
@@ -37,8 +38,9 @@ COMPONENTS = (
     "allocator_overhead",      # reserved but not allocated: rounding, free blocks in cached segments
     "cuda_context",            # outside the allocator
     "managed_memory",          # outside the allocator: bitsandbytes' paged optimizer states (cudaMallocManaged)
+    "vllm_pool",               # a colocated vLLM engine's pool (weights, KV cache, ...: llmem.memory.vllm)
 )
-ALLOCATED_COMPONENTS = COMPONENTS[:-3]
+ALLOCATED_COMPONENTS = COMPONENTS[:-4]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,48 @@ class OutOfMemory:
                 "reserved_bytes": self.reserved_bytes, "capacity_bytes": self.capacity_bytes}
 
 
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One phase of a step with phases (GRPO's generation, scoring, training): its own peak of allocated bytes
+    (over the iterations), the reserved bytes by then (the allocator's segments carry across phases), what fills it
+    at its peak (tensor bytes per component), and whether it is the step's peak."""
+    name: str
+    allocated_bytes: int
+    reserved_bytes: int
+    components: dict[str, int]
+    is_peak: bool = False
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
+                "components": dict(self.components), "is_peak": self.is_peak}
+
+
+# The phases of a step with phases as the report groups them: GRPO's generation and scoring, then its training
+# (forward, backward, optimizer step)
+PHASE_GROUPS = {"generation": "generation", "scoring": "scoring", "forward": "training", "backward": "training",
+                "optimizer_step": "training"}
+
+
+def grouped_phases(peaks: list[tuple[str, int, int, dict[str, int]]]) -> list[PhaseMemory]:
+    """Each phase group's peak over the iterations, from (phase, allocated peak, reserved by then, components at the
+    peak) rows (phase: "forward" or "it1:forward"); the largest is marked the step's peak."""
+    best: dict[str, tuple[int, int, dict[str, int]]] = {}
+    for phase, allocated, reserved, comps in peaks:
+        group = PHASE_GROUPS.get(phase.split(":")[-1])
+        if group is None:
+            continue
+        old = best.get(group)
+        if old is None or allocated > old[0]:
+            best[group] = (allocated, max(reserved, old[1] if old else 0), {k: v for k, v in comps.items() if v})
+        else:
+            best[group] = (old[0], max(old[1], reserved), old[2])
+    if not best:
+        return []
+    top = max(best, key=lambda g: best[g][0])
+    order = [g for g in dict.fromkeys(PHASE_GROUPS.values()) if g in best]
+    return [PhaseMemory(g, best[g][0], best[g][1], best[g][2], g == top) for g in order]
+
+
 @dataclass
 class MemoryResult:
     engine: str                          # "llmem", "paper", "trace", "measure"
@@ -89,6 +133,8 @@ class MemoryResult:
     capped_reserved_bytes: int | None = None  # max_memory_reserved at that capacity (the cache released and retried)
     oom: OutOfMemory | None = None            # where the step runs out of memory at that capacity
     by_fragmentation: bool = False            # fits / OOM decided by the cached segments' layout: marginal
+    phases: list[PhaseMemory] = field(default_factory=list)   # a step with phases (GRPO): each phase's peak
+    stages: list[dict] = field(default_factory=list)   # --pp: each pipeline stage's peaks ({stage, ..._bytes})
 
     @property
     def reserved_on_device_bytes(self) -> int:
@@ -109,6 +155,8 @@ class MemoryResult:
                 out["setup"] = value.to_dict() if value is not None else {}
             elif f.name == "oom":
                 out["oom"] = value.to_dict() if value is not None else None
+            elif f.name == "phases":
+                out["phases"] = [p.to_dict() for p in value]
             elif not (f.name == "timeline" and value is None):
                 out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
         out["fits"] = self.fits

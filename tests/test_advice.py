@@ -188,6 +188,32 @@ def test_offload_suggestion_is_the_best_over_every_layout(tight_plan):
     _same_pick(sug, best, closest)
 
 
+def test_pruned_suggestions_are_the_exhaustive_ones(tight_plan, monkeypatch):
+    """The suggestions skip the layouts whose tokens/s at their quick batch bound cannot beat the fastest found
+    (and the sequences a quick bound rules out); searching every screened layout instead gives the same
+    suggestions, with more searches. Both runs share the plan's engine (its estimates are kept), so only the
+    layouts the pruned run skipped are estimated here."""
+    import llmem.planner.search as search
+    from llmem.planner.suggestions import suggest
+
+    searched: list[bool] = []
+    real = search.search_candidate
+    monkeypatch.setattr(search, "search_candidate", lambda *a, **k: searched.append(True) or real(*a, **k))
+    p = tight_plan
+    ctx = PlanContext(p.anatomy, p.gpu, p.options, p.engine, p.limit_bytes)
+    layouts = candidate_layouts(TIGHT.gpus, None, p.anatomy.num_heads, p.anatomy.num_kv_heads)
+    ticks: list[tuple[int, int]] = []
+    pruned = suggest(ctx, TIGHT, layouts, progress=lambda what, i, n: ticks.append((i, n)))
+    n_pruned = len(searched)
+    # the progress bar advances once per what-if: 5 savers, combined, seq, 3 adapter menus (LoRA, QLoRA,
+    # FSDP-QLoRA), optimizer offload, parameter offload, more GPUs
+    assert ticks == [(i, 13) for i in range(13)]
+    exhaustive = suggest(replace(ctx, prune=False), TIGHT, layouts)
+    assert pruned == p.suggestions
+    assert exhaustive == pruned
+    assert len(searched) - n_pruned > n_pruned, (n_pruned, len(searched) - n_pruned)   # it did skip some
+
+
 def _same_pick(sug: dict, best: CandidatePlan | None, closest: int | None) -> None:
     assert sug["fits"] is (best is not None), sug["text"]
     if best is None:

@@ -115,3 +115,119 @@ def test_hand_formula_known_values():
         == 125_239_296
     # Llama-2-7B: V=32000, h=4096, i=11008, 32 layers
     assert 2 * 32000 * 4096 + 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 4096 == 6_738_415_616
+
+
+# --- the MoE and new dense models (issue 11): the build against the publishers' stated totals -----------------------
+# (total, active) in billions as each publisher states them; active per token with top-k of the routed experts. gpt-oss's
+# model card counts its active parameters without the embedding (3.61B / 5.13B), the others with it.
+PUBLISHED_BILLIONS = {
+    "Qwen/Qwen3-30B-A3B": (30.5, 3.3, True),
+    "Qwen/Qwen3-235B-A22B": (235.0, 22.0, True),
+    "openai/gpt-oss-20b": (20.91, 3.61, False),
+    "openai/gpt-oss-120b": (116.83, 5.13, False),
+    "deepseek-ai/DeepSeek-V3": (671.0, 37.0, True),
+    "Qwen/Qwen3-8B": (8.2, None, True),
+    "Qwen/Qwen3-32B": (32.8, None, True),
+    "google/gemma-3-27b-pt": (27.0, None, True),
+    "meta-llama/Llama-3.3-70B-Instruct": (70.6, None, True),
+}
+
+
+def _routed(c: dict) -> tuple[int, int]:
+    """(routed experts, experts per token) under each family's spelling."""
+    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    return experts, c["num_experts_per_tok"]
+
+
+@pytest.mark.parametrize("hub_id", list(PUBLISHED_BILLIONS))
+def test_published_totals_and_active(hub_id):
+    """Total within 0.5 % of the publisher's figure, active per token within 2 % (their one or two digits)."""
+    total_b, active_b, with_embedding = PUBLISHED_BILLIONS[hub_id]
+    anatomy = load_anatomy(hub_id)
+    assert anatomy.total_params == pytest.approx(total_b * 1e9, rel=5e-3)
+    if active_b is None:
+        return
+    c = load_config_dict(find_entry(hub_id))
+    experts, top_k = _routed(c)
+    routed = sum(p.numel for p in anatomy.params if ".experts." in p.name)
+    active = anatomy.total_params - routed + routed * top_k // experts
+    if not with_embedding:
+        active -= anatomy.embedding_params
+    assert active == pytest.approx(active_b * 1e9, rel=2e-2)
+
+
+def _qwen3_moe_count(c: dict) -> int:
+    """Qwen3-MoE: untied embeddings, GQA attention with head_dim and per-head q/k RMSNorm, every layer sparse: E
+    experts of 3 h*m matrices (gate_up fused, down) and a router E*h, two norms per layer, a final norm."""
+    h, m, V, L, E, d = (c[k] for k in ("hidden_size", "moe_intermediate_size", "vocab_size", "num_hidden_layers",
+                                        "num_experts", "head_dim"))
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    attn = 2 * h * heads * d + 2 * h * kv * d + 2 * d
+    return 2 * V * h + L * (attn + E * 3 * h * m + E * h + 2 * h) + h
+
+
+def _gpt_oss_count(c: dict) -> int:
+    """gpt-oss: attention with biases and a sink per head, E experts of gate_up [h, 2i] and down [i, h] with biases,
+    a router with bias, two norms per layer, untied embeddings, a final norm."""
+    h, i, V, L, E, d = (c[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers",
+                                        "num_local_experts", "head_dim"))
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    attn = (h * heads * d + heads * d) + 2 * (h * kv * d + kv * d) + (heads * d * h + h) + heads
+    experts = E * (h * 2 * i + 2 * i + i * h + h)
+    return 2 * V * h + L * (attn + experts + E * h + E + 2 * h) + h
+
+
+def _deepseek_v3_count(c: dict) -> int:
+    """DeepSeek-V3 (MLA): q down/up projections with a norm, the joint kv down projection (+ the rope key) with a
+    norm, kv up projection, o_proj; the first k layers dense, the rest 256 routed experts of 3 h*m, one shared expert
+    of 3 h*m and an fp32 router E*h; the multi-token-prediction module is not part of the model transformers builds."""
+    h, V, L, H = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c["num_attention_heads"]
+    qr, kvr, nope, rope, vd = (c[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                               "v_head_dim"))
+    attn = h * qr + qr + qr * H * (nope + rope) + h * (kvr + rope) + kvr + kvr * H * (nope + vd) + H * vd * h
+    dense = 3 * h * c["intermediate_size"]
+    m, E = c["moe_intermediate_size"], c["n_routed_experts"]
+    moe = E * 3 * h * m + c["n_shared_experts"] * 3 * h * m + E * h
+    k = c["first_k_dense_replace"]
+    return 2 * V * h + k * (attn + dense + 2 * h) + (L - k) * (attn + moe + 2 * h) + h
+
+
+def _gemma3_text_count(c: dict) -> int:
+    """Gemma-3's text model: tied embeddings, GQA with head_dim and q/k norms, GeGLU MLP, four norms per layer."""
+    h, i, V, L, d = (c[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "head_dim"))
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    attn = 2 * h * heads * d + 2 * h * kv * d + 2 * d
+    return V * h + L * (attn + 3 * h * i + 4 * h) + h
+
+
+def _qwen3_count(c: dict) -> int:
+    """Qwen3 dense: Llama's count with head_dim and the per-head q/k norms."""
+    h, i, V, L, d = (c[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "head_dim"))
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    return 2 * V * h + L * (2 * h * heads * d + 2 * h * kv * d + 2 * d + 3 * h * i + 2 * h) + h
+
+
+@pytest.mark.parametrize(("hub_id", "formula"), [
+    ("Qwen/Qwen3-30B-A3B", _qwen3_moe_count),
+    ("Qwen/Qwen3-235B-A22B", _qwen3_moe_count),
+    ("openai/gpt-oss-20b", _gpt_oss_count),
+    ("openai/gpt-oss-120b", _gpt_oss_count),
+    ("deepseek-ai/DeepSeek-V3", _deepseek_v3_count),
+    ("Qwen/Qwen3-8B", _qwen3_count),
+    ("Qwen/Qwen3-32B", _qwen3_count),
+    ("google/gemma-3-27b-pt", _gemma3_text_count),
+    ("meta-llama/Llama-3.3-70B-Instruct", _llama_count),
+])
+def test_new_models_hand_formula(hub_id, formula):
+    entry = find_entry(hub_id)
+    expected = formula(load_config_dict(entry))
+    assert expected == entry.published_params
+    assert load_anatomy(hub_id).total_params == expected
+
+
+def test_gemma3_is_its_text_model():
+    """gemma-3-27b-pt is multimodal in transformers (Gemma3ForConditionalGeneration); llmem builds its text config
+    as Gemma3ForCausalLM, the language model a text fine-tune trains."""
+    anatomy = load_anatomy("google/gemma-3-27b-pt")
+    assert anatomy.model_type == "gemma3_text" and anatomy.architecture == "Gemma3ForCausalLM"
+    assert anatomy.num_layers == 62 and anatomy.tie_word_embeddings

@@ -127,6 +127,26 @@ def test_exported_two_process_fsdp_script_runs_under_torchrun(micro_config, tmp_
     assert loss == pytest.approx(math.log(VOCAB), abs=0.1)
 
 
+@pytest.mark.slow
+def test_exported_sequence_parallel_tp_script_runs_under_torchrun(micro_config, tmp_path):
+    """--sequence-parallel --loss-parallel through the torchrun export: two gloo processes run TP 2 with
+    SequenceParallel and the loss under loss_parallel(); the loss of random tokens is ln(vocab) as without them."""
+    setup = TrainingSetup(model=micro_config, gpus=2, seq_len=16, sequence_parallel=True, loss_parallel=True,
+                          method="tp")
+    p = plan(setup, PlanOptions(batch_cap=2, global_batch=4, methods=("tp",)))
+    path = tmp_path / "launch.sh"
+    e = write_export(p, "torchrun", str(path))
+    assert (e.layout.method, e.sequence_parallel, e.loss_parallel) == ("tp", True, True)
+    assert "--sequence-parallel" in path.read_text() and "--loss-parallel" in path.read_text()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([str(path), "--steps", "1"], capture_output=True, text=True, env=env, timeout=240,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loss = float(re.search(r"step 1/1: loss ([\d.]+)", run.stdout).group(1))
+    assert loss == pytest.approx(math.log(VOCAB), abs=0.1)
+
+
 @pytest.mark.parametrize("method", ["fsdp", "zero2", "ddp", "tp"])
 def test_deepspeed_export_says_which_memory_was_estimated(method):
     dp, tp = (1, 8) if METHODS[method].has_tp else (8, 1)

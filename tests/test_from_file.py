@@ -174,15 +174,14 @@ def test_torchtune_recipes():
 def test_torchtitan_both_schemas():
     """llama3_405b.toml: local_batch_size 2, seq_len 8192, TP 8 under FSDP (fsdp+tp), full checkpointing, fused
     AdamW, bf16 MixedPrecisionPolicy over fp32 parameters; the older llama3_8b.toml: batch_size 1 under [training],
-    selective op checkpointing (not expressible: none, said so)."""
+    selective op checkpointing (--ac-policy op)."""
     fs = setup_from_file(cfg("torchtitan/torchtitan/models/llama3/train_configs/llama3_405b.toml"), gpus=16)
     s = fs.setup
     assert (s.model, s.method, s.tp, s.batch_size, s.seq_len, s.grad_ckpt, s.optimizer, s.precision) == \
         ("meta-llama/Llama-3.1-405B", "fsdp+tp", 8, 2, 8192, True, "adamw-fused", "bf16-mixed")
     assert any(i.key == "model.converters" for i in fs.record.ignored)
     fs = setup_from_file(cfg("torchtitan/train_configs/llama3_8b.toml"), gpus=8)
-    assert (fs.setup.batch_size, fs.setup.grad_ckpt) == (1, False)
-    assert any("op-level selective" in i.why for i in fs.record.ignored)
+    assert (fs.setup.batch_size, fs.setup.grad_ckpt, fs.setup.ac_policy) == (1, True, "op")
 
 
 def test_accelerate_configs():
@@ -305,7 +304,7 @@ def test_estimate_from_torchtune_equals_its_flags():
 def test_estimate_from_torchtitan_equals_its_flags():
     _same([str(cfg("torchtitan/train_configs/llama3_70b.toml")), "--gpus", "16"],
           "--method fsdp+tp --tp 8 --gpus 16 --batch-size 8 --precision bf16-mixed --optimizer adamw-fused "
-          "--grad-ckpt")
+          "--grad-ckpt --sequence-parallel --loss-parallel")
 
 
 def test_estimate_from_accelerate_equals_its_flags():

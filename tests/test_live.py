@@ -97,3 +97,18 @@ def test_an_optimizer_llmem_does_not_model_is_refused_in_one_line():
     model = _tiny_llama()
     with pytest.raises(LlmemError, match="RMSprop is not one llmem models"):
         live_setup(model, torch.optim.RMSprop(model.parameters()), batch_size=1, seq_len=8)
+
+
+@pytest.mark.parametrize("device,total,entry", [
+    ("NVIDIA A100-SXM4-40GB", 42_298_834_944, "A100-40GB"),   # the driver totals torch reports
+    ("NVIDIA A100-SXM4-80GB", 84_986_691_584, "A100-80GB"),
+    ("NVIDIA A100 80GB PCIe", 85_096_693_760, "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", 85_520_809_984, "H100-80GB"),
+    ("NVIDIA H200", 150_754_820_096, "H200"),
+    ("Tesla T4", 15_835_660_288, "T4"),
+    ("NVIDIA GeForce GTX 1080", 8_500_000_000, None),
+])
+def test_the_live_gpu_is_the_catalog_entry_of_its_name_and_memory(device, total, entry):
+    from llmem.setup.gpus import catalog_gpu_for
+
+    assert catalog_gpu_for(device, total) == entry

@@ -136,11 +136,11 @@ def test_adapters_off_has_no_copy():
     ({"fused_ce": True}, "--fused-ce"),
     ({"method": "fsdp", "gpus": 2}, "--method single or ddp"),
     ({"attn": "flash"}, "--attn"),
-    ({"objective": "orpo"}, "orpo is not modelled yet"),
+    ({"objective": "ppo"}, "ppo is not modelled yet"),
     ({"objective": "kto", "batch_size": 1}, "--batch-size >= 2"),
     ({"objective": "kto", "batch_size": 3}, "even --batch-size"),
     ({"objective": "kto", "loss_type": "sigmoid"}, "unknown --loss-type"),
-    ({"objective": "grpo"}, "not modelled yet"),
+    ({"objective": "rloo"}, "rloo is not modelled yet"),
     ({"objective": "nope"}, "unknown objective"),
 ])
 def test_refusals(fields, message):

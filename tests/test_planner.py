@@ -99,10 +99,13 @@ def test_candidates_skip_tp_that_does_not_divide_heads_and_tp_across_nodes():
     # gpt2: 12 heads -> tp 8 is skipped silently; tp 2 and 4 stay
     assert _labels(candidate_layouts(8, None, 12, 12)) == [
         ("ddp", 8, 1), ("fsdp", 8, 1), ("zero2", 8, 1), ("fsdp+tp", 4, 2), ("fsdp+tp", 2, 4)]
-    # 16 GPUs on 2 nodes of 8: no pure tp; fsdp+tp with tp inside a node
-    assert _labels(candidate_layouts(16, 8, 32, 8)) == [
+    # 16 GPUs on 2 nodes of 8: no pure tp; fsdp+tp with tp inside a node; then each sharding layout as HSDP
+    # sharded within a node (8 / tp shards, 2 replicas; none for tp 8, one shard per node)
+    layouts = candidate_layouts(16, 8, 32, 8)
+    assert _labels(layouts) == [
         ("ddp", 16, 1), ("fsdp", 16, 1), ("zero2", 16, 1), ("fsdp+tp", 8, 2), ("fsdp+tp", 4, 4),
-        ("fsdp+tp", 2, 8)]
+        ("fsdp+tp", 2, 8), ("fsdp", 16, 1), ("zero2", 16, 1), ("fsdp+tp", 8, 2), ("fsdp+tp", 4, 4)]
+    assert [(lay.replicas, lay.shard_degree) for lay in layouts[6:]] == [(2, 8), (2, 8), (2, 4), (2, 2)]
     assert _labels(candidate_layouts(1, None, 32, 8)) == [("single", 1, 1)]
 
 

@@ -72,7 +72,9 @@ def test_vocab_parallel_gradient_is_redistributed_where_the_optimizer_needs_it(o
     assert len(step) > 2
 
 
-@pytest.mark.parametrize("setup", CI_MATRIX, ids=lambda s: f"{s.model}-{s.method}-{s.precision}-{s.optimizer}")
+# (pipeline rows: a stage's schedule has no moments; llmem.estimator.pipeline)
+@pytest.mark.parametrize("setup", [s for s in CI_MATRIX if s.pp == 1],
+                         ids=lambda s: f"{s.model}-{s.method}-{s.precision}-{s.optimizer}")
 def test_moments_follow_the_schedule(setup):
     """The moments (tensor sums at the step's candidate peaks) stay within 10 % of the schedule's own tensor peak
     on every CI row: the planner's quick bound is calibrated on the full estimate, so it needs to follow it."""

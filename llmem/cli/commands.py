@@ -177,7 +177,8 @@ def _write_json(path: str, data: dict) -> None:
         json.dump(data, fh, indent=2)
 
 
-EXPORT_FILE_EXAMPLES = {"accelerate": "accelerate.yaml", "torchrun": "launch.sh", "deepspeed": "ds_config.json"}
+EXPORT_FILE_EXAMPLES = {"accelerate": "accelerate.yaml", "torchrun": "launch.sh", "deepspeed": "ds_config.json",
+                        "torchtitan": "train.toml", "trl": "trl_config.yaml"}
 
 
 def _check_export(args: argparse.Namespace, setup) -> None:
@@ -188,7 +189,7 @@ def _check_export(args: argparse.Namespace, setup) -> None:
     if kind not in EXPORT_KINDS:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
     check_output_path(f"--export {kind}", path, EXPORT_FILE_EXAMPLES.get(kind, "launch.cfg"))
-    check_exportable(setup, f"--export {kind}")
+    check_exportable(setup, f"--export {kind}", kind)
     if kind == "deepspeed" and args.setup_method and METHODS[setup.method].deepspeed_stage is None:
         raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {setup.method} (its AutoTP "
                          "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")

@@ -133,10 +133,25 @@ def memory_table(result: MemoryResult) -> Table:
     return table
 
 
+def phases_table(result: MemoryResult) -> Table:
+    """A step with phases (GRPO): each phase's peak, what fills it most, and which phase is the step's peak."""
+    table = Table()
+    for name, justify in (("phase", "left"), ("allocated", "right"), ("reserved", "right"), ("largest parts", "left")):
+        table.add_column(name, justify=justify)
+    for p in result.phases:
+        parts = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
+        filled = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in parts)
+        name = f"[bold]{p.name} (peak)[/]" if p.is_peak else p.name
+        table.add_row(name, format_bytes(p.allocated_bytes), format_bytes(p.reserved_bytes), filled)
+    return table
+
+
 def print_memory(result: MemoryResult, console: Console | None = None) -> None:
     console = console or Console()
     console.print(Title(memory_title(result)))
     console.print(memory_table(result))
+    if result.phases:
+        console.print(phases_table(result))
     if result.peak_phase:
         console.print(f"peak during: {result.peak_phase}")
     oom = getattr(result, "oom", None)
@@ -285,6 +300,11 @@ def print_plan(p: Plan, console: Console | None = None, wide: bool | None = None
         if p.dataset_time_s is not None:
             line += f"; {p.options.dataset_tokens:,} tokens in {_fmt_time(p.dataset_time_s)}"
         console.print(line)
+        if p.recommended.memory.phases:       # a step with phases (GRPO): the recommended one's
+            console.print(phases_table(p.recommended.memory))
+            t = p.recommended.time
+            if t is not None and t.generation_s:
+                console.print(f"generation and scoring: {_fmt_time(t.generation_s)} of the {_fmt_time(t.step_s)} step")
     elif p.recommendation == CPU_OFFLOADING:
         console.print(f"[bold]recommended:[/] CPU offloading — {escape(p.reason)}")
     else:
@@ -325,7 +345,8 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
         words.append(s.quant_base + ("" if s.double_quant or s.quant_base != "nf4" else "-no-dq")
                      + ("" if s.kbit_upcast or s.quant_base == "torchao-nf4" else "-no-upcast"))
     if s.grad_ckpt:
-        words.append("ckpt" + (f"/{s.ckpt_every}" if s.ckpt_every > 1 else ""))
+        words.append("ckpt" + (f"/{s.ckpt_every}" if s.ckpt_every > 1 else "")
+                     + (f"/{s.ac_policy}" if s.ac_policy != "full" else ""))
     if s.attn != "sdpa":
         words.append(s.attn)
     words += [w for w, on in (("fused-ce", s.fused_ce), ("offload-act", s.offload_activations),

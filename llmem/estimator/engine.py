@@ -14,13 +14,16 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
+from dataclasses import replace
 
 from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.events import Replay, Schedule, extrapolate, replay
+from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
 from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
+from llmem.memory.activations.context_parallel import rank_tokens
 from llmem.memory.activations.learned import (
     learned_for,
     learning_failure,
@@ -32,8 +35,9 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
-from llmem.result import COMPONENTS, MemoryResult, OutOfMemory
+from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
+from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 
 EXACT_LAYERS = 40                 # models up to this depth are replayed whole
@@ -57,34 +61,53 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
     on the micro-batch shape). `fits` is decided on a device of `limit_bytes` (default: the GPU's memory) as the
     allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only."""
+    record = r.record()
+    r = rank_tokens(r)     # --cp: the rank's seq_len / cp tokens (llmem.memory.activations.context_parallel)
     learn_if_needed(r)
     act = activation_profile(r)
     ms = states or model_states(r)
-    moments = step_moments(r, act, ms)
-    whole = functools.cache(lambda: step_schedule(r, act).build())    # built once: replayed, maybe at capacity
-    rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
+    stages: list[dict] = []
+    if r.layout.pp > 1:    # one schedule per pipeline stage, the answer the largest (llmem.estimator.pipeline)
+        from llmem.estimator.pipeline import pipeline_note, pipeline_step, stage_whole
+
+        rep, top, stages = pipeline_step(r)
+        moments = []       # the moments explain a whole-model step: not written for a stage
+        whole = functools.cache(lambda: stage_whole(r, top))
+    else:
+        moments = step_moments(r, act, ms)
+        whole = functools.cache(lambda: step_schedule(r, act).build())    # built once: replayed, maybe at capacity
+        rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
-    cap = step_at_capacity(r, rep, limit - context, whole, draft=draft)
+    pool = colocated_pool(r)           # GRPO --use-vllm colocate: vLLM's own pool beside the trainer
+    if pool is not None:
+        check_vllm_starts(r, pool, ms.weights, context)
+    vllm_resident = pool.resident_in_training_bytes if pool is not None else 0
+    cap = step_at_capacity(r, rep, limit - context - vllm_resident, whole, draft=draft)
+    if pool is not None and pool.sleeps:
+        cap = vllm_wake_up(rep, pool, cap, limit - context)
     reserved = rep.peak_reserved_bytes if cap.reserved_bytes is None else cap.reserved_bytes
     managed = ms.optimizer_states_outside_allocator
     if cap.completes:      # paged states: resident while there is room, evicted to the host when there is not
-        managed = resident_managed_bytes(managed, limit - context - reserved)
+        managed = resident_managed_bytes(managed, limit - context - reserved - vllm_resident)
+    if pool is not None and pool.sleeps:   # at the wake-up: the trainer's live tensors (cache emptied) + the pool
+        vllm_resident = max(0, generation_allocated(rep) + pool.pool_bytes - reserved)
     components = dict.fromkeys(COMPONENTS, 0)
     components.update(rep.components)
     components["block_rounding"] = rep.peak_allocated_bytes - sum(rep.components.values())
     components["allocator_overhead"] = reserved - rep.peak_allocated_bytes
     components["cuda_context"] = context
     components["managed_memory"] = managed
+    components["vllm_pool"] = vllm_resident
     host = offloaded_optimizer_host_bytes(r) if r.setup.offload_optimizer or r.setup.offload_param else 0
-    return MemoryResult(
+    result = MemoryResult(
         engine="llmem",
         peak_allocated_bytes=rep.peak_allocated_bytes,
         peak_reserved_bytes=rep.peak_reserved_bytes,
-        device_used_bytes=reserved + context + managed,
+        device_used_bytes=reserved + context + managed + vllm_resident,
         gpu_memory_bytes=r.gpu.memory_bytes,
         components=components,
-        setup=r.record(),
+        setup=record,
         peak_phase=rep.peak_phase,
         notes=estimate_notes(r, act, host) + capacity_notes(cap, rep.peak_reserved_bytes, managed,
                                                             ms.optimizer_states_outside_allocator),
@@ -93,7 +116,36 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         capped_reserved_bytes=cap.reserved_bytes,
         oom=cap.oom,
         by_fragmentation=cap.by_fragmentation,
+        phases=step_phases(r, rep),
+        stages=stages,
     )
+    if stages:
+        result.notes.append(pipeline_note(r, top))
+    if pool is not None:
+        result.notes.append(vllm_note(r, pool))
+    return result
+
+
+def generation_allocated(rep: Replay) -> int:
+    """The trainer's live tensor bytes at its generation phases' peak (what stays on the device while vLLM runs)."""
+    return max((p.allocated for name, p in rep.phases.items() if name.endswith(":generation")), default=0)
+
+
+def vllm_wake_up(rep: Replay, pool, cap: AtCapacity, capacity_bytes: int) -> AtCapacity:
+    """Sleep mode: TRL empties torch's cache and wakes vLLM before each generation; its pool must fit beside the
+    trainer's live tensors then (else CUDA runs out of memory at the wake-up)."""
+    held = generation_allocated(rep)
+    if not cap.completes or held + pool.pool_bytes <= capacity_bytes:
+        return cap
+    oom = OutOfMemory("generation", "vLLM wake-up", "vllm_pool", pool.pool_bytes, held, held, capacity_bytes)
+    return replace(cap, reserved_bytes=None, oom=oom)
+
+
+def step_phases(r: ResolvedSetup, rep: Replay) -> list[PhaseMemory]:
+    """A step with phases (GRPO: generation, scoring, training): each phase's peak from the replay."""
+    if not objective_spec(r.setup.objective).generates:
+        return []
+    return grouped_phases([(name, p.allocated, p.reserved, p.components) for name, p in rep.phases.items()])
 
 
 def step_at_capacity(r: ResolvedSetup, rep: Replay, capacity_bytes: int, whole: Callable[[], Schedule],

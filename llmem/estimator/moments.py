@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.estimator.objectives import preference_moments
+from llmem.estimator.objective_steps import objective_moments
 from llmem.estimator.states import ModelStates
-from llmem.memory.activations.blocks import block_owner
-from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
+from llmem.memory.activations.blocks import block_owner, loss_parallel_forward_bytes
+from llmem.memory.activations.profile import ActivationProfile, dims_for, virtual_tokens
 from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
@@ -95,8 +95,8 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     """
     if r.method.zero_stage is not None:
         return zero_moments(r, act, ms)
-    if r.setup.objective != "sft":     # TRL's preference step: these moments of its doubled batch, adjusted
-        return preference_moments(r, act, ms, step_moments)
+    if r.setup.objective != "sft":     # TRL's trainers' steps: these moments of their batch, adjusted
+        return objective_moments(r, act, ms, step_moments)
     anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
     costs = layer_costs(r, act)
     tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
@@ -122,8 +122,9 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     top_ckpt = act.checkpointed(layers - 1)
     # a checkpointed layer's backward: the gradient of its output (the residual stream's) is live throughout, and
     # the offloaded input copied back while it recomputes
-    top_stream = act.ckpt_input_bytes if top_ckpt else 0
-    bottom_stream = act.ckpt_input_bytes if act.checkpointed(0) else 0
+    # (--ac-policy op: and the stored outputs its recompute never reads, llmem.memory.activations.selective)
+    top_stream = act.ckpt_input_bytes + act.selective_held_bytes if top_ckpt else 0
+    bottom_stream = act.ckpt_input_bytes + act.selective_held_bytes if act.checkpointed(0) else 0
     gather_bytes = setup.gather_bytes
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
     head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
@@ -153,6 +154,8 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     moments: list[Moment] = []
     # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
     fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
+    if setup.loss_parallel:          # the vocab-sharded logits, x - max and its exp (loss_parallel()'s log-softmax)
+        fwd_loss = loss_parallel_forward_bytes(dims_for(anatomy, setup, layout.tp), regime.mm)
     if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
         fwd_loss = act.fused_ce.forward_peak_bytes
         head_copy = 0                # the loss's weight cast is freed at its end (counted in fwd_loss)
@@ -206,7 +209,8 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
         i = layers - 2
         ckpt = act.checkpointed(i)
         base_mid = sum(static.values()) + gathered_top + head_live + layer_final_grads + outside \
-            + act.device_layers_saved(i) + prefetch + rs_prev + (act.ckpt_input_bytes if ckpt else 0)
+            + act.device_layers_saved(i) + prefetch + rs_prev \
+            + (act.ckpt_input_bytes + act.selective_held_bytes if ckpt else 0)
         mid_peak = _walk_layer_backward(base_mid, costs, regime.autocast, act.recompute_input_bytes if ckpt else 0)
         moments.append(_lump("backward", static, mid_peak, {
             "gathered_weights": gathered_top, "gradients": head_live + layer_final_grads,

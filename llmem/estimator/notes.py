@@ -3,14 +3,18 @@ notes are shared with the trace and measure (the real step), the rest is the est
 
 from __future__ import annotations
 
+from llmem.estimator.objectives import reference_bytes
 from llmem.estimator.states import cpu_offload, cpu_offload_host_bytes
-from llmem.memory.activations.learned import activation_source_notes
+from llmem.memory.activations.learned import activation_source_notes, learned_for
 from llmem.memory.activations.profile import ActivationProfile, activation_notes
 from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_bytes
 from llmem.model.anatomy import ModelAnatomy
+from llmem.model.moe import routing_notes
 from llmem.model.resolved import ResolvedSetup
+from llmem.setup.context_parallel import cp_note
 from llmem.setup.deepspeed import AUTO, bucket_buffers, zero_config
 from llmem.setup.layout import Layout
+from llmem.setup.objectives import REF_COPY, objective_notes, objective_spec, reference_mode
 from llmem.setup.training import TrainingSetup
 from llmem.units import GIB
 
@@ -21,7 +25,7 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
     if setup.quant_base == "none":
         return []
     q = quant_layout(setup.quant_base)
-    shards = layout.dp if layout is not None and layout.shards_model_states else 1
+    shards = layout.shard_degree if layout is not None else 1
     args = quant_args(setup, shards > 1)
     quantised = [p for p in anatomy.params if is_quantised(p, setup.quant_base)]
     stored = sum(storage_bytes(p, setup.quant_base, args) for p in quantised)
@@ -107,6 +111,14 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     RAM per GPU under --offload-optimizer."""
     setup, anatomy = r.setup, r.anatomy
     notes = setup.optimizer_spec.notes("estimate", setup.optimizer_in_backward)
+    if r.layout.cp > 1:    # r: the rank's set-up (its seq_len / cp tokens)
+        notes.append(cp_note(r.layout.cp, setup.seq_len * r.layout.cp, "estimate"))
+    notes += objective_notes(setup)       # TRL's trainer: its batch layout, its loss, the reference and its cost
+    if reference_mode(setup) == REF_COPY:
+        notes.append(f"the reference copy costs {anatomy.total_params * reference_bytes(setup) / GIB:.2f} GiB of "
+                     "weights per GPU, resident through the step (no gradients, no optimizer states); "
+                     + ("--beta 0" if objective_spec(setup.objective).generates else "--precompute-ref-log-probs")
+                     + " or LoRA (adapters disabled) drop it")
     if r.layout.shards_model_states:
         notes += setup.optimizer_spec.sharded_notes
     if r.method.zero_stage is not None:
@@ -117,6 +129,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
+    notes += routing_notes(anatomy, learned=learned_for(r) is not None)     # MoE: the routing assumption
     notes += quant_notes(setup, anatomy, r.layout)
     notes += activation_source_notes(r)     # learned from the real code, or the fallback recipe and why
     notes.extend(activation_notes(setup))

@@ -258,9 +258,7 @@ class PreferenceEvents:
         norm_out = alloc(self.rows * self.seq * s.hidden_size * head.out_bytes, "activations")
         self.saved, outputs = self.fused_forward(head, keep=True)
         sch.free(norm_out)                       # the backbone's output dies when the fused forward returns
-        if self.mode in (REF_COPY, REF_ADAPTERS_OFF):
-            for _ in range(1 + self.kl):                   # KTO: the KL sequences first, then the completions
-                self.reference_forward()
+        self.forwards_after_policy()
         sch.mark("loss")
         sch.free_all(outputs)                    # _compute_loss returns: its outputs and labels die
         sch.free(self.labels)
@@ -318,6 +316,12 @@ class PreferenceEvents:
             return [mask, hidden, targets, log_z, entropy], scattered
         sch.free_all([mask, hidden, targets, log_z, entropy] + scattered)
         return [], []
+
+    def forwards_after_policy(self) -> None:
+        """The reference forward(s) inside _compute_loss (GRPO scores its reference before: none here)."""
+        if self.mode in (REF_COPY, REF_ADAPTERS_OFF):
+            for _ in range(1 + self.kl):                   # KTO: the KL sequences first, then the completions
+                self.reference_forward()
 
     def reference_forward(self) -> None:
         """The reference's forward under no_grad: the copy (its frozen fp32 weights cast per use under autocast),

@@ -12,7 +12,8 @@ the step's events; each names the PyTorch behaviour it lays out.
 from __future__ import annotations
 
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
-from llmem.estimator.objectives import PreferenceEvents, objective_view
+from llmem.estimator.objective_steps import objective_events
+from llmem.estimator.objectives import objective_view
 from llmem.estimator.states import by_bytes, cpu_offload, fsdp_gathered_tensors, fsdp_shards, steps_on_host
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.activations.loss import FusedCE
@@ -181,7 +182,7 @@ class StepSchedule:
         self.ag_out: dict[int | None, int] = {}     # prefetched all-gather outputs, not yet copied out (backward)
         self.last_forward_ag: list[int] = []
         self.pending_steps: list[ParamInfo] = []
-        self.objective = PreferenceEvents(self, r) if preference else None
+        self.objective = objective_events(self, r) if preference else None   # TRL's trainers' steps
 
     def build(self, iterations: int = 2) -> Schedule:
         self.setup_phase()
@@ -293,7 +294,7 @@ class StepSchedule:
         if self.cpu_offload:
             inputs = self.copies_from_host(unit)
         else:
-            cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.layout.dp
+            cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.shards
             inputs = [alloc(cast, "communication_buffers", ALL_GATHER)] if cast else []
         out = alloc(self.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
         self.sch.free_all(inputs)
@@ -303,7 +304,7 @@ class StepSchedule:
         """CPUOffloadPolicy's all-gather inputs (FSDPParam.all_gather_inputs, no foreach copy): each parameter's
         padded shard copied from the host in its stored dtype (`.to(device)`), then cast to MixedPrecisionPolicy's
         param_dtype where that differs (the copy dies with the cast); they live until the copy-in is done."""
-        alloc, dp = self.sch.alloc, self.layout.dp
+        alloc, dp = self.sch.alloc, self.shards
         keys = []
         for p in unit:
             copy = alloc(self.unsharded[p.name] // dp * element_bytes(p, self.setup), "communication_buffers",
@@ -482,6 +483,8 @@ class StepSchedule:
             self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
         self.layer_keys: dict[int, list[list[int]]] = {}
         self.ckpt_keys: dict[int, int] = {}
+        self.sac_keys: dict[int, dict[tuple[int, int], int]] = {}   # --ac-policy op: stored recipe tensors
+        self.sac_extra: dict[int, list[tuple[int, int, bool]]] = {}  # ... and other stored outputs (block, key, read)
         self.passed = -1    # offloaded checkpointing: the last checkpointed layer's output, the next layer's input
         self.int8_keys: dict[int, list[int]] = {}   # LLM.int8's inputs a checkpointed layer keeps (ctx attributes)
         for i in range(self.layers):
@@ -530,6 +533,8 @@ class StepSchedule:
                 per_block.append([])
             else:
                 per_block.append(self.forward_block(b))
+                if checkpointed and act.selective is not None:
+                    self.selective_forward(i, j, per_block)
             if self.offloaded(i) and len(per_block) > 1:
                 sch.free_all(per_block[-2])   # the previous block's tensors are on the host by now
             if not checkpointed and pending is not None:
@@ -566,9 +571,39 @@ class StepSchedule:
         if self.reshard:
             self.reshard_unit(i)
 
+    def selective_forward(self, i: int, j: int, per_block: list[list[int]]) -> None:
+        """--ac-policy op, block j of layer i's forward (llmem.memory.activations.selective): the checkpoint's
+        storage takes the block's stored recipe tensors (out of what the layer frees: their keys become -1 there)
+        and its other stored op outputs are made; the previous block's other tensors die now (the forward frees its
+        intermediates as it goes, so the stored outputs sit where the allocator placed them among them)."""
+        sel, alloc = self.act.selective, self.sch.alloc
+        if j == 0:
+            self.sac_keys[i], self.sac_extra[i] = {}, []
+        keys = per_block[j]
+        for jj, k in sel.stored:
+            if jj == j:
+                self.sac_keys[i][(j, k)] = keys[k]
+                keys[k] = -1
+        self.sac_extra[i] += [(j, alloc(n, "activations"), read) for jj, n, read in sel.extra if jj == j]
+        if j > 0:
+            self.sch.free_all(per_block[j - 1])
+
+    def selective_recompute(self, i: int, j: int) -> list[int]:
+        """--ac-policy op, block j of layer i's recompute: the stored tensors are handed back (not made again); the
+        stored outputs the recompute reads die once read (the rest at the layer's backward end)."""
+        b = self.act.blocks[j]
+        stored = self.sac_keys[i]
+        keys = [stored.pop((j, k)) if (j, k) in stored else self.sch.alloc(n, "activations")
+                for k, n in enumerate(b.tensors)]
+        read = [e for e in self.sac_extra[i] if e[0] == j and e[2]]
+        self.sch.free_all([k for _, k, _ in read])
+        self.sac_extra[i] = [e for e in self.sac_extra[i] if e not in read]
+        return keys
+
     def head_forward(self) -> None:
         """The final norm, the lm_head and the loss: full logits, their fp32 upcast and log-softmax (HF's
-        ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered."""
+        ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered (under
+        --loss-parallel they stay sharded: loss_parallel_forward)."""
         if self.objective is not None:    # TRL's fused head and the reference forward
             return self.objective.head_forward()
         sch, alloc, act, regime, tv, tp = self.sch, self.sch.alloc, self.act, self.regime, self.tv, self.layout.tp
@@ -588,6 +623,9 @@ class StepSchedule:
         if regime.autocast:
             self.head_copy = [alloc(self.tp_local[p.name] * regime.mm, "gathered_weights") for p in self.root
                               if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and self.casts(p)]
+        if self.setup.loss_parallel:   # ColwiseParallel(output_layouts=Shard(-1)): the logits stay vocab-sharded
+            self.loss_parallel_forward()
+            return
         if tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
             local = alloc(-(-tv // tp) * regime.mm, "logits_and_loss")
             gathered_out = alloc(tv * regime.mm, "logits_and_loss")
@@ -601,6 +639,39 @@ class StepSchedule:
         upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
         self.log_softmax = alloc(tv * F32, "logits_and_loss")
         sch.free(upcast)
+
+    def loss_parallel_forward(self) -> None:
+        """--loss-parallel: HF's logits.float() of the [tokens, vocab/tp] shard, then loss_parallel()'s _log_softmax
+        (torch/distributed/tensor/parallel/loss.py): x - max (all-reduced), its exp (summed and all-reduced, then
+        freed), the log-softmax (kept for backward); the upcast dies with the loss function."""
+        sch, alloc, mm = self.sch, self.sch.alloc, self.regime.mm
+        n = self.t * -(-self.vocab_size // self.layout.tp)
+        self.logits = alloc(n * mm, "logits_and_loss")
+        upcast = alloc(n * F32, "logits_and_loss") if mm != F32 else -1
+        shifted = alloc(n * F32, "logits_and_loss")
+        sch.free(alloc(n * F32, "logits_and_loss"))          # exp(shifted), summed
+        self.log_softmax = alloc(n * F32, "logits_and_loss")
+        sch.free(shifted)
+        sch.free(upcast)
+
+    def loss_parallel_backward(self) -> int:
+        """--loss-parallel: _nll_loss_and_log_softmax_backward on the shard: zeros_like (the one-hot), exp of the
+        log-softmax, their sum, times grad_output; then the cast back to the logits' dtype. Returns its key."""
+        sch, alloc, mm = self.sch, self.sch.alloc, self.regime.mm
+        n = self.t * -(-self.vocab_size // self.layout.tp)
+        zeros = alloc(n * F32, "logits_and_loss")
+        e = alloc(n * F32, "logits_and_loss")
+        total = alloc(n * F32, "logits_and_loss")
+        sch.free(e)
+        grad = alloc(n * F32, "logits_and_loss")
+        sch.free(total)
+        sch.free(zeros)
+        sch.free(self.log_softmax)
+        if mm == F32:
+            return grad
+        cast = alloc(n * mm, "logits_and_loss")
+        sch.free(grad)
+        return cast
 
     def backward(self, it: int) -> None:
         sch = self.sch
@@ -634,6 +705,8 @@ class StepSchedule:
         sch, alloc, act, regime, tv = self.sch, self.sch.alloc, self.act, self.regime, self.tv
         if act.fused_ce is not None:   # the loss's backward hands over the gradients it kept
             cast_grad = -1
+        elif self.setup.loss_parallel:   # the gradient of the local vocab shard (no slicing)
+            cast_grad = self.loss_parallel_backward()
         else:
             nll_grad = alloc(tv * F32, "logits_and_loss")
             ls_grad = alloc(tv * F32, "logits_and_loss")
@@ -644,7 +717,7 @@ class StepSchedule:
                 sch.free(ls_grad)
             else:
                 cast_grad = ls_grad
-        if self.layout.tp > 1:   # the replicated gradient is sliced back to this rank's vocab shard
+        if self.layout.tp > 1 and not self.setup.loss_parallel:   # the replicated gradient sliced to the shard
             shard_grad = alloc(-(-tv // self.layout.tp) * regime.mm, "logits_and_loss")
             sch.free(cast_grad)
             cast_grad = shard_grad
@@ -723,8 +796,8 @@ class StepSchedule:
             unpacked = alloc(act.recompute_input_bytes, "activations") if act.recompute_input_bytes else -1
             copies = [[alloc(n, "gathered_weights") for n in self.cast_bytes(params)] for params in blocks_params]
             per_block = []
-            for b, params in zip(act.blocks, blocks_params, strict=True):
-                per_block.append(self.forward_block(b))
+            for j, (b, params) in enumerate(zip(act.blocks, blocks_params, strict=True)):
+                per_block.append(self.forward_block(b) if act.selective is None else self.selective_recompute(i, j))
                 self.dequantise(params, backward=False, block=b)
             sch.free(unpacked)     # the unpack hook's arguments die when the recompute returns
         self.layer_unsharded.clear()
@@ -747,6 +820,7 @@ class StepSchedule:
         if checkpointed:
             sch.free(self.ckpt_keys.pop(i, -1))
             sch.free_all(self.int8_keys.pop(i))
+            sch.free_all([k for _, k, _ in self.sac_extra.pop(i, [])])   # stored, never read by the recompute
             sch.free(stream_grad)
         if self.fsdp:
             self.reduce_scatter_layer(i)
@@ -760,7 +834,7 @@ class StepSchedule:
         sch.free_all(self.pending_rs)
         rs_in = alloc(self.unit_bytes(unit, self.reduce_bytes, True), "communication_buffers")
         sch.free_all(self.layer_unsharded)
-        self.sharded_grads(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.layout.dp, "gradients",
+        self.sharded_grads(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.shards, "gradients",
                                  REDUCE_SCATTER))
         self.pending_rs.append(rs_in)
 
@@ -782,7 +856,7 @@ class StepSchedule:
         ordered = [self.root_unsharded_grads[p.name] for p in root if p.name in self.root_unsharded_grads]
         for k in ordered[:-1]:
             sch.free(k)
-        out = alloc(self.unit_bytes(root, self.reduce_bytes, True) // self.layout.dp, "gradients", REDUCE_SCATTER)
+        out = alloc(self.unit_bytes(root, self.reduce_bytes, True) // self.shards, "gradients", REDUCE_SCATTER)
         sch.free_all(ordered[-1:])
         self.sharded_grads(out)
         sch.free(rs_in)

@@ -74,29 +74,27 @@ def param_storage_bytes(p: ParamInfo, setup: TrainingSetup, local: int, layout: 
 
 
 def cpu_offload(r: ResolvedSetup) -> bool:
-    """FSDP2's CPUOffloadPolicy (--offload-param under fsdp / zero2 / fsdp+tp): the sharded parameters, their
-    gradients and the optimizer live in pinned host memory; the device holds only what the step gathers."""
-    return r.setup.offload_param and r.layout.shards_model_states
+    """FSDP2's CPUOffloadPolicy (TrainingSetup.fsdp_cpu_offload)."""
+    return r.setup.fsdp_cpu_offload
 
 
 def steps_on_host(r: ResolvedSetup) -> bool:
-    """The optimizer's states and update are on the host: --offload-optimizer, or implied by CPUOffloadPolicy
-    (FSDP2 has no optimizer-only offload; llmem.runtime.optimizers.steps_on_host is the trace's)."""
-    return r.setup.offload_optimizer or cpu_offload(r)
+    """The optimizer's states and update are on the host (TrainingSetup.steps_on_host)."""
+    return r.setup.steps_on_host
 
 
 def fsdp_shards(layout: Layout | None) -> int:
     """How many ranks FSDP2 shards a parameter over (1: not sharded)."""
-    return layout.dp if layout is not None and layout.shards_model_states else 1
+    return layout.shard_degree if layout is not None else 1
 
 
 def fsdp_gathered_tensors(p: ParamInfo, setup: TrainingSetup, layout: Layout) -> tuple[int, ...]:
     """Bytes of FSDP2's all-gather outputs for one parameter (FSDPParam.alloc_all_gather_outputs): a quantised
     weight's sharded tensors in their storage dtypes (llmem.memory.quant.gathered_tensors); any other parameter
-    padded to a multiple of dp, in MixedPrecisionPolicy's param_dtype under *-mixed, else in its own dtype (a kbit
+    padded to a multiple of the shard degree, in MixedPrecisionPolicy's param_dtype under *-mixed, else in its own dtype (a kbit
     upcast's fp32 norms and embeddings stay fp32)."""
     if is_quantised(p, setup.quant_base):
-        return gathered_tensors(p.shape, setup.quant_base, quant_args(setup, True), layout.dp,
+        return gathered_tensors(p.shape, setup.quant_base, quant_args(setup, True), layout.shard_degree,
                                 p.module_kind == "Conv1D")
     per = setup.gather_bytes if setup.mixed else element_bytes(p, setup)
     return (fsdp_unit_numel([p], layout) * per,)

@@ -165,7 +165,15 @@ def inventory(model, name: str) -> ModelAnatomy:
 
 
 @lru_cache(maxsize=64)
-def load_anatomy(model: str, trust_remote_code: bool = False) -> ModelAnatomy:
-    """MODEL string -> its anatomy (cached: anatomies are immutable)."""
+def load_anatomy(model: str, trust_remote_code: bool = False, scalar_head: bool = False) -> ModelAnatomy:
+    """MODEL string -> its anatomy (cached: anatomies are immutable); scalar_head: as a reward model (num_labels=1)."""
     name, cfg = resolve_config(model, trust_remote_code)
-    return inventory(build_meta_model(cfg, trust_remote_code), name)
+    return inventory(build_meta_model(cfg, trust_remote_code, scalar_head), name)
+
+
+def setup_anatomy(setup) -> ModelAnatomy:
+    """The anatomy of the model `setup` trains: its causal LM, or the sequence-classification model TRL's
+    RewardTrainer builds from it (--objective reward)."""
+    from llmem.setup.objectives import objective_spec
+
+    return load_anatomy(setup.model, setup.trust_remote_code, objective_spec(setup.objective).scalar_head)

@@ -211,16 +211,22 @@ def training_config(cfg):
     return cfg
 
 
-def build_meta_model(cfg, trust_remote_code: bool = False):
-    """The real HF causal-LM module tree with meta tensors (no memory)."""
+def build_meta_model(cfg, trust_remote_code: bool = False, scalar_head: bool = False):
+    """The real HF causal-LM module tree with meta tensors (no memory). scalar_head: the sequence-classification
+    model TRL's RewardTrainer loads (AutoModelForSequenceClassification, num_labels=1: the score Linear [1, hidden]
+    in place of the lm_head)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     cfg = training_config(cfg)
+    auto = AutoModelForCausalLM
+    if scalar_head:
+        cfg.num_labels = 1
+        auto = AutoModelForSequenceClassification
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+            return auto.from_config(cfg, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise LlmemError(f"model_type {cfg.model_type!r} is not a causal language model: llmem estimates "

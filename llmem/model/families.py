@@ -21,16 +21,33 @@ class TensorParallelPlan:
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     local_heads: bool = False      # attention modules keep head counts as attributes: divide them by tp
+    # torchtitan's sequence parallel (parallelize_llama): the norms within a layer run SequenceParallel, and the
+    # TP regions with their residual-stream input (a keyword, or positional 0) gathered by PrepareModuleInput
+    sp_norms: tuple[str, ...] = ()
+    sp_regions: tuple[tuple[str, str | int], ...] = ()
+    loss_parallel: bool = True     # the lm_head's vocab-sharded logits reach HF's cross-entropy as they are
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.sp_norms)
 
 
 _LLAMA_TP = TensorParallelPlan(
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-    ("self_attn.o_proj", "mlp.down_proj"))
+    ("self_attn.o_proj", "mlp.down_proj"), sp_norms=("input_layernorm", "post_attention_layernorm"),
+    sp_regions=(("self_attn", "hidden_states"), ("mlp", 0)))
+# Gemma scales the embedding by a plain tensor and Gemma-2 adds post-norms and soft-caps the logits: no
+# sequence parallel (and for Gemma-2 no loss parallel) modelled on them
+_GEMMA_TP = TensorParallelPlan(_LLAMA_TP.colwise, _LLAMA_TP.rowwise)
+_GEMMA2_TP = TensorParallelPlan(_LLAMA_TP.colwise, _LLAMA_TP.rowwise, loss_parallel=False)
 _OPT_TP = TensorParallelPlan(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
                              ("self_attn.out_proj", "fc2"), local_heads=True)
 _CONV1D_TP = ("tp is not supported for {model_type}: transformers has no TP plan for it (base_model_tp_plan is None) "
               "and its Conv1D c_attn/c_fc/c_proj layers cannot be split by torch's ColwiseParallel/RowwiseParallel "
               "(nn.Linear/nn.Embedding only); use ddp, fsdp or zero2")
+_MOE_TP = ("tp is not supported for {model_type}: its experts are fused 3-D parameters (transformers' plan: "
+           "packed_colwise / moe_tp_experts, no torch ParallelStyle), which llmem does not model; use ddp, fsdp or "
+           "zero2")
 _NO_TP = ("tp is not supported for model_type {model_type!r}: llmem has no TP plan for it (supported: Llama/Mistral/"
           "Qwen2/Qwen3/Gemma/Gemma-2 and OPT); use ddp, fsdp or zero2")
 
@@ -47,6 +64,10 @@ class FamilySpec:
     parallel_attention: bool = False     # Falcon: attention and MLP from one LayerNorm, multi-query kv
     tp_plan: TensorParallelPlan | None = None
     tp_refusal: str = _NO_TP             # why no engine runs TP on it ({model_type}), when there is no plan
+    # config values the learned copy (llmem.runtime.learn, 2 layers, layer 1 read) sets so that its layer 1 is a
+    # routed MoE layer (DeepSeek-V3's first 3 layers are dense)
+    learn_copy: tuple[tuple[str, object], ...] = ()
+    flash_refusal: str | None = None     # why --attn flash is not modelled on it (one line), when it is not
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -54,16 +75,32 @@ FAMILIES: dict[str, FamilySpec] = {
     "mistral": FamilySpec("llama", "llama_like", tp_plan=_LLAMA_TP),
     "qwen2": FamilySpec("llama", "llama_like", tp_plan=_LLAMA_TP),
     "qwen3": FamilySpec("llama", None, tp_plan=_LLAMA_TP),
-    "gemma": FamilySpec("llama", None, tp_plan=_LLAMA_TP),
-    "gemma2": FamilySpec("llama", "llama_like", norm="rmsnorm_gemma", post_norms=True, tp_plan=_LLAMA_TP),
+    "gemma": FamilySpec("llama", None, tp_plan=_GEMMA_TP),
+    "gemma2": FamilySpec("llama", "llama_like", norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA2_TP),
     "phi3": FamilySpec("llama", "llama_like", fused_projections=True,
                        tp_refusal="tp is not supported for phi3: transformers' own plan gathers the fused qkv_proj / "
                                   "gate_up_proj outputs on every rank (colwise_gather_output, rowwise_split_input), "
                                   "which llmem does not model (its TP splits heads); use ddp, fsdp or zero2"),
-    "mixtral": FamilySpec("llama", "llama_like", experts=True,
+    # Mixtral: learned like the MoE rows below (transformers 5.24's grouped_mm experts run on the fp32 master weights
+    # under autocast and keep the sorted T*k rows: Llama's recipe with experts was 4-5 % low in fp32 and bf16-mixed)
+    "mixtral": FamilySpec("llama", None, experts=True,
                           tp_refusal="tp is not supported for mixtral: its experts are fused 3-D parameters "
                                      "(transformers' plan: packed_colwise / moe_tp_experts, no torch "
                                      "ParallelStyle), which llmem does not model; use ddp, fsdp or zero2"),
+    # MoE families without a hand recipe: activations learned from the real code (the grouped_mm experts, router,
+    # sort and gathers as transformers 5.24 runs them; llmem.model.moe). experts=True only where intermediate_size is
+    # one expert's width (gpt-oss), for the fallback recipe; Qwen3-MoE's and DeepSeek's intermediate_size is the
+    # dense MLP's (= top_k x moe_intermediate_size in the published configs), which the fallback then models
+    "qwen3_moe": FamilySpec("llama", None, tp_refusal=_MOE_TP,
+                            learn_copy=(("decoder_sparse_step", 1), ("mlp_only_layers", ()))),
+    "gpt_oss": FamilySpec("llama", None, experts=True, tp_refusal=_MOE_TP),
+    "deepseek_v3": FamilySpec("llama", None, tp_refusal=_MOE_TP, learn_copy=(("first_k_dense_replace", 1),),
+                              flash_refusal="--attn flash is not modelled for deepseek_v3: MLA's value heads (v_head_dim) "
+                                            "are narrower than its query/key heads (qk_nope + qk_rope head dims), "
+                                            "which transformers pads for flash-attn and PyTorch's flash kernel does "
+                                            "not take; use --attn sdpa"),
+    # Gemma-3's text model (Gemma3ForCausalLM; the catalog's gemma-3 entries are their text configs)
+    "gemma3_text": FamilySpec("llama", None, norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA_TP),
     "gpt2": FamilySpec("gpt2", "gpt2", norm="layernorm", tp_refusal=_CONV1D_TP),
     "gpt_bigcode": FamilySpec("gpt2", "gpt2", norm="layernorm",
                               tp_refusal="tp is not supported for gpt_bigcode: transformers has no TP plan for it "
@@ -88,6 +125,26 @@ def tp_refusal_of(model_type: str) -> str | None:
     """Why tensor parallelism cannot run on a model type (estimate, trace and measure refuse it alike), or None."""
     spec = family_of(model_type)
     return None if spec.tp_plan is not None else spec.tp_refusal.format(model_type=model_type)
+
+
+def tp_style_refusal(model_type: str) -> dict[str, str]:
+    """Why --sequence-parallel / --loss-parallel cannot run on a model type with a TP plan (by field name)."""
+    plan = family_of(model_type).tp_plan
+    if plan is None:
+        return {}
+    why = {}
+    if not plan.sequence_parallel:
+        why["sequence_parallel"] = (f"--sequence-parallel is not modelled for {model_type}: llmem's plan has no "
+                                    "SequenceParallel norms for it (Llama, Mistral, Qwen2, Qwen3 only); drop it")
+    if not plan.loss_parallel:
+        why["loss_parallel"] = (f"--loss-parallel is not modelled for {model_type}: its logits are soft-capped "
+                                "before the loss (not a plain cross-entropy on the lm_head's output); drop it")
+    return why
+
+
+def flash_refusal_of(model_type: str) -> str | None:
+    """Why --attn flash is not modelled on a model type (estimate, trace and measure refuse it alike), or None."""
+    return family_of(model_type).flash_refusal
 
 
 def tp_plan_of(model_type: str) -> TensorParallelPlan:

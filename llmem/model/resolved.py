@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from llmem.model.anatomy import ModelAnatomy, load_anatomy
-from llmem.model.families import tp_refusal_of
+from llmem.model.anatomy import ModelAnatomy, setup_anatomy
+from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.peft import trained_anatomy
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS, TP_NONE, MethodSpec, canonical_method
 from llmem.setup.optimizers import OptimizerSpec
+from llmem.setup.pipeline import check_pipeline
 from llmem.setup.precision import Regime, regime_for
 from llmem.setup.record import SetupRecord
 from llmem.setup.support import ModelSupport, check_support
@@ -59,20 +60,24 @@ class ResolvedSetup:
 
 
 def setup_for(base: TrainingSetup, layout: Layout, batch_size: int) -> TrainingSetup:
-    """`base` run with `layout` at micro-batch `batch_size` (the fields a layout decides)."""
-    return replace(base, method=layout.method, gpus=layout.world_size,
-                   tp=layout.tp if layout.spec.tensor_parallel != TP_NONE else None, batch_size=batch_size)
+    """`base` run with `layout` at micro-batch `batch_size` (the fields a layout decides; --sequence-parallel and
+    --loss-parallel on its tensor-parallel layouts only)."""
+    tp = layout.spec.tensor_parallel != TP_NONE
+    return replace(base, method=layout.method, gpus=layout.world_size, tp=layout.tp if tp else None,
+                   batch_size=batch_size, dp_replicate=layout.replicas,
+                   sequence_parallel=base.sequence_parallel and tp, loss_parallel=base.loss_parallel and tp)
 
 
 def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> ResolvedSetup:
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
     and the support check of its options under the method (LlmemError names the first problem)."""
-    base = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
+    base = anatomy or setup_anatomy(setup)
     setup = engine_cast(setup)
     trained = trained_anatomy(base, setup)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
-                            trained.num_heads, trained.num_kv_heads)
+                            trained.num_heads, trained.num_kv_heads, setup.dp_replicate, setup.pp, setup.cp)
+    check_pipeline(setup.pp, setup.pp_schedule, setup.microbatches, setup.batch_size, trained.num_layers)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
 
@@ -93,7 +98,9 @@ def model_support(anatomy: ModelAnatomy) -> ModelSupport:
     head = next((p.name.split(".", 1)[0] for p in anatomy.params
                  if p.name.startswith("lm_head.") and any(m in p.name for m in HEAD_ADAPTER_MARKS)), None)
     return ModelSupport(anatomy.architecture, anatomy.model_type, anatomy.supports_sdpa, anatomy.supports_flash_attn,
-                        tp_refusal_of(anatomy.model_type), head)
+                        tp_refusal_of(anatomy.model_type), head,
+                        tuple(tp_style_refusal(anatomy.model_type).items()),
+                        flash_refusal=flash_refusal_of(anatomy.model_type))
 
 
 def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> SetupRecord:

@@ -62,10 +62,11 @@ def tp_local_numel(p: ParamInfo, layout: Layout) -> int:
 
 
 def local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
-    """Shape of `p` held by rank 0: the TP chunk, then FSDP2's dim-0 shard (dim 0 padded to a multiple of dp)."""
+    """Shape of `p` held by rank 0: the TP chunk, then FSDP2's dim-0 shard (dim 0 padded to a multiple of
+    the shard degree: dp, or dp_shard under HSDP)."""
     shape = list(tp_local_shape(p, layout))
-    if layout.shards_model_states and layout.dp > 1 and shape:
-        shape[0] = -(-shape[0] // layout.dp)
+    if layout.shard_degree > 1 and shape:
+        shape[0] = -(-shape[0] // layout.shard_degree)
     return tuple(shape)
 
 
@@ -74,11 +75,13 @@ def local_numel(p: ParamInfo, layout: Layout) -> int:
 
 
 def fsdp_unit_numel(unit: list[ParamInfo], layout: Layout) -> int:
-    """Unsharded size of an FSDP unit as all-gathered: each TP-local parameter padded to a multiple of dp."""
+    """Unsharded size of an FSDP unit as all-gathered: each TP-local parameter padded to a multiple of the
+    shard degree."""
     total = 0
     for p in unit:
         shape = tp_local_shape(p, layout) or (1,)
-        total += -(-shape[0] // layout.dp) * layout.dp * prod(shape[1:])
+        shards = layout.shard_degree
+        total += -(-shape[0] // shards) * shards * prod(shape[1:])
     return total
 
 

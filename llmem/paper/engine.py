@@ -74,6 +74,8 @@ def paper_layout(setup: TrainingSetup) -> Layout:
     if setup.objective != "sft":
         raise LlmemError(f"--engine paper with --objective {setup.objective}: the paper models one model's "
                          "fine-tuning loss; drop --engine paper")
+    if setup.pp > 1:
+        raise LlmemError("--engine paper with --pp: the paper has no pipeline parallelism; drop --engine paper")
     return resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
 
 
@@ -85,6 +87,9 @@ def _setup_terms(setup: TrainingSetup, anatomy: ModelAnatomy, m_base: int, bs: i
 def paper_estimate(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
                    m_base_bytes: int | None = None) -> MemoryResult:
     """LLMem's per-GPU peak for `setup` as a MemoryResult (engine "paper")."""
+    if setup.cp > 1:
+        raise LlmemError("the paper engine (LLMem's equations) has no context parallelism: drop --cp or use "
+                         "--engine llmem / trace")
     m_base = m_base_for(setup, gpu, m_base_bytes)
     t = _setup_terms(setup, anatomy, m_base, setup.batch_size)
     components = dict.fromkeys(COMPONENTS, 0)
@@ -136,7 +141,8 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
         ("--offload-optimizer", setup.offload_optimizer), (f"--grad-ckpt-every {setup.ckpt_every}",
                                                            setup.ckpt_every > 1),
         ("--fused-ce", setup.fused_ce), ("--offload-activations", setup.offload_activations),
-        ("--packing", setup.packing)) if on]
+        ("--packing", setup.packing), ("--sequence-parallel", setup.sequence_parallel),
+        ("--loss-parallel", setup.loss_parallel)) if on]
     if ignored:
         notes.append(f"{', '.join(ignored)} ignored: the paper's equations model full fine-tuning of every "
                      "parameter with its whole logits (use the llmem engine for these)")

@@ -4,13 +4,15 @@ answers a search may use before it confirms with the full one.
 - `LlmemEngine`: the llmem estimator. Each set-up is resolved once and its model states computed once (neither
   depends on the micro-batch shape), then every batch and sequence length of it reuses them. `quick` is the tensor
   bytes at the step's largest moment (no allocator replay, about 1 ms); `draft` replays shallower depths (4 and 8
-  layers): its allocated peak is exact (linear in depth), its reserved is not.
+  layers): its allocated peak is exact (linear in depth), its reserved is not. Every answer is kept per set-up (a
+  plan's what-ifs meet the same set-up more than once).
 - `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
+from collections.abc import Callable
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate_resolved, quick_peak_allocated
@@ -46,6 +48,15 @@ class MemoryEngine:
         return self.full(setup)
 
 
+def shape_free(setup: TrainingSetup) -> TrainingSetup:
+    """The set-up at batch 1 x seq 1, as a cache key (not checked: GRPO refuses that shape, the resolve does not
+    read it)."""
+    key = copy.copy(setup)
+    object.__setattr__(key, "batch_size", 1)
+    object.__setattr__(key, "seq_len", 1)
+    return key
+
+
 class LlmemEngine(MemoryEngine):
     name = "llmem"
     has_quick = True
@@ -53,10 +64,18 @@ class LlmemEngine(MemoryEngine):
     def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
         super().__init__(anatomy, gpu, limit_bytes)
         self._prepared: dict[TrainingSetup, tuple[ResolvedSetup, ModelStates]] = {}
+        # a plan's what-ifs meet the same set-up more than once (one saver's search, another's screen): kept
+        self._answers: dict[tuple[str, TrainingSetup], MemoryResult | int] = {}
+
+    def _kept(self, kind: str, setup: TrainingSetup, work: Callable[[ResolvedSetup, ModelStates], object]):
+        key = (kind, setup)
+        if key not in self._answers:
+            self._answers[key] = work(*self.prepared(setup))
+        return self._answers[key]
 
     def prepared(self, setup: TrainingSetup) -> tuple[ResolvedSetup, ModelStates]:
         """The set-up resolved at its shape, and its model states (resolved and computed once per set-up)."""
-        key = replace(setup, batch_size=1, seq_len=1)
+        key = shape_free(setup)
         got = self._prepared.get(key)
         if got is None:
             r = resolve(key, self.anatomy, self.gpu)
@@ -65,16 +84,15 @@ class LlmemEngine(MemoryEngine):
         return r.with_shape(setup.batch_size, setup.seq_len), states
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
-        r, states = self.prepared(setup)
-        return estimate_resolved(r, states=states, limit_bytes=self.limit_bytes)
+        return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states,
+                                                                             limit_bytes=self.limit_bytes))
 
     def draft(self, setup: TrainingSetup) -> MemoryResult:
-        r, states = self.prepared(setup)
-        return estimate_resolved(r, draft=True, states=states, limit_bytes=self.limit_bytes)
+        return self._kept("draft", setup, lambda r, states: estimate_resolved(r, draft=True, states=states,
+                                                                              limit_bytes=self.limit_bytes))
 
     def quick(self, setup: TrainingSetup) -> int:
-        r, states = self.prepared(setup)
-        return quick_peak_allocated(r, states)
+        return self._kept("quick", setup, quick_peak_allocated)
 
 
 class PaperEngine(MemoryEngine):

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
+from llmem.planner.export_torchtitan import export_torchtitan
+from llmem.planner.export_trl import check_trl_exportable, export_trl
 from llmem.planner.options import EXPORT_KINDS
 from llmem.planner.plan import Plan
 from llmem.planner.timing import accumulation_for
@@ -44,6 +46,8 @@ class ExportPlan:
     notes: tuple[str, ...] = ()          # what the written file does not match of the estimate (for the CLI)
     zero: ZeroConfig | None = None       # DeepSpeed's ZeRO section the estimate assumed (a ds-zero layout)
     offload_param: bool = False          # FSDP2's CPUOffloadPolicy, as planned (--offload-param)
+    sequence_parallel: bool = False      # TP as torchtitan applies it (a layout with tp only)
+    loss_parallel: bool = False
 
     @property
     def cpu_offload_policy(self) -> bool:
@@ -52,7 +56,13 @@ class ExportPlan:
         return self.offload_param or self.offload_optimizer and self.layout.shards_model_states
 
 
-def unexportable_options(setup: TrainingSetup) -> list[str]:
+# the options an export kind writes beyond the layout, batch, precision and checkpointing (the trl CLI's config:
+# its trainer's objective and ModelConfig's LoRA adapters; llmem.planner.export_trl)
+EXPRESSED = {"trl": ("--objective", "--lora-rank"),
+             "torchtitan": ("--ac-policy", "--grad-ckpt-every")}   # [activation_checkpoint] selective op / N
+
+
+def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[str]:
     """The set-up's options that the exported launch configs (layout, batch, precision, checkpointing, optimizer
     offload) do not carry: exporting them would describe a different run than the one planned."""
     s = setup
@@ -62,13 +72,17 @@ def unexportable_options(setup: TrainingSetup) -> list[str]:
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
-        (f"--attn {s.attn}", s.attn != "sdpa"), (f"--objective {s.objective}", s.objective != "sft")) if on]
-    return found
+        (f"--attn {s.attn}", s.attn != "sdpa"), (f"--objective {s.objective}", s.objective != "sft"),
+        (f"--ac-policy {s.ac_policy}", s.ac_policy != "full")) if on]
+    return [f for f in found if not f.startswith(EXPRESSED.get(kind, ()))]
 
 
-def check_exportable(setup: TrainingSetup, flag: str = "--export") -> None:
-    """Refuse a set-up whose options no export can write (decided by the set-up alone, so before any plan)."""
-    extra = unexportable_options(setup)
+def check_exportable(setup: TrainingSetup, flag: str = "--export", kind: str | None = None) -> None:
+    """Refuse a set-up whose options no export (or the export `kind`) can write (decided by the set-up alone, so
+    before any plan)."""
+    if kind == "trl":
+        check_trl_exportable(setup)
+    extra = unexportable_options(setup, kind)
     if extra:
         raise LlmemError(f"{flag} writes the layout, batch, precision, checkpointing and optimizer offload of a "
                          f"full fine-tuning run with AdamW; it cannot express {', '.join(extra)}: plan without "
@@ -94,16 +108,16 @@ def offload_suggestion(p: Plan) -> dict:
     return writable[0]
 
 
-def export_plan(p: Plan) -> ExportPlan:
+def export_plan(p: Plan, kind: str | None = None) -> ExportPlan:
     """The recommended plan, or, when nothing fits, the fastest offload suggestion that fits."""
-    check_exportable(p.setup)
+    check_exportable(p.setup, kind=kind)
     c = p.recommended
     offload = offload_param = False
     grad_ckpt = p.setup.grad_ckpt
     if c is None:
         sug = offload_suggestion(p)
         layout = resolve_layout(sug["method"], sug["gpus"], sug["tp"] if METHODS[sug["method"]].has_tp else None,
-                                p.setup.gpus_per_node, 0, 0)
+                                p.setup.gpus_per_node, 0, 0, sug.get("replicas", 1))
         micro, steps = accumulation_for(p.options.global_batch, sug["max_batch_size"], layout.dp)
         offload, offload_param = sug["kind"] == "offload_optimizer", sug["kind"] == "offload_param"
         grad_ckpt = grad_ckpt or bool(sug.get("changes", {}).get("grad_ckpt"))
@@ -115,7 +129,9 @@ def export_plan(p: Plan) -> ExportPlan:
                                                           p.setup.offload_optimizer), stage, p.anatomy.hidden_size)
     return ExportPlan(p.anatomy.name, p.anatomy.architecture, layout, micro, steps, p.setup.seq_len,
                       p.setup.precision, grad_ckpt, offload or p.setup.offload_optimizer, p.setup.optimizer,
-                      layout.gpus_per_node, zero=zero, offload_param=offload_param or p.setup.offload_param)
+                      layout.gpus_per_node, zero=zero, offload_param=offload_param or p.setup.offload_param,
+                      sequence_parallel=p.setup.sequence_parallel and layout.spec.has_tp,
+                      loss_parallel=p.setup.loss_parallel and layout.spec.has_tp)
 
 
 def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
@@ -146,9 +162,9 @@ def export_accelerate(e: ExportPlan, layer_cls: str) -> str:
             "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_activation_checkpointing": e.grad_ckpt,
         }
-        if lay.tp > 1:
+        if lay.tp > 1 or lay.replicas > 1:      # accelerate's ParallelismConfig: HSDP's replicas, TP's size
             cfg["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": 1,
+                "parallelism_config_dp_replicate_size": lay.replicas,
                 "parallelism_config_dp_shard_size": lay.shard_degree,
                 "parallelism_config_tp_size": lay.tp,
                 "parallelism_config_cp_size": 1,
@@ -183,11 +199,14 @@ def train_script_args(e: ExportPlan) -> list[str]:
         raise LlmemError(f"--export torchrun: the optimizer offload of {lay.label} is DeepSpeed's ZeRO-Offload, which "
                          "PyTorch has no native form of: export deepspeed for this plan")
     args = ["--model", e.model, "--method", lay.method, "--dp", str(lay.dp), "--tp", str(lay.tp),
+            *(("--dp-replicate", str(lay.replicas)) if lay.replicas > 1 else ()),
             "--micro-batch-size", str(e.micro_batch_size), "--gradient-accumulation-steps", str(e.accumulation_steps),
             "--seq-len", str(e.seq_len), "--precision", e.precision, "--optimizer", e.optimizer,
             "--gpus-per-node", str(e.gpus_per_node or lay.gpus_per_node)]
     if e.grad_ckpt:
         args.append("--grad-ckpt")
+    args += [flag for flag, on in (("--sequence-parallel", e.sequence_parallel), ("--loss-parallel", e.loss_parallel))
+             if on]
     if e.offload_optimizer or e.cpu_offload_policy:
         args.append("--offload-optimizer")   # the script's flag for FSDP2's CPUOffloadPolicy
     build_parser().parse_args(args)          # the script reads exactly these flags
@@ -281,33 +300,41 @@ def deepspeed_json(e: ExportPlan, zero: dict) -> dict:
     return cfg
 
 
-# one writer per --export kind (llmem.planner.options.EXPORT_KINDS): (plan, its export) -> the file's text
-EXPORTERS: dict[str, Callable[[Plan, ExportPlan], str]] = {
-    "accelerate": lambda p, e: export_accelerate(e, p.anatomy.decoder_layer_class),
-    "torchrun": lambda p, e: export_torchrun(e),
-    "deepspeed": lambda p, e: export_deepspeed(e),
+# one writer per --export kind (llmem.planner.options.EXPORT_KINDS): (plan, its export, PATH) -> the files to write,
+# {path: text}: PATH's, and any written beside it (trl's accelerate config)
+EXPORTERS: dict[str, Callable[[Plan, ExportPlan, str], dict[str, str]]] = {
+    "accelerate": lambda p, e, path: {path: export_accelerate(e, p.anatomy.decoder_layer_class)},
+    "torchrun": lambda p, e, path: {path: export_torchrun(e)},
+    "deepspeed": lambda p, e, path: {path: export_deepspeed(e)},
+    "torchtitan": lambda p, e, path: {path: export_torchtitan(p, e)},
+    "trl": lambda p, e, path: export_trl(p, e, path, export_accelerate(e, p.anatomy.decoder_layer_class)
+                                         if e.layout.world_size > 1 else None),
 }
 EXECUTABLE_EXPORTS = ("torchrun",)      # written as a script the user runs
 # what a kind's file does not match of the estimate, for the command line to print beside "wrote ..."
 EXPORT_NOTES: dict[str, Callable[[ExportPlan], str]] = {"deepspeed": deepspeed_note}
 # kinds that launch PyTorch's own methods: a plan of DeepSpeed's engine is exported as its JSON
-TORCH_EXPORTS = ("accelerate", "torchrun")
+TORCH_EXPORTS = ("accelerate", "torchrun", "torchtitan")
+TP_STYLE_EXPORTS = ("torchtitan", "torchrun")   # kinds whose launch applies SequenceParallel and loss_parallel()
 
 
 def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
     writer = EXPORTERS.get(kind)
     if writer is None:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
-    e = export_plan(p)
+    if kind not in TP_STYLE_EXPORTS and (p.setup.sequence_parallel or p.setup.loss_parallel):
+        raise LlmemError(f"--export {kind} launches plain tensor parallelism, not the planned --sequence-parallel / "
+                         f"--loss-parallel: export {', '.join(TP_STYLE_EXPORTS)}, or plan without them")
+    e = export_plan(p, kind)
     if e.zero is not None and kind in TORCH_EXPORTS:
         raise LlmemError(f"the plan runs DeepSpeed's engine ({e.layout.method}): --export deepspeed writes its "
                          f"config; {kind} launches PyTorch's own methods")
-    text = writer(p, e)                 # refusals before the file is opened
-    if kind in EXPORT_NOTES and e.zero is None:
-        e = replace(e, notes=(EXPORT_NOTES[kind](e),))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    files = writer(p, e, path)          # refusals before any file is opened
+    notes = (EXPORT_NOTES[kind](e),) if kind in EXPORT_NOTES and e.zero is None else ()
+    notes += tuple(f"the accelerate config beside it: {name} (its accelerate_config)" for name in files if name != path)
+    for name, text in files.items():
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
     if kind in EXECUTABLE_EXPORTS:
         os.chmod(path, 0o755)
-    return e
-
+    return replace(e, notes=notes) if notes else e

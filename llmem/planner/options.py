@@ -13,7 +13,7 @@ from llmem.units import parse_bytes, parse_count, parse_fraction
 
 ENGINES = ("llmem", "paper")
 RANKINGS = ("time", "paper")
-EXPORT_KINDS = ("accelerate", "torchrun", "deepspeed")
+EXPORT_KINDS = ("accelerate", "torchrun", "deepspeed", "torchtitan", "trl")
 
 
 def _flag(default: Any, help: str, flag: str, *, parse=None, cli_default: Any = ..., choices=None, type=None,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmem.errors import LlmemError
-from llmem.model.anatomy import ModelAnatomy, load_anatomy
+from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.paper.algorithm1 import CPU_OFFLOADING, EVAL_FORMULAS
 from llmem.planner.engines import MemoryEngine, memory_engine
 from llmem.planner.options import PlanOptions
@@ -44,6 +44,7 @@ from llmem.planner.suggestions import suggest
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import candidate_layouts, gpus_per_node
+from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -94,7 +95,13 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
          progress: Callable[[str, int, int], None] | None = None) -> Plan:
     """Plan `setup`'s model on setup.gpus GPUs of type setup.gpu (setup.method and batch_size are ignored)."""
     options = options or PlanOptions()
-    anatomy = anatomy or load_anatomy(setup.model, setup.trust_remote_code)
+    if setup.pp > 1:
+        raise LlmemError("llmem plan does not search pipeline-parallel layouts yet: drop --pp (estimate and trace "
+                         "take it)")
+    if setup.cp > 1:
+        raise LlmemError("llmem plan does not search context-parallel layouts yet: drop --cp (estimate and trace "
+                         "take it)")
+    anatomy = anatomy or setup_anatomy(setup)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
@@ -143,7 +150,8 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
         # every what-if is searched on every layout that can run it (screened by the quick bound: suggestions.py)
-        suggestions = suggest(ctx, setup, layouts)
+        suggestions = suggest(ctx, setup, layouts, progress=progress and (
+            lambda what, i, n: progress(what, len(layouts) + i, len(layouts) + n + 1)))
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
@@ -175,7 +183,7 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
     if options.engine == "paper":
         notes.append("paper engine: LLMem's equations (fp16 mixed precision, Gemini chunks, gradient "
                      "checkpointing assumed); the time model still uses the setup given")
-    if setup.batch_size != 1:
+    if setup.batch_size != objective_spec(setup.objective).batch_multiple:
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
     if setup.optimizer_in_backward and options.global_batch:
         notes.append("--optimizer-in-backward cannot accumulate gradients: each step is one micro-batch per GPU, "

@@ -16,6 +16,7 @@ from llmem.result import MemoryResult
 from llmem.search import BATCH_CAP, calibrated_max, max_batch_size
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
+from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 
 
@@ -42,7 +43,7 @@ class CandidatePlan:
         t = self.time
         out = {
             "method": self.layout.method, "label": self.layout.label, "dp": self.layout.dp, "tp": self.layout.tp,
-            "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
+            "dp_replicate": self.layout.replicas, "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
             "batch_size_at_memory": max(self.max_batch_size, 1),
             "peak_reserved_bytes": self.memory.peak_reserved_bytes,
             "capped_reserved_bytes": self.memory.capped_reserved_bytes,
@@ -79,29 +80,32 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     values scaled by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and
     stepped with full estimates, so the result is the full estimator's own largest fitting batch.
     """
+    # the search runs in units of the objective's micro-batch multiple (KTO's 2): x units = x * unit samples
+    unit = objective_spec(base.objective).batch_multiple
     cache: dict[int, MemoryResult] = {}
 
-    def at(bs: int) -> MemoryResult:
-        if bs not in cache:
-            cache[bs] = engine.full(setup_for(base, layout, bs))
-        return cache[bs]
+    def at(x: int) -> MemoryResult:
+        if x not in cache:
+            cache[x] = engine.full(setup_for(base, layout, x * unit))
+        return cache[x]
 
-    def fits(bs: int) -> bool:
-        return fits_within(at(bs), limit)
+    def fits(x: int) -> bool:
+        return fits_within(at(x), limit)
 
+    cap = max(cap // unit, 1)
     if not engine.has_quick:
         best = max_batch_size(fits, cap)
-        return CandidatePlan(layout, best, at(max(best, 1)), limit)
+        return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
     # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
     # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
-    d1 = engine.draft(setup_for(base, layout, 1))
+    d1 = engine.draft(setup_for(base, layout, unit))
     if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
     # device_used <= limit is the same decision as `fits` at this limit (llmem.memory.capacity): the numbers
     # calibrate the search, the predicate is the allocator's
-    best = calibrated_max(lambda bs: at(bs).device_used_bytes, lambda bs: engine.quick(setup_for(base, layout, bs)),
-                          limit, cap)
-    return CandidatePlan(layout, best, at(max(best, 1)), limit)
+    best = calibrated_max(lambda x: at(x).device_used_bytes,
+                          lambda x: engine.quick(setup_for(base, layout, x * unit)), limit, cap)
+    return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
 
 
 def frozen_base_trainable_params(setup: TrainingSetup, anatomy: ModelAnatomy) -> int:
@@ -119,6 +123,7 @@ class PlanContext:
     options: PlanOptions
     engine: MemoryEngine
     limit: int
+    prune: bool = True      # suggestions skip the layouts a quick bound proves cannot be the fastest (False: all)
 
     def search(self, setup: TrainingSetup, layout: Layout) -> CandidatePlan:
         return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap)
@@ -141,21 +146,29 @@ def timed(ctx: PlanContext, setup: TrainingSetup, layout: Layout, micro: int, st
 def attach_time(ctx: PlanContext, c: CandidatePlan, setup: TrainingSetup, adapter_params: int = 0) -> None:
     """The candidate's step time at the micro-batch and accumulation the plan would use (`adapter_params`: the
     trained adapters, found from the set-up when 0)."""
-    if not c.fits:
-        return
+    if c.fits:
+        c.time = time_at_max_batch(ctx, setup, c.layout, c.max_batch_size, adapter_params, c.offload_optimizer)
+
+
+def time_at_max_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, max_batch: int,
+                      adapter_params: int = 0, offload_optimizer: bool = False) -> StepTime:
+    """The step time of `layout` whose largest micro-batch is `max_batch`, at the micro-batch and accumulation the
+    plan would use (attach_time's; tokens/s does not fall as `max_batch` grows, so at an upper bound on the
+    largest batch it bounds the plan's tokens/s)."""
     options = ctx.options
     adapter_params = adapter_params or frozen_base_trainable_params(setup, ctx.anatomy)
     if setup.optimizer_in_backward:
         # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
-        wanted = -(-options.global_batch // c.layout.dp) if options.global_batch else c.max_batch_size
-        micro, steps = min(c.max_batch_size, wanted), 1
+        wanted = -(-options.global_batch // layout.dp) if options.global_batch else max_batch
+        micro, steps = min(max_batch, wanted), 1
     else:
-        micro, steps = accumulation_for(options.global_batch, c.max_batch_size, c.layout.dp)
-    t = timed(ctx, setup, c.layout, micro, steps, adapter_params)
-    if c.offload_optimizer:
-        extra = offload_step_extra_s(assemble(setup_for(setup, c.layout, micro), ctx.anatomy, ctx.gpu, c.layout))
+        micro, steps = accumulation_for(options.global_batch, max_batch, layout.dp,
+                                        objective_spec(setup.objective).batch_multiple)
+    t = timed(ctx, setup, layout, micro, steps, adapter_params)
+    if offload_optimizer:
+        extra = offload_step_extra_s(assemble(setup_for(setup, layout, micro), ctx.anatomy, ctx.gpu, layout))
         t = replace(t, step_s=t.step_s + extra, tokens_per_s=t.tokens_per_step / (t.step_s + extra))
-    c.time = t
+    return t
 
 
 def rank_by_time(candidates: list[CandidatePlan]) -> CandidatePlan | None:

@@ -5,6 +5,7 @@ given."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
@@ -16,14 +17,17 @@ from llmem.planner.search import (
     CandidatePlan,
     PlanContext,
     attach_time,
+    fits_within,
     frozen_base_trainable_params,
     rank_by_time,
+    time_at_max_batch,
     timed,
 )
 from llmem.planner.timing import accumulation_for
 from llmem.search import calibrated_max, max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
+from llmem.setup.objectives import objective_spec
 from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
 from llmem.setup.support import check_support
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -79,24 +83,74 @@ def _best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],
                   offload: bool = False, closest: int = CLOSEST_LAYOUTS
                   ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
     """The fastest fitting plan of `setup` over every layout in `layouts` that can run it (screened by the quick
-    bound, then batch-searched with full estimates), and every plan searched."""
-    plans: list[CandidatePlan] = []
-    for layout in screened_layouts(ctx, setup, layouts, closest):
+    bound, then batch-searched with full estimates), and every plan searched. With ctx.prune, a layout is not
+    searched once a bound proves it cannot change the answer: its tokens/s at its quick batch bound is below the
+    fastest found, or (nothing fitting yet) its draft is out of memory and needs more than the nearest searched;
+    the answer and the closest plan are those of searching every screened layout."""
+    screened = screened_layouts(ctx, setup, layouts, closest)
+    order = list(enumerate(screened))
+    uppers = {i: float("inf") for i, _ in order}
+    floors: dict[int, float | None] = {i: None for i, _ in order}
+    if ctx.prune and ctx.engine.has_quick and len(screened) > 1:
+        uppers = {i: _tokens_per_s_bound(ctx, setup, lay, adapter_params, offload) for i, lay in order}
+        floors = {i: _out_of_memory_floor(ctx, setup, lay) for i, lay in order}
+        # the likely fastest first, so the rest are soon ruled out; then those out of memory, nearest first
+        order.sort(key=lambda x: (-uppers[x[0]], floors[x[0]] if floors[x[0]] is not None else -1.0))
+    found: dict[int, CandidatePlan] = {}
+    best: CandidatePlan | None = None
+    nearest = float("inf")
+    for i, layout in order:
+        if best is not None and uppers[i] < best.time.tokens_per_s:
+            continue                 # its tokens/s at its quick batch bound already falls short: it cannot win
+        if best is None and floors[i] is not None and floors[i] > nearest:
+            continue                 # out of memory, and needs more than the nearest one searched: not the closest
         try:
             c = ctx.search(setup, layout)
         except LlmemError:
             continue
         c.offload_optimizer = offload
         attach_time(ctx, c, setup, adapter_params)
-        plans.append(c)
+        found[i] = c
+        nearest = min(nearest, c.memory.device_used_bytes)
+        if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s):
+            best = c
+    plans = [found[i] for i in sorted(found)]       # in the layouts' order: rank_by_time breaks ties by it
     return rank_by_time(plans), plans
+
+
+def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> float | None:
+    """A lower bound on the full estimate's device-used memory at batch 1 where the draft proves it out of memory
+    (its allocated peak is exact and over the capacity): the draft's device-used with its reserved peak replaced by
+    that allocated peak (the full estimate's reserved is never below its allocated: llmem.estimator.events
+    extrapolate); None where the draft does not rule batch 1 out (or cannot be made)."""
+    try:
+        d = ctx.engine.draft(setup_for(setup, layout, objective_spec(setup.objective).batch_multiple))
+    except LlmemError:
+        return None
+    if fits_within(d, ctx.limit) or d.capped_reserved_bytes is not None:
+        return None
+    return d.device_used_bytes - d.peak_reserved_bytes + d.peak_allocated_bytes
+
+
+def _tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, adapter_params: int,
+                        offload: bool) -> float:
+    """An upper bound on the tokens/s `layout` can reach for `setup`: the time model at its quick batch bound
+    (tokens/s does not fall as the largest micro-batch grows); 0 where even batch 1 is out of the bound, infinite
+    where the bound cannot be computed (then it is searched)."""
+    try:
+        bound = _quick_batch_bound(ctx, setup, layout)
+        if not bound:
+            return 0.0
+        return time_at_max_batch(ctx, setup, layout, bound, adapter_params, offload).tokens_per_s
+    except LlmemError:
+        return float("inf")
 
 
 def _suggestion(kind: str, text: str, c: CandidatePlan | None, **extra) -> dict:
     out = {"kind": kind, "text": text, "fits": bool(c and c.fits)}
     if c is not None:
         out.update({"method": c.layout.method, "label": c.layout.label, "dp": c.layout.dp, "tp": c.layout.tp,
-                    "gpus": c.layout.world_size, "max_batch_size": c.max_batch_size,
+                    "replicas": c.layout.replicas, "gpus": c.layout.world_size, "max_batch_size": c.max_batch_size,
                     "peak_reserved_bytes": c.memory.peak_reserved_bytes,
                     "device_used_bytes": c.memory.device_used_bytes,
                     "step_time_s": c.time.step_s if c.time else None,
@@ -373,12 +427,13 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
                        changes={**dict(menu.changes), **dict(changes)})
 
 
-def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None = None) -> list[dict]:
+def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
     """What would fit when nothing does: memory savers that keep full fine-tuning (fused CE, 8-bit AdamW, the
     optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
     together as each method allows them), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer
     offload, more GPUs. Each is searched over every layout in `layouts` (default: every layout of the plan on
-    setup.gpus GPUs) that can run it."""
+    setup.gpus GPUs) that can run it. `progress(description, done, total)` is told as each what-if begins."""
     anatomy, gpu, options, engine, limit = ctx.anatomy, ctx.gpu, ctx.options, ctx.engine, ctx.limit
     if layouts is None:
         layouts = plan_layouts(ctx, setup.gpus, setup.gpus_per_node)
@@ -394,15 +449,30 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together (as each method allows)
     methods = list({lay.spec.name: lay.spec for lay in layouts}.values())
     alone = full_finetune_savers(setup, methods)
-    for saver in alone:
-        out.append(saver_suggestion(savers, saver, setup, layouts, engine_note))
     combos = combined_savers(setup, alone, methods)
+    menus = adapter_menus(setup)
+    steps = [sv.flags for sv in alone] + (["the cheap savers together"] if combos else []) + [
+        "a shorter sequence", *(m.flags for m in menus), "optimizer offload", "--offload-param", "more GPUs"]
+    done = iter(range(len(steps)))
+
+    def tick() -> None:
+        i = next(done)
+        if progress:
+            progress(f"what would fit: {steps[i]}", i, len(steps))
+
+    for saver in alone:
+        tick()
+        out.append(saver_suggestion(savers, saver, setup, layouts, engine_note))
     if combos:
+        tick()
         out.append(combined_suggestion(savers, combos, setup, layouts, engine_note))
     # 2. the longest sequence that fits at batch 1 (searched on draft estimates), on the layouts whose quick bound
     # at one token does not rule them out
+    tick()
     best_seq, best_c = 0, None
     for layout in screened_layouts(ctx, replace(setup, seq_len=1), layouts):
+        if best_seq and ctx.prune and engine.has_quick and _quick_seq_bound(ctx, setup, layout) <= best_seq:
+            continue                # its quick bound rules out a longer sequence than the one found
         def fits_seq(n: int, layout=layout) -> bool:
             return engine.draft(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
         quick = engine.quick if engine.has_quick else None
@@ -431,9 +501,11 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
         out.append(_suggestion("seq_len", "a shorter sequence does not help: even --seq-len 1 does not fit at "
                                "batch 1", None, seq_len=0))
     # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
-    for menu in adapter_menus(setup):
+    for menu in menus:
+        tick()
         out.append(menu_suggestion(savers, menu, setup, layouts, engine_note))
     # 4. optimizer states on the CPU
+    tick()
     best, plans = _best_fitting(savers, replace(setup, offload_optimizer=True), layouts, offload=True)
     pick = best or _closest(plans)
     ram = offloaded_optimizer_host_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
@@ -444,10 +516,12 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
                            + engine_note,
                            pick, cpu_ram_bytes_per_gpu=ram, cpu_ram_bytes_per_node=ram * per_node))
     # 5. FSDP2's CPU offload of the parameters, gradients and optimizer
+    tick()
     offloaded = offload_param_suggestion(savers, setup, layouts, engine_note)
     if offloaded is not None:
         out.append(offloaded)
     # 6. more GPUs of the same type (then also with checkpointing)
+    tick()
     # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
     methods = tuple(sorted({lay.method for lay in layouts if not lay.spec.one_gpu})) or None
     found = _fewest_gpus(ctx, setup, methods)
@@ -500,6 +574,17 @@ def _quick_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -
     bound = ctx.limit * (1 + QUICK_SLACK)
     return max_batch_size(lambda b: ctx.engine.quick(setup_for(setup, layout, b)) <= bound,
                           ctx.options.batch_cap)
+
+
+def _quick_seq_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
+    """An upper bound on the longest sequence below setup.seq_len that `layout` fits at batch 1 (as
+    _quick_batch_bound's, over the sequence length); setup.seq_len where the bound cannot be computed."""
+    bound = ctx.limit * (1 + QUICK_SLACK)
+    try:
+        return max_batch_size(lambda n: ctx.engine.quick(setup_for(replace(setup, seq_len=n), layout, 1)) <= bound,
+                              setup.seq_len - 1)
+    except LlmemError:
+        return setup.seq_len
 
 
 def _tokens_per_s_at(ctx: PlanContext, setup: TrainingSetup, layout: Layout, batch: int) -> float:

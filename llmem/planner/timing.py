@@ -13,12 +13,15 @@ Time model (all functions pure; units in the names; every assumption is stated h
     SDPA flash / memory-efficient kernels skip fully-masked blocks, so half of that counts; eager attention computes
     the whole s x s matrix and is not halved.
   - gradient checkpointing recomputes the decoder layers' forward once in backward: + 2 * P_layers * tokens + the
-    forward attention FLOPs, times the share of layers checkpointed (ceil(L / k) / L with --grad-ckpt-every k).
+    forward attention FLOPs, times the share of layers checkpointed (ceil(L / k) / L with --grad-ckpt-every k);
+    under --ac-policy op only the matmuls whose outputs the policy does not save (no attention).
   - fused cross-entropy computes the same matmuls (the lm_head's gradients in forward): no change.
 * memory-bound work, added to compute: a bitsandbytes base is dequantised (storage read, compute-dtype weight
   written) in forward, in backward and in the recompute, at the GPU's memory bandwidth (`gpu.memory_gbps`);
   activation offloading copies the layers' saved tensors to the host in forward and back in backward at
   PCIE_GBPS, each copy hidden behind its phase's compute where it is shorter.
+* --objective grpo: each micro-step first generates and scores its completions (llmem.planner.generation_time:
+  prefill at FLOPs, decode at memory bandwidth, the reference's forward when beta > 0).
 * time = FLOPs / (peak * MFU), MFU default 0.4 (`--mfu`). Peak is the GPU's dense bf16/fp16 tensor peak; fp32
   assumes TF32 matmuls (torch.set_float32_matmul_precision("high")) at half that peak on compute capability >= 8.0,
   and 1/8 of it on Volta/Turing, which have no TF32. Tensor parallelism splits a micro-batch's FLOPs evenly over tp.
@@ -36,7 +39,9 @@ Time model (all functions pure; units in the names; every assumption is stated h
     reduce-scatter are exposed.
   - TP: per layer 2 all-reduces of the [b, s, h] activations forward, 2 backward, 2 more in the recompute under
     checkpointing, one for the vocab-parallel embedding forward and one for the lm_head input backward, plus the
-    all-gather of the vocab-split logits; none overlaps (it is on the critical path).
+    all-gather of the vocab-split logits; none overlaps (it is on the critical path). --sequence-parallel turns
+    each all-reduce into an all-gather + a reduce-scatter (the same bytes, one more latency); --loss-parallel drops
+    the logits' all-gather (the cross-entropy's two [tokens] all-reduces are left out). Async TP is not modelled.
   - fsdp+tp: FSDP over the dp group on the TP-local shards, plus TP within the node.
   - FSDP2's CPUOffloadPolicy (--offload-param): before each all-gather every unit's shard is copied from pinned
     host memory (in its stored dtype: fp32 under *-mixed), after each reduce-scatter the sharded gradients are
@@ -55,9 +60,12 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 from llmem.estimator.states import cpu_offload, fsdp_gathered_tensors
 from llmem.memory.activations.profile import activation_profile, effective_attention
+from llmem.memory.activations.selective import saved_matmuls
 from llmem.memory.quant import allocated, is_quantised, quant_args, storage_bytes, torchao_dequantise_events
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup
+from llmem.planner.generation_time import generation_time_s
+from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES
@@ -125,8 +133,12 @@ def checkpointed_fraction(num_layers: int, grad_ckpt: bool, ckpt_every: int = 1)
 
 
 def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: bool, causal_skip: bool,
-               frozen_base: bool = False, adapter_params: int = 0, ckpt_every: int = 1) -> StepFlops:
-    """FLOPs of forward, backward and checkpoint recompute for `tokens` tokens (see the module docstring)."""
+               frozen_base: bool = False, adapter_params: int = 0, ckpt_every: int = 1,
+               selective: bool = False) -> StepFlops:
+    """FLOPs of forward, backward and checkpoint recompute for `tokens` tokens (see the module docstring).
+    selective (--ac-policy op): torchtitan's op-level policy hands back the saved matmuls' outputs (every other
+    aten.mm, llmem.memory.activations.selective.saved_matmuls) and SDPA's, so the recompute runs only the other
+    matmuls and no attention."""
     layer_p, other_p = matmul_params(anatomy)
     p = layer_p + other_p
     attn_fwd = attention_flops_per_token_forward(anatomy, seq_len, causal_skip)
@@ -135,6 +147,10 @@ def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: b
     bwd = (base_bwd + 4 * adapter_params + 2 * attn_fwd) * tokens
     share = checkpointed_fraction(anatomy.num_layers, grad_ckpt, ckpt_every)
     rec = share * (2 * layer_p + 2 * adapter_params + attn_fwd) * tokens
+    if selective:
+        saved = {f"{m}.weight" for m in saved_matmuls(anatomy)}
+        saved_p = anatomy.num_layers * sum(float(p.numel) for p in anatomy.params if p.name in saved)
+        rec = share * 2 * (layer_p - saved_p) * tokens
     return StepFlops(fwd, bwd, rec)
 
 
@@ -208,6 +224,9 @@ class CommSizes:
     tp_allreduce_bytes: float = 0.0      # one activation all-reduce [b, s, h]
     tp_allreduces: int = 0
     tp_logits_gather_bytes: float = 0.0
+    # --sequence-parallel: each activation all-reduce is an all-gather + a reduce-scatter (the same volume, two
+    # collectives' latency)
+    tp_sequence_parallel: bool = False
 
 
 def quantised_gather_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout) -> tuple[float, float, float]:
@@ -248,9 +267,10 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
     if tp > 1:
         act = float(micro_batch) * setup.seq_len * anatomy.hidden_size * setup.compute_bytes
         per_layer = 4 + (2 if setup.grad_ckpt else 0)
+        # --loss-parallel: the loss runs on the vocab shards (two [tokens] all-reduces, negligible): no gather
         sizes.update(tp_allreduce_bytes=act, tp_allreduces=per_layer * anatomy.num_layers + 2,
-                     tp_logits_gather_bytes=float(micro_batch) * setup.seq_len * anatomy.vocab_size
-                     * setup.compute_bytes)
+                     tp_logits_gather_bytes=0.0 if setup.loss_parallel else float(micro_batch) * setup.seq_len
+                     * anatomy.vocab_size * setup.compute_bytes, tp_sequence_parallel=setup.sequence_parallel)
     return CommSizes(**sizes)
 
 
@@ -269,6 +289,7 @@ class StepTime:
     tokens_per_s: float
     host_copy_s: float = 0.0      # --offload-param: host <-> device copies per step (in dp_comm_s, overlappable)
     host_step_s: float = 0.0      # --offload-param: the optimizer step on the host (in step_s, never hidden)
+    generation_s: float = 0.0     # --objective grpo: generate and score per step (in step_s; generation_time)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -282,6 +303,8 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     adapter_params > 0 models LoRA: the base is frozen, only the adapters get gradients and communicate them.
     """
     anatomy, setup, layout, gpu = r.base, r.setup, r.layout, r.gpu
+    if layout.cp > 1:     # the ring's K/V rotation and the rank's seq_len / cp tokens are not in the time model
+        raise LlmemError("the time model does not cover context parallelism (--cp) yet: drop --cp")
     if micro_batch < 1 or accumulation_steps < 1:
         raise LlmemError("micro-batch and accumulation steps must be >= 1")
     if not 0 < mfu <= 1:
@@ -289,7 +312,8 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     tokens = micro_batch * setup.seq_len
     causal_skip = effective_attention(anatomy, setup) == "sdpa"
     flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
-                       frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every)
+                       frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every,
+                       selective=AC_POLICIES[setup.ac_policy].selective)
     rate = peak_flops_per_s(gpu, setup.precision) * mfu * layout.tp
     fwd_s = flops.forward / rate
     bwd_s = (flops.backward + flops.recompute) / rate
@@ -300,6 +324,9 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     copy_s = offloaded_activation_bytes(r) / (PCIE_GBPS * 1e9)
     offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
     micro_compute_s = fwd_s + bwd_s + dequant_s + offload_s
+    # GRPO: the micro-batch's completions generated (prefill at FLOPs, decode at memory bandwidth) and scored first
+    gen_s = generation_time_s(r, micro_batch, sum(matmul_params(anatomy)), rate,
+                              attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip), fwd_s)
 
     trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
     c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction)
@@ -317,25 +344,35 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         exposed = max(0.0, ar - bwd_s) + tail   # once per step, behind the last micro-step's backward
     elif c.fsdp_units:
         lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
-        ag = ring_allgather_time_s(c.fsdp_gather_bytes, layout.dp, dp_bw) + lat + copies.params_s
-        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, layout.dp, dp_bw) + lat + copies.grads_s
+        # HSDP: all-gathers and reduce-scatters within a shard group (on NVLink when it fits in a node), then
+        # FSDP2's foreach_reduce all-reduces each gradient shard across the replicas (all_reduce_group)
+        shards = layout.dp if layout.spec.zero_stage is not None else layout.shard_degree
+        shard_bw = dp_bw if layout.replicas == 1 else group_bandwidth_gbps(
+            gpu, shards * layout.tp > layout.gpus_per_node, inter_node_gbps)
+        replica_ar = ring_allreduce_time_s(c.fsdp_reduce_bytes / shards, layout.replicas, dp_bw) \
+            if layout.replicas > 1 else 0.0
+        ag = ring_allgather_time_s(c.fsdp_gather_bytes, shards, shard_bw) + lat + copies.params_s
+        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, shards, shard_bw) + lat + copies.grads_s + replica_ar
         ag_bwd = ag if layout.spec.reshard_after_forward or layout.spec.zero_stage == 3 else 0.0
-        tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, layout.dp, dp_bw)
-                + ring_allgather_time_s(c.fsdp_layer_gather_bytes, layout.dp, dp_bw)
-                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, layout.dp, dp_bw) + copies.root_s)
+        tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, shards, shard_bw)
+                + ring_allgather_time_s(c.fsdp_layer_gather_bytes, shards, shard_bw)
+                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, shards, shard_bw) + copies.root_s)
         dp_comm = a * (ag + ag_bwd + rs)
         exposed = a * (max(0.0, ag - fwd_s) + max(0.0, ag_bwd + rs - bwd_s) + tail)
     tp_comm = 0.0
     if c.tp_allreduces:
-        tp_comm = a * (c.tp_allreduces * ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
-                       + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
+        # sequence parallel (Megatron-SP, torchtitan): an all-gather of [b, s, h] before each TP region and a
+        # reduce-scatter after it replace the all-reduce: (n-1)/n each, 2 (n-1)/n together, as the all-reduce's ring
+        one = 2 * ring_allgather_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw) if c.tp_sequence_parallel else \
+            ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
+        tp_comm = a * (c.tp_allreduces * one + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
     compute = a * micro_compute_s
-    step = compute + exposed + tp_comm + copies.step_s
+    step = compute + exposed + tp_comm + copies.step_s + a * gen_s
     global_batch = micro_batch * a * layout.dp
     tokens_per_step = global_batch * setup.seq_len
     copy_s = a * (copies.params_s * (2 if layout.spec.reshard_after_forward else 1) + copies.grads_s)
     return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
-                    tokens_per_step / step, copy_s, copies.step_s)
+                    tokens_per_step / step, copy_s, copies.step_s, a * gen_s)
 
 
 @dataclass(frozen=True)
@@ -364,16 +401,17 @@ def host_copies(r: ResolvedSetup, adapter_params: int = 0) -> HostCopies:
                       root_share * params_bytes / bandwidth, trained / shards / HOST_ADAMW_PARAMS_PER_S)
 
 
-def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int) -> tuple[int, int]:
+def accumulation_for(global_batch: int | None, max_micro_batch: int, dp: int, multiple: int = 1) -> tuple[int, int]:
     """(micro-batch, accumulation steps) for a global batch of samples: the fewest accumulation steps with a
-    micro-batch that fits, then the smallest micro-batch that still reaches the global batch."""
+    micro-batch that fits, then the smallest micro-batch that still reaches the global batch (a multiple of
+    `multiple`, the objective's: `max_micro_batch` is one)."""
     if max_micro_batch < 1:
         raise LlmemError("no micro-batch fits")
     if not global_batch:
         return max_micro_batch, 1
     steps = max(1, -(-global_batch // (max_micro_batch * dp)))
     micro = max(1, -(-global_batch // (steps * dp)))
-    return micro, steps
+    return -(-micro // multiple) * multiple, steps
 
 
 def _shard_count(layout: Layout) -> int:

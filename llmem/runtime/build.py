@@ -14,6 +14,8 @@ from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
+from llmem.runtime.selective_ac import CONTEXT_FNS
+from llmem.setup.objectives import objective_spec
 from llmem.setup.training import LORA_ALL_LINEAR
 
 
@@ -31,7 +33,7 @@ def meta_model_for(setup):
             cfg._attn_implementation = attn
         except Exception:  # noqa: BLE001 - some configs validate lazily; set_attn_implementation below decides
             pass
-        model = build_meta_model(cfg, setup.trust_remote_code)
+        model = build_meta_model(cfg, setup.trust_remote_code, objective_spec(setup.objective).scalar_head)
         if getattr(model.config, "_attn_implementation", None) != attn:
             try:
                 model.set_attn_implementation(attn)
@@ -187,13 +189,16 @@ def tie_if_needed(model: nn.Module) -> None:
         out.weight = inp.weight
 
 
-def enable_checkpointing(model: nn.Module, every: int = 1) -> list[int]:
+def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full") -> list[int]:
     """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
     layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
-    counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices."""
+    counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices.
+    A selective policy (--ac-policy op) is torch.utils.checkpoint's `context_fn` (llmem.runtime.selective_ac)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = {"use_reentrant": False}
+        if policy in CONTEXT_FNS:
+            kwargs["context_fn"] = CONTEXT_FNS[policy]
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

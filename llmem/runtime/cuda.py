@@ -236,7 +236,7 @@ def cuda_like_dropout() -> Iterator[None]:
 
 
 def sdpa_backend(dtype: torch.dtype, head_dim: int, has_mask: bool, dropout_p: float,
-                 capability: tuple[int, int], gqa: bool = False) -> str:
+                 capability: tuple[int, int], gqa: bool = False, value_head_dim: int | None = None) -> str:
     """The SDPA kernel PyTorch's CUDA dispatcher (sdp_utils.cpp) picks, with every backend enabled.
 
     As measured on torch 2.14 with a stand-in CUDA driver (a CUDA build of torch on a machine without a GPU,
@@ -246,7 +246,9 @@ def sdpa_backend(dtype: torch.dtype, head_dim: int, has_mask: bool, dropout_p: f
     Grouped kv heads (enable_gqa, which transformers passes only without a mask): flash takes them natively,
     mem-efficient does not, and cuDNN is assumed not to (not measured), so fp32 GQA falls back to the math path."""
     half = dtype in (torch.float16, torch.bfloat16)
-    flash_ok = half and capability >= (8, 0) and not has_mask and head_dim <= 256 and head_dim % 8 == 0
+    # flash needs one head dim for q, k and v (sdp_utils.cpp check_head_dim_size_flash): MLA's 192 / 128 does not
+    flash_ok = half and capability >= (8, 0) and not has_mask and head_dim <= 256 and head_dim % 8 == 0 \
+        and value_head_dim in (None, head_dim)
     cudnn_ok = half and capability >= (9, 0) and dropout_p == 0.0 and head_dim <= 128 and head_dim % 8 == 0 \
         and not gqa
     if cudnn_ok:
@@ -268,7 +270,8 @@ def _make_cuda_sdpa(capability: tuple[int, int], force: str | None = None):
             if attn_mask is not None and _is_eligible(attn_mask):
                 attn_mask = attn_mask.to(low)
         gqa = bool(enable_gqa) and key.shape[-3] != query.shape[-3]
-        backend = sdpa_backend(query.dtype, query.shape[-1], attn_mask is not None, dropout_p, capability, gqa)
+        backend = sdpa_backend(query.dtype, query.shape[-1], attn_mask is not None, dropout_p, capability, gqa,
+                               value.shape[-1])
         if force == "flash":   # --attn flash: the flash kernel whatever the dispatcher would pick
             if attn_mask is not None or query.dtype not in (torch.float16, torch.bfloat16):
                 raise LlmemError("--attn flash: flash attention takes no mask and needs fp16/bf16 inputs "

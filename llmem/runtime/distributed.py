@@ -30,14 +30,14 @@ from llmem.setup.layout import Layout
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise LlmemError("a process group is already initialised in this process: llmem emulates rank 0 on its own"
                          " fake process group")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
@@ -125,26 +125,64 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
     return found[1]
 
 
-def tp_plan(model: nn.Module, model_type: str) -> dict[str, object]:
+def tp_plan(model: nn.Module, model_type: str, sequence_parallel: bool = False,
+            loss_parallel: bool = False) -> dict[str, object]:
     """parallelize_module's plan: each decoder layer's column- and row-parallel modules from the family's row,
-    the embedding row-parallel (vocab-split, replicated in and out) and the lm_head column-parallel with its output
-    replicated (the logits all-gathered)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    the embedding row-parallel (vocab-split) and the lm_head column-parallel (vocab-split).
+
+    Plain (Megatron) TP: the embedding's output and the lm_head's logits replicated (the logits all-gathered).
+    --sequence-parallel, as torchtitan's parallelize_llama applies it (torchtitan/models/llama3/infra/
+    parallelize.py; torch/distributed/tensor/parallel/style.py): the embedding's output Shard(1) (a reduce-scatter),
+    the norms SequenceParallel (their input and output sharded on the sequence), each TP region's input gathered by
+    PrepareModuleInput(Shard(1) -> Replicate()), o_proj / down_proj RowwiseParallel(output_layouts=Shard(1)) (a
+    reduce-scatter), the final norm SequenceParallel and the lm_head's input Shard(1). Where torchtitan hands local
+    tensors on (its rotary table is precomputed for the whole sequence), HF's model reads the sequence length off
+    the embedding's output, so the residual stream stays a DTensor (use_local_output=False): the same local shards.
+    --loss-parallel: the lm_head's logits Shard(-1) as a DTensor, for cross_entropy under loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     family = tp_plan_of(model_type)
     layers = layer_list(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
+    sp = sequence_parallel
     plan: dict[str, object] = {}
     for i in range(len(layers)):
         plan.update({f"{prefix}.{i}.{n}": ColwiseParallel() for n in family.colwise})
-        plan.update({f"{prefix}.{i}.{n}": RowwiseParallel() for n in family.rowwise})
+        plan.update({f"{prefix}.{i}.{n}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                     if sp else RowwiseParallel() for n in family.rowwise})
+        if sp:
+            plan.update({f"{prefix}.{i}.{n}": SequenceParallel() for n in family.sp_norms})
+            for region, arg in family.sp_regions:
+                plan[f"{prefix}.{i}.{region}"] = (
+                    PrepareModuleInput(input_kwarg_layouts={arg: Shard(1)},
+                                       desired_input_kwarg_layouts={arg: Replicate()}) if isinstance(arg, str) else
+                    PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
     embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    plan[embed] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False) if sp
+                   else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if sp:
+        plan[final_norm_name(model, prefix)] = SequenceParallel()
     head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     if head is not None:
-        plan[head] = ColwiseParallel(output_layouts=Replicate())
+        plan[head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                     use_local_output=not loss_parallel)
     return plan
+
+
+def final_norm_name(model: nn.Module, layers_prefix: str) -> str:
+    """The final norm: the decoder stack's `norm` next to its layer list (HF's LlamaModel.norm)."""
+    stack = layers_prefix.rsplit(".", 1)[0]
+    name = f"{stack}.norm" if stack != layers_prefix else "norm"
+    if name not in dict(model.named_modules()):
+        raise LlmemError(f"--sequence-parallel: {type(model).__name__} has no final norm at {name}")
+    return name
 
 
 def _divide_local_heads(model: nn.Module, tp: int) -> None:
@@ -156,11 +194,12 @@ def _divide_local_heads(model: nn.Module, tp: int) -> None:
                 setattr(module, attr, value // tp)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int, sequence_parallel: bool = False,
+                          loss_parallel: bool = False) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     model_type = model.config.model_type
-    plan = tp_plan(model, model_type)
+    plan = tp_plan(model, model_type, sequence_parallel, loss_parallel)
     tied = getattr(model.config, "tie_word_embeddings", False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -266,11 +305,24 @@ def device_mesh(layout: Layout, device_type: str):
     """The layout's device mesh (its method's dimensions: dp for FSDP2, tp for tensor parallelism), or None."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = layout.spec.mesh_dims
+    dims = layout.mesh_shape
     if not dims:
         return None
-    return init_device_mesh(device_type, tuple(layout.dp if d == "dp" else layout.tp for d in dims),
-                            mesh_dim_names=dims)
+    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+
+
+def tp_submesh(layout: Layout, mesh):
+    """The mesh tensor parallelism runs on: the tp dimension of a larger mesh, or the whole one."""
+    return mesh["tp"] if len(layout.mesh_shape) > 1 else mesh
+
+
+def fsdp_submesh(layout: Layout, mesh):
+    """The mesh fully_shard takes: its data-parallel dimensions (HSDP: dp_replicate x dp_shard, so FSDP2 shards
+    over dp_shard and replicates over the other), or the whole mesh."""
+    dp_dims = tuple(d for d, _ in layout.mesh_shape if d not in ("tp", "pp"))
+    if layout.cp > 1:    # torchtitan's "fsdp" mesh: dp_shard and cp flattened into one dimension FSDP2 shards over
+        return mesh[dp_dims]._flatten("dp_shard_cp")
+    return mesh[dp_dims] if len(layout.mesh_shape) > 1 else mesh
 
 
 def apply_method(model: nn.Module, layout: Layout, mesh, setup, region, fake_pg: bool) -> nn.Module:
@@ -288,10 +340,11 @@ def apply_method(model: nn.Module, layout: Layout, mesh, setup, region, fake_pg:
             ddp.register_comm_hook(None, _completed_future_hook)
             ddp.reducer = _ReducerProxy(ddp.reducer)
         return ddp
-    two_d = spec.has_tp and spec.shards_model_states
     if spec.has_tp:
-        apply_tensor_parallel(model, mesh["tp"] if two_d else mesh, layout.tp)
+        apply_tensor_parallel(model, tp_submesh(layout, mesh), layout.tp, setup.sequence_parallel,
+                              setup.loss_parallel)
     if spec.shards_model_states:
-        apply_fsdp(model, mesh["dp"] if two_d else mesh, setup, reshard=spec.reshard_after_forward,
-                   region=region)
+        # torchtitan under PP: reshard_after_forward False (fsdp.py get_fsdp_reshard_after_forward_policy)
+        apply_fsdp(model, fsdp_submesh(layout, mesh), setup,
+                   reshard=spec.reshard_after_forward and layout.pp == 1, region=region)
     return model

@@ -53,7 +53,7 @@ from llmem.memory.activations.learned import (
     learning_need,
     remember,
 )
-from llmem.model.families import LAYERS_FIELDS, decoder_layers
+from llmem.model.families import LAYERS_FIELDS, decoder_layers, family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS
 from llmem.runtime.ledger import PHASE_CODES, Ledger, TracingFakeMode, tracking
@@ -120,6 +120,7 @@ def shallow_config(config: dict, depth: int) -> dict:
         if isinstance(v, list) and len(v) == layers and layers != depth:
             holder[k] = v[:depth]
     holder[name] = depth
+    holder.update(family_of(str(holder.get("model_type", out.get("model_type")))).learn_copy)   # layer 1 a routed one
     return out
 
 
@@ -136,7 +137,7 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     return replace(setup, model=model_path, method="single", gpus=1, gpus_per_node=None, tp=None, batch_size=batch,
                    seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
                    grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
-                   optimizer_in_backward=False, expandable_segments=False)
+                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full")
 
 
 # ---------------------------------------------------------------------------------------------- one point

@@ -22,7 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
 
-PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3}
+PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
+               "generation": 4, "scoring": 5}     # GRPO's phases before its forward (llmem.runtime.generation)
+STEP_FIRST_PHASES = ("forward", "generation")   # the phase an iteration starts with
+MODEL_PHASES = frozenset(PHASE_CODES[p] for p in ("forward", "backward", "generation", "scoring"))  # the model runs
 PHASE_NAMES = {v: k for k, v in PHASE_CODES.items()}
 
 _aten = torch.ops.aten
@@ -71,7 +74,7 @@ class Ledger:
         if self.op_category is not None:
             return self.op_category
         ph = self.phase
-        if ph == 1 or ph == 2:
+        if ph in MODEL_PHASES:
             return "logits_and_loss" if self.in_logits else "activations"
         if ph == 3:
             return "optimizer_temporaries"
@@ -217,7 +220,7 @@ class Ledger:
         if not self.workspace_done and func in _MATMULS and self.phase > 0:
             self.workspace_done = True
             self._alloc(self.workspace_bytes, "cuda_workspaces")
-        if func is _TO_COPY and (self.phase == 1 or self.phase == 2) and args:
+        if func is _TO_COPY and self.phase in MODEL_PHASES and args:
             a = args[0]
             if isinstance(a, torch.Tensor):
                 key = self.key_of(a)
@@ -365,7 +368,8 @@ class StepRoles:
         self.step = step
         self.device_scalars = not step.setup.optimizer_spec.host_step_counters   # fused kernels keep them
         mt = self.ledger.mod_tracker
-        head = step.model.get_output_embeddings()
+        # the lm_head, or a reward model's score head (--objective reward: a sequence-classification model)
+        head = step.model.get_output_embeddings() or getattr(step.model, "score", None)
         root = step.model
         led = self.ledger
 
@@ -391,14 +395,14 @@ class StepRoles:
     def on_phase(self, phase: str, it: int) -> None:
         led = self.ledger
         step = self.step
-        if phase == "forward" and it == 0 and not led.started:
+        if phase in STEP_FIRST_PHASES and it == 0 and not led.started:
             params = list(step.model.parameters())
             buffers = list(step.model.buffers())
             cats = {}
             led.start_step(params + buffers + [step.input_ids], cats)
             led.relabel(params + buffers, "weights")
             led.relabel([step.input_ids], "activations")
-        if phase == "forward" and it > 0:
+        if phase in STEP_FIRST_PHASES and it > 0:
             led.relabel(list(self._states()), "optimizer_states")
         if phase == "optimizer_step":
             led.relabel([p.grad for p in step.model.parameters()], "gradients")

@@ -197,6 +197,7 @@ def _measure_cuda(setup, device, iterations, progress) -> MemoryResult:
     context = max(0, (used or 0) - peak_res)
     comps["cuda_context"] = context
     comps["managed_memory"] = managed   # the emulation's paged states are not on the device: added, as in trace
+    comps["vllm_pool"] = 0
     notes = method_notes(resolved.layout, setup, "measure")
     notes.append(f"measure on {torch.cuda.get_device_name(device)}: max_memory_allocated {peak_alloc} B, "
                  f"per-op ledger peak {series['peak_allocated']} B (breakdown from the ledger at its own peak); "

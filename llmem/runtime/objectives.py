@@ -35,9 +35,10 @@ Emulated, because fake tensors cannot run it (`emulation_notes`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -46,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmem.errors import LlmemError
 from llmem.runtime.build import causal_lm, init_real_weights, materialize, meta_model_for, vocab_size
 from llmem.runtime.cuda import is_fake_tensor
-from llmem.runtime.patches import quiet
+from llmem.runtime.patches import patched, quiet
 from llmem.setup.objectives import (
     REF_COPY,
     check_dropout_free,
@@ -59,21 +60,6 @@ from llmem.setup.objectives import (
 )
 
 _aten = torch.ops.aten
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _set(obj, name: str, value) -> Iterator[None]:
-    """Set an attribute for the block (created when missing, removed again on exit)."""
-    saved = getattr(obj, name, _MISSING)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if saved is _MISSING:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, saved)
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA's path
@@ -107,12 +93,12 @@ def trl_cuda_head() -> Iterator[None]:
                          f"no {', '.join(missing)}: pip install 'trl>=1.16,<1.17'")
     on_cuda = lambda device: True  # noqa: E731 - the step's device is a CUDA GPU
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_set(trl_utils, "_use_triton", on_cuda))
-        stack.enter_context(_set(chunked_logprob, "_use_triton", on_cuda))
-        stack.enter_context(_set(chunked_logprob, "_forward_kernel", _InPlaceKernel()))
-        stack.enter_context(_set(chunked_logprob, "_backward_kernel", _InPlaceKernel()))
-        stack.enter_context(_set(chunked_logprob, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
-        stack.enter_context(_set(chunked_logprob, "_addmm_fp32", _addmm_fp32_cuda))
+        stack.enter_context(patched(trl_utils, "_use_triton", on_cuda))
+        stack.enter_context(patched(chunked_logprob, "_use_triton", on_cuda))
+        stack.enter_context(patched(chunked_logprob, "_forward_kernel", _InPlaceKernel()))
+        stack.enter_context(patched(chunked_logprob, "_backward_kernel", _InPlaceKernel()))
+        stack.enter_context(patched(chunked_logprob, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
+        stack.enter_context(patched(chunked_logprob, "_addmm_fp32", _addmm_fp32_cuda))
         yield
 
 
@@ -130,7 +116,7 @@ def full_length_padding_mask() -> Iterator[None]:
             padding_mask = None
         return orig(padding_mask, *args, **kwargs)
 
-    with _set(masking_utils, "_ignore_causal_mask_sdpa", ignore):
+    with patched(masking_utils, "_ignore_causal_mask_sdpa", ignore):
         yield
 
 
@@ -198,13 +184,18 @@ def policy_checkpointing_paused(model, gradient_checkpointing_kwargs=None) -> It
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
-class _Accelerator:
-    """What `_compute_loss` asks of the trainer's Accelerator on one process: the device, the unwrapped model, and
-    gathers (the identity: the metrics' scalars of the other ranks are not traced)."""
+class OneProcessAccelerator:
+    """What TRL's `_compute_loss` (and GRPO's `_get_per_token_logps_and_entropies`) ask of the trainer's Accelerator
+    on one process: the device, the unwrapped model, its autocast (the model's forward runs in its own region:
+    autocast_per_call), gathers and reduces (the identity: the metrics' scalars of the other ranks are not
+    traced)."""
 
-    def __init__(self, device: torch.device, model) -> None:
-        self.device = device
-        self.model = model
+    def __init__(self, device: torch.device, model, world_size: int = 1) -> None:
+        self.device, self.model, self.num_processes, self.process_index = device, model, world_size, 0
+        self.sync_gradients = self.is_main_process = True
+
+    def autocast(self):
+        return contextlib.nullcontext()
 
     def unwrap_model(self, model):
         return self.model
@@ -215,14 +206,18 @@ class _Accelerator:
     def gather(self, x):
         return x
 
+    def reduce(self, x, reduction: str = "sum"):
+        return x
+
 
 def config_defaults(objective: str) -> dict:
     """The trainer config's field defaults (the installed trl's DPOConfig / KTOConfig), without building a
     TrainingArguments."""
-    import trl
+    import importlib
 
+    spec = objective_spec(objective)
     out = {}
-    for f in fields(getattr(trl, objective_spec(objective).trainer.replace("Trainer", "Config"))):
+    for f in fields(getattr(importlib.import_module(spec.trainer_module), spec.trainer.replace("Trainer", "Config"))):
         if f.default_factory is not MISSING:
             out[f.name] = f.default_factory()
         elif f.default is not MISSING:
@@ -245,7 +240,7 @@ def _trainer_for(step, ref_model):
     trainer = trainer_class(setup.objective).__new__(trainer_class(setup.objective))
     attrs = {
         "model": step.model, "ref_model": ref_model,
-        "accelerator": _Accelerator(next(step.model.parameters()).device, step.model),
+        "accelerator": OneProcessAccelerator(next(step.model.parameters()).device, step.model),
         "args": types.SimpleNamespace(gradient_checkpointing_kwargs=None, discopop_tau=defaults.get("discopop_tau")),
         "beta": defaults["beta"], "precompute_ref_logps": setup.precompute_ref_log_probs,
         "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
@@ -283,6 +278,7 @@ def autocast_per_call(module: torch.nn.Module, step) -> None:
         return
     forward = module.forward
 
+    @functools.wraps(forward)    # as accelerate's wrapper: generate reads the signature (logits_to_keep)
     def autocast_forward(*args, **kwargs):
         with torch.autocast(step.device_type, dtype=step.autocast_dtype):
             out = forward(*args, **kwargs)
@@ -391,28 +387,40 @@ def preference_run(step) -> PreferenceRun:
     return run
 
 
-def preference_iteration(step, it: int) -> None:
-    """One preference training step: the trainer's `_compute_loss` (policy forward, reference forward, loss),
-    backward, the optimizer step and zero_grad, as Trainer.training_step runs them."""
-    import sys
-
-    run = preference_run(step)
-    cls = type(run.trainer)
+def trainer_step(step, it: int, loss_of: Callable[[], torch.Tensor], on_fake: tuple = (), always: tuple = ()) -> None:
+    """One TRL training step as Trainer.training_step runs it: the trainer's loss (the model's forward inside)
+    under the contexts `always` (and, on fake tensors, `on_fake`: what they cannot run, the module docstring),
+    backward under them too, then the optimizer step and zero_grad."""
     step._phase("forward", it)
     with contextlib.ExitStack() as stack:
-        if is_fake_tensor(step.input_ids):      # the trace: what fake tensors cannot run (module docstring)
-            stack.enter_context(trl_cuda_head())
-            stack.enter_context(full_length_padding_mask())
-            stack.enter_context(run.masks)
-        stack.enter_context(_set(sys.modules[cls.__module__], "disable_gradient_checkpointing",
-                                 policy_checkpointing_paused))
-        loss = cls._compute_loss(run.trainer, step.runner, run.inputs, False)
+        for ctx in (*(on_fake if is_fake_tensor(step.input_ids) else ()), *always):
+            stack.enter_context(ctx)
+        loss = loss_of()
         step._phase("backward", it)
         loss.backward()
         del loss
-    step._phase("optimizer_step", it)
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
+    step.optimizer_step(it)
+
+
+def trl_fake_contexts(masks) -> tuple:
+    """TRL's fused LM head on CUDA's path, full-length pairs and the boolean-mask counts: the trace's contexts."""
+    return trl_cuda_head(), full_length_padding_mask(), masks
+
+
+def checkpointing_paused_in(trainer_cls):
+    """The trainer module's disable_gradient_checkpointing, as the policy's checkpointing is paused."""
+    import sys
+
+    return patched(sys.modules[trainer_cls.__module__], "disable_gradient_checkpointing", policy_checkpointing_paused)
+
+
+def preference_iteration(step, it: int) -> None:
+    """One preference training step: the trainer's `_compute_loss` (policy forward, reference forward, loss),
+    backward, the optimizer step and zero_grad, as Trainer.training_step runs them."""
+    run = preference_run(step)
+    cls = type(run.trainer)
+    trainer_step(step, it, lambda: cls._compute_loss(run.trainer, step.runner, run.inputs, False),
+                 on_fake=trl_fake_contexts(run.masks), always=(checkpointing_paused_in(cls),))
 
 
 def emulation_notes(setup) -> list[str]:

@@ -35,7 +35,6 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.runtime.distributed import layer_list
 from llmem.runtime.patches import fake_scalar_reads
-from llmem.setup.methods import method_spec
 from llmem.setup.optimizers import (
     BNB_MIN_8BIT_SIZE,
     BNB_PAGED_MIN_NUMEL,
@@ -268,13 +267,6 @@ class InBackwardOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
-
-
-def steps_on_host(setup) -> bool:
-    """The optimizer steps on the host: --offload-optimizer, or FSDP2's CPUOffloadPolicy (--offload-param under
-    fsdp / zero2 / fsdp+tp), whose sharded parameters and gradients are host tensors, so its states and update
-    are too (FSDP2 has no optimizer-only offload: --offload-optimizer is implied)."""
-    return setup.offload_optimizer or setup.offload_param and method_spec(setup.method).shards_model_states
 
 
 class HostOffloadedOptimizer:

@@ -16,15 +16,21 @@ import torch
 
 from llmem.runtime.cuda import is_fake_tensor
 
+_MISSING = object()
+
 
 @contextlib.contextmanager
 def patched(obj, name: str, value) -> Iterator[None]:
-    saved = getattr(obj, name)
+    """Set an attribute for the block (created when missing, removed again on exit)."""
+    saved = getattr(obj, name, _MISSING)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, saved)
+        if saved is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, saved)
 
 
 @contextlib.contextmanager

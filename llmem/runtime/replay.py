@@ -175,6 +175,7 @@ def build_result(engine: str, ledger: Ledger, record: SetupRecord, gpu, notes: l
     comps["allocator_overhead"] = peak_res - peak_alloc
     comps["cuda_context"] = outside
     comps["managed_memory"] = managed_bytes      # paged optimizer states: device memory outside the allocator
+    comps["vllm_pool"] = 0                       # the trace runs no vLLM (GRPO --use-vllm is estimated only)
     phase = PHASE_NAMES[series["phase"][series["peak_index"]]] if series["phase"] else ""
     notes = notes + capacity_notes(cap, series["peak_reserved"], managed_bytes, paged)
     return MemoryResult(engine=engine, peak_allocated_bytes=peak_alloc, peak_reserved_bytes=series["peak_reserved"],

@@ -24,6 +24,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,10 +60,10 @@ from llmem.runtime.optimizers import (
     HostOffloadedOptimizer,
     InBackwardOptimizer,
     make_optimizer,
-    steps_on_host,
 )
 from llmem.runtime.patches import flash_kernel_attention, grouped_mm_meta_any_float, hf_untraced_masks, quiet
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
+from llmem.setup.context_parallel import local_seq_len
 from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
@@ -89,6 +90,7 @@ class TrainingStep:
     autocast_policy: CudaAutocastPolicy | None = None
     offload: ActivationOffload | None = None
     position_ids: torch.Tensor | None = None   # --packing: positions restart at each packed sample
+    pipeline: Any = None        # --pp: the stage and its schedule (llmem.runtime.pipeline.PipelineRunner)
 
     @property
     def layout(self) -> Layout:
@@ -99,10 +101,12 @@ class TrainingStep:
             self.hooks.on_phase(name, it)
 
     def iteration(self, it: int) -> None:
-        if self.setup.objective != "sft":   # TRL's preference step (llmem.runtime.objectives)
-            from llmem.runtime.objectives import preference_iteration
+        if self.pipeline is not None:       # one pipeline stage under torch's schedule (llmem.runtime.pipeline)
+            return self.pipeline.iteration(it)
+        if self.setup.objective != "sft":   # TRL's trainer step (llmem.runtime.objective_steps)
+            from llmem.runtime.objective_steps import objective_iteration
 
-            return preference_iteration(self, it)
+            return objective_iteration(self, it)
         ids = self.input_ids
         self._phase("forward", it)
         if self.autocast_dtype is not None:
@@ -118,6 +122,10 @@ class TrainingStep:
         self._phase("backward", it)
         loss.backward()
         del loss
+        self.optimizer_step(it)
+
+    def optimizer_step(self, it: int) -> None:
+        """The step's end, as every trainer runs it: the optimizer's step, then zero_grad(set_to_none=True)."""
         self._phase("optimizer_step", it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,23 +192,32 @@ def check_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> N
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
                   before_model: Callable[[], None] | None = None,
-                  progress: Callable[[str], None] | None = None) -> Iterator[TrainingStep]:
+                  progress: Callable[[str], None] | None = None, pp_rank: int = 0) -> Iterator[TrainingStep]:
     """Set up (patches, process group, model, method, optimizer, inputs), yield the step, tear down on exit.
 
     fake: materialise under `fake_mode` (a FakeTensorMode the caller owns; entered here) on the fake cpu device.
     cuda_kernels: with fake tensors, run the ops of CUDA's fused SDPA kernels (their meta kernels); real CPU cannot.
     before_model: called once the fake mode is entered, before any parameter exists (trackers start there).
+    pp_rank: under --pp, the pipeline rank whose stage runs (rank pp_rank x dp of the fake process group).
     """
     hooks = hooks or StepHooks()
     device = torch.device(device)
     say = progress or (lambda msg: None)
     resolved = resolve(setup)      # the layout, the support check: as every engine resolves them
+    if setup.pp > 1 and not fake:
+        raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
     gpu, layout, spec = resolved.gpu, resolved.layout, resolved.method
     region = hooks.region or (lambda _category: contextlib.nullcontext())
 
     with quiet():
         model = meta_model_for(setup)
+    split = None
+    if layout.pp > 1:                 # one pipeline stage of the model (llmem.runtime.pipeline)
+        from llmem.runtime.pipeline import split_model, stage_split
+
+        split = stage_split(setup, resolved.anatomy.num_layers, pp_rank)
+        split_model(model, split)
     low = low_dtype(setup)
     if setup.precision_spec.low_precision and not setup.mixed:
         model.to(low)                 # still on meta: dtype only
@@ -218,7 +235,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         stack.enter_context(quiet())
         stack.enter_context(flash_kernel_attention())   # the step's attention, where --attn flash needs it
         real_pg = False
-        if not spec.one_gpu:
+        if not spec.one_gpu or layout.pp > 1:
             import torch.distributed as dist
             env_ws = int(os.environ.get("WORLD_SIZE", "1"))
             if not fake and env_ws > 1:
@@ -229,7 +246,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                     stack.callback(dist.destroy_process_group)
                 real_pg = True
             else:
-                stack.enter_context(fake_process_group(layout.world_size))
+                stack.enter_context(fake_process_group(layout.world_size, pp_rank * layout.dp))
         policy = None
         if not on_cuda:
             if autocast_dtype is not None:
@@ -246,6 +263,12 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             stack.enter_context(dtensor_propagation_untracked())
             stack.enter_context(device_mesh_outside_fake())
             mesh = device_mesh(layout, device.type)
+        if layout.cp > 1:     # torch's ring attention on the cp dimension (llmem.runtime.context_parallel)
+            from llmem.runtime.context_parallel import ring_attention
+            stack.enter_context(ring_attention(mesh["cp"], fake))
+        if setup.loss_parallel:   # HF's cross_entropy on the vocab-sharded logits, its backward too (torchtitan)
+            from torch.distributed.tensor.parallel import loss_parallel
+            stack.enter_context(loss_parallel())
         if spec.gradient_buckets and not real_pg:
             stack.enter_context(ddp_on_fake_pg())
         packing = setup.packing
@@ -262,7 +285,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             before_model()
 
         if setup.grad_ckpt:
-            enable_checkpointing(model, setup.ckpt_every)
+            enable_checkpointing(model, setup.ckpt_every, setup.ac_policy)
         if setup.fused_ce:
             install_fused_ce(model)
 
@@ -286,11 +309,12 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                 runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
         if setup.optimizer_in_backward:
             optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
-        elif steps_on_host(setup) and fake:
+        elif setup.steps_on_host and fake:
             optimizer = HostOffloadedOptimizer(model, setup.optimizer)
         else:
             optimizer = make_optimizer(model, setup.optimizer)
-        ids = torch.randint(0, vocab_size(model), (setup.batch_size, setup.seq_len), dtype=torch.int64,
+        seq = local_seq_len(setup.seq_len, layout.cp)      # the rank's tokens under --cp (seq_len without)
+        ids = torch.randint(0, vocab_size(model), (setup.batch_size, seq), dtype=torch.int64,
                             device="cpu" if fake else device)
         positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if packing else None
         offload = None
@@ -299,6 +323,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
         step = TrainingStep(setup, model, runner, optimizer, ids, resolved, "cpu" if fake else device.type,
                             autocast_dtype, hooks, policy, offload, positions)
+        if split is not None:
+            from llmem.runtime.pipeline import PipelineRunner
+
+            step.pipeline = PipelineRunner(step, split, mesh["pp"].get_group() if mesh is not None else None)
         say("running the step")
         yield step
 

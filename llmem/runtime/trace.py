@@ -16,15 +16,17 @@ import time
 from collections.abc import Callable
 
 from llmem.memory.activations.profile import activation_notes
+from llmem.model.moe import routing_notes
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
+from llmem.setup.context_parallel import cp_note
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
 from llmem.setup.methods import method_spec
-from llmem.setup.objectives import objective_notes
+from llmem.setup.objectives import objective_notes, objective_spec
 from llmem.setup.training import TrainingSetup
 
 
@@ -34,6 +36,8 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
     if layout.world_size > 1:
         notes.append(f"rank 0 of {layout.world_size} emulated on a fake process group ({layout.label}); NCCL's "
                      "internal buffers are not traced (device_used adds the catalog's assumption for them)")
+    if layout.cp > 1:
+        notes.append(cp_note(layout.cp, setup.seq_len, engine))
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
     if setup.quant_base != "none":
@@ -42,9 +46,9 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
         notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "
                      "device keeps the gradients until zero_grad and is updated in place (no device allocations)")
     if setup.objective != "sft":         # TRL's trainer code and what the run emulates of it
-        from llmem.runtime.objectives import emulation_notes
+        from llmem.runtime.objective_steps import objective_trace_notes
 
-        notes += emulation_notes(setup) if engine == "trace" else objective_notes(setup)
+        notes += objective_trace_notes(setup) if engine == "trace" else objective_notes(setup)
     return notes + activation_notes(setup) + setup.optimizer_spec.notes(engine, setup.optimizer_in_backward)
 
 
@@ -54,13 +58,16 @@ def trace(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str]
     CUDA GPU would show: peak allocated / reserved, device used, and the breakdown at peak allocated.
 
     cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs)."""
+    if setup.pp > 1:         # each pipeline stage in turn (llmem.runtime.pipeline)
+        return trace_stages(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
     return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
 
 
 def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                        progress: Callable[[str], None] | None = None,
-                       cuda_kernels: bool = True) -> tuple[MemoryResult, TraceDetails]:
-    """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak)."""
+                       cuda_kernels: bool = True, pp_rank: int = 0) -> tuple[MemoryResult, TraceDetails]:
+    """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak);
+    under --pp, pipeline rank `pp_rank`'s stage."""
     check_iterations(iterations)
     if method_spec(setup.method).zero_stage is not None:     # DeepSpeed's own engine runs the step
         from llmem.runtime.deepspeed import deepspeed_step
@@ -79,7 +86,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
 
         hooks = StepHooks(on_phase=lambda ph, it: roles_box[0].on_phase(ph, it), region=ledger.region)
         with prepared_step(setup, fake=True, fake_mode=fake_mode, hooks=hooks, cuda_kernels=cuda_kernels,
-                           before_model=start_tracking, progress=say) as step:
+                           before_model=start_tracking, progress=say, pp_rank=pp_rank) as step:
             roles = roles_box[0]
             roles.bind(step)
             step.run(iterations, progress=say)
@@ -94,7 +101,34 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes = method_notes(resolved.layout, setup, "trace")
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
+    notes += routing_notes(anatomy)
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
+    if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
+        from llmem.runtime.generation import traced_phases
+
+        result.phases = traced_phases(series)
     return result, trace_details(ledger, series, wall)
+
+
+def trace_stages(setup, *, iterations: int = 2, progress=None, cuda_kernels: bool = True):
+    """Each pipeline rank's stage traced in turn; the answer is the stage with the largest reserved peak (what
+    device_used follows), with every stage's peaks in `stages` and a note naming it."""
+    from llmem.runtime.pipeline import EMULATION_NOTE, stage_row
+    from llmem.setup.pipeline import pipeline_schedule
+
+    say = progress or (lambda msg: None)
+    runs = []
+    for rank in range(setup.pp):
+        say(f"pipeline stage {rank + 1}/{setup.pp}")
+        runs.append(trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels,
+                                       pp_rank=rank))
+    results = [r for r, _ in runs]
+    top = max(range(len(results)), key=lambda k: (results[k].peak_reserved_bytes, results[k].peak_allocated_bytes))
+    result, details = runs[top]
+    result.stages = [stage_row(k, r) for k, r in enumerate(results)]
+    result.notes = result.notes + [EMULATION_NOTE.format(schedule=pipeline_schedule(setup.pp_schedule).torch_class),
+                                   f"pipeline: stage {top} of {setup.pp} (rank {top * result.setup.dp}) has the "
+                                   "largest peak; each stage's peaks are in `stages`"]
+    return result, details
 

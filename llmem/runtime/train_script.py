@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=tuple(METHODS), help="the planned method")
     p.add_argument("--dp", type=int, required=True, help="data-parallel degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--dp-replicate", type=int, default=1,
+                   help="HSDP: the dp ranks as this many replicas of FSDP2 shards (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="tp: SequenceParallel on the norms and the residual stream (torchtitan's plan)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="tp: the loss on vocab-sharded logits under torch's loss_parallel()")
     p.add_argument("--micro-batch-size", type=int, required=True, help="samples per GPU per micro-batch")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
@@ -63,9 +69,23 @@ def _check(args: argparse.Namespace, world: int) -> None:
         raise LlmemError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} GPUs, but this run has {world} "
                          "process(es): launch it with torchrun --nproc_per_node (x --nnodes) = dp x tp")
     spec = METHODS[args.method]
+    if (args.sequence_parallel or args.loss_parallel) and not spec.has_tp:
+        raise LlmemError(f"--sequence-parallel / --loss-parallel are styles of tensor parallelism: {args.method} "
+                         "has none")
     if args.offload_optimizer and not spec.shards_model_states:
         raise LlmemError(f"--offload-optimizer is FSDP2's CPUOffloadPolicy here and {args.method} does not shard "
                          "with FSDP2: use DeepSpeed's ZeRO-Offload (llmem plan --export deepspeed)")
+
+
+def _loss_parallel(args: argparse.Namespace):
+    """torch's loss_parallel() around forward and backward (cross-entropy on the vocab-sharded logits)."""
+    import contextlib
+
+    if not args.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _tokens(args: argparse.Namespace, vocab: int, device, generator):
@@ -94,7 +114,7 @@ def _build(args: argparse.Namespace, layout, mesh, device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from llmem.runtime.build import enable_checkpointing, init_real_weights, meta_model_for, tie_if_needed
-    from llmem.runtime.distributed import apply_tensor_parallel, layer_list
+    from llmem.runtime.distributed import apply_tensor_parallel, fsdp_submesh, layer_list, tp_submesh
     from llmem.setup.training import TrainingSetup
 
     precision = PRECISIONS[args.precision]
@@ -113,11 +133,10 @@ def _build(args: argparse.Namespace, layout, mesh, device):
     if args.grad_ckpt:
         enable_checkpointing(model)
     spec = layout.spec
-    two_d = spec.has_tp and spec.shards_model_states
     if spec.has_tp:
-        apply_tensor_parallel(model, mesh["tp"] if two_d else mesh, layout.tp)
+        apply_tensor_parallel(model, tp_submesh(layout, mesh), layout.tp, args.sequence_parallel, args.loss_parallel)
     if spec.shards_model_states:
-        kw: dict = {"mesh": mesh["dp"] if two_d else mesh, "reshard_after_forward": spec.reshard_after_forward}
+        kw: dict = {"mesh": fsdp_submesh(layout, mesh), "reshard_after_forward": spec.reshard_after_forward}
         if precision.mixed:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, precision.compute_dtype),
                                                    reduce_dtype=torch.float32)
@@ -170,7 +189,8 @@ def run(args: argparse.Namespace) -> list[float]:
     if cuda:
         torch.cuda.set_device(device)
     spec = METHODS[args.method]
-    layout = resolve_layout(args.method, world, args.tp if spec.has_tp else None, args.gpus_per_node, 0, 0)
+    layout = resolve_layout(args.method, world, args.tp if spec.has_tp else None, args.gpus_per_node, 0, 0,
+                            args.dp_replicate)
     if layout.dp != args.dp:
         raise LlmemError(f"{args.method} on {world} GPU(s) with --tp {args.tp} has dp {layout.dp}, not --dp "
                          f"{args.dp}")
@@ -211,7 +231,7 @@ def run(args: argparse.Namespace) -> list[float]:
                 elif spec.shards_model_states:
                     model.set_requires_gradient_sync(last)
                 ids = _tokens(args, vocab, device, generator)
-                with sync:
+                with sync, _loss_parallel(args):
                     with torch.autocast(device.type, dtype=dtype, enabled=autocast):
                         loss = model(input_ids=ids, labels=ids).loss / args.gradient_accumulation_steps
                     (scaler.scale(loss) if scaler else loss).backward()

@@ -99,6 +99,17 @@ def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
     return base
 
 
+def catalog_gpu_for(device_name: str, total_bytes: int) -> str | None:
+    """The catalog entry of a CUDA device (torch.cuda.get_device_name / get_device_properties().total_memory): the
+    entries whose family ("A100", "H100", ...) the device's name contains, the one whose memory is nearest the
+    device's (an A100-SXM4-40GB is the A100-40GB); None when no family matches."""
+    name = device_name.replace(" ", "").upper()
+    family = [g for g in GPU_CATALOG.values() if g.name.split("-")[0].upper() in name]
+    if not family:
+        return None
+    return min(family, key=lambda g: abs(g.memory_bytes - total_bytes)).name
+
+
 # NCCL allocates its channel buffers with cudaMalloc, outside PyTorch's allocator: roughly NCCL_BUFFSIZE (4 MiB) per
 # channel and protocol for each peer connection. We assume 256 MiB per GPU once a process group with peers exists
 # (typical for 8 GPUs on NVLink with NCCL 2.18+); it is part of what nvidia-smi shows, not of torch's counters.

@@ -4,10 +4,11 @@ planning on a number of GPUs."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
 from llmem.setup.methods import METHODS, TP_ALL, TP_INNER, TP_NONE, MethodSpec, canonical_method
+from llmem.setup.pipeline import PP_METHODS
 
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -19,6 +20,9 @@ class Layout:
     dp: int            # data-parallel degree (replicas for ddp, shards for fsdp/zero2)
     tp: int            # tensor-parallel degree
     gpus_per_node: int
+    replicas: int = 1  # HSDP: the dp ranks as this many replicas of dp / replicas FSDP2 shards (1: plain FSDP)
+    pp: int = 1        # pipeline-parallel degree: stages over ranks (torchtitan's mesh: pp outermost, across nodes)
+    cp: int = 1        # context-parallel degree: each sample's tokens over cp ranks (torchtitan's mesh: dp_shard, cp)
 
     @property
     def spec(self) -> MethodSpec:
@@ -26,7 +30,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def nodes(self) -> int:
@@ -38,15 +42,37 @@ class Layout:
 
     @property
     def shard_degree(self) -> int:
-        """How many ways FSDP2 shards dim 0 of each parameter: dp under a sharding method, else 1."""
-        return self.dp if self.shards_model_states else 1
+        """How many ways FSDP2 shards dim 0 of each parameter: dp under a sharding method (dp / replicas under
+        HSDP), else 1."""
+        # torchtitan folds cp into FSDP2's mesh (ParallelDims' "fsdp" = dp_shard x cp)
+        return self.dp // self.replicas * self.cp if self.shards_model_states else 1
+
+    @property
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh's (name, size) dimensions, outermost first, as torchtitan names them: dp (HSDP:
+        dp_replicate x dp_shard) then tp; empty: no mesh."""
+        spec, dims = self.spec, ()
+        if spec.shards_model_states:
+            dims = (("dp_replicate", self.replicas), ("dp_shard", self.shard_degree)) if self.replicas > 1 \
+                else (("dp", self.dp),)
+        pp = (("pp", self.pp),) if self.pp > 1 else ()    # torchtitan's ParallelDims: pp, dp_replicate, dp_shard, tp
+        if self.cp > 1:                                   # ... dp_shard, cp, tp
+            dims = (("dp_shard", self.dp), ("cp", self.cp))
+        return pp + dims + ((("tp", self.tp),) if spec.has_tp else ())
 
     @property
     def label(self) -> str:
+        if self.cp > 1:
+            return f"{self.method} (dp {self.dp} x cp {self.cp})"
+        if self.pp > 1:
+            return f"{self.method} (dp {self.dp} x pp {self.pp})" if self.dp > 1 else f"{self.method} (pp {self.pp})"
         spec = self.spec
         if spec.tensor_parallel == TP_NONE and self.dp == 1:
             return self.method
-        return spec.label_format.format(name=self.method, dp=self.dp, tp=self.tp)
+        if self.replicas == 1:
+            return spec.label_format.format(name=self.method, dp=self.dp, tp=self.tp)
+        dp = f"{self.replicas}x{self.shard_degree}"             # HSDP: replicas x shards
+        return spec.label_format.format(name=self.method, dp=dp, tp=self.tp) + " hsdp"
 
 
 def gpus_per_node(gpus: int, per_node: int | None) -> int:
@@ -67,9 +93,58 @@ def check_world(gpus: int, per_node: int | None) -> int:
 
 
 def resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None,
-                   num_heads: int, num_kv_heads: int) -> Layout:
-    """Check that `method` can run on `gpus` GPUs with tensor-parallel degree `tp` and return the layout.
-    num_heads = num_kv_heads = 0 skips the head-divisibility check (the paper's 1D TP splits weights, not heads)."""
+                   num_heads: int, num_kv_heads: int, replicas: int = 1, pp: int = 1, cp: int = 1) -> Layout:
+    """Check that `method` can run on `gpus` GPUs with tensor-parallel degree `tp` (and, under HSDP, its dp ranks
+    as `replicas` replicas; under pipeline parallelism, `pp` stages) and return the layout. num_heads =
+    num_kv_heads = 0 skips the head-divisibility check (the paper's 1D TP splits weights, not heads)."""
+    if cp > 1 and pp > 1:
+        raise LlmemError("--pp with --cp is not modelled: drop one of them")
+    if cp > 1:
+        return _context_parallel_layout(method, gpus, per_node, cp)
+    if pp > 1:
+        return _pipeline_layout(method, gpus, tp, per_node, replicas, pp)
+    layout = _resolve_layout(method, gpus, tp, per_node, num_heads, num_kv_heads)
+    if replicas == 1:
+        return layout
+    if not layout.shards_model_states:
+        raise LlmemError(f"--dp-replicate (HSDP) replicates FSDP2's shards: use --method fsdp, zero2 or fsdp+tp "
+                         f"(got {layout.method})")
+    if layout.dp % replicas:
+        raise LlmemError(f"--dp-replicate {replicas} does not divide the {layout.dp} data-parallel ranks of "
+                         f"{layout.label}: choose a divisor of {layout.dp}")
+    return replace(layout, replicas=replicas)
+
+
+def _context_parallel_layout(method: str, gpus: int, per_node: int | None, cp: int) -> Layout:
+    """torchtitan's world = dp_shard x cp under FSDP2 (llmem.setup.context_parallel refuses the rest): cp divides
+    the GPUs, at least one data-parallel rank left."""
+    node = check_world(gpus, per_node)
+    if gpus % cp:
+        raise LlmemError(f"--cp {cp} does not divide --gpus {gpus}: --gpus is dp x cp, choose a cp that divides it")
+    return Layout(canonical_method(method), gpus // cp, 1, node, cp=cp)
+
+
+def _pipeline_layout(method: str, gpus: int, tp: int | None, per_node: int | None, replicas: int,
+                     pp: int) -> Layout:
+    """torchtitan's world = pp x dp: pure PP (single, one rank per stage) or FSDP2 x PP (each stage sharded over
+    gpus / pp ranks); the other combinations are not modelled."""
+    method = canonical_method(method)
+    node = check_world(gpus, per_node)
+    if method not in PP_METHODS:
+        raise LlmemError(f"--pp runs under --method single (pure pipeline) or fsdp (FSDP2 x PP) only, got {method}")
+    if tp not in (None, 1) or replicas != 1:
+        raise LlmemError("--pp with --tp or --dp-replicate is not modelled: drop them (pure PP or FSDP2 x PP)")
+    if METHODS[method].one_gpu and gpus != pp:
+        raise LlmemError(f"--method single with --pp {pp} runs one stage per GPU: use --gpus {pp} (or --method "
+                         "fsdp for dp x pp)")
+    if gpus % pp or (not METHODS[method].one_gpu and gpus // pp < 2):
+        raise LlmemError(f"--pp {pp} with --method {method} needs --gpus a multiple of {pp} with at least 2 "
+                         f"data-parallel ranks per stage (got --gpus {gpus}): use --method single for pure PP")
+    return Layout(method, gpus // pp, 1, node, pp=pp)
+
+
+def _resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None,
+                    num_heads: int, num_kv_heads: int) -> Layout:
     method = canonical_method(method)
     spec = METHODS[method]
     node = check_world(gpus, per_node)
@@ -112,9 +187,10 @@ def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
                       methods: Iterable[str] | None = None, tp: int | None = None) -> list[Layout]:
     """Every layout worth planning on `gpus` GPUs, in registry order (the paper's tie order); invalid ones skipped.
 
-    A one-GPU method only on one GPU; DeepSpeed's only when `methods` names them; the others on more: no tp once; tp over all GPUs when they fit in one node;
-    an inner tp for each tp in the divisors of the node size (> 1) with dp = gpus / tp >= 2. `methods` / `tp`
-    restrict the list. num_heads = num_kv_heads = 0 skips the head-divisibility check.
+    A one-GPU method only on one GPU; DeepSpeed's only when `methods` names them; the others on more: no tp once;
+    tp over all GPUs when they fit in one node; an inner tp for each tp in the divisors of the node size (> 1) with dp = gpus / tp >= 2; across nodes, each
+    sharding layout also as HSDP sharded within a node. `methods` / `tp` restrict the list. num_heads =
+    num_kv_heads = 0 skips the head-divisibility check.
     """
     node = check_world(gpus, per_node)    # an invalid world (not a whole number of nodes) is the user's error
     wanted = {canonical_method(m) for m in methods} if methods else None
@@ -145,4 +221,16 @@ def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
             layouts.append(resolve_layout(method, gpus, t, per_node, num_heads, num_kv_heads))
         except LlmemError:
             continue
-    return layouts
+    return layouts + [h for lay in layouts if (h := _hsdp_within_nodes(lay)) is not None]
+
+
+def _hsdp_within_nodes(layout: Layout) -> Layout | None:
+    """torchtitan's multi-node HSDP: FSDP2 shards within a node (its GPUs over tp) and replicates across nodes, so
+    the all-gathers and reduce-scatters stay on NVLink; None where the world is one node or a node holds fewer
+    than two shards."""
+    if not layout.shards_model_states or layout.nodes < 2 or layout.spec.zero_stage is not None:
+        return None
+    shards = layout.gpus_per_node // layout.tp
+    if shards < 2 or layout.dp % shards:
+        return None
+    return replace(layout, replicas=layout.dp // shards)

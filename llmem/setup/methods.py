@@ -60,12 +60,6 @@ class MethodSpec:
     def has_tp(self) -> bool:
         return self.tensor_parallel != TP_NONE
 
-    @property
-    def mesh_dims(self) -> tuple[str, ...]:
-        """Names of the device mesh's dimensions (empty: no mesh)."""
-        dims = ("dp",) if self.shards_model_states else ()
-        return dims + (("tp",) if self.has_tp else ())
-
 
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("single", (), False, False, TP_NONE, False, True, True, "CDP", 0, 0,

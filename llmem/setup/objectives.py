@@ -14,9 +14,12 @@ installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):
   [tokens, vocab] logits) over the completion tokens only (labels -100 on the prompt). Every DPO loss type
   (`loss_type`) compares the policy with a reference, held one of three ways (`reference_mode`).
 
-The defaults are DPOConfig's and KTOConfig's (tests/test_objectives.py checks them against the installed trl).
-Rows for ORPO, SimPO (trl.experimental's CPO / ORPO trainers, which keep full logits), the reward model and the
-generation objectives follow (issue 12); `NOT_YET` names them in the refusal.
+- orpo, simpo: trl.experimental's ORPOTrainer and CPOTrainer (loss_type simpo): chosen and rejected in one forward,
+  no reference, the loss on the model's full logits (llmem.estimator.pairwise / llmem.runtime.pairwise).
+- reward: RewardTrainer on a sequence-classification model (num_labels=1: a score head, no vocabulary logits).
+
+The defaults are the installed trl's config classes' (tests/test_objectives.py, tests/test_pairwise.py check them);
+`NOT_YET` names the objectives still to come in the refusal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.setup.generation import (
+    GENERATION_DEFAULTS,
+    GRPO_LOSS_TYPES,
+    check_generation,
+    check_no_generation_options,
+    completion_length,
+    generation_notes,
+)
+from llmem.setup.generation import beta as generation_beta
 
 OBJECTIVE_GROUP = "objective"      # TrainingSetup's --help section for these options
 
@@ -48,8 +60,10 @@ DPO_HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 KTO_HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits")
 REF_HEAD_OUTPUTS = ("log_probs",)   # a reference copy's head: add_fused_lm_head(ref_model), its default
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")   # KTOConfig.loss_type's choices; kto estimates the KL term
+SIMPO_LOSS_TYPES = ("simpo",)      # CPOConfig's loss_type for SimPO (its other values are CPO's, not modelled)
+CPO_SIMPO_DEFAULTS = {"simpo_gamma": 0.5, "cpo_alpha": 1.0}   # CPOConfig's (cpo_alpha 1: the chosen NLL is added)
 
-NOT_YET = ("orpo", "simpo", "reward", "grpo", "rloo", "ppo")
+NOT_YET = ("rloo", "ppo")
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,24 @@ class ObjectiveSpec:
     disable_dropout: bool = False    # TRL's disable_dropout default: nn.Dropout modules set to p = 0
     head_outputs: tuple[str, ...] = ()   # the policy's fused head's per-token fields (its metrics')
     kl_loss_types: tuple[str, ...] = ()  # loss types that add mismatched KL sequences to the batch (KTO's)
+    trainer_module: str = "trl"      # where the installed trl keeps the trainer and its config (orpo/simpo: experimental)
+    full_logits: bool = False        # the loss on the model's full [tokens, vocab] logits (llmem.estimator.pairwise)
+    scalar_head: bool = False        # a sequence-classification model, num_labels=1 (the reward model's score head)
+    cli_command: str | None = None   # the `trl` CLI's command for --export trl (None: the CLI has none)
+    generates: bool = False          # completions generated, then scored, before training (llmem.setup.generation)
+    # the micro-batch is a multiple of this (so at least this): KTO's 2, llmem's half desirable / half undesirable
+    # layout, which also meets KTOTrainer's per_device_train_batch_size > 1 for the KL term (kto_trainer.py)
+    batch_multiple: int = 1
+
+    @property
+    def step_kind(self) -> str:
+        """Which step runs it (the estimator's and the trace's dispatch key): sft, preference (a reference's
+        log-probs, TRL's fused head), pairwise (the loss on full logits or a scalar head), generation (GRPO)."""
+        if self.generates:
+            return "generation"
+        if self.full_logits or self.scalar_head:
+            return "pairwise"
+        return "preference" if self.trainer else "sft"
 
     @property
     def sequences_per_sample(self) -> int:
@@ -78,13 +110,33 @@ class ObjectiveSpec:
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
-    ObjectiveSpec("sft", "", "one model's causal-LM loss"),
+    ObjectiveSpec("sft", "", "one model's causal-LM loss", cli_command="sft"),
     ObjectiveSpec("dpo", "DPOTrainer", "preference pairs against a reference (TRL's DPOTrainer)", paired=True,
                   keeps_reference=True, loss_types=DPO_LOSS_TYPES, max_length=1024, beta=0.1, fused_lm_head=True,
-                  disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS),
+                  disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo"),
     ObjectiveSpec("kto", "KTOTrainer", "unpaired completions, desirable or not, against a reference (TRL's "
                   "KTOTrainer)", keeps_reference=True, loss_types=KTO_LOSS_TYPES, max_length=1024, beta=0.1,
-                  fused_lm_head=True, disable_dropout=True, head_outputs=KTO_HEAD_OUTPUTS, kl_loss_types=("kto",)),
+                  fused_lm_head=True, disable_dropout=True, head_outputs=KTO_HEAD_OUTPUTS, kl_loss_types=("kto",),
+                  cli_command="kto", batch_multiple=2),
+    # trl.experimental's ORPOTrainer / CPOTrainer (loss_type simpo): chosen + rejected in one forward, the loss
+    # (the chosen rows' NLL and the log-prob gathers) on the full logits, no reference (llmem.estimator.pairwise)
+    ObjectiveSpec("orpo", "ORPOTrainer", "preference pairs, odds ratio plus the chosen NLL, no reference (TRL's "
+                  "ORPOTrainer)", paired=True, max_length=1024, beta=0.1, disable_dropout=True,
+                  trainer_module="trl.experimental.orpo", full_logits=True),
+    ObjectiveSpec("simpo", "CPOTrainer", "preference pairs, length-normalised margin, no reference (TRL's "
+                  "CPOTrainer, loss_type simpo)", paired=True, loss_types=SIMPO_LOSS_TYPES, max_length=1024,
+                  beta=0.1, disable_dropout=True, trainer_module="trl.experimental.cpo", full_logits=True),
+    # RewardTrainer: a sequence-classification model (score head, num_labels=1), chosen + rejected in one forward,
+    # -logsigmoid(r_chosen - r_rejected)
+    ObjectiveSpec("reward", "RewardTrainer", "a reward model's pairwise loss on a scalar head (TRL's "
+                  "RewardTrainer)", paired=True, max_length=1024, disable_dropout=True, scalar_head=True,
+                  cli_command="reward"),
+    # GRPOTrainer with transformers' generate (llmem.setup.generation): generation, scoring (the reference when
+    # beta > 0), then the policy's forward over prompt + completion through TRL's fused head (log-probs, entropy)
+    ObjectiveSpec("grpo", "GRPOTrainer", "completions generated per prompt, group-relative advantages, a reference "
+                  "when beta > 0 (TRL's GRPOTrainer)", keeps_reference=True, loss_types=GRPO_LOSS_TYPES,
+                  beta=GENERATION_DEFAULTS["grpo"].beta, fused_lm_head=True, head_outputs=("log_probs", "entropy"),
+                  cli_command="grpo", generates=True),
 )}
 
 
@@ -107,6 +159,8 @@ def reference_mode(setup) -> str:
     precompute_ref_log_probs: no reference object; otherwise a copy loaded like the policy)."""
     if not objective_spec(setup.objective).keeps_reference:
         return REF_NONE
+    if objective_spec(setup.objective).generates and generation_beta(setup) == 0:
+        return REF_NONE            # GRPOTrainer: beta == 0.0 -> ref_model None, no reference log-probs
     if setup.precompute_ref_log_probs:
         return REF_PRECOMPUTED
     return REF_ADAPTERS_OFF if setup.peft else REF_COPY
@@ -128,9 +182,21 @@ PREFERENCE_ATTENTIONS = ("sdpa", "eager")
 def check_objective(setup) -> None:
     """The objective's options against the objective (one line naming the fix; the CLI exits 2)."""
     spec = objective_spec(setup.objective)
+    if spec.generates:
+        check_generation(setup)
+        return
+    check_no_generation_options(setup)
     if spec.name == "sft":
         _check_sft(setup)
         return
+    if setup.loss_type is not None and not spec.loss_types:
+        raise LlmemError(f"--loss-type with --objective {spec.name}: TRL's {spec.trainer} has no loss_type; drop it")
+    if spec.scalar_head and setup.peft:
+        raise LlmemError(f"--objective {spec.name} with adapters is not modelled yet (peft's SEQ_CLS task, which "
+                         "TRL's RewardTrainer uses, trains the score head in full): drop --lora-rank")
+    if setup.prompt_len and spec.scalar_head:
+        raise LlmemError(f"--prompt-len with --objective {spec.name}: TRL's {spec.trainer} scores whole sequences "
+                         "(no prompt mask); drop it")
     if setup.loss_type is not None and setup.loss_type not in spec.loss_types:
         raise LlmemError(f"unknown --loss-type {setup.loss_type!r} for --objective {spec.name}: choose one of "
                          f"{', '.join(spec.loss_types)}")
@@ -199,6 +265,8 @@ def loss_type_of(setup) -> str | None:
 def completion_tokens(setup) -> int:
     """Tokens of one sequence TRL scores (labels not -100 after the shift): the completion, less one when there is
     no prompt (the first token is never a label)."""
+    if objective_spec(setup.objective).generates:      # GRPO: labels[:, :-logits_to_keep] = -100
+        return completion_length(setup)
     return setup.seq_len - max(setup.prompt_len, 1)
 
 
@@ -207,6 +275,10 @@ def objective_notes(setup) -> list[str]:
     spec = objective_spec(setup.objective)
     if spec.name == "sft":
         return []
+    if spec.full_logits or spec.scalar_head:
+        return _pairwise_notes(setup, spec)
+    if spec.generates:
+        return generation_notes(setup, reference_mode(setup))
     rows = spec.sequences_per_sample * setup.batch_size
     max_length = spec.max_length if setup.max_length is None else setup.max_length
     mode = reference_mode(setup)
@@ -228,3 +300,21 @@ def objective_notes(setup) -> list[str]:
             f"(tiles of {FUSED_TOKEN_CHUNK} tokens x {FUSED_VOCAB_CHUNK} vocabulary columns, no [tokens, vocab] "
             f"logits); loss_type {loss_type_of(setup)} (per-pair scalars); dropout off (disable_dropout)",
             f"reference: {reference}"]
+
+
+def _pairwise_notes(setup, spec: ObjectiveSpec) -> list[str]:
+    """ORPO / SimPO (the loss on full logits) and the reward model (a scalar head): no reference."""
+    rows = 2 * setup.batch_size
+    max_length = spec.max_length if setup.max_length is None else setup.max_length
+    head = ("a sequence-classification model (AutoModelForSequenceClassification, num_labels=1: the score Linear "
+            "[1, hidden] in place of the lm_head, no vocabulary logits); its pooled [2B, 1] scores, "
+            "-logsigmoid(r_chosen - r_rejected)" if spec.scalar_head else
+            f"full [{rows} x {setup.seq_len}, vocab] logits (fp32 under mixed precision: accelerate casts the "
+            "model's outputs), the chosen rows' NLL (nn.CrossEntropyLoss on a contiguous copy of their shifted "
+            "logits) and every row's per-token log-probs (selective_log_softmax's fused kernel)" + (
+                f"; loss_type simpo (simpo_gamma {CPO_SIMPO_DEFAULTS['simpo_gamma']}, cpo_alpha "
+                f"{CPO_SIMPO_DEFAULTS['cpo_alpha']}: the NLL is added)" if spec.name == "simpo" else ""))
+    return [f"--objective {spec.name}: TRL's {spec.trainer}, {rows} sequences per step ({setup.batch_size} chosen "
+            f"then {setup.batch_size} rejected, concatenated in one forward); --seq-len {setup.seq_len} is each "
+            f"sequence's length after TRL's max_length {max_length} truncation; {head}; no reference model; dropout "
+            "off (disable_dropout)"]

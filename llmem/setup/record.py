@@ -99,7 +99,8 @@ class SetupRecord:
             parts.append(f"batch {s.batch_size} × seq {s.seq_len}")
         parts += [s.precision, optimizer, self.adapter_text(), self.trainable_text()]
         if s.grad_ckpt:
-            parts.append("grad-ckpt" + (f" every {s.ckpt_every} layers" if s.ckpt_every > 1 else ""))
+            parts.append("grad-ckpt" + (f" every {s.ckpt_every} layers" if s.ckpt_every > 1 else "")
+                         + (f" ({s.ac_policy} policy)" if s.ac_policy != "full" else ""))
         if s.fused_ce:
             parts.append("fused CE")
         if s.offload_activations:

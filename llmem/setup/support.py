@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.training import QUANT_FLAGS, TrainingSetup
 
@@ -24,6 +25,9 @@ class ModelSupport:
     supports_flash_attn: bool        # the class's _supports_flash_attn (attn_implementation="flash_attention_2")
     tp_refusal: str | None = None    # why tensor parallelism cannot run on it (None: the family has a TP plan)
     adapted_head: str | None = None  # the output layer's name when peft adapters sit on it (LoRA on lm_head)
+    # why --sequence-parallel / --loss-parallel cannot run on it (field name -> the line), where it has a TP plan
+    tp_style_refusals: tuple[tuple[str, str], ...] = ()
+    flash_refusal: str | None = None  # why --attn flash is not modelled on it (its family row), or None
 
 
 def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> None:
@@ -41,17 +45,39 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
         raise LlmemError(optimizer.plain_tensors_only.format(name=optimizer.name, method=method.name))
     if optimizer.tp_refusal and method.has_tp:
         raise LlmemError(optimizer.tp_refusal.format(name=optimizer.name, method=method.name))
+    check_tp_styles(setup, method)
     if setup.peft and method.has_tp:
         raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
     if setup.fused_ce and method.has_tp:
         raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
                          "vocab-parallel loss")
+    selective = selective_refusal(setup, method)     # --ac-policy op: what its estimate models
+    if selective:
+        raise LlmemError(selective)
     if method.zero_stage is not None:
         check_deepspeed(setup, method)
     if setup.quant_base != "none":
         check_quant_method(setup, method)
     if model is not None:
         check_model_support(setup, method, model)
+
+
+def check_tp_styles(setup: TrainingSetup, method: MethodSpec) -> None:
+    """--sequence-parallel / --loss-parallel: styles of a tensor-parallel plan (torchtitan's), and what they are
+    not modelled with."""
+    for name in ("sequence_parallel", "loss_parallel"):
+        if getattr(setup, name) and not method.has_tp:
+            raise LlmemError(f"--{name.replace('_', '-')} applies to tensor parallelism: use --method tp or "
+                             f"fsdp+tp (got {method.name})")
+    if setup.loss_parallel and setup.fused_ce:
+        raise LlmemError("--fused-ce with --loss-parallel is not modelled: the fused loss takes the whole lm_head, "
+                         "loss_parallel() the vocab-sharded logits; choose one (torchtitan: --loss-parallel)")
+    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective != "sft":
+        raise LlmemError(f"--sequence-parallel / --loss-parallel with --objective {setup.objective}: TRL's loss "
+                         "reads full hidden states and gathers per-token log-probs; not modelled, drop them")
+    if setup.sequence_parallel and setup.offload_activations:
+        raise LlmemError("--offload-activations with --sequence-parallel is not modelled (the offloaded saved "
+                         "tensors of a DTensor residual stream); drop one of them")
 
 
 def check_deepspeed(setup: TrainingSetup, method: MethodSpec) -> None:
@@ -98,6 +124,11 @@ def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSu
     """What the model itself cannot run under `setup` and `method` (the same refusal in every engine)."""
     if method.has_tp and model.tp_refusal:
         raise LlmemError(model.tp_refusal)
+    for name, why in model.tp_style_refusals:
+        if getattr(setup, name):
+            raise LlmemError(why)
+    if setup.attn == "flash" and model.flash_refusal:
+        raise LlmemError(model.flash_refusal)
     if setup.attn == "flash" and not model.supports_flash_attn:
         able = "sdpa or eager" if model.supports_sdpa else "eager"
         raise LlmemError(f"--attn flash: transformers has no flash attention for {model.architecture} "
@@ -107,3 +138,21 @@ def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSu
                          "(a lora.Linear adding a [tokens, vocab] output to the logits, which --fused-ce would skip), "
                          "but llmem's logits and loss model has no adapter there; target the decoder layers' modules "
                          "(peft's all-linear leaves the output layer out too)")
+
+
+def selective_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem cannot model `setup`'s selective policy under `method` (None: it can, or the policy is full). The
+    estimate models a plain decoder layer under SDPA / flash attention, trained whole, on plain tensors."""
+    if not AC_POLICIES[setup.ac_policy].selective:
+        return None
+    flag = f"--ac-policy {setup.ac_policy}"
+    why = (("tensor parallelism (DTensor matmuls)", method.has_tp),
+           ("DeepSpeed's engine", method.zero_stage is not None),
+           ("peft adapters", setup.peft), ("a quantised base", setup.quant_base != "none"),
+           ("--offload-activations", setup.offload_activations), ("--packing", setup.packing),
+           ("--attn eager", setup.attn == "eager"), (f"--objective {setup.objective}", setup.objective != "sft"))
+    named = [what for what, applies in why if applies]
+    if named:
+        return (f"{flag} with {named[0]} is not modelled: use it on a full fine-tune under single, ddp, fsdp or "
+                "zero2 with SDPA or flash attention, or use --grad-ckpt")
+    return None

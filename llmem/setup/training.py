@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.checkpointing import ac_policy
+from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.methods import canonical_method, method_spec
 from llmem.setup.objectives import (
@@ -20,8 +22,10 @@ from llmem.setup.objectives import (
     OBJECTIVES,
     REF_DTYPES,
     check_objective,
+    objective_spec,
 )
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
+from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline
 from llmem.setup.precision import PRECISIONS, Precision
 
 ATTENTIONS = ("sdpa", "eager", "flash")
@@ -94,16 +98,20 @@ def option(default: Any, help: str, group: str, **kw: Any) -> Any:
     return field(default=default, metadata={"option": Option(help, group, **kw)})
 
 
-def default_method(gpus: int) -> str:
-    """The method when none is given: one GPU runs single, more run FSDP2."""
-    return "single" if gpus == 1 else "fsdp"
+def default_method(gpus: int, objective: str = "sft") -> str:
+    """The method when none is given: one GPU runs single, more run FSDP2 (DDP for TRL's objectives, preference and
+    generation alike, which llmem models under single and ddp only)."""
+    if gpus == 1:
+        return "single"
+    return "ddp" if objective_spec(objective).trainer else "fsdp"
 
 
 def user_setup(**fields: Any) -> TrainingSetup:
     """The TrainingSetup a user's fields describe (the API's keywords, the CLI's flags): the method's alias
     resolved, or, when none is given, the default for the GPU count."""
     fields["method"] = canonical_method(fields["method"]) if "method" in fields \
-        else default_method(fields.get("gpus", 1))
+        else default_method(fields.get("gpus", 1) // max(1, fields.get("pp") or 1),   # --pp N on N GPUs: single
+                            fields.get("objective", "sft"))
     return TrainingSetup(**fields)
 
 
@@ -201,6 +209,52 @@ class TrainingSetup:
     max_length: int | None = option(None, "dpo/kto: TRL's max_length, to which it truncates each sequence (default "
                                     "1024, the configs'); --seq-len is the length after truncation",
                                     OBJECTIVE_GROUP, type=int)
+    # tensor parallelism as torchtitan applies it (parallelize_llama's plan; plain Megatron TP without these)
+    sequence_parallel: bool = option(False, "tp / fsdp+tp: SequenceParallel on the norms, the residual stream "
+                                     "sharded along the sequence between the TP regions (all-gather before "
+                                     "attention / MLP, reduce-scatter after)", LAYOUT, kind="switch")
+    loss_parallel: bool = option(False, "tp / fsdp+tp: vocab-sharded logits, the cross-entropy on them under "
+                                 "torch's loss_parallel() (no full-vocab gather)", LAYOUT, kind="switch")
+    # activation checkpointing's policy (llmem.setup.checkpointing): full, or torchtitan's op-level selective
+    ac_policy: str = option("full", "what a checkpointed layer keeps: full (its input only) or op (torchtitan's "
+                            "op-level selective checkpointing: every other matmul output and the SDPA outputs "
+                            "saved too); implies --grad-ckpt (default full)", ACTIVATIONS, cli_default=None,
+                            implies=(("grad_ckpt", True),))
+    # The generation objectives' options (llmem.setup.generation): GRPOConfig's names and defaults
+    num_generations: int | None = option(None, "grpo: completions per prompt (GRPOConfig's default 8); must divide "
+                                         "--gpus x --batch-size", OBJECTIVE_GROUP, type=int)
+    max_completion_length: int | None = option(None, "grpo: completion tokens (default 512, GRPOConfig's); --seq-len "
+                                               "is the prompt plus these", OBJECTIVE_GROUP, type=int)
+    beta: float | None = option(None, "grpo: the KL coefficient (default 0.0, GRPOConfig's: no reference model; > 0 "
+                                "scores a reference)", OBJECTIVE_GROUP, type=float)
+    use_vllm: bool = option(False, "grpo: generate with vLLM (its pool modelled from vLLM's accounting, not run; "
+                            "see --vllm-mode)", OBJECTIVE_GROUP, kind="switch")
+    # FSDP2's HSDP: replicate across groups x shard within each (torchtitan's data_parallel_replicate_degree)
+    dp_replicate: int = option(1, "fsdp / zero2 / fsdp+tp: HSDP, the data-parallel ranks as this many replicas, "
+                               "each FSDP-sharded over dp / N ranks (a 2-D mesh; default 1: shard over all dp "
+                               "ranks)", LAYOUT, type=int)
+    # pipeline parallelism (llmem.setup.pipeline): torch.distributed.pipelining's stages as torchtitan splits them
+    pp: int = option(1, "pipeline-parallel degree: the decoder split into this many stages, one per rank "
+                     "(single: --gpus = --pp; fsdp: dp x pp; default 1)", LAYOUT, type=int)
+    pp_schedule: str = option("1f1b", f"{', '.join(PIPELINE_SCHEDULES)}: torch's pipeline schedule (default 1f1b, "
+                              "torchtitan's)", LAYOUT)
+    pp_microbatches: int | None = option(None, "micro-batches --batch-size is split into under --pp (default: "
+                                         "--batch-size, torchtitan's micro-batch size 1)", LAYOUT, type=int)
+    # context parallelism (llmem.setup.context_parallel): torch's ring attention, seq_len / cp tokens per rank
+    cp: int = option(1, "context-parallel degree: each sample's tokens split over this many ranks (torch's ring "
+                     "attention, FSDP2 over dp x cp; --gpus = dp x cp; fsdp only; default 1)", LAYOUT, type=int)
+    # TRL's colocated vLLM (--use-vllm: GRPOConfig's vllm_* fields; llmem.memory.vllm models its pool)
+    vllm_mode: str | None = option(None, "grpo --use-vllm: colocate (vLLM in each training process, TRL 1.16's "
+                                   "default) or server (vLLM on other GPUs: nothing of it on these)", OBJECTIVE_GROUP)
+    vllm_gpu_memory_utilization: float | None = option(None, "grpo --use-vllm colocate: the share of device memory "
+                                                       "vLLM takes (GRPOConfig's default 0.3)", OBJECTIVE_GROUP,
+                                                       type=float)
+    vllm_enable_sleep_mode: bool = option(False, "grpo --use-vllm colocate: vLLM released between generations "
+                                          "(TRL's sleep(level=2): weights and KV cache)", OBJECTIVE_GROUP,
+                                          kind="switch")
+    vllm_max_model_length: int | None = option(None, "grpo --use-vllm colocate: vLLM's max_model_len (default: "
+                                               "the model's max_position_embeddings, as vLLM infers it)",
+                                               OBJECTIVE_GROUP, type=int)
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -223,11 +277,49 @@ class TrainingSetup:
             raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
+        self._check_ac_policy()
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
         self._check_quant_base()
         self._check_deepspeed()
         check_objective(self)
+        self._check_replicate()
+        self._check_pipeline()
+        check_context_parallel(self)
+
+    def _check_pipeline(self) -> None:
+        """--pp: the schedule and micro-batches torch accepts, on the methods a stage runs under (the layer count is
+        checked once the model is known, llmem.model.resolved)."""
+        check_pipeline(self.pp, self.pp_schedule, self.microbatches, self.batch_size, None)
+        if self.pp > 1 and canonical_method(self.method) not in PP_METHODS:
+            raise LlmemError(f"--pp runs under --method single (pure pipeline) or fsdp (FSDP2 x PP) only, got "
+                             f"{self.method}")
+        if self.pp == 1 and self.pp_microbatches is not None:
+            raise LlmemError("--pp-microbatches splits the batch over pipeline stages: add --pp N (> 1)")
+
+    @property
+    def microbatches(self) -> int:
+        """The pipeline's micro-batches per step (1 without --pp)."""
+        if self.pp == 1:
+            return 1
+        return self.batch_size if self.pp_microbatches is None else self.pp_microbatches
+
+    def _check_replicate(self) -> None:
+        """HSDP replicates FSDP2's shards: a sharding method of PyTorch's (DeepSpeed's engine has its own hpZ)."""
+        if self.dp_replicate < 1:
+            raise LlmemError(f"--dp-replicate must be >= 1, got {self.dp_replicate}")
+        spec = method_spec(self.method)
+        if self.dp_replicate > 1 and not spec.shards_model_states:
+            raise LlmemError(f"--dp-replicate (HSDP) replicates FSDP2's shards: use --method fsdp, zero2 or fsdp+tp "
+                             f"(got {self.method})")
+
+    def _check_ac_policy(self) -> None:
+        """--ac-policy: a row of AC_POLICIES; a selective one checkpoints every layer (torchtitan wraps each block)."""
+        if ac_policy(self.ac_policy).selective:
+            if self.ckpt_every > 1:
+                raise LlmemError(f"--ac-policy {self.ac_policy} checkpoints every layer (torchtitan's op-level "
+                                 "selective checkpointing wraps each block): drop --grad-ckpt-every")
+            object.__setattr__(self, "grad_ckpt", True)   # implied, as the flag implies it
 
     def _check_deepspeed(self) -> None:
         """DeepSpeed's options belong to its methods, stage 3's to stage 3 (DeepSpeed refuses offload_param below
@@ -365,6 +457,18 @@ class TrainingSetup:
         """peft's prepare_model_for_kbit_training runs: a bitsandbytes base with the upcast (--no-kbit-upcast: not).
         torchtune, which runs torchao's NF4 base, has no such step: its frozen parameters stay in the model dtype."""
         return self.quant_base not in ("none", "torchao-nf4") and self.kbit_upcast
+
+    @property
+    def fsdp_cpu_offload(self) -> bool:
+        """FSDP2's CPUOffloadPolicy (--offload-param under fsdp / zero2 / fsdp+tp): the sharded parameters, their
+        gradients and the optimizer live in pinned host memory; the device holds only what the step gathers."""
+        return self.offload_param and method_spec(self.method).shards_model_states
+
+    @property
+    def steps_on_host(self) -> bool:
+        """The optimizer's states and update are on the host: --offload-optimizer, or implied by CPUOffloadPolicy
+        (FSDP2 has no optimizer-only offload: its sharded parameters and gradients are host tensors already)."""
+        return self.offload_optimizer or self.fsdp_cpu_offload
 
     def to_dict(self) -> dict:
         return asdict(self)

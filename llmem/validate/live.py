@@ -37,7 +37,7 @@ import torch
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
 from llmem.result import MemoryResult
-from llmem.setup.gpus import GPU_CATALOG
+from llmem.setup.gpus import catalog_gpu_for
 from llmem.setup.training import TrainingSetup, user_setup
 
 log = logging.getLogger("llmem")
@@ -82,12 +82,10 @@ def _precision(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> st
 
 
 def _gpu_name() -> str | None:
-    """The catalog entry whose name the CUDA device's name contains (None: the default)."""
+    """The catalog entry of the CUDA device, by name and memory (None: not CUDA, or not in the catalog)."""
     if not torch.cuda.is_available():
         return None
-    device = torch.cuda.get_device_name().replace(" ", "").upper()
-    found = [g.name for g in GPU_CATALOG.values() if g.name.split("-")[0].upper() in device]
-    return found[0] if found else None
+    return catalog_gpu_for(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
 
 
 def live_setup(model: torch.nn.Module, optimizer: Any, *, batch_size: int, seq_len: int,

@@ -179,6 +179,9 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "fsdp", 4, precision="fp32", batch_size=2, seq_len=256, grad_ckpt=True, offload_param=True),
     _s("tiny-llama", "zero2", 2, precision="bf16-mixed", batch_size=1, seq_len=256, grad_ckpt=True,
        offload_param=True),
+    # HSDP (--dp-replicate): FSDP2 on a (dp_replicate, dp_shard) mesh, sharded within each replica; with TP a 3-D mesh
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),
+    _s("tiny-llama", "fsdp+tp", 8, tp=2, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),
     # TRL's DPOTrainer (--objective dpo; llmem.estimator.objectives against TRL's own _compute_loss traced,
     # llmem.runtime.objectives): chosen + rejected in one forward, TRL's fused LM head; the reference as a frozen
     # copy, the policy with its adapters disabled (LoRA), precomputed log-probs; DDP; another loss type and a prompt
@@ -193,6 +196,54 @@ CI_MATRIX: list[TrainingSetup] = [
     # and the reference); the reference as a copy, and as the policy with its adapters disabled
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="kto"),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="kto", lora_rank=16),
+    # trl.experimental's ORPOTrainer and CPOTrainer (simpo): no reference, the loss on full fp32 logits (the
+    # chosen NLL and the log-prob kernel); TRL's RewardTrainer: the score head (llmem.estimator.pairwise)
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="orpo"),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="simpo", lora_rank=16),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="reward"),
+    # TP as torchtitan applies it: SequenceParallel norms and a sequence-sharded residual stream, the loss on the
+    # vocab-sharded logits under loss_parallel(); pure bf16, autocast, FSDP2 over TP, and with checkpointing
+    _s("tiny-llama", "tp", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=256, sequence_parallel=True,
+       loss_parallel=True),
+    _s("tiny-llama", "tp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256,
+       sequence_parallel=True, loss_parallel=True),
+    _s("tiny-llama", "fsdp+tp", 4, tp=2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256,
+       sequence_parallel=True, loss_parallel=True),
+    _s("tiny-llama", "fsdp+tp", 4, tp=2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256,
+       grad_ckpt=True, sequence_parallel=True, loss_parallel=True),
+    # torchtitan's op-level selective checkpointing (--ac-policy op, llmem.memory.activations.selective): every
+    # other mm output and SDPA's kept per layer; Qwen2's biased q/k/v run addmm, so its saved mms are o and up
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    # TRL's GRPOTrainer with transformers' generate (--objective grpo; llmem.estimator.generation against generate
+    # and TRL's _compute_loss traced, llmem.runtime.generation): generation, scoring, training; beta 0 (no
+    # reference), LoRA with beta 0.04 (the reference is the policy with its adapters off), DDP with beta 0.04 (a
+    # reference copy; 2 GPUs x 2 completions hold one prompt's 4 generations). Completions of 8 tokens keep the
+    # trace's decode loop (one traced forward per token) short: each row traces in ~25-35 s
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=32, objective="grpo",
+       num_generations=4, max_completion_length=8),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=4, seq_len=32, objective="grpo", num_generations=4,
+       max_completion_length=8, beta=0.04, lora_rank=16),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=32, objective="grpo",
+       num_generations=4, max_completion_length=8, beta=0.04),
+    # MoE as MoE (llmem.model.moe): transformers' grouped_mm experts, activations learned from the real code; one
+    # GPU, FSDP2 sharding the 3-D expert weights on dim 0, DeepSeek-V3's MLA with a shared expert and a dense layer 0
+    _s("tiny-qwen3-moe", precision="bf16-mixed", batch_size=2, seq_len=128),
+    _s("tiny-qwen3-moe", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256),
+    _s("tiny-deepseek-v3", precision="bf16", batch_size=2, seq_len=256),
+    # pipeline parallelism (llmem.estimator.pipeline / llmem.runtime.pipeline): pure PP on 2 stages, 4 micro-batches
+    # of 1 (1F1B holds 2 on stage 0, GPipe all 4), every stage traced; fp32 AdamW for the optimizer's states
+    _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=4, seq_len=128, pp=2),
+    _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=4, seq_len=128, pp=2,
+       pp_schedule="gpipe"),
+    _s("tiny-llama", "single", 2, precision="fp32", batch_size=2, seq_len=128, pp=2),
+    # FSDP2 x PP (dp 2 x pp 2): no reshard after forward, the unsharded gradients accumulated until the last backward
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=128, pp=2),
+    # context parallelism (llmem.setup.context_parallel): torch's ring attention on 2 cp ranks (128 tokens each,
+    # cuDNN SDPA on the H100 dispatched to the ring), FSDP2 over dp x cp; without and with checkpointing
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, cp=2),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, cp=2, grad_ckpt=True),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -274,6 +325,9 @@ GPU_MATRIX += [
         ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
                                                       "quant_base": "torchao-nf4", "adapter_dtype": "base"}),
         ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"peft_config": bundled_peft_config("oft-r32-q-v")}),
+        # torchtitan's op-level selective checkpointing (--ac-policy op): Llama (every other mm) and Qwen2 (addmm)
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
     ]
 ]
 
@@ -281,11 +335,17 @@ MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MAT
 
 
 def label(s: TrainingSetup) -> str:
-    layout = s.method if METHODS[s.method].one_gpu else f"{s.method}({s.gpus}" + (f",tp{s.tp}" if s.tp else "") + ")"
+    layout = s.method if METHODS[s.method].one_gpu else f"{s.method}({s.gpus}" + (f",tp{s.tp}" if s.tp else "") \
+        + (f",hsdp{s.dp_replicate}" if s.dp_replicate > 1 else "") + ")"
+    if s.pp > 1:      # pipeline: degree, schedule and micro-batches
+        layout += f"+pp{s.pp}:{s.pp_schedule}x{s.microbatches}"
+    if s.cp > 1:      # context parallelism: its degree
+        layout += f"+cp{s.cp}"
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
         + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
         + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \
         + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
+        + ([f"ac-{s.ac_policy}"] if s.ac_policy != "full" else []) \
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
         + (["offload-opt"] if s.offload_optimizer else []) \
@@ -295,5 +355,9 @@ def label(s: TrainingSetup) -> str:
            and getattr(s, name) is not False] \
         + ([s.objective] if s.objective != "sft" else []) + ([f"loss={s.loss_type}"] if s.loss_type else []) \
         + (["precomputed-ref"] if s.precompute_ref_log_probs else []) \
-        + ([f"prompt{s.prompt_len}"] if s.prompt_len else [])
+        + ([f"prompt{s.prompt_len}"] if s.prompt_len else []) \
+        + (["sequence-parallel"] if s.sequence_parallel else []) + (["loss-parallel"] if s.loss_parallel else []) \
+        + ([f"gen{s.num_generations}"] if s.num_generations else []) \
+        + ([f"completion{s.max_completion_length}"] if s.max_completion_length else []) \
+        + ([f"beta{s.beta:g}"] if s.beta is not None else [])
     return f"{s.model} {layout} {' '.join(extras)}"

@@ -14,7 +14,9 @@ as they are on CUDA:
 
 Sizes are in bytes, per GPU, for one micro-batch; `t` = tokens (batch x sequence). With tensor parallelism (no
 sequence parallelism) the column-parallel outputs (heads, MLP intermediate) are split tp ways and everything else
-stays replicated.
+stays replicated. Under --sequence-parallel (torchtitan's plan) the residual stream and the norms hold `ts` = the
+sequence shard's tokens, the linears after a norm keep its all-gathered [t, h] output; under --loss-parallel the
+logits and the loss are [t, vocab / tp].
 """
 
 from __future__ import annotations
@@ -44,10 +46,22 @@ class Dims:
     tp: int
     masked: bool = False   # --packing under SDPA: a block-diagonal boolean mask [b, 1, s, s] goes to every layer
     pos_rows: int = 1      # rows of position ids (and of rotary cos/sin): b when packing, else 1 (broadcast)
+    seq_shards: int = 1    # --sequence-parallel: the residual stream and the norms sharded tp ways on the sequence
+    vocab_shards: int = 1  # --loss-parallel: the logits and the loss sharded tp ways on the vocabulary
 
     @property
     def t(self) -> int:
         return self.b * self.s
+
+    @property
+    def ts(self) -> int:
+        """Tokens of the residual stream on this GPU: under sequence parallel Shard(1) of the sequence (torch.chunk,
+        rank 0 the ceiling), else all of them."""
+        return self.b * -(-self.s // self.seq_shards)
+
+    @property
+    def sp(self) -> bool:
+        return self.seq_shards > 1
 
 
 @dataclass(frozen=True)
@@ -101,9 +115,30 @@ def loss_peak_bytes(d: Dims) -> int:
     At the nll_loss backward three fp32 [tokens, vocab] tensors are live at once: the saved log-softmax output,
     nll_loss's gradient (zeros + scatter) and log_softmax's input gradient. The logits themselves are dropped with
     the model output before backward (as HF Trainer does), so they do not add here. Logits are full-vocab under
-    tensor parallelism (the lm_head output is gathered).
+    tensor parallelism (the lm_head output is gathered), except under --loss-parallel (loss_parallel_peak_bytes).
     """
+    if d.vocab_shards > 1:
+        return loss_parallel_peak_bytes(d)
     return 3 * F32 * d.t * d.vocab
+
+
+def local_vocab(d: Dims) -> int:
+    """The logits' vocabulary on this GPU: ColwiseParallel's torch.chunk of the lm_head rows (rank 0 the ceiling)."""
+    return -(-d.vocab // d.vocab_shards)
+
+
+def loss_parallel_peak_bytes(d: Dims) -> int:
+    """--loss-parallel: torch's loss_parallel() cross-entropy on [tokens, vocab/tp] logits
+    (torch/distributed/tensor/parallel/loss.py). Its backward (_nll_loss_and_log_softmax_backward) holds four fp32
+    shards at once: the saved log-softmax, zeros_like (the one-hot), exp(log-softmax) and their sum."""
+    return 4 * F32 * d.t * local_vocab(d)
+
+
+def loss_parallel_forward_bytes(d: Dims, mm: int) -> int:
+    """--loss-parallel's forward peak (_log_softmax): the local logits (compute dtype), HF's fp32 upcast (none when
+    fp32), x - max and its exp, all [tokens, vocab/tp]."""
+    n = d.t * local_vocab(d)
+    return n * mm + (n * F32 if mm != F32 else 0) + 2 * n * F32
 
 
 def norm_saved(kind: str, r: Regime, t: int, h: int) -> tuple[Sizes, int]:
@@ -186,6 +221,21 @@ def eager_attention_saved(r: Regime, d: Dims, dropout_p: float, repeat_kv: bool,
     v = d.t * (d.qd if repeat_kv else d.kvd) * r.mm
     merged = d.t * d.qd * r.mm
     return kept + qk + (v, merged)
+
+
+def gathered_input(d: Dims, norm_out_bytes: int) -> tuple[int, tuple[tuple[int, float, float], ...]]:
+    """--sequence-parallel: PrepareModuleInput(Shard(1) -> Replicate()) all-gathers the norm's sequence-sharded
+    output before a TP region (DTensor's redistribute: funcol's all-gather output, then the chunks concatenated
+    along the sequence, as traced). Returns the gathered [t, h] tensor's bytes (the norm output's dtype) and the
+    two gather buffers as forward temporaries (made before it, freed at the block's end)."""
+    gathered = norm_out_bytes // d.ts * d.t
+    return gathered, ((gathered, 0, 1), (gathered, 0, 1))
+
+
+def sp_norm_transient(r: Regime, d: Dims) -> int:
+    """--sequence-parallel: a norm's backward also reduce-scatters its output's gradient (the TP region's input
+    gradient, [t, h] in the compute dtype) to its sequence shard: the full gradient and its rearranged copy."""
+    return 2 * d.t * d.h * r.mm if d.sp else 0
 
 
 def norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:

@@ -176,6 +176,8 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
         return False, ""
     if r.layout.tp > 1:
         return False, "tensor parallelism (the copy runs on one GPU; its heads would not split the same way)"
+    if setup.ac_policy != "full":
+        return False, f"--ac-policy {setup.ac_policy} (its stored op outputs are the hand recipes' only)"
     if setup.quant_base != "none":
         return False, ("a quantised base (the schedule lays out bitsandbytes' transients itself; the emulated "
                        "kernels' buffers are not told apart from the layer's tensors yet)")

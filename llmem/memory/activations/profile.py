@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmem.errors import LlmemError
 from llmem.memory.activations.adapters import (
     adapters_read_input,
     adapters_upcast,
@@ -22,6 +23,7 @@ from llmem.memory.activations.blocks import (
     loss_peak_bytes,
     packed_mask_bytes,
 )
+from llmem.memory.activations.context_parallel import with_ring_attention
 from llmem.memory.activations.learned import learned_recipe
 from llmem.memory.activations.loss import FusedCE, fused_ce_for
 from llmem.memory.activations.quantised import (
@@ -33,10 +35,12 @@ from llmem.memory.activations.quantised import (
     with_int8_inputs,
 )
 from llmem.memory.activations.recipes import recipe_for
+from llmem.memory.activations.selective import SelectiveLayer, selective_layer, selective_refusal
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
+from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.precision import Regime
 from llmem.setup.training import TrainingSetup
 
@@ -69,6 +73,8 @@ class ActivationProfile:
     embed_leaf_bytes: int = 0
     lm_head_kept: bool = True  # the last head tensor is the lm_head's input (not when the fused loss or a frozen
                                # lm_head keeps none)
+    # --ac-policy op: the op outputs each checkpointed layer's storage keeps (in checkpoint_saved); None: full
+    selective: SelectiveLayer | None = None
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -93,7 +99,18 @@ class ActivationProfile:
         """The layer input a checkpointed layer saves (torch.utils.checkpoint's non-reentrant `save_inputs`: the
         positional tensor arguments, which transformers' GradientCheckpointingLayer passes as the hidden states
         alone; masks and rotary cos/sin are keywords, bound in the recompute's partial, not saved)."""
-        return self.checkpoint_saved - sum(self.int8_kept)
+        return self.checkpoint_saved - sum(self.int8_kept) - self.selective_kept_bytes
+
+    @property
+    def selective_kept_bytes(self) -> int:
+        """--ac-policy op: what a checkpointed layer's storage keeps besides its input (llmem.memory.activations
+        .selective); 0 under full checkpointing."""
+        return self.selective.kept_bytes(self.blocks) if self.selective is not None else 0
+
+    @property
+    def selective_held_bytes(self) -> int:
+        """--ac-policy op: stored outputs the recompute never reads, live through the layer's backward."""
+        return self.selective.held_bytes if self.selective is not None else 0
 
     @property
     def ckpt_device_saved(self) -> int:
@@ -166,6 +183,7 @@ def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
         vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
         masked=setup.packing and effective_attention(anatomy, setup) == "sdpa" and setup.attn != "flash",
         pos_rows=setup.batch_size if setup.packing else 1,
+        seq_shards=tp if setup.sequence_parallel else 1, vocab_shards=tp if setup.loss_parallel else 1,
     )
 
 
@@ -210,6 +228,17 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
             if setup.attn == "sdpa" else "eager attention's mask is [b, 1, s, s] as without packing"))
     if setup.grad_ckpt and setup.ckpt_every > 1:
         notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
+    if AC_POLICIES[setup.ac_policy].selective:
+        notes.append(f"--ac-policy {setup.ac_policy}: {AC_POLICIES[setup.ac_policy].saves} (torch's "
+                     "create_selective_checkpoint_contexts); the recompute skips the saved ops")
+    if setup.sequence_parallel:
+        notes.append("--sequence-parallel: torchtitan's plan on HF's model (SequenceParallel norms, PrepareModuleInput "
+                     "all-gathers before attention / MLP, reduce-scatters after); the residual stream, the norms and "
+                     "checkpointed layer inputs sequence-sharded, the linears keep the gathered [tokens, hidden] "
+                     "input; the stream stays a DTensor (use_local_output=False) as HF reads its sequence length")
+    if setup.loss_parallel:
+        notes.append("--loss-parallel: HF's cross-entropy on [tokens, vocab/tp] logits under torch's "
+                     "loss_parallel() (its log-softmax and fused backward on the shard; no full-vocab gather)")
     if setup.peft and setup.mixed and setup.adapter_dtype == "base":
         notes.append(f"--adapter-dtype base under {setup.precision}: peft builds the adapters on the fp32 model "
                      "(the masters *-mixed trains) before the frozen base is cast, so they are fp32 as with fp32; "
@@ -234,8 +263,13 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     anatomy, setup, regime = r.anatomy, r.setup, r.regime
     d = dims_for(anatomy, setup, r.layout.tp)
     attn = effective_attention(anatomy, setup)
+    selective = AC_POLICIES[setup.ac_policy].selective
+    if selective and not has_recipe(anatomy):      # refused before any learning (llmem.memory.activations.selective)
+        raise LlmemError(selective_refusal(anatomy, attn, learned=True))
     learned = learned_recipe(r)    # activations learned from the real code (no hand recipe for this set-up)
     recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
+    if r.layout.cp > 1:          # torch's ring attention (llmem.memory.activations.context_parallel)
+        recipe = with_ring_attention(recipe, d, regime, r.layout.cp)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
     if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)
@@ -258,12 +292,15 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
+    selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned is not None) if selective else None
     return ActivationProfile(
+        selective=selective,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
         lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) for p in anatomy.params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),
-        checkpoint_saved=d.t * d.h * regime.res + sum(int8_kept),
+        checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
+        + (selective.kept_bytes(recipe.blocks) if selective is not None else 0),
         int8_kept=int8_kept,
         embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
         embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,

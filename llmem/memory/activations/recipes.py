@@ -5,6 +5,7 @@ the final norm and lm_head input, and the tensors shared by all layers keep."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from llmem.memory.activations.blocks import (
     Block,
@@ -14,12 +15,14 @@ from llmem.memory.activations.blocks import (
     config_value,
     dropout_saved,
     eager_attention_saved,
+    gathered_input,
     linear_inputs_saved,
     norm_block,
     norm_saved,
     packed_bias_saved,
     proj_block,
     sdpa_saved,
+    sp_norm_transient,
 )
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
@@ -32,9 +35,9 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     spec = family_of(a.model_type)
     norm = spec.norm
     fused = spec.fused_projections
-    n1, out1 = norm_block("input_norm", norm, r, t, d.h, ("input_layernorm",))
-    qkv = proj_block("qkv_proj", r, t, d.h, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"),
-                      ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))
+    n1, out1 = sp_norm_block("input_norm", norm, r, d, ("input_layernorm",))
+    qkv = sp_proj_block("qkv_proj", r, d, 1 if fused else 3, out1, ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+                        ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))
     # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
     core: Sizes = (t * (d.qd + d.kvd) * r.mm,) if fused else ()   # phi3: v is a view of the fused qkv, kept
     if attn == "sdpa":
@@ -54,13 +57,13 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     if spec.post_norms:  # post-attention and post-feedforward norms (Gemma-2)
         post, _ = norm_block("post_norms", norm, r, t, d.h, ("post_attention_layernorm", "post_feedforward"))
         blocks.append(Block(post.name, post.tensors * 2, post.params, post.transient))
-    n2, out2 = norm_block("mlp_norm", norm, r, t, d.h, ("post_attention_layernorm", "pre_feedforward_layernorm"))
+    n2, out2 = sp_norm_block("mlp_norm", norm, r, d, ("post_attention_layernorm", "pre_feedforward_layernorm"))
     if spec.post_norms:
         n2 = Block(n2.name, n2.tensors, ("pre_feedforward_layernorm",), n2.transient)
     blocks.append(n2)
-    blocks.append(proj_block("gate_up_proj", r, t, d.h, 1 if fused else 2, out2,
-                              ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight"),
-                              ("gate_up_proj",) if fused else ("gate_proj", "up_proj")))
+    blocks.append(sp_proj_block("gate_up_proj", r, d, 1 if fused else 2, out2,
+                                ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "gate.weight"),
+                                ("gate_up_proj",) if fused else ("gate_proj", "up_proj")))
     experts = int(config_value(a, "num_experts_per_tok", default=1)) if spec.experts else 1
     mlp: Sizes = (t * d.i * r.mm * experts,) * 4       # gate, act(gate), up, act * up
     if spec.experts:                                    # router logits and softmax
@@ -70,11 +73,33 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     blocks.append(Block("mlp_act", mlp, (), 3 * t * d.i * r.mm * experts, ((3, ("down_proj",), False),),
                         outputs=gate_up_out))
     blocks.append(Block("down_proj", (), ("down_proj", "w2", "experts"), t * d.i * r.mm))
-    head_kept, head_out = norm_saved(norm, r, t, d.h)
-    head = head_kept + linear_inputs_saved(r, t, d.h, 1, head_out)
+    head_kept, head_out = norm_saved(norm, r, d.ts, d.h)   # the final norm SequenceParallel under SP
+    # the lm_head keeps its input: under SP the all-gathered [t, h] (ColwiseParallel(input_layouts=Shard(1)))
+    head = head_kept + linear_inputs_saved(r, t, d.h, 1, gathered_input(d, head_out)[0] if d.sp else head_out)
     head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
     return LayerRecipe(tuple(blocks), (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
+
+
+def sp_norm_block(name: str, kind: str, r: Regime, d: Dims, params: tuple[str, ...]) -> tuple[Block, int]:
+    """A norm on the residual stream: under --sequence-parallel SequenceParallel (its tensors on the sequence
+    shard, its backward's reduce-scatter of the incoming gradient); else on every token."""
+    block, out = norm_block(name, kind, r, d.ts, d.h, params)
+    return replace(block, transient=block.transient + sp_norm_transient(r, d)), out
+
+
+def sp_proj_block(name: str, r: Regime, d: Dims, consumers: int, norm_out_bytes: int, params: tuple[str, ...],
+                  readers: tuple[str, ...]) -> Block:
+    """The linears a norm feeds: under --sequence-parallel they read (and keep, or keep autocast's casts of) the
+    all-gathered norm output, whose gather buffers are forward temporaries (and the gathered tensor itself, when
+    the linears keep casts of it)."""
+    if not d.sp:
+        return proj_block(name, r, d.t, d.h, consumers, norm_out_bytes, params, readers)
+    gathered, temps = gathered_input(d, norm_out_bytes)
+    block = proj_block(name, r, d.t, d.h, consumers, gathered, params, readers)
+    if block.tensors[0] != gathered:        # autocast's casts kept: the gathered fp32 input lives through the block
+        temps += ((gathered, 0, len(block.tensors)),)
+    return replace(block, temps=temps)
 
 
 def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:

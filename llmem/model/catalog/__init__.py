@@ -45,7 +45,8 @@ def find_entry(name: str) -> CatalogEntry | None:
 
 def tiny_config_dict(name: str) -> dict | None:
     """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom; tiny-pythia, tiny-phi,
-    tiny-qwen3: families without a hand recipe, whose activations are learned) for fast validation."""
+    tiny-qwen3 and the MoE tiny-qwen3-moe, tiny-gpt-oss, tiny-deepseek-v3 (8 experts, top-2): families without a hand
+    recipe, whose activations are learned) for fast validation."""
     key = name.strip().lower()
     if not re.fullmatch(r"tiny-[a-z0-9_-]+", key):     # a name, never a path out of tiny/
         return None

@@ -127,8 +127,8 @@ def _parallelism(r: Reading, pc: Keys) -> None:
                      "parallelism (each sequence split over GPUs) is not modelled: estimated at the whole sequence "
                      "per GPU; give --seq-len for one GPU's share")
     if replicate > 1:
-        r.ignore("parallelism_config.parallelism_config_dp_replicate_size", replicate, "replication across shard "
-                 "groups (HSDP) is modelled as sharding over all GPUs")
+        r.set("parallelism_config.parallelism_config_dp_replicate_size", replicate, "dp_replicate", replicate,
+              "HSDP: FSDP2 shards within each replica")
     for key in ("parallelism_config_sp_backend", "parallelism_config_sp_seq_length_is_variable",
                 "parallelism_config_sp_attn_implementation", "parallelism_config_cp_comm_strategy"):
         pc.get(key)

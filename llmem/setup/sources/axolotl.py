@@ -247,9 +247,8 @@ def _distributed(r: Reading, keys: Keys, quantised: bool) -> None:
         if key in keys and r.integer(key, keys.get(key)) > 1:
             r.ignore(key, keys.get(key), "context parallelism (each sequence split over GPUs) is not modelled: "
                      "estimated at the whole sequence per GPU; give --seq-len for one GPU's share")
-    if "dp_replicate_size" in keys and r.integer("dp_replicate_size", keys.get("dp_replicate_size")) > 1:
-        r.ignore("dp_replicate_size", keys.get("dp_replicate_size"), "replication across shard groups (HSDP) is "
-                 "modelled as sharding over all GPUs")
+    if "dp_replicate_size" in keys and (replicate := r.integer("dp_replicate_size", keys.get("dp_replicate_size"))) > 1:
+        r.set("dp_replicate_size", replicate, "dp_replicate", replicate, "HSDP: FSDP2 shards within each replica")
     if keys.get("tensor_parallel"):
         r.ignore("tensor_parallel", keys.get("tensor_parallel"), "a branch-only key (tensor_parallel 'auto': all "
                  "GPUs) without a degree: give --method tp --gpus N")

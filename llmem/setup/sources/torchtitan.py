@@ -5,7 +5,8 @@ under [training] ([experimental] for pipeline / context parallel).
 torchtitan shards with FSDP2 (data_parallel_shard_degree, -1: every remaining GPU) under MixedPrecisionPolicy
 (mixed_precision_param bfloat16, mixed_precision_reduce float32 by default: llmem's fsdp bf16-mixed), and
 tensor_parallel_degree > 1 adds TP (fsdp+tp). Its AdamW is torch's, fused by default (implementation "fused");
-[activation_checkpoint] mode full checkpoints every block, selective with an integer option every N-th."""
+[activation_checkpoint] mode full checkpoints every block, selective with an integer option every N-th, with "op"
+torchtitan's op-level policy (--ac-policy op)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,7 @@ def read(keys: Keys, r: Reading) -> None:
     if compile_on:
         r.ignore("compile.enable", True, "torch.compile is not modelled (its fusions change what is saved)")
     if training.get("enable_cpu_offload"):
-        r.ignore("training.enable_cpu_offload", True, "FSDP2's CPUOffloadPolicy is not modelled yet: estimated with "
-                 "the parameters on the GPU (an upper bound)")
+        r.set("training.enable_cpu_offload", True, "offload_param", True, "FSDP2's CPUOffloadPolicy")
     converters = keys.sub("model").get("converters") or []
     if converters or keys.sub("float8").get("enable_float8_linear"):
         r.ignore("model.converters", converters, "float8 training (torchao's Float8Linear) is not modelled: bf16 "
@@ -88,21 +88,38 @@ def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
     tp = degree(p, "tensor_parallel_degree", 1)
     pp = degree(p if "pipeline_parallel_degree" in p else experimental, "pipeline_parallel_degree", 1)
     cp = degree(p if "context_parallel_degree" in p else experimental, "context_parallel_degree", 1)
-    r.method = "fsdp+tp" if tp > 1 else "fsdp"
+    # torchtitan shards with FSDP2 when data_parallel_shard_degree > 1 (-1: the rest), replicates alone (DDP's
+    # replicate()) when only data_parallel_replicate_degree is > 1; TP on its own mesh dimension
+    sharded = shard != 1
+    r.method = ("fsdp+tp" if sharded else "tp") if tp > 1 else ("fsdp" if sharded else
+                                                                "ddp" if replicate > 1 else "single")
     r.note_used(f"{prefix}data_parallel_shard_degree", shard, "FSDP2 over " + ("every remaining GPU" if shard == -1
                                                                                 else f"{shard} GPUs"))
     if tp > 1:
         r.set(f"{prefix}tensor_parallel_degree", tp, "tp", tp)
+        # parallelize_llama's TP plan: SequenceParallel norms always, the loss on vocab-sharded logits under
+        # loss_parallel() unless disable_loss_parallel
+        r.set(f"{prefix}tensor_parallel_degree", tp, "sequence_parallel", True, "torchtitan's TP is sequence parallel")
+        no_loss_parallel = r.boolean(f"{prefix}disable_loss_parallel", p.get("disable_loss_parallel", False))
+        r.set(f"{prefix}disable_loss_parallel", no_loss_parallel, "loss_parallel", not no_loss_parallel)
     if shard > 0 and min(replicate, pp, cp) > 0:
         r.gpus = shard * replicate * tp * pp * cp
         r.note_used(f"{prefix}(degrees)", f"{shard} x {replicate} x {tp} x {pp} x {cp}", f"gpus = {r.gpus}")
-    if replicate > 1:
-        r.ignore(f"{prefix}data_parallel_replicate_degree", replicate, "replication across shard groups (HSDP) is "
-                 "modelled as sharding over all GPUs")
+    if replicate > 1 and sharded:
+        r.set(f"{prefix}data_parallel_replicate_degree", replicate, "dp_replicate", replicate,
+              "HSDP: FSDP2 shards within each replica")
+    elif replicate > 1 and tp > 1:
+        raise r.error(f"{prefix}data_parallel_replicate_degree", replicate, "replicates a TP model without sharding "
+                      "(DDP x TP), which llmem has no method for", "shard it (data_parallel_shard_degree > 1)")
+    elif replicate > 1:
+        r.note_used(f"{prefix}data_parallel_replicate_degree", replicate, "replicas without sharding: ddp")
     if pp > 1:
         r.ignore("pipeline_parallel_degree", pp, "pipeline parallelism is not modelled")
-    if cp > 1:
-        r.ignore("context_parallel_degree", cp, "context parallelism is not modelled: the whole sequence per GPU")
+    if cp > 1 and r.method == "fsdp" and pp == 1 and replicate == 1:   # llmem.setup.context_parallel's layout
+        r.set(f"{prefix}context_parallel_degree", cp, "cp", cp, "torch's ring attention, FSDP2 over dp_shard x cp")
+    elif cp > 1:
+        r.ignore("context_parallel_degree", cp, "context parallelism is modelled under FSDP2 alone (no TP, PP or "
+                 "HSDP): the whole sequence per GPU")
     if p.get("enable_async_tensor_parallel"):
         r.ignore(f"{prefix}enable_async_tensor_parallel", True, "async TP's overlapped buffers are not modelled")
     for key in ("fsdp_reshard_after_forward",):
@@ -151,10 +168,13 @@ def _checkpointing(r: Reading, ac: Keys) -> None:
             r.set("activation_checkpoint.selective_ac_option", option, "ckpt_every", int(option),
                   "every N-th block checkpointed")
             r.values["grad_ckpt"] = True
+        elif option == "op":     # _apply_op_sac: llmem's --ac-policy op (llmem.runtime.selective_ac)
+            r.set("activation_checkpoint.selective_ac_option", option, "ac_policy", "op",
+                  "op-level selective checkpointing: every other matmul and the SDPA outputs saved")
+            r.values["grad_ckpt"] = True
         else:
-            r.ignore("activation_checkpoint.selective_ac_option", option, "op-level selective checkpointing (matmul "
-                     "outputs saved, the rest recomputed) is not expressible: estimated without checkpointing (an "
-                     "upper bound); --grad-ckpt gives the lower bound")
+            r.ignore("activation_checkpoint.selective_ac_option", option, "not a torchtitan option (an integer or "
+                     "op): estimated without checkpointing")
     elif mode != "none":
         raise r.error("activation_checkpoint.mode", mode, "is not a torchtitan checkpointing mode",
                       "choose none, selective or full")

@@ -22,10 +22,13 @@ from llmem.setup.sources.hf import (
     trainer_distributed,
 )
 from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.trl_trainers import TRAINER_KEYS, fit, not_modelled
 
 TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", "packing", "padding_free", "use_peft", "lora_r",
              "dataset_text_field", "completion_only_loss", "num_generations", "beta", "max_prompt_length",
              "max_completion_length", "model_init_kwargs")
+PAIRED = ("dpo", "orpo", "simpo", "reward")     # per_device_train_batch_size counts pairs
+REFERENCED = ("dpo", "kto")                   # precompute_ref_log_probs is theirs
 HF_MARKS = ("per_device_train_batch_size", "output_dir", "gradient_accumulation_steps", "optim",
             "gradient_checkpointing", "activation_checkpointing", "deepspeed", "fsdp", "learning_rate",
             "num_train_epochs")
@@ -38,22 +41,17 @@ def detect(data: dict) -> bool:
 
 
 def read(keys: Keys, r: Reading) -> None:
-    trl = any(k in keys.data for k in TRL_MARKS)
+    trl = any(k in keys.data for k in TRL_MARKS) or any(k in TRAINER_KEYS for k in keys.data)
     r.multi_gpu_method = "ddp"
     if "model_name_or_path" in keys:
         r.set("model_name_or_path", keys.get("model_name_or_path"), "model", str(keys.get("model_name_or_path")))
-    grpo = "num_generations" in keys or "max_completion_length" in keys
-    dpo = not grpo and ("beta" in keys or "max_prompt_length" in keys)
+    objective = _objective(r, keys) if trl else "sft"
     batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 8), what="a micro-batch")
+    paired = objective in PAIRED
     r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"), batch,
-          "batch_size", 2 * batch if dpo else batch, "DPO: chosen and rejected rows run as one batch of 2x" if dpo
-          else "")
-    if dpo:
-        r.ignore("beta", keys.get("beta"), "DPO's reference forward (no_grad) and loss tensors are not modelled")
-    if grpo:
-        r.ignore("num_generations", keys.get("num_generations"), "GRPO's generation (and a reference model when "
-                 "beta > 0) is not modelled: estimated as the policy's training step")
-    _sequence(r, keys, trl, grpo)
+          "batch_size", batch, "pairs: chosen and rejected rows run as one batch of 2x" if paired else "")
+    _objective_keys(r, keys, objective)
+    _sequence(r, keys, trl, objective)
     if "gradient_accumulation_steps" in keys:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
@@ -78,20 +76,92 @@ def read(keys: Keys, r: Reading) -> None:
             r.dtype(adapters="base")
             r.notes.append("TRL under ZeRO-3 builds the adapters in the base's dtype (autocast_adapter_dtype=False)")
     for key, why in (("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
-                     ("use_vllm", "vLLM's generation engine is not modelled"),
                      ("auto_find_batch_size", "the batch is the one the file states (the search halves it on OOM)")):
         if keys.get(key):
             r.ignore(key, keys.get(key), why)
     r.not_read(keys)
 
 
-def _sequence(r: Reading, keys: Keys, trl: bool, grpo: bool) -> None:
-    if grpo:
+def _objective(r: Reading, keys: Keys) -> str:
+    """The trainer the file configures, told from the keys only its config has (llmem.setup.sources.trl_trainers):
+    --objective."""
+    found = fit(keys.data)
+    if found is None:
+        raise r.error("loss_type", keys.get("loss_type"), "is no loss type of a TRL trainer llmem models whose "
+                      "config takes the file's keys", "check the loss_type against the trainer's config")
+    config = found.config
+    shown = ", ".join(found.evidence) or "no trainer key"
+    if not_modelled(config) and not found.ambiguous:
+        raise r.error("(trainer)", config.name, f"is what the keys ({shown}) configure: --objective "
+                      f"{config.objective} is not modelled yet", "estimate another trainer's config")
+    if not found.evidence:
+        note = "no key only a trainer's config has: SFTConfig assumed (trl sft); --objective decides"
+    elif found.ambiguous:
+        note = (f"ambiguous: {', '.join(c.name for c in found.configs)} all take these keys; {config.name} assumed "
+                "(the trl command decides): --objective decides")
+    else:
+        note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
+    r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
+    for key in found.strays(keys.data):
+        r.ignore(key, keys.get(key), f"not a {config.name} field: TRL's parser leaves it unused")
+    return config.objective
+
+
+def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
+    """The trainer's own keys that decide memory (the rest are the loss's coefficients: no memory effect)."""
+    if objective in REFERENCED and "precompute_ref_log_probs" in keys:
+        r.set("precompute_ref_log_probs", keys.get("precompute_ref_log_probs"), "precompute_ref_log_probs",
+              r.boolean("precompute_ref_log_probs", keys.get("precompute_ref_log_probs")),
+              "the reference's log-probs computed before training: no reference in the step")
+    raw = keys.get("loss_type")
+    if raw is not None:
+        losses = raw if isinstance(raw, list) else [raw]
+        if objective == "sft":
+            r.ignore("loss_type", raw, "SFTConfig's loss_type: llmem models the causal-LM loss (nll)")
+        elif losses:
+            r.set("loss_type", raw, "loss_type", str(losses[0]), "" if len(losses) == 1 else
+                  "the losses combined are per-pair scalars on the same log-probs: the first's step is modelled")
+    if objective == "grpo":
+        for key, name in (("num_generations", "num_generations"), ("max_completion_length", "max_completion_length")):
+            if key in keys:
+                r.set(key, keys.get(key), name, r.integer(key, keys.get(key)))
+        if "beta" in keys:
+            beta = keys.get("beta")
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 0:
+                raise r.error("beta", beta, "is not a KL coefficient", "give a number >= 0")
+            r.set("beta", beta, "beta", float(beta), "a reference model scored per step" if beta > 0 else
+                  "no reference model (beta 0)")
+        if "use_vllm" in keys and r.boolean("use_vllm", keys.get("use_vllm")):
+            r.set("use_vllm", True, "use_vllm", True, "vLLM's pool modelled, not run (llmem.memory.vllm)")
+            _vllm(r, keys)
+    elif "beta" in keys:
+        r.note_used("beta", keys.get("beta"), "the loss's temperature: no memory effect")
+    if objective != "grpo" and "max_prompt_length" in keys:
+        r.ignore("max_prompt_length", keys.get("max_prompt_length"), "no field of trl 1.16's configs (older TRL's "
+                 "prompt truncation): TRL's parser leaves it unused; --prompt-len gives the prompt")
+    if objective in ("orpo", "simpo") and "max_completion_length" in keys:
+        r.note_used("max_completion_length", keys.get("max_completion_length"), "the completion's truncation; "
+                    "--seq-len is each sequence's length after TRL's truncation")
+    if keys.get("disable_dropout") is False:
+        r.ignore("disable_dropout", False, "llmem models the preference step with dropout off (TRL's default)")
+    for key in ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"):
+        if key in keys:
+            r.note_used(key, keys.get(key), "the reference's weights updated in place: no memory effect")
+
+
+def _sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
+    if objective == "grpo":
         prompt = keys.get("max_prompt_length", 512)
         completion = keys.get("max_completion_length", 512)
         total = r.integer("max_prompt_length", prompt) + r.integer("max_completion_length", completion)
-        r.set("max_prompt_length + max_completion_length", f"{prompt} + {completion}", "seq_len", total)
+        r.set("max_prompt_length + max_completion_length", f"{prompt} + {completion}", "seq_len", total,
+              "the prompt: " + ("max_prompt_length (older TRL's; trl 1.16 does not truncate prompts)"
+                                if "max_prompt_length" in keys else "512 tokens assumed (trl 1.16 does not truncate "
+                                "prompts): give --seq-len for yours"))
     elif "max_length" in keys or trl:
+        if objective not in ("sft", "grpo") and "max_length" in keys:
+            r.set("max_length", keys.get("max_length"), "max_length", r.integer("max_length", keys.get("max_length")),
+                  f"TRL's truncation; --seq-len {keys.get('max_length')}, each sequence's length after it")
         raw = keys.get("max_length", 1024)
         r.set("max_length" if "max_length" in keys else "max_length (TRL's default)", raw, "seq_len",
               r.integer("max_length", raw, what="a sequence length"))
@@ -161,3 +231,24 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
     apply_lora(r, lora, sources)
     for key in ("lora_task_type", "use_rslora", "lora_target_parameters"):
         keys.get(key)
+
+
+def _vllm(r: Reading, keys: Keys) -> None:
+    """GRPOConfig's vllm_* fields that decide the colocated engine's memory (the server's own stay unread)."""
+    if "vllm_mode" in keys:
+        r.set("vllm_mode", keys.get("vllm_mode"), "vllm_mode", r.choice("vllm_mode", keys.get("vllm_mode"),
+                                                                          ("colocate", "server")))
+    if "vllm_gpu_memory_utilization" in keys:
+        u = keys.get("vllm_gpu_memory_utilization")
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1:
+            raise r.error("vllm_gpu_memory_utilization", u, "is not a share of the device", "give a number in (0, 1)")
+        r.set("vllm_gpu_memory_utilization", u, "vllm_gpu_memory_utilization", float(u))
+    if "vllm_enable_sleep_mode" in keys and r.boolean("vllm_enable_sleep_mode", keys.get("vllm_enable_sleep_mode")):
+        r.set("vllm_enable_sleep_mode", True, "vllm_enable_sleep_mode", True)
+    if keys.get("vllm_max_model_length") is not None:
+        raw = keys.get("vllm_max_model_length")
+        r.set("vllm_max_model_length", raw, "vllm_max_model_length", r.integer("vllm_max_model_length", raw))
+    if (keys.get("vllm_tensor_parallel_size") or 1) != 1:
+        r.ignore("vllm_tensor_parallel_size", keys.get("vllm_tensor_parallel_size"), "vLLM's own tensor "
+                 "parallelism across the training ranks is not modelled: its pool is estimated unsplit (an upper "
+                 "bound)")

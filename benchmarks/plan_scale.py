@@ -1,0 +1,107 @@
+"""Time `llmem plan` at 8, 64 and 512 GPUs, and one estimate per layout (after import; anatomy built once).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/plan_scale.py [--gpu A100-80GB] [--seq-len 4096] [--repeat 3]
+                                                               [--grad-ckpt] [--models M1,M2] [--out FILE]
+
+Per model and GPU count: `plan_s` is the plan (every candidate layout of that many GPUs, the batch search, the time
+model and, when nothing fits, the suggestions), the median of --repeat runs (each after the first reuses the
+anatomy, not the estimates: every plan builds its own engine); `layouts` counts the candidate layouts searched;
+`estimates` the full estimator calls of one plan. The second table is one estimate per layout of the 64-GPU plan
+at batch 1 (median of --repeat). Target (issue 11): a plan at 512 GPUs under 2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+TARGET_512_S = 2.0
+GPU_COUNTS = (8, 64, 512)
+MODELS = ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-405B")
+
+
+def _median_s(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", default="A100-80GB")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--grad-ckpt", action="store_true", help="plan with activation checkpointing")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--out", default=None, metavar="FILE", help="write the markdown tables here")
+    args = ap.parse_args(argv)
+
+    import llmem.planner.engines as engines
+    from llmem.estimator.engine import estimate
+    from llmem.model.anatomy import load_anatomy
+    from llmem.planner.plan import plan
+    from llmem.setup.layout import candidate_layouts
+    from llmem.setup.training import TrainingSetup
+
+    calls = {"n": 0}
+    real_full = engines.LlmemEngine.full
+
+    def counting(self, setup):
+        calls["n"] += 1
+        return real_full(self, setup)
+
+    engines.LlmemEngine.full = counting
+    plan_rows, layout_rows, worst_512_s = [], [], 0.0
+    for model in args.models.split(","):
+        anatomy = load_anatomy(model)
+        for gpus in GPU_COUNTS:
+            setup = TrainingSetup(model=model, gpus=gpus, gpu=args.gpu, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
+            calls["n"] = 0
+            plan(setup, anatomy=anatomy)                       # warm: imports and first-use caches
+            per_plan = calls["n"]
+            plan_s, p = _median_s(lambda setup=setup, anatomy=anatomy: plan(setup, anatomy=anatomy), args.repeat)
+            if gpus == 512:
+                worst_512_s = max(worst_512_s, plan_s)
+            rec = p.recommendation or "nothing fits: " + (p.suggestions[0]["text"][:60] if p.suggestions else "")
+            plan_rows.append((model, gpus, plan_s, len(p.candidates), per_plan, rec))
+            print(f"{model:32s} {gpus:4d} GPUs  plan {plan_s:6.3f} s  {len(p.candidates):2d} layouts  "
+                  f"{per_plan:4d} estimates  -> {rec}", flush=True)
+        heads = (anatomy.num_heads, anatomy.num_kv_heads)
+        for lay in candidate_layouts(64, 8, *heads):
+            s = TrainingSetup(model=model, gpus=64, gpu=args.gpu, seq_len=args.seq_len, method=lay.method,
+                              tp=lay.tp if lay.spec.has_tp else None, dp_replicate=lay.replicas,
+                              grad_ckpt=args.grad_ckpt)
+            try:
+                est_s, _ = _median_s(lambda s=s, anatomy=anatomy: estimate(replace(s, batch_size=1), anatomy=anatomy),
+                                     args.repeat)
+            except Exception as exc:                           # a layout the model refuses: say why, go on
+                layout_rows.append((model, lay.label, None, str(exc)[:80]))
+                continue
+            layout_rows.append((model, lay.label, est_s, ""))
+    engines.LlmemEngine.full = real_full
+
+    lines = ["| model | GPUs | plan (median) | layouts searched | full estimates per plan | answer |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {m} | {g} | {s:.3f} s | {n} | {e} | {r} |" for m, g, s, n, e, r in plan_rows]
+    lines += ["", "| model | layout (64 GPUs) | one estimate, batch 1 (median) |", "|---|---|---|"]
+    lines += [f"| {m} | {lab} | " + (f"{s * 1000:.0f} ms" if s is not None else f"refused: {why}") + " |"
+              for m, lab, s, why in layout_rows]
+    verdict = f"worst plan at 512 GPUs: {worst_512_s:.3f} s (target < {TARGET_512_S:g} s: " \
+              f"{'met' if worst_512_s < TARGET_512_S else 'MISSED'})"
+    lines += ["", verdict]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0 if worst_512_s < TARGET_512_S else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""A generation objective's events in the step's schedule (--objective grpo): GRPOTrainer with transformers'
+generate, as llmem.runtime.generation traces it. Each iteration has three phases before the optimizer step:
+
+- generation: the prompts [B, P] int64 (ids and mask) on the device; `generate` of the unwrapped policy under
+  no_grad: a prefill forward over the P prompt tokens, then C - 1 decode forwards of one token (C =
+  max_completion_length), each in its own autocast region (accelerate's wrapper), so autocast caches the casts of
+  the policy's trained fp32 weights until each forward returns; a decoder layer's tensors live only until the next
+  block has used them (as llmem.estimator.objectives' no-grad forward); each layer's DynamicCache K and V
+  (transformers' cache_utils.DynamicLayer.update: `torch.cat([self.keys, key_states], dim=-2)`, the old tensors
+  freed) grow to P + C - 1 tokens of [B, kv_heads, tokens, head_dim] in the compute dtype (`kv_cache_bytes`); the
+  head runs on the last token only (`logits_to_keep=1`): [B, 1, V] logits, their fp32 copy [B, V] and the sampling
+  probabilities [B, V] fp32 (transformers' _sample; TRL's defaults add no logits processor), which live until the
+  next step rebinds them; the growing ids and mask [B, T] int64. All of it dies when generate returns.
+- scoring: the re-padded batch (prompt ids and mask [B, P], completion ids and mask [B, C] int64, kept through the
+  step), their concatenation [B, S] int64 x 2 and, when beta > 0, the reference's no-grad forward through its fused
+  head (the copy's, or the policy's with its adapters disabled; the labels [B, S] int64), its per-token log-probs
+  [B, C] fp32 (kept); the advantages [B] fp32; the previous step's batch dies.
+- training: `_compute_loss`'s concatenation [B, S] int64 x 2, then the policy's forward and TRL's fused head as
+  DPO's (llmem.estimator.objectives), with no reference forward inside; the loss's per-token [B, C] tensors
+  (a few KiB) are left out.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from llmem.errors import LlmemError
+from llmem.estimator.objectives import (
+    INT64,
+    PreferenceEvents,
+    fused_head,
+    lm_head_param,
+    policy_weight_bytes,
+    reference_bytes,
+    reference_head,
+)
+from llmem.memory.activations.profile import activation_profile
+from llmem.memory.vllm import VllmModel, VllmPool, vllm_pool
+from llmem.model.peft import element_bytes
+from llmem.model.resolved import ResolvedSetup
+from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
+from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, reference_mode
+from llmem.setup.precision import F32
+
+MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
+
+
+def decode_totals(prompt: int, completion: int) -> list[int]:
+    """The tokens in the cache after each forward generate runs: the prefill (the prompt), then one per decode step
+    up to prompt + completion - 1; beyond MODELLED_DECODE_STEPS decode steps, that many, evenly strided (the last
+    one exact): the peak is the last step's, the allocator's growth pattern is approximated."""
+    decodes = completion - 1
+    if decodes <= MODELLED_DECODE_STEPS:
+        return [prompt + k for k in range(decodes + 1)]
+    return [prompt] + [prompt + -(-k * decodes // MODELLED_DECODE_STEPS) for k in range(1, MODELLED_DECODE_STEPS + 1)]
+
+
+def kv_cache_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, tokens: int, dtype_bytes: int) -> int:
+    """A DynamicCache's keys and values: per layer [batch, kv_heads, tokens, head_dim] each."""
+    return 2 * layers * batch * kv_heads * head_dim * tokens * dtype_bytes
+
+
+def attention_dims(config: dict) -> tuple[int, int]:
+    """(kv_heads, head_dim) from a transformers config dict (head_dim: hidden_size / heads unless given)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return kv, head_dim
+
+
+def generation_kv_bytes(r: ResolvedSetup) -> int:
+    """The DynamicCache at generate's last forward: P + C - 1 tokens (the last sampled token is never fed)."""
+    setup = r.setup
+    kv, d = attention_dims(r.anatomy.config)
+    return kv_cache_bytes(r.anatomy.num_layers, setup.batch_size, kv, d, setup.seq_len - 1, r.regime.mm)
+
+
+def plain_setup(setup):
+    """The set-up as one model's step (sft): the same model, precision and adapters, no objective options."""
+    return replace(setup, objective="sft", loss_type=None, num_generations=None, max_completion_length=None,
+                   beta=None, use_vllm=False, vllm_mode=None, vllm_gpu_memory_utilization=None,
+                   vllm_enable_sleep_mode=False, vllm_max_model_length=None)
+
+
+class GenerationEvents(PreferenceEvents):
+    """GRPO's events in a StepSchedule `s`: generation and scoring before its forward, the training phase as DPO's
+    fused head without the reference forward."""
+
+    def __init__(self, s, r: ResolvedSetup) -> None:
+        super().__init__(s, r)
+        setup = r.setup
+        self.b, self.p, self.c = setup.batch_size, prompt_length(setup), completion_length(setup)
+        kv, d = attention_dims(r.anatomy.config)
+        self.kv_token_bytes = self.b * kv * d * s.regime.mm      # one layer's K (or V), one token
+        self.iteration = 0
+        self.step_batch: list[int] = []
+        self.loss_inputs: list[int] = []
+
+    @functools.cache  # noqa: B019 - one schedule's few shapes
+    def profile(self, tokens: int):
+        """The decoder layer's tensors over `tokens` new tokens, checkpointing paused (unwrap_model_for_generation
+        turns it off)."""
+        r = self.r
+        plain = replace(plain_setup(r.setup), batch_size=self.b, seq_len=tokens, grad_ckpt=False, ckpt_every=1)
+        return activation_profile(ResolvedSetup(plain, r.anatomy, r.base, r.gpu, r.layout))
+
+    # ---------------------------------------------------------------------------------------------- phases
+    def batch(self) -> None:
+        """GRPO's batch is made in its scoring phase."""
+
+    def before_forward(self) -> None:
+        s = self.s
+        it = self.iteration
+        self.iteration += 1
+        s.sch.phase = f"it{it}:generation"
+        self.generation()
+        s.sch.phase = f"it{it}:scoring"
+        self.scoring()
+        s.sch.phase = f"it{it}:forward"
+        alloc = s.sch.alloc                  # _compute_loss: torch.cat of the prompt and completion ids and masks
+        self.loss_inputs = [alloc(self.b * self.seq * INT64, "activations") for _ in range(2)]
+
+    def forwards_after_policy(self) -> None:
+        """The reference was scored in the scoring phase."""
+
+    def head_forward(self) -> None:
+        super().head_forward()
+        self.s.sch.free_all(self.loss_inputs)     # _compute_loss returns
+
+    # ---------------------------------------------------------------------------------------------- generation
+    def generation(self) -> None:
+        sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
+        b, p = self.b, self.p
+        if vllm_mode(self.r.setup) is not None:   # vLLM generates (its pool: colocated_pool): the prompts and the
+            prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]   # returned completion ids only
+            sch.free_all(prompt + [alloc(b * self.c * INT64, "activations")])
+            return
+        prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]     # ids, attention mask
+        ids = mask = -1
+        cache = [[-1, -1] for _ in range(self.s.layers)]
+        sampled: list[int] = []
+        for step, total in enumerate(decode_totals(p, self.c)):
+            tokens = p if step == 0 else 1
+            logits = self.model_forward(tokens, total, cache)
+            copy = alloc(b * self.s.vocab_size * F32, "logits_and_loss")        # logits[:, -1].to(float32)
+            sch.free_all(sampled[:1])
+            probs = alloc(b * self.s.vocab_size * F32, "logits_and_loss")       # softmax for multinomial
+            sch.free_all(sampled[1:])
+            sampled = [copy, probs]
+            free(logits)                                                        # del outputs
+            new_ids = alloc(b * (total + 1) * INT64, "activations")             # torch.cat([input_ids, next])
+            free(ids)
+            ids = new_ids
+            new_mask = alloc(b * (total + 1) * INT64, "activations")            # the attention mask's update
+            free(mask)
+            mask = new_mask
+        sch.free_all([k for pair in cache for k in pair])                       # generate returns
+        sch.free_all(sampled + [ids, mask] + prompt)
+
+    def model_forward(self, tokens: int, total: int, cache: list[list[int]]) -> int:
+        """One forward of generate over `tokens` new tokens with `total` in the cache after it; returns the key of
+        the [B, 1, V] logits."""
+        s = self.s
+        sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
+        regime, h = s.regime, s.hidden_size
+        act = self.profile(tokens)
+        stream = alloc(self.b * tokens * h * regime.res, "activations")        # the embedding's output
+        if s.workspace < 0:                                                     # cuBLAS's, at the first matmul
+            s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
+        cached: list[int] = []
+        for i in range(s.layers):
+            previous: list[int] = []
+            for blk, params in zip(act.blocks, s.layer_blocks_params[i], strict=True):
+                for prm in self.cast_weights(regime, "cached", params):
+                    cached.append(alloc(s.tp_local[prm.name] * regime.mm, "gathered_weights"))
+                current = [alloc(n, "activations") for n in blk.tensors]
+                sch.free_all(previous)
+                previous = current
+            for kv in (0, 1):                       # DynamicLayer.update: the cache's keys, then its values
+                new = alloc(self.kv_token_bytes * total, "activations")
+                free(cache[i][kv])
+                cache[i][kv] = new
+            out = alloc(self.b * tokens * h * regime.res, "activations")
+            sch.free_all(previous)
+            free(stream)
+            stream = out
+        norm = alloc(self.b * tokens * h * regime.res, "activations")
+        free(stream)
+        head = self.head_param
+        if regime.autocast and head.trainable and s.pb.get(head.name) == F32:   # the lm_head's cached cast
+            cached.append(alloc(s.tp_local[head.name] * regime.mm, "gathered_weights"))
+        logits = alloc(self.b * s.vocab_size * (regime.mm if regime.autocast else regime.res), "logits_and_loss")
+        free(norm)
+        sch.free_all(cached)                       # the forward's autocast region ends: its cache is cleared
+        return logits
+
+    # ---------------------------------------------------------------------------------------------- scoring
+    def scoring(self) -> None:
+        sch, alloc = self.s.sch, self.s.sch.alloc
+        b, p, c = self.b, self.p, self.c
+        new_batch = [alloc(b * n * INT64, "activations") for n in (p, p, c, c)]
+        joined = [alloc(b * self.seq * INT64, "activations") for _ in range(2)]
+        if self.mode in (REF_COPY, REF_ADAPTERS_OFF):
+            labels = alloc(b * self.seq * INT64, "logits_and_loss")       # input_ids.masked_fill(...)
+            self.reference_forward()
+            new_batch.append(alloc(b * c * F32, "activations"))           # torch.cat of the per-token log-probs
+            sch.free(labels)
+        sch.free_all(joined)
+        new_batch += [alloc(b * F32, "activations"), alloc(F32, "activations")]   # advantages, num_items_in_batch
+        sch.free_all(self.step_batch)            # _buffered_inputs: the previous step's batch
+        self.step_batch = new_batch
+
+
+def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
+    """The step's moments for GRPO: the training phase's (sft's with TRL's fused head, as preference_moments), then
+    the generation phase's last forward (weights, the autocast casts of the trained fp32 weights, the KV cache, the
+    [B, V] logits) and the scoring phase's reference forward."""
+    setup = r.setup
+    moments = sft_moments(ResolvedSetup(plain_setup(setup), r.anatomy, r.base, r.gpu, r.layout), act, ms)
+    mode = reference_mode(setup)
+    ref_weights = sum(p.numel for p in r.anatomy.params) * reference_bytes(setup) if mode == REF_COPY else 0
+    head = fused_head(r, r.regime, policy_weight_bytes(r))
+    p = lm_head_param(r)
+    copy = head.v * head.h * r.regime.mm if r.regime.autocast and head.weight_bytes != head.mm else 0
+    backward = head.backward_peak_bytes(element_bytes(p, setup) if p.trainable else None)
+    out = []
+    for i, m in enumerate(moments):
+        parts = dict(m.components)
+        parts["weights"] = parts.get("weights", 0) + ref_weights
+        if i < 2:
+            parts["logits_and_loss"] = head.forward_peak_bytes if i == 0 else backward
+            parts["gathered_weights"] = max(parts.get("gathered_weights", 0) - copy, 0)
+        out.append(type(m)(m.phase, parts))
+    static = {k: v for k, v in out[-1].components.items() if k in ("weights", "optimizer_states",
+                                                                     "communication_buffers", "cuda_workspaces")}
+    casts = sum(q.numel for q in r.anatomy.params if q.trainable and element_bytes(q, setup) == F32
+                and q.module_kind in ("Linear", "Conv1D")) * r.regime.mm if r.regime.autocast else 0
+    logits = 3 * setup.batch_size * r.anatomy.vocab_size * F32
+    out.append(type(out[0])("generation", {**static, "gathered_weights": casts,
+                                           "activations": generation_kv_bytes(r), "logits_and_loss": logits}))
+    if mode in (REF_COPY, REF_ADAPTERS_OFF):
+        out.append(type(out[0])("scoring", {**static, "logits_and_loss": reference_head(r).forward_peak_bytes}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ vLLM
+def colocated_pool(r: ResolvedSetup) -> VllmPool | None:
+    """The colocated vLLM engine's pool on this GPU (--use-vllm, vllm_mode colocate; None otherwise), as TRL 1.16
+    builds it: the base model's weights in its checkpoint dtype, max_model_len vllm_max_model_length or the model's
+    max_position_embeddings (vLLM's default), max_num_seqs = per_device_train_batch_size (vllm_tensor_parallel_size
+    1, steps_per_generation 1)."""
+    setup = r.setup
+    if vllm_mode(setup) != "colocate":
+        return None
+    cfg = r.base.config
+    kv, d = attention_dims(cfg)
+    dtype = 4 if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") in ("float32", "torch.float32") else 2
+    m = VllmModel(params=r.base.total_params, num_layers=r.base.num_layers, num_kv_heads=kv, head_dim=d,
+                  hidden_size=r.base.hidden_size, intermediate_size=cfg.get("intermediate_size") or 4 * r.base.hidden_size,
+                  vocab_size=r.base.vocab_size, dtype_bytes=dtype)
+    max_len = setup.vllm_max_model_length or cfg.get("max_position_embeddings") or setup.seq_len
+    return vllm_pool(m, r.gpu.memory_bytes, vllm_utilization(setup), max_len, max_num_seqs=setup.batch_size,
+                     sleep=setup.vllm_enable_sleep_mode)
+
+
+def check_vllm_starts(r: ResolvedSetup, pool: VllmPool, weights_bytes: int, context_bytes: int) -> None:
+    """vLLM's start-up check (v1 gpu_worker.init_device: free memory >= requested): the training process's CUDA
+    context and the policy's (and reference's) weights are on the device when TRL builds the engine."""
+    free = r.gpu.memory_bytes - context_bytes - weights_bytes
+    if free < pool.pool_bytes:
+        most = max(0.0, free / r.gpu.memory_bytes)
+        raise LlmemError(f"vLLM would not start: vllm_gpu_memory_utilization {vllm_utilization(r.setup):g} asks "
+                         f"{pool.pool_bytes / 1024**3:.1f} GiB, but {free / 1024**3:.1f} GiB are free once the "
+                         f"training weights are loaded: lower --vllm-gpu-memory-utilization to at most "
+                         f"{int(most * 100) / 100:g}")
+
+
+def vllm_note(r: ResolvedSetup, pool: VllmPool) -> str:
+    seqs = pool.concurrent_sequences(r.setup.seq_len)
+    gib = 1024**3
+    held = ("released between generations (sleep mode: TRL's sleep(level=2)), resident only while generating"
+            if pool.sleeps else "resident through training (no sleep mode): the trainer has the rest of the device")
+    return (f"vLLM colocated (not run; its pool from vLLM's accounting, llmem.memory.vllm): "
+            f"{pool.pool_bytes / gib:.2f} GiB = vllm_gpu_memory_utilization {vllm_utilization(r.setup):g} x the "
+            f"device: weights {pool.weights_bytes / gib:.2f} GiB, the profile run's activations "
+            f"{pool.activation_peak_bytes / gib:.2f} GiB and CUDA graphs + NCCL/cuBLAS "
+            f"{(pool.cuda_graph_bytes + pool.non_torch_bytes) / gib:.2f} GiB (both assumptions), KV cache "
+            f"{pool.kv_cache_bytes / gib:.2f} GiB = {pool.num_blocks} blocks of {pool.block_size} tokens "
+            f"({seqs} of the {r.setup.batch_size} sequences of {r.setup.seq_len} tokens at once; vLLM queues the "
+            f"rest); {held}")

@@ -1,0 +1,275 @@
+"""Pipeline parallelism in the estimate: one allocation schedule per stage, the answer the stage with the largest
+peak.
+
+A stage's schedule is the step's own (llmem.estimator.schedule.StepSchedule) on the stage's sub-model: its decoder
+layers (torchtitan's split, llmem.setup.pipeline), the embedding on the first stage, the final norm, lm_head and loss
+on the last, at the micro-batch's size. Its forward and backward run once per micro-batch in the order torch's
+schedule runs them (Schedule1F1B / ScheduleGPipe `_step_microbatches`), each micro-batch's saved tensors kept from
+its forward to its backward. What torch.distributed.pipelining adds (torch/distributed/pipelining/stage.py):
+- the recv buffers, made at the first step for every micro-batch and kept: the previous stage's activations (every
+  stage but the first) and the next stage's gradients (every stage but the last), [micro-batch, seq, hidden] each;
+- the stage's output is kept in `fwd_cache` until its backward (the last stage's: the logits, through its
+  backward: backward_one_chunk holds the popped tuple);
+- the input gradient (every stage but the first) is made at the backward's end and sent;
+- the last micro-batch's output stays referenced by _step_microbatches' `output` until the step returns;
+- gradients accumulate over the micro-batches: AccumulateGrad adds each later one in place (a transient of the
+  gradient's size).
+Under FSDP2 x PP (torchtitan: reshard_after_forward=False under PP) each unit stays gathered from its first forward
+to perform_reduce_grad after the last backward; every backward runs with requires_gradient_sync False, so the
+unsharded gradients accumulate (upcast to the reduce dtype, FSDPParam.to_accumulated_grad_if_needed) and are
+reduce-scattered only then, one FSDP state after the other (the root's first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmem.errors import LlmemError
+from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, replay
+from llmem.estimator.schedule import StepSchedule
+from llmem.memory.activations.profile import activation_profile
+from llmem.model.anatomy import ModelAnatomy, ParamInfo
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import MATMUL_KINDS, is_embedding
+from llmem.setup.pipeline import StageSplit, pipeline_schedule, stage_actions, stage_splits
+
+# the set-up options a pipeline stage's estimate does not model (refused with one line each)
+UNMODELLED = (
+    ("peft", "adapters (--lora-rank / --peft-config)"),
+    ("fsdp_cpu_offload", "--offload-param"),
+    ("offload_optimizer", "--offload-optimizer"),
+    ("optimizer_in_backward", "--optimizer-in-backward"),
+    ("offload_activations", "--offload-activations"),
+    ("fused_ce", "--fused-ce"),
+    ("packing", "--packing"),
+)
+# what one micro-batch's forward leaves for its backward: StepSchedule's per-forward attributes
+PER_MICROBATCH = ("cache", "bias_cache", "copies_by_layer", "embed_keys", "shared_keys", "layer_keys", "ckpt_keys",
+                  "sac_keys", "sac_extra", "passed", "int8_keys", "head_keys", "head_offloaded", "head_copy",
+                  "logits", "log_softmax", "output")
+
+
+def check_modelled(r: ResolvedSetup) -> None:
+    """The pipeline set-ups the estimate models: pure PP (without autocast) or FSDP2 x PP of a full fine-tune, one
+    stage per rank."""
+    setup = r.setup
+    spec = pipeline_schedule(setup.pp_schedule)
+    if not spec.modelled:
+        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe or 1f1b")
+    for name, flag in UNMODELLED:
+        if getattr(setup, name):
+            raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
+    if setup.objective != "sft" or setup.quant_base != "none" or setup.ckpt_every > 1 or setup.ac_policy != "full":
+        raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
+                         "every layer only: drop the other options")
+    if r.regime.autocast:
+        raise LlmemError(f"--pp with --method single under --precision {setup.precision}: autocast over the whole "
+                         "schedule step is not modelled; use --precision bf16 or fp32")
+    if r.anatomy.tie_word_embeddings:
+        raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
+
+
+def stage_anatomy(anatomy: ModelAnatomy, split: StageSplit) -> ModelAnatomy:
+    """The stage's sub-model: its decoder layers renumbered from 0, the embedding if first, the final norm and
+    lm_head if last."""
+    def keep(p: ParamInfo) -> bool:
+        if p.layer_index is not None:
+            return p.layer_index in split.layers
+        return split.embedding if is_embedding(p) else split.head
+
+    params = tuple(p if p.layer_index is None else replace(p, layer_index=p.layer_index - split.first_layer)
+                   for p in anatomy.params if keep(p))
+    return replace(anatomy, params=params, num_layers=len(split.layers))
+
+
+class StageSchedule(StepSchedule):
+    """One pipeline stage's step: the micro-batches' forwards and backwards in the schedule's order."""
+
+    def __init__(self, r: ResolvedSetup, split: StageSplit, rank: int) -> None:
+        setup = r.setup
+        self.n = setup.microbatches
+        mb = replace(setup, batch_size=setup.batch_size // self.n, pp=1, pp_microbatches=None)
+        staged = replace(r, setup=mb, anatomy=stage_anatomy(r.anatomy, split))
+        super().__init__(staged, activation_profile(staged))
+        self.split = split
+        self.actions = stage_actions(setup.pp_schedule, rank, setup.pp, self.n)
+        self.boundary_bytes = self.t * self.hidden_size * self.regime.res   # one micro-batch's hidden states
+        self.saved: dict[int, dict] = {}
+        self.recv: list[int] = []
+        self.accumulating = False
+        # FSDP2 x PP: torchtitan's reshard_after_forward=False under PP (fsdp.py); the stage sets
+        # requires_gradient_sync / reshard_after_backward False for every backward (backward_maybe_with_nosync)
+        self.reshard = False
+        self.fresh: list[tuple[ParamInfo, int]] = []        # a unit's unsharded gradients of this backward
+        self.root_fresh: list[tuple[ParamInfo, int]] = []
+        self.accumulated: dict[str, int] = {}               # across micro-batches, until perform_reduce_grad
+        self.last_output: list[int] = []
+
+    def build(self, iterations: int = 2) -> Schedule:
+        self.setup_phase()
+        for it in range(iterations):
+            if it == 0:         # _initialize_stage: the recv buffers of every micro-batch, kept from then on
+                self.sch.phase = "it0:forward"
+                alloc = self.sch.alloc
+                if not self.split.embedding:
+                    self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
+                if not self.split.head:
+                    self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
+            self.accumulating = False
+            for kind, k in self.actions:
+                if kind == "F":
+                    self.forward_microbatch(it, k)
+                else:
+                    self.backward_microbatch(it, k)
+            if self.fsdp:
+                self.reduce_grads()
+            self.sch.free_all(self.last_output)
+            self.optimizer_step(it)
+        return self.sch
+
+    # ------------------------------------------------------------------------------------------ one micro-batch
+    def forward_microbatch(self, it: int, k: int) -> None:
+        sch, alloc, act = self.sch, self.sch.alloc, self.act
+        sch.phase = f"it{it}:forward"
+        sch.mark(f"micro-batch {k} forward")
+        self.cache, self.bias_cache, self.copies_by_layer = [], [], {}
+        self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if self.split.embedding else []
+        self.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]   # each stage's rotary cos/sin
+        if self.workspace < 0:
+            self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
+        self.layer_keys, self.ckpt_keys, self.sac_keys, self.sac_extra, self.int8_keys = {}, {}, {}, {}, {}
+        self.passed = -1
+        self.head_keys, self.head_offloaded, self.head_copy = [], [], []
+        self.logits = self.log_softmax = self.output = -1
+        if self.root:
+            self.unshard_forward(None, self.root)
+        for i in range(self.layers):
+            self.forward_layer(i)
+        sch.free_all(self.last_forward_ag)
+        self.last_forward_ag = []
+        if self.split.head:
+            self.head_forward()            # the logits stay: the stage's output, in fwd_cache until backward
+        else:                              # the last layer's output: sent, and kept in fwd_cache
+            self.output = alloc(self.boundary_bytes, "activations")
+        self.saved[k] = {name: getattr(self, name) for name in PER_MICROBATCH}
+
+    def backward_microbatch(self, it: int, k: int) -> None:
+        sch, alloc = self.sch, self.sch.alloc
+        for name, value in self.saved.pop(k).items():
+            setattr(self, name, value)
+        sch.phase = f"it{it}:backward"
+        sch.mark(f"micro-batch {k} backward")
+        if self.split.head:
+            self.head_backward(it)
+        for i in reversed(range(self.layers)):
+            self.backward_layer(i, it)
+        if self.split.embedding:
+            embeds = [p for p in self.root if p.trainable and is_embedding(p)]
+            stream_grad = alloc(self.t * self.hidden_size * self.regime.res, "activations") if embeds else -1
+            for p in embeds:
+                self.make_grad(p, root_unit=True)
+            sch.free(stream_grad)
+        else:                               # the input's gradient, sent to the previous stage
+            sch.free(alloc(self.boundary_bytes, "activations"))
+        sch.free_all(self.embed_keys)
+        sch.free_all(self.shared_keys)
+        if k == self.n - 1:      # the schedule's `output` local still holds the last forward's until step() returns
+            self.last_output = [self.output, self.logits]
+        else:
+            sch.free(self.output)
+            sch.free(self.logits)
+        if self.fsdp:       # the root's post_backward, in the final callback
+            self.accumulate(self.root_fresh)
+        self.accumulating = True
+
+    # ------------------------------------------------------------------------------------------ FSDP2 x PP
+    def reduce_scatter_layer(self, i: int) -> None:
+        """FSDPParamGroup.post_backward with reduce_grads False: no reduce-scatter, no reshard; the gradients
+        accumulate unsharded."""
+        self.accumulate(self.fresh)
+
+    def accumulate(self, fresh: list[tuple[ParamInfo, int]]) -> None:
+        """FSDPParam.to_accumulated_grad_if_needed (first micro-batch: the gradient upcast to the reduce dtype,
+        unsharded_accumulated_grad, where that differs) and accumulate_unsharded_grad_if_needed (later ones: added
+        in place, the new gradient freed)."""
+        sch = self.sch
+        for p, key in fresh:
+            if p.name in self.accumulated:
+                sch.free(key)
+            elif self.reduce_bytes != self.gather_bytes:
+                self.accumulated[p.name] = sch.alloc(self.unsharded[p.name] * self.reduce_bytes, "gradients")
+                sch.free(key)
+            else:
+                self.accumulated[p.name] = key
+        fresh.clear()
+
+    def reduce_grads(self) -> None:
+        """perform_reduce_grad after the last backward: each FSDP state's post_backward (the root's first, then the
+        layers'), each resharding, then foreach_reduce's input (the accumulated gradients copied in) and its
+        sharded output."""
+        sch, alloc = self.sch, self.sch.alloc
+        units = ([None] if any(p.trainable for p in self.root) else []) + list(range(self.layers))
+        pending: list[int] = []
+        for u in units:
+            params = self.root if u is None else self.by_layer.get(u, [])
+            self.reshard_unit(u)
+            sch.free_all(pending)
+            rs_in = alloc(self.unit_bytes(params, self.reduce_bytes, True), "communication_buffers")
+            self.sharded_grads(alloc(self.unit_bytes(params, self.reduce_bytes, True) // self.shards, "gradients",
+                                     REDUCE_SCATTER))
+            sch.free_all([self.accumulated.pop(p.name) for p in params if p.name in self.accumulated])
+            pending = [rs_in]
+        sch.free_all(pending)
+        for u in list(self.gathered):
+            self.reshard_unit(u)
+
+    def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
+        """Later micro-batches: AccumulateGrad adds the new gradient into .grad in place (the new one, and under
+        autocast its low-precision matmul output, freed after). FSDP2: the unsharded gradient, in the gathered
+        dtype, for its unit's post_backward."""
+        if self.fsdp:
+            key = self.sch.alloc(self.unsharded[p.name] * self.gather_bytes, "gradients")
+            (self.root_fresh if root_unit else self.fresh).append((p, key))
+            return
+        if p.name not in self.grads:
+            return super().make_grad(p, root_unit, low)
+        sch, size = self.sch, self.shard_numel[p.name] * self.pb[p.name]
+        low = sch.alloc(self.tp_local[p.name] * self.regime.mm, "gradients") \
+            if self.regime.autocast and p.module_kind in MATMUL_KINDS else -1
+        new = sch.alloc(size, "gradients")
+        sch.free(low)
+        sch.free(new)
+
+
+def stage_replays(r: ResolvedSetup) -> list[Replay]:
+    """Each pipeline rank's stage schedule through the allocator model."""
+    check_modelled(r)
+    splits = stage_splits(r.anatomy.num_layers, r.setup.pp)
+    return [replay(StageSchedule(r, splits[rank], rank).build(), expandable_segments=r.setup.expandable_segments)
+            for rank in range(r.setup.pp)]
+
+
+def pipeline_step(r: ResolvedSetup) -> tuple[Replay, int, list[dict]]:
+    """The answer stage's replay (the largest reserved peak, as the trace picks it), its index, and every stage's
+    peaks."""
+    reps = stage_replays(r)
+    top = max(range(len(reps)), key=lambda k: (reps[k].peak_reserved_bytes, reps[k].peak_allocated_bytes))
+    return reps[top], top, [{"stage": k, "peak_allocated_bytes": rep.peak_allocated_bytes,
+                             "peak_reserved_bytes": rep.peak_reserved_bytes} for k, rep in enumerate(reps)]
+
+
+def stage_whole(r: ResolvedSetup, rank: int) -> Schedule:
+    """Stage `rank`'s schedule (for the replay at a device's capacity)."""
+    return StageSchedule(r, stage_splits(r.anatomy.num_layers, r.setup.pp)[rank], rank).build()
+
+
+def pipeline_note(r: ResolvedSetup, top: int) -> str:
+    splits = stage_splits(r.anatomy.num_layers, r.setup.pp)
+    s = splits[top]
+    spec = pipeline_schedule(r.setup.pp_schedule)
+    held = spec.microbatches_in_flight(top, r.setup.pp, r.setup.microbatches)
+    parts = (["embedding"] if s.embedding else []) + [f"layers {s.first_layer}-{s.stop_layer - 1}"] \
+        + (["norm, lm_head and loss"] if s.head else [])
+    return (f"pipeline ({spec.torch_class}, {r.setup.microbatches} micro-batches of "
+            f"{r.setup.batch_size // r.setup.microbatches}): the answer is stage {top} of {r.setup.pp} "
+            f"({', '.join(parts)}; {held} micro-batch(es) in flight); each stage's peaks are in `stages`")

@@ -1,0 +1,57 @@
+"""A routed mixture-of-experts model's facts, read from its config, and the routing assumption its results state.
+
+transformers 5.24 runs every `@use_experts_implementation` experts class (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3)
+with `grouped_mm` by default (modeling_utils.get_correct_experts_implementation; integrations/moe.py,
+grouped_mm_experts_forward): the T*k token-expert pairs are sorted by expert, run through one grouped GEMM whose
+per-expert offsets come from a histogram of the routing, and summed back per token. Every tensor the experts keep
+for backward (the sorted input, the gate_up and activation outputs, the weighted output) has T*k rows whatever the
+split between experts, so on one GPU and under FSDP2 (the 3-D expert weights sharded on dim 0 like any parameter)
+memory does not depend on how balanced the routing is. On fake tensors the router's topk, the sort, the histogram
+and the grouped GEMM have data-independent shapes: the trace runs the real code, nothing is emulated. Imbalance
+would matter only under expert parallelism (a rank receives the tokens routed to its experts), not modelled here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.model.anatomy import ModelAnatomy
+
+EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")   # Qwen3-MoE, Mixtral / gpt-oss, DeepSeek
+
+
+@dataclass(frozen=True)
+class MoeFacts:
+    experts: int               # routed experts per MoE layer
+    top_k: int                 # experts per token
+    shared_experts: int = 0    # DeepSeek's always-on experts
+    dense_layers: int = 0      # leading layers with a dense MLP (DeepSeek's first_k_dense_replace)
+
+
+def moe_facts(anatomy: ModelAnatomy) -> MoeFacts | None:
+    """The routing facts of an MoE model's config, or None for a dense model."""
+    cfg = anatomy.config
+    experts = next((cfg[n] for n in EXPERTS_FIELDS if isinstance(cfg.get(n), int) and cfg[n] > 1), None)
+    top_k = cfg.get("num_experts_per_tok")
+    if experts is None or not isinstance(top_k, int):
+        return None
+    return MoeFacts(experts, top_k, int(cfg.get("n_shared_experts") or 0), int(cfg.get("first_k_dense_replace") or 0))
+
+
+def routing_notes(anatomy: ModelAnatomy, learned: bool = False) -> list[str]:
+    """The routing assumption an MoE result states (estimate and trace alike); with activations `learned` from the
+    copy's routed layer 1 (llmem.runtime.learn), how a model whose first layers are dense is read."""
+    facts = moe_facts(anatomy)
+    if facts is None:
+        return []
+    shared = f" and {facts.shared_experts} shared" if facts.shared_experts else ""
+    notes = [f"MoE: {facts.experts} routed experts{shared}, top-{facts.top_k} per token, run as transformers' "
+             f"grouped_mm experts: every expert tensor holds the tokens x {facts.top_k} routed pairs whatever the "
+             "balance between experts, so memory here does not depend on the routing (the trace's fake router "
+             "routes without data through the same shapes); expert parallelism, where a rank's load would depend "
+             "on it, is not modelled"]
+    if learned and facts.dense_layers:
+        first = "layer has" if facts.dense_layers == 1 else f"{facts.dense_layers} layers have"
+        notes.append(f"the first {first} a dense MLP (first_k_dense_replace, of {anatomy.num_layers} decoder layers): "
+                     "its parameters are counted layer by layer, its activations modelled as a routed layer's")
+    return notes

@@ -1,0 +1,127 @@
+"""`llmem plan --export torchtitan PATH`: a torchtitan train-config TOML for the planned layout, batch and
+checkpointing, in the [parallelism] schema (torchtitan 0.1-0.2's `--job.config_file`; llmem's `--from` reads it
+back to the same set-up). torchtitan 0.3 replaced the TOMLs by Python presets (`--module llama3 --config
+llama3_70b`) with command-line overrides of the same fields: the file's header gives that command line too.
+
+What torchtitan runs and the plan must match: FSDP2 over data_parallel_shard_degree (HSDP with
+data_parallel_replicate_degree), DDP-style replication alone when the shard degree is 1, TP with SequenceParallel
+and loss parallel (torchtitan's parallelize_llama applies both), MixedPrecisionPolicy(bf16 params, fp32 reduce) or
+fp32, its own AdamW (torch's, `implementation` fused or foreach), `[activation_checkpoint]` none / full /
+selective. What it cannot express is refused (one line): a model without a torchtitan flavor, DeepSpeed's engine,
+fp16, another optimizer, the optimizer alone offloaded.
+"""
+
+from __future__ import annotations
+
+from llmem.errors import LlmemError
+from llmem.setup.sources.torchtitan import FLAVORS, IMPLEMENTATIONS, PRECISION
+
+# llmem's names -> torchtitan's (the reader's maps, inverted: one table serves both directions)
+TORCHTITAN_FLAVORS = {hub: (name, flavor) for (name, flavor), hub in FLAVORS.items()}
+TORCHTITAN_IMPLEMENTATIONS = {opt: impl for impl, opt in IMPLEMENTATIONS.items()}
+TORCHTITAN_PARAM_DTYPES = {"bf16-mixed": "bfloat16", "fp32": "float32"}
+assert set(TORCHTITAN_PARAM_DTYPES.values()) <= set(PRECISION)
+
+
+def _flavor(model: str) -> tuple[str, str]:
+    got = TORCHTITAN_FLAVORS.get(model)
+    if got is None:
+        raise LlmemError(f"--export torchtitan: torchtitan has no model flavor llmem knows for {model} (it knows "
+                         f"{', '.join(sorted(TORCHTITAN_FLAVORS))}): export accelerate or torchrun")
+    name, flavor = got
+    return name, flavor.upper()                              # torchtitan's flavors: "8B", "70B", ...
+
+
+def _check(p, e) -> None:
+    lay, setup = e.layout, p.setup
+    if lay.spec.zero_stage is not None:
+        raise LlmemError(f"--export torchtitan: the plan runs DeepSpeed's engine ({lay.method}); torchtitan runs "
+                         "FSDP2: export deepspeed")
+    if e.precision not in TORCHTITAN_PARAM_DTYPES:
+        raise LlmemError(f"--export torchtitan: torchtitan trains bf16-mixed (MixedPrecisionPolicy) or fp32, not "
+                         f"{e.precision}: plan with --precision bf16-mixed")
+    if e.optimizer not in TORCHTITAN_IMPLEMENTATIONS:
+        raise LlmemError(f"--export torchtitan: torchtitan's optimizer is torch's AdamW (fused or foreach), not "
+                         f"--optimizer {e.optimizer}: plan with --optimizer adamw or adamw-fused")
+    if e.offload_optimizer and not e.cpu_offload_policy:
+        raise LlmemError(f"--export torchtitan: {lay.label} offloads the optimizer alone, which torchtitan cannot "
+                         "(its enable_cpu_offload is FSDP2's CPUOffloadPolicy): plan with --method fsdp "
+                         "--offload-param")
+    if lay.spec.has_tp and not (setup.sequence_parallel and setup.loss_parallel):
+        raise LlmemError("--export torchtitan: torchtitan's TP applies SequenceParallel and loss parallel, which "
+                         "this plan did not estimate: plan with --sequence-parallel --loss-parallel")
+
+
+def _activation_checkpoint(setup, grad_ckpt: bool) -> dict:
+    if getattr(setup, "ac_policy", "full") == "op" and grad_ckpt:
+        return {"mode": "selective", "selective_ac_option": "op"}
+    if grad_ckpt and setup.ckpt_every > 1:
+        return {"mode": "selective", "selective_ac_option": str(setup.ckpt_every)}
+    return {"mode": "full" if grad_ckpt else "none"}
+
+
+def torchtitan_sections(p, e) -> dict[str, dict]:
+    """The TOML's sections for the plan (what torchtitan reads; the reader's names)."""
+    _check(p, e)
+    lay = e.layout
+    name, flavor = _flavor(e.model)
+    shards = lay.shard_degree if lay.shards_model_states else 1
+    replicas = lay.replicas if lay.shards_model_states else lay.dp       # ddp: replication alone
+    training = {"local_batch_size": e.micro_batch_size,
+                "global_batch_size": e.micro_batch_size * e.accumulation_steps * lay.dp,
+                "seq_len": e.seq_len, "mixed_precision_param": TORCHTITAN_PARAM_DTYPES[e.precision],
+                "mixed_precision_reduce": "float32"}
+    if e.cpu_offload_policy:
+        training["enable_cpu_offload"] = True
+    parallelism = {"data_parallel_replicate_degree": replicas, "data_parallel_shard_degree": shards,
+                   "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": 1, "context_parallel_degree": 1}
+    if lay.shards_model_states and not lay.spec.reshard_after_forward:
+        parallelism["fsdp_reshard_after_forward"] = "never"
+    return {"job": {"description": f"llmem plan: {lay.label}"},
+            "model": {"name": name, "flavor": flavor},
+            "optimizer": {"name": "AdamW", "implementation": TORCHTITAN_IMPLEMENTATIONS[e.optimizer]},
+            "training": training, "parallelism": parallelism,
+            "activation_checkpoint": _activation_checkpoint(p.setup, e.grad_ckpt)}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _overrides(sections: dict[str, dict]) -> str:
+    """torchtitan 0.3's command-line overrides of the same fields (tyro: --section.key value, a bool a bare flag)."""
+    out = []
+    for sec in ("optimizer", "training", "parallelism"):
+        for k, v in sections[sec].items():
+            if k != "name":
+                out.append(f"--{sec}.{k}" if v is True else f"--{sec}.{k} {v}")
+    return " ".join(out)
+
+
+def export_torchtitan(p, e) -> str:
+    sections = torchtitan_sections(p, e)
+    lay = e.layout
+    per_node = min(lay.world_size, e.gpus_per_node or lay.gpus_per_node)
+    launch = f"torchrun --nproc_per_node {per_node} --nnodes {lay.nodes} -m torchtitan.train"
+    name, flavor = sections["model"]["name"], sections["model"]["flavor"]
+    header = [
+        f"# llmem plan for {e.model}: {lay.label} on {lay.world_size} GPU(s), {lay.nodes} node(s); per-GPU "
+        f"micro-batch {e.micro_batch_size}, gradient accumulation {e.accumulation_steps}, seq {e.seq_len}",
+        f"# torchtitan 0.1-0.2: {launch} --job.config_file THIS_FILE",
+    ]
+    if name == "llama3":                                       # 0.3 has presets of llama3, not of llama2
+        header += [f"# torchtitan 0.3+:   {launch} --module {name} --config {name}_{flavor.lower()} "
+                   f"{_overrides(sections)}",
+                   "#   (0.3's presets choose their activation checkpointing: set it to "
+                   f"{sections['activation_checkpoint']['mode']} as planned)"]
+    if lay.nodes > 1:
+        header.append("# multi-node: add --node_rank, --rdzv_endpoint (or your launcher's equivalents) per node")
+    body = []
+    for sec, kv in sections.items():
+        body.append(f"\n[{sec}]")
+        body += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
+    return "\n".join(header) + "\n" + "\n".join(body).lstrip("\n") + "\n"

@@ -1,0 +1,98 @@
+"""`llmem plan --export trl PATH`: the trainer config YAML for the `trl` CLI (`trl dpo --config PATH`, `trl sft`,
+`trl kto`, `trl reward`): one mapping of TrlParser's dataclasses (trl/scripts/<command>.py make_parser:
+ScriptArguments, the trainer's config, ModelConfig, DatasetMixtureConfig), with the planned micro-batch,
+accumulation, max_length (the planned --seq-len: TRL truncates each sequence to it), checkpointing, precision,
+the objective's loss options and the LoRA adapters (ModelConfig's use_peft / lora_*). On more than one GPU the
+accelerate config (llmem.planner.export's) is written beside it and named by `accelerate_config`, which the CLI
+turns into `accelerate launch --config_file` (trl/cli/accelerate_config.py).
+
+Values that are TRL's defaults for the installed trl are written anyway where they decide memory (TRL's
+gradient_checkpointing and bf16 default to True, unlike TrainingArguments)."""
+
+from __future__ import annotations
+
+import os
+
+from llmem.errors import LlmemError
+from llmem.planner.plan import Plan
+from llmem.setup.objectives import loss_type_of, objective_spec
+from llmem.setup.precision import PRECISIONS
+from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
+
+# llmem's precision -> (bf16, fp16, ModelConfig.dtype): TRL loads a model by name in ModelConfig.dtype (float32 by
+# default) and autocasts in bf16 / fp16; pure low precision loads the weights in it
+TRL_PRECISION = {"fp32": (False, False, None), "bf16-mixed": (True, False, None), "fp16-mixed": (False, True, None),
+                 "bf16": (True, False, "bfloat16"), "fp16": (False, True, "float16")}
+
+
+def check_trl_exportable(setup: TrainingSetup) -> None:
+    """What the trl CLI cannot run as planned (one line each)."""
+    spec = objective_spec(setup.objective)
+    if spec.cli_command is None:
+        raise LlmemError(f"--export trl: the trl CLI has no command for --objective {spec.name} (TRL's "
+                         f"{spec.trainer} lives in {spec.trainer_module}, without a script): export accelerate and "
+                         "launch your own script")
+    if spec.generates:     # GRPOConfig's fields (num_generations, max_completion_length, beta) are not written yet
+        raise LlmemError(f"--export trl --objective {spec.name} is not written yet: export accelerate and pass "
+                         "--num_generations, --max_completion_length and --beta to `trl grpo` yourself")
+    if setup.ref_dtype != "policy":
+        raise LlmemError("--export trl: TRL loads the reference copy in the policy's dtype; drop --ref-dtype")
+    if setup.prompt_len:
+        raise LlmemError("--export trl: --prompt-len describes the data, not the trainer config; plan without it")
+
+
+def trl_config(p: Plan, e) -> dict:
+    """The trl CLI's mapping for the plan `p` exported as `e` (llmem.planner.export.ExportPlan)."""
+    setup = p.setup
+    check_trl_exportable(setup)
+    spec = objective_spec(setup.objective)
+    if e.zero is not None or not (e.layout.spec.gradient_buckets or e.layout.world_size == 1):
+        raise LlmemError(f"--export trl writes TRL's config with a DDP or one-GPU launch; the plan runs "
+                         f"{e.layout.label}: export accelerate for it")
+    bf16, fp16, dtype = TRL_PRECISION[e.precision]
+    cfg: dict = {"model_name_or_path": e.model, "attn_implementation": setup.attn,
+                 "per_device_train_batch_size": e.micro_batch_size,
+                 "gradient_accumulation_steps": e.accumulation_steps, "max_length": e.seq_len,
+                 "gradient_checkpointing": e.grad_ckpt, "bf16": bf16, "fp16": fp16}
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    if spec.beta is not None:
+        cfg["beta"] = spec.beta
+    if spec.name == "dpo":
+        cfg["loss_type"] = [loss_type_of(setup)]          # DPOConfig.loss_type is a list
+    elif spec.loss_types:
+        cfg["loss_type"] = loss_type_of(setup)
+    if spec.keeps_reference:
+        cfg["precompute_ref_log_probs"] = setup.precompute_ref_log_probs
+    if spec.scalar_head:      # RewardConfig's default, the one key only it has: `--from` tells the trainer by it
+        cfg["center_rewards_coefficient"] = None
+    if setup.lora_rank:
+        targets = setup.lora_targets
+        cfg.update({"use_peft": True, "lora_r": setup.lora_rank, "lora_alpha": setup.lora_alpha,
+                    "lora_dropout": setup.lora_dropout,
+                    "lora_target_modules": targets if targets == LORA_ALL_LINEAR else targets.split(",")})
+    return cfg
+
+
+def accelerate_path(path: str) -> str:
+    """Where the accelerate config goes beside the trl config: PATH's stem + '.accelerate.yaml'."""
+    return os.path.splitext(path)[0] + ".accelerate.yaml"
+
+
+def export_trl(p: Plan, e, path: str, accelerate_text: str | None) -> dict[str, str]:
+    """The files to write: the trl config at `path` and, on more than one GPU, `accelerate_text` beside it."""
+    import yaml
+
+    cfg = trl_config(p, e)
+    spec = objective_spec(p.setup.objective)
+    files = {}
+    if e.layout.world_size > 1 and accelerate_text is not None:
+        cfg["accelerate_config"] = accelerate_path(path)
+        files[cfg["accelerate_config"]] = accelerate_text
+    header = [f"# llmem plan for {e.model}: trl {spec.cli_command} --config {os.path.basename(path)} "
+              "--dataset_name <your dataset>",
+              f"# {e.layout.label} on {e.layout.world_size} GPU(s), per-GPU micro-batch {e.micro_batch_size}"
+              + (" pairs" if spec.paired else "") + f", accumulation {e.accumulation_steps}, max_length "
+              f"{e.seq_len} (the planned --seq-len), {e.precision} ({PRECISIONS[e.precision].compute_dtype})"]
+    files[path] = "\n".join(header) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
+    return files

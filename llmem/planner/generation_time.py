@@ -1,0 +1,48 @@
+"""The time a generation objective's step adds before its training (--objective grpo, transformers' generate): the
+time model of llmem.planner.timing, extended.
+
+* prefill: the prompts' forward, FLOP-bound: 2 x P_matmul x (batch x prompt tokens) plus the forward attention
+  FLOPs per token (at the whole sequence's length: an upper bound), at the step's rate (peak x MFU);
+* decode: max_completion_length - 1 steps of one token per sequence; each step is memory-bound: it reads every
+  weight (in its stored bytes; under *-mixed autocast also writes and reads the trained weights' compute-dtype
+  copies) and the KV
+  cache (on average half its final size) at the GPU's memory bandwidth, or FLOP-bound when that is longer;
+* scoring: beta > 0 runs the reference's forward over the batch (the training forward's FLOPs).
+Every completion runs to max_completion_length (the longest step). Sampling, rewards and host round trips are not
+timed.
+"""
+
+from __future__ import annotations
+
+from llmem.model.resolved import ResolvedSetup
+from llmem.setup.generation import completion_length, prompt_length
+from llmem.setup.objectives import REF_NONE, objective_spec, reference_mode
+
+
+def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, rate_flops_per_s: float,
+                      attention_flops_per_token: float, forward_s: float) -> float:
+    """Seconds of generation and scoring per micro-step (0 for an objective without them): `matmul_params` the
+    weights that multiply activations per token, `attention_flops_per_token` the forward attention FLOPs per token, `forward_s` the training forward's time (the reference's forward)."""
+    setup = r.setup
+    if not objective_spec(setup.objective).generates:
+        return 0.0
+    p, c = prompt_length(setup), completion_length(setup)
+    prefill_s = micro_batch * p * (2 * matmul_params + attention_flops_per_token) / rate_flops_per_s
+    weights_bytes = sum(q.numel * setup.stored_bytes(q.trainable) for q in r.anatomy.params)
+    if setup.mixed:           # autocast's copies of the trained fp32 weights, written then read (each forward)
+        weights_bytes += 2 * setup.compute_bytes * sum(q.numel for q in r.anatomy.params if q.trainable
+                                                       and len(q.shape) >= 2)
+    config = r.anatomy.config or {}
+    heads = config.get("num_attention_heads", 1)
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or r.anatomy.hidden_size // heads
+    kv_bytes_per_token = 2 * r.anatomy.num_layers * kv * head_dim * setup.compute_bytes * micro_batch
+    bandwidth = r.gpu.memory_gbps * 1e9
+    decode_s = 0.0
+    if c > 1:
+        mean_cache = kv_bytes_per_token * (p + c / 2)
+        memory_s = (weights_bytes + mean_cache) / bandwidth
+        flops_s = micro_batch * 2 * matmul_params / rate_flops_per_s
+        decode_s = (c - 1) * max(memory_s, flops_s)
+    scoring_s = forward_s if reference_mode(setup) != REF_NONE else 0.0
+    return prefill_s + decode_s + scoring_s

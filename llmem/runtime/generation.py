@@ -1,0 +1,275 @@
+"""The step of a TRL generation objective (--objective grpo) on the prepared model: TRL's own GRPOTrainer code and
+transformers' own `generate`, on fake tensors.
+
+Each iteration runs the three phases of GRPOTrainer's `training_step` with its defaults (steps_per_generation 1,
+num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
+- generation: `_generate_single_turn`'s transformers path: the left-padded prompts [B, P] and their attention mask
+  on the device, the unwrapped policy (not DDP's wrapper; gradient checkpointing off, as
+  `unwrap_model_for_generation` turns it off) runs `generate(**inputs, generation_config=...)` under no_grad with
+  GRPOTrainer's GenerationConfig (do_sample, temperature 1.0, top_p 1.0, top_k 0, max_new_tokens =
+  max_completion_length, disable_compile): its DynamicCache, the last token's logits per step (`logits_to_keep=1`)
+  copied to fp32, the sampling;
+- scoring: `_generate_and_score_completions`' tensors (prompt and completion ids and masks re-padded on the
+  device, their concatenation) and, when beta > 0, the reference's per-token log-probs through the trainer's own
+  `_get_per_token_logps_and_entropies` under no_grad with checkpointing paused (a reference copy, or the policy
+  with its adapters disabled: `use_adapter(model, None)`); the advantages [B] fp32; the batch replaces the previous
+  one (`_buffered_inputs`);
+- training: the trainer's own `_compute_loss` on the batch, backward, the optimizer step, zero_grad.
+
+The trainer object is not constructed (its __init__ loads a tokenizer and builds an Accelerator): `_compute_loss`
+runs on `GRPOTrainer.__new__` carrying the attributes it reads, from GRPOConfig's defaults and the set-up.
+
+Emulated, because fake tensors cannot run it (`generation_notes`):
+- generate's host reads of device scalars (the right-padding check, the stop check): the stop check returns
+  "finished" once the sequences reach prompt + max_completion_length (every completion runs to the limit, no EOS
+  earlier: the longest step), every other scalar read reads false / 0 (no right padding);
+- TRL's move of the completions through the host (`.tolist()` then re-padding): the re-padded tensors are made on the
+  device at their shapes (every completion full length);
+- rewards: the reward functions run on text on the host; the advantages are a [B] fp32 tensor on the device;
+- in the training phase, what llmem.runtime.objectives emulates for TRL's fused head (CUDA's path, known mask counts,
+  full-length padding mask, metric gathers the identity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmem.errors import LlmemError
+from llmem.runtime.build import causal_lm, vocab_size
+from llmem.runtime.cuda import is_fake_tensor
+from llmem.runtime.objectives import (
+    KnownMasks,
+    OneProcessAccelerator,
+    autocast_per_call,
+    checkpointing_paused_in,
+    config_defaults,
+    full_length_padding_mask,
+    policy_checkpointing_paused,
+    reference_copy,
+    trainer_class,
+    trainer_step,
+    trl_cuda_head,
+    trl_fake_contexts,
+)
+from llmem.runtime.patches import patched
+from llmem.setup.generation import beta, completion_length, prompt_length
+from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, loss_type_of, objective_notes, reference_mode
+
+_aten = torch.ops.aten
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2      # token ids of the fake tokenizer (sizes do not depend on them)
+
+
+class GenerateScalars(TorchDispatchMode):
+    """generate's host reads of device scalars on fake tensors: false / 0 (no right padding; the stop check is
+    answered by `stop_at_length`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default and is_fake_tensor(args[0]):
+            t = args[0]
+            return False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def stop_at_length(total_tokens: int) -> Iterator[None]:
+    """transformers' StopCheck (generation/utils.py): the device's `unfinished_sequences.max() == 0` still computed,
+    its answer "finished" once the sequences hold `total_tokens` (the max_length criterion's)."""
+    from transformers.generation import utils as gen_utils
+
+    def check(self, unfinished_sequences, tokens, length):
+        unfinished_sequences.max() == 0   # noqa: B015 - the device op the real check runs
+        return length >= total_tokens
+
+    with patched(gen_utils.StopCheck, "__call__", check):
+        yield
+
+
+def generation_config(setup):
+    """GRPOTrainer's GenerationConfig for transformers' generate (its __init__, no vLLM), from GRPOConfig's
+    defaults."""
+    from transformers import GenerationConfig
+
+    d = config_defaults(setup.objective)
+    return GenerationConfig(max_new_tokens=completion_length(setup), do_sample=True, pad_token_id=PAD_ID,
+                            bos_token_id=BOS_ID, eos_token_id=[EOS_ID], temperature=d["temperature"],
+                            top_p=d["top_p"], top_k=d["top_k"], min_p=d["min_p"],
+                            repetition_penalty=d["repetition_penalty"],
+                            cache_implementation=d["cache_implementation"], disable_compile=True,
+                            use_cache=True)   # the hub config's use_cache (llmem's build turns it off to train)
+
+
+def _trainer_for(step, ref_model):
+    """A GRPOTrainer carrying what `_compute_loss` and `_get_per_token_logps_and_entropies` read."""
+    setup = step.setup
+    d = config_defaults(setup.objective)
+    cls = trainer_class(setup.objective)
+    trainer = cls.__new__(cls)
+    eps = d["epsilon"]
+    attrs = {
+        "model": step.model, "ref_model": ref_model,
+        "accelerator": OneProcessAccelerator(next(step.model.parameters()).device, step.model, step.layout.world_size),
+        "args": types.SimpleNamespace(use_bias_correction_kl=d["use_bias_correction_kl"], delta=d["delta"],
+                                      steps_per_generation=1, gradient_checkpointing_kwargs=None),
+        "beta": beta(setup), "loss_type": loss_type_of(setup), "epsilon_low": eps,
+        "epsilon_high": d["epsilon_high"] if d["epsilon_high"] is not None else eps,
+        "importance_sampling_level": d["importance_sampling_level"], "top_entropy_quantile": d["top_entropy_quantile"],
+        "off_policy_mask_threshold": d["off_policy_mask_threshold"], "use_vllm": False,
+        "vllm_importance_sampling_correction": False, "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
+        "_entropy_bonus_enabled": False, "use_adaptive_entropy": False, "entropy_coef": 0.0,
+        "max_completion_length": completion_length(setup), "current_gradient_accumulation_steps": 1,
+        "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)},
+    }
+    for name, value in attrs.items():
+        object.__setattr__(trainer, name, value)
+    return trainer
+
+
+@dataclass
+class GenerationRun:
+    trainer: object
+    inputs: dict[str, torch.Tensor] | None
+    masks: KnownMasks
+
+
+def generation_run(step) -> GenerationRun:
+    """What the step keeps across iterations, made once before it starts: the fused heads, the reference, the
+    trainer."""
+    run = step.__dict__.get("_generation_run")
+    if run is not None:
+        return run
+    if step.setup.use_vllm:
+        raise LlmemError("--use-vllm: the trace runs the step with transformers' generate; vLLM is not run here (not "
+                         "installed, no GPU): llmem estimate models its pool; drop --use-vllm to trace the step")
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        raise LlmemError(f"the trace of --objective {step.setup.objective} runs TRL's own trainer code: pip install "
+                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+    setup = step.setup
+    region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+    d = config_defaults(setup.objective)
+    if d["disable_dropout"]:
+        raise LlmemError("the installed trl's GRPOConfig disables dropout by default, which llmem does not model")
+    # GRPOTrainer's __init__: the fused head on the causal LM (under peft its base model): log-probs and entropy
+    add_fused_lm_head(causal_lm(step.model), temperature=d["temperature"], cast_lm_head_to_fp32=False,
+                      outputs=("log_probs", "entropy"))
+    autocast_per_call(step.model, step)
+    ref = None
+    if reference_mode(setup) == REF_COPY:
+        with region("weights"):
+            ref = reference_copy(step)
+        autocast_per_call(ref, step)
+    seq, c = setup.seq_len, completion_length(setup)
+    masks = KnownMasks({(2, seq - 1): c, (2, seq): seq, (2, c): c})
+    run = GenerationRun(_trainer_for(step, ref), None, masks)
+    step.__dict__["_generation_run"] = run
+    return run
+
+
+def _ids(rows: int, cols: int, vocab: int, device) -> torch.Tensor:
+    return torch.randint(3, vocab, (rows, cols), dtype=torch.int64, device=device)
+
+
+def generate_completions(step, run: GenerationRun) -> None:
+    """The generation phase: the prompts on the device, the unwrapped policy's generate under no_grad."""
+    setup = step.setup
+    device = step.input_ids.device
+    b, p = setup.batch_size, prompt_length(setup)
+    vocab = vocab_size(causal_lm(step.model))
+    fake = is_fake_tensor(step.input_ids)
+    prompt_ids = _ids(b, p, vocab, device)
+    prompt_mask = torch.ones((b, p), dtype=torch.int64, device=device)
+    with contextlib.ExitStack() as stack:
+        if fake:
+            stack.enter_context(stop_at_length(setup.seq_len))
+            stack.enter_context(GenerateScalars())
+        stack.enter_context(policy_checkpointing_paused(step.model))
+        stack.enter_context(torch.no_grad())
+        out = step.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                  generation_config=generation_config(setup))
+    if tuple(out.shape) != (b, setup.seq_len) and fake:
+        raise LlmemError(f"trace: generate returned {tuple(out.shape)}, expected ({b}, {setup.seq_len})")
+    del out, prompt_ids, prompt_mask
+
+
+def score_completions(step, run: GenerationRun) -> None:
+    """The scoring phase: the batch re-padded on the device, the reference's per-token log-probs (beta > 0), the
+    advantages; the new batch replaces the previous one."""
+    setup = step.setup
+    device = step.input_ids.device
+    b, p, c = setup.batch_size, prompt_length(setup), completion_length(setup)
+    vocab = vocab_size(causal_lm(step.model))
+    batch = {"prompt_ids": _ids(b, p, vocab, device),
+             "prompt_mask": torch.ones((b, p), dtype=torch.int64, device=device),
+             "completion_ids": _ids(b, c, vocab, device),
+             "completion_mask": torch.ones((b, c), dtype=torch.int64, device=device)}
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mode = reference_mode(setup)
+    trainer = run.trainer
+    cls = type(trainer)
+    if mode in (REF_COPY, REF_ADAPTERS_OFF):
+        with contextlib.ExitStack() as stack:
+            if is_fake_tensor(step.input_ids):
+                stack.enter_context(trl_cuda_head())
+                stack.enter_context(full_length_padding_mask())
+                stack.enter_context(run.masks)
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(policy_checkpointing_paused(step.model))
+            if mode == REF_ADAPTERS_OFF:
+                from trl.trainer.utils import use_adapter
+
+                stack.enter_context(use_adapter(step.model, None))
+            model = trainer.ref_model if mode == REF_COPY else step.model
+            logps, _, _ = cls._get_per_token_logps_and_entropies(trainer, model, ids, mask, c, batch_size=b)
+        batch["ref_per_token_logps"] = logps
+    del ids, mask
+    batch["advantages"] = torch.zeros(b, dtype=torch.float32, device=device)
+    batch["num_items_in_batch"] = torch.tensor(float(b * c), device=device)
+    run.inputs = batch                    # _buffered_inputs: the previous step's batch dies here
+
+
+def generation_iteration(step, it: int) -> None:
+    """One GRPO training step: generation, scoring, then `_compute_loss`, backward, the optimizer step and zero_grad,
+    as GRPOTrainer.training_step runs them."""
+    run = generation_run(step)
+    cls = type(run.trainer)
+    step._phase("generation", it)
+    generate_completions(step, run)
+    step._phase("scoring", it)
+    score_completions(step, run)
+    trainer_step(step, it, lambda: cls._compute_loss(run.trainer, step.runner, run.inputs),
+                 on_fake=trl_fake_contexts(run.masks), always=(checkpointing_paused_in(cls),))
+
+
+def generation_emulation_notes(setup) -> list[str]:
+    """What the trace's result says about the generation step it ran."""
+    return objective_notes(setup) + [
+        "trace: transformers' generate on fake tensors (the stop check answers at prompt + max_completion_length, "
+        "other host scalar reads false); TRL's GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies (its "
+        "__init__ not run: the attributes from GRPOConfig's defaults); the completions' trip through the host and "
+        "the reward functions not traced (the re-padded batch and the advantages made on the device); its fused LM "
+        "head on CUDA's path"]
+
+
+def traced_phases(series: dict) -> list:
+    """Each phase's peak of the replayed ledger (llmem.runtime.replay's series): allocated (the allocator's, whole
+    blocks) and reserved at their highest in the phase, the tensor bytes per component at the phase's peak."""
+    from llmem.result import grouped_phases
+    from llmem.runtime.ledger import PHASE_NAMES
+
+    peaks: dict[int, list[int]] = {}
+    for allocated, reserved, code in zip(series["allocated"], series["reserved"], series["phase"], strict=True):
+        row = peaks.setdefault(code, [0, 0])
+        row[0], row[1] = max(row[0], allocated), max(row[1], reserved)
+    comps = series["phase_peaks"]
+    return grouped_phases([(PHASE_NAMES[c], a, r, comps.get(PHASE_NAMES[c], {}).get("components", {}))
+                           for c, (a, r) in sorted(peaks.items())])

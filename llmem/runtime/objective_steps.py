@@ -1,0 +1,28 @@
+"""The trainer step the trace (and measure) runs for an objective, one row per kind of step
+(ObjectiveSpec.step_kind): TRL's preference step (llmem.runtime.objectives), the pairwise losses on full logits or
+a scalar head (llmem.runtime.pairwise), GRPO's generation, scoring and training (llmem.runtime.generation); each
+with the notes saying what the run emulates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmem.runtime.generation import generation_emulation_notes, generation_iteration
+from llmem.runtime.objectives import emulation_notes, preference_iteration
+from llmem.runtime.pairwise import pairwise_emulation_notes, pairwise_iteration
+from llmem.setup.objectives import objective_spec
+
+# step_kind -> (one iteration of the step, the trace's notes)
+OBJECTIVE_STEPS: dict[str, tuple[Callable, Callable[..., list[str]]]] = {
+    "preference": (preference_iteration, emulation_notes),
+    "pairwise": (pairwise_iteration, pairwise_emulation_notes),
+    "generation": (generation_iteration, generation_emulation_notes),
+}
+
+
+def objective_iteration(step, it: int) -> None:
+    OBJECTIVE_STEPS[objective_spec(step.setup.objective).step_kind][0](step, it)
+
+
+def objective_trace_notes(setup) -> list[str]:
+    return OBJECTIVE_STEPS[objective_spec(setup.objective).step_kind][1](setup)

@@ -1,0 +1,175 @@
+"""Pipeline parallelism in the real step: one stage of the HF model, split as torchtitan splits it, run by torch's
+own PipelineStage and schedule (torch/distributed/pipelining) on the fake process group.
+
+The stage is the model with only its decoder layers (torchtitan's _split_module: the others deleted), the embedding
+on the first stage, the final norm and lm_head on the last (elsewhere nn.Identity / None), its forward the stage's
+part of the HF forward (input ids or the previous stage's hidden states in, hidden states or logits out). The loss
+is the HF model's own loss_function on the last stage's logits, as the schedule's loss_fn.
+
+Two things of torch's pipelining cannot run on a fake process group and fake tensors, and are replaced:
+- the P2P warm-up vote (`_PipelineSchedule._warmup_p2p`: a recv from the neighbour, then `.item()` on it, which a
+  fake tensor refuses with DataDependentOutputException) is given its outcome, STATIC inference mode;
+- so the stage is given its input / output shapes (PipelineStage's static mode): torchtitan's dynamic metadata
+  inference (`recv_object_list` of the neighbour's shapes, which the fake process group leaves unset, and one extra
+  forward / backward of micro-batch 0 on the first step) is not run.
+The P2P sends and receives themselves run (no-ops on the fake process group); the schedule's order, its recv
+buffers, fwd_cache, gradient accumulation over micro-batches and FSDP2's no-sync are torch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from llmem.errors import LlmemError
+from llmem.runtime.build import causal_lm
+from llmem.setup.pipeline import StageSplit, pipeline_schedule, stage_splits
+
+EMULATION_NOTE = ("pipeline: torch's PipelineStage and {schedule} on the fake process group; its P2P warm-up vote "
+                  "and shape inference (which need a peer) replaced by static shapes: torchtitan's extra forward / "
+                  "backward of micro-batch 0 at the first step is not traced")
+
+
+def stage_split(setup, num_layers: int, rank: int) -> StageSplit:
+    """The stage rank `rank` runs (one per rank: GPipe and 1F1B)."""
+    spec = pipeline_schedule(setup.pp_schedule)
+    if spec.virtual_stages > 1:
+        raise LlmemError(f"--pp-schedule {setup.pp_schedule}: a rank's several stages are not traced yet; use gpipe "
+                         "or 1f1b")
+    return stage_splits(num_layers, setup.pp * spec.virtual_stages)[rank]
+
+
+def split_model(model: nn.Module, split: StageSplit) -> None:
+    """Keep only the stage's modules (on meta, before materialising) and make its forward the stage's part of the
+    HF forward: torchtitan's _split_module on an HF causal LM."""
+    lm = causal_lm(model)
+    base = lm.get_decoder()
+    base.layers = nn.ModuleList([base.layers[i] for i in split.layers])
+    if not split.embedding:
+        base.embed_tokens = None
+    if not split.head:
+        base.norm = nn.Identity()
+        lm.lm_head = nn.Identity()
+    forward_of_class = type(lm).forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {"input_ids": x} if split.embedding else {"inputs_embeds": x}
+        if split.head:
+            return forward_of_class(self, **kw).logits
+        return base(**kw).last_hidden_state
+
+    lm.forward = types.MethodType(forward, lm)
+
+
+def stage_shapes(setup, resolved, split: StageSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stage's input and output as meta tensors of one micro-batch (PipelineStage's static mode): ids into the
+    first stage, the residual stream between stages, the logits (in the compute dtype) out of the last."""
+    mb = setup.batch_size // setup.microbatches
+    hidden = resolved.anatomy.hidden_size
+    res = torch.float32 if resolved.regime.res == 4 else getattr(torch, setup.compute_dtype)
+    mm = torch.float32 if resolved.regime.mm == 4 else getattr(torch, setup.compute_dtype)
+    if split.embedding:
+        inp = torch.empty(mb, setup.seq_len, dtype=torch.int64, device="meta")
+    else:
+        inp = torch.empty(mb, setup.seq_len, hidden, dtype=res, device="meta", requires_grad=True)
+    if split.head:
+        out = torch.empty(mb, setup.seq_len, resolved.anatomy.vocab_size, dtype=mm, device="meta",
+                          requires_grad=True)
+    else:
+        out = torch.empty(mb, setup.seq_len, hidden, dtype=res, device="meta", requires_grad=True)
+    return inp, out
+
+
+@contextlib.contextmanager
+def static_warmup() -> Iterator[None]:
+    """The warm-up vote's outcome when every stage is given its shapes: STATIC (no peer to vote with)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def warmup(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    original = schedules._PipelineSchedule._warmup_p2p
+    schedules._PipelineSchedule._warmup_p2p = warmup
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original
+
+
+class PipelineRunner:
+    """The stage and its schedule; `iteration` runs one schedule step (every micro-batch's forward and backward in
+    the schedule's order), then the optimizer step."""
+
+    def __init__(self, step, split: StageSplit, group) -> None:
+        from torch.distributed import pipelining
+
+        setup, lm = step.setup, causal_lm(step.model)
+        self.step, self.split = step, split
+        inp, out = stage_shapes(setup, step.resolved, split)
+        spec = pipeline_schedule(setup.pp_schedule)
+        self.stage = pipelining.PipelineStage(step.model, split.index, setup.pp, torch.device("cpu"),
+                                              input_args=(inp,), output_args=(out,), group=group)
+        vocab = step.resolved.anatomy.vocab_size
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return lm.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+        # torchtitan: scale_grads=False (its loss is already divided by the global token count)
+        self.schedule = getattr(pipelining, spec.torch_class)(self.stage, n_microbatches=setup.microbatches,
+                                                              loss_fn=loss_fn, scale_grads=False)
+        self._wrap_stage()
+
+    def _wrap_stage(self) -> None:
+        """The ledger's phases follow the schedule's actions; the stage's recv buffers are communication buffers."""
+        stage, step = self.stage, self.step
+        region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        prep_f, prep_b = stage._prepare_forward_infra, stage._prepare_backward_infra
+
+        def forward_one_chunk(*a, **k):
+            step._phase("forward", self.it)
+            return fwd(*a, **k)
+
+        def backward_one_chunk(*a, **k):
+            step._phase("backward", self.it)
+            return bwd(*a, **k)
+
+        def prepare_forward(*a, **k):
+            with region("communication_buffers"):
+                return prep_f(*a, **k)
+
+        def prepare_backward(*a, **k):
+            with region("communication_buffers"):
+                return prep_b(*a, **k)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage._prepare_forward_infra, stage._prepare_backward_infra = prepare_forward, prepare_backward
+
+    def iteration(self, it: int) -> None:
+        step, self.it = self.step, it
+        ids = step.input_ids
+        ctx = torch.autocast(step.device_type, dtype=step.autocast_dtype) if step.autocast_dtype is not None \
+            else contextlib.nullcontext()
+        step._phase("forward", it)
+        # torchtitan's trainer: return_outputs=False (the last stage keeps no micro-batch's output for merging)
+        with ctx, static_warmup():
+            if self.split.embedding:             # the first stage takes the ids (pp > 1: never the last)
+                self.schedule.step(ids, return_outputs=False)
+            elif self.split.head:                # the last the labels
+                self.schedule.step(target=ids, losses=[], return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
+        if step.autocast_policy is not None:
+            step.autocast_policy.cache.clear()
+        step.optimizer_step(it)
+
+
+def stage_row(index: int, result) -> dict:
+    return {"stage": index, "peak_allocated_bytes": result.peak_allocated_bytes,
+            "peak_reserved_bytes": result.peak_reserved_bytes}

@@ -1,0 +1,41 @@
+"""The activation-checkpointing policies (--ac-policy): what a checkpointed decoder layer keeps for backward, one row
+each. Nothing here knows torch: the trace's policy is llmem.runtime.selective_ac, the estimate's arithmetic
+llmem.memory.activations.selective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+
+
+@dataclass(frozen=True)
+class AcPolicy:
+    """One way to checkpoint a decoder layer."""
+    name: str
+    saves: str                  # what a checkpointed layer keeps between its forward and its backward
+    selective: bool = False     # op-level selective checkpointing (torch's create_selective_checkpoint_contexts)
+    refusal: str | None = None  # why llmem cannot model it (the one line a user gets)
+
+
+AC_POLICIES: dict[str, AcPolicy] = {p.name: p for p in (
+    AcPolicy("full", "the layer input only; the whole layer is recomputed in backward (torch.utils.checkpoint)"),
+    # torchtitan/distributed/activation_checkpoint.py, _apply_op_sac with _op_sac_save_list
+    AcPolicy("op", "torchtitan's op-level selective checkpointing: the layer input plus the outputs of every other "
+             "aten.mm (the 1st, 3rd, ... in forward order), of SDPA (output, logsumexp and the kernel's RNG state), "
+             "of aten.max / aten.abs and reduce_scatter; the rest is recomputed", selective=True),
+    AcPolicy("memory-budget", "torch._functorch.config.activation_memory_budget",
+             refusal="--ac-policy memory-budget (torch._functorch.config.activation_memory_budget) is decided by "
+                     "torch.compile's min-cut partitioner, which llmem does not run: use --ac-policy op or full"),
+)}
+
+
+def ac_policy(name: str) -> AcPolicy:
+    """The row of --ac-policy NAME, or the one line saying why it cannot be used."""
+    row = AC_POLICIES.get(name)
+    if row is None:
+        raise LlmemError(f"unknown --ac-policy {name!r}: choose one of "
+                         f"{', '.join(n for n, p in AC_POLICIES.items() if p.refusal is None)}")
+    if row.refusal:
+        raise LlmemError(row.refusal)
+    return row

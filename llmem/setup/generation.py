@@ -1,0 +1,191 @@
+"""The generation objectives' options and their check (--objective grpo): TRL's GRPOTrainer as the installed trl 1.16
+runs it with transformers' `generate` (trl/trainer/grpo_trainer.py, grpo_config.py).
+
+One step, as GRPOTrainer runs it with its defaults (steps_per_generation = gradient_accumulation_steps = 1,
+num_iterations 1): `_generate_and_score_completions` generates the batch's completions (--batch-size completions per
+GPU, TRL's per_device_train_batch_size; the sampler repeats each prompt num_generations times), scores them (the
+reference's per-token log-probs when beta > 0; no old-policy log-probs: num_iterations 1 and the steps aligned),
+then `_compute_loss` runs the policy on prompt + completion and backward. --seq-len is the whole sequence (the
+left-padded prompt + --max-completion-length): trl 1.16 has no max_prompt_length (the trainer does not truncate
+prompts). Every completion runs to max_completion_length (no EOS before it): the longest step.
+
+With --use-vllm (GRPOConfig's use_vllm) vLLM generates instead of transformers: in `vllm_mode="colocate"` (TRL
+1.16's default) an engine in each training process with its own pool of vllm_gpu_memory_utilization x device
+memory (llmem.memory.vllm: its weights, KV cache blocks, activations; resident through training unless
+vllm_enable_sleep_mode releases it), in "server" mode on other GPUs (nothing of it here). Neither is run: the
+training process's generation phase then holds nothing of generate's, and the pool is added from vLLM's accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A generation trainer's config defaults that decide memory (GRPOConfig's, trl 1.16)."""
+    num_generations: int
+    max_completion_length: int
+    beta: float
+    num_iterations: int
+    loss_type: str
+    gradient_checkpointing: bool     # _BaseConfig's default (llmem's --grad-ckpt stays the user's choice)
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+
+
+GENERATION_DEFAULTS = {
+    "grpo": GenerationDefaults(num_generations=8, max_completion_length=512, beta=0.0, num_iterations=1,
+                               loss_type="dapo", gradient_checkpointing=True),
+}
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")   # GRPOConfig.loss_type (vespo not)
+GENERATION_METHODS = ("single", "ddp")
+GENERATION_ATTENTIONS = ("sdpa", "eager")
+
+# TrainingSetup fields of the generation objectives: (field, unset value, flag)
+GENERATION_FIELDS = (("num_generations", None, "--num-generations"),
+                     ("max_completion_length", None, "--max-completion-length"),
+                     ("beta", None, "--beta"), ("use_vllm", False, "--use-vllm"))
+VLLM_MODES = ("colocate", "server")
+# the vLLM options, which need --use-vllm: (field, unset value, flag)
+VLLM_FIELDS = (("vllm_mode", None, "--vllm-mode"), ("vllm_gpu_memory_utilization", None,
+                                                    "--vllm-gpu-memory-utilization"),
+               ("vllm_enable_sleep_mode", False, "--vllm-enable-sleep-mode"),
+               ("vllm_max_model_length", None, "--vllm-max-model-length"))
+
+# The options the generation step does not model yet: (field, its unset value, flag, why)
+_NOT_WITH_GENERATION = (
+    ("fused_ce", False, "--fused-ce", "GRPOTrainer computes the log-probs with TRL's chunked LM head"),
+    ("packing", False, "--packing", "GRPOTrainer pads prompts and completions"),
+    ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
+    ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
+    ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
+    ("quant_base", "none", "a quantised base", "QLoRA under GRPO is not modelled yet"),
+    ("precompute_ref_log_probs", False, "--precompute-ref-log-probs", "GRPOTrainer scores the reference per step"),
+    ("ref_dtype", "policy", "--ref-dtype", "GRPOTrainer loads the reference in the policy's dtype"),
+    ("prompt_len", 0, "--prompt-len", "the prompt is --seq-len less --max-completion-length"),
+    ("max_length", None, "--max-length", "GRPO sequences are --seq-len: prompt + --max-completion-length"),
+)
+
+
+def generation_defaults(objective: str) -> GenerationDefaults | None:
+    return GENERATION_DEFAULTS.get(objective)
+
+
+def num_generations(setup) -> int:
+    d = GENERATION_DEFAULTS[setup.objective]
+    return d.num_generations if setup.num_generations is None else setup.num_generations
+
+
+def completion_length(setup) -> int:
+    """Completion tokens per sequence: max_completion_length (every completion runs to it)."""
+    d = GENERATION_DEFAULTS[setup.objective]
+    return d.max_completion_length if setup.max_completion_length is None else setup.max_completion_length
+
+
+def prompt_length(setup) -> int:
+    """The left-padded prompt's tokens: --seq-len less the completion."""
+    return setup.seq_len - completion_length(setup)
+
+
+def beta(setup) -> float:
+    d = GENERATION_DEFAULTS[setup.objective]
+    return d.beta if setup.beta is None else setup.beta
+
+
+def check_generation(setup) -> None:
+    """A generation objective's options (one line naming the fix; the CLI exits 2)."""
+    name = setup.objective
+    _check_vllm(setup)
+    for field_name, unset, flag, why in _NOT_WITH_GENERATION:
+        if getattr(setup, field_name) != unset:
+            raise LlmemError(f"{flag} with --objective {name}: {why}")
+    if setup.loss_type is not None and setup.loss_type not in GRPO_LOSS_TYPES:
+        raise LlmemError(f"unknown --loss-type {setup.loss_type!r} for --objective {name}: choose one of "
+                         f"{', '.join(GRPO_LOSS_TYPES)}")
+    g = num_generations(setup)
+    if g < 2:
+        raise LlmemError(f"--num-generations must be >= 2 (GRPO's advantages compare a prompt's completions), got {g}")
+    world = setup.gpus
+    if (setup.batch_size * world) % g:
+        raise LlmemError(f"--num-generations {g} must divide the global batch (--gpus {world} x --batch-size "
+                         f"{setup.batch_size} = {setup.batch_size * world} completions), as GRPOConfig requires: "
+                         f"use a --batch-size that makes it a multiple of {g}, or another --num-generations")
+    c = completion_length(setup)
+    if c < 1:
+        raise LlmemError(f"--max-completion-length must be >= 1, got {c}")
+    if prompt_length(setup) < 1:
+        raise LlmemError(f"--seq-len {setup.seq_len} is the prompt plus --max-completion-length {c}: give a "
+                         f"--seq-len above {c} (e.g. {c + 512})")
+    b = beta(setup)
+    if b < 0:
+        raise LlmemError(f"--beta must be >= 0 (0 drops the reference model), got {b}")
+    if setup.method not in GENERATION_METHODS:
+        raise LlmemError(f"--objective {name} is modelled under --method {' or '.join(GENERATION_METHODS)} "
+                         f"(got {setup.method})")
+    if setup.attn not in GENERATION_ATTENTIONS:
+        raise LlmemError(f"--objective {name} with --attn {setup.attn} is not modelled: use --attn "
+                         f"{' or '.join(GENERATION_ATTENTIONS)}")
+
+
+def vllm_mode(setup) -> str | None:
+    """How vLLM generates (None: transformers' generate)."""
+    if not setup.use_vllm:
+        return None
+    return setup.vllm_mode or GENERATION_DEFAULTS[setup.objective].vllm_mode
+
+
+def vllm_utilization(setup) -> float:
+    u = setup.vllm_gpu_memory_utilization
+    return GENERATION_DEFAULTS[setup.objective].vllm_gpu_memory_utilization if u is None else u
+
+
+def _check_vllm(setup) -> None:
+    if not setup.use_vllm:
+        for field_name, unset, flag in VLLM_FIELDS:
+            if getattr(setup, field_name) != unset:
+                raise LlmemError(f"{flag} belongs to vLLM generation: add --use-vllm (or drop {flag})")
+        return
+    mode = vllm_mode(setup)
+    if mode not in VLLM_MODES:
+        raise LlmemError(f"unknown --vllm-mode {mode!r}: choose {' or '.join(VLLM_MODES)}")
+    u = vllm_utilization(setup)
+    if not 0.0 < u < 1.0:
+        raise LlmemError(f"--vllm-gpu-memory-utilization must lie in (0, 1), got {u}: vLLM shares the device with "
+                         "training")
+    if mode == "server":
+        for field_name, unset, flag in VLLM_FIELDS[1:]:
+            if getattr(setup, field_name) != unset:
+                raise LlmemError(f"{flag} sets the colocated engine: under --vllm-mode server it is the server's "
+                                 "own option (drop it)")
+    if setup.vllm_max_model_length is not None and setup.vllm_max_model_length < setup.seq_len:
+        raise LlmemError(f"--vllm-max-model-length {setup.vllm_max_model_length} is shorter than a sequence "
+                         f"(--seq-len {setup.seq_len}, prompt + completion): give at least {setup.seq_len}")
+
+
+def check_no_generation_options(setup) -> None:
+    """Objectives without a generation phase take none of its options."""
+    for field_name, unset, flag in GENERATION_FIELDS + VLLM_FIELDS:
+        if getattr(setup, field_name) != unset:
+            raise LlmemError(f"{flag} belongs to --objective grpo (or drop {flag})")
+
+
+def generation_notes(setup, reference: str) -> list[str]:
+    """What the estimate and the trace say about a generation objective's step."""
+    g, c, p = num_generations(setup), completion_length(setup), prompt_length(setup)
+    ref = {"none": "none (beta 0: GRPOTrainer keeps no reference)",
+           "copy": "a frozen copy in the policy's dtype (create_model_from_path(dtype=model.dtype)), scored under "
+                   "no_grad in the scoring phase",
+           "adapters-off": "the policy with its adapters disabled (peft; no copy), scored under no_grad"}[reference]
+    return [f"--objective {setup.objective}: TRL's GRPOTrainer with transformers' generate; {setup.batch_size} "
+            f"completions per GPU ({setup.batch_size * setup.gpus // g} prompts x {g} generations across "
+            f"{setup.gpus} GPU(s)), each {p} prompt tokens (left-padded) + {c} completion tokens, every completion "
+            f"running to max_completion_length (no EOS before it); beta {beta(setup)}, loss_type "
+            f"{setup.loss_type or GENERATION_DEFAULTS[setup.objective].loss_type}, num_iterations 1 (no old-policy "
+            "log-probs)",
+            "phases: generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
+            "completion, the last token's logits per step in fp32), scoring (the reference's per-token log-probs), "
+            "training (the policy on prompt + completion through TRL's fused LM head, backward, optimizer step)",
+            f"reference: {ref}"]
