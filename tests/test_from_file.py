@@ -99,7 +99,22 @@ def test_axolotl_full_finetune_is_pure_bf16_and_fsdp_qlora_skips_the_upcast():
     assert (s.method, s.quant_base, s.kbit_upcast, s.lora_rank, s.optimizer) == ("fsdp", "nf4", False, 8,
                                                                                   "adamw-fused")
     assert s.precision == "bf16-mixed" and s.double_quant
-    assert any(i.key == "fsdp_config.fsdp_offload_params" for i in fs.record.ignored)
+    assert any(i.key == "fsdp_config.fsdp_offload_params" and "quantised base" in i.why for i in fs.record.ignored)
+    assert not fs.setup.offload_param                      # FSDP2's offload of a quantised base is not modelled
+
+
+def test_fsdp_offload_params_is_fsdp2s_cpu_offload_policy():
+    """LLaMA-Factory's fsdp_config_offload.yaml (FULL_SHARD, 2 processes, fsdp_offload_params: true): FSDP2's
+    CPUOffloadPolicy, --offload-param; its estimate keeps no parameter, gradient or optimizer state on the device."""
+    fs = setup_from_file(cfg("llamafactory/examples/accelerate/fsdp_config_offload.yaml"), model="tiny-llama")
+    s = fs.setup
+    assert (s.method, s.gpus, s.offload_param) == ("fsdp", 2, True)
+    assert any(u.key == "fsdp_config.fsdp_offload_params" and u.field == "offload_param" for u in fs.record.used)
+    from llmem.estimator.states import model_states
+    from llmem.model.resolved import resolve
+
+    ms = model_states(resolve(s))
+    assert (ms.weights, ms.gradients, ms.optimizer_states) == (0, 0, 0)
 
 
 def test_axolotl_deepspeed_reference_resolves_from_the_framework_folder():

@@ -123,6 +123,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     overridden = tuple(sorted(k for k, v in overrides.items() if k in values and values[k] != v))
     values.update(overrides)
     _check_gpus(main, values, multi)
+    _offload_not_expressed(values, used, ignored)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
                          f"(llmem estimate MODEL --from {main.path})")
@@ -149,6 +150,25 @@ def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str,
     notes.append(STANDIN_NOTE.format(standin=STANDINS[setup.method], method=setup.method, why=why))
     kept = {k: v for k, v in values.items() if k not in ZERO_FIELDS}    # DeepSpeed's knobs: not the stand-in's
     return user_setup(**{**kept, "method": STANDINS[setup.method]})
+
+
+def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:
+    """A file's FSDP parameter offload where llmem's --offload-param cannot take it: kept as an ignored key (the
+    estimate then an upper bound), not a refused set-up."""
+    if not values.get("offload_param"):
+        return
+    spec = METHODS[canonical_method(values.get("method", "single"))]
+    if values.get("quant_base", "none") != "none":    # FSDP2 copies the shard through the quantised subclass
+        why = "FSDP2's CPU offload of a quantised base (QLoRA) is not modelled"
+    elif not spec.shards_model_states and spec.zero_stage != 3:
+        why = f"parameter offload belongs to FSDP2 (or ZeRO-3); {values.get('method')} keeps every parameter"
+    else:
+        return
+    del values["offload_param"]
+    for u in [u for u in used if u.field == "offload_param"]:
+        used.remove(u)
+        ignored.append(Ignored(u.file, u.key, u.raw, why + ": estimated with the parameters on the GPU (an upper "
+                                                           "bound)"))
 
 
 def _merge(a: Dtypes, b: Dtypes) -> Dtypes:

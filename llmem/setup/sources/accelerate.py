@@ -98,8 +98,11 @@ def _deepspeed(r: Reading, keys: Keys, ds: Keys, processes: int, compute: str) -
             r.set("deepspeed_config.offload_optimizer_device", ds.get("offload_optimizer_device"),
                   "offload_optimizer", True)
         if str(ds.get("offload_param_device", "none")).lower() in ("cpu", "nvme"):
-            r.ignore("deepspeed_config.offload_param_device", ds.get("offload_param_device"), "offload of "
-                     "parameters is not modelled yet: estimated with the parameters on the GPU (an upper bound)")
+            if stage == 3:     # ds-zero3's offload_param (NVMe modelled as the CPU: the device holds the same)
+                r.set("deepspeed_config.offload_param_device", ds.get("offload_param_device"), "offload_param", True)
+            else:
+                r.ignore("deepspeed_config.offload_param_device", ds.get("offload_param_device"), "DeepSpeed "
+                         "offloads parameters at ZeRO stage 3 only (offload_param: valid only with stage 3)")
         if accum is not None:
             r.note_used("deepspeed_config.gradient_accumulation_steps", accum, GA_NOTE)
     for key, why in (("zero3_init_flag", "deepspeed.zero.Init: load time only"),

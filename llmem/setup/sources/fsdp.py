@@ -12,8 +12,7 @@ STRATEGIES = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp",
 HYBRID_NOTE = ("hybrid sharding (sharded inside a node, replicated across nodes) is modelled as sharding over all "
                "GPUs: exact on one node")
 FSDP1_NOTE = "FSDP1 (a FlatParameter per wrapped unit) is modelled by FSDP2's fully_shard per decoder layer"
-OFFLOAD_PARAMS_WHY = ("FSDP's CPU offload of parameters (CPUOffload / CPUOffloadPolicy) is not modelled yet: "
-                      "estimated with the parameters on the GPU (an upper bound)")
+OFFLOAD_PARAMS_NOTE = "FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host"
 # keys of the step's memory llmem models the same way whatever they say, or that act at load / save time only
 NO_EFFECT = {
     "cpu_ram_efficient_loading": "load time only (rank 0 loads, the others receive the weights)",
@@ -62,7 +61,7 @@ def read_fsdp_config(r: Reading, cfg: Keys, strategy: str | None = None, version
     r.dtype(masters=True)
     k = _name(cfg, "offload_params")
     if k in cfg and r.boolean(cfg.name(k), cfg.get(k)):
-        r.ignore(cfg.name(k), True, OFFLOAD_PARAMS_WHY)
+        r.set(cfg.name(k), True, "offload_param", True, OFFLOAD_PARAMS_NOTE)
     k = _name(cfg, "activation_checkpointing")
     if k in cfg and r.boolean(cfg.name(k), cfg.get(k)):
         r.set(cfg.name(k), True, "grad_ckpt", True, "FSDP's activation checkpointing of each decoder layer")
@@ -104,7 +103,7 @@ def strategy_from_options(r: Reading, key: str, raw) -> str | None:
             if word.startswith("hybrid"):
                 r.notes.append(HYBRID_NOTE)
         elif word == "offload":
-            r.ignore(key, "offload", OFFLOAD_PARAMS_WHY)
+            r.set(key, "offload", "offload_param", True, OFFLOAD_PARAMS_NOTE)
         elif word != "auto_wrap":
             raise r.error(key, raw, f"names an FSDP option {w!r} transformers does not know",
                           "use full_shard, shard_grad_op, hybrid_shard, no_shard, offload, auto_wrap")
