@@ -26,7 +26,7 @@ the head's tensors are the final norm's and the score's input; no vocabulary-siz
 from __future__ import annotations
 
 from llmem.estimator.objectives import BATCH_FIELDS, INT64, PreferenceEvents
-from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.objectives import REF_NONE, objective_spec
 from llmem.setup.precision import F32
 
@@ -174,9 +174,7 @@ class PairwiseEvents(PreferenceEvents):
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         x = s.t * s.hidden_size * s.regime.res
-        s.root_unsharded_grads.clear()
-        s.layer_unsharded.clear()
-        head = [p for p in s.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]
+        head = s.head_backward_params()
         grad_in = alloc(s.t * s.hidden_size * s.regime.mm, "activations")
         for p in reversed(head):            # the score's weight first, then the final norm's
             s.make_grad(p, root_unit=True)
@@ -206,10 +204,9 @@ class PairwiseEvents(PreferenceEvents):
         """The head's matmul backward (as the causal-LM step's): its input's gradient, the head parameters'."""
         s = self.s
         sch, alloc = s.sch, s.sch.alloc
-        s.root_unsharded_grads.clear()
-        s.layer_unsharded.clear()
+        head = s.head_backward_params()
         grad_in = alloc(s.t * s.hidden_size * s.regime.mm, "activations")
-        for p in [p for p in s.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]:
+        for p in head:
             s.make_grad(p, root_unit=True)
         sch.free(grad)
         sch.free_all(s.head_copy)

@@ -721,9 +721,7 @@ class StepSchedule:
             shard_grad = alloc(-(-tv // self.layout.tp) * regime.mm, "logits_and_loss")
             sch.free(cast_grad)
             cast_grad = shard_grad
-        self.root_unsharded_grads.clear()
-        self.layer_unsharded.clear()
-        head_params = [p for p in self.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]
+        head_params = self.head_backward_params()
         self.head_keys += [alloc(n, "activations") for n in self.head_offloaded]   # offloaded: unpacked
         if act.fused_ce is not None:
             grad_in, stolen = self.fused_grads
@@ -752,6 +750,13 @@ class StepSchedule:
                 sch.free_all(self.head_keys)
             self.flush_steps(it)
         sch.free(grad_in)
+
+    def head_backward_params(self) -> list[ParamInfo]:
+        """The root unit's parameters the head's backward makes gradients for (the lm_head or score and the final
+        norm; the embedding only when tied), the per-unit gradient lists started afresh for the root."""
+        self.root_unsharded_grads.clear()
+        self.layer_unsharded.clear()
+        return [p for p in self.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]
 
     def head_hooks_in_backward(self, head_params: list[ParamInfo], cast_grad: int, it: int) -> None:
         """--optimizer-in-backward at the lm_head: the matmul's node releases what it saved and its input gradient

@@ -36,7 +36,6 @@ import contextlib
 import types
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,12 +46,15 @@ from llmem.runtime.cuda import is_fake_tensor
 from llmem.runtime.objectives import (
     KnownMasks,
     OneProcessAccelerator,
+    TrainerRun,
     autocast_per_call,
     checkpointing_paused_in,
     config_defaults,
     full_length_padding_mask,
     policy_checkpointing_paused,
     reference_copy,
+    require_trl,
+    step_region,
     trainer_class,
     trainer_step,
     trl_cuda_head,
@@ -132,14 +134,7 @@ def _trainer_for(step, ref_model):
     return trainer
 
 
-@dataclass
-class GenerationRun:
-    trainer: object
-    inputs: dict[str, torch.Tensor] | None
-    masks: KnownMasks
-
-
-def generation_run(step) -> GenerationRun:
+def generation_run(step) -> TrainerRun:
     """What the step keeps across iterations, made once before it starts: the fused heads, the reference, the
     trainer."""
     run = step.__dict__.get("_generation_run")
@@ -148,13 +143,11 @@ def generation_run(step) -> GenerationRun:
     if step.setup.use_vllm:
         raise LlmemError("--use-vllm: the trace runs the step with transformers' generate; vLLM is not run here (not "
                          "installed, no GPU): llmem estimate models its pool; drop --use-vllm to trace the step")
-    try:
-        from trl.trainer.utils import add_fused_lm_head
-    except ImportError:
-        raise LlmemError(f"the trace of --objective {step.setup.objective} runs TRL's own trainer code: pip install "
-                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+    require_trl(step.setup.objective)
+    from trl.trainer.utils import add_fused_lm_head
+
     setup = step.setup
-    region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+    region = step_region(step)
     d = config_defaults(setup.objective)
     if d["disable_dropout"]:
         raise LlmemError("the installed trl's GRPOConfig disables dropout by default, which llmem does not model")
@@ -169,7 +162,7 @@ def generation_run(step) -> GenerationRun:
         autocast_per_call(ref, step)
     seq, c = setup.seq_len, completion_length(setup)
     masks = KnownMasks({(2, seq - 1): c, (2, seq): seq, (2, c): c})
-    run = GenerationRun(_trainer_for(step, ref), None, masks)
+    run = TrainerRun(_trainer_for(step, ref), None, masks)
     step.__dict__["_generation_run"] = run
     return run
 
@@ -178,7 +171,7 @@ def _ids(rows: int, cols: int, vocab: int, device) -> torch.Tensor:
     return torch.randint(3, vocab, (rows, cols), dtype=torch.int64, device=device)
 
 
-def generate_completions(step, run: GenerationRun) -> None:
+def generate_completions(step, run: TrainerRun) -> None:
     """The generation phase: the prompts on the device, the unwrapped policy's generate under no_grad."""
     setup = step.setup
     device = step.input_ids.device
@@ -200,7 +193,7 @@ def generate_completions(step, run: GenerationRun) -> None:
     del out, prompt_ids, prompt_mask
 
 
-def score_completions(step, run: GenerationRun) -> None:
+def score_completions(step, run: TrainerRun) -> None:
     """The scoring phase: the batch re-padded on the device, the reference's per-token log-probs (beta > 0), the
     advantages; the new batch replaces the previous one."""
     setup = step.setup

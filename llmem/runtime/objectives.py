@@ -350,25 +350,37 @@ def preference_inputs(step) -> dict[str, torch.Tensor]:
 
 
 @dataclass
-class PreferenceRun:
+class TrainerRun:
+    """What a TRL step keeps across iterations: the trainer, its batch (None: GRPO makes it per step), the
+    boolean-mask counts the trace answers."""
     trainer: object
-    inputs: dict[str, torch.Tensor]
+    inputs: dict[str, torch.Tensor] | None
     masks: KnownMasks
 
 
-def preference_run(step) -> PreferenceRun:
+def require_trl(objective: str) -> None:
+    """The trace of a TRL objective runs TRL's own code: one line when it is not installed."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise LlmemError(f"the trace of --objective {objective} runs TRL's own trainer code: pip install "
+                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+
+
+def step_region(step):
+    """The ledger's region for a category of the step's tensors (a no-op outside a trace)."""
+    return step.hooks.region or (lambda _category: contextlib.nullcontext())
+
+
+def preference_run(step) -> TrainerRun:
     """What the step keeps across iterations, made once before it starts: the fused heads, the reference, the
     batch (as activations), the trainer."""
     run = step.__dict__.get("_preference_run")
     if run is not None:
         return run
-    try:
-        import trl  # noqa: F401 - the trace runs TRL's own code
-    except ImportError:
-        raise LlmemError(f"the trace of --objective {step.setup.objective} runs TRL's own trainer code: pip install "
-                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+    require_trl(step.setup.objective)
     setup = step.setup
-    region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+    region = step_region(step)
     check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
     _fused_head(step.model, setup.objective)
     autocast_per_call(step.model, step)
@@ -382,7 +394,7 @@ def preference_run(step) -> PreferenceRun:
     seq = setup.seq_len
     masks = KnownMasks({(2, seq - 1): completion_tokens(setup), (2, seq): seq - setup.prompt_len,
                         (1, setup.batch_size): setup.batch_size // 2})     # KTO's labels: half desirable
-    run = PreferenceRun(_trainer_for(step, ref), inputs, masks)
+    run = TrainerRun(_trainer_for(step, ref), inputs, masks)
     step.__dict__["_preference_run"] = run
     return run
 

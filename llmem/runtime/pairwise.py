@@ -29,7 +29,6 @@ import importlib
 import types
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -38,9 +37,12 @@ from llmem.runtime.build import causal_lm, vocab_size
 from llmem.runtime.objectives import (
     KnownMasks,
     OneProcessAccelerator,
+    TrainerRun,
     autocast_per_call,
     config_defaults,
     full_length_padding_mask,
+    require_trl,
+    step_region,
     trainer_step,
 )
 from llmem.runtime.patches import patched
@@ -161,25 +163,16 @@ def pairwise_inputs(step) -> dict[str, torch.Tensor]:
     return batch
 
 
-@dataclass
-class PairwiseRun:
-    trainer: object
-    inputs: dict[str, torch.Tensor]
-    masks: KnownMasks
-
-
-def pairwise_run(step) -> PairwiseRun:
+def pairwise_run(step) -> TrainerRun:
     """What the step keeps across iterations, made once before it starts: dropout off, the batch, the trainer."""
     run = step.__dict__.get("_pairwise_run")
     if run is not None:
         return run
-    try:
-        from trl.trainer.utils import disable_dropout_in_model
-    except ImportError:
-        raise LlmemError(f"the trace of --objective {step.setup.objective} runs TRL's own trainer code: pip install "
-                         "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
+    require_trl(step.setup.objective)
+    from trl.trainer.utils import disable_dropout_in_model
+
     setup = step.setup
-    region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+    region = step_region(step)
     check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
     disable_dropout_in_model(step.model)
     if objective_spec(setup.objective).scalar_head:   # RewardTrainer sets the tokenizer's pad id (the ids avoid it)
@@ -190,12 +183,12 @@ def pairwise_run(step) -> PairwiseRun:
         inputs = pairwise_inputs(step)
     # CPO's labels[labels == -100] = 0: the prompt tokens of each shifted row (ORPO uses torch.where)
     masks = KnownMasks({(2, setup.seq_len - 1): setup.seq_len - 1 - completion_tokens(setup)})
-    run = PairwiseRun(_trainer_for(step), inputs, masks)
+    run = TrainerRun(_trainer_for(step), inputs, masks)
     step.__dict__["_pairwise_run"] = run
     return run
 
 
-def pairwise_loss(run: PairwiseRun, model, objective: str) -> torch.Tensor:
+def pairwise_loss(run: TrainerRun, model, objective: str) -> torch.Tensor:
     cls = type(run.trainer)
     if objective_spec(objective).scalar_head:
         return cls.compute_loss(run.trainer, model, dict(run.inputs))

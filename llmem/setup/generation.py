@@ -99,9 +99,7 @@ def check_generation(setup) -> None:
     """A generation objective's options (one line naming the fix; the CLI exits 2)."""
     name = setup.objective
     _check_vllm(setup)
-    for field_name, unset, flag, why in _NOT_WITH_GENERATION:
-        if getattr(setup, field_name) != unset:
-            raise LlmemError(f"{flag} with --objective {name}: {why}")
+    refuse_unmodelled(setup, _NOT_WITH_GENERATION)
     if setup.loss_type is not None and setup.loss_type not in GRPO_LOSS_TYPES:
         raise LlmemError(f"unknown --loss-type {setup.loss_type!r} for --objective {name}: choose one of "
                          f"{', '.join(GRPO_LOSS_TYPES)}")
@@ -122,12 +120,24 @@ def check_generation(setup) -> None:
     b = beta(setup)
     if b < 0:
         raise LlmemError(f"--beta must be >= 0 (0 drops the reference model), got {b}")
-    if setup.method not in GENERATION_METHODS:
-        raise LlmemError(f"--objective {name} is modelled under --method {' or '.join(GENERATION_METHODS)} "
+    check_trainer_layout(setup, GENERATION_METHODS, GENERATION_ATTENTIONS)
+
+
+def refuse_unmodelled(setup, table: tuple) -> None:
+    """A TRL objective's options its step does not model, rows of (field, unset value, flag, why): one line."""
+    for field_name, unset, flag, why in table:
+        if getattr(setup, field_name) != unset:
+            raise LlmemError(f"{flag} with --objective {setup.objective}: {why}")
+
+
+def check_trainer_layout(setup, methods: tuple[str, ...], attentions: tuple[str, ...]) -> None:
+    """The methods and attention kernels a TRL objective's step is modelled under."""
+    if setup.method not in methods:
+        raise LlmemError(f"--objective {setup.objective} is modelled under --method {' or '.join(methods)} "
                          f"(got {setup.method})")
-    if setup.attn not in GENERATION_ATTENTIONS:
-        raise LlmemError(f"--objective {name} with --attn {setup.attn} is not modelled: use --attn "
-                         f"{' or '.join(GENERATION_ATTENTIONS)}")
+    if setup.attn not in attentions:
+        raise LlmemError(f"--objective {setup.objective} with --attn {setup.attn} is not modelled: use --attn "
+                         f"{' or '.join(attentions)}")
 
 
 def vllm_mode(setup) -> str | None:

@@ -32,8 +32,10 @@ from llmem.setup.generation import (
     GRPO_LOSS_TYPES,
     check_generation,
     check_no_generation_options,
+    check_trainer_layout,
     completion_length,
     generation_notes,
+    refuse_unmodelled,
 )
 from llmem.setup.generation import beta as generation_beta
 
@@ -218,15 +220,8 @@ def check_objective(setup) -> None:
     if not 0 <= setup.prompt_len < setup.seq_len:
         raise LlmemError(f"--prompt-len must lie in [0, --seq-len) = [0, {setup.seq_len}), got {setup.prompt_len}: "
                          "a sequence needs at least one completion token")
-    for name, unset, flag, why in _NOT_WITH_PREFERENCE:
-        if getattr(setup, name) != unset:
-            raise LlmemError(f"{flag} with --objective {spec.name}: {why}")
-    if setup.method not in PREFERENCE_METHODS:
-        raise LlmemError(f"--objective {spec.name} is modelled under --method {' or '.join(PREFERENCE_METHODS)} "
-                         f"(got {setup.method})")
-    if setup.attn not in PREFERENCE_ATTENTIONS:
-        raise LlmemError(f"--objective {spec.name} with --attn {setup.attn} is not modelled: use --attn "
-                         f"{' or '.join(PREFERENCE_ATTENTIONS)}")
+    refuse_unmodelled(setup, _NOT_WITH_PREFERENCE)
+    check_trainer_layout(setup, PREFERENCE_METHODS, PREFERENCE_ATTENTIONS)
     if kl_sequences(setup) and setup.batch_size < 2:
         raise LlmemError(f"--objective {spec.name} with loss_type {loss_type_of(setup)} needs --batch-size >= 2 "
                          "(KTOTrainer: the KL term pairs each prompt with a neighbour's completion)")
