@@ -54,7 +54,6 @@ from llmem.runtime.objectives import (
     policy_checkpointing_paused,
     reference_copy,
     require_trl,
-    step_region,
     trainer_class,
     trainer_step,
     trl_cuda_head,
@@ -147,7 +146,7 @@ def generation_run(step) -> TrainerRun:
     from trl.trainer.utils import add_fused_lm_head
 
     setup = step.setup
-    region = step_region(step)
+    region = step.hooks.category
     d = config_defaults(setup.objective)
     if d["disable_dropout"]:
         raise LlmemError("the installed trl's GRPOConfig disables dropout by default, which llmem does not model")

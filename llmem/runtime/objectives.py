@@ -367,11 +367,6 @@ def require_trl(objective: str) -> None:
                          "'trl>=1.16,<1.17' (or llmem estimate, which needs none)") from None
 
 
-def step_region(step):
-    """The ledger's region for a category of the step's tensors (a no-op outside a trace)."""
-    return step.hooks.region or (lambda _category: contextlib.nullcontext())
-
-
 def preference_run(step) -> TrainerRun:
     """What the step keeps across iterations, made once before it starts: the fused heads, the reference, the
     batch (as activations), the trainer."""
@@ -380,7 +375,7 @@ def preference_run(step) -> TrainerRun:
         return run
     require_trl(step.setup.objective)
     setup = step.setup
-    region = step_region(step)
+    region = step.hooks.category
     check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
     _fused_head(step.model, setup.objective)
     autocast_per_call(step.model, step)

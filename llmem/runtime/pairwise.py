@@ -42,7 +42,6 @@ from llmem.runtime.objectives import (
     config_defaults,
     full_length_padding_mask,
     require_trl,
-    step_region,
     trainer_step,
 )
 from llmem.runtime.patches import patched
@@ -172,7 +171,7 @@ def pairwise_run(step) -> TrainerRun:
     from trl.trainer.utils import disable_dropout_in_model
 
     setup = step.setup
-    region = step_region(step)
+    region = step.hooks.category
     check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
     disable_dropout_in_model(step.model)
     if objective_spec(setup.objective).scalar_head:   # RewardTrainer sets the tokenizer's pad id (the ids avoid it)

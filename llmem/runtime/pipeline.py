@@ -128,7 +128,7 @@ class PipelineRunner:
     def _wrap_stage(self) -> None:
         """The ledger's phases follow the schedule's actions; the stage's recv buffers are communication buffers."""
         stage, step = self.stage, self.step
-        region = step.hooks.region or (lambda _category: contextlib.nullcontext())
+        region = step.hooks.category
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
         prep_f, prep_b = stage._prepare_forward_infra, stage._prepare_backward_infra
 

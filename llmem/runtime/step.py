@@ -75,6 +75,10 @@ class StepHooks:
     on_phase: Callable[[str, int], None] | None = None          # (phase, iteration)
     region: Callable[[str | None], contextlib.AbstractContextManager] | None = None  # category override
 
+    def category(self, name: str | None) -> contextlib.AbstractContextManager:
+        """The ledger's category for the tensors made inside (`region`'s), a no-op where no engine overrides it."""
+        return self.region(name) if self.region is not None else contextlib.nullcontext()
+
 
 @dataclass
 class TrainingStep:
@@ -208,7 +212,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
     gpu, layout, spec = resolved.gpu, resolved.layout, resolved.method
-    region = hooks.region or (lambda _category: contextlib.nullcontext())
+    region = hooks.category
 
     with quiet():
         model = meta_model_for(setup)
