@@ -109,6 +109,15 @@ def test_script_refuses_a_world_that_is_not_the_plan(micro_config):
                               "--seq-len", "8"]) == 2
 
 
+def _launched_loss(path: Path, cwd: Path) -> float:
+    """Run the exported launch script for one step (torchrun from this venv, gloo on the CPU): its logged loss."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([str(path), "--steps", "1"], capture_output=True, text=True, env=env, timeout=240, cwd=cwd)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return float(re.search(r"step 1/1: loss ([\d.]+)", run.stdout).group(1))
+
+
 @pytest.mark.slow
 def test_exported_two_process_fsdp_script_runs_under_torchrun(micro_config, tmp_path):
     """The exported file itself, launched: torchrun, two gloo processes, FSDP2 over both, one step (two fresh
@@ -118,13 +127,7 @@ def test_exported_two_process_fsdp_script_runs_under_torchrun(micro_config, tmp_
     e = write_export(p, "torchrun", str(path))
     assert e.layout.method == "fsdp" and e.layout.dp == 2
     assert os.access(path, os.X_OK)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([str(path), "--steps", "1"], capture_output=True, text=True, env=env, timeout=240,
-                         cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loss = float(re.search(r"step 1/1: loss ([\d.]+)", run.stdout).group(1))
-    assert loss == pytest.approx(math.log(VOCAB), abs=0.1)
+    assert _launched_loss(path, tmp_path) == pytest.approx(math.log(VOCAB), abs=0.1)
 
 
 @pytest.mark.slow
@@ -138,13 +141,7 @@ def test_exported_sequence_parallel_tp_script_runs_under_torchrun(micro_config, 
     e = write_export(p, "torchrun", str(path))
     assert (e.layout.method, e.sequence_parallel, e.loss_parallel) == ("tp", True, True)
     assert "--sequence-parallel" in path.read_text() and "--loss-parallel" in path.read_text()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([str(path), "--steps", "1"], capture_output=True, text=True, env=env, timeout=240,
-                         cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loss = float(re.search(r"step 1/1: loss ([\d.]+)", run.stdout).group(1))
-    assert loss == pytest.approx(math.log(VOCAB), abs=0.1)
+    assert _launched_loss(path, tmp_path) == pytest.approx(math.log(VOCAB), abs=0.1)
 
 
 @pytest.mark.parametrize("method", ["fsdp", "zero2", "ddp", "tp"])
