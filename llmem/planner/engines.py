@@ -11,8 +11,8 @@ answers a search may use before it confirms with the full one.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
+from dataclasses import fields
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate_resolved, quick_peak_allocated
@@ -48,13 +48,12 @@ class MemoryEngine:
         return self.full(setup)
 
 
-def shape_free(setup: TrainingSetup) -> TrainingSetup:
-    """The set-up at batch 1 x seq 1, as a cache key (not checked: GRPO refuses that shape, the resolve does not
-    read it)."""
-    key = copy.copy(setup)
-    object.__setattr__(key, "batch_size", 1)
-    object.__setattr__(key, "seq_len", 1)
-    return key
+SHAPE_FIELDS = ("batch_size", "seq_len")
+
+
+def shape_free(setup: TrainingSetup) -> tuple:
+    """The set-up less its micro-batch shape (the key of what does not depend on it)."""
+    return tuple(getattr(setup, f.name) for f in fields(TrainingSetup) if f.name not in SHAPE_FIELDS)
 
 
 class LlmemEngine(MemoryEngine):
@@ -63,7 +62,7 @@ class LlmemEngine(MemoryEngine):
 
     def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
         super().__init__(anatomy, gpu, limit_bytes)
-        self._prepared: dict[TrainingSetup, tuple[ResolvedSetup, ModelStates]] = {}
+        self._prepared: dict[tuple, tuple[ResolvedSetup, ModelStates]] = {}
         # a plan's what-ifs meet the same set-up more than once (one saver's search, another's screen): kept
         self._answers: dict[tuple[str, TrainingSetup], MemoryResult | int] = {}
 
@@ -78,7 +77,7 @@ class LlmemEngine(MemoryEngine):
         key = shape_free(setup)
         got = self._prepared.get(key)
         if got is None:
-            r = resolve(key, self.anatomy, self.gpu)
+            r = resolve(setup, self.anatomy, self.gpu)
             got = self._prepared[key] = (r, model_states(r))
         r, states = got
         return r.with_shape(setup.batch_size, setup.seq_len), states
