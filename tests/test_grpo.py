@@ -134,3 +134,16 @@ def test_global_batch_across_gpus():
     with pytest.raises(LlmemError, match="--gpus 2 x --batch-size 1 = 2 completions"):
         TrainingSetup("tiny-llama", "ddp", 2, objective="grpo", batch_size=1, seq_len=32, num_generations=4,
                       max_completion_length=8)
+
+
+def test_the_planner_searches_batches_grpoconfig_accepts():
+    """num_generations must divide gpus x batch: with 8 generations a GPU's batch steps by 8 alone, 4 on two GPUs,
+    1 on eight, 8 on three (gcd 1); KTO's pairs by 2."""
+    from llmem.planner.plan import plan
+    from llmem.setup.objectives import batch_multiple
+
+    assert [batch_multiple("grpo", n) for n in (1, 2, 8, 3)] == [8, 4, 1, 8]
+    assert batch_multiple("grpo", 2, generations=6) == 3 and batch_multiple("kto", 4) == 2
+    p = plan(TrainingSetup("tiny-llama", objective="grpo", batch_size=4, seq_len=64, max_completion_length=8,
+                           num_generations=4))
+    assert p.recommended is not None and p.recommended.max_batch_size % 4 == 0

@@ -11,7 +11,7 @@ from typing import Any
 
 from llmem.errors import LlmemError
 from llmem.planner.options import PlanOptions
-from llmem.setup.objectives import OBJECTIVE_GROUP, objective_spec
+from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, objective_spec
 from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
     ACTIVATIONS,
@@ -168,8 +168,9 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
         raise LlmemError("give a MODEL (a catalog name, hub id, config.json or model folder), or --from FILE with "
                          "the training config that names it")
     spec = objective_spec(values.get("objective") or "sft")
-    if "batch_size" not in given:       # the default micro-batch: the objective's smallest (KTO's 2)
-        values["batch_size"] = max(values.get("batch_size") or 1, spec.batch_multiple)
+    if "batch_size" not in given:       # the default micro-batch: the objective's smallest (KTO's 2, GRPO's)
+        values["batch_size"] = max(values.get("batch_size") or 1,
+                                   batch_multiple(spec.name, values.get("gpus") or 1, values.get("num_generations")))
     limit = values.get("max_length") or spec.max_length
     if "seq_len" not in given and limit and values.get("seq_len", 0) > limit:
         values["seq_len"] = limit       # the default sequence: TRL's max_length truncates it (DPO / KTO's 1024)

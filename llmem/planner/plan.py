@@ -44,7 +44,7 @@ from llmem.planner.suggestions import suggest
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import candidate_layouts, gpus_per_node
-from llmem.setup.objectives import objective_spec
+from llmem.setup.objectives import setup_batch_multiple
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -183,7 +183,7 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
     if options.engine == "paper":
         notes.append("paper engine: LLMem's equations (fp16 mixed precision, Gemini chunks, gradient "
                      "checkpointing assumed); the time model still uses the setup given")
-    if setup.batch_size != objective_spec(setup.objective).batch_multiple:
+    if setup.batch_size != setup_batch_multiple(setup):
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
     if setup.optimizer_in_backward and options.global_batch:
         notes.append("--optimizer-in-backward cannot accumulate gradients: each step is one micro-batch per GPU, "

@@ -16,7 +16,7 @@ from llmem.result import MemoryResult
 from llmem.search import BATCH_CAP, calibrated_max, max_batch_size
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
-from llmem.setup.objectives import objective_spec
+from llmem.setup.objectives import setup_batch_multiple
 from llmem.setup.training import TrainingSetup
 
 
@@ -81,7 +81,7 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     stepped with full estimates, so the result is the full estimator's own largest fitting batch.
     """
     # the search runs in units of the objective's micro-batch multiple (KTO's 2): x units = x * unit samples
-    unit = objective_spec(base.objective).batch_multiple
+    unit = setup_batch_multiple(base, layout.world_size)
     cache: dict[int, MemoryResult] = {}
 
     def at(x: int) -> MemoryResult:
@@ -163,7 +163,7 @@ def time_at_max_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, ma
         micro, steps = min(max_batch, wanted), 1
     else:
         micro, steps = accumulation_for(options.global_batch, max_batch, layout.dp,
-                                        objective_spec(setup.objective).batch_multiple)
+                                        setup_batch_multiple(setup, layout.world_size))
     t = timed(ctx, setup, layout, micro, steps, adapter_params)
     if offload_optimizer:
         extra = offload_step_extra_s(assemble(setup_for(setup, layout, micro), ctx.anatomy, ctx.gpu, layout))

@@ -27,7 +27,7 @@ from llmem.planner.timing import accumulation_for
 from llmem.search import calibrated_max, max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
-from llmem.setup.objectives import objective_spec
+from llmem.setup.objectives import setup_batch_multiple
 from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
 from llmem.setup.support import check_support
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -124,7 +124,7 @@ def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout)
     that allocated peak (the full estimate's reserved is never below its allocated: llmem.estimator.events
     extrapolate); None where the draft does not rule batch 1 out (or cannot be made)."""
     try:
-        d = ctx.engine.draft(setup_for(setup, layout, objective_spec(setup.objective).batch_multiple))
+        d = ctx.engine.draft(setup_for(setup, layout, setup_batch_multiple(setup, layout.world_size)))
     except LlmemError:
         return None
     if fits_within(d, ctx.limit) or d.capped_reserved_bytes is not None:

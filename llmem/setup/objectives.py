@@ -24,6 +24,7 @@ The defaults are the installed trl's config classes' (tests/test_objectives.py, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
@@ -148,6 +149,23 @@ def objective_spec(name: str) -> ObjectiveSpec:
         return spec
     later = f" ({name} is not modelled yet)" if name in NOT_YET else ""
     raise LlmemError(f"unknown objective {name!r}{later}: choose one of {', '.join(OBJECTIVES)}")
+
+
+def batch_multiple(objective: str, gpus: int, generations: int | None = None) -> int:
+    """The per-GPU micro-batch an objective's step takes in multiples of: its row's (KTO's 2: desirable and
+    undesirable halves), and under a generation objective what makes gpus x batch a multiple of num_generations
+    (GRPOConfig's check; `generations`: --num-generations, None its default)."""
+    spec = objective_spec(objective)
+    unit = spec.batch_multiple
+    if spec.generates:
+        g = GENERATION_DEFAULTS[objective].num_generations if generations is None else generations
+        unit = math.lcm(unit, g // math.gcd(g, max(1, gpus)))
+    return unit
+
+
+def setup_batch_multiple(setup, gpus: int | None = None) -> int:
+    """batch_multiple of the set-up, on `gpus` GPUs (default its own)."""
+    return batch_multiple(setup.objective, setup.gpus if gpus is None else gpus, setup.num_generations)
 
 
 def kl_sequences(setup) -> bool:
