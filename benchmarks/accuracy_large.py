@@ -1,4 +1,5 @@
-"""Large-matrix accuracy report: estimate vs trace for 7B-70B models under every method on 8 GPUs.
+"""Large-matrix accuracy report: estimate vs trace for 7B-70B models under every method on 8 GPUs (the matrix's
+scale-out rows, SCALEOUT_MATRIX, are benchmarks/accuracy_scaleout.py's).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/accuracy_large.py     # writes benchmarks/results/large_trace.json
 
@@ -15,14 +16,14 @@ from pathlib import Path
 from llmem.estimator.engine import estimate
 from llmem.runtime.trace import trace_with_details
 from llmem.validate.compare import COUNTERS
-from llmem.validate.matrices import LARGE_MATRIX, label
+from llmem.validate.matrices import LARGE_MATRIX, SCALEOUT_MATRIX, label
 
 OUT = Path(__file__).parent / "results" / "large_trace.json"
 
 
 def main() -> int:
     rows = []
-    for setup in LARGE_MATRIX:
+    for setup in (s for s in LARGE_MATRIX if s not in SCALEOUT_MATRIX):   # those: accuracy_scaleout.py
         t0 = time.perf_counter()
         est = estimate(setup)
         est_s = time.perf_counter() - t0

@@ -3,11 +3,12 @@
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/plan_scale.py [--gpu A100-80GB] [--seq-len 4096] [--repeat 3]
                                                                [--grad-ckpt] [--models M1,M2] [--out FILE]
 
-Per model and GPU count: `plan_s` is the plan (every candidate layout of that many GPUs, the batch search, the time
-model and, when nothing fits, the suggestions), the median of --repeat runs (each after the first reuses the
-anatomy, not the estimates: every plan builds its own engine); `layouts` counts the candidate layouts searched;
-`estimates` the full estimator calls of one plan. The second table is one estimate per layout of the 64-GPU plan
-at batch 1 (median of --repeat). Target (issue 11): a plan at 512 GPUs under 2 s.
+Per model and GPU count: `plan_s` is the plan (every candidate layout of that many GPUs: dp x tp, HSDP, pipeline
+and context parallel; the batch search of those a bound does not rule out, the time model and, when nothing fits,
+the suggestions), the median of --repeat runs (each after the first reuses the anatomy, not the estimates: every
+plan builds its own engine); `layouts` counts the candidate layouts and those searched; `estimates` the full
+estimator calls of one plan. The second table is one estimate per layout of the 64-GPU plan at batch 1 (a pipeline
+layout: its pp micro-batches of 1; median of --repeat). Target (issue 11): a plan at 512 GPUs under 2 s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 TARGET_512_S = 2.0
 GPU_COUNTS = (8, 64, 512)
@@ -32,6 +32,27 @@ def _median_s(fn, repeat: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def _same_as_unscreened(p, setup, anatomy) -> str:
+    """The plan with every layout searched: the same recommendation, batch and tokens/s, and the same largest batch
+    on every layout both searched?"""
+    import llmem.planner.plan as planning
+
+    real = planning._screens
+    planning._screens = lambda ctx, setup: False
+    try:
+        full = planning.plan(setup, anatomy=anatomy)
+    finally:
+        planning._screens = real
+
+    def answer(q):
+        r = q.recommended
+        return q.recommendation, r and r.max_batch_size, r and r.time and r.time.tokens_per_s
+
+    batches = {c.layout.label: c.max_batch_size for c in full.candidates}
+    same = answer(p) == answer(full) and all(batches[c.layout.label] == c.max_batch_size for c in p.candidates)
+    return f"{'same' if same else 'DIFFERENT'} answer ({len(p.candidates)} of {len(full.candidates)} layouts searched)"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="A100-80GB")
@@ -40,13 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-ckpt", action="store_true", help="plan with activation checkpointing")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--out", default=None, metavar="FILE", help="write the markdown tables here")
+    ap.add_argument("--check-screening", action="store_true",
+                    help="also plan with the screening off (every layout searched) and say whether the answer is "
+                         "the same (slow: minutes per plan at 64+ GPUs)")
     args = ap.parse_args(argv)
 
     import llmem.planner.engines as engines
     from llmem.estimator.engine import estimate
     from llmem.model.anatomy import load_anatomy
     from llmem.planner.plan import plan
-    from llmem.setup.layout import candidate_layouts
+    from llmem.planner.search import layout_setup
+    from llmem.setup.layout import ModelLimits, candidate_layouts
     from llmem.setup.training import TrainingSetup
 
     calls = {"n": 0}
@@ -69,24 +94,28 @@ def main(argv: list[str] | None = None) -> int:
             if gpus == 512:
                 worst_512_s = max(worst_512_s, plan_s)
             rec = p.recommendation or "nothing fits: " + (p.suggestions[0]["text"][:60] if p.suggestions else "")
-            plan_rows.append((model, gpus, plan_s, len(p.candidates), per_plan, rec))
-            print(f"{model:32s} {gpus:4d} GPUs  plan {plan_s:6.3f} s  {len(p.candidates):2d} layouts  "
+            if args.check_screening:
+                print(f"  screening off: {_same_as_unscreened(p, setup, anatomy)}", flush=True)
+            heads = (anatomy.num_heads, anatomy.num_kv_heads)
+            limits = ModelLimits(anatomy.num_layers, args.seq_len)
+            total = len(candidate_layouts(gpus, 8, *heads, limits=limits, pp=None, cp=None))
+            plan_rows.append((model, gpus, plan_s, f"{len(p.candidates)} of {total}", per_plan, rec))
+            print(f"{model:32s} {gpus:4d} GPUs  plan {plan_s:6.3f} s  {len(p.candidates):2d} of {total:2d} layouts  "
                   f"{per_plan:4d} estimates  -> {rec}", flush=True)
         heads = (anatomy.num_heads, anatomy.num_kv_heads)
-        for lay in candidate_layouts(64, 8, *heads):
-            s = TrainingSetup(model=model, gpus=64, gpu=args.gpu, seq_len=args.seq_len, method=lay.method,
-                              tp=lay.tp if lay.spec.has_tp else None, dp_replicate=lay.replicas,
-                              grad_ckpt=args.grad_ckpt)
+        base = TrainingSetup(model=model, gpus=64, gpu=args.gpu, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
+        for lay in candidate_layouts(64, 8, *heads, limits=ModelLimits(anatomy.num_layers, args.seq_len),
+                                     pp=None, cp=None):
             try:
-                est_s, _ = _median_s(lambda s=s, anatomy=anatomy: estimate(replace(s, batch_size=1), anatomy=anatomy),
-                                     args.repeat)
+                s = layout_setup(base, lay, 1)
+                est_s, _ = _median_s(lambda s=s, anatomy=anatomy: estimate(s, anatomy=anatomy), args.repeat)
             except Exception as exc:                           # a layout the model refuses: say why, go on
                 layout_rows.append((model, lay.label, None, str(exc)[:80]))
                 continue
             layout_rows.append((model, lay.label, est_s, ""))
     engines.LlmemEngine.full = real_full
 
-    lines = ["| model | GPUs | plan (median) | layouts searched | full estimates per plan | answer |",
+    lines = ["| model | GPUs | plan (median) | layouts searched of candidates | full estimates per plan | answer |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {m} | {g} | {s:.3f} s | {n} | {e} | {r} |" for m, g, s, n, e, r in plan_rows]
     lines += ["", "| model | layout (64 GPUs) | one estimate, batch 1 (median) |", "|---|---|---|"]

@@ -134,13 +134,13 @@ def test_adapters_off_has_no_copy():
     ({"seq_len": 2048}, "max_length 1024"),
     ({"prompt_len": 256}, "--prompt-len"),
     ({"fused_ce": True}, "--fused-ce"),
-    ({"method": "fsdp", "gpus": 2}, "--method single or ddp"),
+    ({"method": "ds-zero2", "gpus": 2}, "under DeepSpeed"),
     ({"attn": "flash"}, "--attn"),
-    ({"objective": "ppo"}, "ppo is not modelled yet"),
+    ({"objective": "ppo"}, "the installed trl 1.16 has no PPOTrainer"),
     ({"objective": "kto", "batch_size": 1}, "--batch-size >= 2"),
     ({"objective": "kto", "batch_size": 3}, "even --batch-size"),
     ({"objective": "kto", "loss_type": "sigmoid"}, "unknown --loss-type"),
-    ({"objective": "rloo"}, "rloo is not modelled yet"),
+    ({"objective": "rloo", "loss_type": "sigmoid"}, "TRL's RLOOConfig has no loss_type"),
     ({"objective": "nope"}, "unknown objective"),
 ])
 def test_refusals(fields, message):

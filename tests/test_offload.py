@@ -149,3 +149,21 @@ def test_host_tensors_never_reach_the_device_ledger():
         device = torch.empty(256)
     assert pinned is host and device.numel() == 256
     assert [(is_alloc, size) for is_alloc, _k, size, *_ in ledger.events] == [(True, 1024)]
+
+
+def test_fused_adamw_steps_on_the_meta_host():
+    """torchtune's 70B full fine-tune: CPUOffloadPolicy with AdamW(fused=True). torch's fused kernel refuses meta
+    tensors, so the meta host runs the update as the for-loop AdamW: each shard gets both fp32 states, on the host."""
+    import torch
+
+    from llmem.runtime.optimizers import HostOffloadedOptimizer
+
+    model = torch.nn.Linear(8, 4)
+    opt = HostOffloadedOptimizer(model, "adamw-fused")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    states = [opt.host.state[host] for _, host in opt.pairs]
+    assert [tuple(s["exp_avg"].shape) for s in states] == [(4, 8), (4,)]
+    assert {(s[k].device.type, s[k].dtype) for s in states for k in ("exp_avg", "exp_avg_sq")} == \
+        {("meta", torch.float32)}

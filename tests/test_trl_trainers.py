@@ -96,7 +96,6 @@ def test_no_trainer_key_reads_as_sft(tmp_path):
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({**BASE, "normalize_advantages": True}, "rloo is not modelled yet"),
     ({**BASE, "desirable_weight": 1.0, "loss_type": "sigmoid"}, "no loss type of a TRL trainer"),
 ])
 def test_refusals(tmp_path, data, message):

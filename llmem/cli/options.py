@@ -171,6 +171,8 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
     if "batch_size" not in given:       # the default micro-batch: the objective's smallest (KTO's 2, GRPO's)
         values["batch_size"] = max(values.get("batch_size") or 1,
                                    batch_multiple(spec.name, values.get("gpus") or 1, values.get("num_generations")))
+        if (values.get("pp") or 1) > 1:  # --pp: a micro-batch of 1 per pipeline micro-batch, as many as torch needs
+            values["batch_size"] = max(values["batch_size"], values.get("pp_microbatches") or values["pp"])
     limit = values.get("max_length") or spec.max_length
     if "seq_len" not in given and limit and values.get("seq_len", 0) > limit:
         values["seq_len"] = limit       # the default sequence: TRL's max_length truncates it (DPO / KTO's 1024)

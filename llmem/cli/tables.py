@@ -139,6 +139,8 @@ def phases_table(result: MemoryResult) -> Table:
     for name, justify in (("phase", "left"), ("allocated", "right"), ("reserved", "right"), ("largest parts", "left")):
         table.add_column(name, justify=justify)
     for p in result.phases:
+        if p.allocated_bytes < 0:          # the replay allocated nothing in it (no peak of its own)
+            continue
         parts = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
         filled = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in parts)
         name = f"[bold]{p.name} (peak)[/]" if p.is_peak else p.name
@@ -311,8 +313,49 @@ def print_plan(p: Plan, console: Console | None = None, wide: bool | None = None
         console.print(f"[bold red]nothing fits[/] — {escape(p.reason)}")
     for sug in p.suggestions:
         console.print(f"[cyan]suggestion ({sug['kind']}):[/] {escape(sug['text'])}")
+    if p.generation is not None:
+        print_generation(p.generation, console)
     for note in p.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
+
+
+def print_generation(g: dict, console: Console) -> None:
+    """A generation objective's answer (llmem.planner.generation_plan): its layout, phases and generation."""
+    what = "the recommended plan" if g["from"] == "recommended" else f"the fastest suggestion ({g['flags']})"
+    how = g["generation"]
+    if "vllm_gpu_memory_utilization" in g:
+        how += f" at vllm_gpu_memory_utilization {g['vllm_gpu_memory_utilization']:g}, its pool " \
+            f"{format_bytes(g['vllm_pool_bytes'])} on the device in training" + (
+            " (chosen: " + g["vllm_chosen"]["rule"] + ")" if g.get("vllm_chosen") else
+            " (as given)" if g.get("vllm_given") else " (GRPOConfig's default)")
+    console.print(f"[bold]answer:[/] {escape(what)}: {g['label']}, batch {g['max_batch_size']} per GPU, "
+                  f"generation by {escape(how)}")
+    hint = (g.get("vllm_chosen") or g.get("vllm_colocate") or {}).get("hint")
+    if hint:
+        console.print(escape(hint))
+    if g["from"] != "recommended":      # the recommended plan's phases are printed above
+        console.print(phases_table(_phase_view(g["phases"])))
+    alt = g.get("vllm_colocate")
+    if alt is None:
+        return
+    if not alt["fits"]:
+        console.print("vLLM colocated instead: " + escape(alt.get("reason") or "no utilization leaves a training "
+                                                           "batch on this layout"))
+        return
+    console.print(f"vLLM colocated instead on {alt['label']} ({escape(alt['flags'])}, chosen: {escape(alt['rule'])}): batch "
+                  f"{alt['max_batch_size']}, {alt['tokens_per_s']:,.0f} tokens/s, its pool "
+                  f"{format_bytes(alt['vllm_pool_bytes'])} on the device in training (the time model runs "
+                  "transformers' generate at the same memory-bandwidth bound: its per-token overheads are not "
+                  "modelled); phases:")
+    console.print(phases_table(_phase_view(alt["phases"])))
+
+
+def _phase_view(phases: list[dict]):
+    """PhaseMemory rows back from their dicts, for phases_table."""
+    from llmem.result import PhaseMemory
+
+    return type("Phases", (), {"phases": [PhaseMemory(d["name"], d["allocated_bytes"], d["reserved_bytes"],
+                                                      d["components"], d["is_peak"]) for d in phases]})()
 
 
 # ------------------------------------------------------------------------------------------------ a validation

@@ -16,6 +16,7 @@ import gc
 from collections.abc import Callable
 from dataclasses import replace
 
+from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.events import Replay, Schedule, extrapolate, replay
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
@@ -64,6 +65,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     record = r.record()
     r = rank_tokens(r)     # --cp: the rank's seq_len / cp tokens (llmem.memory.activations.context_parallel)
     learn_if_needed(r)
+    check_ep_learned(r)
     act = activation_profile(r)
     ms = states or model_states(r)
     stages: list[dict] = []
@@ -178,6 +180,16 @@ def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) ->
     """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
     learn_if_needed(r)
     return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
+
+
+def check_ep_learned(r: ResolvedSetup) -> None:
+    """--ep: the all-to-all buffers and the received rows are in the activations learned from the real EP forward
+    (llmem.runtime.expert_parallel) only; without them the estimate is refused rather than read off a recipe
+    that has neither."""
+    if r.layout.ep > 1 and learned_for(r) is None:
+        why = learning_failure(r) or "learning is off (LLMEM_LEARN=never)"
+        raise LlmemError(f"--ep needs the activations learned from the real expert-parallel forward, which are not "
+                         f"available here ({why}): use LLMEM_LEARN=auto (the default) or drop --ep")
 
 
 def learn_if_needed(r: ResolvedSetup) -> None:

@@ -98,7 +98,8 @@ def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes
     peaks: dict[str, list[int]] = {}       # phase -> [peak allocated, reserved at end, event index of the peak]
     oom = None
     for (start, phase), (end, _) in zip(bounds, bounds[1:], strict=False):
-        best, best_at = -1, start
+        # a phase that allocates nothing peaks at what it started with (event start - 1's state)
+        best, best_at = alloc.allocated_bytes, start - 1
         i = start
         try:
             for i in range(start, end):
@@ -116,13 +117,15 @@ def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes
         if oom is not None:
             break
     # second pass: tensor bytes per component at each phase's peak
-    wanted = {v[2]: name for name, v in peaks.items() if v[0] >= 0}
+    wanted: dict[int, list[str]] = {}
+    for name, v in peaks.items():
+        wanted.setdefault(v[2], []).append(name)
     components: dict[str, dict[str, int]] = {}
     by_comp: dict[str, int] = {}
     for i, (sign, _k, size, _s, comp) in enumerate(events):
         by_comp[comp] = by_comp.get(comp, 0) + sign * size
-        if i in wanted:
-            components[wanted[i]] = {c: v for c, v in by_comp.items() if v}
+        for name in wanted.get(i, ()):
+            components[name] = {c: v for c, v in by_comp.items() if v}
     stats = alloc.stats()
     phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
     name, top = max(phases.items(), key=lambda kv: kv[1].allocated)

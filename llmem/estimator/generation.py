@@ -14,7 +14,10 @@ generate, as llmem.runtime.generation traces it. Each iteration has three phases
 - scoring: the re-padded batch (prompt ids and mask [B, P], completion ids and mask [B, C] int64, kept through the
   step), their concatenation [B, S] int64 x 2 and, when beta > 0, the reference's no-grad forward through its fused
   head (the copy's, or the policy's with its adapters disabled; the labels [B, S] int64), its per-token log-probs
-  [B, C] fp32 (kept); the advantages [B] fp32; the previous step's batch dies.
+  [B, C] fp32 (kept); the advantages [B] fp32; the previous step's batch dies. RLOO (ObjectiveSpec.scores_policy,
+  sequence_logps) first runs the policy itself under no_grad (old_per_token_logps; autocast caches its trained
+  fp32 weights' casts until the forward returns), keeps only the per-sequence sums old_logps [B] fp32, and frees
+  the per-token log-probs and its KL penalty's [B, C] tensors when the scoring returns.
 - training: `_compute_loss`'s concatenation [B, S] int64 x 2, then the policy's forward and TRL's fused head as
   DPO's (llmem.estimator.objectives), with no reference forward inside; the loss's per-token [B, C] tensors
   (a few KiB) are left out.
@@ -32,15 +35,16 @@ from llmem.estimator.objectives import (
     fused_head,
     lm_head_param,
     policy_weight_bytes,
-    reference_bytes,
+    reference_copy_bytes,
     reference_head,
 )
+from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.profile import activation_profile
 from llmem.memory.vllm import VllmModel, VllmPool, vllm_pool
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
-from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, reference_mode
+from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
 
 MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
@@ -165,11 +169,13 @@ class GenerationEvents(PreferenceEvents):
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         regime, h = s.regime, s.hidden_size
         act = self.profile(tokens)
+        s.unshard_forward(None, s.root)        # FSDP2: the root gathered at the first forward, kept so
         stream = alloc(self.b * tokens * h * regime.res, "activations")        # the embedding's output
         if s.workspace < 0:                                                     # cuBLAS's, at the first matmul
             s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
         cached: list[int] = []
         for i in range(s.layers):
+            s.unshard_forward(i, s.by_layer.get(i, []))     # FSDP2: every forward gathers each layer (zero2: once)
             previous: list[int] = []
             for blk, params in zip(act.blocks, s.layer_blocks_params[i], strict=True):
                 for prm in self.cast_weights(regime, "cached", params):
@@ -185,6 +191,9 @@ class GenerationEvents(PreferenceEvents):
             sch.free_all(previous)
             free(stream)
             stream = out
+            if s.reshard:                           # ... and reshards it after (reshard_after_forward)
+                s.reshard_unit(i)
+        sch.free_all(s.last_forward_ag)            # the root's post-forward frees the last all-gather output
         norm = alloc(self.b * tokens * h * regime.res, "activations")
         free(stream)
         head = self.head_param
@@ -197,19 +206,55 @@ class GenerationEvents(PreferenceEvents):
 
     # ---------------------------------------------------------------------------------------------- scoring
     def scoring(self) -> None:
-        sch, alloc = self.s.sch, self.s.sch.alloc
+        sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
         b, p, c = self.b, self.p, self.c
         new_batch = [alloc(b * n * INT64, "activations") for n in (p, p, c, c)]
         joined = [alloc(b * self.seq * INT64, "activations") for _ in range(2)]
-        if self.mode in (REF_COPY, REF_ADAPTERS_OFF):
-            labels = alloc(b * self.seq * INT64, "logits_and_loss")       # input_ids.masked_fill(...)
-            self.reference_forward()
-            new_batch.append(alloc(b * c * F32, "activations"))           # torch.cat of the per-token log-probs
-            sch.free(labels)
+        per_token: list[int] = []                # the [B, C] fp32 log-probs of each no-grad forward
+        if self.spec.scores_policy:              # RLOO: the policy's old log-probs, then their per-sequence sums
+            per_token.append(self.logps_forward(lambda: self.no_grad_forward(self.s.regime, "cached",
+                                                                             self.policy_head())))
+            product = alloc(b * c * F32, "activations")                  # old_per_token_logps * completion_mask
+            new_batch.append(alloc(b * F32, "activations"))             # .sum(1): old_logps
+            free(product)
+        reference = self.mode in (REF_COPY, REF_ADAPTERS_OFF)
+        if reference:
+            per_token.append(self.logps_forward(self.reference_forward))
         sch.free_all(joined)
-        new_batch += [alloc(b * F32, "activations"), alloc(F32, "activations")]   # advantages, num_items_in_batch
+        if self.spec.scores_policy and reference:    # RLOO's KL penalty: per_token_kl, (per_token_kl * mask).sum(-1)
+            per_token.append(alloc(b * c * F32, "activations"))
+            product = alloc(b * c * F32, "activations")
+            per_token.append(alloc(b * F32, "activations"))
+            free(product)
+        new_batch.append(alloc(b * F32, "activations"))                  # advantages
+        if not self.spec.sequence_logps:         # GRPO keeps the reference's, and num_items_in_batch
+            new_batch += per_token + [alloc(F32, "activations")]
         sch.free_all(self.step_batch)            # _buffered_inputs: the previous step's batch
         self.step_batch = new_batch
+        if self.spec.sequence_logps:             # RLOO: the per-token tensors die as the scoring returns
+            sch.free_all(per_token)
+
+    def logps_forward(self, forward) -> int:
+        """`_get_per_token_logps_and_entropies` in one chunk: the labels, the model's no-grad forward through its
+        fused head, the torch.cat of the completion's per-token log-probs (returned: [B, C] fp32)."""
+        labels = self.s.sch.alloc(self.b * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
+        forward()
+        logps = self.s.sch.alloc(self.b * self.c * F32, "activations")
+        self.s.sch.free(labels)
+        return logps
+
+
+def policy_gathered_bytes(r: ResolvedSetup) -> tuple[int, int, int]:
+    """Under FSDP2, the policy's root unit, its largest decoder layer's and all its layers' bytes as gathered
+    (MixedPrecisionPolicy's param_dtype under *-mixed); zeros without FSDP2."""
+    if not r.layout.shards_model_states:
+        return 0, 0, 0
+    setup, layout = r.setup, r.layout
+    units: dict[int | None, int] = {}
+    for q in r.anatomy.params:
+        units[q.layer_index] = units.get(q.layer_index, 0) + sum(fsdp_gathered_tensors(q, setup, layout))
+    layers = [n for k, n in units.items() if k is not None]
+    return units.get(None, 0), max(layers, default=0), sum(layers)
 
 
 def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
@@ -219,15 +264,19 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
     setup = r.setup
     moments = sft_moments(ResolvedSetup(plain_setup(setup), r.anatomy, r.base, r.gpu, r.layout), act, ms)
     mode = reference_mode(setup)
-    ref_weights = sum(p.numel for p in r.anatomy.params) * reference_bytes(setup) if mode == REF_COPY else 0
+    ref_weights, ref_gathered = reference_copy_bytes(r)
     head = fused_head(r, r.regime, policy_weight_bytes(r))
     p = lm_head_param(r)
     copy = head.v * head.h * r.regime.mm if r.regime.autocast and head.weight_bytes != head.mm else 0
-    backward = head.backward_peak_bytes(element_bytes(p, setup) if p.trainable else None)
+    backward = head.backward_peak_bytes(head.weight_bytes if p.trainable else None)
+    root, layer, layers = policy_gathered_bytes(r)
+    kept_ref = ref_gathered if not r.method.reshard_after_forward else 0    # zero2: the copy stays gathered
     out = []
     for i, m in enumerate(moments):
         parts = dict(m.components)
         parts["weights"] = parts.get("weights", 0) + ref_weights
+        if kept_ref:
+            parts["gathered_weights"] = parts.get("gathered_weights", 0) + kept_ref
         if i < 2:
             parts["logits_and_loss"] = head.forward_peak_bytes if i == 0 else backward
             parts["gathered_weights"] = max(parts.get("gathered_weights", 0) - copy, 0)
@@ -237,10 +286,23 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
     casts = sum(q.numel for q in r.anatomy.params if q.trainable and element_bytes(q, setup) == F32
                 and q.module_kind in ("Linear", "Conv1D")) * r.regime.mm if r.regime.autocast else 0
     logits = 3 * setup.batch_size * r.anatomy.vocab_size * F32
-    out.append(type(out[0])("generation", {**static, "gathered_weights": casts,
+    # FSDP2: the policy's root kept gathered, and a layer with its all-gather output (zero2: every layer)
+    policy_units = root + (layers if not r.method.reshard_after_forward else 2 * layer)
+    out.append(type(out[0])("generation", {**static, "gathered_weights": casts + policy_units + kept_ref,
                                            "activations": generation_kv_bytes(r), "logits_and_loss": logits}))
+    scoring = {**static, "logits_and_loss": 0}
+    gathered = root + kept_ref
     if mode in (REF_COPY, REF_ADAPTERS_OFF):
-        out.append(type(out[0])("scoring", {**static, "logits_and_loss": reference_head(r).forward_peak_bytes}))
+        scoring["logits_and_loss"] = reference_head(r).forward_peak_bytes
+        gathered += 2 * ref_gathered if mode == REF_COPY and not kept_ref else \
+            policy_units - root if mode == REF_ADAPTERS_OFF else 0
+    if gathered:
+        scoring["gathered_weights"] = gathered
+    if objective_spec(setup.objective).scores_policy and head.forward_peak_bytes >= scoring["logits_and_loss"]:
+        scoring.update(logits_and_loss=head.forward_peak_bytes,                  # RLOO's old log-probs
+                       gathered_weights=casts + policy_units + kept_ref)
+    if scoring["logits_and_loss"]:
+        out.append(type(out[0])("scoring", scoring))
     return out
 
 

@@ -13,6 +13,7 @@ from llmem.model.moe import routing_notes
 from llmem.model.resolved import ResolvedSetup
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.deepspeed import AUTO, bucket_buffers, zero_config
+from llmem.setup.expert_parallel import ep_note
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import REF_COPY, objective_notes, objective_spec, reference_mode
 from llmem.setup.training import TrainingSetup
@@ -111,12 +112,19 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     RAM per GPU under --offload-optimizer."""
     setup, anatomy = r.setup, r.anatomy
     notes = setup.optimizer_spec.notes("estimate", setup.optimizer_in_backward)
+    if r.layout.ep > 1:    # torchtitan's expert parallelism (llmem.setup.expert_parallel)
+        notes.append(ep_note(r.layout.ep, r.layout.expert_shard_degree, setup.ep_imbalance, "estimate"))
     if r.layout.cp > 1:    # r: the rank's set-up (its seq_len / cp tokens)
         notes.append(cp_note(r.layout.cp, setup.seq_len * r.layout.cp, "estimate"))
     notes += objective_notes(setup)       # TRL's trainer: its batch layout, its loss, the reference and its cost
     if reference_mode(setup) == REF_COPY:
-        notes.append(f"the reference copy costs {anatomy.total_params * reference_bytes(setup) / GIB:.2f} GiB of "
-                     "weights per GPU, resident through the step (no gradients, no optimizer states); "
+        shards = r.layout.shard_degree if r.layout.shards_model_states else 1
+        sharded = "" if shards == 1 else (
+            " (its FSDP2 shard: trl's prepare_fsdp makes the whole copy one unit, all-gathered for its forward, "
+            "when the unsharded copy and the all-gather output both live,"
+            + (" and resharded after it)" if r.method.reshard_after_forward else " and kept gathered after it: zero2)"))
+        notes.append(f"the reference copy costs {anatomy.total_params * reference_bytes(setup) / shards / GIB:.2f} GiB "
+                     f"of weights per GPU{sharded}, resident through the step (no gradients, no optimizer states); "
                      + ("--beta 0" if objective_spec(setup.objective).generates else "--precompute-ref-log-probs")
                      + " or LoRA (adapters disabled) drop it")
     if r.layout.shards_model_states:
@@ -129,7 +137,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
-    notes += routing_notes(anatomy, learned=learned_for(r) is not None)     # MoE: the routing assumption
+    notes += routing_notes(anatomy, learned=learned_for(r) is not None, ep=r.layout.ep)     # MoE: the routing assumption
     notes += quant_notes(setup, anatomy, r.layout)
     notes += activation_source_notes(r)     # learned from the real code, or the fallback recipe and why
     notes.extend(activation_notes(setup))

@@ -25,18 +25,25 @@ all of it freed when it returns.
 
 Per-token and per-pair scalars (masks, the five per-token outputs, the loss's terms) are a few KiB; the ones that
 live through the step are laid out, the loss's own are left out.
+
+Under FSDP2 (trl/models/utils.py prepare_fsdp): the reference copy is one fully_shard unit, the root of its own
+tree: its shard in the weights; at its forward the bf16 copy-in of the shard (under *-mixed), the whole copy's
+all-gather output on its own stream and every parameter unsharded, resharded after the forward (zero2: kept) and
+the output freed by its root's post-forward; the policy's no-grad forwards gather its units as its own forward
+does; the lm_head the fused head multiplies by is the unsharded one (MixedPrecisionPolicy's param_dtype).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from llmem.estimator.events import REDUCE_SCATTER
 from llmem.memory.activations.blocks import norm_saved
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
 from llmem.model.families import family_of
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_embedding, is_lm_head
 from llmem.setup.objectives import (
     FUSED_TOKEN_CHUNK,
     FUSED_VOCAB_CHUNK,
@@ -53,6 +60,8 @@ from llmem.setup.objectives import (
 from llmem.setup.precision import F32, Regime
 
 INT64, BOOL = 8, 1
+# FSDP2's streams are per root (FSDPCommContext): the reference copy, a root of its own, all-gathers on its own
+REF_ALL_GATHER = REDUCE_SCATTER + 1
 BATCH_FIELDS = 3          # input_ids, attention_mask, completion_mask: [rows, S] int64 each
 
 
@@ -144,7 +153,11 @@ def lm_head_param(r: ResolvedSetup):
 
 
 def policy_weight_bytes(r: ResolvedSetup) -> int:
+    """Bytes per element of the lm_head weight the head multiplies by: its stored dtype, or under FSDP2 the
+    unsharded parameter's, MixedPrecisionPolicy's param_dtype (FSDPParam casts every parameter it gathers)."""
     p = lm_head_param(r)
+    if r.layout.shards_model_states:
+        return r.setup.gather_bytes
     return element_bytes(p, r.setup) if p.trainable else r.setup.stored_bytes(False)
 
 
@@ -154,11 +167,18 @@ def reference_bytes(setup) -> int:
     return setup.compute_bytes if setup.ref_dtype == "compute" else setup.param_bytes
 
 
+def reference_gather_bytes(r: ResolvedSetup) -> int:
+    """Bytes per element of the reference copy's weights as its forward reads them: its own dtype, or under FSDP2
+    the all-gathered one (trl's prepare_fsdp passes accelerate's MixedPrecisionPolicy: param_dtype under *-mixed)."""
+    ref = reference_bytes(r.setup)
+    return r.setup.compute_bytes if r.layout.shards_model_states and r.setup.mixed else ref
+
+
 def reference_head(r: ResolvedSetup) -> FusedHead:
     """The reference forward's fused head: the copy's (its own dtype), or the policy's with adapters off."""
     if reference_mode(r.setup) == REF_COPY:
         ref = reference_bytes(r.setup)
-        return fused_head(r, reference_regime(r.regime, ref), ref, REF_HEAD_OUTPUTS)
+        return fused_head(r, reference_regime(r.regime, ref), reference_gather_bytes(r), REF_HEAD_OUTPUTS)
     return fused_head(r, r.regime, policy_weight_bytes(r))
 
 
@@ -173,23 +193,41 @@ def preference_moments(r: ResolvedSetup, act: ActivationProfile, ms, sft_moments
     sft = ResolvedSetup(plain, doubled.anatomy, doubled.base, doubled.gpu, doubled.layout)
     moments = sft_moments(sft, act2, ms)
     mode = reference_mode(r.setup)
-    ref_weights = sum(p.numel for p in r.anatomy.params) * reference_bytes(r.setup) if mode == REF_COPY else 0
+    ref_weights, ref_gathered = reference_copy_bytes(r)
     head = fused_head(doubled, doubled.regime, policy_weight_bytes(doubled))
     p = lm_head_param(doubled)
     copy = head.v * head.h * doubled.regime.mm if doubled.regime.autocast and head.weight_bytes != head.mm else 0
-    forward = head.forward_peak_bytes
+    forward, ref_forward_gathered = head.forward_peak_bytes, 0
     if mode in (REF_COPY, REF_ADAPTERS_OFF):
-        forward = max(forward, head.saved_bytes + reference_head(doubled).forward_peak_bytes)
-    backward = head.backward_peak_bytes(element_bytes(p, doubled.setup) if p.trainable else None)
+        ref_forward = head.saved_bytes + reference_head(doubled).forward_peak_bytes
+        if ref_forward + 2 * ref_gathered > forward:      # FSDP2: the whole copy gathered, and its all-gather output
+            forward, ref_forward_gathered = ref_forward, 2 * ref_gathered
+    backward = head.backward_peak_bytes(head.weight_bytes if p.trainable else None)
     out = []
     for i, m in enumerate(moments):
         parts = dict(m.components)
         parts["weights"] = parts.get("weights", 0) + ref_weights
+        # FSDP2: the copy gathered at the forward's end (its forward), and kept so under zero2
+        gathered = ref_forward_gathered if i == 0 else ref_gathered if not r.method.reshard_after_forward else 0
+        if gathered:
+            parts["gathered_weights"] = parts.get("gathered_weights", 0) + gathered
         if i < 2:         # 1. the forward's end, 2. the loss backward
             parts["logits_and_loss"] = forward if i == 0 else backward
             parts["gathered_weights"] = max(parts.get("gathered_weights", 0) - copy, 0)
         out.append(type(m)(m.phase, parts))
     return out
+
+
+def reference_copy_bytes(r: ResolvedSetup) -> tuple[int, int]:
+    """The reference copy's weights on this rank (its FSDP2 shard: every parameter padded to the shard degree) and,
+    under FSDP2, the whole copy's bytes as gathered for its forward; (0, 0) without a copy."""
+    if reference_mode(r.setup) != REF_COPY:
+        return 0, 0
+    numel = sum(p.numel for p in r.anatomy.params)
+    if not r.layout.shards_model_states:
+        return numel * reference_bytes(r.setup), 0
+    padded = fsdp_unit_numel(list(r.anatomy.params), r.layout)
+    return padded // r.layout.shard_degree * reference_bytes(r.setup), padded * reference_gather_bytes(r)
 
 
 class PreferenceEvents:
@@ -208,6 +246,8 @@ class PreferenceEvents:
         self.ref_bytes = reference_bytes(setup)
         self.ref_regime = reference_regime(s.regime, self.ref_bytes) if self.mode == REF_COPY else s.regime
         self.batch_keys: list[int] = []
+        self.ref_gathered: list[int] = []     # FSDP2: the reference's unsharded parameters while gathered
+        self.ref_ag_out = -1
 
     def policy_head(self) -> FusedHead:
         return fused_head(self.r, self.s.regime, policy_weight_bytes(self.r))
@@ -327,23 +367,62 @@ class PreferenceEvents:
         """The reference's forward under no_grad: the copy (its frozen fp32 weights cast per use under autocast),
         or the policy with its adapters disabled (its frozen base needs no casts)."""
         self.s.sch.mark("reference forward")
-        casts = "per_use" if self.mode == REF_COPY and self.ref_bytes == F32 else "none"
-        self.no_grad_forward(self.ref_regime, casts, reference_head(self.r))
+        copy = self.mode == REF_COPY
+        casts = "per_use" if copy and self.ref_bytes == F32 else "none"
+        if copy:
+            self.reference_unshard()
+        self.no_grad_forward(self.ref_regime, casts, reference_head(self.r), policy=not copy)
+        if copy:
+            self.reference_post_forward()
 
-    def no_grad_forward(self, regime: Regime, casts: str, head: FusedHead, workspace: bool = False) -> None:
+    # trl's prepare_fsdp: fully_shard(ref_model) once, the whole copy one FSDP2 unit (the root of its own tree)
+    def reference_unshard(self) -> None:
+        """FSDP2's all-gather of the whole reference at its root pre-forward: the copy-in of the shards
+        MixedPrecisionPolicy casts, the gathered output, then every parameter copied out unsharded (already so
+        under zero2 after the first forward: reshard_after_forward False keeps them)."""
+        s = self.s
+        if not s.fsdp or self.ref_gathered:
+            return
+        alloc = s.sch.alloc
+        per = reference_gather_bytes(self.r)
+        numel = sum(s.unsharded[p.name] for p in s.kept)
+        cast = alloc(numel // s.shards * per, "communication_buffers", REF_ALL_GATHER) if per != self.ref_bytes \
+            else -1
+        self.ref_ag_out = alloc(numel * per, "communication_buffers", REF_ALL_GATHER)
+        s.sch.free(cast)
+        self.ref_gathered = [alloc(s.unsharded[p.name] * per, "gathered_weights") for p in s.kept]
+
+    def reference_post_forward(self) -> None:
+        """The reference root's post-forward: reshard (reshard_after_forward True, FULL_SHARD; zero2 keeps the
+        parameters gathered), then the root frees its all-gather state (FSDPState._post_forward)."""
+        s = self.s
+        if not s.fsdp:
+            return
+        if s.reshard:
+            s.sch.free_all(self.ref_gathered)
+        s.sch.free(self.ref_ag_out)
+        self.ref_ag_out = -1
+
+    def no_grad_forward(self, regime: Regime, casts: str, head: FusedHead, workspace: bool = False,
+                        policy: bool = True) -> None:
         """A forward under no_grad: embedding, decoder layers (two adjacent blocks' tensors live), the final norm,
         the fused head; nothing survives but the per-sequence log-probs (a few bytes). Autocast's casts of the
         weights: "per_use" (frozen fp32 weights: made and freed at each matmul), "cached" (the policy's trained
-        fp32 weights: autocast's cache holds them until the forward returns) or "none"."""
+        fp32 weights: autocast's cache holds them until the forward returns) or "none". The `policy`'s FSDP2 units
+        are gathered as in its own forward (the root kept gathered, each layer resharded after it)."""
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         t, h = self.rows * self.seq, s.hidden_size
+        if policy:
+            s.unshard_forward(None, s.root)
         stream = alloc(t * h * regime.res, "activations")
         if workspace and s.workspace < 0:             # cuBLAS's, at the step's first matmul
             s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
         cached: list[int] = []
         for i in range(s.layers):
             sch.mark(f"no_grad layer {i}")
+            if policy:
+                s.unshard_forward(i, s.by_layer.get(i, []))
             previous: list[int] = []
             for b, params in zip(s.act.blocks, s.layer_blocks_params[i], strict=True):
                 for p in self.cast_weights(regime, casts, params):
@@ -359,6 +438,10 @@ class PreferenceEvents:
             sch.free_all(previous)
             free(stream)
             stream = out
+            if policy and s.reshard:
+                s.reshard_unit(i)
+        if policy:
+            sch.free_all(s.last_forward_ag)
         norm_out = alloc(t * h * head.out_bytes, "activations")
         free(stream)
         self.fused_forward(head, keep=False)
@@ -402,8 +485,8 @@ class PreferenceEvents:
         if head.out_bytes != F32:             # grad_hidden.to(hidden.dtype)
             hidden_out = alloc(self.n * head.h * head.out_bytes, "logits_and_loss")
         weight_out = grad_weight
-        if grad_weight >= 0 and s.pb[p.name] != F32:
-            weight_out = alloc(head.v * head.h * s.pb[p.name], "gradients")
+        if grad_weight >= 0 and head.weight_bytes != F32:     # grad_weight.to(weight.dtype)
+            weight_out = alloc(head.v * head.h * head.weight_bytes, "gradients")
         for old, new in ((grad_hidden, hidden_out), (grad_weight, weight_out)):
             if new != old:
                 free(old)

@@ -34,6 +34,12 @@ CONCATENATED = 3          # concatenated_inputs: input_ids, attention_mask, labe
 KERNEL_OUTPUTS = 4        # logprob_entropy's forward: logprobs, entropy, log_z, expected_logit (fp32 per token)
 
 
+def logits_bytes(setup, regime, fsdp: bool) -> int:
+    """Bytes per element of the logits the loss sees: fp32 under *-mixed (accelerate's convert_outputs_to_fp32
+    wraps the forward under autocast and under FSDP2's MixedPrecisionPolicy alike), else the compute dtype."""
+    return F32 if regime.autocast or (fsdp and setup.mixed) else regime.mm
+
+
 class PairwiseEvents(PreferenceEvents):
     """ORPO / SimPO / reward in the StepSchedule `s` (the doubled batch)."""
 
@@ -46,12 +52,15 @@ class PairwiseEvents(PreferenceEvents):
         self.pairs = self.rows // 2
         self.scalar = objective_spec(r.setup.objective).scalar_head
         self.concat: list[int] = []
+        # ORPO / CPO compute the loss on the model's output logits: FSDP2's root pre-backward hook (on that output)
+        # fires once the loss's backward has made their gradient, not at the backward's start
+        self.loss_outside_model = not self.scalar
 
     @property
     def logits_bytes(self) -> int:
         """Bytes per element of the logits the loss sees: fp32 under mixed precision (accelerate casts the
         outputs), else the compute dtype."""
-        return F32 if self.s.regime.autocast else self.s.regime.mm
+        return logits_bytes(self.r.setup, self.s.regime, self.s.fsdp)
 
     # ---------------------------------------------------------------------------------------------- setup
     def batch(self) -> None:
@@ -155,6 +164,7 @@ class PairwiseEvents(PreferenceEvents):
             free(sliced)
             free(full)
             free(self.loss_mask)
+            s.prefetch(s.layers - 1, s.by_layer.get(s.layers - 1, []))    # the root's pre-backward hook
             if ld != s.regime.mm:                                          # ToCopyBackward
                 cast = alloc(rows * seq * v * s.regime.mm, "logits_and_loss")
                 free(grad)
@@ -230,7 +240,7 @@ def pairwise_moments(r, act, ms, sft_moments) -> list:
     spec = objective_spec(r.setup.objective)
     seq, v = setup.seq_len, doubled.anatomy.vocab_size
     tv = setup.batch_size * seq * v
-    ld = F32 if regime.autocast else regime.mm
+    ld = logits_bytes(setup, regime, doubled.layout.shards_model_states)
     half = setup.batch_size // 2 * (seq - 1) * v * ld
     forward = 0 if spec.scalar_head else max(tv * (regime.mm + ld) if ld != regime.mm else 0, tv * ld + 2 * half)
     backward = 0 if spec.scalar_head else max(3 * tv * ld, tv * (ld + regime.mm) if ld != regime.mm else 0)

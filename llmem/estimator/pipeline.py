@@ -1,17 +1,20 @@
-"""Pipeline parallelism in the estimate: one allocation schedule per stage, the answer the stage with the largest
-peak.
+"""Pipeline parallelism in the estimate: one allocation schedule per pipeline rank, the answer the rank with the
+largest peak.
 
-A stage's schedule is the step's own (llmem.estimator.schedule.StepSchedule) on the stage's sub-model: its decoder
-layers (torchtitan's split, llmem.setup.pipeline), the embedding on the first stage, the final norm, lm_head and loss
-on the last, at the micro-batch's size. Its forward and backward run once per micro-batch in the order torch's
-schedule runs them (Schedule1F1B / ScheduleGPipe `_step_microbatches`), each micro-batch's saved tensors kept from
-its forward to its backward. What torch.distributed.pipelining adds (torch/distributed/pipelining/stage.py):
+A rank's schedule is the step's own (llmem.estimator.schedule.StepSchedule) on the rank's sub-model: its stages'
+decoder layers (torchtitan's split, llmem.setup.pipeline), the embedding on the first stage, the final norm, lm_head
+and loss on the last, at the micro-batch's size. Each stage's forward and backward run once per micro-batch in the
+order torch's schedule runs them (Schedule1F1B / ScheduleGPipe `_step_microbatches`; a looped schedule's
+pipeline_order, ScheduleInterleaved1F1B's over the rank's stages r, r + pp, ...), each (stage, micro-batch)'s saved
+tensors kept from its forward to its backward. What torch.distributed.pipelining adds
+(torch/distributed/pipelining/stage.py):
 - the recv buffers, made at the first step for every micro-batch and kept: the previous stage's activations (every
   stage but the first) and the next stage's gradients (every stage but the last), [micro-batch, seq, hidden] each;
 - the stage's output is kept in `fwd_cache` until its backward (the last stage's: the logits, through its
   backward: backward_one_chunk holds the popped tuple);
 - the input gradient (every stage but the first) is made at the backward's end and sent;
-- the last micro-batch's output stays referenced by _step_microbatches' `output` until the step returns;
+- the last micro-batch's output stays referenced by _step_microbatches' `output` until the step returns (a single-
+  stage schedule's; _PipelineScheduleRuntime's actions keep none);
 - gradients accumulate over the micro-batches: AccumulateGrad adds each later one in place (a transient of the
   gradient's size).
 Under FSDP2 x PP (torchtitan: reshard_after_forward=False under PP) each unit stays gathered from its first forward
@@ -31,7 +34,7 @@ from llmem.memory.activations.profile import activation_profile
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
-from llmem.setup.pipeline import StageSplit, pipeline_schedule, stage_actions, stage_splits
+from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_actions, rank_splits, stages_per_rank
 
 # the set-up options a pipeline stage's estimate does not model (refused with one line each)
 UNMODELLED = (
@@ -50,12 +53,13 @@ PER_MICROBATCH = ("cache", "bias_cache", "copies_by_layer", "embed_keys", "share
 
 
 def check_modelled(r: ResolvedSetup) -> None:
-    """The pipeline set-ups the estimate models: pure PP (without autocast) or FSDP2 x PP of a full fine-tune, one
-    stage per rank."""
+    """The pipeline set-ups the estimate models: pure PP (without autocast) or FSDP2 x PP of a full fine-tune; a
+    looped schedule (several stages per rank) under pure PP."""
     setup = r.setup
     spec = pipeline_schedule(setup.pp_schedule)
     if not spec.modelled:
-        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe or 1f1b")
+        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe, 1f1b or "
+                         "interleaved-1f1b")
     for name, flag in UNMODELLED:
         if getattr(setup, name):
             raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
@@ -69,32 +73,51 @@ def check_modelled(r: ResolvedSetup) -> None:
         raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
 
 
-def stage_anatomy(anatomy: ModelAnatomy, split: StageSplit) -> ModelAnatomy:
-    """The stage's sub-model: its decoder layers renumbered from 0, the embedding if first, the final norm and
-    lm_head if last."""
+def stage_anatomy(anatomy: ModelAnatomy, splits: tuple[StageSplit, ...]) -> ModelAnatomy:
+    """The rank's sub-model: its stages' decoder layers renumbered from 0 (in stage order), the embedding if it
+    holds the first stage, the final norm and lm_head if it holds the last."""
+    index = {layer: k for k, layer in enumerate(i for s in splits for i in s.layers)}
+    embedding, head = any(s.embedding for s in splits), any(s.head for s in splits)
+
     def keep(p: ParamInfo) -> bool:
         if p.layer_index is not None:
-            return p.layer_index in split.layers
-        return split.embedding if is_embedding(p) else split.head
+            return p.layer_index in index
+        return embedding if is_embedding(p) else head
 
-    params = tuple(p if p.layer_index is None else replace(p, layer_index=p.layer_index - split.first_layer)
+    params = tuple(p if p.layer_index is None else replace(p, layer_index=index[p.layer_index])
                    for p in anatomy.params if keep(p))
-    return replace(anatomy, params=params, num_layers=len(split.layers))
+    return replace(anatomy, params=params, num_layers=len(index))
+
+
+def chunk_layers(splits: tuple[StageSplit, ...]) -> tuple[range, ...]:
+    """Each of the rank's stages' layers in the rank's numbering (stage_anatomy's)."""
+    out, start = [], 0
+    for s in splits:
+        out.append(range(start, start + len(s.layers)))
+        start += len(s.layers)
+    return tuple(out)
 
 
 class StageSchedule(StepSchedule):
-    """One pipeline stage's step: the micro-batches' forwards and backwards in the schedule's order."""
+    """One pipeline rank's step: its stages' micro-batch forwards and backwards in the schedule's order (under a
+    looped schedule each action runs one of the rank's stages, `chunk`)."""
 
-    def __init__(self, r: ResolvedSetup, split: StageSplit, rank: int) -> None:
+    def __init__(self, r: ResolvedSetup, splits: tuple[StageSplit, ...], rank: int) -> None:
         setup = r.setup
         self.n = setup.microbatches
-        mb = replace(setup, batch_size=setup.batch_size // self.n, pp=1, pp_microbatches=None)
-        staged = replace(r, setup=mb, anatomy=stage_anatomy(r.anatomy, split))
+        mb = replace(setup, batch_size=setup.batch_size // self.n, pp=1, pp_microbatches=None,
+                     pp_virtual_stages=None)
+        staged = replace(r, setup=mb, anatomy=stage_anatomy(r.anatomy, splits))
         super().__init__(staged, activation_profile(staged))
-        self.split = split
-        self.actions = stage_actions(setup.pp_schedule, rank, setup.pp, self.n)
+        self.splits, self.chunk_layers = splits, chunk_layers(splits)
+        self.split = splits[0]
+        spec = pipeline_schedule(setup.pp_schedule)
+        # _PipelineScheduleRuntime's actions keep no forward's output past its action (PipelineScheduleSingle's
+        # _step_microbatches holds the last one in its `output` local until step() returns)
+        self.holds_last_output = not spec.looped
+        self.actions = rank_actions(setup.pp_schedule, rank, setup.pp, self.n, len(splits))
         self.boundary_bytes = self.t * self.hidden_size * self.regime.res   # one micro-batch's hidden states
-        self.saved: dict[int, dict] = {}
+        self.saved: dict[tuple[int, int], dict] = {}
         self.recv: list[int] = []
         self.accumulating = False
         # FSDP2 x PP: torchtitan's reshard_after_forward=False under PP (fsdp.py); the stage sets
@@ -108,32 +131,40 @@ class StageSchedule(StepSchedule):
     def build(self, iterations: int = 2) -> Schedule:
         self.setup_phase()
         for it in range(iterations):
-            if it == 0:         # _initialize_stage: the recv buffers of every micro-batch, kept from then on
-                self.sch.phase = "it0:forward"
-                alloc = self.sch.alloc
-                if not self.split.embedding:
-                    self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
-                if not self.split.head:
-                    self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
+            if it == 0:
+                self.recv_buffers()
             self.accumulating = False
-            for kind, k in self.actions:
+            for kind, c, k in self.actions:
                 if kind == "F":
-                    self.forward_microbatch(it, k)
+                    self.forward_microbatch(it, c, k)
                 else:
-                    self.backward_microbatch(it, k)
+                    self.backward_microbatch(it, c, k)
             if self.fsdp:
                 self.reduce_grads()
             self.sch.free_all(self.last_output)
             self.optimizer_step(it)
         return self.sch
 
+    def recv_buffers(self) -> None:
+        """_initialize_pp_stages: each stage's forward recv buffers of every micro-batch (stages in order), then the
+        backward ones (stages in reverse), kept from then on."""
+        self.sch.phase = "it0:forward"
+        alloc = self.sch.alloc
+        for split in self.splits:
+            if not split.embedding:
+                self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
+        for split in reversed(self.splits):
+            if not split.head:
+                self.recv += [alloc(self.boundary_bytes, "communication_buffers") for _ in range(self.n)]
+
     # ------------------------------------------------------------------------------------------ one micro-batch
-    def forward_microbatch(self, it: int, k: int) -> None:
+    def forward_microbatch(self, it: int, c: int, k: int) -> None:
         sch, alloc, act = self.sch, self.sch.alloc, self.act
+        split = self.split = self.splits[c]
         sch.phase = f"it{it}:forward"
-        sch.mark(f"micro-batch {k} forward")
+        sch.mark(f"stage {split.index} micro-batch {k} forward")
         self.cache, self.bias_cache, self.copies_by_layer = [], [], {}
-        self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if self.split.embedding else []
+        self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if split.embedding else []
         self.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]   # each stage's rotary cos/sin
         if self.workspace < 0:
             self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
@@ -143,27 +174,28 @@ class StageSchedule(StepSchedule):
         self.logits = self.log_softmax = self.output = -1
         if self.root:
             self.unshard_forward(None, self.root)
-        for i in range(self.layers):
+        for i in self.chunk_layers[c]:
             self.forward_layer(i)
         sch.free_all(self.last_forward_ag)
         self.last_forward_ag = []
-        if self.split.head:
+        if split.head:
             self.head_forward()            # the logits stay: the stage's output, in fwd_cache until backward
         else:                              # the last layer's output: sent, and kept in fwd_cache
             self.output = alloc(self.boundary_bytes, "activations")
-        self.saved[k] = {name: getattr(self, name) for name in PER_MICROBATCH}
+        self.saved[c, k] = {name: getattr(self, name) for name in PER_MICROBATCH}
 
-    def backward_microbatch(self, it: int, k: int) -> None:
+    def backward_microbatch(self, it: int, c: int, k: int) -> None:
         sch, alloc = self.sch, self.sch.alloc
-        for name, value in self.saved.pop(k).items():
+        for name, value in self.saved.pop((c, k)).items():
             setattr(self, name, value)
+        split = self.split = self.splits[c]
         sch.phase = f"it{it}:backward"
-        sch.mark(f"micro-batch {k} backward")
-        if self.split.head:
+        sch.mark(f"stage {split.index} micro-batch {k} backward")
+        if split.head:
             self.head_backward(it)
-        for i in reversed(range(self.layers)):
+        for i in reversed(self.chunk_layers[c]):
             self.backward_layer(i, it)
-        if self.split.embedding:
+        if split.embedding:
             embeds = [p for p in self.root if p.trainable and is_embedding(p)]
             stream_grad = alloc(self.t * self.hidden_size * self.regime.res, "activations") if embeds else -1
             for p in embeds:
@@ -173,7 +205,7 @@ class StageSchedule(StepSchedule):
             sch.free(alloc(self.boundary_bytes, "activations"))
         sch.free_all(self.embed_keys)
         sch.free_all(self.shared_keys)
-        if k == self.n - 1:      # the schedule's `output` local still holds the last forward's until step() returns
+        if self.holds_last_output and k == self.n - 1:   # `output` holds the last forward's until step() returns
             self.last_output = [self.output, self.logits]
         else:
             sch.free(self.output)
@@ -241,11 +273,16 @@ class StageSchedule(StepSchedule):
         sch.free(new)
 
 
+def splits_of(r: ResolvedSetup, rank: int) -> tuple[StageSplit, ...]:
+    """The stages pipeline rank `rank` holds (one, or its chunks under a looped schedule)."""
+    return rank_splits(r.anatomy.num_layers, r.setup.pp, stages_per_rank(r.setup.pp_schedule,
+                                                                         r.setup.pp_virtual_stages), rank)
+
+
 def stage_replays(r: ResolvedSetup) -> list[Replay]:
     """Each pipeline rank's stage schedule through the allocator model."""
     check_modelled(r)
-    splits = stage_splits(r.anatomy.num_layers, r.setup.pp)
-    return [replay(StageSchedule(r, splits[rank], rank).build(), expandable_segments=r.setup.expandable_segments)
+    return [replay(StageSchedule(r, splits_of(r, rank), rank).build(), expandable_segments=r.setup.expandable_segments)
             for rank in range(r.setup.pp)]
 
 
@@ -260,16 +297,20 @@ def pipeline_step(r: ResolvedSetup) -> tuple[Replay, int, list[dict]]:
 
 def stage_whole(r: ResolvedSetup, rank: int) -> Schedule:
     """Stage `rank`'s schedule (for the replay at a device's capacity)."""
-    return StageSchedule(r, stage_splits(r.anatomy.num_layers, r.setup.pp)[rank], rank).build()
+    return StageSchedule(r, splits_of(r, rank), rank).build()
 
 
 def pipeline_note(r: ResolvedSetup, top: int) -> str:
-    splits = stage_splits(r.anatomy.num_layers, r.setup.pp)
-    s = splits[top]
+    splits = splits_of(r, top)
     spec = pipeline_schedule(r.setup.pp_schedule)
-    held = spec.microbatches_in_flight(top, r.setup.pp, r.setup.microbatches)
-    parts = (["embedding"] if s.embedding else []) + [f"layers {s.first_layer}-{s.stop_layer - 1}"] \
-        + (["norm, lm_head and loss"] if s.head else [])
+    held = spec.microbatches_in_flight(top, r.setup.pp, r.setup.microbatches, len(splits))
+    parts = (["embedding"] if splits[0].embedding else []) \
+        + [f"layers {s.first_layer}-{s.stop_layer - 1}" for s in splits if len(s.layers)] \
+        + (["norm, lm_head and loss"] if splits[-1].head else [])
+    chunks = f"; stages {', '.join(str(s.index) for s in splits)} of {r.setup.pp * len(splits)}" \
+        if len(splits) > 1 else ""
+    unit = "stage forward(s)" if len(splits) > 1 else "micro-batch(es)"
     return (f"pipeline ({spec.torch_class}, {r.setup.microbatches} micro-batches of "
-            f"{r.setup.batch_size // r.setup.microbatches}): the answer is stage {top} of {r.setup.pp} "
-            f"({', '.join(parts)}; {held} micro-batch(es) in flight); each stage's peaks are in `stages`")
+            f"{r.setup.batch_size // r.setup.microbatches}): the answer is {'rank' if chunks else 'stage'} {top} of "
+            f"{r.setup.pp} "
+            f"({', '.join(parts)}{chunks}; {held} {unit} in flight); each stage's peaks are in `stages`")

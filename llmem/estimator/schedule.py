@@ -31,6 +31,7 @@ from llmem.model.sharding import (
     is_lm_head,
     local_numel,
     local_shape,
+    param_shard_degree,
     tp_local_numel,
 )
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
@@ -169,6 +170,11 @@ class StepSchedule:
         self.in_backward = setup.optimizer_in_backward and not self.host_step
         self.shapes = {p.name: local_shape(p, layout) for p in self.trainable}
         self.shards = layout.shard_degree                    # FSDP2's DTensor shards of dim 0
+        # ... per parameter: under --ep a routed expert's over efsdp (llmem.setup.expert_parallel)
+        self.shard_of = {p.name: param_shard_degree(p, layout) for p in kept}
+        self.gathered_by: dict[int | None, list[list[int]]] = {}   # --ep: a unit's gathered keys per FSDP2 group
+        self.unsharded_grad_of: dict[str, int] = {}                # --ep: a layer's unsharded gradients by name
+        self.ag_forward: dict[int, list[int]] = {}                # --ep: explicitly prefetched forward all-gathers
         self.plans: dict[int, BlockOps] = {}
         # what is live, by role
         self.quant_live: list[int] = []
@@ -294,7 +300,8 @@ class StepSchedule:
         if self.cpu_offload:
             inputs = self.copies_from_host(unit)
         else:
-            cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // self.shards
+            shards = self.shard_of[unit[0].name] if unit else self.shards      # one FSDP2 group's mesh
+            cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // shards
             inputs = [alloc(cast, "communication_buffers", ALL_GATHER)] if cast else []
         out = alloc(self.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
         self.sch.free_all(inputs)
@@ -316,32 +323,79 @@ class StepSchedule:
                 keys.append(copy)
         return keys
 
+    def fsdp_groups(self, unit: list[ParamInfo]) -> list[list[ParamInfo]]:
+        """A unit's FSDPParamGroups in order of their first parameter: one, or under --ep the dense parameters and
+        the routed experts on their own mesh (torch's _init_param_group groups by process group)."""
+        if self.layout.ep == 1:
+            return [unit]
+        groups: dict[int, list[ParamInfo]] = {}
+        for p in unit:
+            groups.setdefault(self.shard_of[p.name], []).append(p)
+        return list(groups.values())
+
     def copy_out(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         alloc = self.sch.alloc
-        self.gathered[unit_key] = [alloc(n, "gathered_weights") for p in unit for n in self.gather_sizes[p.name]]
+        keys = [alloc(n, "gathered_weights") for p in unit for n in self.gather_sizes[p.name]]
+        self.gathered.setdefault(unit_key, []).extend(keys)
+        self.gathered_by.setdefault(unit_key, []).append(keys)
+
+    def gather_unsharded(self, unit_key: int | None, group: list[ParamInfo]) -> None:
+        """FSDP2 on a one-rank mesh (--ep with efsdp 1: the experts' group), wait_for_unshard's world_size == 1 path
+        without a collective: per parameter its shard cast to param_dtype (all_gather_inputs), the unsharded output
+        allocated (alloc_storage) and copied into, the cast released once the next one exists."""
+        sch, alloc = self.sch, self.sch.alloc
+        keys, prev = [], -1
+        for p in group:
+            cast = alloc(sum(self.gather_sizes[p.name]), "communication_buffers") if self.cast_in[p.name] else -1
+            sch.free(prev)
+            prev = cast
+            keys += [alloc(n, "gathered_weights") for n in self.gather_sizes[p.name]]
+        sch.free(prev)
+        self.gathered.setdefault(unit_key, []).extend(keys)
+        self.gathered_by.setdefault(unit_key, []).append(keys)
 
     def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         if not self.fsdp or unit_key in self.gathered:
             return
-        out = self.all_gather(unit)
-        self.copy_out(unit_key, unit)
-        self.sch.free_all(self.last_forward_ag)   # the previous unit's output is released once this one is gathered
-        self.last_forward_ag.append(out)
+        prefetched = self.ag_forward.pop(unit_key, None)
+        for g, group in enumerate(self.fsdp_groups(unit)):      # each group's pre_forward: all-gather, copy-out
+            if self.shard_of[group[0].name] == 1:
+                self.sch.free_all(self.last_forward_ag)   # wait_for_unshard frees the previous state first
+                self.gather_unsharded(unit_key, group)
+                continue
+            out = prefetched[g] if prefetched is not None else self.all_gather(group)
+            self.copy_out(unit_key, group)
+            self.sch.free_all(self.last_forward_ag)   # the previous output is released once this one is gathered
+            self.last_forward_ag.append(out)
 
     def unshard_backward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         if not self.fsdp or unit_key in self.gathered:
             return
-        out = self.ag_out.pop(unit_key, None)
-        if out is None:
-            out = self.all_gather(unit)
-        self.copy_out(unit_key, unit)
-        self.sch.free(out)
+        outs = self.ag_out.pop(unit_key, None)
+        for g, group in enumerate(self.fsdp_groups(unit)):
+            if self.shard_of[group[0].name] == 1:    # no collective: its unshard (and prefetch) allocates nothing
+                self.gather_unsharded(unit_key, group)
+                continue
+            out = outs[g] if outs is not None else self.all_gather(group)
+            self.copy_out(unit_key, group)
+            self.sch.free(out)
+
+    def prefetch_forward(self, i: int) -> None:
+        """--ep: torchtitan's explicit forward prefetch (apply_fsdp_to_decoder's set_modules_to_forward_prefetch):
+        layer i's groups all-gathered once the root / layer i - 1 is unsharded (a one-rank group allocates
+        nothing until its copy-out)."""
+        if self.layout.ep == 1 or not self.fsdp or i >= self.layers or i in self.gathered:
+            return
+        self.ag_forward[i] = [self.all_gather(group) if self.shard_of[group[0].name] > 1 else -1
+                              for group in self.fsdp_groups(self.by_layer.get(i, []))]
 
     def prefetch(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         if self.fsdp and unit_key not in self.gathered and unit_key not in self.ag_out:
-            self.ag_out[unit_key] = self.all_gather(unit)
+            self.ag_out[unit_key] = [self.all_gather(group) if self.shard_of[group[0].name] > 1 else -1
+                                     for group in self.fsdp_groups(unit)]
 
     def reshard_unit(self, unit_key: int | None) -> None:
+        self.gathered_by.pop(unit_key, None)
         for k in self.gathered.pop(unit_key, []):
             self.sch.free(k)
 
@@ -364,6 +418,7 @@ class StepSchedule:
                 self.root_unsharded_grads[p.name] = alloc(size, "gradients")
             else:
                 self.layer_unsharded.append(alloc(size, "gradients"))
+                self.unsharded_grad_of[p.name] = self.layer_unsharded[-1]
             return
         # DTensor: a vocab-parallel embedding's gradient comes back replicated (full size)
         size = (p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]) * self.pb[p.name]
@@ -468,6 +523,7 @@ class StepSchedule:
         if self.objective is not None:    # forwards before the policy's own (KTO's KL sequences)
             self.objective.before_forward()
         self.unshard_forward(None, self.root)          # the root is not resharded after forward (FSDP2 default)
+        self.prefetch_forward(0)
         self.cache: list[int] = []           # autocast's cached low-precision weight copies
         self.bias_cache: list[int] = []
         self.copies_by_layer: dict[int | None, list[list[int]]] = {}
@@ -505,6 +561,7 @@ class StepSchedule:
         sch, alloc, act, regime = self.sch, self.sch.alloc, self.act, self.regime
         sch.mark(f"layer {i}")
         self.unshard_forward(i, self.by_layer.get(i, []))
+        self.prefetch_forward(i + 1)
         blocks_params = self.layer_blocks_params[i]
         checkpointed = act.checkpointed(i)
         if checkpointed:
@@ -677,7 +734,8 @@ class StepSchedule:
         sch = self.sch
         sch.phase = f"it{it}:backward"
         layers = self.layers
-        self.prefetch(layers - 1, self.by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers it
+        if not getattr(self.objective, "loss_outside_model", False):   # TRL's ORPO / CPO: at the logits' gradient
+            self.prefetch(layers - 1, self.by_layer.get(layers - 1, []))   # the root's pre-backward hook gathers it
         sch.mark("lm_head and loss")
         self.head_backward(it)
         self.pending_rs: list[int] = []
@@ -835,6 +893,9 @@ class StepSchedule:
         current stream (the previous one has finished by now), its sharded output on the reduce-scatter stream."""
         sch, alloc = self.sch, self.sch.alloc
         unit = self.by_layer.get(i, [])
+        if self.layout.ep > 1:
+            self.reduce_scatter_groups(i, unit)
+            return
         self.reshard_unit(i)
         sch.free_all(self.pending_rs)
         rs_in = alloc(self.unit_bytes(unit, self.reduce_bytes, True), "communication_buffers")
@@ -842,6 +903,22 @@ class StepSchedule:
         self.sharded_grads(alloc(self.unit_bytes(unit, self.reduce_bytes, True) // self.shards, "gradients",
                                  REDUCE_SCATTER))
         self.pending_rs.append(rs_in)
+
+    def reduce_scatter_groups(self, i: int, unit: list[ParamInfo]) -> None:
+        """--ep: each FSDPParamGroup's post_backward in turn (reshard, reduce-scatter input, the group's unsharded
+        gradients freed, its output sharded over the group's mesh: efsdp for the routed experts)."""
+        sch, alloc = self.sch, self.sch.alloc
+        gathered = self.gathered_by.pop(i, [])
+        self.gathered.pop(i, None)
+        for g, group in enumerate(self.fsdp_groups(unit)):
+            sch.free_all(gathered[g] if g < len(gathered) else [])
+            sch.free_all(self.pending_rs)
+            rs_bytes = self.unit_bytes(group, self.reduce_bytes, True)
+            rs_in = alloc(rs_bytes, "communication_buffers")
+            sch.free_all([self.unsharded_grad_of.pop(p.name) for p in group if p.name in self.unsharded_grad_of])
+            self.sharded_grads(alloc(rs_bytes // self.shard_of[group[0].name], "gradients", REDUCE_SCATTER))
+            self.pending_rs.append(rs_in)
+        self.layer_unsharded.clear()
 
     def sharded_grads(self, key: int) -> None:
         """foreach_reduce's output: the sharded gradients until the optimizer step, or under CPUOffloadPolicy

@@ -8,7 +8,8 @@ for backward (the sorted input, the gate_up and activation outputs, the weighted
 split between experts, so on one GPU and under FSDP2 (the 3-D expert weights sharded on dim 0 like any parameter)
 memory does not depend on how balanced the routing is. On fake tensors the router's topk, the sort, the histogram
 and the grouped GEMM have data-independent shapes: the trace runs the real code, nothing is emulated. Imbalance
-would matter only under expert parallelism (a rank receives the tokens routed to its experts), not modelled here.
+matters under expert parallelism (--ep, llmem.setup.expert_parallel): a rank receives the rows routed to its local
+experts, which depends on the routing; llmem assumes balanced routing scaled by --ep-imbalance and says so.
 """
 
 from __future__ import annotations
@@ -38,18 +39,24 @@ def moe_facts(anatomy: ModelAnatomy) -> MoeFacts | None:
     return MoeFacts(experts, top_k, int(cfg.get("n_shared_experts") or 0), int(cfg.get("first_k_dense_replace") or 0))
 
 
-def routing_notes(anatomy: ModelAnatomy, learned: bool = False) -> list[str]:
+def routing_notes(anatomy: ModelAnatomy, learned: bool = False, ep: int = 1) -> list[str]:
     """The routing assumption an MoE result states (estimate and trace alike); with activations `learned` from the
-    copy's routed layer 1 (llmem.runtime.learn), how a model whose first layers are dense is read."""
+    copy's routed layer 1 (llmem.runtime.learn), how a model whose first layers are dense is read; under --ep
+    `ep` > 1 the rank's rows depend on the routing (the --ep note states the assumption)."""
     facts = moe_facts(anatomy)
     if facts is None:
         return []
     shared = f" and {facts.shared_experts} shared" if facts.shared_experts else ""
-    notes = [f"MoE: {facts.experts} routed experts{shared}, top-{facts.top_k} per token, run as transformers' "
-             f"grouped_mm experts: every expert tensor holds the tokens x {facts.top_k} routed pairs whatever the "
-             "balance between experts, so memory here does not depend on the routing (the trace's fake router "
-             "routes without data through the same shapes); expert parallelism, where a rank's load would depend "
-             "on it, is not modelled"]
+    if ep > 1:
+        notes = [f"MoE: {facts.experts} routed experts{shared}, top-{facts.top_k} per token, {facts.experts // ep} "
+                 f"per rank under --ep {ep}: the local grouped_mm experts hold the rows the rank receives, which "
+                 "depends on the routing (see the --ep note for the assumption)"]
+    else:
+        notes = [f"MoE: {facts.experts} routed experts{shared}, top-{facts.top_k} per token, run as transformers' "
+                 f"grouped_mm experts: every expert tensor holds the tokens x {facts.top_k} routed pairs whatever "
+                 "the balance between experts, so memory here does not depend on the routing (the trace's fake "
+                 "router routes without data through the same shapes); under expert parallelism (--ep) a rank's "
+                 "load depends on it"]
     if learned and facts.dense_layers:
         first = "layer has" if facts.dense_layers == 1 else f"{facts.dense_layers} layers have"
         notes.append(f"the first {first} a dense MLP (first_k_dense_replace, of {anatomy.num_layers} decoder layers): "

@@ -9,7 +9,9 @@ from functools import cached_property
 
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
+from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
+from llmem.setup.expert_parallel import check_ep_model
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS, TP_NONE, MethodSpec, canonical_method
@@ -77,7 +79,12 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
                             trained.num_heads, trained.num_kv_heads, setup.dp_replicate, setup.pp, setup.cp)
-    check_pipeline(setup.pp, setup.pp_schedule, setup.microbatches, setup.batch_size, trained.num_layers)
+    check_pipeline(setup.pp, setup.pp_schedule, setup.microbatches, setup.batch_size, trained.num_layers,
+                   setup.pp_virtual_stages)
+    if setup.ep > 1:        # torchtitan's EP: the experts Shard(0) over ep of the FSDP2 ranks (llmem.setup.expert_parallel)
+        facts = moe_facts(trained)
+        check_ep_model(setup.ep, facts.experts if facts else None, layout.shard_degree)
+        layout = replace(layout, ep=setup.ep)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
 

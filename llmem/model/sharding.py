@@ -47,9 +47,24 @@ def tp_split_dim(p: ParamInfo) -> int | None:
     return None
 
 
+def is_routed_expert(p: ParamInfo) -> bool:
+    """A routed experts module's 3-D weight (or 2-D bias) with the experts on dim 0: transformers'
+    `@use_experts_implementation` classes (Qwen3MoeExperts, GptOssExperts, DeepseekV3Experts, MixtralExperts)."""
+    return p.module_kind.endswith("Experts")
+
+
+def param_shard_degree(p: ParamInfo, layout: Layout) -> int:
+    """FSDP2's shard count of `p`: efsdp for a routed expert under --ep (torchtitan's per-parameter mesh), else the
+    layout's shard degree."""
+    return layout.expert_shard_degree if layout.ep > 1 and is_routed_expert(p) else layout.shard_degree
+
+
 def tp_local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
-    """Shape after tensor parallelism only (what FSDP all-gathers back per GPU): torch.chunk, rank 0 the ceiling."""
+    """Shape after tensor parallelism only (what FSDP all-gathers back per GPU): torch.chunk, rank 0 the ceiling;
+    under --ep a routed expert weight's experts / ep local experts (torchtitan's Shard(0) over ep)."""
     shape = list(p.shape)
+    if layout.ep > 1 and is_routed_expert(p):
+        shape[0] //= layout.ep
     if layout.tp > 1:
         dim = tp_split_dim(p)
         if dim is not None and dim < len(shape):
@@ -65,8 +80,9 @@ def local_shape(p: ParamInfo, layout: Layout) -> tuple[int, ...]:
     """Shape of `p` held by rank 0: the TP chunk, then FSDP2's dim-0 shard (dim 0 padded to a multiple of
     the shard degree: dp, or dp_shard under HSDP)."""
     shape = list(tp_local_shape(p, layout))
-    if layout.shard_degree > 1 and shape:
-        shape[0] = -(-shape[0] // layout.shard_degree)
+    shards = param_shard_degree(p, layout)
+    if shards > 1 and shape:
+        shape[0] = -(-shape[0] // shards)
     return tuple(shape)
 
 
@@ -80,14 +96,18 @@ def fsdp_unit_numel(unit: list[ParamInfo], layout: Layout) -> int:
     total = 0
     for p in unit:
         shape = tp_local_shape(p, layout) or (1,)
-        shards = layout.shard_degree
+        shards = param_shard_degree(p, layout)
         total += -(-shape[0] // shards) * shards * prod(shape[1:])
     return total
 
 
 def foreach_groups(trainable: list[ParamInfo], layout: Layout) -> list[list[ParamInfo]]:
     """Parameter groups as a tensor-parallel run must form them for foreach kernels (one kind of tensor each): the
-    TP-sharded DTensors and the TP-replicated tensors (norms, row-parallel biases)."""
+    TP-sharded DTensors and the TP-replicated tensors (norms, row-parallel biases); under --ep the DTensors on the dp
+    mesh and the routed experts' on the efsdp mesh."""
+    if layout.ep > 1:
+        dense = [p for p in trainable if not is_routed_expert(p)]
+        return [g for g in (dense, [p for p in trainable if is_routed_expert(p)]) if g]
     if layout.tp == 1:
         return [trainable]
     split = [p for p in trainable if tp_split_dim(p) is not None]

@@ -87,6 +87,9 @@ def _setup_terms(setup: TrainingSetup, anatomy: ModelAnatomy, m_base: int, bs: i
 def paper_estimate(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
                    m_base_bytes: int | None = None) -> MemoryResult:
     """LLMem's per-GPU peak for `setup` as a MemoryResult (engine "paper")."""
+    if setup.ep > 1:
+        raise LlmemError("the paper engine (LLMem's equations) has no expert parallelism: drop --ep or use "
+                         "--engine llmem / trace")
     if setup.cp > 1:
         raise LlmemError("the paper engine (LLMem's equations) has no context parallelism: drop --cp or use "
                          "--engine llmem / trace")

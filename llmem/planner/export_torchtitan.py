@@ -14,6 +14,7 @@ fp16, another optimizer, the optimizer alone offloaded.
 from __future__ import annotations
 
 from llmem.errors import LlmemError
+from llmem.setup.pipeline import torchtitan_pipeline
 from llmem.setup.sources.torchtitan import FLAVORS, IMPLEMENTATIONS, PRECISION
 
 # llmem's names -> torchtitan's (the reader's maps, inverted: one table serves both directions)
@@ -60,21 +61,38 @@ def _activation_checkpoint(setup, grad_ckpt: bool) -> dict:
     return {"mode": "full" if grad_ckpt else "none"}
 
 
+def _planned_microbatches(p, e) -> int:
+    """The pipeline micro-batches per step of the plan's chosen pipeline layout (its micro-batch size is
+    e.micro_batch_size: llmem.planner.search.layout_setup); 1 otherwise."""
+    c = getattr(p, "recommended", None)
+    if e.layout.pp > 1 and c is not None and c.layout == e.layout and c.time is not None:
+        return c.time.pp_microbatches
+    return 1
+
+
 def torchtitan_sections(p, e) -> dict[str, dict]:
     """The TOML's sections for the plan (what torchtitan reads; the reader's names)."""
     _check(p, e)
     lay = e.layout
     name, flavor = _flavor(e.model)
-    shards = lay.shard_degree if lay.shards_model_states else 1
+    # torchtitan folds cp into FSDP2's mesh itself: data_parallel_shard_degree is dp_shard alone
+    shards = lay.dp // lay.replicas if lay.shards_model_states else 1
     replicas = lay.replicas if lay.shards_model_states else lay.dp       # ddp: replication alone
-    training = {"local_batch_size": e.micro_batch_size,
-                "global_batch_size": e.micro_batch_size * e.accumulation_steps * lay.dp,
+    microbatches = _planned_microbatches(p, e)      # a planned pipeline: m micro-batches of the planned size
+    local = e.micro_batch_size * microbatches
+    training = {"local_batch_size": local,
+                "global_batch_size": local * e.accumulation_steps * lay.dp,
                 "seq_len": e.seq_len, "mixed_precision_param": TORCHTITAN_PARAM_DTYPES[e.precision],
                 "mixed_precision_reduce": "float32"}
     if e.cpu_offload_policy:
         training["enable_cpu_offload"] = True
     parallelism = {"data_parallel_replicate_degree": replicas, "data_parallel_shard_degree": shards,
-                   "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": 1, "context_parallel_degree": 1}
+                   "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": 1,
+                   "context_parallel_degree": lay.cp,
+                   "expert_parallel_degree": lay.ep}     # torchtitan's EP borrows from dp_shard (efsdp x ep)
+    if getattr(lay, "pp", 1) > 1:   # the schedule, micro-batch size and stages per rank (llmem.setup.pipeline)
+        parallelism.update(torchtitan_pipeline(lay.pp, p.setup.pp_schedule, local // microbatches,
+                                               p.anatomy.num_layers, p.setup.pp_virtual_stages))
     if lay.shards_model_states and not lay.spec.reshard_after_forward:
         parallelism["fsdp_reshard_after_forward"] = "never"
     return {"job": {"description": f"llmem plan: {lay.label}"},

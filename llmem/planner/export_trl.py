@@ -12,9 +12,19 @@ gradient_checkpointing and bf16 default to True, unlike TrainingArguments)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from llmem.errors import LlmemError
 from llmem.planner.plan import Plan
+from llmem.setup.generation import (
+    GENERATION_DEFAULTS,
+    beta,
+    completion_length,
+    num_generations,
+    prompt_length,
+    vllm_mode,
+    vllm_utilization,
+)
 from llmem.setup.objectives import loss_type_of, objective_spec
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -32,9 +42,6 @@ def check_trl_exportable(setup: TrainingSetup) -> None:
         raise LlmemError(f"--export trl: the trl CLI has no command for --objective {spec.name} (TRL's "
                          f"{spec.trainer} lives in {spec.trainer_module}, without a script): export accelerate and "
                          "launch your own script")
-    if spec.generates:     # GRPOConfig's fields (num_generations, max_completion_length, beta) are not written yet
-        raise LlmemError(f"--export trl --objective {spec.name} is not written yet: export accelerate and pass "
-                         "--num_generations, --max_completion_length and --beta to `trl grpo` yourself")
     if setup.ref_dtype != "policy":
         raise LlmemError("--export trl: TRL loads the reference copy in the policy's dtype; drop --ref-dtype")
     if setup.prompt_len:
@@ -58,11 +65,14 @@ def trl_config(p: Plan, e) -> dict:
         cfg["dtype"] = dtype
     if spec.beta is not None:
         cfg["beta"] = spec.beta
-    if spec.name == "dpo":
+    if spec.generates:
+        cfg.pop("max_length")             # GRPOConfig has none: the sequence is the prompt + max_completion_length
+        cfg.update(generation_config(planned_generation(p, e)))
+    elif spec.name == "dpo":
         cfg["loss_type"] = [loss_type_of(setup)]          # DPOConfig.loss_type is a list
     elif spec.loss_types:
         cfg["loss_type"] = loss_type_of(setup)
-    if spec.keeps_reference:
+    if spec.keeps_reference and not spec.generates:
         cfg["precompute_ref_log_probs"] = setup.precompute_ref_log_probs
     if spec.scalar_head:      # RewardConfig's default, the one key only it has: `--from` tells the trainer by it
         cfg["center_rewards_coefficient"] = None
@@ -72,6 +82,52 @@ def trl_config(p: Plan, e) -> dict:
                     "lora_dropout": setup.lora_dropout,
                     "lora_target_modules": targets if targets == LORA_ALL_LINEAR else targets.split(",")})
     return cfg
+
+
+# RLOOConfig's default of a key GRPOConfig has not: every other RLOO key is GRPOConfig's too, so `--from` tells
+# the trainer by it (llmem.setup.sources.trl_trainers), as it tells RewardConfig by center_rewards_coefficient
+GENERATION_TELLING_KEYS = {"rloo": {"normalize_advantages": False}}
+
+
+def planned_generation(p: Plan, e) -> TrainingSetup:
+    """The set-up with the colocated vLLM utilization the plan chose for the exported layout (plan.generation:
+    llmem.planner.generation_plan), else as given."""
+    g = getattr(p, "generation", None)
+    if g and g.get("from") == "recommended" and g.get("label") == e.layout.label and g.get("vllm_chosen"):
+        return replace(p.setup, vllm_gpu_memory_utilization=g["vllm_gpu_memory_utilization"])
+    return p.setup
+
+
+def generation_config(setup: TrainingSetup) -> dict:
+    """GRPOConfig's generation fields as planned (trl/trainer/grpo_config.py): the sizes, beta, loss_type (where
+    the config has one), steps_per_generation 1 (the planned step generates one micro-batch's completions per
+    micro-step; TRL's default, gradient_accumulation_steps, would generate them all at once), and vLLM's fields
+    under --use-vllm."""
+    cfg: dict = {"num_generations": num_generations(setup), "max_completion_length": completion_length(setup),
+                 "beta": beta(setup)}
+    defaults = GENERATION_DEFAULTS[setup.objective]
+    if defaults.loss_types:              # GRPOConfig's loss_type (RLOOConfig has none)
+        cfg["loss_type"] = setup.loss_type or defaults.loss_type
+    cfg.update(GENERATION_TELLING_KEYS.get(setup.objective, {}))
+    cfg.update({"steps_per_generation": 1, "use_vllm": setup.use_vllm})
+    mode = vllm_mode(setup)
+    if mode is not None:
+        cfg["vllm_mode"] = mode
+    if mode == "colocate":
+        cfg.update({"vllm_gpu_memory_utilization": vllm_utilization(setup),
+                    "vllm_enable_sleep_mode": setup.vllm_enable_sleep_mode})
+        if setup.vllm_max_model_length is not None:
+            cfg["vllm_max_model_length"] = setup.vllm_max_model_length
+    return cfg
+
+
+def trl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trl")
+    except PackageNotFoundError:
+        return "1.16"
 
 
 def accelerate_path(path: str) -> str:
@@ -94,5 +150,11 @@ def export_trl(p: Plan, e, path: str, accelerate_text: str | None) -> dict[str, 
               f"# {e.layout.label} on {e.layout.world_size} GPU(s), per-GPU micro-batch {e.micro_batch_size}"
               + (" pairs" if spec.paired else "") + f", accumulation {e.accumulation_steps}, max_length "
               f"{e.seq_len} (the planned --seq-len), {e.precision} ({PRECISIONS[e.precision].compute_dtype})"]
+    if spec.generates:
+        s = p.setup
+        header[1] = header[1].replace(f", max_length {e.seq_len} (the planned --seq-len)", "")
+        header.append(f"# prompts of {prompt_length(s)} tokens + max_completion_length {completion_length(s)} = "
+                      f"--seq-len {s.seq_len} as planned (trl {trl_version()} does not truncate prompts: keep yours "
+                      f"to {prompt_length(s)} tokens; llmem's --from reads a 512-token prompt unless given --seq-len)")
     files[path] = "\n".join(header) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
     return files

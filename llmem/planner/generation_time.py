@@ -8,15 +8,25 @@ time model of llmem.planner.timing, extended.
   copies) and the KV
   cache (on average half its final size) at the GPU's memory bandwidth, or FLOP-bound when that is longer;
 * scoring: beta > 0 runs the reference's forward over the batch (the training forward's FLOPs).
+* --use-vllm: vLLM generates the batch in waves of as many sequences as its KV cache holds at once
+  (VllmPool.concurrent_sequences: the scheduler admits a sequence while blocks remain, llmem.memory.vllm), each
+  wave's prefill at FLOPs and its decode steps reading vLLM's own weights (the checkpoint dtype, adapters merged:
+  TRL's _move_model_to_vllm) and the wave's paged KV cache at the memory bandwidth; so a larger pool (more KV
+  blocks) means fewer, bigger waves. Under vllm_mode server the engine is on other GPUs, timed as one engine per
+  training rank with room for the whole batch (its capacity is not known here: an assumption). Sleep mode's
+  wake-up / sleep copies are not timed.
 Every completion runs to max_completion_length (the longest step). Sampling, rewards and host round trips are not
 timed.
 """
 
 from __future__ import annotations
 
+from llmem.estimator.generation import attention_dims, colocated_pool
 from llmem.model.resolved import ResolvedSetup
-from llmem.setup.generation import completion_length, prompt_length
+from llmem.setup.generation import completion_length, prompt_length, vllm_mode
 from llmem.setup.objectives import REF_NONE, objective_spec, reference_mode
+
+VLLM_SERVER_DTYPE_BYTES = 2       # the server's weights and KV cache: bf16, every catalog LLM's checkpoint dtype
 
 
 def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, rate_flops_per_s: float,
@@ -26,6 +36,10 @@ def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, 
     setup = r.setup
     if not objective_spec(setup.objective).generates:
         return 0.0
+    scoring_s = forward_s if reference_mode(setup) != REF_NONE else 0.0
+    if vllm_mode(setup) is not None:
+        return vllm_generation_s(r, micro_batch, matmul_params, rate_flops_per_s, attention_flops_per_token) \
+            + scoring_s
     p, c = prompt_length(setup), completion_length(setup)
     prefill_s = micro_batch * p * (2 * matmul_params + attention_flops_per_token) / rate_flops_per_s
     weights_bytes = sum(q.numel * setup.stored_bytes(q.trainable) for q in r.anatomy.params)
@@ -44,5 +58,38 @@ def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, 
         memory_s = (weights_bytes + mean_cache) / bandwidth
         flops_s = micro_batch * 2 * matmul_params / rate_flops_per_s
         decode_s = (c - 1) * max(memory_s, flops_s)
-    scoring_s = forward_s if reference_mode(setup) != REF_NONE else 0.0
     return prefill_s + decode_s + scoring_s
+
+
+def vllm_waves(r: ResolvedSetup, micro_batch: int) -> tuple[int, int]:
+    """(sequences vLLM generates at once, waves) for the rank's `micro_batch` completions: the colocated pool's
+    concurrent sequences of --seq-len tokens (at most the batch: TRL's max_num_seqs), the whole batch in server
+    mode (module docstring)."""
+    pool = colocated_pool(r)
+    at_once = micro_batch if pool is None else max(1, min(micro_batch, pool.concurrent_sequences(r.setup.seq_len)))
+    return at_once, -(-micro_batch // at_once)
+
+
+def vllm_generation_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, rate_flops_per_s: float,
+                      attention_flops_per_token: float) -> float:
+    """vLLM's generation of the rank's completions (module docstring): waves of prefill at FLOPs and decode at the
+    memory bandwidth, over vLLM's weights (the colocated pool's; in server mode the base's parameters in bf16) and
+    the wave's KV cache (the pool's block bytes per token; server: K and V of every layer in bf16)."""
+    setup = r.setup
+    p, c = prompt_length(setup), completion_length(setup)
+    pool = colocated_pool(r)
+    if pool is not None:
+        weights_bytes, kv_bytes_per_token = pool.weights_bytes, pool.block_bytes / pool.block_size
+    else:
+        kv, head_dim = attention_dims(r.base.config or {})
+        weights_bytes = r.base.total_params * VLLM_SERVER_DTYPE_BYTES
+        kv_bytes_per_token = 2 * r.base.num_layers * kv * head_dim * VLLM_SERVER_DTYPE_BYTES
+    at_once, waves = vllm_waves(r, micro_batch)
+    bandwidth = r.gpu.memory_gbps * 1e9
+    prefill_s = micro_batch * p * (2 * matmul_params + attention_flops_per_token) / rate_flops_per_s
+    decode_s = 0.0
+    if c > 1:
+        memory_s = (weights_bytes + at_once * kv_bytes_per_token * (p + c / 2)) / bandwidth
+        flops_s = at_once * 2 * matmul_params / rate_flops_per_s
+        decode_s = waves * (c - 1) * max(memory_s, flops_s)
+    return prefill_s + decode_s

@@ -14,6 +14,7 @@ from llmem.units import parse_bytes, parse_count, parse_fraction
 ENGINES = ("llmem", "paper")
 RANKINGS = ("time", "paper")
 EXPORT_KINDS = ("accelerate", "torchrun", "deepspeed", "torchtitan", "trl")
+LAYOUT_SCOPES = ("all", "dp-tp")     # --layouts: with pipeline and context-parallel layouts, or without
 
 
 def _flag(default: Any, help: str, flag: str, *, parse=None, cli_default: Any = ..., choices=None, type=None,
@@ -42,6 +43,8 @@ class PlanOptions:
     m_base_bytes: int | None = _flag(None, "paper engine: memory in use before training, e.g. 600MiB", "--m-base",
                                      parse=parse_bytes)
     batch_cap: int = _flag(BATCH_CAP, f"cap of the batch search (default {BATCH_CAP})", "--max-batch", type=int)
+    layouts: str = _flag("all", "all: dp x tp, HSDP, pipeline and context-parallel layouts (default); dp-tp: "
+                         "without pipeline and context parallelism", "--layouts", choices=LAYOUT_SCOPES)
     methods: tuple[str, ...] | None = None       # from --method: plan only this method
     tp: int | None = None                        # from --tp: only this tensor-parallel degree
 
@@ -60,5 +63,7 @@ class PlanOptions:
             raise LlmemError(f"--global-batch must be >= 1, got {self.global_batch}")
         if self.dataset_tokens is not None and self.dataset_tokens < 1:
             raise LlmemError(f"--dataset-tokens must be >= 1, got {self.dataset_tokens}")
+        if self.layouts not in LAYOUT_SCOPES:
+            raise LlmemError(f"unknown --layouts {self.layouts!r}: choose {' or '.join(LAYOUT_SCOPES)}")
         if self.batch_cap < 1:
             raise LlmemError(f"--max-batch must be >= 1, got {self.batch_cap}")

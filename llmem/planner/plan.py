@@ -3,7 +3,12 @@
 For a model, a GPU type and count, a sequence length and the training options, the planner
 
 1. lists the candidate layouts (`candidate_layouts`): single (one GPU only), ddp, fsdp, zero2, tp over all GPUs
-   (only inside one node) and fsdp+tp for every tp dividing the node size with dp >= 2;
+   (only inside one node) and fsdp+tp for every tp dividing the node size with dp >= 2; across nodes HSDP; under
+   the llmem engine and the time ranking also pipeline (single / fsdp x pp) and context-parallel (fsdp, dp x cp)
+   layouts of every degree the model allows (--pp N / --cp N: only those). The plain layouts of one node are all
+   searched; the others (HSDP, pp, cp, every layout across nodes) only where an upper bound on their tokens/s (the
+   time model at the batch cap, then at the quick memory bound's largest batch) could beat the fastest found,
+   the likeliest first, so the answer is the one searching them all would give;
 2. finds each candidate's largest micro-batch that fits (`max_batch_size`: exponential probe 1, 2, 4, ... then
    bisection over the memory engine, which is monotone in the batch size), with the user's headroom;
 3. ranks the candidates, either by the time model below (`--ranking time`, default) or by LLMem's Algorithm 1
@@ -30,6 +35,12 @@ from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.paper.algorithm1 import CPU_OFFLOADING, EVAL_FORMULAS
 from llmem.planner.engines import MemoryEngine, memory_engine
+from llmem.planner.generation_plan import (
+    VllmChoice,
+    choose_utilization,
+    plan_generation,
+    searches_utilization,
+)
 from llmem.planner.options import PlanOptions
 from llmem.planner.search import (
     CandidatePlan,
@@ -39,12 +50,15 @@ from llmem.planner.search import (
     paper_eval,
     rank_by_paper,
     rank_by_time,
+    screened,
+    tokens_per_s_bound,
 )
 from llmem.planner.suggestions import suggest
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.gpus import GpuSpec, resolve_gpu
-from llmem.setup.layout import candidate_layouts, gpus_per_node
+from llmem.setup.layout import Layout, ModelLimits, candidate_layouts, gpus_per_node
 from llmem.setup.objectives import setup_batch_multiple
+from llmem.setup.pipeline import pipeline_schedule
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -63,6 +77,7 @@ class Plan:
     notes: list[str]
     engine: MemoryEngine | None = field(repr=False, default=None)
     dataset_time_s: float | None = None
+    generation: dict | None = None       # a generation objective's answer: layout, phases, vLLM (generation_plan)
 
     @property
     def limit_bytes(self) -> int:
@@ -87,44 +102,88 @@ class Plan:
         })
         setup.pop("method", None)
         setup.pop("batch_size", None)
-        return {"methods": [c.to_dict() for c in self.candidates], "recommended": rec,
-                "suggestions": self.suggestions, "setup": setup, "notes": self.notes}
+        out = {"methods": [c.to_dict() for c in self.candidates], "recommended": rec,
+               "suggestions": self.suggestions, "setup": setup, "notes": self.notes}
+        if self.generation is not None:
+            out["generation"] = self.generation
+        return out
 
 
 def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: ModelAnatomy | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> Plan:
     """Plan `setup`'s model on setup.gpus GPUs of type setup.gpu (setup.method and batch_size are ignored)."""
+    if setup.ep > 1:
+        raise LlmemError("llmem plan does not search expert-parallel layouts yet: drop --ep (estimate and trace "
+                         "model it)")
     options = options or PlanOptions()
-    if setup.pp > 1:
-        raise LlmemError("llmem plan does not search pipeline-parallel layouts yet: drop --pp (estimate and trace "
-                         "take it)")
-    if setup.cp > 1:
-        raise LlmemError("llmem plan does not search context-parallel layouts yet: drop --cp (estimate and trace "
-                         "take it)")
     anatomy = anatomy or setup_anatomy(setup)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
-    layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *ctx.heads, methods=options.methods, tp=options.tp)
-    if not layouts:
-        raise LlmemError(f"no layout of {setup.gpus} GPU(s) matches the requested method/tp for "
-                         f"{anatomy.name}")
+    layouts = plan_layouts(ctx, setup)
     notes = plan_notes(setup, gpu, options, anatomy)
-    candidates: list[CandidatePlan] = []
+    vllm_choices: dict[str, VllmChoice] = {}
     total_steps = len(layouts) + 1
-    for i, layout in enumerate(layouts):
+    found: dict[int, CandidatePlan] = {}
+    skipped: list[str] = []
+    # the plain dp x tp layouts first, every one searched and shown; then the screened ones (HSDP, pp, cp) the
+    # likeliest fastest first, each searched only where its tokens/s bound could beat the fastest found
+    plain = [(i, lay) for i, lay in enumerate(layouts) if not screened(lay) or not _screens(ctx, setup)]
+    rest = [(i, lay) for i, lay in enumerate(layouts) if (i, lay) not in plain]
+    bounds = {i: tokens_per_s_bound(ctx, setup, lay, at_cap=True) for i, lay in rest}     # no estimate: cheap
+    rest.sort(key=lambda x: -bounds[x[0]])
+    pruned: list[str] = []
+    deferred: list[tuple[int, Layout]] = []     # out of memory by their bound: searched only if nothing fits
+
+    def search_one(i: int, layout: Layout) -> None:
         if progress:
-            progress(f"searching {layout.label}", i, total_steps)
+            progress(f"searching {layout.label}", len(found), total_steps)
         try:
-            c = ctx.search(setup, layout)
+            if searches_utilization(setup):     # GRPO --use-vllm colocate: its utilization searched too
+                c, _, vllm_choices[layout.label] = choose_utilization(ctx, setup, layout)
+            else:
+                c = ctx.search(setup, layout)
         except LlmemError as exc:
-            notes.append(f"{layout.label} skipped: {exc}")
-            continue
-        attach_time(ctx, c, setup)
+            (skipped if i in bounds and not _fixed(setup) else notes).append(f"{layout.label} skipped: {exc}")
+            return
+        if layout.label not in vllm_choices:    # choose_utilization timed it at its utilization
+            attach_time(ctx, c, setup)
         if options.ranking == "paper":
             c.eval = paper_eval(layout, c.max_batch_size)
-        candidates.append(c)
+        found[i] = c
+
+    for i, layout in plain + rest:
+        if i in bounds:
+            best = rank_by_time([found[k] for k in sorted(found)])
+            # at its largest possible batch (the cap, then the quick memory bound's) not faster: it cannot be the
+            # answer (a tie goes to the earlier layout, as rank_by_time breaks it)
+            tight = None if best is not None and not _may_win(bounds[i], best, i < layouts.index(best.layout)) \
+                else tokens_per_s_bound(ctx, setup, layout)
+            if best is None and tight == 0.0:
+                deferred.append((i, layout))
+                continue
+            if best is not None and (tight is None or not _may_win(tight, best, i < layouts.index(best.layout))):
+                pruned.append(layout.label)
+                continue
+        search_one(i, layout)
+    if not any(c.fits for c in found.values()):
+        for i, layout in deferred:
+            search_one(i, layout)
+    else:
+        pruned += [layout.label for _, layout in deferred]
+    candidates = [found[i] for i in sorted(found)]     # in the layouts' order: rank_by_time breaks ties by it
+    if any(c.layout.pp > 1 for c in candidates):
+        notes.append(f"pipeline layouts: {setup.pp_schedule} over m micro-batches per step (--pp-microbatches, "
+                     "default pp: the fewest torch's schedules take), timed with its bubble, the busiest stage and "
+                     "the stage-to-stage sends (llmem.planner.parallel_time)")
+    if pruned:
+        notes.append(f"not searched, as an upper bound on their tokens/s (the time model at their largest possible "
+                     f"micro-batch; 0 where the quick memory bound rules out batch 1) is not above the fastest "
+                     f"found: {', '.join(pruned)}")
+    if skipped:
+        notes.append(f"{len(skipped)} pipeline / context-parallel / HSDP layout(s) this set-up cannot run: "
+                     + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))
     if not candidates:
         raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
 
@@ -143,21 +202,61 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
             recommendation, reason = "", "nothing fits at batch 1 on these GPUs; see the suggestions"
         else:
             recommendation = best.layout.label
+            piped = f" x {best.time.pp_microbatches} pipeline micro-batches" if best.layout.pp > 1 else ""
             reason = (f"fastest by the time model: {best.time.tokens_per_s:,.0f} tokens/s at micro-batch "
-                      f"{best.time.micro_batch_size} x {best.time.accumulation_steps} accumulation step(s)")
+                      f"{best.time.micro_batch_size}{piped} x {best.time.accumulation_steps} accumulation step(s)")
     suggestions: list[dict] = []
-    if not any(c.fits for c in candidates):
+    layouts = [lay for lay in layouts if lay.pp == lay.cp == 1]     # the what-ifs run on dp x tp layouts
+    if not any(c.fits for c in candidates) and layouts:
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
         # every what-if is searched on every layout that can run it (screened by the quick bound: suggestions.py)
         suggestions = suggest(ctx, setup, layouts, progress=progress and (
             lambda what, i, n: progress(what, len(layouts) + i, len(layouts) + n + 1)))
     result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
+    result.generation = plan_generation(ctx, setup, layouts, best, suggestions, vllm_choices)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
     if progress:
         progress("done", total_steps, total_steps)
     return result
+
+
+def _may_win(bound: float, best: CandidatePlan, earlier: bool) -> bool:
+    """Whether a layout whose tokens/s is at most `bound` could still be the answer against `best`."""
+    return bound > best.time.tokens_per_s or (earlier and bound == best.time.tokens_per_s)
+
+
+def _fixed(setup: TrainingSetup) -> bool:
+    """--pp N or --cp N given: the plan searches only that degree."""
+    return setup.pp > 1 or setup.cp > 1
+
+
+def _screens(ctx: PlanContext, setup: TrainingSetup) -> bool:
+    """Whether screened layouts may be skipped by their bound: under the time ranking, not when the user fixed
+    the degree (then those are all there is), nor where the plan searches vLLM's utilization too (the bound does
+    not model it)."""
+    return ctx.options.ranking == "time" and ctx.engine.has_quick and not _fixed(setup) \
+        and not searches_utilization(setup)
+
+
+def plan_layouts(ctx: PlanContext, setup: TrainingSetup) -> list[Layout]:
+    """The layouts a plan searches: candidate_layouts of the set-up's GPUs, with the pipeline and context-parallel
+    ones under the llmem engine and the time ranking (--pp / --cp N: only N; the degrees the model allows)."""
+    scale_out = ctx.options.engine == "llmem" and ctx.options.ranking == "time" and ctx.options.layouts == "all"
+    if _fixed(setup) and not scale_out:
+        raise LlmemError("plan --pp / --cp searches with the llmem engine, the time ranking and --layouts all: drop "
+                         "--engine paper / --ranking paper / --layouts dp-tp")
+    limits = ModelLimits(ctx.anatomy.num_layers, setup.seq_len,
+                         setup.pp_virtual_stages or pipeline_schedule(setup.pp_schedule).virtual_stages)
+    layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *ctx.heads, methods=ctx.options.methods,
+                                tp=ctx.options.tp, limits=limits if scale_out else None,
+                                pp=setup.pp if setup.pp > 1 else None, cp=setup.cp if setup.cp > 1 else None)
+    if not layouts:
+        what = f" with --pp {setup.pp}" if setup.pp > 1 else f" with --cp {setup.cp}" if setup.cp > 1 else ""
+        raise LlmemError(f"no layout of {setup.gpus} GPU(s){what} matches the requested method/tp for "
+                         f"{ctx.anatomy.name}: choose another degree or method")
+    return layouts
 
 
 def fits_note(gpu: GpuSpec, options: PlanOptions) -> str:
@@ -183,7 +282,7 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
     if options.engine == "paper":
         notes.append("paper engine: LLMem's equations (fp16 mixed precision, Gemini chunks, gradient "
                      "checkpointing assumed); the time model still uses the setup given")
-    if setup.batch_size != setup_batch_multiple(setup):
+    if setup.batch_size != setup_batch_multiple(setup) and setup.pp == 1:
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
     if setup.optimizer_in_backward and options.global_batch:
         notes.append("--optimizer-in-backward cannot accumulate gradients: each step is one micro-batch per GPU, "

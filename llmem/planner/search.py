@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.peft import trained_anatomy
 from llmem.model.resolved import assemble, setup_for
@@ -13,11 +14,11 @@ from llmem.planner.engines import MemoryEngine
 from llmem.planner.options import PlanOptions
 from llmem.planner.timing import StepTime, accumulation_for, offload_step_extra_s, step_time
 from llmem.result import MemoryResult
-from llmem.search import BATCH_CAP, calibrated_max, max_batch_size
+from llmem.search import BATCH_CAP, calibrated_max, max_batch_size, refine_max
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import setup_batch_multiple
-from llmem.setup.training import TrainingSetup
+from llmem.setup.training import MAX_STEP_TOKENS, TrainingSetup
 
 
 @dataclass
@@ -43,7 +44,9 @@ class CandidatePlan:
         t = self.time
         out = {
             "method": self.layout.method, "label": self.layout.label, "dp": self.layout.dp, "tp": self.layout.tp,
-            "dp_replicate": self.layout.replicas, "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
+            "dp_replicate": self.layout.replicas, "pp": self.layout.pp, "cp": self.layout.cp,
+            "pp_microbatches": t.pp_microbatches if t else None,
+            "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
             "batch_size_at_memory": max(self.max_batch_size, 1),
             "peak_reserved_bytes": self.memory.peak_reserved_bytes,
             "capped_reserved_bytes": self.memory.capped_reserved_bytes,
@@ -72,6 +75,28 @@ def fits_within(m: MemoryResult, limit: int) -> bool:
     return m.fits if m.capacity_bytes else m.device_used_bytes <= limit
 
 
+def pipeline_microbatches(base: TrainingSetup, layout: Layout) -> int:
+    """The schedule's micro-batches per step a pipeline layout is planned with: --pp-microbatches where given,
+    else pp (the fewest torch's GPipe and 1F1B accept; more shrink the bubble, which the time model shows); 1
+    without pipeline parallelism."""
+    if layout.pp <= 1:
+        return 1
+    return base.pp_microbatches or layout.pp
+
+
+def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSetup:
+    """`base` run with `layout` at micro-batch `micro` (setup_for's fields, and the layout's pp and cp); under
+    --pp the step is the schedule's m micro-batches of `micro` samples each (batch_size micro x m)."""
+    if layout.pp == layout.cp == base.pp == base.cp == 1:
+        return setup_for(base, layout, micro)
+    m = pipeline_microbatches(base, layout)
+    plain = setup_for(replace(base, pp=1, cp=1, pp_microbatches=None, pp_virtual_stages=None), layout, micro)
+    if layout.pp == 1:
+        return replace(plain, cp=layout.cp)
+    return replace(plain, pp=layout.pp, cp=layout.cp, batch_size=micro * m, pp_microbatches=m,
+                   pp_virtual_stages=base.pp_virtual_stages)
+
+
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
                      cap: int = BATCH_CAP) -> CandidatePlan:
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
@@ -86,25 +111,26 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
 
     def at(x: int) -> MemoryResult:
         if x not in cache:
-            cache[x] = engine.full(setup_for(base, layout, x * unit))
+            cache[x] = engine.full(layout_setup(base, layout, x * unit))
         return cache[x]
 
     def fits(x: int) -> bool:
         return fits_within(at(x), limit)
 
     cap = max(cap // unit, 1)
-    if not engine.has_quick:
+    # a pipeline's estimate is one replay per stage, which the quick bound and the draft do not model: full only
+    if not engine.has_quick or layout.pp > 1:
         best = max_batch_size(fits, cap)
         return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
     # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
     # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
-    d1 = engine.draft(setup_for(base, layout, unit))
+    d1 = engine.draft(layout_setup(base, layout, unit))
     if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
     # device_used <= limit is the same decision as `fits` at this limit (llmem.memory.capacity): the numbers
     # calibrate the search, the predicate is the allocator's
     best = calibrated_max(lambda x: at(x).device_used_bytes,
-                          lambda x: engine.quick(setup_for(base, layout, x * unit)), limit, cap)
+                          lambda x: engine.quick(layout_setup(base, layout, x * unit)), limit, cap)
     return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
 
 
@@ -138,7 +164,7 @@ class PlanContext:
 def timed(ctx: PlanContext, setup: TrainingSetup, layout: Layout, micro: int, steps: int,
           adapter_params: int = 0) -> StepTime:
     """The time model of `setup` under `layout` at `micro` x `steps`."""
-    r = assemble(setup_for(setup, layout, micro), ctx.anatomy, ctx.gpu, layout)
+    r = assemble(layout_setup(setup, layout, micro), ctx.anatomy, ctx.gpu, layout)
     return step_time(r, micro, steps, mfu=ctx.options.mfu, inter_node_gbps=ctx.options.inter_node_gbps,
                      adapter_params=adapter_params)
 
@@ -161,14 +187,80 @@ def time_at_max_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, ma
         # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
         wanted = -(-options.global_batch // layout.dp) if options.global_batch else max_batch
         micro, steps = min(max_batch, wanted), 1
-    else:
-        micro, steps = accumulation_for(options.global_batch, max_batch, layout.dp,
+    else:   # under --pp each of the dp ranks runs m micro-batches per schedule step
+        micro, steps = accumulation_for(options.global_batch, max_batch,
+                                        layout.dp * pipeline_microbatches(setup, layout),
                                         setup_batch_multiple(setup, layout.world_size))
     t = timed(ctx, setup, layout, micro, steps, adapter_params)
     if offload_optimizer:
-        extra = offload_step_extra_s(assemble(setup_for(setup, layout, micro), ctx.anatomy, ctx.gpu, layout))
+        extra = offload_step_extra_s(assemble(layout_setup(setup, layout, micro), ctx.anatomy, ctx.gpu, layout))
         t = replace(t, step_s=t.step_s + extra, tokens_per_s=t.tokens_per_step / (t.step_s + extra))
     return t
+
+
+# a fitting batch's quick bound stays within this share over the limit (it never lay above 1.16x the allocated
+# peak: llmem.planner.suggestions' QUICK_SLACK, the same screen)
+QUICK_BOUND_SLACK = 0.25
+
+
+def screened(layout: Layout) -> bool:
+    """A layout the plan searches only where a bound says it could be the fastest: HSDP's, the pipeline's and the
+    context-parallel ones, and across nodes every one (10 to 24 layouts there); the plain dp x tp layouts of one
+    node are always searched and shown."""
+    return layout.replicas > 1 or layout.pp > 1 or layout.cp > 1 or layout.nodes > 1
+
+
+def quick_twin(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, Layout]:
+    """The set-up and layout whose quick bound stands for `layout`'s (the quick bound does not model the ring):
+    under --cp its FSDP twin at seq_len / cp (the same shards over dp x cp, the same tokens per rank; the ring's
+    buffers only add), else itself."""
+    if layout.cp <= 1:
+        return setup, layout
+    return replace(setup, cp=1, seq_len=setup.seq_len // layout.cp), replace(layout, dp=layout.dp * layout.cp, cp=1)
+
+
+def step_cap(setup: TrainingSetup, layout: Layout, cap: int) -> int:
+    """The largest micro-batch up to `cap` whose step (m of them under --pp) stays within MAX_STEP_TOKENS, as
+    every set-up must."""
+    return max(1, min(cap, MAX_STEP_TOKENS // (setup.seq_len * pipeline_microbatches(setup, layout))))
+
+
+def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
+    """An upper bound on the largest micro-batch `layout` fits, from the quick bound (no allocator replay): the
+    layout's own (HSDP's: the same step, its own shards); under --cp its FSDP twin's at seq_len / cp (the same
+    shards over dp x cp, the same tokens per rank; the ring's buffers only add); under --pp the batch cap (the
+    quick bound does not model stages)."""
+    cap = step_cap(setup, layout, ctx.options.batch_cap)
+    if layout.pp > 1 or not ctx.engine.has_quick:
+        return cap
+    twin_setup, twin = quick_twin(setup, layout)
+    unit = setup_batch_multiple(setup, layout.world_size)
+    bound = ctx.limit * (1 + QUICK_BOUND_SLACK)
+
+    def quick(b: int) -> int:
+        return ctx.engine.quick(layout_setup(twin_setup, twin, b * unit))
+
+    cap = max(cap // unit, 1)
+    if quick(1) > bound:
+        return 0
+    # the quick bound grows about linearly in the batch: start from the line through batches 1 and 2, then the
+    # exact largest batch within the bound (refine_max probes and bisects from the guess)
+    slope = quick(2) - quick(1) if cap > 1 else 0
+    guess = cap if slope <= 0 else 1 + int((bound - quick(1)) // slope)
+    return unit * refine_max(lambda b: quick(b) <= bound, guess, cap)
+
+
+def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, at_cap: bool = False) -> float:
+    """An upper bound on `layout`'s tokens/s: the time model at its batch bound (tokens/s does not fall as the
+    largest micro-batch grows), or at the batch cap (`at_cap`: no memory bound, a looser and cheaper one); 0 where
+    batch 1 is out of the bound, infinite where it cannot be computed."""
+    try:
+        bound = step_cap(setup, layout, ctx.options.batch_cap) if at_cap else batch_upper_bound(ctx, setup, layout)
+        if not bound:
+            return 0.0
+        return time_at_max_batch(ctx, setup, layout, bound).tokens_per_s
+    except LlmemError:
+        return float("inf")
 
 
 def rank_by_time(candidates: list[CandidatePlan]) -> CandidatePlan | None:

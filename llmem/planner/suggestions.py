@@ -25,9 +25,10 @@ from llmem.planner.search import (
 )
 from llmem.planner.timing import accumulation_for
 from llmem.search import calibrated_max, max_batch_size
+from llmem.setup.generation import completion_length, num_generations, prompt_length
 from llmem.setup.layout import Layout, candidate_layouts, gpus_per_node
 from llmem.setup.methods import MethodSpec
-from llmem.setup.objectives import setup_batch_multiple
+from llmem.setup.objectives import batch_multiple, objective_spec, setup_batch_multiple
 from llmem.setup.optimizers import EIGHT_BIT_ALTERNATIVE
 from llmem.setup.support import check_support
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -51,13 +52,28 @@ def plan_layouts(ctx: PlanContext, gpus: int, per_node: int | None) -> list[Layo
     return candidate_layouts(gpus, per_node, *ctx.heads, methods=ctx.options.methods, tp=ctx.options.tp)
 
 
-def supports(setup: TrainingSetup, method: MethodSpec) -> bool:
-    """Whether the support check lets `method` run `setup` (llmem.setup.support, the engines' own check)."""
+def supports(setup: TrainingSetup | None, method: MethodSpec) -> bool:
+    """Whether `method` may run `setup`: the set-up's own validation with that method (its objective's refusals:
+    GRPO's methods, its options) and the support check (llmem.setup.support, the engines' own). None (a what-if
+    the validation refused: `applied`) is never supported."""
+    if setup is None:
+        return False
+    gpus = 1 if method.one_gpu else setup.gpus
     try:
-        check_support(setup, method)
+        s = replace(setup, method=method.name, gpus=gpus, batch_size=setup_batch_multiple(setup, gpus))
+        check_support(s, method)
     except LlmemError:
         return False
     return True
+
+
+def applied(setup: TrainingSetup, **changes) -> TrainingSetup | None:
+    """`setup` with `changes`, or None where its validation refuses them (an option its objective does not take,
+    e.g. --fused-ce under GRPO): the what-if is then not proposed."""
+    try:
+        return replace(setup, **changes)
+    except LlmemError:
+        return None
 
 
 def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],
@@ -70,7 +86,8 @@ def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layou
     scored: list[tuple[int, int, Layout]] = []
     for i, lay in enumerate(runnable):
         try:
-            scored.append((ctx.engine.quick(setup_for(setup, lay, 1)), i, lay))
+            scored.append((ctx.engine.quick(setup_for(setup, lay, setup_batch_multiple(setup, lay.world_size))), i,
+                           lay))
         except LlmemError:          # the model refuses it (e.g. no tensor-parallel plan): not a layout for it
             continue
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -176,7 +193,8 @@ def _fewest_gpus(ctx: PlanContext, setup: TrainingSetup, methods: tuple[str, ...
             layouts = candidate_layouts(n, per, *ctx.heads, methods=methods or ctx.options.methods)
         except LlmemError:
             continue
-        best, _ = _best_fitting(ctx, replace(setup, gpus=n), layouts)
+        more = applied(setup, gpus=n)
+        best = _best_fitting(ctx, more, layouts)[0] if more is not None else None
         if best is not None:
             return best
     return None
@@ -191,7 +209,14 @@ def describe_fit(c: CandidatePlan | None, plans: list[CandidatePlan], limit: int
     if closest is None:
         return "no layout could be estimated"
     return (f"still does not fit: best {closest.layout.label} needs "
-            f"{format_bytes(closest.memory.device_used_bytes)} at batch 1 (limit {format_bytes(limit)})")
+            f"{format_bytes(closest.memory.device_used_bytes)} at batch {_smallest_batch(closest)} (limit "
+            f"{format_bytes(limit)})")
+
+
+def _smallest_batch(c: CandidatePlan) -> int:
+    """The batch a plan that does not fit shows its memory at: its smallest (GRPO's num_generations multiple)."""
+    setup = c.memory.setup.setup if c.memory.setup is not None else None
+    return setup.batch_size if setup is not None else 1
 
 
 @dataclass(frozen=True)
@@ -202,8 +227,9 @@ class Saver:
     flags: str
     cost: str
 
-    def apply(self, setup: TrainingSetup) -> TrainingSetup:
-        return replace(setup, **dict(self.changes))
+    def apply(self, setup: TrainingSetup) -> TrainingSetup | None:
+        """The set-up with this saver, or None where the set-up's validation refuses it (`applied`)."""
+        return applied(setup, **dict(self.changes))
 
 
 def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> list[Saver]:
@@ -245,7 +271,7 @@ def combined_savers(setup: TrainingSetup, savers: list[Saver], methods: list[Met
     for method in methods:
         taken, s = [], setup
         for sv in cheap:
-            if supports(sv.apply(s), method):
+            if supports(sv.apply(s), method):      # None (refused) is not supported
                 taken.append(sv)
                 s = sv.apply(s)
         if len(taken) > 1:
@@ -267,15 +293,18 @@ def time_cost_pct(ctx: PlanContext, c: CandidatePlan | None, base: TrainingSetup
     if c is None or not c.fits or c.time is None:
         return None
     micro = c.time.micro_batch_size
-    ref = timed(ctx, base, c.layout, micro, c.time.accumulation_steps,
-                frozen_base_trainable_params(setup_for(base, c.layout, micro), ctx.anatomy))
+    try:
+        ref = timed(ctx, base, c.layout, micro, c.time.accumulation_steps,
+                    frozen_base_trainable_params(setup_for(base, c.layout, micro), ctx.anatomy))
+    except LlmemError:      # the set-up as given cannot run that micro-batch (GRPO's num_generations multiple)
+        return None
     return 100.0 * (ref.tokens_per_s / c.time.tokens_per_s - 1.0)
 
 
 def saver_suggestion(ctx: PlanContext, saver: Saver, setup: TrainingSetup, layouts: list[Layout],
                      engine_note: str) -> dict:
     s = saver.apply(setup)
-    best, plans = _best_fitting(ctx, s, layouts)
+    best, plans = _best_fitting(ctx, s, layouts) if s is not None else (None, [])
     return _saver_dict(ctx, saver, setup, best, plans, engine_note)
 
 
@@ -380,9 +409,12 @@ def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
 
 
 def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, layouts: list[Layout],
-                    engine_note: str) -> dict:
-    """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion."""
-    base = replace(setup, **dict(menu.changes))
+                    engine_note: str) -> dict | None:
+    """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion (None
+    where the set-up's objective refuses the menu)."""
+    base = applied(setup, **dict(menu.changes))
+    if base is None:          # the objective refuses the menu (e.g. QLoRA under GRPO): not proposed
+        return None
     if menu.sharded is not None:
         layouts = [lay for lay in layouts if lay.shards_model_states == menu.sharded]
     settings: list[dict] = []
@@ -395,7 +427,9 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
             continue
         tried.add(changes)
         flags = " ".join(f for k, v, f in variant if (k, v) in changes)
-        s = replace(base, **dict(changes))
+        s = applied(base, **dict(changes))
+        if s is None:         # the objective refuses the variant (e.g. --fused-ce under GRPO)
+            continue
         best, plans = _best_fitting(ctx, s, layouts)
         all_flags = " ".join(f for f in (menu.flags, flags) if f)
         pick = best or _closest(plans)
@@ -450,9 +484,11 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     methods = list({lay.spec.name: lay.spec for lay in layouts}.values())
     alone = full_finetune_savers(setup, methods)
     combos = combined_savers(setup, alone, methods)
-    menus = adapter_menus(setup)
+    menus = [m for m in adapter_menus(setup) if applied(setup, **dict(m.changes)) is not None]
+    fewer = objective_spec(setup.objective).generates
     steps = [sv.flags for sv in alone] + (["the cheap savers together"] if combos else []) + [
-        "a shorter sequence", *(m.flags for m in menus), "optimizer offload", "--offload-param", "more GPUs"]
+        "a shorter sequence", *(["fewer --num-generations"] if fewer else []), *(m.flags for m in menus),
+        "optimizer offload", "--offload-param", "more GPUs"]
     done = iter(range(len(steps)))
 
     def tick() -> None:
@@ -466,49 +502,27 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     if combos:
         tick()
         out.append(combined_suggestion(savers, combos, setup, layouts, engine_note))
-    # 2. the longest sequence that fits at batch 1 (searched on draft estimates), on the layouts whose quick bound
-    # at one token does not rule them out
+    # 2. the longest sequence (a generation objective's: completion) that fits at the smallest batch
     tick()
-    best_seq, best_c = 0, None
-    for layout in screened_layouts(ctx, replace(setup, seq_len=1), layouts):
-        if best_seq and ctx.prune and engine.has_quick and _quick_seq_bound(ctx, setup, layout) <= best_seq:
-            continue                # its quick bound rules out a longer sequence than the one found
-        def fits_seq(n: int, layout=layout) -> bool:
-            return engine.draft(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes <= limit
-        quick = engine.quick if engine.has_quick else None
-        try:
-            if quick is None:
-                n = max_batch_size(fits_seq, setup.seq_len - 1) if setup.seq_len > 1 else 0
-            else:
-                def used(n: int, layout=layout) -> int:
-                    return engine.full(setup_for(replace(setup, seq_len=n), layout, 1)).device_used_bytes
-
-                def quick_used(n: int, layout=layout, quick=quick) -> int:
-                    return quick(setup_for(replace(setup, seq_len=n), layout, 1))
-                n = calibrated_max(used, quick_used, limit, setup.seq_len - 1) if setup.seq_len > 1 else 0
-        except LlmemError:
-            continue
-        if n > best_seq:
-            s = replace(setup, seq_len=n)
-            best_seq = n
-            best_c = ctx.search(s, layout)
-            attach_time(ctx, best_c, s)
-    if best_c is not None:
-        out.append(_suggestion("seq_len", f"shorten the sequence: --seq-len {best_seq} is the longest that fits "
-                               f"at batch 1 ({best_c.layout.label}, {format_bytes(best_c.memory.device_used_bytes)}"
-                               f" at batch {best_c.max_batch_size})", best_c, seq_len=best_seq))
-    else:
-        out.append(_suggestion("seq_len", "a shorter sequence does not help: even --seq-len 1 does not fit at "
-                               "batch 1", None, seq_len=0))
+    out.append(shorter_sequence_suggestion(ctx, setup, layouts))
+    if fewer:       # a generation objective: the per-GPU batch is a multiple of what num_generations asks
+        tick()
+        generations = generations_suggestion(ctx, setup, layouts)
+        if generations is not None:
+            out.append(generations)
     # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
     for menu in menus:
         tick()
-        out.append(menu_suggestion(savers, menu, setup, layouts, engine_note))
+        menu_out = menu_suggestion(savers, menu, setup, layouts, engine_note)
+        if menu_out is not None:
+            out.append(menu_out)
     # 4. optimizer states on the CPU
     tick()
-    best, plans = _best_fitting(savers, replace(setup, offload_optimizer=True), layouts, offload=True)
+    offloaded_opt = applied(setup, offload_optimizer=True)
+    best, plans = _best_fitting(savers, offloaded_opt, layouts, offload=True) if offloaded_opt else (None, [])
     pick = best or _closest(plans)
-    ram = offloaded_optimizer_host_bytes(assemble(setup_for(setup, pick.layout, 1), anatomy, gpu, pick.layout)) if pick else 0
+    ram = offloaded_optimizer_host_bytes(assemble(setup_for(
+        setup, pick.layout, setup_batch_multiple(setup, pick.layout.world_size)), anatomy, gpu, pick.layout)) if pick else 0
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
     out.append(_suggestion("offload_optimizer", "offload the optimizer to the CPU (states and update, "
                            f"ZeRO-Offload style): {describe(best, plans)}; CPU RAM {format_bytes(ram)} per GPU "
@@ -525,8 +539,9 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     # the methods that came closest, on more GPUs ("single" has no multi-GPU form: from one GPU, try every method)
     methods = tuple(sorted({lay.method for lay in layouts if not lay.spec.one_gpu})) or None
     found = _fewest_gpus(ctx, setup, methods)
-    if found is None and not setup.grad_ckpt and options.engine != "paper":
-        found = _fewest_gpus(ctx, replace(setup, grad_ckpt=True), methods)
+    ckpt = applied(setup, grad_ckpt=True)
+    if found is None and not setup.grad_ckpt and options.engine != "paper" and ckpt is not None:
+        found = _fewest_gpus(ctx, ckpt, methods)
         if found is not None:
             out.append(_suggestion("gpus", f"use {found.layout.world_size} {gpu.name} GPUs with --grad-ckpt: "
                                    + describe(found, []), found, grad_ckpt=True))
@@ -560,7 +575,7 @@ def _variant_groups(base: TrainingSetup, variant: tuple[tuple[str, object, str],
     for lay in layouts:
         s, taken = base, []
         for f, v, flag in variant:
-            if getattr(s, f) != v and supports(replace(s, **{f: v}), lay.spec):
+            if getattr(s, f) != v and supports(applied(s, **{f: v}), lay.spec):
                 s = replace(s, **{f: v})
                 taken.append((f, v, flag))
         groups.setdefault(tuple(taken), []).append(lay)
@@ -577,14 +592,102 @@ def _quick_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -
 
 
 def _quick_seq_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
-    """An upper bound on the longest sequence below setup.seq_len that `layout` fits at batch 1 (as
-    _quick_batch_bound's, over the sequence length); setup.seq_len where the bound cannot be computed."""
+    """An upper bound on the longest length below the set-up's (`sequence_knob`) that `layout` fits at its smallest
+    batch (as _quick_batch_bound's, over the length); the set-up's length where the bound cannot be computed."""
+    _, longest, at = sequence_knob(setup)
     bound = ctx.limit * (1 + QUICK_SLACK)
+    unit = setup_batch_multiple(setup, layout.world_size)
     try:
-        return max_batch_size(lambda n: ctx.engine.quick(setup_for(replace(setup, seq_len=n), layout, 1)) <= bound,
-                              setup.seq_len - 1)
+        return max_batch_size(lambda n: ctx.engine.quick(setup_for(at(n), layout, unit)) <= bound, longest - 1)
     except LlmemError:
-        return setup.seq_len
+        return longest
+
+
+def sequence_knob(setup: TrainingSetup) -> tuple[str, int, Callable[[int], TrainingSetup]]:
+    """What "a shorter sequence" shortens: its flag, the set-up's value, and the set-up at a value. --seq-len, or
+    under a generation objective --max-completion-length with the prompt kept (GRPO's sequence is prompt +
+    completion; llmem.setup.generation)."""
+    if not objective_spec(setup.objective).generates:
+        return "--seq-len", setup.seq_len, lambda n: replace(setup, seq_len=n)
+    prompt, completion = prompt_length(setup), completion_length(setup)
+    return ("--max-completion-length", completion,
+            lambda n: replace(setup, seq_len=prompt + n, max_completion_length=n))
+
+
+def generations_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> dict | None:
+    """The largest --num-generations below the set-up's whose smallest per-GPU batch fits: GRPOConfig needs the
+    global batch a multiple of num_generations, so each GPU runs at least num_generations / gcd(num_generations,
+    GPUs) completions (llmem.setup.objectives.batch_multiple); a count whose smallest batch is no smaller than one
+    already found not to fit is not searched. None when the set-up's own smallest batch is 1 on every layout
+    (fewer generations cannot make the step smaller)."""
+    g = num_generations(setup)
+    units = {lay.label: setup_batch_multiple(setup, lay.world_size) for lay in layouts}
+    if max(units.values(), default=1) == 1:
+        return None
+    failed_unit = min(units.values())           # the set-up's own smallest batch does not fit (nothing does)
+    closest: list[CandidatePlan] = []
+    for fewer in range(g - 1, 1, -1):
+        s = applied(setup, num_generations=fewer, batch_size=batch_multiple(setup.objective, setup.gpus, fewer))
+        if s is None:
+            continue
+        unit = min(setup_batch_multiple(s, lay.world_size) for lay in layouts)
+        if unit >= failed_unit:
+            continue
+        best, plans = _best_fitting(ctx, s, layouts)
+        if best is not None:
+            return _suggestion("num_generations", f"--num-generations {fewer} (the largest below {g} whose "
+                               f"smallest batch fits; each GPU runs at least {unit} completion(s)): "
+                               + describe_fit(best, plans, ctx.limit), best, flags=f"--num-generations {fewer}",
+                               changes={"num_generations": fewer, "batch_size": s.batch_size})
+        failed_unit, closest = unit, plans or closest
+    return _suggestion("num_generations", "fewer --num-generations do not help: no smaller count fits at its smallest "
+                       "batch — " + describe_fit(None, closest, ctx.limit), _closest(closest),
+                       flags="--num-generations")
+
+
+def shorter_sequence_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]) -> dict:
+    """The longest length (`sequence_knob`) that fits at each layout's smallest batch, searched on the layouts whose
+    quick bound at length 1 does not rule them out (full estimates calibrate the quick bound; drafts without it)."""
+    engine, limit = ctx.engine, ctx.limit
+    flag, longest, at = sequence_knob(setup)
+    best_n, best_c = 0, None
+    for layout in screened_layouts(ctx, at(1), layouts):
+        if best_n and ctx.prune and engine.has_quick and _quick_seq_bound(ctx, setup, layout) <= best_n:
+            continue                # its quick bound rules out a longer sequence than the one found
+        unit = setup_batch_multiple(setup, layout.world_size)
+
+        def fits_n(n: int, layout=layout, unit=unit) -> bool:
+            return engine.draft(setup_for(at(n), layout, unit)).device_used_bytes <= limit
+
+        def used(n: int, layout=layout, unit=unit) -> int:
+            return engine.full(setup_for(at(n), layout, unit)).device_used_bytes
+
+        def quick_used(n: int, layout=layout, unit=unit) -> int:
+            return engine.quick(setup_for(at(n), layout, unit))
+        try:
+            if longest <= 1:
+                n = 0
+            elif engine.has_quick:
+                n = calibrated_max(used, quick_used, limit, longest - 1)
+            else:
+                n = max_batch_size(fits_n, longest - 1)
+        except LlmemError:
+            continue
+        if n > best_n:
+            s = at(n)
+            best_n = n
+            best_c = ctx.search(s, layout)
+            attach_time(ctx, best_c, s)
+    what = "the completion" if flag == "--max-completion-length" else "the sequence"
+    if best_c is None:
+        return _suggestion("seq_len", f"a shorter sequence does not help: even {flag} 1 does not fit at the "
+                           "smallest batch", None, seq_len=0, flags=flag)
+    s = at(best_n)
+    return _suggestion("seq_len", f"shorten {what}: {flag} {best_n} is the longest that fits at the smallest batch "
+                       f"({best_c.layout.label}, {format_bytes(best_c.memory.device_used_bytes)} at batch "
+                       f"{best_c.max_batch_size})", best_c, seq_len=s.seq_len, flags=f"{flag} {best_n}",
+                       changes={"seq_len": s.seq_len, **({"max_completion_length": best_n}
+                                                         if flag != "--seq-len" else {})})
 
 
 def _tokens_per_s_at(ctx: PlanContext, setup: TrainingSetup, layout: Layout, batch: int) -> float:
@@ -606,7 +709,9 @@ def offload_param_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: li
     sharded = [lay for lay in layouts if lay.shards_model_states]
     if setup.offload_param or not sharded:
         return None
-    base = replace(setup, method=sharded[0].method, offload_param=True)
+    base = applied(setup, method=sharded[0].method, offload_param=True)
+    if base is None:          # the objective's methods do not shard (GRPO: single / ddp)
+        return None
     candidates: list[tuple[float, int, TrainingSetup, tuple, Layout]] = []
     by_variant = [list(_variant_groups(base, variant, sharded).items()) for variant in OFFLOAD_PARAM_VARIANTS]
     for changes, group in (x for groups in by_variant for x in groups):
@@ -631,7 +736,8 @@ def offload_param_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: li
         plans += searched
     flags = " ".join(["--offload-param", *(flag for _, _, flag in chosen)])
     pick = best or _closest(plans)
-    host = cpu_offload_host_bytes(assemble(setup_for(base, pick.layout, 1), ctx.anatomy, ctx.gpu, pick.layout)) \
+    host = cpu_offload_host_bytes(assemble(setup_for(base, pick.layout, setup_batch_multiple(base, pick.layout.world_size)),
+                                           ctx.anatomy, ctx.gpu, pick.layout)) \
         if pick else None
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
     ram = host.total if host else 0

@@ -48,8 +48,11 @@ Time model (all functions pure; units in the names; every assumption is stated h
     copied back, both at PCIE_GBPS and on the collectives' streams, so each joins its collective's chain (hidden
     behind compute where the chain is shorter; the root unit's copy is exposed with its gather); the optimizer
     then steps every shard on the host at HOST_ADAMW_PARAMS_PER_S, after backward, hidden behind nothing.
+  - --pp / --cp: the busiest stage's FLOPs, the stage-to-stage sends, the schedule's bubble and FSDP2 x PP's one
+    gather and reduce-scatter per schedule step; the ring attention's K / V all-gathers and dK / dV rotations
+    (llmem.planner.parallel_time, which cites torch's code for each).
   - not modelled: the optimizer step's own time on the GPU (memory-bound, small against compute at the batch
-    sizes that fill a GPU), data loading, pipeline bubbles (no pipeline parallelism here), kernel-launch overhead.
+    sizes that fill a GPU), data loading, kernel-launch overhead.
 * step time = accumulation_steps x micro-step; tokens/s = global tokens per step / step time.
 """
 
@@ -63,12 +66,22 @@ from llmem.memory.activations.profile import activation_profile, effective_atten
 from llmem.memory.activations.selective import saved_matmuls
 from llmem.memory.quant import allocated, is_quantised, quant_args, storage_bytes, torchao_dequantise_events
 from llmem.model.anatomy import ModelAnatomy
+from llmem.model.moe import moe_facts
 from llmem.model.resolved import ResolvedSetup
 from llmem.planner.generation_time import generation_time_s
+from llmem.planner.parallel_time import (
+    StageShare,
+    busiest_stage,
+    p2p_time_s,
+    pipeline_step_s,
+    ring_attention_time_s,
+)
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.expert_parallel import received_rows
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES
+from llmem.setup.pipeline import pipeline_schedule
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.training import TrainingSetup
 
@@ -238,12 +251,13 @@ def quantised_gather_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: 
 
 
 def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micro_batch: int,
-               trainable_fraction: float = 1.0) -> CommSizes:
+               trainable_fraction: float = 1.0, stage_params: int | None = None) -> CommSizes:
     """What `layout` communicates per micro-step at `micro_batch`; trainable_fraction scales gradient traffic
-    (1 for full fine-tuning, adapters / base for LoRA)."""
+    (1 for full fine-tuning, adapters / base for LoRA); `stage_params`: under --pp, the busiest rank's parameters
+    (its FSDP2 units; the whole model otherwise)."""
     pb = setup.param_bytes
     tp = layout.tp
-    total = float(anatomy.total_params) / tp
+    total = float(anatomy.total_params if stage_params is None else stage_params) / tp
     root = float(anatomy.root_params) / tp
     layer = float(anatomy.layer_params(0)) / tp
     sizes: dict = {}
@@ -254,7 +268,7 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
         pb = setup.compute_bytes
     if (layout.spec.gradient_buckets or stage in (1, 2)) and layout.dp > 1:
         sizes["ddp_grad_bytes"] = total * trainable_fraction * pb
-    if (layout.shards_model_states or stage == 3) and layout.dp > 1:
+    if (layout.shards_model_states or stage == 3) and layout.dp * layout.cp > 1:   # FSDP2 over dp_shard x cp
         gather_b = setup.gather_bytes if stage is None else pb
         reduce_b = setup.reduce_bytes if stage is None else pb
         gathered = (total * gather_b, root * gather_b, layer * gather_b)
@@ -290,6 +304,12 @@ class StepTime:
     host_copy_s: float = 0.0      # --offload-param: host <-> device copies per step (in dp_comm_s, overlappable)
     host_step_s: float = 0.0      # --offload-param: the optimizer step on the host (in step_s, never hidden)
     generation_s: float = 0.0     # --objective grpo: generate and score per step (in step_s; generation_time)
+    pp_microbatches: int = 1      # --pp: micro-batches per schedule step (micro_batch_size samples each)
+    bubble_s: float = 0.0         # --pp: the schedule's fill and drain per step (in step_s; parallel_time)
+    p2p_s: float = 0.0            # --pp: the stage-to-stage activation / gradient waits per step (in step_s)
+    cp_comm_s: float = 0.0        # --cp: the ring's K / V all-gathers and dK / dV rotations per step
+    cp_exposed_s: float = 0.0     # the part of cp_comm_s not hidden behind the attention blocks (in step_s)
+    ep_comm_s: float = 0.0        # --ep: the dispatch / combine all-to-alls per step (in step_s, never hidden)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -303,23 +323,24 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     adapter_params > 0 models LoRA: the base is frozen, only the adapters get gradients and communicate them.
     """
     anatomy, setup, layout, gpu = r.base, r.setup, r.layout, r.gpu
-    if layout.cp > 1:     # the ring's K/V rotation and the rank's seq_len / cp tokens are not in the time model
-        raise LlmemError("the time model does not cover context parallelism (--cp) yet: drop --cp")
     if micro_batch < 1 or accumulation_steps < 1:
         raise LlmemError("micro-batch and accumulation steps must be >= 1")
     if not 0 < mfu <= 1:
         raise LlmemError(f"--mfu must lie in (0, 1], got {mfu}")
-    tokens = micro_batch * setup.seq_len
+    # --cp: each rank runs seq_len / cp of every sample's tokens, its queries against all seq_len keys
+    tokens = micro_batch * setup.seq_len // layout.cp
     causal_skip = effective_attention(anatomy, setup) == "sdpa"
     flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
                        frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every,
                        selective=AC_POLICIES[setup.ac_policy].selective)
     rate = peak_flops_per_s(gpu, setup.precision) * mfu * layout.tp
-    fwd_s = flops.forward / rate
-    bwd_s = (flops.backward + flops.recompute) / rate
+    stage = pipeline_stage(r, adapter_params, causal_skip)     # --pp: the busiest rank's share (else None)
+    share = stage.flops_share if stage else 1.0
+    fwd_s = share * flops.forward / rate
+    bwd_s = share * (flops.backward + flops.recompute) / rate
     # memory-bound: a quantised base is dequantised in forward, backward and the recompute
     passes = 2 + checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every)
-    dequant_s = passes * dequantised_bytes_per_pass(anatomy, setup) / (gpu.memory_gbps * 1e9)
+    dequant_s = share * passes * dequantised_bytes_per_pass(anatomy, setup) / (gpu.memory_gbps * 1e9)
     # activation offloading: copies to the host in forward, back in backward, each overlapping its phase's compute
     copy_s = offloaded_activation_bytes(r) / (PCIE_GBPS * 1e9)
     offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
@@ -329,7 +350,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
                               attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip), fwd_s)
 
     trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
-    c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction)
+    c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction, stage.params if stage else None)
     spans = layout.world_size > layout.gpus_per_node
     dp_bw = group_bandwidth_gbps(gpu, spans, inter_node_gbps)
     tp_bw = gpu.link_gbps                       # tp stays inside a node
@@ -359,6 +380,9 @@ def step_time(r: ResolvedSetup, micro_batch: int,
                 + ring_allgather_time_s(c.fsdp_root_reduce_bytes, shards, shard_bw) + copies.root_s)
         dp_comm = a * (ag + ag_bwd + rs)
         exposed = a * (max(0.0, ag - fwd_s) + max(0.0, ag_bwd + rs - bwd_s) + tail)
+        if stage:   # FSDP2 x PP: the stage gathered once per schedule step, reduce-scattered once (parallel_time)
+            dp_comm = a * (ag + rs)
+            exposed = a * (max(0.0, ag - fwd_s) + max(0.0, rs - bwd_s))
     tp_comm = 0.0
     if c.tp_allreduces:
         # sequence parallel (Megatron-SP, torchtitan): an all-gather of [b, s, h] before each TP region and a
@@ -366,13 +390,61 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         one = 2 * ring_allgather_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw) if c.tp_sequence_parallel else \
             ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
         tp_comm = a * (c.tp_allreduces * one + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
-    compute = a * micro_compute_s
-    step = compute + exposed + tp_comm + copies.step_s + a * gen_s
-    global_batch = micro_batch * a * layout.dp
+    ring = ring_attention_time_s(anatomy, micro_batch, setup.seq_len, layout.cp, setup.compute_bytes,
+                                 attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip)
+                                 / anatomy.num_layers * tokens / rate,
+                                 checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every),
+                                 group_bandwidth_gbps(gpu, layout.cp > layout.gpus_per_node, inter_node_gbps),
+                                 COLLECTIVE_LATENCY_S)
+    micro_compute_s += ring.exposed_s
+    m = setup.microbatches if stage else 1
+    p2p = bubble = 0.0
+    if stage:   # the micro-batches of one schedule step, each waiting on its neighbours, stretched by the bubble
+        p2p = p2p_time_s(micro_batch, setup.seq_len, anatomy.hidden_size, setup.compute_bytes, stage.stages,
+                         dp_bw, COLLECTIVE_LATENCY_S)
+        busy = micro_compute_s + p2p
+        bubble = pipeline_step_s(busy, m, pipeline_schedule(setup.pp_schedule).bubble_fraction(
+            layout.pp, m, stage.stages)) - m * busy
+    compute = a * m * (micro_compute_s - ring.exposed_s)
+    ep_s = a * ep_alltoall_time_s(r, micro_batch, group_bandwidth_gbps(gpu, layout.ep > layout.gpus_per_node,
+                                                                       inter_node_gbps))
+    step = compute + a * m * (ring.exposed_s + p2p) + a * bubble + exposed + tp_comm + copies.step_s + a * gen_s \
+        + ep_s
+    global_batch = micro_batch * m * a * layout.dp
     tokens_per_step = global_batch * setup.seq_len
     copy_s = a * (copies.params_s * (2 if layout.spec.reshard_after_forward else 1) + copies.grads_s)
     return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
-                    tokens_per_step / step, copy_s, copies.step_s, a * gen_s)
+                    tokens_per_step / step, copy_s, copies.step_s, a * gen_s, m, a * bubble, a * m * p2p,
+                    a * m * ring.comm_s, a * m * ring.exposed_s, ep_comm_s=ep_s)
+
+
+def ep_alltoall_time_s(r: ResolvedSetup, micro_batch: int, bw_gbps: float) -> float:
+    """--ep: torchtitan's AllToAllTokenDispatcher per MoE layer and micro-step, forward and backward: the dispatch
+    and the combine all_to_all_single each move the rank's routed rows (tokens x top_k, hidden wide, in the compute
+    dtype; the received side scaled by --ep-imbalance), (ep - 1) / ep of them to other ranks; blocking (the split
+    sizes' device-to-host sync), so never hidden. 0 without --ep."""
+    ep = r.layout.ep
+    facts = moe_facts(r.base) if ep > 1 else None
+    if facts is None:
+        return 0.0
+    layers = r.base.num_layers - facts.dense_layers
+    rows = received_rows(micro_batch * r.setup.seq_len, facts.top_k, ep, r.setup.ep_imbalance)
+    moved = rows * r.base.hidden_size * r.setup.compute_bytes * (ep - 1) / ep
+    return layers * 4 * (moved / (bw_gbps * 1e9) + COLLECTIVE_LATENCY_S)
+
+
+def pipeline_stage(r: ResolvedSetup, adapter_params: int, causal_skip: bool) -> StageShare | None:
+    """--pp: the busiest rank's share of the forward FLOPs (per token: each decoder layer's matmuls and attention,
+    the head's matmuls) and its parameters; None without pipeline parallelism."""
+    if r.layout.pp <= 1:
+        return None
+    anatomy, setup = r.base, r.setup
+    layer_p, other_p = matmul_params(anatomy)
+    layers = max(anatomy.num_layers, 1)
+    attn = attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip)
+    layer_cost = (2 * layer_p + 2 * adapter_params + attn) / layers
+    virtual = setup.pp_virtual_stages or pipeline_schedule(setup.pp_schedule).virtual_stages
+    return busiest_stage(anatomy, r.layout.pp, virtual, layer_cost, 2 * other_p)
 
 
 @dataclass(frozen=True)

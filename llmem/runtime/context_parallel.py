@@ -8,7 +8,7 @@ On the fake process group the ring runs for real on fake tensors: the all-gather
 _RotateMethod.ALL_GATHER, one `all_gather_single` per call), the fp32 out / logsumexp merge (_SDPAMerger), the
 backward's fp32 dq / dk / dv accumulators and the all-to-all rotation of the K/V gradients are all allocated by
 torch's own code; nothing is emulated. One fake-mode artifact is removed: the functional collectives' wait_tensor,
-which returns its input on CUDA, gets a new storage under the fake mode (`_waited_in_place`). The rank's tokens are its seq_len / cp (the head-tail load balancer's two
+which returns its input on CUDA, gets a new storage under the fake mode (`collectives_waited_in_place`, llmem.runtime.patches). The rank's tokens are its seq_len / cp (the head-tail load balancer's two
 chunks, which the data loader selects before the step: the trace feeds rank 0's local ids directly).
 """
 
@@ -20,14 +20,7 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 
 from llmem.errors import LlmemError
-from llmem.runtime.patches import patched
-
-
-def _waited_in_place(tensor):
-    """funcol.wait_tensor as CUDA runs it: the collective's output itself, synchronised. The fake mode gives
-    `_c10d_functional.wait_tensor`'s output a storage of its own, which would count a copy of every all-gathered
-    K/V and all-to-all'd gradient that no GPU makes (the fake process group has nothing to wait for)."""
-    return tensor
+from llmem.runtime.patches import collectives_waited_in_place
 
 
 @contextlib.contextmanager
@@ -37,7 +30,6 @@ def ring_attention(cp_mesh, fake: bool) -> Iterator[None]:
     if not fake:
         raise LlmemError("--cp is traced on fake tensors only (llmem trace / estimate): measure does not run "
                          "the ring attention")
-    import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental import _attention as cp_attention
 
@@ -56,7 +48,7 @@ def ring_attention(cp_mesh, fake: bool) -> Iterator[None]:
     cp_attention._enable_context_parallel_dispatcher()
     F.scaled_dot_product_attention = sdpa
     try:
-        with patched(funcol, "wait_tensor", _waited_in_place):
+        with collectives_waited_in_place():
             yield
     finally:
         F.scaled_dot_product_attention = saved_sdpa

@@ -24,6 +24,7 @@ from torch import nn
 
 from llmem.errors import LlmemError
 from llmem.model.families import decoder_layers, tp_plan_of
+from llmem.runtime.expert_parallel import efsdp_mesh_of, expert_placement, forward_prefetch
 from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
 from llmem.setup.layout import Layout
@@ -234,10 +235,14 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool, region=None) -> Non
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         host = region(HOST) if region is not None else host
     with host:           # the sharded parameters: FSDPParam._init_sharded_param's .cpu().pin_memory()
+        efsdp = efsdp_mesh_of(model)     # --ep: the routed experts on their own mesh (llmem.runtime.expert_parallel)
         for layer in layer_list(model):
-            fully_shard(layer, **kw)
+            placement = expert_placement(layer, efsdp) if efsdp is not None else None
+            fully_shard(layer, **kw, **({"shard_placement_fn": placement} if placement else {}))
         # the root as users write it: fully_shard's default (None) keeps the root gathered from forward to backward
         fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
+        if efsdp is not None:
+            forward_prefetch(model, layer_list(model))
     if setup.offload_param and region is not None:
         emulate_host_copies(model, region)
 

@@ -1,5 +1,5 @@
-"""The step of a TRL generation objective (--objective grpo) on the prepared model: TRL's own GRPOTrainer code and
-transformers' own `generate`, on fake tensors.
+"""The step of a TRL generation objective (--objective grpo, rloo) on the prepared model: TRL's own GRPOTrainer (or
+RLOOTrainer) code and transformers' own `generate`, on fake tensors.
 
 Each iteration runs the three phases of GRPOTrainer's `training_step` with its defaults (steps_per_generation 1,
 num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
@@ -13,7 +13,9 @@ num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
   device, their concatenation) and, when beta > 0, the reference's per-token log-probs through the trainer's own
   `_get_per_token_logps_and_entropies` under no_grad with checkpointing paused (a reference copy, or the policy
   with its adapters disabled: `use_adapter(model, None)`); the advantages [B] fp32; the batch replaces the previous
-  one (`_buffered_inputs`);
+  one (`_buffered_inputs`). RLOOTrainer (rloo_trainer.py) first runs the policy itself so for old_per_token_logps
+  and keeps their masked sums old_logps [B] instead of the reference's per-token log-probs, which, with its KL
+  penalty's [B, C] tensors, die as the scoring returns;
 - training: the trainer's own `_compute_loss` on the batch, backward, the optimizer step, zero_grad.
 
 The trainer object is not constructed (its __init__ loads a tokenizer and builds an Accelerator): `_compute_loss`
@@ -61,7 +63,14 @@ from llmem.runtime.objectives import (
 )
 from llmem.runtime.patches import patched
 from llmem.setup.generation import beta, completion_length, prompt_length
-from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, loss_type_of, objective_notes, reference_mode
+from llmem.setup.objectives import (
+    REF_ADAPTERS_OFF,
+    REF_COPY,
+    loss_type_of,
+    objective_notes,
+    objective_spec,
+    reference_mode,
+)
 
 _aten = torch.ops.aten
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2      # token ids of the fake tokenizer (sizes do not depend on them)
@@ -93,6 +102,24 @@ def stop_at_length(total_tokens: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def peers_finish_together() -> Iterator[None]:
+    """transformers' `_has_unfinished_sequences` under synced_gpus (generate sets it for an FSDP-managed model on
+    several ranks): its flag tensor still made and all-reduced, its host read answered by this rank's own state
+    (every rank's completions run to max_completion_length, so all peers finish at the same step)."""
+    import torch.distributed as dist
+    from transformers.generation.utils import GenerationMixin
+
+    def unfinished(self, this_peer_finished: bool, synced_gpus: bool, device) -> bool:
+        if synced_gpus:
+            flag = torch.tensor(0.0 if this_peer_finished else 1.0, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return not this_peer_finished
+
+    with patched(GenerationMixin, "_has_unfinished_sequences", unfinished):
+        yield
+
+
 def generation_config(setup):
     """GRPOTrainer's GenerationConfig for transformers' generate (its __init__, no vLLM), from GRPOConfig's
     defaults."""
@@ -108,7 +135,8 @@ def generation_config(setup):
 
 
 def _trainer_for(step, ref_model):
-    """A GRPOTrainer carrying what `_compute_loss` and `_get_per_token_logps_and_entropies` read."""
+    """A GRPOTrainer (or RLOOTrainer) carrying what `_compute_loss` and `_get_per_token_logps_and_entropies` read
+    (RLOOConfig lacks GRPO's loss options: None)."""
     setup = step.setup
     d = config_defaults(setup.objective)
     cls = trainer_class(setup.objective)
@@ -117,12 +145,13 @@ def _trainer_for(step, ref_model):
     attrs = {
         "model": step.model, "ref_model": ref_model,
         "accelerator": OneProcessAccelerator(next(step.model.parameters()).device, step.model, step.layout.world_size),
-        "args": types.SimpleNamespace(use_bias_correction_kl=d["use_bias_correction_kl"], delta=d["delta"],
+        "args": types.SimpleNamespace(use_bias_correction_kl=d.get("use_bias_correction_kl"), delta=d.get("delta"),
                                       steps_per_generation=1, gradient_checkpointing_kwargs=None),
         "beta": beta(setup), "loss_type": loss_type_of(setup), "epsilon_low": eps,
         "epsilon_high": d["epsilon_high"] if d["epsilon_high"] is not None else eps,
-        "importance_sampling_level": d["importance_sampling_level"], "top_entropy_quantile": d["top_entropy_quantile"],
-        "off_policy_mask_threshold": d["off_policy_mask_threshold"], "use_vllm": False,
+        "importance_sampling_level": d.get("importance_sampling_level"),
+        "top_entropy_quantile": d.get("top_entropy_quantile"),
+        "off_policy_mask_threshold": d.get("off_policy_mask_threshold"), "use_vllm": False,
         "vllm_importance_sampling_correction": False, "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
         "_entropy_bonus_enabled": False, "use_adaptive_entropy": False, "entropy_coef": 0.0,
         "max_completion_length": completion_length(setup), "current_gradient_accumulation_steps": 1,
@@ -182,6 +211,7 @@ def generate_completions(step, run: TrainerRun) -> None:
     with contextlib.ExitStack() as stack:
         if fake:
             stack.enter_context(stop_at_length(setup.seq_len))
+            stack.enter_context(peers_finish_together())
             stack.enter_context(GenerateScalars())
         stack.enter_context(policy_checkpointing_paused(step.model))
         stack.enter_context(torch.no_grad())
@@ -193,9 +223,11 @@ def generate_completions(step, run: TrainerRun) -> None:
 
 
 def score_completions(step, run: TrainerRun) -> None:
-    """The scoring phase: the batch re-padded on the device, the reference's per-token log-probs (beta > 0), the
-    advantages; the new batch replaces the previous one."""
+    """The scoring phase: the batch re-padded on the device, RLOO's old-policy per-token log-probs (the policy under
+    no_grad, and their per-sequence sums), the reference's (beta > 0), the advantages; the new batch replaces the
+    previous one. GRPO keeps the reference's per-token log-probs; RLOO (sequence_logps) its old_logps only."""
     setup = step.setup
+    spec = objective_spec(setup.objective)
     device = step.input_ids.device
     b, p, c = setup.batch_size, prompt_length(setup), completion_length(setup)
     vocab = vocab_size(causal_lm(step.model))
@@ -206,27 +238,45 @@ def score_completions(step, run: TrainerRun) -> None:
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     mode = reference_mode(setup)
-    trainer = run.trainer
-    cls = type(trainer)
+    old = ref = None
+    if spec.scores_policy:                # RLOO: old_per_token_logps, then old_logps (masked sums)
+        old = _no_grad_logps(step, run, step.model, ids, mask)
+        batch["old_logps"] = (old * batch["completion_mask"]).sum(1)
     if mode in (REF_COPY, REF_ADAPTERS_OFF):
-        with contextlib.ExitStack() as stack:
-            if is_fake_tensor(step.input_ids):
-                stack.enter_context(trl_cuda_head())
-                stack.enter_context(full_length_padding_mask())
-                stack.enter_context(run.masks)
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(policy_checkpointing_paused(step.model))
-            if mode == REF_ADAPTERS_OFF:
-                from trl.trainer.utils import use_adapter
-
-                stack.enter_context(use_adapter(step.model, None))
-            model = trainer.ref_model if mode == REF_COPY else step.model
-            logps, _, _ = cls._get_per_token_logps_and_entropies(trainer, model, ids, mask, c, batch_size=b)
-        batch["ref_per_token_logps"] = logps
+        model = run.trainer.ref_model if mode == REF_COPY else step.model
+        ref = _no_grad_logps(step, run, model, ids, mask, adapters_off=mode == REF_ADAPTERS_OFF)
     del ids, mask
+    if old is not None and ref is not None:      # RLOO's KL penalty on the rewards: first-order log ratio
+        per_token_kl = old - ref
+        kl = (per_token_kl * batch["completion_mask"]).sum(-1)  # noqa: F841 - its device tensor lives to the end
+    if not spec.sequence_logps and ref is not None:
+        batch["ref_per_token_logps"] = ref
     batch["advantages"] = torch.zeros(b, dtype=torch.float32, device=device)
-    batch["num_items_in_batch"] = torch.tensor(float(b * c), device=device)
+    if not spec.sequence_logps:
+        batch["num_items_in_batch"] = torch.tensor(float(b * c), device=device)
     run.inputs = batch                    # _buffered_inputs: the previous step's batch dies here
+
+
+def _no_grad_logps(step, run: TrainerRun, model, ids, mask, adapters_off: bool = False) -> torch.Tensor:
+    """The trainer's own `_get_per_token_logps_and_entropies` under no_grad with checkpointing paused, in one chunk
+    of per_device_train_batch_size (the policy, a reference copy, or the policy with its adapters disabled:
+    `use_adapter(model, None)`)."""
+    setup = step.setup
+    trainer = run.trainer
+    with contextlib.ExitStack() as stack:
+        if is_fake_tensor(step.input_ids):
+            stack.enter_context(trl_cuda_head())
+            stack.enter_context(full_length_padding_mask())
+            stack.enter_context(run.masks)
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(policy_checkpointing_paused(step.model))
+        if adapters_off:
+            from trl.trainer.utils import use_adapter
+
+            stack.enter_context(use_adapter(step.model, None))
+        logps, _, _ = type(trainer)._get_per_token_logps_and_entropies(
+            trainer, model, ids, mask, completion_length(setup), batch_size=setup.batch_size)
+    return logps
 
 
 def generation_iteration(step, it: int) -> None:
@@ -244,10 +294,13 @@ def generation_iteration(step, it: int) -> None:
 
 def generation_emulation_notes(setup) -> list[str]:
     """What the trace's result says about the generation step it ran."""
+    trainer = objective_spec(setup.objective).trainer
     return objective_notes(setup) + [
         "trace: transformers' generate on fake tensors (the stop check answers at prompt + max_completion_length, "
-        "other host scalar reads false); TRL's GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies (its "
-        "__init__ not run: the attributes from GRPOConfig's defaults); the completions' trip through the host and "
+        "under FSDP2 synced_gpus' all-reduced flag by this rank's own state, other host scalar reads false); "
+        f"TRL's {trainer}._compute_loss and _get_per_token_logps_and_entropies (its "
+        f"__init__ not run: the attributes from {trainer.replace('Trainer', 'Config')}'s defaults); the completions' "
+        "trip through the host and "
         "the reward functions not traced (the re-padded batch and the advantages made on the device); its fused LM "
         "head on CUDA's path"]
 

@@ -56,6 +56,7 @@ from llmem.memory.activations.learned import (
 from llmem.model.families import LAYERS_FIELDS, decoder_layers, family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS
+from llmem.runtime.expert_parallel import learning_ep
 from llmem.runtime.ledger import PHASE_CODES, Ledger, TracingFakeMode, tracking
 from llmem.runtime.step import StepHooks, prepared_step
 
@@ -101,7 +102,8 @@ def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] = POINTS) -> Lea
         path.write_text(json.dumps(shallow_config(r.base.config, LEARN_DEPTH)))
         readings: list[Reading] = []
         for b, s in points:          # each point checked against the first as it comes: a refusal costs two runs
-            readings.append(run_point(learning_setup(r, str(path), b, s)))
+            with learning_ep(r.setup.ep, r.setup.ep_imbalance):   # --ep: the EP forward, all-to-alls emulated
+                readings.append(run_point(learning_setup(r, str(path), b, s)))
             check_alike(readings, points)
     sizes = fit_sizes(readings, points)
     return read_layer(readings[0], sizes, points, time.perf_counter() - t0)
@@ -137,7 +139,8 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     return replace(setup, model=model_path, method="single", gpus=1, gpus_per_node=None, tp=None, batch_size=batch,
                    seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
                    grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
-                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full")
+                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full", ep=1,
+                   ep_imbalance=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- one point

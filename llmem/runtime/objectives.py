@@ -15,7 +15,10 @@ The reference, as the trainers hold it: a second model built like the policy (th
 materialised on fake tensors in the policy's dtype, TRL's `dtype=self.model.dtype`, or --ref-dtype compute), frozen,
 in eval mode, with its own fused head (log-probs only), made before the step starts (TRL loads it at trainer init,
 before DDP's buckets); under peft none (TRL's `use_adapter(model, None)` disables the adapters for the reference
-forward); with --precompute-ref-log-probs none (the log-probs come with the batch).
+forward); with --precompute-ref-log-probs none (the log-probs come with the batch). Under FSDP2 (--method fsdp /
+zero2) the copy is sharded as trl's `prepare_fsdp` does it: one `fully_shard` on the whole model (`prepare_fsdp`
+below), so its forward all-gathers it whole; the policy keeps llmem's FSDP2 layout (each decoder layer, then the
+root).
 
 Emulated, because fake tensors cannot run it (`emulation_notes`):
 - TRL's CUDA path of its fused head (`_use_triton` is true on CUDA): only the completion tokens are projected
@@ -302,13 +305,34 @@ def reference_copy(step) -> torch.nn.Module:
         ref = meta_model_for(setup)
         ref.to(dtype)
         ref.requires_grad_(False)
-    materialize(ref, next(step.model.parameters()).device)
+    materialize(ref, _local_device(step.model))
     if not is_fake_tensor(step.input_ids):      # measure: real random weights, as the policy's
         init_real_weights(ref)
     ref.eval()
     disable_dropout_in_model(ref)
     add_fused_lm_head(ref)
+    if step.layout.spec.shards_model_states:
+        prepare_fsdp(ref, step)
     return ref
+
+
+def _local_device(model: torch.nn.Module) -> torch.device:
+    """The device of the policy's (local shards of its) parameters."""
+    p = next(model.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+def prepare_fsdp(ref: torch.nn.Module, step) -> None:
+    """trl.models.utils.prepare_fsdp under FSDP2: one fully_shard on the whole reference (one unit, no per-layer
+    wrapping), accelerate's plugin's reshard_after_forward (FULL_SHARD: True; zero2, SHARD_GRAD_OP: False) and
+    mixed-precision policy (the policy's: llmem.runtime.distributed.apply_fsdp), on the policy's mesh."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    setup = step.setup
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, setup.compute_dtype), reduce_dtype=torch.float32) \
+        if setup.mixed else MixedPrecisionPolicy()
+    fully_shard(ref, mesh=next(step.model.parameters()).device_mesh,
+                reshard_after_forward=step.layout.spec.reshard_after_forward, mp_policy=mp)
 
 
 def preference_inputs(step) -> dict[str, torch.Tensor]:

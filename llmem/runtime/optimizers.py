@@ -300,6 +300,11 @@ class HostOffloadedOptimizer:
             holder = nn.Module()
             holder.params = nn.ParameterList([h for _, h in self.pairs])
             self.host = make_optimizer(holder, optimizer, groups)
+            for g in self.host.param_groups:
+                # torch's fused kernels refuse meta tensors (optimizer.py's _device_dtype_check_for_fused); the host
+                # step reaches no device allocator either way, so on the meta host it runs the for-loop update
+                if g.get("fused"):
+                    g["fused"] = g["foreach"] = False
 
     @property
     def state(self) -> dict:

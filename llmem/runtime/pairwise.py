@@ -98,8 +98,9 @@ def trl_logprob_kernel() -> Iterator[None]:
 
 def fp32_outputs(module: torch.nn.Module, step) -> None:
     """Accelerator.prepare_model under mixed precision: the forward's fp16/bf16 outputs cast to fp32
-    (accelerate.utils.convert_outputs_to_fp32)."""
-    if step.autocast_dtype is None:
+    (accelerate.utils.convert_outputs_to_fp32), also under FSDP2, whose MixedPrecisionPolicy replaces autocast
+    here (accelerate's native_amp wraps the forward whatever the distributed type)."""
+    if step.autocast_dtype is None and not (step.setup.mixed and step.layout.spec.shards_model_states):
         return
     from accelerate.utils import convert_outputs_to_fp32
 

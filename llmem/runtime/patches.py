@@ -4,6 +4,7 @@
 - `quiet`: the deprecation / FSDP / config warnings the step triggers.
 - `hf_untraced_masks`: transformers' mask shortcuts, which it skips for fake tensors (it takes them for tracing).
 - `fake_scalar_reads`: `.item()` of a fake tensor (Adafactor's host scalars) reads 1.0 while the optimizer steps.
+- `collectives_waited_in_place`: funcol.wait_tensor returns the collective's output itself, as on CUDA.
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ def patched(obj, name: str, value) -> Iterator[None]:
             delattr(obj, name)
         else:
             setattr(obj, name, saved)
+
+
+def _waited_in_place(tensor):
+    """funcol.wait_tensor as CUDA runs it: the collective's output itself, synchronised. The fake mode gives
+    `_c10d_functional.wait_tensor`'s output a storage of its own, which would count a copy of every all-gathered
+    K/V and all-to-all'd tensor that no GPU makes (the fake process group has nothing to wait for)."""
+    return tensor
+
+
+@contextlib.contextmanager
+def collectives_waited_in_place() -> Iterator[None]:
+    """funcol.wait_tensor without the fake mode's copy (ring attention's K/V gathers, EP's all-to-alls)."""
+    import torch.distributed._functional_collectives as funcol
+
+    with patched(funcol, "wait_tensor", _waited_in_place):
+        yield
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""Pipeline parallelism in the real step: one stage of the HF model, split as torchtitan splits it, run by torch's
-own PipelineStage and schedule (torch/distributed/pipelining) on the fake process group.
+"""Pipeline parallelism in the real step: one rank's stage(s) of the HF model, split as torchtitan splits it, run by
+torch's own PipelineStage(s) and schedule (torch/distributed/pipelining) on the fake process group.
 
 The stage is the model with only its decoder layers (torchtitan's _split_module: the others deleted), the embedding
 on the first stage, the final norm and lm_head on the last (elsewhere nn.Identity / None), its forward the stage's
 part of the HF forward (input ids or the previous stage's hidden states in, hidden states or logits out). The loss
-is the HF model's own loss_function on the last stage's logits, as the schedule's loss_fn.
+is the HF model's own loss_function on the last stage's logits, as the schedule's loss_fn. Under a looped schedule
+(Interleaved1F1B) the rank's model keeps the layers of all its stages and each stage is a StageChunk over it, the
+schedule torch's _PipelineScheduleRuntime over the rank's stages.
 
 Two things of torch's pipelining cannot run on a fake process group and fake tensors, and are replaced:
 - the P2P warm-up vote (`_PipelineSchedule._warmup_p2p`: a recv from the neighbour, then `.item()` on it, which a
@@ -25,36 +27,37 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from llmem.errors import LlmemError
 from llmem.runtime.build import causal_lm
-from llmem.setup.pipeline import StageSplit, pipeline_schedule, stage_splits
+from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_splits, stages_per_rank
 
 EMULATION_NOTE = ("pipeline: torch's PipelineStage and {schedule} on the fake process group; its P2P warm-up vote "
                   "and shape inference (which need a peer) replaced by static shapes: torchtitan's extra forward / "
-                  "backward of micro-batch 0 at the first step is not traced")
+                  "backward of micro-batch 0 at the first step is not traced; a looped schedule's stages on a rank "
+                  "run over the rank's one split model (torchtitan: a model copy each, which differs only in the "
+                  "rotary embedding's buffer)")
 
 
-def stage_split(setup, num_layers: int, rank: int) -> StageSplit:
-    """The stage rank `rank` runs (one per rank: GPipe and 1F1B)."""
-    spec = pipeline_schedule(setup.pp_schedule)
-    if spec.virtual_stages > 1:
-        raise LlmemError(f"--pp-schedule {setup.pp_schedule}: a rank's several stages are not traced yet; use gpipe "
-                         "or 1f1b")
-    return stage_splits(num_layers, setup.pp * spec.virtual_stages)[rank]
+def stage_split(setup, num_layers: int, rank: int) -> tuple[StageSplit, ...]:
+    """The stages rank `rank` runs: one (GPipe, 1F1B), or its chunks r, r + pp, ... (Interleaved1F1B)."""
+    return rank_splits(num_layers, setup.pp, stages_per_rank(setup.pp_schedule, setup.pp_virtual_stages), rank)
 
 
-def split_model(model: nn.Module, split: StageSplit) -> None:
-    """Keep only the stage's modules (on meta, before materialising) and make its forward the stage's part of the
-    HF forward: torchtitan's _split_module on an HF causal LM."""
+def split_model(model: nn.Module, splits: tuple[StageSplit, ...]) -> None:
+    """Keep only the rank's modules (on meta, before materialising): torchtitan's _split_module on an HF causal LM,
+    the decoder layers of all the rank's stages in one layer list. One stage: the model's forward becomes the
+    stage's part of the HF forward; several: each stage's module is a StageChunk over the model (PipelineRunner)."""
     lm = causal_lm(model)
     base = lm.get_decoder()
-    base.layers = nn.ModuleList([base.layers[i] for i in split.layers])
-    if not split.embedding:
+    base.layers = nn.ModuleList([base.layers[i] for s in splits for i in s.layers])
+    if not splits[0].embedding:
         base.embed_tokens = None
-    if not split.head:
+    if not splits[-1].head:
         base.norm = nn.Identity()
         lm.lm_head = nn.Identity()
+    if len(splits) > 1:
+        return
     forward_of_class = type(lm).forward
+    split = splits[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw = {"input_ids": x} if split.embedding else {"inputs_embeds": x}
@@ -63,6 +66,44 @@ def split_model(model: nn.Module, split: StageSplit) -> None:
         return base(**kw).last_hidden_state
 
     lm.forward = types.MethodType(forward, lm)
+
+
+class StageChunk(nn.Module):
+    """One of a looped schedule's stages on this rank: its layers of the (split) model, run through the HF
+    decoder's forward with the decoder's layer list (and final norm, past the last stage: Identity) swapped for the
+    stage's for the call. torchtitan builds each stage as its own copy of the model; sharing the rank's one model
+    differs only in the rotary embedding's inv_freq buffer (one instead of one per stage)."""
+
+    def __init__(self, model: nn.Module, split: StageSplit, layers: range) -> None:
+        super().__init__()
+        lm = causal_lm(model)
+        base = lm.get_decoder()
+        self.layers = nn.ModuleList([base.layers[i] for i in layers])      # parameters(): the stage's
+        self.split = split
+        object.__setattr__(self, "_lm", lm)                                  # not a submodule
+        object.__setattr__(self, "_norm", base.norm if split.head else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lm = self._lm
+        base = lm.get_decoder()
+        kw = {"input_ids": x} if self.split.embedding else {"inputs_embeds": x}
+        layers, norm = base.layers, base.norm
+        base.layers, base.norm = self.layers, self._norm
+        try:
+            if self.split.head:
+                return type(lm).forward(lm, **kw).logits
+            return base(**kw).last_hidden_state
+        finally:
+            base.layers, base.norm = layers, norm
+
+
+def stage_chunks(model: nn.Module, splits: tuple[StageSplit, ...]) -> list[StageChunk]:
+    """The rank's stages as modules over its split model (whose layer list holds them in stage order)."""
+    out, start = [], 0
+    for s in splits:
+        out.append(StageChunk(model, s, range(start, start + len(s.layers))))
+        start += len(s.layers)
+    return out
 
 
 def stage_shapes(setup, resolved, split: StageSplit) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,31 +144,37 @@ def static_warmup() -> Iterator[None]:
 
 
 class PipelineRunner:
-    """The stage and its schedule; `iteration` runs one schedule step (every micro-batch's forward and backward in
-    the schedule's order), then the optimizer step."""
+    """The rank's stage(s) and their schedule; `iteration` runs one schedule step (every micro-batch's forward and
+    backward of each stage in the schedule's order), then the optimizer step."""
 
-    def __init__(self, step, split: StageSplit, group) -> None:
+    def __init__(self, step, splits: tuple[StageSplit, ...], group) -> None:
         from torch.distributed import pipelining
 
         setup, lm = step.setup, causal_lm(step.model)
-        self.step, self.split = step, split
-        inp, out = stage_shapes(setup, step.resolved, split)
+        self.step, self.splits = step, splits
         spec = pipeline_schedule(setup.pp_schedule)
-        self.stage = pipelining.PipelineStage(step.model, split.index, setup.pp, torch.device("cpu"),
-                                              input_args=(inp,), output_args=(out,), group=group)
+        stages = setup.pp * len(splits)
+        modules = [step.model] if len(splits) == 1 else stage_chunks(step.model, splits)
+        self.stages = []
+        for split, module in zip(splits, modules, strict=True):
+            inp, out = stage_shapes(setup, step.resolved, split)
+            self.stages.append(pipelining.PipelineStage(module, split.index, stages, torch.device("cpu"),
+                                                        input_args=(inp,), output_args=(out,), group=group))
         vocab = step.resolved.anatomy.vocab_size
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return lm.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
         # torchtitan: scale_grads=False (its loss is already divided by the global token count)
-        self.schedule = getattr(pipelining, spec.torch_class)(self.stage, n_microbatches=setup.microbatches,
+        self.schedule = getattr(pipelining, spec.torch_class)(self.stages if spec.looped else self.stages[0],
+                                                              n_microbatches=setup.microbatches,
                                                               loss_fn=loss_fn, scale_grads=False)
-        self._wrap_stage()
+        for stage in self.stages:
+            self._wrap_stage(stage)
 
-    def _wrap_stage(self) -> None:
+    def _wrap_stage(self, stage) -> None:
         """The ledger's phases follow the schedule's actions; the stage's recv buffers are communication buffers."""
-        stage, step = self.stage, self.step
+        step = self.step
         region = step.hooks.category
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
         prep_f, prep_b = stage._prepare_forward_infra, stage._prepare_backward_infra
@@ -159,9 +206,9 @@ class PipelineRunner:
         step._phase("forward", it)
         # torchtitan's trainer: return_outputs=False (the last stage keeps no micro-batch's output for merging)
         with ctx, static_warmup():
-            if self.split.embedding:             # the first stage takes the ids (pp > 1: never the last)
+            if self.splits[0].embedding:         # the first stage takes the ids (pp > 1: never the last)
                 self.schedule.step(ids, return_outputs=False)
-            elif self.split.head:                # the last the labels
+            elif self.splits[-1].head:           # the last the labels
                 self.schedule.step(target=ids, losses=[], return_outputs=False)
             else:
                 self.schedule.step(return_outputs=False)

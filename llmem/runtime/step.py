@@ -55,13 +55,20 @@ from llmem.runtime.distributed import (
     dtensor_propagation_untracked,
     fake_process_group,
 )
+from llmem.runtime.expert_parallel import apply_expert_parallel, ep_plan
 from llmem.runtime.offload import ActivationOffload
 from llmem.runtime.optimizers import (
     HostOffloadedOptimizer,
     InBackwardOptimizer,
     make_optimizer,
 )
-from llmem.runtime.patches import flash_kernel_attention, grouped_mm_meta_any_float, hf_untraced_masks, quiet
+from llmem.runtime.patches import (
+    collectives_waited_in_place,
+    flash_kernel_attention,
+    grouped_mm_meta_any_float,
+    hf_untraced_masks,
+    quiet,
+)
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.context_parallel import local_seq_len
 from llmem.setup.layout import Layout
@@ -267,6 +274,11 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             stack.enter_context(dtensor_propagation_untracked())
             stack.enter_context(device_mesh_outside_fake())
             mesh = device_mesh(layout, device.type)
+        ep = ep_plan(layout, setup, device.type)     # --ep (or the learning copy's): llmem.runtime.expert_parallel
+        if ep is not None:
+            apply_expert_parallel(model, ep, fake)
+            if ep.ep_mesh is not None:
+                stack.enter_context(collectives_waited_in_place())
         if layout.cp > 1:     # torch's ring attention on the cp dimension (llmem.runtime.context_parallel)
             from llmem.runtime.context_parallel import ring_attention
             stack.enter_context(ring_attention(mesh["cp"], fake))

@@ -23,6 +23,7 @@ from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
+from llmem.setup.expert_parallel import ep_note
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
 from llmem.setup.methods import method_spec
@@ -38,6 +39,8 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
                      "internal buffers are not traced (device_used adds the catalog's assumption for them)")
     if layout.cp > 1:
         notes.append(cp_note(layout.cp, setup.seq_len, engine))
+    if layout.ep > 1:    # torchtitan's expert parallelism (llmem.runtime.expert_parallel)
+        notes.append(ep_note(layout.ep, layout.expert_shard_degree, setup.ep_imbalance, engine))
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
     if setup.quant_base != "none":
@@ -101,7 +104,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes = method_notes(resolved.layout, setup, "trace")
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
-    notes += routing_notes(anatomy)
+    notes += routing_notes(anatomy, ep=resolved.layout.ep)
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)

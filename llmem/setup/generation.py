@@ -14,6 +14,11 @@ With --use-vllm (GRPOConfig's use_vllm) vLLM generates instead of transformers: 
 memory (llmem.memory.vllm: its weights, KV cache blocks, activations; resident through training unless
 vllm_enable_sleep_mode releases it), in "server" mode on other GPUs (nothing of it here). Neither is run: the
 training process's generation phase then holds nothing of generate's, and the pool is added from vLLM's accounting.
+
+--objective rloo is TRL's RLOOTrainer (rloo_trainer.py, rloo_config.py) in the same three phases, with RLOOConfig's
+defaults (2 generations, beta 0.05: a reference unless peft); its scoring phase also runs the policy under no_grad
+for the old-policy log-probs, every step, and the batch keeps their per-sequence sums (the registry row's
+scores_policy and sequence_logps, llmem.setup.objectives).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.setup.methods import method_spec
 
 
 @dataclass(frozen=True)
@@ -30,18 +36,28 @@ class GenerationDefaults:
     max_completion_length: int
     beta: float
     num_iterations: int
-    loss_type: str
+    loss_type: str | None
     gradient_checkpointing: bool     # _BaseConfig's default (llmem's --grad-ckpt stays the user's choice)
     vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
+    config_class: str = "GRPOConfig"
+    loss_types: tuple[str, ...] = ()     # its loss_type's choices, the first its default (RLOOConfig has none)
 
 
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")   # GRPOConfig.loss_type (vespo not)
 GENERATION_DEFAULTS = {
     "grpo": GenerationDefaults(num_generations=8, max_completion_length=512, beta=0.0, num_iterations=1,
-                               loss_type="dapo", gradient_checkpointing=True),
+                               loss_type="dapo", gradient_checkpointing=True, loss_types=GRPO_LOSS_TYPES),
+    # RLOOConfig (trl 1.16, rloo_config.py): 2 generations, 512 completion tokens, beta 0.05 (a reference unless
+    # peft), no loss_type (RLOOTrainer's loss is one per-sequence clipped ratio)
+    "rloo": GenerationDefaults(num_generations=2, max_completion_length=512, beta=0.05, num_iterations=1,
+                               loss_type=None, gradient_checkpointing=True, config_class="RLOOConfig"),
 }
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")   # GRPOConfig.loss_type (vespo not)
-GENERATION_METHODS = ("single", "ddp")
+# The layouts TRL's steps are modelled under: one GPU, DDP, and FSDP2 as accelerate's plugin runs it (fsdp:
+# FULL_SHARD, zero2: SHARD_GRAD_OP, reshard_after_forward False), the reference copy one fully_shard unit of its own
+# (trl/models/utils.py prepare_fsdp)
+TRL_METHODS = ("single", "ddp", "fsdp", "zero2")
+GENERATION_METHODS = TRL_METHODS
 GENERATION_ATTENTIONS = ("sdpa", "eager")
 
 # TrainingSetup fields of the generation objectives: (field, unset value, flag)
@@ -57,16 +73,17 @@ VLLM_FIELDS = (("vllm_mode", None, "--vllm-mode"), ("vllm_gpu_memory_utilization
 
 # The options the generation step does not model yet: (field, its unset value, flag, why)
 _NOT_WITH_GENERATION = (
-    ("fused_ce", False, "--fused-ce", "GRPOTrainer computes the log-probs with TRL's chunked LM head"),
-    ("packing", False, "--packing", "GRPOTrainer pads prompts and completions"),
+    ("fused_ce", False, "--fused-ce", "GRPOTrainer and RLOOTrainer compute the log-probs with TRL's chunked LM head"),
+    ("packing", False, "--packing", "GRPOTrainer and RLOOTrainer pad prompts and completions"),
     ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
     ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
     ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
-    ("quant_base", "none", "a quantised base", "QLoRA under GRPO is not modelled yet"),
-    ("precompute_ref_log_probs", False, "--precompute-ref-log-probs", "GRPOTrainer scores the reference per step"),
-    ("ref_dtype", "policy", "--ref-dtype", "GRPOTrainer loads the reference in the policy's dtype"),
+    ("quant_base", "none", "a quantised base", "QLoRA under GRPO / RLOO is not modelled yet"),
+    ("precompute_ref_log_probs", False, "--precompute-ref-log-probs", "GRPOTrainer and RLOOTrainer score the reference per step"),
+    ("ref_dtype", "policy", "--ref-dtype", "GRPOTrainer and RLOOTrainer load the reference in the policy's "
+                                           "dtype"),
     ("prompt_len", 0, "--prompt-len", "the prompt is --seq-len less --max-completion-length"),
-    ("max_length", None, "--max-length", "GRPO sequences are --seq-len: prompt + --max-completion-length"),
+    ("max_length", None, "--max-length", "their sequences are --seq-len: prompt + --max-completion-length"),
 )
 
 
@@ -100,16 +117,19 @@ def check_generation(setup) -> None:
     name = setup.objective
     _check_vllm(setup)
     refuse_unmodelled(setup, _NOT_WITH_GENERATION)
-    if setup.loss_type is not None and setup.loss_type not in GRPO_LOSS_TYPES:
+    d = GENERATION_DEFAULTS[name]
+    if setup.loss_type is not None and not d.loss_types:
+        raise LlmemError(f"--loss-type with --objective {name}: TRL's {d.config_class} has no loss_type; drop it")
+    if setup.loss_type is not None and setup.loss_type not in d.loss_types:
         raise LlmemError(f"unknown --loss-type {setup.loss_type!r} for --objective {name}: choose one of "
-                         f"{', '.join(GRPO_LOSS_TYPES)}")
+                         f"{', '.join(d.loss_types)}")
     g = num_generations(setup)
     if g < 2:
-        raise LlmemError(f"--num-generations must be >= 2 (GRPO's advantages compare a prompt's completions), got {g}")
+        raise LlmemError(f"--num-generations must be >= 2 (the advantages compare a prompt's completions), got {g}")
     world = setup.gpus
     if (setup.batch_size * world) % g:
         raise LlmemError(f"--num-generations {g} must divide the global batch (--gpus {world} x --batch-size "
-                         f"{setup.batch_size} = {setup.batch_size * world} completions), as GRPOConfig requires: "
+                         f"{setup.batch_size} = {setup.batch_size * world} completions), as {d.config_class} requires: "
                          f"use a --batch-size that makes it a multiple of {g}, or another --num-generations")
     c = completion_length(setup)
     if c < 1:
@@ -130,14 +150,49 @@ def refuse_unmodelled(setup, table: tuple) -> None:
             raise LlmemError(f"{flag} with --objective {setup.objective}: {why}")
 
 
+# What a TRL step under FSDP2 does not model yet: (field, its unset value, flag, why)
+_NOT_UNDER_FSDP = (
+    ("cp", 1, "--cp", "context parallelism"),
+    ("pp", 1, "--pp", "pipeline parallelism"),
+    ("offload_param", False, "--offload-param", "FSDP2's CPUOffloadPolicy"),
+)
+_NOT_GENERATING_UNDER_FSDP = (
+    ("use_vllm", False, "--use-vllm", "TRL's weight sync to vLLM (each FSDP2 parameter's full_tensor, "
+                                      "trl/generation/vllm_generation.py) is not modelled yet"),
+    ("lora_rank", 0, "--lora-rank", "peft's generate calls the base model's, past the root FSDP2 unit that holds "
+                                       "the embedding in llmem's fsdp layout (accelerate carves the embedding into "
+                                       "a unit of its own, not modelled yet)"),
+)
+
+
 def check_trainer_layout(setup, methods: tuple[str, ...], attentions: tuple[str, ...]) -> None:
     """The methods and attention kernels a TRL objective's step is modelled under."""
+    spec = method_spec(setup.method)
+    if spec.zero_stage is not None:
+        raise LlmemError(f"--objective {setup.objective} under DeepSpeed (--method {setup.method}) is not modelled yet "
+                         "(TRL's prepare_deepspeed engine for the reference): use --method fsdp or zero2 (FSDP2), "
+                         "ddp or single")
     if setup.method not in methods:
         raise LlmemError(f"--objective {setup.objective} is modelled under --method {' or '.join(methods)} "
                          f"(got {setup.method})")
     if setup.attn not in attentions:
         raise LlmemError(f"--objective {setup.objective} with --attn {setup.attn} is not modelled: use --attn "
                          f"{' or '.join(attentions)}")
+    if spec.shards_model_states:
+        _check_fsdp(setup)
+
+
+def _check_fsdp(setup) -> None:
+    """What a TRL step under FSDP2 does not model yet (_NOT_UNDER_FSDP, and generation's own)."""
+    for field_name, unset, flag, what in _NOT_UNDER_FSDP:
+        if getattr(setup, field_name) != unset:
+            raise LlmemError(f"{flag} with --objective {setup.objective}: {what} under TRL's trainers is not "
+                             f"modelled yet (drop {flag})")
+    if setup.objective in GENERATION_DEFAULTS:
+        for field_name, unset, flag, why in _NOT_GENERATING_UNDER_FSDP:
+            if getattr(setup, field_name) != unset:
+                raise LlmemError(f"--objective {setup.objective} with {flag} under --method {setup.method}: {why}; "
+                                 "use --method ddp or single")
 
 
 def vllm_mode(setup) -> str | None:
@@ -179,23 +234,29 @@ def check_no_generation_options(setup) -> None:
     """Objectives without a generation phase take none of its options."""
     for field_name, unset, flag in GENERATION_FIELDS + VLLM_FIELDS:
         if getattr(setup, field_name) != unset:
-            raise LlmemError(f"{flag} belongs to --objective grpo (or drop {flag})")
+            raise LlmemError(f"{flag} belongs to --objective {' or '.join(GENERATION_DEFAULTS)} (or drop {flag})")
 
 
-def generation_notes(setup, reference: str) -> list[str]:
-    """What the estimate and the trace say about a generation objective's step."""
+def generation_notes(setup, reference: str, scores_policy: bool = False) -> list[str]:
+    """What the estimate and the trace say about a generation objective's step (`scores_policy`: the scoring phase
+    also runs the policy for the old-policy log-probs, RLOOTrainer's every step)."""
+    d = GENERATION_DEFAULTS[setup.objective]
+    trainer = d.config_class.replace("Config", "Trainer")
     g, c, p = num_generations(setup), completion_length(setup), prompt_length(setup)
-    ref = {"none": "none (beta 0: GRPOTrainer keeps no reference)",
+    ref = {"none": f"none (beta 0: {trainer} keeps no reference)",
            "copy": "a frozen copy in the policy's dtype (create_model_from_path(dtype=model.dtype)), scored under "
                    "no_grad in the scoring phase",
            "adapters-off": "the policy with its adapters disabled (peft; no copy), scored under no_grad"}[reference]
-    return [f"--objective {setup.objective}: TRL's GRPOTrainer with transformers' generate; {setup.batch_size} "
-            f"completions per GPU ({setup.batch_size * setup.gpus // g} prompts x {g} generations across "
+    loss = (f"loss_type {setup.loss_type or d.loss_type}, num_iterations 1 (no old-policy log-probs)"
+            if not scores_policy else "num_iterations 1; the loss on per-sequence log-prob sums (the clipped ratio "
+            "to the old policy's, leave-one-out advantages; the KL to the reference is a reward penalty)")
+    scoring = ("the policy's own per-token log-probs under no_grad every step, for old_logps, then the reference's"
+               if scores_policy else "the reference's per-token log-probs")
+    return [f"--objective {setup.objective}: TRL's {trainer} with transformers' generate; {setup.batch_size} "
+            f"completions per GPU ({setup.batch_size * setup.gpus // g} prompt(s) x {g} generations across "
             f"{setup.gpus} GPU(s)), each {p} prompt tokens (left-padded) + {c} completion tokens, every completion "
-            f"running to max_completion_length (no EOS before it); beta {beta(setup)}, loss_type "
-            f"{setup.loss_type or GENERATION_DEFAULTS[setup.objective].loss_type}, num_iterations 1 (no old-policy "
-            "log-probs)",
+            f"running to max_completion_length (no EOS before it); beta {beta(setup)}, {loss}",
             "phases: generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
-            "completion, the last token's logits per step in fp32), scoring (the reference's per-token log-probs), "
+            f"completion, the last token's logits per step in fp32), scoring ({scoring}), "
             "training (the policy on prompt + completion through TRL's fused LM head, backward, optimizer step)",
             f"reference: {ref}"]

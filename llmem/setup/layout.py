@@ -3,12 +3,13 @@ planning on a number of GPUs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
+from llmem.setup.context_parallel import CP_METHODS
 from llmem.setup.methods import METHODS, TP_ALL, TP_INNER, TP_NONE, MethodSpec, canonical_method
-from llmem.setup.pipeline import PP_METHODS
+from llmem.setup.pipeline import PP_METHODS, stage_splits
 
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -23,6 +24,7 @@ class Layout:
     replicas: int = 1  # HSDP: the dp ranks as this many replicas of dp / replicas FSDP2 shards (1: plain FSDP)
     pp: int = 1        # pipeline-parallel degree: stages over ranks (torchtitan's mesh: pp outermost, across nodes)
     cp: int = 1        # context-parallel degree: each sample's tokens over cp ranks (torchtitan's mesh: dp_shard, cp)
+    ep: int = 1        # expert-parallel degree: routed experts over ep of the FSDP2 ranks (torchtitan: efsdp x ep)
 
     @property
     def spec(self) -> MethodSpec:
@@ -48,6 +50,12 @@ class Layout:
         return self.dp // self.replicas * self.cp if self.shards_model_states else 1
 
     @property
+    def expert_shard_degree(self) -> int:
+        """How many ways FSDP2 shards dim 0 of a routed expert weight: efsdp = dp_shard x cp / ep (torchtitan's
+        ParallelDims; the weight is first Shard(0) over ep)."""
+        return self.shard_degree // self.ep
+
+    @property
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The device mesh's (name, size) dimensions, outermost first, as torchtitan names them: dp (HSDP:
         dp_replicate x dp_shard) then tp; empty: no mesh."""
@@ -62,6 +70,8 @@ class Layout:
 
     @property
     def label(self) -> str:
+        if self.ep > 1:
+            return f"{self.method} (dp {self.dp}, ep {self.ep})"
         if self.cp > 1:
             return f"{self.method} (dp {self.dp} x cp {self.cp})"
         if self.pp > 1:
@@ -184,14 +194,23 @@ def _resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None
 
 
 def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_heads: int,
-                      methods: Iterable[str] | None = None, tp: int | None = None) -> list[Layout]:
+                      methods: Iterable[str] | None = None, tp: int | None = None, *,
+                      limits: ModelLimits | None = None, pp: int | None = 1, cp: int | None = 1) -> list[Layout]:
     """Every layout worth planning on `gpus` GPUs, in registry order (the paper's tie order); invalid ones skipped.
 
     A one-GPU method only on one GPU; DeepSpeed's only when `methods` names them; the others on more: no tp once;
     tp over all GPUs when they fit in one node; an inner tp for each tp in the divisors of the node size (> 1) with dp = gpus / tp >= 2; across nodes, each
     sharding layout also as HSDP sharded within a node. `methods` / `tp` restrict the list. num_heads =
-    num_kv_heads = 0 skips the head-divisibility check.
+    num_kv_heads = 0 skips the head-divisibility check. With the model's `limits`, the pipeline and context-parallel
+    layouts too (`SCALE_OUT_AXES`): `pp` / `cp` None searches every degree the model allows, 1 none (the default),
+    N only N (then only those layouts).
     """
+    if limits is not None and (pp != 1 or cp != 1):
+        fixed = {name: d for name, d in (("pp", pp), ("cp", cp)) if d not in (None, 1)}
+        extra = scale_out_layouts(gpus, per_node, num_heads, num_kv_heads, limits, methods, tp, fixed)
+        if fixed:
+            return extra
+        return candidate_layouts(gpus, per_node, num_heads, num_kv_heads, methods, tp) + extra
     node = check_world(gpus, per_node)    # an invalid world (not a whole number of nodes) is the user's error
     wanted = {canonical_method(m) for m in methods} if methods else None
     specs: list[tuple[str, int | None]] = []
@@ -222,6 +241,69 @@ def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
         except LlmemError:
             continue
     return layouts + [h for lay in layouts if (h := _hsdp_within_nodes(lay)) is not None]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a pipeline or context-parallel degree must respect of the model and the step."""
+    num_layers: int
+    seq_len: int
+    virtual_stages: int = 1        # the pipeline schedule's stages per rank
+
+
+def _splits(d: int, m: ModelLimits) -> bool:
+    """pp x virtual stages of at least one layer each, as torchtitan splits them (llmem.setup.pipeline)."""
+    if d * m.virtual_stages > m.num_layers:
+        return False
+    try:
+        stage_splits(m.num_layers, d * m.virtual_stages)
+    except LlmemError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ScaleOutAxis:
+    """A parallel dimension the planner searches beside dp x tp: its Layout field (and --option), the methods it
+    runs under, and what the model must allow of its degree."""
+    name: str
+    methods: tuple[str, ...]
+    allows: Callable[[int, ModelLimits], bool]
+
+
+SCALE_OUT_AXES: tuple[ScaleOutAxis, ...] = (
+    ScaleOutAxis("pp", PP_METHODS, _splits),                                     # no empty stage
+    ScaleOutAxis("cp", CP_METHODS, lambda d, m: m.seq_len % (2 * d) == 0),       # the 2 x cp head-tail chunks
+)
+
+
+def scale_out_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_heads: int, limits: ModelLimits,
+                      methods: Iterable[str] | None = None, tp: int | None = None,
+                      fixed: dict[str, int] | None = None) -> list[Layout]:
+    """The pipeline and context-parallel layouts of `gpus` GPUs the model allows: each axis's degrees d >= 2
+    dividing the GPUs (only fixed[axis] where given; an axis not fixed is skipped when another is), under each of
+    its methods as resolve_layout accepts them (pp with cp, or either with tp, is not modelled: none)."""
+    if tp not in (None, 1):
+        return []
+    wanted = {canonical_method(m) for m in methods} if methods else None
+    fixed = fixed or {}
+    out: list[Layout] = []
+    for axis in SCALE_OUT_AXES:
+        if fixed and axis.name not in fixed:
+            continue
+        degrees = [fixed[axis.name]] if axis.name in fixed else [d for d in range(2, gpus + 1) if gpus % d == 0]
+        for d in degrees:
+            if not axis.allows(d, limits):
+                continue
+            for method in axis.methods:
+                if wanted is not None and method not in wanted:
+                    continue
+                try:
+                    out.append(resolve_layout(method, gpus, None, per_node, num_heads, num_kv_heads,
+                                              **{axis.name: d}))
+                except LlmemError:
+                    continue
+    return out
 
 
 def _hsdp_within_nodes(layout: Layout) -> Layout | None:

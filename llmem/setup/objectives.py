@@ -18,8 +18,13 @@ installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):
   no reference, the loss on the model's full logits (llmem.estimator.pairwise / llmem.runtime.pairwise).
 - reward: RewardTrainer on a sequence-classification model (num_labels=1: a score head, no vocabulary logits).
 
-The defaults are the installed trl's config classes' (tests/test_objectives.py, tests/test_pairwise.py check them);
-`NOT_YET` names the objectives still to come in the refusal.
+- grpo, rloo: GRPOTrainer and RLOOTrainer with transformers' generate (llmem.setup.generation): generation,
+  scoring, training; RLOO's scoring also runs the policy (scores_policy) and keeps per-sequence sums
+  (sequence_logps).
+
+The defaults are the installed trl's config classes' (tests/test_objectives.py, tests/test_pairwise.py,
+tests/test_rloo.py check them); `NOT_YET` names the objectives still to come in the refusal, `REFUSED` those refused
+with what to use instead (ppo: trl 1.16 has no PPOTrainer).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from llmem.errors import LlmemError
 from llmem.setup.generation import (
     GENERATION_DEFAULTS,
     GRPO_LOSS_TYPES,
+    TRL_METHODS,
     check_generation,
     check_no_generation_options,
     check_trainer_layout,
@@ -66,7 +72,12 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")   # KTOConfig.loss_type's choices;
 SIMPO_LOSS_TYPES = ("simpo",)      # CPOConfig's loss_type for SimPO (its other values are CPO's, not modelled)
 CPO_SIMPO_DEFAULTS = {"simpo_gamma": 0.5, "cpo_alpha": 1.0}   # CPOConfig's (cpo_alpha 1: the chosen NLL is added)
 
-NOT_YET = ("rloo", "ppo")
+NOT_YET: tuple[str, ...] = ()
+# objectives refused with what to use instead (the installed trl 1.16 has no PPOTrainer, in trl.trainer or
+# trl.experimental, so there is no trainer to model or trace)
+REFUSED = {"ppo": "the installed trl 1.16 has no PPOTrainer (neither trl.trainer nor trl.experimental), so llmem has "
+                  "no trainer to model: use --objective rloo or grpo (TRL's critic-free online RL, with a reference "
+                  "and generation)"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,12 @@ class ObjectiveSpec:
     scalar_head: bool = False        # a sequence-classification model, num_labels=1 (the reward model's score head)
     cli_command: str | None = None   # the `trl` CLI's command for --export trl (None: the CLI has none)
     generates: bool = False          # completions generated, then scored, before training (llmem.setup.generation)
+    # the scoring phase runs the policy itself under no_grad for the old-policy log-probs every step (RLOOTrainer's
+    # _generate_and_score_completions; GRPOTrainer only when num_iterations > 1 or generation steps are buffered)
+    scores_policy: bool = False
+    # the batch keeps per-sequence log-prob sums [B] fp32 (RLOO's old_logps; its loss is per sequence), the
+    # per-token log-probs dying with the scoring phase; else the reference's per-token [B, C] and num_items_in_batch
+    sequence_logps: bool = False
     # the micro-batch is a multiple of this (so at least this): KTO's 2, llmem's half desirable / half undesirable
     # layout, which also meets KTOTrainer's per_device_train_batch_size > 1 for the KL term (kto_trainer.py)
     batch_multiple: int = 1
@@ -140,6 +157,12 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
                   "when beta > 0 (TRL's GRPOTrainer)", keeps_reference=True, loss_types=GRPO_LOSS_TYPES,
                   beta=GENERATION_DEFAULTS["grpo"].beta, fused_lm_head=True, head_outputs=("log_probs", "entropy"),
                   cli_command="grpo", generates=True),
+    # RLOOTrainer (trl 1.16, rloo_trainer.py) with transformers' generate: GRPO's phases, the scoring phase running
+    # the policy (old_logps) and then the reference (beta 0.05 by default) under no_grad; no loss_type
+    ObjectiveSpec("rloo", "RLOOTrainer", "completions generated per prompt, leave-one-out baselines, a reference "
+                  "when beta > 0 (TRL's RLOOTrainer)", keeps_reference=True,
+                  beta=GENERATION_DEFAULTS["rloo"].beta, fused_lm_head=True, head_outputs=("log_probs", "entropy"),
+                  cli_command="rloo", generates=True, scores_policy=True, sequence_logps=True),
 )}
 
 
@@ -147,6 +170,8 @@ def objective_spec(name: str) -> ObjectiveSpec:
     spec = OBJECTIVES.get(name)
     if spec is not None:
         return spec
+    if name in REFUSED:
+        raise LlmemError(f"--objective {name}: {REFUSED[name]}")
     later = f" ({name} is not modelled yet)" if name in NOT_YET else ""
     raise LlmemError(f"unknown objective {name!r}{later}: choose one of {', '.join(OBJECTIVES)}")
 
@@ -195,7 +220,7 @@ _NOT_WITH_PREFERENCE = (
     ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
     ("quant_base", "none", "a quantised base", "QLoRA under DPO is not modelled yet"),
 )
-PREFERENCE_METHODS = ("single", "ddp")     # the layouts the preference step is modelled under
+PREFERENCE_METHODS = TRL_METHODS          # the layouts the preference step is modelled under (FSDP2 included)
 PREFERENCE_ATTENTIONS = ("sdpa", "eager")
 
 
@@ -291,7 +316,7 @@ def objective_notes(setup) -> list[str]:
     if spec.full_logits or spec.scalar_head:
         return _pairwise_notes(setup, spec)
     if spec.generates:
-        return generation_notes(setup, reference_mode(setup))
+        return generation_notes(setup, reference_mode(setup), spec.scores_policy)
     rows = spec.sequences_per_sample * setup.batch_size
     max_length = spec.max_length if setup.max_length is None else setup.max_length
     mode = reference_mode(setup)

@@ -14,6 +14,7 @@ from llmem.errors import LlmemError
 from llmem.setup.checkpointing import ac_policy
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
+from llmem.setup.expert_parallel import check_expert_parallel
 from llmem.setup.methods import canonical_method, method_spec
 from llmem.setup.objectives import (
     DPO_LOSS_TYPES,
@@ -25,7 +26,7 @@ from llmem.setup.objectives import (
     objective_spec,
 )
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
-from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline
+from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline, check_schedule_method
 from llmem.setup.precision import PRECISIONS, Precision
 
 ATTENTIONS = ("sdpa", "eager", "flash")
@@ -100,7 +101,7 @@ def option(default: Any, help: str, group: str, **kw: Any) -> Any:
 
 def default_method(gpus: int, objective: str = "sft") -> str:
     """The method when none is given: one GPU runs single, more run FSDP2 (DDP for TRL's objectives, preference and
-    generation alike, which llmem models under single and ddp only)."""
+    generation alike: accelerate's launch without an FSDP config; --method fsdp / zero2 model its FSDP2 plugin)."""
     if gpus == 1:
         return "single"
     return "ddp" if objective_spec(objective).trainer else "fsdp"
@@ -221,14 +222,15 @@ class TrainingSetup:
                             "saved too); implies --grad-ckpt (default full)", ACTIVATIONS, cli_default=None,
                             implies=(("grad_ckpt", True),))
     # The generation objectives' options (llmem.setup.generation): GRPOConfig's names and defaults
-    num_generations: int | None = option(None, "grpo: completions per prompt (GRPOConfig's default 8); must divide "
+    num_generations: int | None = option(None, "grpo / rloo: completions per prompt (GRPOConfig's default 8, "
+                                         "RLOOConfig's 2); must divide "
                                          "--gpus x --batch-size", OBJECTIVE_GROUP, type=int)
-    max_completion_length: int | None = option(None, "grpo: completion tokens (default 512, GRPOConfig's); --seq-len "
-                                               "is the prompt plus these", OBJECTIVE_GROUP, type=int)
-    beta: float | None = option(None, "grpo: the KL coefficient (default 0.0, GRPOConfig's: no reference model; > 0 "
-                                "scores a reference)", OBJECTIVE_GROUP, type=float)
-    use_vllm: bool = option(False, "grpo: generate with vLLM (its pool modelled from vLLM's accounting, not run; "
-                            "see --vllm-mode)", OBJECTIVE_GROUP, kind="switch")
+    max_completion_length: int | None = option(None, "grpo / rloo: completion tokens (default 512, the configs'); "
+                                               "--seq-len is the prompt plus these", OBJECTIVE_GROUP, type=int)
+    beta: float | None = option(None, "grpo / rloo: the KL coefficient (default 0.0, GRPOConfig's: no reference "
+                                "model; RLOOConfig's 0.05; > 0 scores a reference)", OBJECTIVE_GROUP, type=float)
+    use_vllm: bool = option(False, "grpo / rloo: generate with vLLM (its pool modelled from vLLM's accounting, not "
+                            "run; see --vllm-mode)", OBJECTIVE_GROUP, kind="switch")
     # FSDP2's HSDP: replicate across groups x shard within each (torchtitan's data_parallel_replicate_degree)
     dp_replicate: int = option(1, "fsdp / zero2 / fsdp+tp: HSDP, the data-parallel ranks as this many replicas, "
                                "each FSDP-sharded over dp / N ranks (a 2-D mesh; default 1: shard over all dp "
@@ -255,6 +257,15 @@ class TrainingSetup:
     vllm_max_model_length: int | None = option(None, "grpo --use-vllm colocate: vLLM's max_model_len (default: "
                                                "the model's max_position_embeddings, as vLLM infers it)",
                                                OBJECTIVE_GROUP, type=int)
+    # --pp-schedule interleaved-1f1b: stages per pipeline rank (llmem.setup.pipeline; torchtitan's stages_per_rank)
+    pp_virtual_stages: int | None = option(None, "interleaved-1f1b: stages per pipeline rank, rank r holding stages "
+                                           "r, r + pp, ... (default 2, torchtitan's)", LAYOUT, type=int)
+    # expert parallelism (llmem.setup.expert_parallel): torchtitan's EP under FSDP2, dp_shard = efsdp x ep
+    ep: int = option(1, "expert-parallel degree: the routed experts split over this many ranks (torchtitan's "
+                     "all-to-all dispatch; FSDP2 over dp, the experts over dp / ep; fsdp only; default 1)", LAYOUT,
+                     type=int)
+    ep_imbalance: float = option(1.0, "--ep: the busiest rank's routed rows over the balanced tokens x top_k "
+                                 "(a stated assumption; default 1.0, balanced routing)", LAYOUT, type=float)
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -286,14 +297,18 @@ class TrainingSetup:
         self._check_replicate()
         self._check_pipeline()
         check_context_parallel(self)
+        check_expert_parallel(self)
 
     def _check_pipeline(self) -> None:
         """--pp: the schedule and micro-batches torch accepts, on the methods a stage runs under (the layer count is
         checked once the model is known, llmem.model.resolved)."""
-        check_pipeline(self.pp, self.pp_schedule, self.microbatches, self.batch_size, None)
+        check_pipeline(self.pp, self.pp_schedule, self.microbatches, self.batch_size, None,
+                       self.pp_virtual_stages)
         if self.pp > 1 and canonical_method(self.method) not in PP_METHODS:
             raise LlmemError(f"--pp runs under --method single (pure pipeline) or fsdp (FSDP2 x PP) only, got "
                              f"{self.method}")
+        if self.pp > 1:
+            check_schedule_method(self.pp_schedule, canonical_method(self.method))
         if self.pp == 1 and self.pp_microbatches is not None:
             raise LlmemError("--pp-microbatches splits the batch over pipeline stages: add --pp N (> 1)")
 

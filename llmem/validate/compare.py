@@ -29,10 +29,15 @@ class Row:
     skipped: str = ""      # why the truth engine cannot run this set-up here (not a failure)
 
     def error_pct(self, counter: str) -> float | None:
+        """The error on `counter`; under --pp the largest of the answer's and each pipeline stage's."""
         if self.truth is None:
             return None
-        truth = getattr(self.truth, counter)
-        return 100.0 * (getattr(self.estimate, counter) - truth) / truth if truth else None
+        pairs = [(getattr(self.estimate, counter), getattr(self.truth, counter))]
+        if len(self.estimate.stages) == len(self.truth.stages):
+            pairs += [(e[counter], t[counter]) for e, t in zip(self.estimate.stages, self.truth.stages, strict=True)
+                      if counter in e and counter in t]
+        errors = [100.0 * (est - truth) / truth for est, truth in pairs if truth]
+        return max(errors, key=abs) if errors else None
 
     def to_dict(self) -> dict:
         out = {"setup": self.setup.to_dict(), "seconds": round(self.seconds, 2), "error": self.error,

@@ -1,7 +1,8 @@
 """The validation matrices: named lists of set-ups the estimator is checked on.
 
 - ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/test_validate.py).
-- large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md).
+- large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md), and
+  70B-405B scale-out rows (SCALEOUT_MATRIX: benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md).
 - gpu: for a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
 """
 
@@ -201,6 +202,15 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="orpo"),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="simpo", lora_rank=16),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="reward"),
+    # TRL's trainers under FSDP2 as accelerate's plugin runs them: the reference copy one fully_shard unit of its own
+    # (trl's prepare_fsdp), gathered whole for its forward; LoRA's reference through the policy's own units; KTO's
+    # no_grad KL forwards with checkpointing; ORPO's fp32 logits (convert_outputs_to_fp32) under zero2
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128, objective="dpo"),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=128, objective="dpo", lora_rank=16),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128, objective="kto",
+       grad_ckpt=True),
+    _s("tiny-llama", "zero2", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128,
+       objective="orpo"),
     # TP as torchtitan applies it: SequenceParallel norms and a sequence-sharded residual stream, the loss on the
     # vocab-sharded logits under loss_parallel(); pure bf16, autocast, FSDP2 over TP, and with checkpointing
     _s("tiny-llama", "tp", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=256, sequence_parallel=True,
@@ -227,17 +237,36 @@ CI_MATRIX: list[TrainingSetup] = [
        max_completion_length=8, beta=0.04, lora_rank=16),
     _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=32, objective="grpo",
        num_generations=4, max_completion_length=8, beta=0.04),
+    # ... under FSDP2: every generate forward gathers each layer and reshards it (the root kept gathered), the
+    # reference copy one unit (trl's prepare_fsdp); a prompt of 8 tokens
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="grpo",
+       num_generations=4, max_completion_length=8, beta=0.04),
+    # TRL's RLOOTrainer (--objective rloo): RLOOConfig's 2 generations and beta 0.05 (a reference copy); its scoring
+    # phase runs the policy under no_grad (old-policy log-probs) before the reference; ~25 s of trace
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=32, objective="rloo",
+       max_completion_length=8),
     # MoE as MoE (llmem.model.moe): transformers' grouped_mm experts, activations learned from the real code; one
     # GPU, FSDP2 sharding the 3-D expert weights on dim 0, DeepSeek-V3's MLA with a shared expert and a dense layer 0
     _s("tiny-qwen3-moe", precision="bf16-mixed", batch_size=2, seq_len=128),
     _s("tiny-qwen3-moe", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256),
     _s("tiny-deepseek-v3", precision="bf16", batch_size=2, seq_len=256),
+    # expert parallelism (llmem.setup.expert_parallel): torchtitan's dispatch / combine all-to-all on the fake
+    # process group (balanced splits), 4 of the 8 experts per rank; the experts' FSDP2 mesh efsdp 1 (dp 2 = ep 2:
+    # FSDP2's one-rank path) and efsdp 2 (dp 4), the dense parameters over dp
+    _s("tiny-qwen3-moe", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, ep=2),
+    _s("tiny-qwen3-moe", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, ep=2),
     # pipeline parallelism (llmem.estimator.pipeline / llmem.runtime.pipeline): pure PP on 2 stages, 4 micro-batches
     # of 1 (1F1B holds 2 on stage 0, GPipe all 4), every stage traced; fp32 AdamW for the optimizer's states
     _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=4, seq_len=128, pp=2),
     _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=4, seq_len=128, pp=2,
        pp_schedule="gpipe"),
     _s("tiny-llama", "single", 2, precision="fp32", batch_size=2, seq_len=128, pp=2),
+    # Interleaved1F1B (torch's _PipelineScheduleRuntime): 2 ranks x 2 stages (rank 1's second only norm + lm_head),
+    # and x 3 under checkpointing (rank 0's first the embedding alone); every rank's stages in one trace each
+    _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=4, seq_len=128, pp=2,
+       pp_schedule="interleaved-1f1b"),
+    _s("tiny-llama", "single", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=64, pp=2,
+       pp_schedule="interleaved-1f1b", pp_virtual_stages=3, grad_ckpt=True),
     # FSDP2 x PP (dp 2 x pp 2): no reshard after forward, the unsharded gradients accumulated until the last backward
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=128, pp=2),
     # context parallelism (llmem.setup.context_parallel): torch's ring attention on 2 cp ranks (128 tokens each,
@@ -258,6 +287,34 @@ LARGE_MATRIX: list[TrainingSetup] = [
     if not (m.endswith("70b-hf") and method in ("ddp", "zero2"))   # 70B replicas: > 1 TB per GPU, nothing to learn
     and not (method == "tp" and m in _LARGE_TP)
 ] + [_s("meta-llama/Llama-2-7b-hf", "fsdp", 8, precision="bf16-mixed", batch_size=1, seq_len=1024, grad_ckpt=True)]
+# Scale-out at 70B-405B (issue 11; benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md): one row per
+# piece as torchtitan / torchtune run it. Never in CI (each traces in minutes on 2 cores).
+SCALEOUT_MATRIX: list[TrainingSetup] = [
+    # torchtitan's 70B: FSDP 32 x TP 8 with SequenceParallel and loss parallel, full AC (the issue's example)
+    _s("meta-llama/Llama-3.1-70B", "fsdp+tp", 256, tp=8, precision="bf16-mixed", batch_size=16, seq_len=8192,
+       grad_ckpt=True, sequence_parallel=True, loss_parallel=True),
+    # torchtune's 70B full fine-tune on 8 GPUs: FSDP2 CPUOffloadPolicy, bf16, fused AdamW, AC
+    _s("meta-llama/Llama-3.1-70B", "fsdp", 8, precision="bf16", optimizer="adamw-fused", batch_size=2, seq_len=2048,
+       grad_ckpt=True, offload_param=True),
+    # 405B HSDP: 2 replicas x (FSDP 32 x TP 8), SP + loss parallel, full AC
+    _s("meta-llama/Llama-3.1-405B", "fsdp+tp", 512, tp=8, dp_replicate=2, precision="bf16-mixed", batch_size=2,
+       seq_len=8192, grad_ckpt=True, sequence_parallel=True, loss_parallel=True),
+    # FSDP 8 x PP 8 (10 layers a stage), 8 micro-batches of 1 x 2048: 1F1B (stage 0 holds 8, the last 1) and GPipe
+    # (every stage all 8); each traced stage costs a whole-model trace (layers / pp x micro-batches)
+    _s("meta-llama/Llama-3.1-70B", "fsdp", 64, pp=8, precision="bf16-mixed", batch_size=8, seq_len=2048,
+       grad_ckpt=True),
+    _s("meta-llama/Llama-3.1-70B", "fsdp", 64, pp=8, pp_schedule="gpipe", precision="bf16-mixed", batch_size=8,
+       seq_len=2048, grad_ckpt=True),
+    # FSDP 8 x CP 4 at 64k tokens (16k a rank), full AC
+    _s("meta-llama/Llama-3.1-70B", "fsdp", 32, cp=4, precision="bf16-mixed", batch_size=1, seq_len=65536,
+       grad_ckpt=True),
+    # torchtitan's op-level selective AC on FSDP 64
+    _s("meta-llama/Llama-3.1-70B", "fsdp", 64, precision="bf16-mixed", batch_size=1, seq_len=4096, ac_policy="op"),
+    # MoE under FSDP2 (experts sharded on dim 0, no EP): Qwen3-30B-A3B on one node, Qwen3-235B-A22B on 16 nodes
+    _s("Qwen/Qwen3-30B-A3B", "fsdp", 8, precision="bf16-mixed", batch_size=2, seq_len=4096, grad_ckpt=True),
+    _s("Qwen/Qwen3-235B-A22B", "fsdp", 128, precision="bf16-mixed", batch_size=1, seq_len=4096, grad_ckpt=True),
+]
+LARGE_MATRIX += SCALEOUT_MATRIX
 
 # For a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
 GPU_MATRIX: list[TrainingSetup] = [
@@ -338,9 +395,12 @@ def label(s: TrainingSetup) -> str:
     layout = s.method if METHODS[s.method].one_gpu else f"{s.method}({s.gpus}" + (f",tp{s.tp}" if s.tp else "") \
         + (f",hsdp{s.dp_replicate}" if s.dp_replicate > 1 else "") + ")"
     if s.pp > 1:      # pipeline: degree, schedule and micro-batches
-        layout += f"+pp{s.pp}:{s.pp_schedule}x{s.microbatches}"
+        layout += f"+pp{s.pp}:{s.pp_schedule}x{s.microbatches}" + (f"v{s.pp_virtual_stages}" if s.pp_virtual_stages
+                                                                    else "")
     if s.cp > 1:      # context parallelism: its degree
         layout += f"+cp{s.cp}"
+    if s.ep > 1:      # expert parallelism: its degree (and the assumed imbalance)
+        layout += f"+ep{s.ep}" + (f"x{s.ep_imbalance:g}" if s.ep_imbalance != 1.0 else "")
     extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
         + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
         + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \

@@ -6,10 +6,18 @@ torchtitan shards with FSDP2 (data_parallel_shard_degree, -1: every remaining GP
 (mixed_precision_param bfloat16, mixed_precision_reduce float32 by default: llmem's fsdp bf16-mixed), and
 tensor_parallel_degree > 1 adds TP (fsdp+tp). Its AdamW is torch's, fused by default (implementation "fused");
 [activation_checkpoint] mode full checkpoints every block, selective with an integer option every N-th, with "op"
-torchtitan's op-level policy (--ac-policy op)."""
+torchtitan's op-level policy (--ac-policy op). pipeline_parallel_degree > 1 is llmem's --pp under single or fsdp
+(data_parallel_shard_degree > 1), its schedule, micro-batch size and layers per stage read back to --pp-schedule,
+--pp-microbatches and --pp-virtual-stages (the inverse of llmem.setup.pipeline.torchtitan_pipeline)."""
 
 from __future__ import annotations
 
+from llmem.setup.pipeline import (
+    FIRST_STAGE_LESS_LAYERS,
+    LAST_STAGE_LESS_LAYERS,
+    PIPELINE_SCHEDULES,
+    PipelineScheduleSpec,
+)
 from llmem.setup.sources.deepspeed import GA_NOTE
 from llmem.setup.sources.reading import Keys, Reading
 
@@ -19,6 +27,20 @@ FLAVORS = {("llama3", "8b"): "meta-llama/Llama-3.1-8B", ("llama3", "70b"): "meta
            ("llama2", "13b"): "meta-llama/Llama-2-13b-hf", ("llama2", "70b"): "meta-llama/Llama-2-70b-hf"}
 IMPLEMENTATIONS = {"fused": "adamw-fused", "foreach": "adamw", "for-loop": "adamw-forloop"}
 PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# torchtitan's n_layers of each flavor (torchtitan/models/llama3/__init__.py; llama2's as Meta's), which its
+# pipeline split counts (_get_pipeline_metadata)
+FLAVOR_LAYERS = {"meta-llama/Llama-3.1-8B": 32, "meta-llama/Llama-3.1-70B": 80, "meta-llama/Llama-3.1-405B": 126,
+                 "meta-llama/Llama-3.2-1B": 16, "meta-llama/Llama-3.2-3B": 28, "meta-llama/Llama-2-7b-hf": 32,
+                 "meta-llama/Llama-2-13b-hf": 40, "meta-llama/Llama-2-70b-hf": 80}
+assert set(FLAVOR_LAYERS) == set(FLAVORS.values())
+# torch's get_schedule_class names, lower-cased (it matches case-insensitively) -> llmem's schedule rows
+TORCHTITAN_SCHEDULES = {spec.torchtitan_name.lower(): spec for spec in PIPELINE_SCHEDULES.values()}
+PIPELINE_KEYS = ("pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
+                 "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+                 "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_schedule_csv",
+                 "module_fqns_per_model_part")
+OTHER_DEGREES = {"TP": "tensor_parallel_degree", "HSDP": "data_parallel_replicate_degree",
+                 "DDP": "data_parallel_replicate_degree"}
 
 
 def detect(data: dict) -> bool:
@@ -93,8 +115,8 @@ def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
     sharded = shard != 1
     r.method = ("fsdp+tp" if sharded else "tp") if tp > 1 else ("fsdp" if sharded else
                                                                 "ddp" if replicate > 1 else "single")
-    r.note_used(f"{prefix}data_parallel_shard_degree", shard, "FSDP2 over " + ("every remaining GPU" if shard == -1
-                                                                                else f"{shard} GPUs"))
+    r.note_used(f"{prefix}data_parallel_shard_degree", shard, "no FSDP2" if not sharded else "FSDP2 over " +
+                ("every remaining GPU" if shard == -1 else f"{shard} GPUs"))
     if tp > 1:
         r.set(f"{prefix}tensor_parallel_degree", tp, "tp", tp)
         # parallelize_llama's TP plan: SequenceParallel norms always, the loss on vocab-sharded logits under
@@ -113,26 +135,131 @@ def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
                       "(DDP x TP), which llmem has no method for", "shard it (data_parallel_shard_degree > 1)")
     elif replicate > 1:
         r.note_used(f"{prefix}data_parallel_replicate_degree", replicate, "replicas without sharding: ddp")
-    if pp > 1:
-        r.ignore("pipeline_parallel_degree", pp, "pipeline parallelism is not modelled")
+    _pipeline(r, p if "pipeline_parallel_degree" in p else experimental, pp,
+              [name for name, on in (("TP", tp > 1), ("HSDP" if sharded else "DDP", replicate > 1)) if on])
     if cp > 1 and r.method == "fsdp" and pp == 1 and replicate == 1:   # llmem.setup.context_parallel's layout
         r.set(f"{prefix}context_parallel_degree", cp, "cp", cp, "torch's ring attention, FSDP2 over dp_shard x cp")
     elif cp > 1:
         r.ignore("context_parallel_degree", cp, "context parallelism is modelled under FSDP2 alone (no TP, PP or "
                  "HSDP): the whole sequence per GPU")
+    ep = degree(p, "expert_parallel_degree", 1)     # borrows from dp_shard: not in the GPU count
+    if ep > 1 and r.method == "fsdp" and pp == 1 and replicate == 1 and cp == 1:   # llmem.setup.expert_parallel
+        r.set(f"{prefix}expert_parallel_degree", ep, "ep", ep, "the routed experts over ep of the FSDP2 ranks, "
+              "efsdp x ep")
+    elif ep > 1:
+        r.ignore("expert_parallel_degree", ep, "expert parallelism is modelled under FSDP2 alone (no TP, PP, CP or "
+                 "HSDP): every expert per GPU")
     if p.get("enable_async_tensor_parallel"):
         r.ignore(f"{prefix}enable_async_tensor_parallel", True, "async TP's overlapped buffers are not modelled")
     for key in ("fsdp_reshard_after_forward",):
-        if key in p and str(p.get(key)).lower() == "never":
+        if key in p and str(p.get(key)).lower() == "never" and pp > 1:     # fsdp.py: PP's default already
+            r.note_used(f"{prefix}{key}", "never", "torchtitan's default under PP (no reshard between micro-batches)")
+        elif key in p and str(p.get(key)).lower() == "always" and pp > 1:
+            r.ignore(f"{prefix}{key}", "always", "resharding between pipeline micro-batches is not modelled: "
+                     "torchtitan's PP default (gathered from the first forward to the last backward) stands in")
+        elif key in p and str(p.get(key)).lower() == "never":
             r.method = "zero2" if r.method == "fsdp" else r.method
             r.note_used(f"{prefix}{key}", "never", f"method {r.method}")
     for key in ("enable_compiled_autograd", "pipeline_parallel_schedule", "disable_loss_parallel"):
         p.get(key)
 
 
+def _pipeline(r: Reading, s: Keys, pp: int, others: list[str]) -> None:
+    """torchtitan's pipeline_llm (distributed/pipeline_parallel.py), the inverse of llmem.setup.pipeline's
+    torchtitan_pipeline: pipeline_parallel_degree ranks running pipeline_parallel_schedule (torch's
+    get_schedule_class, case-insensitive) over local_batch_size / pipeline_parallel_microbatch_size micro-batches
+    (build_pipeline_schedule), and _get_pipeline_metadata's stages: ceil((n_layers + first_less + last_less) /
+    pipeline_parallel_layers_per_stage) in all, a whole number per rank (default 1, 2 under a looped schedule)."""
+    if pp == 1:
+        for key in PIPELINE_KEYS:
+            s.get(key)
+        return
+    degree = s.name("pipeline_parallel_degree")
+    if others:
+        raise r.error(degree, pp, f"pipelines a {' x '.join(others)} model, which llmem does not model (pipeline "
+                      "stages run alone or under FSDP2)", "drop " + " / ".join(OTHER_DEGREES[o] for o in others) +
+                      " or set pipeline_parallel_degree = 1")
+    r.set(degree, pp, "pp", pp, "torch.distributed.pipelining: the decoder split into pp stages" +
+          (", FSDP2 within each" if r.method == "fsdp" else ""))
+    spec = _schedule(r, s)
+    _microbatches(r, s)
+    _stages_per_rank(r, s, pp, spec)
+    if s.get("module_fqns_per_model_part"):
+        r.ignore(s.name("module_fqns_per_model_part"), "...", "a hand-placed split is not modelled: torchtitan's "
+                 "even split (_generate_llm_fqn_per_model_part) stands in")
+
+
+def _schedule(r: Reading, s: Keys) -> PipelineScheduleSpec:
+    key = s.name("pipeline_parallel_schedule")
+    raw = s.get("pipeline_parallel_schedule", "1F1B")
+    if s.get("pipeline_parallel_schedule_csv"):
+        raise r.error(s.name("pipeline_parallel_schedule_csv"), s.get("pipeline_parallel_schedule_csv"),
+                      "runs a schedule from a CSV (_PipelineScheduleRuntime), which llmem does not model",
+                      "drop it and choose pipeline_parallel_schedule 1F1B, GPipe or Interleaved1F1B")
+    spec = TORCHTITAN_SCHEDULES.get(str(raw).lower())
+    if spec is None or not spec.modelled:
+        why = f"({spec.torch_class}) {spec.not_modelled_why}" if spec else "is not a schedule llmem knows"
+        raise r.error(key, raw, why, "choose 1F1B, GPipe or Interleaved1F1B")
+    if spec.looped and r.method != "single":      # llmem.setup.pipeline.check_schedule_method
+        raise r.error(key, raw, "under FSDP2 (data_parallel_shard_degree > 1) runs FSDP2 over several stages per "
+                      "rank, which llmem does not model yet", "choose 1F1B or GPipe, or data_parallel_shard_degree = 1")
+    r.set(key + ("" if "pipeline_parallel_schedule" in s else " (default)"), raw, "pp_schedule", spec.name,
+          f"torch's {spec.torch_class}")
+    return spec
+
+
+def _microbatches(r: Reading, s: Keys) -> None:
+    key = s.name("pipeline_parallel_microbatch_size")
+    raw = s.get("pipeline_parallel_microbatch_size", 1)
+    size = r.integer(key, raw, what="a micro-batch size")
+    batch = r.values["batch_size"]
+    if batch % size:          # build_pipeline_schedule's check
+        raise r.error(key, raw, f"does not divide training.local_batch_size {batch} (torchtitan refuses it)",
+                      "choose a divisor of local_batch_size")
+    if size == 1:             # llmem's default too: one sample per micro-batch
+        r.note_used(key + ("" if "pipeline_parallel_microbatch_size" in s else " (default)"), raw,
+                    f"{batch} micro-batches of 1 sample (local_batch_size / 1)")
+    else:
+        r.set(key, raw, "pp_microbatches", batch // size, f"local_batch_size {batch} / {size}")
+
+
+def _stages_per_rank(r: Reading, s: Keys, pp: int, spec: PipelineScheduleSpec) -> None:
+    first = r.integer(s.name("pipeline_parallel_first_stage_less_layers"),
+                      s.get("pipeline_parallel_first_stage_less_layers", FIRST_STAGE_LESS_LAYERS), low=0)
+    last = r.integer(s.name("pipeline_parallel_last_stage_less_layers"),
+                     s.get("pipeline_parallel_last_stage_less_layers", LAST_STAGE_LESS_LAYERS), low=0)
+    if (first, last) != (FIRST_STAGE_LESS_LAYERS, LAST_STAGE_LESS_LAYERS):
+        r.ignore(s.name("pipeline_parallel_*_stage_less_layers"), f"{first}, {last}", "llmem splits with "
+                 "torchtitan's default (the embedding and the head count one layer each)")
+    key = s.name("pipeline_parallel_layers_per_stage")
+    if "pipeline_parallel_layers_per_stage" not in s:     # torchtitan's default: llmem's --pp-virtual-stages default
+        return
+    per = r.integer(key, s.get("pipeline_parallel_layers_per_stage"), what="a layer count")
+    layers = FLAVOR_LAYERS.get(r.values.get("model", ""))
+    if layers is None:
+        raise r.error(key, per, "needs the model's layer count, and the file names no torchtitan flavor llmem "
+                      "knows", "drop it (torchtitan's default stages per rank) or give a llama3 / llama2 flavor")
+    stages = -(-(layers + first + last) // per)
+    made = f"makes ceil(({layers} + {first} + {last}) / {per}) = {stages} stages"
+    if stages % pp:
+        raise r.error(key, per, f"{made}, not a whole number per rank of pipeline_parallel_degree {pp} (torchtitan "
+                      "refuses it)", "choose layers per stage giving a multiple of the degree")
+    v = stages // pp
+    if (not spec.looped and v != 1) or (spec.looped and v < 2):
+        raise r.error(key, per, f"{made}, {v} per rank, but {spec.torch_class} runs "
+                      + ("1" if not spec.looped else "at least 2"), "choose layers per stage to match the schedule")
+    if spec.looped:
+        r.set(key, per, "pp_virtual_stages", v, f"{made}: {v} per rank")
+    else:
+        r.note_used(key, per, f"{made}: 1 per rank")
+
+
 def _precision(r: Reading, training: Keys) -> None:
     """FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce) over
     fp32 parameters."""
+    if r.method == "single" and r.values.get("pp", 1) > 1:
+        _pure_pipeline_precision(r, training)
+        return
     raw = training.get("mixed_precision_param", "bfloat16")
     compute = r.choice("training.mixed_precision_param", raw, PRECISION)
     r.note_used("training.mixed_precision_param" + ("" if "mixed_precision_param" in training else " (default)"),
@@ -141,6 +268,21 @@ def _precision(r: Reading, training: Keys) -> None:
     reduce = training.get("mixed_precision_reduce", "float32")
     if str(reduce) != "float32":
         r.ignore("training.mixed_precision_reduce", reduce, "llmem's *-mixed reduces in fp32")
+
+
+def _pure_pipeline_precision(r: Reading, training: Keys) -> None:
+    """Pure PP: no fully_shard, and torchtitan autocasts under DDP or one GPU alone (maybe_enable_amp; 0.3's
+    TrainingConfig.mixed_precision_param docstring), so mixed_precision_param takes no effect: the model trains in
+    training.dtype (float32 by default; trainer.py's set_default_dtype), fp32 or pure bf16."""
+    raw = training.get("dtype", "float32")
+    dtype = r.choice("training.dtype", raw, {"bfloat16": "bf16", "float32": "fp32"})
+    r.note_used("training.dtype" + ("" if "dtype" in training else " (default)"), raw,
+                "pure pipeline parallelism trains in it (no FSDP2 mixed precision, no autocast)")
+    if "mixed_precision_param" in training:
+        r.note_used("training.mixed_precision_param", training.get("mixed_precision_param"),
+                    "no effect without FSDP2 under pipeline parallelism")
+    training.get("mixed_precision_reduce")
+    r.dtype(compute=dtype, weights=dtype, masters=False)
 
 
 def _optimizer(r: Reading, opt: Keys) -> None:

@@ -12,6 +12,7 @@ defaults (no checkpointing, no bf16, the sequence length from the command line).
 
 from __future__ import annotations
 
+from llmem.setup.generation import GENERATION_DEFAULTS
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.hf import (
@@ -29,6 +30,7 @@ TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", "packing", "pad
              "max_completion_length", "model_init_kwargs")
 PAIRED = ("dpo", "orpo", "simpo", "reward")     # per_device_train_batch_size counts pairs
 REFERENCED = ("dpo", "kto")                   # precompute_ref_log_probs is theirs
+GENERATING = tuple(GENERATION_DEFAULTS)       # grpo, rloo: num_generations, max_completion_length, beta, vLLM
 HF_MARKS = ("per_device_train_batch_size", "output_dir", "gradient_accumulation_steps", "optim",
             "gradient_checkpointing", "activation_checkpointing", "deepspeed", "fsdp", "learning_rate",
             "num_train_epochs")
@@ -121,7 +123,7 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
         elif losses:
             r.set("loss_type", raw, "loss_type", str(losses[0]), "" if len(losses) == 1 else
                   "the losses combined are per-pair scalars on the same log-probs: the first's step is modelled")
-    if objective == "grpo":
+    if objective in GENERATING:
         for key, name in (("num_generations", "num_generations"), ("max_completion_length", "max_completion_length")):
             if key in keys:
                 r.set(key, keys.get(key), name, r.integer(key, keys.get(key)))
@@ -136,7 +138,7 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
             _vllm(r, keys)
     elif "beta" in keys:
         r.note_used("beta", keys.get("beta"), "the loss's temperature: no memory effect")
-    if objective != "grpo" and "max_prompt_length" in keys:
+    if objective not in GENERATING and "max_prompt_length" in keys:
         r.ignore("max_prompt_length", keys.get("max_prompt_length"), "no field of trl 1.16's configs (older TRL's "
                  "prompt truncation): TRL's parser leaves it unused; --prompt-len gives the prompt")
     if objective in ("orpo", "simpo") and "max_completion_length" in keys:
@@ -150,16 +152,16 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
 
 
 def _sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
-    if objective == "grpo":
+    if objective in GENERATING:
         prompt = keys.get("max_prompt_length", 512)
-        completion = keys.get("max_completion_length", 512)
+        completion = keys.get("max_completion_length", GENERATION_DEFAULTS[objective].max_completion_length)
         total = r.integer("max_prompt_length", prompt) + r.integer("max_completion_length", completion)
         r.set("max_prompt_length + max_completion_length", f"{prompt} + {completion}", "seq_len", total,
               "the prompt: " + ("max_prompt_length (older TRL's; trl 1.16 does not truncate prompts)"
                                 if "max_prompt_length" in keys else "512 tokens assumed (trl 1.16 does not truncate "
                                 "prompts): give --seq-len for yours"))
     elif "max_length" in keys or trl:
-        if objective not in ("sft", "grpo") and "max_length" in keys:
+        if objective != "sft" and objective not in GENERATING and "max_length" in keys:
             r.set("max_length", keys.get("max_length"), "max_length", r.integer("max_length", keys.get("max_length")),
                   f"TRL's truncation; --seq-len {keys.get('max_length')}, each sequence's length after it")
         raw = keys.get("max_length", 1024)
