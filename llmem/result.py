@@ -87,10 +87,10 @@ class PhaseMemory:
                 "components": dict(self.components), "is_peak": self.is_peak}
 
 
-# The phases of a step with phases as the report groups them: GRPO's generation and scoring, then its training
-# (forward, backward, optimizer step)
-PHASE_GROUPS = {"generation": "generation", "scoring": "scoring", "forward": "training", "backward": "training",
-                "optimizer_step": "training"}
+# The phases of a step with phases as the report groups them: GRPO's weight sync to vLLM (under FSDP2), generation
+# and scoring, then its training (forward, backward, optimizer step)
+PHASE_GROUPS = {"weight_sync": "weight_sync", "generation": "generation", "scoring": "scoring",
+                "forward": "training", "backward": "training", "optimizer_step": "training"}
 
 
 def grouped_phases(peaks: list[tuple[str, int, int, dict[str, int]]]) -> list[PhaseMemory]:

@@ -123,10 +123,12 @@ def test_model_refusals():
 
 def test_plan_and_paper_refuse_ep():
     from llmem.paper.engine import paper_estimate
+    from llmem.planner.options import PlanOptions
     from llmem.planner.plan import plan
 
-    with pytest.raises(LlmemError, match="does not search expert-parallel layouts"):
-        plan(_ep())
+    # plan searches ep layouts (tests/test_plan_ep.py) under the llmem engine and the time ranking only
+    with pytest.raises(LlmemError, match="--ep searches with the llmem engine"):
+        plan(_ep(), PlanOptions(ranking="paper"))
     with pytest.raises(LlmemError, match="no expert parallelism"):
         paper_estimate(_ep(), None, None)      # refused before the model is read
 

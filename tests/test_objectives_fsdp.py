@@ -90,8 +90,8 @@ def test_generate_gathers_every_layer_per_forward():
     ("dpo", {"offload_param": True}, "--offload-param with --objective dpo"),
     ("kto", {"gpus": 4, "pp": 2}, "--pp with --objective kto"),
     ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "lora_rank": 8}, "peft's generate"),
-    ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "use_vllm": True},
-     "weight sync to vLLM"),
+    ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "use_vllm": True,
+              "vllm_mode": "server"}, "packed NCCL broadcast"),
 ])
 def test_refusals(objective, fields, message):
     with pytest.raises(LlmemError, match=re.escape(message)):

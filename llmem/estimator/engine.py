@@ -129,8 +129,10 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
 
 
 def generation_allocated(rep: Replay) -> int:
-    """The trainer's live tensor bytes at its generation phases' peak (what stays on the device while vLLM runs)."""
-    return max((p.allocated for name, p in rep.phases.items() if name.endswith(":generation")), default=0)
+    """The trainer's live tensor bytes at its generation phases' peak (what stays on the device while vLLM runs),
+    FSDP2's weight sync included (vLLM's weights woken before it; the full tensors' blocks stay cached by then)."""
+    return max((p.allocated for name, p in rep.phases.items()
+                if name.endswith((":generation", ":weight_sync"))), default=0)
 
 
 def vllm_wake_up(rep: Replay, pool, cap: AtCapacity, capacity_bytes: int) -> AtCapacity:
@@ -177,7 +179,9 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
 
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
-    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches."""
+    """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches. Under
+    --cp the rank's step, as the full estimate runs it: seq_len / cp tokens and the ring's K/V buffers."""
+    r = rank_tokens(r)
     learn_if_needed(r)
     return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
 

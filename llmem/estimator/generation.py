@@ -43,6 +43,7 @@ from llmem.memory.activations.profile import activation_profile
 from llmem.memory.vllm import VllmModel, VllmPool, vllm_pool
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import fsdp_unit_numel
 from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
 from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
@@ -117,6 +118,9 @@ class GenerationEvents(PreferenceEvents):
         s = self.s
         it = self.iteration
         self.iteration += 1
+        if vllm_mode(self.r.setup) is not None and s.fsdp:    # FSDP2: the weights pushed to vLLM first
+            s.sch.phase = f"it{it}:weight_sync"
+            self.weight_sync()
         s.sch.phase = f"it{it}:generation"
         self.generation()
         s.sch.phase = f"it{it}:scoring"
@@ -133,6 +137,20 @@ class GenerationEvents(PreferenceEvents):
         self.s.sch.free_all(self.loss_inputs)     # _compute_loss returns
 
     # ---------------------------------------------------------------------------------------------- generation
+    def weight_sync(self) -> None:
+        """VLLMGeneration.sync_weights under FSDP2 (trl/generation/vllm_generation.py _iter_fsdp2_params): the
+        policy's parameters in module order (tied ones once), each DTensor's full_tensor() an all-gather of its
+        padded shards in the stored dtype (torch's Shard._to_replicate_tensor; unpadding is a view), copied into
+        vLLM's own weights (load_weights); sync_weights' loop variable holds the previous one until the next is
+        gathered, so two are live at once."""
+        s = self.s
+        previous = -1
+        for p in s.kept:
+            full = s.sch.alloc(s.unsharded[p.name] * element_bytes(p, s.setup), "gathered_weights")
+            s.sch.free(previous)
+            previous = full
+        s.sch.free(previous)
+
     def generation(self) -> None:
         sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
         b, p = self.b, self.p
@@ -257,6 +275,21 @@ def policy_gathered_bytes(r: ResolvedSetup) -> tuple[int, int, int]:
     return units.get(None, 0), max(layers, default=0), sum(layers)
 
 
+def full_tensor_bytes(r: ResolvedSetup) -> list[int]:
+    """Under FSDP2, each policy parameter's full_tensor() in module order (its padded all-gather, stored dtype): what
+    the weight sync to vLLM gathers one at a time (GenerationEvents.weight_sync); empty without FSDP2."""
+    if not r.layout.shards_model_states:
+        return []
+    return [fsdp_unit_numel([p], r.layout) * element_bytes(p, r.setup) for p in r.anatomy.params]
+
+
+def weight_sync_bytes(r: ResolvedSetup) -> int:
+    """The weight sync's peak of gathered tensors: the largest two consecutive full tensors (the loop variable holds
+    the previous one while the next is gathered)."""
+    full = full_tensor_bytes(r)
+    return max((a + b for a, b in zip(full, full[1:], strict=False)), default=sum(full))
+
+
 def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
     """The step's moments for GRPO: the training phase's (sft's with TRL's fused head, as preference_moments), then
     the generation phase's last forward (weights, the autocast casts of the trained fp32 weights, the KV cache, the
@@ -288,8 +321,11 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
     logits = 3 * setup.batch_size * r.anatomy.vocab_size * F32
     # FSDP2: the policy's root kept gathered, and a layer with its all-gather output (zero2: every layer)
     policy_units = root + (layers if not r.method.reshard_after_forward else 2 * layer)
-    out.append(type(out[0])("generation", {**static, "gathered_weights": casts + policy_units + kept_ref,
-                                           "activations": generation_kv_bytes(r), "logits_and_loss": logits}))
+    if vllm_mode(setup) is not None:     # vLLM generates: nothing of generate's; FSDP2's weight sync before it
+        out.append(type(out[0])("weight_sync", {**static, "gathered_weights": weight_sync_bytes(r) + kept_ref}))
+    else:
+        out.append(type(out[0])("generation", {**static, "gathered_weights": casts + policy_units + kept_ref,
+                                               "activations": generation_kv_bytes(r), "logits_and_loss": logits}))
     scoring = {**static, "logits_and_loss": 0}
     gathered = root + kept_ref
     if mode in (REF_COPY, REF_ADAPTERS_OFF):
@@ -328,7 +364,11 @@ def colocated_pool(r: ResolvedSetup) -> VllmPool | None:
 
 def check_vllm_starts(r: ResolvedSetup, pool: VllmPool, weights_bytes: int, context_bytes: int) -> None:
     """vLLM's start-up check (v1 gpu_worker.init_device: free memory >= requested): the training process's CUDA
-    context and the policy's (and reference's) weights are on the device when TRL builds the engine."""
+    context and the policy's (and reference's) weights are on the device when TRL builds the engine; under FSDP2
+    they are not yet (transformers' Trainer leaves the model on the host, place_model_on_device False, until
+    accelerate's prepare shards it in train(); trl's prepare_fsdp of the reference comes after the engine)."""
+    if r.layout.shards_model_states:
+        weights_bytes = 0
     free = r.gpu.memory_bytes - context_bytes - weights_bytes
     if free < pool.pool_bytes:
         most = max(0.0, free / r.gpu.memory_bytes)
@@ -350,4 +390,17 @@ def vllm_note(r: ResolvedSetup, pool: VllmPool) -> str:
             f"{(pool.cuda_graph_bytes + pool.non_torch_bytes) / gib:.2f} GiB (both assumptions), KV cache "
             f"{pool.kv_cache_bytes / gib:.2f} GiB = {pool.num_blocks} blocks of {pool.block_size} tokens "
             f"({seqs} of the {r.setup.batch_size} sequences of {r.setup.seq_len} tokens at once; vLLM queues the "
-            f"rest); {held}")
+            f"rest); {held}" + (weight_sync_note(r) if r.layout.shards_model_states else ""))
+
+
+def weight_sync_note(r: ResolvedSetup) -> str:
+    """FSDP2: what the weight_sync phase holds and assumes."""
+    gib = 1024**3
+    return (f"; weight_sync phase (FSDP2, before each generation): TRL's sync_weights gathers each policy "
+            f"parameter's full_tensor() in the stored dtype one at a time, two live at once (the largest pair "
+            f"{weight_sync_bytes(r) / gib:.2f} GiB) beside the sharded states and the pool"
+            + (" (vLLM's weights woken first; its KV cache after, the full tensors' blocks still cached)"
+               if r.setup.vllm_enable_sleep_mode else "")
+            + "; vLLM's load_weights copies them into its own weights (no trainer-side temporaries assumed); "
+            "the policy is not run while vLLM generates (no FSDP2 unit gathered); vLLM starts before accelerate "
+            "shards the model onto the device, so its free-memory check sees only the CUDA context")

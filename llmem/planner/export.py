@@ -326,9 +326,10 @@ def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
         raise LlmemError(f"--export {kind} launches plain tensor parallelism, not the planned --sequence-parallel / "
                          f"--loss-parallel: export {', '.join(TP_STYLE_EXPORTS)}, or plan without them")
     e = export_plan(p, kind)
-    if (e.layout.pp > 1 or e.layout.cp > 1) and kind != "torchtitan":    # the planned pipeline / context parallel
+    if (e.layout.pp > 1 or e.layout.cp > 1 or e.layout.ep > 1) and kind != "torchtitan":  # pp / cp / ep planned
         raise LlmemError(f"the plan runs {e.layout.label}, which only --export torchtitan writes (its "
-                         f"pipeline_parallel_degree / context_parallel_degree): export torchtitan")
+                         f"pipeline_parallel_degree / context_parallel_degree / expert_parallel_degree): export "
+                         "torchtitan")
     if e.zero is not None and kind in TORCH_EXPORTS:
         raise LlmemError(f"the plan runs DeepSpeed's engine ({e.layout.method}): --export deepspeed writes its "
                          f"config; {kind} launches PyTorch's own methods")

@@ -24,11 +24,13 @@ TORCHTITAN_PARAM_DTYPES = {"bf16-mixed": "bfloat16", "fp32": "float32"}
 assert set(TORCHTITAN_PARAM_DTYPES.values()) <= set(PRECISION)
 
 
-def _flavor(model: str) -> tuple[str, str]:
+def _flavor(model: str, layout) -> tuple[str, str]:
     got = TORCHTITAN_FLAVORS.get(model)
-    if got is None:
+    if got is None:     # a pp / cp / ep layout has no other export (llmem.planner.export.write_export)
+        fix = "export accelerate or torchrun" if layout.pp == layout.cp == layout.ep == 1 else \
+            f"no other export launches {layout.label}: plan with --layouts dp-tp and export accelerate or torchrun"
         raise LlmemError(f"--export torchtitan: torchtitan has no model flavor llmem knows for {model} (it knows "
-                         f"{', '.join(sorted(TORCHTITAN_FLAVORS))}): export accelerate or torchrun")
+                         f"{', '.join(sorted(TORCHTITAN_FLAVORS))}): {fix}")
     name, flavor = got
     return name, flavor.upper()                              # torchtitan's flavors: "8B", "70B", ...
 
@@ -74,7 +76,7 @@ def torchtitan_sections(p, e) -> dict[str, dict]:
     """The TOML's sections for the plan (what torchtitan reads; the reader's names)."""
     _check(p, e)
     lay = e.layout
-    name, flavor = _flavor(e.model)
+    name, flavor = _flavor(e.model, lay)
     # torchtitan folds cp into FSDP2's mesh itself: data_parallel_shard_degree is dp_shard alone
     shards = lay.dp // lay.replicas if lay.shards_model_states else 1
     replicas = lay.replicas if lay.shards_model_states else lay.dp       # ddp: replication alone

@@ -37,6 +37,7 @@ from llmem.setup.objectives import objective_spec, setup_batch_multiple
 from llmem.setup.training import TrainingSetup
 
 UTILIZATIONS = tuple(round(0.05 * i, 2) for i in range(2, 19))     # 0.10, 0.15, ..., 0.90
+VLLM_REFUSAL = "vLLM would not start"     # how llmem.memory.vllm and check_vllm_starts word vLLM's own refusals
 RULE = ("the fastest by the time model (generation included: more KV blocks, fewer decode waves), ties to the lower "
         "utilization, over 0.10 to 0.90")
 
@@ -102,6 +103,8 @@ def choose_utilization(ctx: PlanContext, setup: TrainingSetup, layout: Layout
     for u in UTILIZATIONS:
         s = replace(setup, vllm_gpu_memory_utilization=u)
         pool = _pool_try(ctx, s, layout)
+        if isinstance(pool, str) and not pool.startswith(VLLM_REFUSAL):
+            raise LlmemError(pool)      # the layout's own refusal (e.g. --pp under TRL's trainers), not vLLM's
         if isinstance(pool, str):
             tries[u] = VllmTry(u, 0, None, None, None, pool)
         else:

@@ -14,7 +14,7 @@ from llmem.units import parse_bytes, parse_count, parse_fraction
 ENGINES = ("llmem", "paper")
 RANKINGS = ("time", "paper")
 EXPORT_KINDS = ("accelerate", "torchrun", "deepspeed", "torchtitan", "trl")
-LAYOUT_SCOPES = ("all", "dp-tp")     # --layouts: with pipeline and context-parallel layouts, or without
+LAYOUT_SCOPES = ("all", "dp-tp")     # --layouts: with pipeline, context- and expert-parallel layouts, or without
 
 
 def _flag(default: Any, help: str, flag: str, *, parse=None, cli_default: Any = ..., choices=None, type=None,
@@ -43,8 +43,9 @@ class PlanOptions:
     m_base_bytes: int | None = _flag(None, "paper engine: memory in use before training, e.g. 600MiB", "--m-base",
                                      parse=parse_bytes)
     batch_cap: int = _flag(BATCH_CAP, f"cap of the batch search (default {BATCH_CAP})", "--max-batch", type=int)
-    layouts: str = _flag("all", "all: dp x tp, HSDP, pipeline and context-parallel layouts (default); dp-tp: "
-                         "without pipeline and context parallelism", "--layouts", choices=LAYOUT_SCOPES)
+    layouts: str = _flag("all", "all: dp x tp, HSDP, pipeline, context- and expert-parallel layouts (default); "
+                         "dp-tp: without pipeline, context and expert parallelism", "--layouts",
+                         choices=LAYOUT_SCOPES)
     methods: tuple[str, ...] | None = None       # from --method: plan only this method
     tp: int | None = None                        # from --tp: only this tensor-parallel degree
 

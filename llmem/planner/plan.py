@@ -4,9 +4,10 @@ For a model, a GPU type and count, a sequence length and the training options, t
 
 1. lists the candidate layouts (`candidate_layouts`): single (one GPU only), ddp, fsdp, zero2, tp over all GPUs
    (only inside one node) and fsdp+tp for every tp dividing the node size with dp >= 2; across nodes HSDP; under
-   the llmem engine and the time ranking also pipeline (single / fsdp x pp) and context-parallel (fsdp, dp x cp)
-   layouts of every degree the model allows (--pp N / --cp N: only those). The plain layouts of one node are all
-   searched; the others (HSDP, pp, cp, every layout across nodes) only where an upper bound on their tokens/s (the
+   the llmem engine and the time ranking also pipeline (single / fsdp x pp), context-parallel (fsdp, dp x cp) and,
+   for an MoE, expert-parallel (fsdp, the experts over ep of the dp ranks) layouts of every degree the model allows
+   (--pp N / --cp N / --ep N: only those). The plain layouts of one node are all searched; the others (HSDP, pp,
+   cp, ep, every layout across nodes) only where an upper bound on their tokens/s (the
    time model at the batch cap, then at the quick memory bound's largest batch) could beat the fastest found,
    the likeliest first, so the answer is the one searching them all would give;
 2. finds each candidate's largest micro-batch that fits (`max_batch_size`: exponential probe 1, 2, 4, ... then
@@ -29,10 +30,11 @@ For a model, a GPU type and count, a sequence length and the training options, t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
+from llmem.model.moe import moe_facts
 from llmem.paper.algorithm1 import CPU_OFFLOADING, EVAL_FORMULAS
 from llmem.planner.engines import MemoryEngine, memory_engine
 from llmem.planner.generation_plan import (
@@ -55,6 +57,7 @@ from llmem.planner.search import (
 )
 from llmem.planner.suggestions import suggest
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
+from llmem.setup.expert_parallel import check_ep_model, check_expert_parallel
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, ModelLimits, candidate_layouts, gpus_per_node
 from llmem.setup.objectives import setup_batch_multiple
@@ -112,9 +115,6 @@ class Plan:
 def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: ModelAnatomy | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> Plan:
     """Plan `setup`'s model on setup.gpus GPUs of type setup.gpu (setup.method and batch_size are ignored)."""
-    if setup.ep > 1:
-        raise LlmemError("llmem plan does not search expert-parallel layouts yet: drop --ep (estimate and trace "
-                         "model it)")
     options = options or PlanOptions()
     anatomy = anatomy or setup_anatomy(setup)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
@@ -173,6 +173,8 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     else:
         pruned += [layout.label for _, layout in deferred]
     candidates = [found[i] for i in sorted(found)]     # in the layouts' order: rank_by_time breaks ties by it
+    if any(c.layout.ep > 1 for c in candidates):
+        notes.append(expert_parallel_note(setup))
     if any(c.layout.pp > 1 for c in candidates):
         notes.append(f"pipeline layouts: {setup.pp_schedule} over m micro-batches per step (--pp-microbatches, "
                      "default pp: the fewest torch's schedules take), timed with its bubble, the busiest stage and "
@@ -182,7 +184,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
                      f"micro-batch; 0 where the quick memory bound rules out batch 1) is not above the fastest "
                      f"found: {', '.join(pruned)}")
     if skipped:
-        notes.append(f"{len(skipped)} pipeline / context-parallel / HSDP layout(s) this set-up cannot run: "
+        notes.append(f"{len(skipped)} pipeline / context- / expert-parallel / HSDP layout(s) this set-up cannot run: "
                      + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))
     if not candidates:
         raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
@@ -206,7 +208,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
             reason = (f"fastest by the time model: {best.time.tokens_per_s:,.0f} tokens/s at micro-batch "
                       f"{best.time.micro_batch_size}{piped} x {best.time.accumulation_steps} accumulation step(s)")
     suggestions: list[dict] = []
-    layouts = [lay for lay in layouts if lay.pp == lay.cp == 1]     # the what-ifs run on dp x tp layouts
+    layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
     if not any(c.fits for c in candidates) and layouts:
         if progress:
             progress("looking for what would fit", len(layouts), total_steps)
@@ -228,8 +230,8 @@ def _may_win(bound: float, best: CandidatePlan, earlier: bool) -> bool:
 
 
 def _fixed(setup: TrainingSetup) -> bool:
-    """--pp N or --cp N given: the plan searches only that degree."""
-    return setup.pp > 1 or setup.cp > 1
+    """--pp N, --cp N or --ep N given: the plan searches only that degree."""
+    return setup.pp > 1 or setup.cp > 1 or setup.ep > 1
 
 
 def _screens(ctx: PlanContext, setup: TrainingSetup) -> bool:
@@ -241,22 +243,51 @@ def _screens(ctx: PlanContext, setup: TrainingSetup) -> bool:
 
 
 def plan_layouts(ctx: PlanContext, setup: TrainingSetup) -> list[Layout]:
-    """The layouts a plan searches: candidate_layouts of the set-up's GPUs, with the pipeline and context-parallel
-    ones under the llmem engine and the time ranking (--pp / --cp N: only N; the degrees the model allows)."""
+    """The layouts a plan searches: candidate_layouts of the set-up's GPUs, with the pipeline, context- and
+    expert-parallel ones under the llmem engine and the time ranking (--pp / --cp / --ep N: only N; the degrees
+    the model allows)."""
     scale_out = ctx.options.engine == "llmem" and ctx.options.ranking == "time" and ctx.options.layouts == "all"
     if _fixed(setup) and not scale_out:
-        raise LlmemError("plan --pp / --cp searches with the llmem engine, the time ranking and --layouts all: drop "
-                         "--engine paper / --ranking paper / --layouts dp-tp")
+        raise LlmemError("plan --pp / --cp / --ep searches with the llmem engine, the time ranking and --layouts "
+                         "all: drop --engine paper / --ranking paper / --layouts dp-tp")
+    if setup.ep > 1:    # a dense model or too many ranks for its experts: expert_parallel's one line
+        facts = moe_facts(ctx.anatomy)
+        check_ep_model(setup.ep, facts.experts if facts else None, setup.gpus)
     limits = ModelLimits(ctx.anatomy.num_layers, setup.seq_len,
-                         setup.pp_virtual_stages or pipeline_schedule(setup.pp_schedule).virtual_stages)
+                         setup.pp_virtual_stages or pipeline_schedule(setup.pp_schedule).virtual_stages,
+                         expert_parallel_experts(ctx.anatomy, setup))
     layouts = candidate_layouts(setup.gpus, setup.gpus_per_node, *ctx.heads, methods=ctx.options.methods,
                                 tp=ctx.options.tp, limits=limits if scale_out else None,
-                                pp=setup.pp if setup.pp > 1 else None, cp=setup.cp if setup.cp > 1 else None)
+                                pp=setup.pp if setup.pp > 1 else None, cp=setup.cp if setup.cp > 1 else None,
+                                ep=setup.ep if setup.ep > 1 else None)
     if not layouts:
-        what = f" with --pp {setup.pp}" if setup.pp > 1 else f" with --cp {setup.cp}" if setup.cp > 1 else ""
+        what = f" with --pp {setup.pp}" if setup.pp > 1 else f" with --cp {setup.cp}" if setup.cp > 1 else \
+            f" with --ep {setup.ep}" if setup.ep > 1 else ""
         raise LlmemError(f"no layout of {setup.gpus} GPU(s){what} matches the requested method/tp for "
                          f"{ctx.anatomy.name}: choose another degree or method")
     return layouts
+
+
+def expert_parallel_experts(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """The routed experts the plan's expert-parallel layouts split (ModelLimits.experts): 0 for a dense model, or
+    where the set-up's options are ones expert_parallel refuses under --ep (adapters, offloading, --fused-ce, ...)."""
+    facts = moe_facts(anatomy)
+    if facts is None:
+        return 0
+    try:        # the set-up's own options under FSDP2 x EP (the layout's refusals are the layout search's)
+        check_expert_parallel(replace(setup, method="fsdp", tp=None, dp_replicate=1, pp=1, cp=1,
+                                      ep=max(setup.ep, setup.gpus)))
+    except LlmemError:
+        return 0
+    return facts.experts
+
+
+def expert_parallel_note(setup: TrainingSetup) -> str:
+    """What the plan's expert-parallel layouts assume (llmem.setup.expert_parallel)."""
+    routing = "balanced routing" if setup.ep_imbalance == 1.0 else f"routing imbalance {setup.ep_imbalance:g}"
+    return (f"expert-parallel layouts (fsdp, dp N, ep E: the routed experts over E of the N FSDP2 ranks, "
+            f"torchtitan's efsdp x ep): {routing} (--ep-imbalance), their dispatch / combine all-to-alls timed and "
+            "never hidden (llmem.planner.timing.ep_alltoall_time_s)")
 
 
 def fits_note(gpu: GpuSpec, options: PlanOptions) -> str:

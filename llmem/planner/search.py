@@ -45,6 +45,7 @@ class CandidatePlan:
         out = {
             "method": self.layout.method, "label": self.layout.label, "dp": self.layout.dp, "tp": self.layout.tp,
             "dp_replicate": self.layout.replicas, "pp": self.layout.pp, "cp": self.layout.cp,
+            "ep": self.layout.ep,
             "pp_microbatches": t.pp_microbatches if t else None,
             "nodes": self.layout.nodes, "max_batch_size": self.max_batch_size,
             "batch_size_at_memory": max(self.max_batch_size, 1),
@@ -86,7 +87,11 @@ def pipeline_microbatches(base: TrainingSetup, layout: Layout) -> int:
 
 def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSetup:
     """`base` run with `layout` at micro-batch `micro` (setup_for's fields, and the layout's pp and cp); under
-    --pp the step is the schedule's m micro-batches of `micro` samples each (batch_size micro x m)."""
+    --pp the step is the schedule's m micro-batches of `micro` samples each (batch_size micro x m); under --ep the
+    layout's degree, set once its method and world are (expert_parallel's checks need both)."""
+    if base.ep > 1 or layout.ep > 1:
+        plain = layout_setup(replace(base, ep=1, ep_imbalance=1.0), replace(layout, ep=1), micro)
+        return replace(plain, ep=layout.ep, ep_imbalance=base.ep_imbalance) if layout.ep > 1 else plain
     if layout.pp == layout.cp == base.pp == base.cp == 1:
         return setup_for(base, layout, micro)
     m = pipeline_microbatches(base, layout)
@@ -204,16 +209,16 @@ QUICK_BOUND_SLACK = 0.25
 
 
 def screened(layout: Layout) -> bool:
-    """A layout the plan searches only where a bound says it could be the fastest: HSDP's, the pipeline's and the
-    context-parallel ones, and across nodes every one (10 to 24 layouts there); the plain dp x tp layouts of one
-    node are always searched and shown."""
-    return layout.replicas > 1 or layout.pp > 1 or layout.cp > 1 or layout.nodes > 1
+    """A layout the plan searches only where a bound says it could be the fastest: HSDP's, the pipeline's, the
+    context- and expert-parallel ones, and across nodes every one (10 to 24 layouts there); the plain dp x tp
+    layouts of one node are always searched and shown."""
+    return layout.replicas > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1 or layout.nodes > 1
 
 
 def quick_twin(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, Layout]:
-    """The set-up and layout whose quick bound stands for `layout`'s (the quick bound does not model the ring):
-    under --cp its FSDP twin at seq_len / cp (the same shards over dp x cp, the same tokens per rank; the ring's
-    buffers only add), else itself."""
+    """The set-up and layout whose quick bound stands for `layout`'s in the screen: under --cp its FSDP twin at
+    seq_len / cp (the same shards over dp x cp, the same tokens per rank; the ring's buffers, which the layout's
+    own quick bound adds, only add), else itself."""
     if layout.cp <= 1:
         return setup, layout
     return replace(setup, cp=1, seq_len=setup.seq_len // layout.cp), replace(layout, dp=layout.dp * layout.cp, cp=1)

@@ -156,12 +156,18 @@ _NOT_UNDER_FSDP = (
     ("pp", 1, "--pp", "pipeline parallelism"),
     ("offload_param", False, "--offload-param", "FSDP2's CPUOffloadPolicy"),
 )
+# (what it applies to, flag, why); vLLM colocated is modelled: its weight sync (each FSDP2 parameter's full_tensor,
+# trl/generation/vllm_generation.py _iter_fsdp2_params) is llmem.estimator.generation's weight_sync phase
 _NOT_GENERATING_UNDER_FSDP = (
-    ("use_vllm", False, "--use-vllm", "TRL's weight sync to vLLM (each FSDP2 parameter's full_tensor, "
-                                      "trl/generation/vllm_generation.py) is not modelled yet"),
-    ("lora_rank", 0, "--lora-rank", "peft's generate calls the base model's, past the root FSDP2 unit that holds "
-                                       "the embedding in llmem's fsdp layout (accelerate carves the embedding into "
-                                       "a unit of its own, not modelled yet)"),
+    (lambda s: vllm_mode(s) == "server", "--vllm-mode server",
+     "TRL's packed NCCL broadcast of the full_tensor weights to the server (trl/generation/vllm_client.py "
+     "update_named_params) is not modelled yet"),
+    (lambda s: s.lora_rank and s.use_vllm, "--lora-rank",
+     "peft's merge_adapter before the weight sync to vLLM (trl/generation/vllm_generation.py _iter_named_params) "
+     "is not modelled yet"),
+    (lambda s: s.lora_rank and not s.use_vllm, "--lora-rank",
+     "peft's generate calls the base model's, past the root FSDP2 unit that holds the embedding in llmem's fsdp "
+     "layout (accelerate carves the embedding into a unit of its own, not modelled yet)"),
 )
 
 
@@ -189,8 +195,8 @@ def _check_fsdp(setup) -> None:
             raise LlmemError(f"{flag} with --objective {setup.objective}: {what} under TRL's trainers is not "
                              f"modelled yet (drop {flag})")
     if setup.objective in GENERATION_DEFAULTS:
-        for field_name, unset, flag, why in _NOT_GENERATING_UNDER_FSDP:
-            if getattr(setup, field_name) != unset:
+        for applies, flag, why in _NOT_GENERATING_UNDER_FSDP:
+            if applies(setup):
                 raise LlmemError(f"--objective {setup.objective} with {flag} under --method {setup.method}: {why}; "
                                  "use --method ddp or single")
 
@@ -252,11 +258,15 @@ def generation_notes(setup, reference: str, scores_policy: bool = False) -> list
             "to the old policy's, leave-one-out advantages; the KL to the reference is a reward penalty)")
     scoring = ("the policy's own per-token log-probs under no_grad every step, for old_logps, then the reference's"
                if scores_policy else "the reference's per-token log-probs")
-    return [f"--objective {setup.objective}: TRL's {trainer} with transformers' generate; {setup.batch_size} "
+    mode = vllm_mode(setup)
+    how = "transformers' generate" if mode is None else f"vLLM (vllm_mode {mode})"
+    generation = ("generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
+                  "completion, the last token's logits per step in fp32)" if mode is None else
+                  "generation (vLLM generates: the trainer holds the prompt and completion ids only)")
+    return [f"--objective {setup.objective}: TRL's {trainer} with {how}; {setup.batch_size} "
             f"completions per GPU ({setup.batch_size * setup.gpus // g} prompt(s) x {g} generations across "
             f"{setup.gpus} GPU(s)), each {p} prompt tokens (left-padded) + {c} completion tokens, every completion "
             f"running to max_completion_length (no EOS before it); beta {beta(setup)}, {loss}",
-            "phases: generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
-            f"completion, the last token's logits per step in fp32), scoring ({scoring}), "
+            f"phases: {generation}, scoring ({scoring}), "
             "training (the policy on prompt + completion through TRL's fused LM head, backward, optimizer step)",
             f"reference: {ref}"]

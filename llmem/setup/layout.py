@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
 from llmem.setup.context_parallel import CP_METHODS
+from llmem.setup.expert_parallel import EP_METHODS, check_ep_model
 from llmem.setup.methods import METHODS, TP_ALL, TP_INNER, TP_NONE, MethodSpec, canonical_method
 from llmem.setup.pipeline import PP_METHODS, stage_splits
 
@@ -103,12 +104,16 @@ def check_world(gpus: int, per_node: int | None) -> int:
 
 
 def resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None,
-                   num_heads: int, num_kv_heads: int, replicas: int = 1, pp: int = 1, cp: int = 1) -> Layout:
+                   num_heads: int, num_kv_heads: int, replicas: int = 1, pp: int = 1, cp: int = 1,
+                   ep: int = 1) -> Layout:
     """Check that `method` can run on `gpus` GPUs with tensor-parallel degree `tp` (and, under HSDP, its dp ranks
-    as `replicas` replicas; under pipeline parallelism, `pp` stages) and return the layout. num_heads =
-    num_kv_heads = 0 skips the head-divisibility check (the paper's 1D TP splits weights, not heads)."""
+    as `replicas` replicas; under pipeline parallelism, `pp` stages; under expert parallelism, the experts over `ep`
+    of the FSDP2 ranks) and return the layout. num_heads = num_kv_heads = 0 skips the head-divisibility check (the
+    paper's 1D TP splits weights, not heads)."""
     if cp > 1 and pp > 1:
         raise LlmemError("--pp with --cp is not modelled: drop one of them")
+    if ep > 1:
+        return _expert_parallel_layout(method, gpus, tp, per_node, replicas, pp, cp, ep)
     if cp > 1:
         return _context_parallel_layout(method, gpus, per_node, cp)
     if pp > 1:
@@ -132,6 +137,23 @@ def _context_parallel_layout(method: str, gpus: int, per_node: int | None, cp: i
     if gpus % cp:
         raise LlmemError(f"--cp {cp} does not divide --gpus {gpus}: --gpus is dp x cp, choose a cp that divides it")
     return Layout(canonical_method(method), gpus // cp, 1, node, cp=cp)
+
+
+def _expert_parallel_layout(method: str, gpus: int, tp: int | None, per_node: int | None, replicas: int, pp: int,
+                            cp: int, ep: int) -> Layout:
+    """torchtitan's EP under FSDP2 alone (llmem.setup.expert_parallel refuses the rest): dp = gpus FSDP2 ranks,
+    the routed experts Shard(0) over ep of them (efsdp x ep = dp)."""
+    method = canonical_method(method)
+    node = check_world(gpus, per_node)
+    if method not in EP_METHODS:
+        raise LlmemError(f"--ep runs under --method fsdp (FSDP2 x EP, torchtitan's layout) only, got {method}")
+    if tp not in (None, 1) or replicas != 1 or pp != 1 or cp != 1:
+        raise LlmemError("--ep with --pp, --dp-replicate, --tp or --cp is not modelled: drop them (FSDP2 over "
+                         "dp_shard, experts over efsdp x ep)")
+    if gpus % ep:
+        raise LlmemError(f"--ep {ep} does not divide the {gpus} FSDP2 ranks (dp_shard = efsdp x ep, torchtitan's "
+                         "ParallelDims): choose an --ep that divides --gpus")
+    return Layout(method, gpus, 1, node, ep=ep)
 
 
 def _pipeline_layout(method: str, gpus: int, tp: int | None, per_node: int | None, replicas: int,
@@ -195,18 +217,19 @@ def _resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None
 
 def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_heads: int,
                       methods: Iterable[str] | None = None, tp: int | None = None, *,
-                      limits: ModelLimits | None = None, pp: int | None = 1, cp: int | None = 1) -> list[Layout]:
+                      limits: ModelLimits | None = None, pp: int | None = 1, cp: int | None = 1,
+                      ep: int | None = 1) -> list[Layout]:
     """Every layout worth planning on `gpus` GPUs, in registry order (the paper's tie order); invalid ones skipped.
 
     A one-GPU method only on one GPU; DeepSpeed's only when `methods` names them; the others on more: no tp once;
     tp over all GPUs when they fit in one node; an inner tp for each tp in the divisors of the node size (> 1) with dp = gpus / tp >= 2; across nodes, each
     sharding layout also as HSDP sharded within a node. `methods` / `tp` restrict the list. num_heads =
-    num_kv_heads = 0 skips the head-divisibility check. With the model's `limits`, the pipeline and context-parallel
-    layouts too (`SCALE_OUT_AXES`): `pp` / `cp` None searches every degree the model allows, 1 none (the default),
-    N only N (then only those layouts).
+    num_kv_heads = 0 skips the head-divisibility check. With the model's `limits`, the pipeline, context- and
+    expert-parallel layouts too (`SCALE_OUT_AXES`): `pp` / `cp` / `ep` None searches every degree the model allows,
+    1 none (the default), N only N (then only those layouts).
     """
-    if limits is not None and (pp != 1 or cp != 1):
-        fixed = {name: d for name, d in (("pp", pp), ("cp", cp)) if d not in (None, 1)}
+    if limits is not None and (pp != 1 or cp != 1 or ep != 1):
+        fixed = {name: d for name, d in (("pp", pp), ("cp", cp), ("ep", ep)) if d not in (None, 1)}
         extra = scale_out_layouts(gpus, per_node, num_heads, num_kv_heads, limits, methods, tp, fixed)
         if fixed:
             return extra
@@ -249,6 +272,7 @@ class ModelLimits:
     num_layers: int
     seq_len: int
     virtual_stages: int = 1        # the pipeline schedule's stages per rank
+    experts: int = 0               # routed experts per MoE layer (0: a dense model, or a set-up EP cannot run)
 
 
 def _splits(d: int, m: ModelLimits) -> bool:
@@ -269,20 +293,31 @@ class ScaleOutAxis:
     name: str
     methods: tuple[str, ...]
     allows: Callable[[int, ModelLimits], bool]
+    accepts: Callable[[Layout, ModelLimits], bool] = lambda layout, m: True    # of the resolved layout
+
+
+def _ep_accepts(layout: Layout, m: ModelLimits) -> bool:
+    """expert_parallel's model check: ep divides the routed experts, no more FSDP2 ranks than experts."""
+    try:
+        check_ep_model(layout.ep, m.experts or None, layout.shard_degree)
+    except LlmemError:
+        return False
+    return True
 
 
 SCALE_OUT_AXES: tuple[ScaleOutAxis, ...] = (
     ScaleOutAxis("pp", PP_METHODS, _splits),                                     # no empty stage
     ScaleOutAxis("cp", CP_METHODS, lambda d, m: m.seq_len % (2 * d) == 0),       # the 2 x cp head-tail chunks
+    ScaleOutAxis("ep", EP_METHODS, lambda d, m: m.experts > 0, _ep_accepts),     # an MoE's experts over ep ranks
 )
 
 
 def scale_out_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_heads: int, limits: ModelLimits,
                       methods: Iterable[str] | None = None, tp: int | None = None,
                       fixed: dict[str, int] | None = None) -> list[Layout]:
-    """The pipeline and context-parallel layouts of `gpus` GPUs the model allows: each axis's degrees d >= 2
-    dividing the GPUs (only fixed[axis] where given; an axis not fixed is skipped when another is), under each of
-    its methods as resolve_layout accepts them (pp with cp, or either with tp, is not modelled: none)."""
+    """The pipeline, context- and expert-parallel layouts of `gpus` GPUs the model allows: each axis's degrees
+    d >= 2 dividing the GPUs (only fixed[axis] where given; an axis not fixed is skipped when another is), under
+    each of its methods as resolve_layout accepts them (two axes together, or one with tp, is not modelled: none)."""
     if tp not in (None, 1):
         return []
     wanted = {canonical_method(m) for m in methods} if methods else None
@@ -299,10 +334,12 @@ def scale_out_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
                 if wanted is not None and method not in wanted:
                     continue
                 try:
-                    out.append(resolve_layout(method, gpus, None, per_node, num_heads, num_kv_heads,
-                                              **{axis.name: d}))
+                    layout = resolve_layout(method, gpus, None, per_node, num_heads, num_kv_heads,
+                                            **{axis.name: d})
                 except LlmemError:
                     continue
+                if axis.accepts(layout, limits):
+                    out.append(layout)
     return out
 
 
