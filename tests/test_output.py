@@ -303,3 +303,21 @@ def test_wrapped_titles_keep_their_separator_within_the_width():
         assert SEPARATOR.join(parts) == " ".join(lines).replace(SEPARATOR.rstrip() + " ", SEPARATOR)
         for line in lines:
             assert len(line) <= width or any(len(p) > width - len(SEPARATOR.rstrip()) for p in parts), (width, line)
+
+
+def test_phase_reserved_is_capped_as_the_steps_reserved_is():
+    """At capacity the allocator releases its cache and retries: a phase's uncapped reserved (here 90 GiB on a
+    device whose capped step reserves 78 GiB) is shown at the capped figure, marked *; one below it as it is."""
+    from rich.console import Console
+
+    from llmem.cli.tables import phases_table
+    from llmem.result import MemoryResult, PhaseMemory
+
+    gib = 1 << 30
+    result = MemoryResult("llmem", 70 * gib, 90 * gib, 80 * gib, 80 * gib, {}, capped_reserved_bytes=78 * gib,
+                          phases=[PhaseMemory("generation", 10 * gib, 12 * gib, {}),
+                                  PhaseMemory("training", 70 * gib, 90 * gib, {}, True)])
+    console = Console(width=120, record=True)
+    console.print(phases_table(result))
+    text = console.export_text()
+    assert "12.00 GiB" in text and "78.00 GiB*" in text and "90.00 GiB" not in text

@@ -138,13 +138,16 @@ def phases_table(result: MemoryResult) -> Table:
     table = Table()
     for name, justify in (("phase", "left"), ("allocated", "right"), ("reserved", "right"), ("largest parts", "left")):
         table.add_column(name, justify=justify)
+    cap = getattr(result, "capped_reserved_bytes", None)   # at capacity the allocator frees its cache and retries
     for p in result.phases:
         if p.allocated_bytes < 0:          # the replay allocated nothing in it (no peak of its own)
             continue
         parts = sorted(p.components.items(), key=lambda kv: -kv[1])[:3]
         filled = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in parts)
         name = f"[bold]{p.name} (peak)[/]" if p.is_peak else p.name
-        table.add_row(name, format_bytes(p.allocated_bytes), format_bytes(p.reserved_bytes), filled)
+        reserved = format_bytes(p.reserved_bytes) if cap is None or p.reserved_bytes <= cap \
+            else f"{format_bytes(cap)}*"    # *: capped as the step's reserved is (the cache released at capacity)
+        table.add_row(name, format_bytes(p.allocated_bytes), reserved, filled)
     return table
 
 
