@@ -54,8 +54,8 @@ from llmem.runtime.objectives import (
     config_defaults,
     full_length_padding_mask,
     policy_checkpointing_paused,
-    reference_copy,
     require_trl,
+    traced_reference,
     trainer_class,
     trainer_step,
     trl_cuda_head,
@@ -175,7 +175,6 @@ def generation_run(step) -> TrainerRun:
     from trl.trainer.utils import add_fused_lm_head
 
     setup = step.setup
-    region = step.hooks.category
     d = config_defaults(setup.objective)
     if d["disable_dropout"]:
         raise LlmemError("the installed trl's GRPOConfig disables dropout by default, which llmem does not model")
@@ -183,11 +182,7 @@ def generation_run(step) -> TrainerRun:
     add_fused_lm_head(causal_lm(step.model), temperature=d["temperature"], cast_lm_head_to_fp32=False,
                       outputs=("log_probs", "entropy"))
     autocast_per_call(step.model, step)
-    ref = None
-    if reference_mode(setup) == REF_COPY:
-        with region("weights"):
-            ref = reference_copy(step)
-        autocast_per_call(ref, step)
+    ref = traced_reference(step)
     seq, c = setup.seq_len, completion_length(setup)
     masks = KnownMasks({(2, seq - 1): c, (2, seq): seq, (2, c): c})
     run = TrainerRun(_trainer_for(step, ref), None, masks)

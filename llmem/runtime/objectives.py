@@ -316,6 +316,17 @@ def reference_copy(step) -> torch.nn.Module:
     return ref
 
 
+
+def traced_reference(step) -> torch.nn.Module | None:
+    """The separate reference the trainer holds (REF_COPY; None otherwise), its weights counted as weights and
+    each forward autocast as the policy's are."""
+    if reference_mode(step.setup) != REF_COPY:
+        return None
+    with step.hooks.category("weights"):
+        ref = reference_copy(step)
+    autocast_per_call(ref, step)
+    return ref
+
 def _local_device(model: torch.nn.Module) -> torch.device:
     """The device of the policy's (local shards of its) parameters."""
     p = next(model.parameters())
@@ -403,11 +414,7 @@ def preference_run(step) -> TrainerRun:
     check_dropout_free(setup.objective, causal_lm(step.model).config.to_dict())
     _fused_head(step.model, setup.objective)
     autocast_per_call(step.model, step)
-    ref = None
-    if reference_mode(setup) == REF_COPY:
-        with region("weights"):
-            ref = reference_copy(step)
-        autocast_per_call(ref, step)
+    ref = traced_reference(step)
     with region("activations"):
         inputs = preference_inputs(step)
     seq = setup.seq_len
