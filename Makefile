@@ -29,7 +29,7 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks
 	$(BIN)/lint-imports
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto --maxprocesses 4
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 test-slow: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow -n auto --maxprocesses 4

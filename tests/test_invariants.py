@@ -11,6 +11,7 @@ catalog model on a small grid; `-m slow` sweeps a larger one. An answer decided 
 from __future__ import annotations
 
 import pytest
+from catalog_models import catalog_params
 
 from llmem import estimate
 from llmem.model.catalog import catalog
@@ -18,6 +19,7 @@ from llmem.result import ALLOCATED_COMPONENTS
 from llmem.setup.training import user_setup
 
 MODELS = [entry.hub_id for entry in catalog().values()]
+MODEL_PARAMS = catalog_params()     # the first of each family by default, the rest under -m slow
 
 
 def _run(model: str, **fields):
@@ -88,7 +90,7 @@ def _largest_batch(model: str, batches: tuple[int, ...], memory: int, **fields) 
     return max((b for b, ok in zip(batches, fits, strict=True) if ok), default=0), runs
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODEL_PARAMS)
 def test_catalog_model_invariants(model):
     _sweep(model, batches=(1, 2, 4), seqs=(256, 1024), gpus=(2, 4))
 

@@ -37,7 +37,7 @@ def test_ci_matrix_covers_the_required_space():
     assert len(CI_MATRIX) >= 20
 
 
-SHARDS = 4     # the matrix in four parts, so that test workers (pytest -n) share it
+SHARDS = 8     # the matrix in eight parts, so that test workers (pytest -n) share it without a long tail
 
 
 @pytest.mark.parametrize("shard", range(1, SHARDS + 1))
