@@ -4,8 +4,8 @@ sequence and loss parallel, FSDP2 CPU offload, HSDP, pipeline schedules, context
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/accuracy_scaleout.py [INDEX ...]
         # -> benchmarks/results/scaleout_trace.json (rows merged by configuration; no INDEX: every row)
     .venv/bin/python benchmarks/accuracy_table.py benchmarks/results/scaleout_trace.json
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/accuracy_scaleout.py --estimates
-        # today's estimator against the committed traces (seconds; no trace run)
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/accuracy_scaleout.py --estimates [--write]
+        # today's estimator against the committed traces (seconds; no trace run); --write: into the JSON
 
 Rows are traced one at a time (INDEX = position in SCALEOUT_MATRIX); a pipeline row traces the stages in
 TRACED_STAGES (the estimate's largest stage; each costs a whole-model trace) against the estimate of the same
@@ -71,30 +71,48 @@ def compare_row(setup) -> dict:
             "estimate_components": est.components, "trace_components": truth.components}
 
 
-def estimate_of(setup, stage: int | None) -> dict:
-    """The estimate's counters (under --pp: of `stage`)."""
+def estimate_of(setup, stage: int | None) -> tuple[dict, object]:
+    """The estimate's counters (under --pp: of `stage`) and the estimate."""
     est = estimate(setup)
     if stage is None:
-        return {c: getattr(est, c) for c in COUNTERS}
-    return {c: est.stages[stage].get(c, getattr(est, c)) for c in COUNTERS}
+        return {c: getattr(est, c) for c in COUNTERS}, est
+    return {c: est.stages[stage].get(c, getattr(est, c)) for c in COUNTERS}, est
 
 
-def reestimate(rows: dict) -> None:
-    """--estimates: today's estimator against the committed traces (no trace run), one line a row."""
+def reestimate(rows: dict, write: bool) -> None:
+    """--estimates: today's estimator against the committed traces (no trace run), one line a row; --write puts
+    the new estimates (counters, errors, peak phase, seconds) in the JSON, for accuracy_table.py."""
+    for r in list(rows.values())[:1]:    # imports and caches outside the timed calls
+        estimate(TrainingSetup(**r["setup"]))
     for r in rows.values():
         setup = TrainingSetup(**r["setup"])
         stage = None
         if setup.pp > 1:
             stage = max(r["trace_stages"], key=lambda x: x["peak_reserved_bytes"])["stage"]
-        est = estimate_of(setup, stage)
-        err = {c: 100 * (est[c] - r["trace"][c]) / r["trace"][c] for c in COUNTERS[:2]}
-        print(f"{r['config']:110s} alloc {err['peak_allocated_bytes']:+6.2f}% resv {err['peak_reserved_bytes']:+6.2f}%")
+        t0 = time.perf_counter()
+        top, est = estimate_of(setup, stage)
+        est_s = time.perf_counter() - t0
+        err = {c: 100 * (top[c] - r["trace"][c]) / r["trace"][c] for c in COUNTERS}
+        print(f"{r['config']:110s} alloc {err['peak_allocated_bytes']:+6.2f}% resv {err['peak_reserved_bytes']:+6.2f}%"
+              f"  estimate {est_s:5.2f}s", flush=True)
+        if write:
+            r.update(estimate=top, error_pct=err, estimate_s=round(est_s, 2), estimate_phase=est.peak_phase,
+                     estimate_stages=est.stages, estimate_components=est.components)
+    if write:
+        save(rows)
+
+
+def save(rows: dict) -> None:
+    """The rows to the JSON, in SCALEOUT_MATRIX's order."""
+    order = [label(s) for s in SCALEOUT_MATRIX]
+    OUT.write_text(json.dumps(sorted(rows.values(), key=lambda r: order.index(r["config"])
+                                     if r["config"] in order else len(order)), indent=1))
 
 
 def main(argv: list[str]) -> int:
     rows = {r["config"]: r for r in json.loads(OUT.read_text())} if OUT.exists() else {}
-    if argv == ["--estimates"]:
-        reestimate(rows)
+    if argv[:1] == ["--estimates"]:
+        reestimate(rows, write=argv[1:] == ["--write"])
         return 0
     picks = [int(a) for a in argv] or list(range(len(SCALEOUT_MATRIX)))
     for i in picks:
@@ -102,9 +120,7 @@ def main(argv: list[str]) -> int:
         rows[row["config"]] = row
         print(f"[{i}] {row['config']:100s} alloc {row['error_pct']['peak_allocated_bytes']:+6.2f}% "
               f"resv {row['error_pct']['peak_reserved_bytes']:+6.2f}%  trace {row['trace_s']:6.1f}s", flush=True)
-        order = [label(s) for s in SCALEOUT_MATRIX]
-        OUT.write_text(json.dumps(sorted(rows.values(), key=lambda r: order.index(r["config"])
-                                         if r["config"] in order else len(order)), indent=1))
+        save(rows)
     return 0
 
 

@@ -85,7 +85,9 @@ def test_ipg_buffers_by_hand(method, overlap, buffers):
     either bucket, so the reduction's flattened copy is the same) and peak allocated by about as much."""
     big = estimate(_setup(method, reduce_bucket_size=400_000_000, overlap_comm=overlap))
     small = estimate(_setup(method, reduce_bucket_size=200_000_000, overlap_comm=overlap))
-    assert big.peak_phase == small.peak_phase == "backward"
+    # stage 3: the second step's forward, its coalesced prefetch of the whole model (flat buffer and copies) on
+    # top of the bucket, as DeepSpeed's engine traced shows it
+    assert big.peak_phase == small.peak_phase == ("forward" if method == "ds-zero3" else "backward")
     moved = buffers * 200_000_000 * 2
     comm = "communication_buffers"
     assert big.components[comm] - small.components[comm] == moved
@@ -107,13 +109,14 @@ def test_zero_stages_and_the_stage3_reuse_distance():
     the end of backward both hold the bucket and its flattened copy, where the peak is). ZeRO-3 without retention
     (max_reuse_distance 0, no prefetch) holds a partition of the parameters too: less again; with DeepSpeed's
     default reuse distance (1e9 elements, more than this whole model twice) every layer gathered in the second step's
-    forward stays gathered for its backward: at most the whole model in bf16 more."""
+    forward stays gathered for its backward, and that forward's coalesced prefetch holds its flat all-gather buffer
+    besides the parameters' copies out of it until the last is fetched: at most twice the whole model in bf16 more."""
     z1, z2 = (estimate(_setup(m, reduce_bucket_size=1_000_000)).peak_allocated_bytes for m in ("ds-zero1", "ds-zero2"))
     lean = estimate(_setup("ds-zero3", reduce_bucket_size=1_000_000, max_reuse_distance=0, prefetch_bucket_size=0))
     kept = estimate(_setup("ds-zero3", reduce_bucket_size=1_000_000))
     n = resolve(_setup("ds-zero3")).anatomy.total_params
     assert z1 >= z2 > lean.peak_allocated_bytes
-    assert 0 < kept.peak_allocated_bytes - lean.peak_allocated_bytes <= 2 * n
+    assert 0 < kept.peak_allocated_bytes - lean.peak_allocated_bytes <= 2 * 2 * n
 
 
 def test_export_deepspeed_reads_back_to_the_same_estimate(tmp_path):

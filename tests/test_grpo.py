@@ -112,7 +112,7 @@ def test_generation_is_the_answer_for_a_deep_cache():
     (dict(num_generations=1, batch_size=4), "--num-generations must be >= 2"),
     (dict(max_completion_length=32), "--seq-len 32 is the prompt plus"),
     (dict(beta=-0.1), "--beta must be >= 0"),
-    (dict(method="ds-zero3", gpus=2), "under DeepSpeed"),
+    (dict(method="ds-zero3", gpus=2, use_vllm=True), "under DeepSpeed"),
     (dict(prompt_len=8), "--prompt-len with --objective grpo"),
     (dict(loss_type="sigmoid"), "unknown --loss-type 'sigmoid'"),
 ])

@@ -134,7 +134,7 @@ def test_adapters_off_has_no_copy():
     ({"seq_len": 2048}, "max_length 1024"),
     ({"prompt_len": 256}, "--prompt-len"),
     ({"fused_ce": True}, "--fused-ce"),
-    ({"method": "ds-zero2", "gpus": 2}, "under DeepSpeed"),
+    ({"method": "ds-zero3", "gpus": 2, "precompute_ref_log_probs": True}, "under DeepSpeed"),
     ({"attn": "flash"}, "--attn"),
     ({"objective": "ppo"}, "the installed trl 1.16 has no PPOTrainer"),
     ({"objective": "kto", "batch_size": 1}, "--batch-size >= 2"),

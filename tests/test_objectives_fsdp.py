@@ -84,14 +84,15 @@ def test_generate_gathers_every_layer_per_forward():
 
 
 @pytest.mark.parametrize(("objective", "fields", "message"), [
-    ("dpo", {"method": "ds-zero3"}, "under DeepSpeed (--method ds-zero3) is not modelled yet"),
-    ("orpo", {"method": "ds-zero1"}, "under DeepSpeed"),
+    ("dpo", {"method": "ds-zero3", "precompute_ref_log_probs": True}, "under DeepSpeed (--method ds-zero3)"),
+    ("dpo", {"method": "ds-zero3", "offload_param": True}, "prepare_deepspeed keeps offload_param"),
     ("kto", {"method": "tp"}, "--method single or ddp or fsdp or zero2"),
     ("dpo", {"offload_param": True}, "--offload-param with --objective dpo"),
     ("kto", {"gpus": 4, "pp": 2}, "--pp with --objective kto"),
-    ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "lora_rank": 8}, "peft's generate"),
+    ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "lora_rank": 8},
+     "the real step fails"),
     ("grpo", {"seq_len": 16, "num_generations": 4, "max_completion_length": 8, "use_vllm": True,
-              "vllm_mode": "server"}, "packed NCCL broadcast"),
+              "vllm_mode": "server", "lora_rank": 8}, "peft's merge_adapter inside vLLM's packed broadcast"),
 ])
 def test_refusals(objective, fields, message):
     with pytest.raises(LlmemError, match=re.escape(message)):

@@ -79,7 +79,7 @@ def test_reward_model_has_a_score_head():
     ({"objective": "reward", "lora_rank": 8}, "drop --lora-rank"),
     ({"objective": "reward", "prompt_len": 8}, "drop it"),
     ({"objective": "orpo", "fused_ce": True}, "--fused-ce"),
-    ({"objective": "simpo", "method": "ds-zero2", "gpus": 2}, "under DeepSpeed"),
+    ({"objective": "simpo", "method": "ds-zero3", "gpus": 2, "offload_param": True}, "under DeepSpeed"),
 ])
 def test_refusals(fields, message):
     with pytest.raises(LlmemError, match=re.escape(message)):

@@ -56,6 +56,8 @@ def test_p2p_sends_by_hand():
     nbytes = 2 * 4096 * 4096 * 2
     assert p2p_time_s(2, 4096, 4096, 2, 1, 25.0, LAT) == pytest.approx(2 * (nbytes / 25e9 + LAT))
     assert p2p_time_s(2, 4096, 4096, 2, 2, 25.0, LAT) == pytest.approx(4 * (nbytes / 25e9 + LAT))
+    # --sequence-parallel over tp 4: each stage sends its [2, 4096 / 4, 4096] shard
+    assert p2p_time_s(2, 4096, 4096, 2, 1, 25.0, LAT, 4) == pytest.approx(2 * (nbytes / 4 / 25e9 + LAT))
 
 
 def test_ring_attention_traffic_by_hand():
@@ -106,12 +108,14 @@ def test_candidate_layouts_over_pp_and_cp():
 
     assert labels(8, 32, 4096, pp=None, cp=None) == {
         "fsdp (dp 4 x pp 2)", "fsdp (dp 2 x pp 4)", "single (pp 8)",
+        "tp (tp 4 x pp 2)", "tp (tp 2 x pp 4)", "fsdp+tp (dp 2 x tp 2 x pp 2)",      # pp x tp: each stage's TP
         "fsdp (dp 4 x cp 2)", "fsdp (dp 2 x cp 4)", "fsdp (dp 1 x cp 8)"}
     # cp splits the sequence into 2 x cp chunks; pp at most one stage per layer
-    assert labels(8, 2, 4100, pp=None, cp=None) == {"fsdp (dp 4 x pp 2)", "fsdp (dp 4 x cp 2)"}
+    assert labels(8, 2, 4100, pp=None, cp=None) == {"fsdp (dp 4 x pp 2)", "tp (tp 4 x pp 2)",
+                                                    "fsdp+tp (dp 2 x tp 2 x pp 2)", "fsdp (dp 4 x cp 2)"}
     # a given degree fixes it: only those layouts
     fixed = candidate_layouts(8, 8, 32, 8, limits=ModelLimits(32, 4096), pp=4)
-    assert [lay.label for lay in fixed] == ["fsdp (dp 2 x pp 4)"]
+    assert [lay.label for lay in fixed] == ["fsdp (dp 2 x pp 4)", "tp (tp 2 x pp 4)"]
     # without the model's limits (the suggestions' and old callers' call): no pipeline or context layouts
     assert not any(lay.pp > 1 or lay.cp > 1 for lay in candidate_layouts(8, 8, 32, 8))
 
@@ -152,3 +156,104 @@ def test_plan_without_scale_out_refuses_a_fixed_pp():
     with pytest.raises(LlmemError, match="--layouts dp-tp"):
         plan(TrainingSetup(model="tiny-llama", gpus=4, pp=2, batch_size=2, seq_len=256, gpu="A100-80GB"),
              PlanOptions(layouts="dp-tp"))
+
+
+# --- the screen's proof that a layout cannot win (llmem.planner.search.cannot_win) ---------------------------------
+# A fake engine whose fit by batch is given: "fits" (device-used 900 of a 1000-byte limit), "frag" (out of memory by
+# fragmentation: replayed at the capacity; a draft, which never replays, takes it as fitting) or, past the pattern,
+# "alloc" (the allocated peak alone over the capacity, so every larger batch too).
+LIMIT = 1000
+
+
+class PatternEngine:
+    has_quick = True
+
+    def __init__(self, pattern: dict[int, str]) -> None:
+        self.pattern, self.fulls, self.drafts = pattern, [], []
+
+    def _result(self, batch: int, draft: bool):
+        from llmem.result import MemoryResult, OutOfMemory
+
+        kind = self.pattern.get(batch, "alloc")
+        if kind == "frag" and draft:
+            kind = "fits"
+        used = {"fits": 900, "frag": 1100, "alloc": 1500}[kind]
+        oom = None if kind == "fits" else OutOfMemory("it0:backward", "", "activations", 1, used, used, LIMIT)
+        return MemoryResult("llmem", used, used, used, LIMIT, {}, capacity_bytes=LIMIT, oom=oom,
+                            by_fragmentation=kind == "frag")
+
+    def full(self, setup):
+        self.fulls.append(setup.batch_size)
+        return self._result(setup.batch_size, False)
+
+    def draft(self, setup):
+        self.drafts.append(setup.batch_size)
+        return self._result(setup.batch_size, True)
+
+
+def _proof(pattern: dict[int, str], start: int, top: int = 64):
+    from llmem.planner.search import PlanContext, out_of_memory_from
+
+    engine = PatternEngine(pattern)
+    ctx = PlanContext(None, None, PlanOptions(), engine, LIMIT)
+    setup = TrainingSetup(model="tiny-llama", gpus=8, seq_len=256, gpu="A100-80GB")
+    return out_of_memory_from(ctx, setup, Layout("fsdp", 8, 1, 8), start, top), engine
+
+
+# fits to 9, not at 10, at 11 again (fragmentation), not at 12, over the capacity by allocation from 13
+NOT_MONOTONE = {**{b: "fits" for b in range(1, 10)}, 10: "frag", 11: "fits", 12: "frag"}
+
+
+def test_cannot_win_is_proved_only_where_no_batch_from_the_winning_one_fits():
+    proved, engine = _proof(NOT_MONOTONE, 12)
+    assert proved and engine.fulls == [12, 13]          # 12 out by its replay, 13 by its allocated peak: all above
+    proved, engine = _proof({**NOT_MONOTONE, 12: "alloc"}, 10)
+    assert not proved and engine.fulls == [10, 11]      # 11 fits: the batch search may answer it, so search it
+
+
+def test_no_full_estimate_where_the_drafts_see_no_end_of_memory():
+    proved, engine = _proof({b: "fits" for b in range(1, 30)}, 10)
+    assert not proved and engine.fulls == [] and engine.drafts == [10, 11, 12]
+
+
+def test_above_the_quick_bounds_batch_nothing_is_probed():
+    proved, engine = _proof(NOT_MONOTONE, 12, top=12)   # 12 out; above it the quick bound rules every batch out
+    assert proved and engine.fulls == [12]
+
+
+def test_smallest_winning_batch_bisects_the_time_model(monkeypatch):
+    import llmem.planner.search as search
+
+    monkeypatch.setattr(search, "time_at_max_batch",
+                        lambda ctx, setup, layout, b: SimpleNamespace(tokens_per_s=100.0 * b))
+    setup = TrainingSetup(model="tiny-llama", gpus=8, seq_len=256, gpu="A100-80GB")
+    lay = Layout("fsdp", 8, 1, 8)
+    assert search.smallest_winning_batch(None, setup, lay, lambda tps: tps > 450, 16) == 5
+    assert search.smallest_winning_batch(None, setup, lay, lambda tps: tps >= 100, 16) == 1
+
+
+def test_a_layout_proved_unable_to_win_is_not_faster_when_searched(monkeypatch):
+    """Two nodes of a tight GPU: every layout is screened; one the proof rules out (every batch at which its time
+    model would win is out of memory), searched here on a fresh engine, is indeed not faster than the answer."""
+    import llmem.planner.plan as planning
+    from llmem.planner.engines import memory_engine
+    from llmem.planner.search import PlanContext, attach_time
+
+    proved, real = [], planning.cannot_win
+
+    def spy(ctx, setup, layout, wins):
+        out = real(ctx, setup, layout, wins)
+        if out:
+            proved.append(layout)
+        return out
+
+    monkeypatch.setattr(planning, "cannot_win", spy)
+    setup = TrainingSetup(model="tiny-llama", gpus=16, seq_len=1024, gpu="A100-80GB", gpu_memory="2GiB")
+    p = planning.plan(setup, PlanOptions(batch_cap=64))
+    assert proved and p.recommended is not None
+    ctx = PlanContext(p.anatomy, p.gpu, p.options, memory_engine("llmem", p.anatomy, p.gpu, None, p.limit_bytes),
+                      p.limit_bytes)
+    for layout in proved:
+        c = ctx.search(setup, layout)
+        attach_time(ctx, c, setup)
+        assert not c.fits or c.time.tokens_per_s <= p.recommended.time.tokens_per_s, layout.label

@@ -84,7 +84,6 @@ def test_hand_written_pipeline_toml(tmp_path):
     ({"per": 5}, "= 17 stages, not a whole number per rank"),        # ceil(82 / 5) = 17 over 4 ranks
     ({"per": 21}, "1 per rank, but ScheduleInterleaved1F1B runs at least 2"),   # ceil(82 / 21) = 4 stages
     ({"schedule": "1F1B", "per": 7}, "Schedule1F1B runs 1"),           # 12 stages: 3 per rank
-    ({"tp": 2}, "pipelines a TP model"),
     ({"shard": 2}, "FSDP2 over several stages per rank"),
     ({"schedule": "ZBVZeroBubble"}, "splits each backward"),
 ])

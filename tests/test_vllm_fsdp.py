@@ -127,9 +127,8 @@ def test_vllm_starts_before_fsdp2_places_the_model():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"vllm_mode": "server", "vllm_max_model_length": None}, "with --vllm-mode server under --method fsdp: TRL's "
-                                                             "packed NCCL broadcast"),
-    ({"lora_rank": 8}, "peft's merge_adapter before the weight sync to vLLM"),
+    ({"lora_rank": 8, "vllm_mode": "server", "vllm_max_model_length": None},
+     "peft's merge_adapter inside vLLM's packed broadcast"),
 ])
 def test_what_is_not_modelled_under_fsdp2_is_refused(fields, message):
     with pytest.raises(LlmemError, match=re.escape(message)):

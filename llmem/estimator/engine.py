@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
-from llmem.estimator.events import Replay, Schedule, extrapolate, replay
+from llmem.estimator.events import Replay, Schedule, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
@@ -41,7 +41,7 @@ from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 
-EXACT_LAYERS = 40                 # models up to this depth are replayed whole
+EXACT_LAYERS = 128                # models up to this depth (every catalog model) are replayed whole
 EXTRAPOLATE_FROM = (16, 24)       # deeper ones from these two depths, extrapolated (benchmarks/estimate_speed.md)
 DRAFT_FROM = (4, 8)               # the planner's search estimates
 
@@ -86,6 +86,8 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         check_vllm_starts(r, pool, ms.weights, context)
     vllm_resident = pool.resident_in_training_bytes if pool is not None else 0
     cap = step_at_capacity(r, rep, limit - context - vllm_resident, whole, draft=draft)
+    if stages and cap.completes:       # the answer stage fits: so must every other stage's live tensors
+        cap = every_stage_fits(cap, stages)
     if pool is not None and pool.sleeps:
         cap = vllm_wake_up(rep, pool, cap, limit - context)
     reserved = rep.peak_reserved_bytes if cap.reserved_bytes is None else cap.reserved_bytes
@@ -169,6 +171,17 @@ def step_at_capacity(r: ResolvedSetup, rep: Replay, capacity_bytes: int, whole: 
                        lambda capacity: first_over(rep, capacity))
 
 
+def every_stage_fits(cap: AtCapacity, stages: list[dict]) -> AtCapacity:
+    """Under --pp the answer stage (the largest reserved peak) fitting does not make a stage with more live tensors
+    fit: one whose allocated peak exceeds the capacity runs out of memory whatever its cache does."""
+    over = next((st for st in stages if st["peak_allocated_bytes"] > cap.capacity_bytes), None)
+    if over is None:
+        return cap
+    oom = OutOfMemory("step", f"pipeline stage {over['stage']}", "", 0, over["peak_allocated_bytes"],
+                      over["peak_reserved_bytes"], cap.capacity_bytes)
+    return AtCapacity(cap.capacity_bytes, None, oom)
+
+
 def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
     """Where allocated memory first exceeds the capacity: the first phase whose peak does, and its largest part."""
     for name, p in rep.phases.items():
@@ -230,9 +243,18 @@ def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, i
         k = act.ckpt_every
         small, large = small + (num_layers - small) % k, large + (num_layers - large) % k
         large = large if large > small else small + k
-    if num_layers <= max(large, EXACT_LAYERS if depths == EXTRAPOLATE_FROM else large):
+    full = depths == EXTRAPOLATE_FROM
+    if num_layers <= max(large, EXACT_LAYERS if full else large):
         return _without_gc(lambda: run(None))
-    return _without_gc(lambda: extrapolate(run(small), run(large), small, large, num_layers))
+
+    def extrapolated() -> Replay:
+        at_small, at_large = run(small), run(large)
+        deep = extrapolate(at_small, at_large, small, large, num_layers)
+        # a peak phase that switches with depth: replayed whole (a draft keeps the extrapolation, the search's
+        # confirming estimate is a full one)
+        return deep if not full or same_peak_phase(at_small, at_large, deep) else run(None)
+
+    return _without_gc(extrapolated)
 
 
 def step_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> StepSchedule:

@@ -10,7 +10,9 @@ generate, as llmem.runtime.generation traces it. Each iteration has three phases
   freed) grow to P + C - 1 tokens of [B, kv_heads, tokens, head_dim] in the compute dtype (`kv_cache_bytes`); the
   head runs on the last token only (`logits_to_keep=1`): [B, 1, V] logits, their fp32 copy [B, V] and the sampling
   probabilities [B, V] fp32 (transformers' _sample; TRL's defaults add no logits processor), which live until the
-  next step rebinds them; the growing ids and mask [B, T] int64. All of it dies when generate returns.
+  next step rebinds them; the growing ids and mask [B, T] int64. All of it dies when generate returns. Under ZeRO-3
+  TRL's unwrap_model_for_generation gathers the whole policy around it (llmem.estimator.deepspeed
+  gather_for_generation).
 - scoring: the re-padded batch (prompt ids and mask [B, P], completion ids and mask [B, C] int64, kept through the
   step), their concatenation [B, S] int64 x 2 and, when beta > 0, the reference's no-grad forward through its fused
   head (the copy's, or the policy's with its adapters disabled; the labels [B, S] int64), its per-token log-probs
@@ -18,6 +20,9 @@ generate, as llmem.runtime.generation traces it. Each iteration has three phases
   sequence_logps) first runs the policy itself under no_grad (old_per_token_logps; autocast caches its trained
   fp32 weights' casts until the forward returns), keeps only the per-sequence sums old_logps [B] fp32, and frees
   the per-token log-probs and its KL penalty's [B, C] tensors when the scoring returns.
+- weight_sync (--use-vllm under FSDP2, before the generation): TRL's sync of the policy's full tensors to vLLM
+  (GenerationEvents.weight_sync: colocated one at a time, peft's merge / unmerge around the walk; in server mode
+  through vLLM's packed broadcast, llmem.memory.vllm), vLLM then generating (the trainer holds the ids only).
 - training: `_compute_loss`'s concatenation [B, S] int64 x 2, then the policy's forward and TRL's fused head as
   DPO's (llmem.estimator.objectives), with no reference forward inside; the loss's per-token [B, C] tensors
   (a few KiB) are left out.
@@ -31,6 +36,7 @@ from dataclasses import replace
 from llmem.errors import LlmemError
 from llmem.estimator.objectives import (
     INT64,
+    REF_ALL_GATHER,
     PreferenceEvents,
     fused_head,
     lm_head_param,
@@ -40,7 +46,15 @@ from llmem.estimator.objectives import (
 )
 from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.profile import activation_profile
-from llmem.memory.vllm import VllmModel, VllmPool, vllm_pool
+from llmem.memory.vllm import (
+    PACKED_BUFFER_BYTES,
+    PACKED_NUM_BUFFERS,
+    PEFT_PREFIX,
+    VllmModel,
+    VllmPool,
+    packed_broadcast_peak,
+    vllm_pool,
+)
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import fsdp_unit_numel
@@ -48,6 +62,7 @@ from llmem.setup.generation import completion_length, prompt_length, vllm_mode, 
 from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
 
+VLLM_SIDE_STREAMS = (REF_ALL_GATHER + 1, REF_ALL_GATHER + 2)    # vLLM's packed broadcast streams, its own
 MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
 
 
@@ -140,16 +155,91 @@ class GenerationEvents(PreferenceEvents):
     def weight_sync(self) -> None:
         """VLLMGeneration.sync_weights under FSDP2 (trl/generation/vllm_generation.py _iter_fsdp2_params): the
         policy's parameters in module order (tied ones once), each DTensor's full_tensor() an all-gather of its
-        padded shards in the stored dtype (torch's Shard._to_replicate_tensor; unpadding is a view), copied into
-        vLLM's own weights (load_weights); sync_weights' loop variable holds the previous one until the next is
-        gathered, so two are live at once."""
+        padded shards in the stored dtype (torch's Shard._to_replicate_tensor; unpadding is a view). Colocated,
+        each is copied into vLLM's own weights (load_weights). In server mode the first sync walks them once for
+        their metadata (`_weight_metadata`), then every sync streams them through vLLM's packed broadcast (the main
+        process's, rank 0: the others only walk them)."""
         s = self.s
+        full = [s.unsharded[p.name] * element_bytes(p, s.setup) for p in s.kept if PEFT_PREFIX not in p.name]
+        server = vllm_mode(self.r.setup) == "server"
+        if not server or self.iteration == 1:
+            self.one_at_a_time(full)
+        if server:
+            self.packed_broadcast(full)
+
+    def one_at_a_time(self, full: list[int]) -> None:
+        """A loop over the full tensors whose variable holds the previous one until the next is gathered: two live
+        at once (sync_weights' load_weights loop, the metadata list comprehension); under peft the walk merges the
+        adapters first and unmerges them after its last tensor (still held by the loop's variable)."""
+        sch = self.s.sch
+        self.merge_adapters(unmerge=False)
         previous = -1
-        for p in s.kept:
-            full = s.sch.alloc(s.unsharded[p.name] * element_bytes(p, s.setup), "gathered_weights")
-            s.sch.free(previous)
-            previous = full
-        s.sch.free(previous)
+        for n in full:
+            key = sch.alloc(n, "gathered_weights")
+            sch.free(previous)
+            previous = key
+        self.merge_adapters(unmerge=True)
+        sch.free(previous)
+
+    def merge_adapters(self, unmerge: bool) -> None:
+        """peft's merge_adapter / unmerge_adapter on FSDP2's sharded DTensors (peft/tuners/lora/layer.py Linear.merge,
+        unmerge, get_delta_weight), each LoRA module in module order: DTensor's mm of lora_B (Shard(0)) and lora_A
+        (Shard(0)) all-gathers lora_A, the product [out / shards, in] and its scaled copy in the adapters' dtype, the
+        base shard updated in place (unmerge: the delta cast to the base's dtype first); cuBLAS's workspace at the
+        step's first matmul."""
+        s = self.s
+        alloc, free = s.sch.alloc, s.sch.free
+        for a, b, base in self.lora_modules:
+            if s.workspace < 0:
+                s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
+            delta = s.unsharded[b.name] // s.shards * a.shape[1] // a.shape[0] * element_bytes(b, s.setup)
+            gathered = alloc(s.unsharded[a.name] * element_bytes(a, s.setup), "gathered_weights")
+            product = alloc(delta, "gathered_weights")                          # weight_B @ weight_A
+            free(gathered)
+            scaled = alloc(delta, "gathered_weights")                           # ... * scaling
+            free(product)
+            if unmerge and element_bytes(b, s.setup) != element_bytes(base, s.setup):   # delta.to(orig_dtype)
+                free(alloc(delta // element_bytes(b, s.setup) * element_bytes(base, s.setup), "gathered_weights"))
+            free(scaled)
+
+    @functools.cached_property
+    def lora_modules(self) -> list:
+        """(lora_A, lora_B, base weight) of each LoRA module, in module order (none without peft)."""
+        by_name = {p.name: p for p in self.s.kept}
+        return [(p, by_name[p.name.replace(".lora_A.", ".lora_B.")], by_name[p.name.split(".lora_A.")[0] + ".weight"])
+                for p in self.s.kept if ".lora_A." in p.name]
+
+    def packed_broadcast(self, full: list[int]) -> None:
+        """vLLM's packed_nccl_broadcast_producer (llmem.memory.vllm): on side stream `slot` its previous chunk is
+        freed, pack_tensors gathers the full tensors (the generator still holds the last one yielded until it
+        resumes) and torch.cat's them into the packed buffer, kept in flight until the slot comes round again."""
+        sch = self.s.sch
+        in_flight = [-1] * PACKED_NUM_BUFFERS
+        slot = i = 0
+        held = -1
+        while True:
+            sch.free(in_flight[slot])
+            in_flight[slot] = -1
+            stream = VLLM_SIDE_STREAMS[slot]
+            chunk: list[int] = []
+            total = 0
+            while i < len(full) and total <= PACKED_BUFFER_BYTES:
+                sch.free(held)                      # the generator rebinds `param`
+                held = -1
+                chunk.append(sch.alloc(full[i], "gathered_weights", stream))
+                total += full[i]
+                i += 1
+            if not chunk:                           # the generator's StopIteration frees what it held
+                break
+            in_flight[slot] = sch.alloc(total, "communication_buffers", stream)     # torch.cat(tensor_list)
+            sch.free_all(chunk[-2::-1])             # del tensor_list: a list frees its items last to first
+            held = chunk[-1]                        # pack_tensors' locals, then (not exhausted) the generator's
+            if total <= PACKED_BUFFER_BYTES:
+                sch.free(held)                      # exhausted: it dies as pack_tensors returns
+                held = -1
+            slot = (slot + 1) % PACKED_NUM_BUFFERS
+        sch.free(held)
+        sch.free_all(in_flight)
 
     def generation(self) -> None:
         sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
@@ -159,6 +249,8 @@ class GenerationEvents(PreferenceEvents):
             sch.free_all(prompt + [alloc(b * self.c * INT64, "activations")])
             return
         prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]     # ids, attention mask
+        gather = getattr(self.s, "gather_for_generation", None)    # DeepSpeed: TRL's unwrap_model_for_generation
+        gathered = gather() if gather is not None else []           # (llmem.estimator.deepspeed)
         ids = mask = -1
         cache = [[-1, -1] for _ in range(self.s.layers)]
         sampled: list[int] = []
@@ -178,7 +270,10 @@ class GenerationEvents(PreferenceEvents):
             free(mask)
             mask = new_mask
         sch.free_all([k for pair in cache for k in pair])                       # generate returns
-        sch.free_all(sampled + [ids, mask] + prompt)
+        sch.free_all(sampled + [ids, mask])
+        if gather is not None:
+            self.s.release_after_generation(gathered)
+        sch.free_all(prompt)
 
     def model_forward(self, tokens: int, total: int, cache: list[list[int]]) -> int:
         """One forward of generate over `tokens` new tokens with `total` in the cache after it; returns the key of
@@ -280,7 +375,8 @@ def full_tensor_bytes(r: ResolvedSetup) -> list[int]:
     the weight sync to vLLM gathers one at a time (GenerationEvents.weight_sync); empty without FSDP2."""
     if not r.layout.shards_model_states:
         return []
-    return [fsdp_unit_numel([p], r.layout) * element_bytes(p, r.setup) for p in r.anatomy.params]
+    return [fsdp_unit_numel([p], r.layout) * element_bytes(p, r.setup) for p in r.anatomy.params
+            if PEFT_PREFIX not in p.name]
 
 
 def weight_sync_bytes(r: ResolvedSetup) -> int:
@@ -321,7 +417,12 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
     logits = 3 * setup.batch_size * r.anatomy.vocab_size * F32
     # FSDP2: the policy's root kept gathered, and a layer with its all-gather output (zero2: every layer)
     policy_units = root + (layers if not r.method.reshard_after_forward else 2 * layer)
-    if vllm_mode(setup) is not None:     # vLLM generates: nothing of generate's; FSDP2's weight sync before it
+    if vllm_mode(setup) == "server" and r.layout.shards_model_states:    # the packed broadcast's peak
+        full, packed = packed_broadcast_peak(full_tensor_bytes(r))
+        out.append(type(out[0])("weight_sync", {**static, "gathered_weights": full + kept_ref,
+                                                "communication_buffers": static.get("communication_buffers", 0)
+                                                + packed}))
+    elif vllm_mode(setup) is not None:     # vLLM generates: nothing of generate's; FSDP2's weight sync before it
         out.append(type(out[0])("weight_sync", {**static, "gathered_weights": weight_sync_bytes(r) + kept_ref}))
     else:
         out.append(type(out[0])("generation", {**static, "gathered_weights": casts + policy_units + kept_ref,
@@ -401,6 +502,9 @@ def weight_sync_note(r: ResolvedSetup) -> str:
             f"{weight_sync_bytes(r) / gib:.2f} GiB) beside the sharded states and the pool"
             + (" (vLLM's weights woken first; its KV cache after, the full tensors' blocks still cached)"
                if r.setup.vllm_enable_sleep_mode else "")
+            + ("; peft's merge_adapter before the walk and unmerge_adapter after it, on the sharded DTensors "
+               "(lora_A all-gathered, lora_B @ lora_A and its scaled copy on this rank's rows, one module at a time)"
+               if r.setup.lora_rank else "")
             + "; vLLM's load_weights copies them into its own weights (no trainer-side temporaries assumed); "
             "the policy is not run while vLLM generates (no FSDP2 unit gathered); vLLM starts before accelerate "
             "shards the model onto the device, so its free-memory check sees only the CUDA context")

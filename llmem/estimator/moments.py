@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.estimator.objective_steps import objective_moments
+from llmem.estimator.post_forward import post_forward_layer_bytes
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.blocks import block_owner, loss_parallel_forward_bytes
 from llmem.memory.activations.profile import ActivationProfile, dims_for, virtual_tokens
@@ -114,6 +115,7 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     root_gathered = ms.fsdp_root_gathered if fsdp else 0
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
     all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
+    post = post_forward_layer_bytes(r)       # --reshard-after-forward N: each layer's shards until its backward
     # layers that keep everything (not checkpointed) also keep their autocast weight copies
     full_layers = 0 if act.offload else layers - act.checkpointed_layers()   # offloaded: copies on the host
     # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
@@ -159,7 +161,7 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
         fwd_loss = act.fused_ce.forward_peak_bytes
         head_copy = 0                # the loss's weight cast is freed at its end (counted in fwd_loss)
-    gathered_fwd = root_gathered + all_layers_gathered
+    gathered_fwd = root_gathered + all_layers_gathered + layers * post
     saved_layers = act.device_layers_saved() + act.device_outside_saved
     moments.append(Moment("forward", {
         **static,
@@ -185,7 +187,7 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     # 3. top decoder layer: head gradients exist; the layers below still hold their activations
     others = outside + act.device_layers_saved(layers - 1)
     other_copies = max(full_layers - (0 if top_ckpt else 1), 0) * layer_copies
-    gathered_top = root_gathered + (all_layers_gathered or layer_gathered)
+    gathered_top = root_gathered + (all_layers_gathered or layer_gathered) + (layers - 1) * post
     prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
     base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch + top_stream
     top_peak = _walk_layer_backward(base_top, costs, regime.autocast,
@@ -208,12 +210,12 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
         # is still held (FSDPParamGroup's reduce-scatter state) while the next unit is prefetched
         i = layers - 2
         ckpt = act.checkpointed(i)
-        base_mid = sum(static.values()) + gathered_top + head_live + layer_final_grads + outside \
+        base_mid = sum(static.values()) + gathered_top - post + head_live + layer_final_grads + outside \
             + act.device_layers_saved(i) + prefetch + rs_prev \
             + (act.ckpt_input_bytes + act.selective_held_bytes if ckpt else 0)
         mid_peak = _walk_layer_backward(base_mid, costs, regime.autocast, act.recompute_input_bytes if ckpt else 0)
         moments.append(_lump("backward", static, mid_peak, {
-            "gathered_weights": gathered_top, "gradients": head_live + layer_final_grads,
+            "gathered_weights": gathered_top - post, "gradients": head_live + layer_final_grads,
             "communication_buffers": static["communication_buffers"] + prefetch + rs_prev}))
     # 5. embedding backward: all layer gradients final; the last layer's reduce-scatter may still be in flight
     all_layer_grads = layers * layer_final_grads
@@ -240,6 +242,13 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
             "gathered_weights": all_layers_gathered,
             "gradients": all_layer_grads + head_live + embed_live + ms.gradients - layers * layer_final_grads,
             "communication_buffers": static["communication_buffers"] + ms.fsdp_root_reduce,
+        }))
+        # 5b. the next forward's start, FSDP2's root unshard: the all-gather output and the unsharded parameters it
+        # is copied out into, both live (FSDPParamGroup.unshard then wait_for_unshard: foreach_all_gather_copy_out)
+        moments.append(Moment("forward", {
+            **static,
+            "gathered_weights": root_gathered,
+            "communication_buffers": static["communication_buffers"] + root_gathered,
         }))
     # 6. optimizer step: every gradient, the states and the implementation's temporaries
     if not setup.optimizer_in_backward:   # in backward: the step already happened, parameter by parameter

@@ -3,7 +3,9 @@ notes are shared with the trace and measure (the real step), the rest is the est
 
 from __future__ import annotations
 
+from llmem.estimator.deepspeed import two_forwards_note
 from llmem.estimator.objectives import reference_bytes
+from llmem.estimator.post_forward import post_forward_layer_bytes, post_forward_ranks
 from llmem.estimator.states import cpu_offload, cpu_offload_host_bytes
 from llmem.memory.activations.learned import activation_source_notes, learned_for
 from llmem.memory.activations.profile import ActivationProfile, activation_notes
@@ -12,7 +14,7 @@ from llmem.model.anatomy import ModelAnatomy
 from llmem.model.moe import routing_notes
 from llmem.model.resolved import ResolvedSetup
 from llmem.setup.context_parallel import cp_note
-from llmem.setup.deepspeed import AUTO, bucket_buffers, zero_config
+from llmem.setup.deepspeed import AUTO, bucket_buffers, reference_engine_note, zero_config
 from llmem.setup.expert_parallel import ep_note
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import REF_COPY, objective_notes, objective_spec, reference_mode
@@ -114,12 +116,19 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     notes = setup.optimizer_spec.notes("estimate", setup.optimizer_in_backward)
     if r.layout.ep > 1:    # torchtitan's expert parallelism (llmem.setup.expert_parallel)
         notes.append(ep_note(r.layout.ep, r.layout.expert_shard_degree, setup.ep_imbalance, "estimate"))
+    if post_forward_ranks(r):    # FSDP2's reshard_after_forward=N (llmem.estimator.post_forward)
+        n = post_forward_ranks(r)
+        notes.append(f"--reshard-after-forward {n}: after its forward each decoder layer keeps 1/{n} of its gathered "
+                     f"parameters ({post_forward_layer_bytes(r) / GIB:.3f} GiB a layer, in the all-gather dtype) "
+                     f"until its backward all-gathers them over {n} ranks (the root stays gathered)")
     if r.layout.cp > 1:    # r: the rank's set-up (its seq_len / cp tokens)
         notes.append(cp_note(r.layout.cp, setup.seq_len * r.layout.cp, "estimate"))
     notes += objective_notes(setup)       # TRL's trainer: its batch layout, its loss, the reference and its cost
     if reference_mode(setup) == REF_COPY:
         shards = r.layout.shard_degree if r.layout.shards_model_states else 1
-        sharded = "" if shards == 1 else (
+        if r.method.zero_stage == 3:      # its prepare_deepspeed engine partitions it (reference_engine_note)
+            shards = r.layout.dp
+        sharded = "" if shards == 1 or r.method.zero_stage is not None else (
             " (its FSDP2 shard: trl's prepare_fsdp makes the whole copy one unit, all-gathered for its forward, "
             "when the unsharded copy and the all-gather output both live,"
             + (" and resharded after it)" if r.method.reshard_after_forward else " and kept gathered after it: zero2)"))
@@ -131,6 +140,9 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes += setup.optimizer_spec.sharded_notes
     if r.method.zero_stage is not None:
         notes += deepspeed_notes(r, offloaded_host_bytes)
+        if r.setup.objective != "sft" and objective_spec(r.setup.objective).keeps_reference:   # TRL's reference
+            notes.append(reference_engine_note(r.method.zero_stage, reference_mode(r.setup) == REF_COPY))
+        notes += [n for n in (two_forwards_note(r.setup),) if n is not None]     # llmem.estimator.deepspeed
     elif cpu_offload(r):
         notes.append(cpu_offload_note(r))
     elif setup.offload_optimizer:

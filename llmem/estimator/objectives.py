@@ -44,6 +44,7 @@ from llmem.model.families import family_of
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_embedding, is_lm_head
+from llmem.setup.methods import method_spec
 from llmem.setup.objectives import (
     FUSED_TOKEN_CHUNK,
     FUSED_VOCAB_CHUNK,
@@ -158,13 +159,18 @@ def policy_weight_bytes(r: ResolvedSetup) -> int:
     p = lm_head_param(r)
     if r.layout.shards_model_states:
         return r.setup.gather_bytes
+    if r.method.zero_stage is not None:       # DeepSpeed's engine casts the whole module (model_bytes)
+        return r.setup.compute_bytes
     return element_bytes(p, r.setup) if p.trainable else r.setup.stored_bytes(False)
 
 
 def reference_bytes(setup) -> int:
     """Bytes per element of the reference copy: TRL loads it in the policy's dtype (dtype=self.model.dtype), or
-    --ref-dtype compute."""
-    return setup.compute_bytes if setup.ref_dtype == "compute" else setup.param_bytes
+    --ref-dtype compute; under DeepSpeed its prepare_deepspeed engine casts it to the compute dtype (engine.py
+    _configure_distributed_model, the config's bf16 / fp16), whichever it was loaded in."""
+    if setup.ref_dtype == "compute" or method_spec(setup.method).zero_stage is not None:
+        return setup.compute_bytes
+    return setup.param_bytes
 
 
 def reference_gather_bytes(r: ResolvedSetup) -> int:
@@ -248,6 +254,7 @@ class PreferenceEvents:
         self.batch_keys: list[int] = []
         self.ref_gathered: list[int] = []     # FSDP2: the reference's unsharded parameters while gathered
         self.ref_ag_out = -1
+        self.ref_laid_out = False             # the copy's weights are laid out (DeepSpeed: at its setup)
 
     def policy_head(self) -> FusedHead:
         return fused_head(self.r, self.s.regime, policy_weight_bytes(self.r))
@@ -255,11 +262,13 @@ class PreferenceEvents:
     # ---------------------------------------------------------------------------------------------- setup
     def reference_weights(self) -> None:
         """The reference copy's parameters (every one, frozen, in ref_bytes), after the policy's."""
-        if self.mode != REF_COPY:
+        if self.mode != REF_COPY or self.ref_laid_out:
             return
+        self.ref_laid_out = True
         alloc = self.s.sch.alloc
-        for p in self.s.kept:
-            alloc(self.s.shard_numel[p.name] * self.ref_bytes, "weights")
+        numels = getattr(self.s, "reference_numels", None)     # DeepSpeed's engine partitions it its own way
+        for n in numels() if numels is not None else [self.s.shard_numel[p.name] for p in self.s.kept]:
+            alloc(n * self.ref_bytes, "weights")
 
     def batch(self) -> None:
         """The collator's batch on the device, live through the step: three [rows, S] int64 tensors (input ids,
@@ -413,8 +422,12 @@ class PreferenceEvents:
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         t, h = self.rows * self.seq, s.hidden_size
+        # the reference's own ZeRO-3 engine gathers its modules (DeepSpeed: llmem.estimator.deepspeed)
+        ref_fetch = getattr(s, "reference_fetch", None) if not policy else None
+        ref_fetch = ref_fetch or (lambda where: None)
         if policy:
             s.unshard_forward(None, s.root)
+        ref_fetch("start")
         stream = alloc(t * h * regime.res, "activations")
         if workspace and s.workspace < 0:             # cuBLAS's, at the step's first matmul
             s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
@@ -423,6 +436,7 @@ class PreferenceEvents:
             sch.mark(f"no_grad layer {i}")
             if policy:
                 s.unshard_forward(i, s.by_layer.get(i, []))
+            ref_fetch(i)
             previous: list[int] = []
             for b, params in zip(s.act.blocks, s.layer_blocks_params[i], strict=True):
                 for p in self.cast_weights(regime, casts, params):
@@ -440,11 +454,14 @@ class PreferenceEvents:
             stream = out
             if policy and s.reshard:
                 s.reshard_unit(i)
+            ref_fetch(("done", i))
         if policy:
             sch.free_all(s.last_forward_ag)
+        ref_fetch("head")
         norm_out = alloc(t * h * head.out_bytes, "activations")
         free(stream)
         self.fused_forward(head, keep=False)
+        ref_fetch("end")
         free(norm_out)
         sch.free_all(cached)                                    # autocast's exit clears its cache
 
@@ -508,7 +525,11 @@ class PreferenceEvents:
         # as StepSchedule.head_backward's fused branch: AccumulateGrad takes the accumulator as the lm_head's gradient
         for q in [q for q in s.root if q.trainable and (not is_embedding(q) or q.tied_to is not None)]:
             if grad_weight >= 0 and is_lm_head(q):
-                (s.root_unsharded_grads if s.fsdp else s.grads)[q.name] = grad_weight
+                hand_over = getattr(s, "hand_over_grad", None)     # DeepSpeed's reduce hook takes it at once
+                if hand_over is not None:
+                    hand_over(q, grad_weight)
+                else:
+                    (s.root_unsharded_grads if s.fsdp else s.grads)[q.name] = grad_weight
                 grad_weight = -1
             else:
                 s.make_grad(q, root_unit=True)

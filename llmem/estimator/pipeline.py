@@ -21,11 +21,18 @@ Under FSDP2 x PP (torchtitan: reshard_after_forward=False under PP) each unit st
 to perform_reduce_grad after the last backward; every backward runs with requires_gradient_sync False, so the
 unsharded gradients accumulate (upcast to the reduce dtype, FSDPParam.to_accumulated_grad_if_needed) and are
 reduce-scattered only then, one FSDP state after the other (the root's first).
+Under TP x PP (torchtitan's parallelize_llama on each stage's model chunk, FSDP2 over dp on top) the stage's
+parameters, activations and logits are the TP step's (StepSchedule's, on the stage's sub-model); what differs:
+the stages send and receive the residual stream's local [micro-batch, seq / tp, hidden] shard under
+--sequence-parallel, and the vocab-parallel embedding's gradient comes back Partial over tp at its full
+[vocab, hidden] size, so it accumulates so over the micro-batches (FSDPParam.to_accumulated_grad_if_needed keeps
+the placement) until _get_grad_inner_tensor redistributes it to its shard at the reduce.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, replay
@@ -53,8 +60,8 @@ PER_MICROBATCH = ("cache", "bias_cache", "copies_by_layer", "embed_keys", "share
 
 
 def check_modelled(r: ResolvedSetup) -> None:
-    """The pipeline set-ups the estimate models: pure PP (without autocast) or FSDP2 x PP of a full fine-tune; a
-    looped schedule (several stages per rank) under pure PP."""
+    """The pipeline set-ups the estimate models: pure PP (without autocast), FSDP2 (HSDP) x PP, TP x PP or FSDP2 x
+    TP x PP of a full fine-tune; a looped schedule (several stages per rank) without FSDP2."""
     setup = r.setup
     spec = pipeline_schedule(setup.pp_schedule)
     if not spec.modelled:
@@ -67,7 +74,7 @@ def check_modelled(r: ResolvedSetup) -> None:
         raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
                          "every layer only: drop the other options")
     if r.regime.autocast:
-        raise LlmemError(f"--pp with --method single under --precision {setup.precision}: autocast over the whole "
+        raise LlmemError(f"--pp with --method {setup.method} under --precision {setup.precision}: autocast over the whole "
                          "schedule step is not modelled; use --precision bf16 or fp32")
     if r.anatomy.tie_word_embeddings:
         raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
@@ -116,7 +123,10 @@ class StageSchedule(StepSchedule):
         # _step_microbatches holds the last one in its `output` local until step() returns)
         self.holds_last_output = not spec.looped
         self.actions = rank_actions(setup.pp_schedule, rank, setup.pp, self.n, len(splits))
-        self.boundary_bytes = self.t * self.hidden_size * self.regime.res   # one micro-batch's hidden states
+        # one micro-batch's hidden states (under --sequence-parallel their local [mb, seq / tp, hidden] shard: the
+        # stage's output is the last block's Shard(1) residual stream, torchtitan's use_local_output)
+        self.boundary_bytes = self.t * self.hidden_size * self.regime.res // (
+            r.layout.tp if setup.sequence_parallel else 1)
         self.saved: dict[tuple[int, int], dict] = {}
         self.recv: list[int] = []
         self.accumulating = False
@@ -127,6 +137,7 @@ class StageSchedule(StepSchedule):
         self.root_fresh: list[tuple[ParamInfo, int]] = []
         self.accumulated: dict[str, int] = {}               # across micro-batches, until perform_reduce_grad
         self.last_output: list[int] = []
+        self.latest: tuple[int, int] | None = None          # the (stage, micro-batch) of the latest forward
 
     def build(self, iterations: int = 2) -> Schedule:
         self.setup_phase()
@@ -142,6 +153,7 @@ class StageSchedule(StepSchedule):
             if self.fsdp:
                 self.reduce_grads()
             self.sch.free_all(self.last_output)
+            self.last_output = []
             self.optimizer_step(it)
         return self.sch
 
@@ -183,6 +195,9 @@ class StageSchedule(StepSchedule):
         else:                              # the last layer's output: sent, and kept in fwd_cache
             self.output = alloc(self.boundary_bytes, "activations")
         self.saved[c, k] = {name: getattr(self, name) for name in PER_MICROBATCH}
+        if self.holds_last_output:   # _step_microbatches' `output = forward_one_chunk(...)` drops the previous one
+            sch.free_all(self.last_output)
+            self.last_output, self.latest = [], (c, k)
 
     def backward_microbatch(self, it: int, c: int, k: int) -> None:
         sch, alloc = self.sch, self.sch.alloc
@@ -205,7 +220,8 @@ class StageSchedule(StepSchedule):
             sch.free(alloc(self.boundary_bytes, "activations"))
         sch.free_all(self.embed_keys)
         sch.free_all(self.shared_keys)
-        if self.holds_last_output and k == self.n - 1:   # `output` holds the last forward's until step() returns
+        # `output` holds the latest forward's until the next forward returns (or step() does: the last one's)
+        if self.holds_last_output and (c, k) == self.latest:
             self.last_output = [self.output, self.logits]
         else:
             sch.free(self.output)
@@ -229,11 +245,27 @@ class StageSchedule(StepSchedule):
             if p.name in self.accumulated:
                 sch.free(key)
             elif self.reduce_bytes != self.gather_bytes:
-                self.accumulated[p.name] = sch.alloc(self.unsharded[p.name] * self.reduce_bytes, "gradients")
+                self.accumulated[p.name] = sch.alloc(self.grad_numel(p) * self.reduce_bytes, "gradients")
                 sch.free(key)
             else:
                 self.accumulated[p.name] = key
         fresh.clear()
+
+    def grad_numel(self, p: ParamInfo) -> int:
+        """The elements of an unsharded gradient: FSDP2's unsharded parameter (its TP-local shard), or under TP a
+        vocab-parallel embedding's whole [vocab, hidden] (its gradient comes back Partial over tp, full size, and
+        accumulates so: FSDPParam.to_accumulated_grad_if_needed's .to(reduce_dtype) keeps the placement)."""
+        return p.numel if p.name in self.vocab_parallel else self.unsharded[p.name]
+
+    def redistribute_partial(self, params: list[ParamInfo]) -> None:
+        """FSDPParam.unsharded_accumulated_grad_data (_get_grad_inner_tensor): a Partial gradient redistributed to
+        the parameter's TP placement (a reduce-scatter over tp to its local shard), the full one then dropped."""
+        sch = self.sch
+        for p in params:
+            if p.name in self.vocab_parallel and p.name in self.accumulated:
+                local = sch.alloc(self.tp_local[p.name] * self.reduce_bytes, "gradients")
+                sch.free(self.accumulated[p.name])
+                self.accumulated[p.name] = local
 
     def reduce_grads(self) -> None:
         """perform_reduce_grad after the last backward: each FSDP state's post_backward (the root's first, then the
@@ -246,6 +278,7 @@ class StageSchedule(StepSchedule):
             params = self.root if u is None else self.by_layer.get(u, [])
             self.reshard_unit(u)
             sch.free_all(pending)
+            self.redistribute_partial(params)
             rs_in = alloc(self.unit_bytes(params, self.reduce_bytes, True), "communication_buffers")
             self.sharded_grads(alloc(self.unit_bytes(params, self.reduce_bytes, True) // self.shards, "gradients",
                                      REDUCE_SCATTER))
@@ -260,12 +293,14 @@ class StageSchedule(StepSchedule):
         autocast its low-precision matmul output, freed after). FSDP2: the unsharded gradient, in the gathered
         dtype, for its unit's post_backward."""
         if self.fsdp:
-            key = self.sch.alloc(self.unsharded[p.name] * self.gather_bytes, "gradients")
+            key = self.sch.alloc(self.grad_numel(p) * self.gather_bytes, "gradients")
             (self.root_fresh if root_unit else self.fresh).append((p, key))
             return
         if p.name not in self.grads:
             return super().make_grad(p, root_unit, low)
-        sch, size = self.sch, self.shard_numel[p.name] * self.pb[p.name]
+        # a vocab-parallel embedding's gradient: full size, Partial over tp (StepSchedule.make_grad's)
+        numel = p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]
+        sch, size = self.sch, numel * self.pb[p.name]
         low = sch.alloc(self.tp_local[p.name] * self.regime.mm, "gradients") \
             if self.regime.autocast and p.module_kind in MATMUL_KINDS else -1
         new = sch.alloc(size, "gradients")
@@ -313,4 +348,38 @@ def pipeline_note(r: ResolvedSetup, top: int) -> str:
     return (f"pipeline ({spec.torch_class}, {r.setup.microbatches} micro-batches of "
             f"{r.setup.batch_size // r.setup.microbatches}): the answer is {'rank' if chunks else 'stage'} {top} of "
             f"{r.setup.pp} "
-            f"({', '.join(parts)}{chunks}; {held} {unit} in flight); each stage's peaks are in `stages`")
+            f"({', '.join(parts)}{chunks}; {held} {unit} in flight){_tp_note(r)}; each stage's peaks are in "
+            "`stages`")
+
+
+def _tp_note(r: ResolvedSetup) -> str:
+    """TP x PP: each stage's modules under the TP plan, the residual stream sent between them."""
+    if r.layout.tp == 1:
+        return ""
+    seq = f"seq / {r.layout.tp}" if r.setup.sequence_parallel else "seq"
+    return f"; each stage tensor-parallel over tp {r.layout.tp}, sending [micro-batch, {seq}, hidden]"
+
+
+def tensor_peak_bytes(schedule: Schedule) -> int:
+    """The largest sum of live tensor bytes over the schedule's events, without the allocator: a lower bound on its
+    replay's allocated peak (CachingAllocator rounds every block up, never down)."""
+    return max(accumulate(sign * size for sign, _k, size, _s, _c in schedule.events), default=0)
+
+
+# the ranks whose schedules bound the pipeline's memory from below: the first (the embedding and, under 1F1B, the
+# most micro-batches in flight) and the last (lm_head, the logits)
+FLOOR_RANKS = (0, -1)
+
+
+def pipeline_allocated_floor(r: ResolvedSetup, over_bytes: int | None = None) -> int:
+    """A lower bound on the pipeline's largest stage allocated peak, with no allocator replay: the tensor peak of the
+    first and the last rank's schedules (built, not replayed; the first one's alone once it is over `over_bytes`).
+    Over the device's capacity, that rank's step runs out of memory at this micro-batch (its allocated peak alone
+    is over: llmem.memory.capacity's case 2)."""
+    check_modelled(r)
+    floor = 0
+    for rank in FLOOR_RANKS:
+        floor = max(floor, tensor_peak_bytes(stage_whole(r, rank % r.setup.pp)))
+        if over_bytes is not None and floor > over_bytes:
+            break
+    return floor

@@ -14,6 +14,12 @@ from __future__ import annotations
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
 from llmem.estimator.objective_steps import objective_events
 from llmem.estimator.objectives import objective_view
+from llmem.estimator.post_forward import (
+    free_post_forward,
+    from_post_forward,
+    post_forward_ranks,
+    reshard_to_post_forward,
+)
 from llmem.estimator.states import by_bytes, cpu_offload, fsdp_gathered_tensors, fsdp_shards, steps_on_host
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.activations.loss import FusedCE
@@ -130,6 +136,8 @@ class StepSchedule:
         self.cpu_offload = cpu_offload(r)
         self.host_step = steps_on_host(r)
         self.reshard = r.method.reshard_after_forward
+        self.post_forward_ranks = post_forward_ranks(r)   # --reshard-after-forward N (llmem.estimator.post_forward)
+        self.post_forward_shards: dict[int | None, list[int]] = {}
         self.gather_bytes, self.reduce_bytes = setup.gather_bytes, setup.reduce_bytes
         self.t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
         self.tv = self.t * anatomy.vocab_size
@@ -302,6 +310,7 @@ class StepSchedule:
         else:
             shards = self.shard_of[unit[0].name] if unit else self.shards      # one FSDP2 group's mesh
             cast = sum(sum(self.gather_sizes[p.name]) for p in unit if self.cast_in[p.name]) // shards
+            cast = 0 if from_post_forward(self, unit) else cast
             inputs = [alloc(cast, "communication_buffers", ALL_GATHER)] if cast else []
         out = alloc(self.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
         self.sch.free_all(inputs)
@@ -378,6 +387,7 @@ class StepSchedule:
                 continue
             out = outs[g] if outs is not None else self.all_gather(group)
             self.copy_out(unit_key, group)
+            free_post_forward(self, unit_key)
             self.sch.free(out)
 
     def prefetch_forward(self, i: int) -> None:
@@ -412,6 +422,8 @@ class StepSchedule:
         sch, alloc = self.sch, self.sch.alloc
         if self.fsdp:
             size = self.unsharded[p.name] * self.gather_bytes
+            if root_unit and self.replicated_grad(p):   # DTensor: the whole [vocab, h] (root_post_backward)
+                size = p.numel * self.gather_bytes
             if root_unit and p.name in self.root_unsharded_grads:   # tied: accumulate out of place
                 self.root_unsharded_grads[p.name] = self.accumulate(self.root_unsharded_grads[p.name], size)
             elif root_unit:
@@ -592,8 +604,8 @@ class StepSchedule:
                 per_block.append(self.forward_block(b))
                 if checkpointed and act.selective is not None:
                     self.selective_forward(i, j, per_block)
-            if self.offloaded(i) and len(per_block) > 1:
-                sch.free_all(per_block[-2])   # the previous block's tensors are on the host by now
+            if len(per_block) > 1 and (self.offloaded(i) or checkpointed and self.gathered_input(act.blocks[j - 1])):
+                sch.free_all(per_block[-2])   # on the host by now / read (see gathered_input)
             if not checkpointed and pending is not None:
                 self.dequantise(*pending)    # a block's linears run while what their outputs feed is made
             pending = (params, False, b)
@@ -625,8 +637,18 @@ class StepSchedule:
             self.passed = out
         self.layer_keys[i] = per_block
         self.copies_by_layer[i] = copies
-        if self.reshard:
+        if self.post_forward_ranks:
+            reshard_to_post_forward(self, i)
+        elif self.reshard:
             self.reshard_unit(i)
+
+    def gathered_input(self, b: Block) -> bool:
+        """--sequence-parallel: whether block b keeps the all-gathered norm output its linears read (the block
+        whose forward temporaries are the gather buffers, llmem.memory.activations.blocks gathered_input). In a
+        checkpointed layer's first forward (under no_grad: torch/utils/checkpoint.py
+        _checkpoint_without_reentrant_generator keeps nothing) the [t, h] tensor dies once its linears have read it
+        (laid out as the next block's tensors are made), not at the layer's end with the block's other tensors."""
+        return self.setup.sequence_parallel and bool(b.temps) and bool(b.tensors)
 
     def selective_forward(self, i: int, j: int, per_block: list[list[int]]) -> None:
         """--ac-policy op, block j of layer i's forward (llmem.memory.activations.selective): the checkpoint's
@@ -874,9 +896,9 @@ class StepSchedule:
                     self.make_grad(p)
             if i > 0 or j >= act.first_layer_skip or checkpointed:   # layer 0: no gradient before its first adapter
                 self.dequantise(blocks_params[j], backward=True)
-                tmp = alloc(act.blocks[j].transient, "activations")
+                tmp = self.backward_transient(act.blocks[j])
                 sch.free_all(self.quant_live)
-                sch.free(tmp)
+                sch.free_all(tmp)
             sch.free_all(per_block[j])
             sch.free_all(copies[j])
             self.flush_steps(it)
@@ -887,6 +909,17 @@ class StepSchedule:
             sch.free(stream_grad)
         if self.fsdp:
             self.reduce_scatter_layer(i)
+
+    def backward_transient(self, b: Block) -> list[int]:
+        """A block's backward transient. Under --sequence-parallel it is made of full-sequence [t, h] tensors (each
+        linear's input gradient of the all-gathered input, and the norm's gradient before its reduce-scatter and the
+        rearranged copy: DTensor's redistribute Replicate/Partial -> Shard(1)), each its own allocation, so it is laid
+        out as pieces of at most [t, h] in the compute dtype (allocated together: the same bytes at once)."""
+        alloc, n = self.sch.alloc, b.transient
+        piece = self.t * self.hidden_size * self.regime.mm if self.setup.sequence_parallel else n
+        if piece <= 0 or n <= piece:
+            return [alloc(n, "activations")]
+        return [alloc(min(piece, n - k), "activations") for k in range(0, n, piece)]
 
     def reduce_scatter_layer(self, i: int) -> None:
         """FSDP2's post-backward for a decoder layer: reshard (also for zero2), the reduce-scatter input on the
@@ -928,10 +961,28 @@ class StepSchedule:
         else:
             self.rs_outputs.append(key)
 
+    def replicated_grad(self, p: ParamInfo) -> bool:
+        """--tp: an untied vocab-parallel embedding's gradient comes out of embedding_dense_backward whole, [vocab, h]
+        (torch/distributed/tensor/_ops/_embedding_ops.py embedding_dense_backward_strategy: Shard(1), Partial or
+        Replicate, never the weight's Shard(0))."""
+        return p.name in self.vocab_parallel and p.tied_to is None
+
+    def redistribute_root_grads(self) -> None:
+        """FSDPParamGroup.post_backward's unsharded_grad_data (FSDPParam._get_grad_inner_tensor): a replicated
+        gradient redistributed to the parameter's TP placement (its vocab shard, a new tensor); the whole one dies
+        with `unsharded_param.grad = None`, before the reshard and the reduce-scatter input."""
+        grads = self.root_unsharded_grads
+        for p in self.root:
+            if p.name in grads and self.replicated_grad(p):
+                shard = self.sch.alloc(self.unsharded[p.name] * self.gather_bytes, "gradients")
+                self.sch.free(grads[p.name])
+                grads[p.name] = shard
+
     def root_post_backward(self) -> None:
         """FSDPParamGroup.post_backward of the root: it reshards before foreach_reduce; the copy-in loop's variable
         still holds the last parameter's gradient (lm_head's, in module order) while the output is allocated."""
         sch, alloc, root = self.sch, self.sch.alloc, self.root
+        self.redistribute_root_grads()
         sch.free_all(self.pending_rs)
         self.reshard_unit(None)
         rs_in = alloc(self.unit_bytes(root, self.reduce_bytes, True), "communication_buffers")

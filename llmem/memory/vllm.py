@@ -30,6 +30,7 @@ BLOCK_SIZE_TOKENS = 16                     # vLLM CacheConfig.block_size default
 TRL_MAX_NUM_BATCHED_TOKENS = 4096          # vllm_generation.py: "misled by the high default value (i.e., 32768)"
 CUDA_GRAPH_BYTES = 512 * 1024**2           # assumption: captured graphs' pool at TRL's batch sizes (vLLM measures it)
 NON_TORCH_BYTES = 256 * 1024**2            # assumption: NCCL and cuBLAS workspaces outside torch's allocator
+PEFT_PREFIX = "lora_"                      # LoraModel.prefix: the adapters TRL's weight sync skips (merged first)
 SLEEP_LEVEL = 2                            # TRL's llm.sleep(level=2): weights and KV cache both released
 
 
@@ -114,3 +115,35 @@ def vllm_pool(m: VllmModel, device_bytes: int, gpu_memory_utilization: float, ma
                          f"{max_model_len}-token sequence: raise --vllm-gpu-memory-utilization")
     return VllmPool(pool, weights, act, CUDA_GRAPH_BYTES, NON_TORCH_BYTES, blocks * block, block, blocks,
                     block_size, sleep)
+
+
+# ------------------------------------------------------------------------------------------------- server mode
+# vllm_mode="server": the weights reach the server by TRL's VLLMClient.update_named_params, which hands the
+# trainer's (name, full tensor) iterator to vLLM's packed_nccl_broadcast_producer (vllm/distributed/weight_transfer/
+# packed_tensor.py, vLLM 0.33, the defaults TRL keeps): each chunk consumes tensors until their bytes exceed the
+# buffer size (pack_tensors: the one that crosses it is included), torch.cat's them into one uint8 buffer, broadcasts
+# it on one of num_buffers side streams, and keeps it in flight until that stream comes round again.
+PACKED_BUFFER_BYTES = 1024 * 1024 * 1024     # DEFAULT_PACKED_BUFFER_SIZE_BYTES
+PACKED_NUM_BUFFERS = 2                       # DEFAULT_PACKED_NUM_BUFFERS: double buffering
+
+
+def packed_chunks(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES) -> list[int]:
+    """The packed buffers' sizes, in order: pack_tensors' rule (append, then stop once the total exceeds
+    buffer_bytes)."""
+    chunks: list[int] = []
+    total = 0
+    for n in tensor_bytes:
+        total += n
+        if total > buffer_bytes:
+            chunks.append(total)
+            total = 0
+    return chunks + ([total] if total else [])
+
+
+def packed_broadcast_peak(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES,
+                          num_buffers: int = PACKED_NUM_BUFFERS) -> tuple[int, int]:
+    """The producer's peak when every tensor is made for it (FSDP2's full_tensor): (the chunk's tensors, the
+    packed buffers) at torch.cat, its packed copy beside the num_buffers - 1 previous chunks still in flight."""
+    chunks = packed_chunks(tensor_bytes, buffer_bytes)
+    at = [(c, c + sum(chunks[max(0, i - num_buffers + 1):i])) for i, c in enumerate(chunks)]
+    return max(at, key=sum, default=(0, 0))

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from llmem.errors import LlmemError
-from llmem.estimator.engine import estimate_resolved, quick_peak_allocated
+from llmem.estimator.engine import estimate_resolved, learn_if_needed, quick_peak_allocated
 from llmem.estimator.states import ModelStates, model_states
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.paper.engine import paper_estimate
 from llmem.result import MemoryResult
-from llmem.setup.gpus import GpuSpec
+from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.training import TrainingSetup
 
 
@@ -44,6 +44,9 @@ class MemoryEngine:
     def quick(self, setup: TrainingSetup) -> int:
         raise NotImplementedError(f"the {self.name} engine has no quick bound")
 
+    def pipeline_floor(self, setup: TrainingSetup) -> int:
+        raise NotImplementedError(f"the {self.name} engine has no pipeline bound")
+
     def __call__(self, setup: TrainingSetup) -> MemoryResult:
         return self.full(setup)
 
@@ -63,6 +66,7 @@ class LlmemEngine(MemoryEngine):
     def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
         super().__init__(anatomy, gpu, limit_bytes)
         self._prepared: dict[tuple, tuple[ResolvedSetup, ModelStates]] = {}
+        self._resolved: dict[tuple, ResolvedSetup] = {}
         # a plan's what-ifs meet the same set-up more than once (one saver's search, another's screen): kept
         self._answers: dict[tuple[str, TrainingSetup], MemoryResult | int] = {}
 
@@ -77,10 +81,17 @@ class LlmemEngine(MemoryEngine):
         key = shape_free(setup)
         got = self._prepared.get(key)
         if got is None:
-            r = resolve(setup, self.anatomy, self.gpu)
+            r = self.resolved(setup)
             got = self._prepared[key] = (r, model_states(r))
         r, states = got
         return r.with_shape(setup.batch_size, setup.seq_len), states
+
+    def resolved(self, setup: TrainingSetup) -> ResolvedSetup:
+        """The set-up resolved at its shape (resolved once per set-up; no model states: the pipeline floor's)."""
+        key = shape_free(setup)
+        if key not in self._resolved:
+            self._resolved[key] = resolve(setup, self.anatomy, self.gpu)
+        return self._resolved[key].with_shape(setup.batch_size, setup.seq_len)
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
         return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states,
@@ -92,6 +103,22 @@ class LlmemEngine(MemoryEngine):
 
     def quick(self, setup: TrainingSetup) -> int:
         return self._kept("quick", setup, quick_peak_allocated)
+
+    def pipeline_floor(self, setup: TrainingSetup) -> int:
+        """Under --pp, a lower bound on the device-used memory of the pipeline's largest stage (no allocator
+        replay: llmem.estimator.pipeline.pipeline_allocated_floor, and the CUDA context): over the limit, a stage
+        runs out of memory."""
+        # imported here, as estimate_resolved imports it
+        from llmem.estimator.pipeline import pipeline_allocated_floor
+
+        key = ("pipeline_floor", setup)
+        if key not in self._answers:
+            r = self.resolved(setup)
+            learn_if_needed(r)
+            context = outside_allocator_bytes(r.gpu, r.layout.world_size)
+            over = None if self.limit_bytes is None else self.limit_bytes - context    # decided there: stop
+            self._answers[key] = pipeline_allocated_floor(r, over) + context
+        return self._answers[key]
 
 
 class PaperEngine(MemoryEngine):

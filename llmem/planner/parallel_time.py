@@ -72,10 +72,12 @@ def busiest_stage(anatomy: ModelAnatomy, pp: int, virtual: int, layer_cost: floa
 
 
 def p2p_time_s(micro_batch: int, seq_len: int, hidden: int, compute_bytes: int, stages: int,
-               bandwidth_gbps: float, latency_s: float) -> float:
+               bandwidth_gbps: float, latency_s: float, seq_shards: int = 1) -> float:
     """One micro-batch's waits on its neighbours: the activation received in forward and its gradient in
-    backward ([micro, seq, hidden] in the compute dtype each), per stage the rank holds."""
-    nbytes = float(micro_batch) * seq_len * hidden * compute_bytes
+    backward ([micro, seq, hidden] in the compute dtype each), per stage the rank holds; `seq_shards`: tp under
+    --sequence-parallel, where each stage sends its local [micro, seq / tp, hidden] shard of the residual stream
+    (torchtitan's use_local_output, as llmem.estimator.pipeline's StageSchedule.boundary_bytes)."""
+    nbytes = float(micro_batch) * seq_len / seq_shards * hidden * compute_bytes
     return 2 * stages * (nbytes / (bandwidth_gbps * 1e9) + latency_s)
 
 

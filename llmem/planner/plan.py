@@ -4,12 +4,15 @@ For a model, a GPU type and count, a sequence length and the training options, t
 
 1. lists the candidate layouts (`candidate_layouts`): single (one GPU only), ddp, fsdp, zero2, tp over all GPUs
    (only inside one node) and fsdp+tp for every tp dividing the node size with dp >= 2; across nodes HSDP; under
-   the llmem engine and the time ranking also pipeline (single / fsdp x pp), context-parallel (fsdp, dp x cp) and,
-   for an MoE, expert-parallel (fsdp, the experts over ep of the dp ranks) layouts of every degree the model allows
+   the llmem engine and the time ranking also pipeline (single, fsdp, tp and fsdp+tp x pp, and fsdp / fsdp+tp x pp
+   under HSDP: llmem.setup.layout's scale_out_layouts), context-parallel (fsdp, dp x cp) and, for an MoE,
+   expert-parallel (fsdp, the experts over ep of the dp ranks) layouts of every degree the model allows
    (--pp N / --cp N / --ep N: only those). The plain layouts of one node are all searched; the others (HSDP, pp,
    cp, ep, every layout across nodes) only where an upper bound on their tokens/s (the
-   time model at the batch cap, then at the quick memory bound's largest batch) could beat the fastest found,
-   the likeliest first, so the answer is the one searching them all would give;
+   time model at the batch cap, then at the largest batch the quick memory bound allows: under --pp the
+   pipeline's floor, its first and last stages' schedules built, not replayed) could beat the fastest found, and
+   not where a few full estimates prove every batch at which it would is out of memory (search.cannot_win), the
+   highest bound first, so the answer is the one searching them all would give;
 2. finds each candidate's largest micro-batch that fits (`max_batch_size`: exponential probe 1, 2, 4, ... then
    bisection over the memory engine, which is monotone in the batch size), with the user's headroom;
 3. ranks the candidates, either by the time model below (`--ranking time`, default) or by LLMem's Algorithm 1
@@ -29,6 +32,7 @@ For a model, a GPU type and count, a sequence length and the training options, t
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +52,7 @@ from llmem.planner.search import (
     CandidatePlan,
     PlanContext,
     attach_time,
+    cannot_win,
     limit_bytes,
     paper_eval,
     rank_by_paper,
@@ -127,12 +132,10 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     total_steps = len(layouts) + 1
     found: dict[int, CandidatePlan] = {}
     skipped: list[str] = []
-    # the plain dp x tp layouts first, every one searched and shown; then the screened ones (HSDP, pp, cp) the
-    # likeliest fastest first, each searched only where its tokens/s bound could beat the fastest found
+    # the plain dp x tp layouts first, every one searched and shown; then the screened ones (HSDP, pp, cp)
     plain = [(i, lay) for i, lay in enumerate(layouts) if not screened(lay) or not _screens(ctx, setup)]
     rest = [(i, lay) for i, lay in enumerate(layouts) if (i, lay) not in plain]
     bounds = {i: tokens_per_s_bound(ctx, setup, lay, at_cap=True) for i, lay in rest}     # no estimate: cheap
-    rest.sort(key=lambda x: -bounds[x[0]])
     pruned: list[str] = []
     deferred: list[tuple[int, Layout]] = []     # out of memory by their bound: searched only if nothing fits
 
@@ -153,20 +156,34 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
             c.eval = paper_eval(layout, c.max_batch_size)
         found[i] = c
 
-    for i, layout in plain + rest:
-        if i in bounds:
-            best = rank_by_time([found[k] for k in sorted(found)])
-            # at its largest possible batch (the cap, then the quick memory bound's) not faster: it cannot be the
-            # answer (a tie goes to the earlier layout, as rank_by_time breaks it)
-            tight = None if best is not None and not _may_win(bounds[i], best, i < layouts.index(best.layout)) \
-                else tokens_per_s_bound(ctx, setup, layout)
+    for i, layout in plain:
+        search_one(i, layout)
+    # the screened ones best first: the highest bound popped, refined (the time model at the quick memory bound's
+    # batch) and pushed back, searched once its refined bound is the highest; each pruned where its bound is not
+    # above the fastest found (a tie goes to the earlier layout, as rank_by_time breaks it), or where every batch
+    # at which it would be is out of memory (cannot_win: a few estimates)
+    queue = [(-bounds[i], i, False) for i, _ in rest]
+    heapq.heapify(queue)
+    while queue:
+        bound, i, refined = heapq.heappop(queue)
+        layout, best = layouts[i], rank_by_time([found[k] for k in sorted(found)])
+        earlier = best is not None and i < layouts.index(best.layout)
+
+        def wins(tps: float, best: CandidatePlan | None = best, earlier: bool = earlier) -> bool:
+            return best is None or _may_win(tps, best, earlier)
+
+        if not wins(-bound):
+            pruned.append(layout.label)
+        elif not refined:
+            tight = tokens_per_s_bound(ctx, setup, layout)
             if best is None and tight == 0.0:
                 deferred.append((i, layout))
-                continue
-            if best is not None and (tight is None or not _may_win(tight, best, i < layouts.index(best.layout))):
-                pruned.append(layout.label)
-                continue
-        search_one(i, layout)
+            else:
+                heapq.heappush(queue, (-tight, i, True))
+        elif best is not None and cannot_win(ctx, setup, layout, wins):
+            pruned.append(layout.label)
+        else:
+            search_one(i, layout)
     if not any(c.fits for c in found.values()):
         for i, layout in deferred:
             search_one(i, layout)
@@ -182,7 +199,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     if pruned:
         notes.append(f"not searched, as an upper bound on their tokens/s (the time model at their largest possible "
                      f"micro-batch; 0 where the quick memory bound rules out batch 1) is not above the fastest "
-                     f"found: {', '.join(pruned)}")
+                     f"found, or every micro-batch at which it would be is out of memory: {', '.join(pruned)}")
     if skipped:
         notes.append(f"{len(skipped)} pipeline / context- / expert-parallel / HSDP layout(s) this set-up cannot run: "
                      + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))

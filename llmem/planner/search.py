@@ -3,6 +3,7 @@ two rankings of such plans (the time model's tokens/s, or LLMem's Algorithm 1)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from llmem.errors import LlmemError
@@ -233,11 +234,13 @@ def step_cap(setup: TrainingSetup, layout: Layout, cap: int) -> int:
 def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
     """An upper bound on the largest micro-batch `layout` fits, from the quick bound (no allocator replay): the
     layout's own (HSDP's: the same step, its own shards); under --cp its FSDP twin's at seq_len / cp (the same
-    shards over dp x cp, the same tokens per rank; the ring's buffers only add); under --pp the batch cap (the
-    quick bound does not model stages)."""
+    shards over dp x cp, the same tokens per rank; the ring's buffers only add); under --pp the pipeline's floor's
+    (pipeline_batch_bound)."""
     cap = step_cap(setup, layout, ctx.options.batch_cap)
-    if layout.pp > 1 or not ctx.engine.has_quick:
+    if not ctx.engine.has_quick:
         return cap
+    if layout.pp > 1:
+        return pipeline_batch_bound(ctx, setup, layout, cap)
     twin_setup, twin = quick_twin(setup, layout)
     unit = setup_batch_multiple(setup, layout.world_size)
     bound = ctx.limit * (1 + QUICK_BOUND_SLACK)
@@ -255,6 +258,19 @@ def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) ->
     return unit * refine_max(lambda b: quick(b) <= bound, guess, cap)
 
 
+def pipeline_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, cap: int) -> int:
+    """Under --pp, an upper bound on the largest micro-batch (up to `cap`) the layout fits: the largest at which the
+    pipeline's memory floor (the engine's pipeline_floor: the first and last stages' schedules built, not
+    replayed; it grows with the micro-batch) is within the limit; 0 where batch 1's is not (that stage's allocated
+    peak alone is over the capacity, out of memory as the full estimate decides it)."""
+    unit = setup_batch_multiple(setup, layout.world_size)
+
+    def within(b: int) -> bool:
+        return ctx.engine.pipeline_floor(layout_setup(setup, layout, b * unit)) <= ctx.limit
+
+    return unit * refine_max(within, 1, max(cap // unit, 1))
+
+
 def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, at_cap: bool = False) -> float:
     """An upper bound on `layout`'s tokens/s: the time model at its batch bound (tokens/s does not fall as the
     largest micro-batch grows), or at the batch cap (`at_cap`: no memory bound, a looser and cheaper one); 0 where
@@ -266,6 +282,74 @@ def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, a
         return time_at_max_batch(ctx, setup, layout, bound).tokens_per_s
     except LlmemError:
         return float("inf")
+
+
+# full estimates a proof that a layout cannot win (out_of_memory_from) may take before the layout is searched instead
+PROOF_PROBES = 3
+
+
+def out_of_memory_above(m: MemoryResult) -> bool:
+    """Out of memory at this batch and every larger one: the step's allocated peak alone is over the capacity
+    (llmem.memory.capacity.at_capacity's case 2, no replay at the capacity), and the allocated peak grows with the
+    batch (every tensor of the step does); a draft's (extrapolated from shallower replays) only approximately."""
+    return m.oom is not None and not m.by_fragmentation
+
+
+def smallest_winning_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, wins: Callable[[float], bool],
+                           top: int) -> int:
+    """The smallest micro-batch (in units of the set-up's batch multiple, up to `top` of them, where the layout's
+    time model `wins`) at which the time model of `layout` would make it the answer (tokens/s does not fall as the
+    largest micro-batch grows: bisection, no estimate)."""
+    unit = setup_batch_multiple(setup, layout.world_size)
+    lo, hi = 0, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if wins(time_at_max_batch(ctx, setup, layout, mid * unit).tokens_per_s):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def out_of_memory_from(ctx: PlanContext, setup: TrainingSetup, layout: Layout, start: int, top: int,
+                       probes: int = PROOF_PROBES) -> bool:
+    """Whether no micro-batch from `start` to `top` (in units; above `top` the quick bound rules them out, as
+    batch_upper_bound's) fits as the batch search decides it (device-used memory over the limit): each from `start`
+    is out of memory by its full estimate, up to one whose allocated peak alone is (then every larger one is). The
+    drafts first find where that may be (cheap); False, with no full estimate, where that is more than `probes`
+    batches away (the layout is then searched)."""
+    unit = setup_batch_multiple(setup, layout.world_size)
+    span = range(start, min(start + probes, top + 1))
+
+    def at(x: int) -> TrainingSetup:
+        return layout_setup(setup, layout, x * unit)
+
+    if span[-1] < top and not any(out_of_memory_above(ctx.engine.draft(at(x))) for x in span):
+        return False
+    for x in span:
+        m = ctx.engine.full(at(x))
+        if m.device_used_bytes > ctx.limit and out_of_memory_above(m):
+            return True
+        if m.device_used_bytes <= ctx.limit:     # fits: the search may answer x (or more)
+            return False
+    return span[-1] == top
+
+
+def cannot_win(ctx: PlanContext, setup: TrainingSetup, layout: Layout, wins: Callable[[float], bool]) -> bool:
+    """Whether `layout` cannot be the answer, proved with a few estimates: no micro-batch at which its time model
+    `wins` fits (out_of_memory_from the smallest such, smallest_winning_batch). The batch search answers a batch it
+    found to fit, so its tokens/s is then not a winning one. Not tried under --pp (its estimate is one replay per
+    stage, which the draft does not model) nor without the engine's quick bound."""
+    if layout.pp > 1 or not ctx.engine.has_quick:
+        return False
+    unit = setup_batch_multiple(setup, layout.world_size)
+    try:
+        top = batch_upper_bound(ctx, setup, layout) // unit
+        if top < 1 or not wins(time_at_max_batch(ctx, setup, layout, top * unit).tokens_per_s):
+            return True     # the quick bound's own verdict (tokens_per_s_bound)
+        return out_of_memory_from(ctx, setup, layout, smallest_winning_batch(ctx, setup, layout, wins, top), top)
+    except LlmemError:
+        return False
 
 
 def rank_by_time(candidates: list[CandidatePlan]) -> CandidatePlan | None:

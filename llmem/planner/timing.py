@@ -401,7 +401,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     p2p = bubble = 0.0
     if stage:   # the micro-batches of one schedule step, each waiting on its neighbours, stretched by the bubble
         p2p = p2p_time_s(micro_batch, setup.seq_len, anatomy.hidden_size, setup.compute_bytes, stage.stages,
-                         dp_bw, COLLECTIVE_LATENCY_S)
+                         dp_bw, COLLECTIVE_LATENCY_S, layout.tp if setup.sequence_parallel else 1)
         busy = micro_compute_s + p2p
         bubble = pipeline_step_s(busy, m, pipeline_schedule(setup.pp_schedule).bubble_fraction(
             layout.pp, m, stage.stages)) - m * busy

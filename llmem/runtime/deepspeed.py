@@ -7,6 +7,15 @@ parameters (make_optimizer, passed as `optimizer=`), and a config built from the
 each iteration is `loss = engine(input_ids=ids, labels=ids).loss; engine.backward(loss); engine.step()`. The model,
 the gradient checkpointing, peft and the CUDA kernels' emulation (fused SDPA, dropout mask) are prepared_step's.
 
+A TRL objective (--objective dpo / kto / orpo / simpo / reward) runs TRL's own loss (llmem.runtime.objective_steps)
+with the engine as the model it calls, `engine.backward(loss)` and `engine.step()` (ObjectiveOnEngine); its trainer
+__init__'s part (fused heads, the batch, the reference) comes before deepspeed.initialize, as TRL's trainers run it
+before Trainer.train prepares the model; the reference goes through TRL's own prepare_deepspeed (prepare_reference:
+stage 0 under ZeRO-1/2, its own ZeRO-3 engine under stage 3). GRPO / RLOO (llmem.runtime.generation) generate through
+TRL's own unwrap_model_for_generation on the engine (ObjectiveOnEngine.unwrap_for_generation: ZeRO-3's
+GatheredParameters over the whole policy, its hooks removed and re-added). transformers' HfDeepSpeedConfig is set for the steps
+(hf_deepspeed_config), as TrainingArguments sets it, so TRL's fused head gathers the ZeRO-3 lm_head itself.
+
 DeepSpeed's code runs unchanged on fake tensors but for these named patches (deepspeed_patches):
 - deepspeed.comm.torch.build_shm_op returns None: the optional ShareMemCommBuilder op (JIT-built for minutes on its
   first use) is for CPU all-reduce between processes; the fake process group has none.
@@ -59,9 +68,10 @@ from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.patches import patched
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, TrainingStep, check_iterations, prepared_step
-from llmem.setup.deepspeed import zero_config
+from llmem.setup.deepspeed import reference_engine_note, zero_config
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.methods import method_spec
+from llmem.setup.objectives import REF_COPY, objective_spec, reference_mode
 from llmem.setup.training import TrainingSetup
 
 # HF Trainer's TrainingArguments.max_grad_norm, which it writes as the config's gradient_clipping
@@ -113,6 +123,22 @@ def _environment(world_size: int) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def hf_deepspeed_config(setup: TrainingSetup, stage: int, hidden_size: int, dp: int) -> Iterator[None]:
+    """transformers' HfDeepSpeedConfig for the steps (the models are built before: llmem does not load them through
+    from_pretrained's zero.Init), as TrainingArguments sets it when given a DeepSpeed config: its
+    is_deepspeed_zero3_enabled() is what TRL reads (trl/trainer/utils.py maybe_gather_lm_head_ctx: the fused head
+    gathers the ZeRO-3 lm_head with GatheredParameters around its forward and its backward); unset after."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    config = HfDeepSpeedConfig(engine_config(setup, stage, hidden_size, dp))
+    try:
+        yield
+    finally:
+        del config
+        unset_hf_deepspeed_config()
 
 
 _CPU_ACCELERATOR: list = []     # the one CPU_Accelerator this process swaps in where DeepSpeed found a GPU
@@ -323,6 +349,77 @@ def run_engine(step: EngineStep, extra: dict, offload, iterations: int, phase: C
         engine.step()
 
 
+def prepare_reference(ref: nn.Module, step: TrainingStep):
+    """TRL's own prepare_deepspeed (trl/models/utils.py) on the reference, with the policy's config as accelerate's
+    DeepSpeed plugin holds it: an engine without optimizer; ZeRO-3 partitions the copy (DeepSpeedZeRoOffload,
+    gathering per module in its forward), stages 1-2 become stage 0 (the whole copy, cast to bf16 / fp16 by the
+    engine, on every rank)."""
+    import types
+
+    from trl.models.utils import prepare_deepspeed
+
+    setup = step.setup
+    cfg = engine_config(setup, method_spec(setup.method).zero_stage, text_config(ref.config).hidden_size,
+                        step.layout.dp)
+    plugin = types.SimpleNamespace(deepspeed_config=cfg)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin))
+    with patched(ref, "to", lambda *a, **k: ref):        # already on the engine's device
+        return prepare_deepspeed(ref, accelerator)
+
+
+class ObjectiveOnEngine:
+    """A TRL objective's step (llmem.runtime.objective_steps) over DeepSpeed's engine: the prepared step's fields,
+    the engine as what the trainer's loss calls, engine.backward for the loss's backward and engine.step (which
+    zeroes the gradients) for the optimizer's, as HF Trainer's training_step runs them under DeepSpeed."""
+
+    def __init__(self, prepared: TrainingStep) -> None:
+        self.__dict__.update({f: getattr(prepared, f) for f in prepared.__dataclass_fields__})
+        self._prepared = prepared
+        self.engine = None
+
+    @property
+    def layout(self):
+        return self.resolved.layout
+
+    def _phase(self, name: str, it: int) -> None:
+        self._prepared._phase(name, it)
+
+    def prepare_reference(self, ref: nn.Module):
+        return prepare_reference(ref, self)
+
+    def bind(self, engine) -> None:
+        self.engine, self.runner = engine, engine
+        self.engine_backward = engine.backward
+
+    def unwrap_for_generation(self):
+        """TRL's own unwrap_model_for_generation (trl/models/utils.py) on the engine, as GRPOTrainer's and
+        RLOOTrainer's `_generate_single_turn` call it (ds3_gather_for_generation True, GRPOConfig's default): under
+        ZeRO-3 deepspeed.zero.GatheredParameters over all the engine's parameters for the whole generate (the full
+        model on this rank in the engine's dtype) with the coordinator's hooks removed, re-added after
+        (remove_hooks / add_hooks, which invalidates its trace); under stages 1-2 the engine's module as it is."""
+        import types
+
+        from trl.models.utils import unwrap_model_for_generation
+
+        stage = method_spec(self.setup.method).zero_stage
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(zero_stage=stage), fsdp_plugin=None),
+            unwrap_model=lambda model: model.module)
+        return unwrap_model_for_generation(self.engine, accelerator, gather_deepspeed3_params=True)
+
+    def optimizer_step(self, it: int) -> None:
+        self._phase("optimizer_step", it)
+        self.engine.step()
+
+
+def run_objective(step: ObjectiveOnEngine, iterations: int, say: Callable[[str], None]) -> None:
+    from llmem.runtime.objective_steps import objective_iteration
+
+    for it in range(iterations):
+        say(f"iteration {it + 1}/{iterations}")
+        objective_iteration(step, it)
+
+
 def initialize(prepared: TrainingStep, stage: int) -> EngineStep:
     """deepspeed.initialize over the prepared model and its torch optimizer."""
     import deepspeed
@@ -378,13 +475,26 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
                            before_model=start_tracking, progress=say) as prepared, \
                 _environment(prepared.layout.world_size), cpu_accelerator() as accelerator, _fresh_comm_state(), \
                 deepspeed_patches(ledger, accelerator, gpu.memory_bytes, fake):
+            trl_step = None
+            if setup.objective != "sft":    # TRL's trainer __init__ (its reference engine) before the policy's
+                from llmem.runtime.objective_steps import objective_run
+
+                trl_step = ObjectiveOnEngine(prepared)
+                objective_run(trl_step)
             say("deepspeed.initialize")
             step = initialize(prepared, stage)
             roles = roles_box[0]
             roles.bind(step)
             extra = {} if prepared.position_ids is None else {"position_ids": prepared.position_ids}
-            with labelled_regions(ledger, roles, step.zero):
-                run_engine(step, extra, prepared.offload, iterations, hooks.on_phase, say)
+            hidden = text_config(prepared.model.config).hidden_size
+            with labelled_regions(ledger, roles, step.zero), \
+                    hf_deepspeed_config(setup, stage, hidden, prepared.layout.dp):
+                if trl_step is None:
+                    run_engine(step, extra, prepared.offload, iterations, hooks.on_phase, say)
+                else:
+                    trl_step.bind(step.engine)
+                    run_objective(trl_step, iterations, say)
+                    del trl_step
             roles.finish()
             ledger.enabled = False
             resolved = prepared.resolved
@@ -394,8 +504,16 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
+    if setup.objective != "sft":         # TRL's trainer code and what the run emulates of it
+        from llmem.runtime.objective_steps import objective_trace_notes
+
+        notes += objective_trace_notes(setup) + [reference_engine_note(stage, reference_mode(setup) == REF_COPY)]
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
+    if objective_spec(setup.objective).generates:     # GRPO's / RLOO's phases (llmem.runtime.generation)
+        from llmem.runtime.generation import traced_phases
+
+        result.phases = traced_phases(series)
     return result, trace_details(ledger, series, wall)

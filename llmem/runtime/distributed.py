@@ -81,6 +81,10 @@ def device_mesh_outside_fake() -> Iterator[None]:
         layout = getattr(_mesh_layout, "_MeshLayout", None)
         if layout is not None and hasattr(layout, "remap_to_tensor"):
             stack.enter_context(patched(layout, "remap_to_tensor", outside(layout.remap_to_tensor)))
+        # reshard_after_forward=N: fully_shard views the mesh's rank tensor into the post-forward mesh's
+        from torch.distributed.fsdp._fully_shard import _fully_shard
+        stack.enter_context(patched(_fully_shard, "_get_post_forward_mesh_info",
+                                    outside(_fully_shard._get_post_forward_mesh_info)))
         yield
 
 
@@ -164,12 +168,15 @@ def tp_plan(model: nn.Module, model_type: str, sequence_parallel: bool = False,
                     PrepareModuleInput(input_kwarg_layouts={arg: Shard(1)},
                                        desired_input_kwarg_layouts={arg: Replicate()}) if isinstance(arg, str) else
                     PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
-    embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    plan[embed] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False) if sp
-                   else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    # a pipeline stage without the embedding or the head (llmem.runtime.pipeline.split_model: None / Identity)
+    embed = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), None)
+    if embed is not None:
+        plan[embed] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+                       if sp else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sp:
         plan[final_norm_name(model, prefix)] = SequenceParallel()
-    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()
+                 and not isinstance(m, nn.Identity)), None)
     if head is not None:
         plan[head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                      output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -214,10 +221,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int, sequence_parallel:
             out.weight = inp.weight
 
 
-def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool, region=None) -> None:
+def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) -> None:
     """fully_shard each decoder layer, then the root; under *-mixed FSDP2's MixedPrecisionPolicy (low-precision
     parameters gathered, fp32 gradients reduced); under --offload-param its CPUOffloadPolicy (pinned, the default),
-    on fake tensors only (`region`: the ledger's, for the host side)."""
+    on fake tensors only (`region`: the ledger's, for the host side). `reshard`: reshard_after_forward, an int N
+    reshards each layer to N ranks after forward (its post-forward shards labelled gathered weights)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw: dict = {"mesh": mesh, "reshard_after_forward": reshard}
@@ -245,6 +253,26 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool, region=None) -> Non
             forward_prefetch(model, layer_list(model))
     if setup.offload_param and region is not None:
         emulate_host_copies(model, region)
+    if not isinstance(reshard, bool) and region is not None:
+        label_post_forward_shards(model, region)
+
+
+def label_post_forward_shards(model: nn.Module, region) -> None:
+    """reshard_after_forward=N: FSDPParamGroup._to_sharded_post_forward's clones (FSDPParam.to_sharded_post_forward:
+    the rank's 1/N of each all-gather output, kept until backward's copy-out) are gathered weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is None or not group._use_post_forward_mesh:
+            continue
+        to_post_forward = group._to_sharded_post_forward
+
+        def labelled(to_post_forward=to_post_forward) -> None:
+            with region("gathered_weights"):
+                to_post_forward()
+
+        group._to_sharded_post_forward = labelled
 
 
 def _offloaded_groups(model: nn.Module) -> Iterator:
@@ -349,7 +377,8 @@ def apply_method(model: nn.Module, layout: Layout, mesh, setup, region, fake_pg:
         apply_tensor_parallel(model, tp_submesh(layout, mesh), layout.tp, setup.sequence_parallel,
                               setup.loss_parallel)
     if spec.shards_model_states:
-        # torchtitan under PP: reshard_after_forward False (fsdp.py get_fsdp_reshard_after_forward_policy)
-        apply_fsdp(model, fsdp_submesh(layout, mesh), setup,
-                   reshard=spec.reshard_after_forward and layout.pp == 1, region=region)
+        # torchtitan under PP: reshard_after_forward False (fsdp.py get_fsdp_reshard_after_forward_policy);
+        # --reshard-after-forward N: FSDP2's int, each layer resharded to N ranks after forward
+        reshard = setup.reshard_after_forward or spec.reshard_after_forward and layout.pp == 1
+        apply_fsdp(model, fsdp_submesh(layout, mesh), setup, reshard=reshard, region=region)
     return model

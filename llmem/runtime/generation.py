@@ -5,7 +5,9 @@ Each iteration runs the three phases of GRPOTrainer's `training_step` with its d
 num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
 - generation: `_generate_single_turn`'s transformers path: the left-padded prompts [B, P] and their attention mask
   on the device, the unwrapped policy (not DDP's wrapper; gradient checkpointing off, as
-  `unwrap_model_for_generation` turns it off) runs `generate(**inputs, generation_config=...)` under no_grad with
+  `unwrap_model_for_generation` turns it off; under DeepSpeed TRL's own unwrap_model_for_generation on the engine,
+  ZeRO-3's GatheredParameters over the whole policy: llmem.runtime.deepspeed) runs
+  `generate(**inputs, generation_config=...)` under no_grad with
   GRPOTrainer's GenerationConfig (do_sample, temperature 1.0, top_p 1.0, top_k 0, max_new_tokens =
   max_completion_length, disable_compile): its DynamicCache, the last token's logits per step (`logits_to_keep=1`)
   copied to fp32, the sampling;
@@ -17,6 +19,10 @@ num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
   and keeps their masked sums old_logps [B] instead of the reference's per-token log-probs, which, with its KL
   penalty's [B, C] tensors, die as the scoring returns;
 - training: the trainer's own `_compute_loss` on the batch, backward, the optimizer step, zero_grad.
+
+With --use-vllm (FSDP2 only) vLLM is not run: the generation phase holds TRL's weight sync to it (`sync_weights`:
+VLLMGeneration's own `_iter_named_params`, in server mode through vLLM's packed broadcast, transcribed) and the
+prompt and completion ids.
 
 The trainer object is not constructed (its __init__ loads a tokenizer and builds an Accelerator): `_compute_loss`
 runs on `GRPOTrainer.__new__` carrying the attributes it reads, from GRPOConfig's defaults and the set-up.
@@ -43,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmem.errors import LlmemError
+from llmem.memory.vllm import PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS, PEFT_PREFIX
 from llmem.runtime.build import causal_lm, vocab_size
 from llmem.runtime.cuda import is_fake_tensor
 from llmem.runtime.objectives import (
@@ -61,8 +68,8 @@ from llmem.runtime.objectives import (
     trl_cuda_head,
     trl_fake_contexts,
 )
-from llmem.runtime.patches import patched
-from llmem.setup.generation import beta, completion_length, prompt_length
+from llmem.runtime.patches import collectives_waited_in_place, patched
+from llmem.setup.generation import beta, completion_length, prompt_length, vllm_mode
 from llmem.setup.objectives import (
     REF_ADAPTERS_OFF,
     REF_COPY,
@@ -168,10 +175,16 @@ def generation_run(step) -> TrainerRun:
     run = step.__dict__.get("_generation_run")
     if run is not None:
         return run
-    if step.setup.use_vllm:
-        raise LlmemError("--use-vllm: the trace runs the step with transformers' generate; vLLM is not run here (not "
-                         "installed, no GPU): llmem estimate models its pool; drop --use-vllm to trace the step")
+    if step.setup.use_vllm and not step.layout.shards_model_states:
+        raise LlmemError("--use-vllm: the trace runs TRL's weight sync to vLLM under FSDP2 only (vLLM itself is not "
+                         "run: not installed, no GPU); llmem estimate models its pool; drop --use-vllm to trace the "
+                         "step with transformers' generate")
     require_trl(step.setup.objective)
+    if step.setup.use_vllm and any(PEFT_PREFIX in n and q.dtype in (torch.bfloat16, torch.float16)
+                                   for n, q in step.model.named_parameters()):
+        raise LlmemError("trace: peft's get_delta_weight casts half-precision adapters to fp32 on a CPU device (its "
+                         "merge before the weight sync to vLLM), which CUDA does not: use fp32 adapters "
+                         "(--adapter-dtype fp32) to trace it, or llmem estimate")
     from trl.trainer.utils import add_fused_lm_head
 
     setup = step.setup
@@ -209,12 +222,101 @@ def generate_completions(step, run: TrainerRun) -> None:
             stack.enter_context(peers_finish_together())
             stack.enter_context(GenerateScalars())
         stack.enter_context(policy_checkpointing_paused(step.model))
+        unwrap = getattr(step, "unwrap_for_generation", None)   # DeepSpeed: TRL's unwrap_model_for_generation
+        if unwrap is None:
+            model = step.model
+        else:                                                    # (llmem.runtime.deepspeed): ZeRO-3's gather
+            with step.hooks.category("gathered_weights"):
+                model = stack.enter_context(unwrap())
         stack.enter_context(torch.no_grad())
-        out = step.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                  generation_config=generation_config(setup))
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                             generation_config=generation_config(setup))
     if tuple(out.shape) != (b, setup.seq_len) and fake:
         raise LlmemError(f"trace: generate returned {tuple(out.shape)}, expected ({b}, {setup.seq_len})")
     del out, prompt_ids, prompt_mask
+
+
+def vllm_completions(step) -> None:
+    """vLLM generates (not run): the trainer holds the prompts (ids, mask) and the returned completion ids only."""
+    setup = step.setup
+    device = step.input_ids.device
+    b, p, c = setup.batch_size, prompt_length(setup), completion_length(setup)
+    vocab = vocab_size(causal_lm(step.model))
+    prompt_ids, prompt_mask = _ids(b, p, vocab, device), torch.ones((b, p), dtype=torch.int64, device=device)
+    completion_ids = _ids(b, c, vocab, device)
+    del prompt_ids, prompt_mask, completion_ids
+
+
+def sync_weights(step, it: int) -> None:
+    """TRL's VLLMGeneration.sync_weights under FSDP2 (trl/generation/vllm_generation.py) on the main process: its own
+    `_iter_named_params` (each parameter's full_tensor()); colocated, the loop that hands each to vLLM's load_weights
+    (not run); in server mode the metadata walk at the first sync, then VLLMClient.update_named_params' packed
+    broadcast (`packed_broadcast_producer`)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    sync = VLLMGeneration.__new__(VLLMGeneration)
+    device = next(step.model.parameters()).device
+    for name, value in {"model": step.model, "accelerator": types.SimpleNamespace(device=device),
+                        "_dist": types.SimpleNamespace(is_fsdp=True, fsdp_version=2, is_zero3=False,
+                                                       gather_params=lambda params: contextlib.nullcontext())
+                        }.items():
+        object.__setattr__(sync, name, value)
+    server = vllm_mode(step.setup) == "server"
+    fake = is_fake_tensor(step.input_ids)    # full_tensor's all-gather waited in place, as CUDA's (no fake copy)
+    with collectives_waited_in_place() if fake else contextlib.nullcontext(), step.hooks.category("gathered_weights"):
+        if not server:                # sync_weights' load_weights loop (its variable holds the previous one)
+            for _name, _param in sync._iter_named_params():
+                pass
+            return
+        if it == 0:                   # the first sync's _weight_metadata: a list comprehension over the walk
+            [(name, str(param.dtype), list(param.shape)) for name, param in sync._iter_named_params()]
+        packed_broadcast_producer(step, sync._iter_named_params(), lambda item: item[1])
+
+
+def packed_broadcast_producer(step, iterator, post_iter_func, buffer_size_bytes: int = PACKED_BUFFER_BYTES,
+                              num_buffers: int = PACKED_NUM_BUFFERS) -> None:
+    """vLLM 0.33's packed_nccl_broadcast_producer and pack_tensors (vllm/distributed/weight_transfer/
+    packed_tensor.py; vLLM is not installed: its tensor code, transcribed), the broadcast not run: on stream
+    `buffer_idx` the chunk two back is dropped, tensors are consumed until their bytes exceed the buffer size and
+    torch.cat'ed into one uint8 buffer, kept in flight until the slot comes round again. The streams are made once
+    per step (vLLM caches them per device)."""
+    dev = getattr(torch, step.device_type)
+    streams = step.__dict__.setdefault("_vllm_streams", tuple(dev.Stream() for _ in range(num_buffers)))
+    in_flight: list = [None] * num_buffers
+    buffer_idx = 0
+    while True:
+        if hasattr(streams[buffer_idx], "synchronize"):
+            streams[buffer_idx].synchronize()
+        in_flight[buffer_idx] = None
+        with dev.stream(streams[buffer_idx]):
+            chunk = _pack_tensors(step, iterator, post_iter_func, buffer_size_bytes)
+            if chunk is None:
+                break
+            in_flight[buffer_idx] = chunk          # group.broadcast(chunk, src=0): not run
+            buffer_idx = (buffer_idx + 1) % num_buffers
+    del in_flight
+
+
+def _pack_tensors(step, iterator, post_iter_func, buffer_size_bytes: int):
+    """pack_tensors: the packed uint8 buffer (None once the iterator is exhausted)."""
+    tensor_list = []
+    total_bytes = 0
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            break
+        tensor = post_iter_func(item).contiguous().view(-1).view(torch.uint8)
+        tensor_list.append(tensor)
+        total_bytes += tensor.numel()
+        if total_bytes > buffer_size_bytes:
+            break
+    if not tensor_list:
+        return None
+    with step.hooks.category("communication_buffers"):
+        packed = torch.cat(tensor_list, dim=0)
+    del tensor_list
+    return packed
 
 
 def score_completions(step, run: TrainerRun) -> None:
@@ -276,11 +378,15 @@ def _no_grad_logps(step, run: TrainerRun, model, ids, mask, adapters_off: bool =
 
 def generation_iteration(step, it: int) -> None:
     """One GRPO training step: generation, scoring, then `_compute_loss`, backward, the optimizer step and zero_grad,
-    as GRPOTrainer.training_step runs them."""
+    as GRPOTrainer.training_step runs them. With vLLM (FSDP2) the generation phase holds the weight sync to it."""
     run = generation_run(step)
     cls = type(run.trainer)
     step._phase("generation", it)
-    generate_completions(step, run)
+    if step.setup.use_vllm:
+        sync_weights(step, it)
+        vllm_completions(step)
+    else:
+        generate_completions(step, run)
     step._phase("scoring", it)
     score_completions(step, run)
     trainer_step(step, it, lambda: cls._compute_loss(run.trainer, step.runner, run.inputs),
@@ -297,7 +403,19 @@ def generation_emulation_notes(setup) -> list[str]:
         f"__init__ not run: the attributes from {trainer.replace('Trainer', 'Config')}'s defaults); the completions' "
         "trip through the host and "
         "the reward functions not traced (the re-padded batch and the advantages made on the device); its fused LM "
-        "head on CUDA's path"]
+        "head on CUDA's path"] + (vllm_emulation_notes(setup) if setup.use_vllm else [])
+
+
+def vllm_emulation_notes(setup) -> list[str]:
+    """What the trace runs of a vLLM step (FSDP2 only) and what it leaves out."""
+    server = vllm_mode(setup) == "server"
+    return [f"trace: vLLM not run (vllm_mode {vllm_mode(setup)}); its generation phase holds TRL's weight sync: "
+            "VLLMGeneration._iter_named_params itself (each FSDP2 full_tensor(), its all-gather waited in place"
+            + (", peft's merge_adapter / unmerge_adapter on the DTensors" if setup.lora_rank else "") + "), "
+            + ("streamed through vLLM 0.33's packed_nccl_broadcast_producer (transcribed: vLLM is not installed; "
+               "the broadcast itself not run) on two side streams" if server else
+               "each handed to load_weights (not run)")
+            + "; the completions made on the device at their shapes"]
 
 
 def traced_phases(series: dict) -> list:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmem.runtime.generation import generation_emulation_notes, generation_iteration
-from llmem.runtime.objectives import emulation_notes, preference_iteration
-from llmem.runtime.pairwise import pairwise_emulation_notes, pairwise_iteration
+from llmem.runtime.generation import generation_emulation_notes, generation_iteration, generation_run
+from llmem.runtime.objectives import emulation_notes, preference_iteration, preference_run
+from llmem.runtime.pairwise import pairwise_emulation_notes, pairwise_iteration, pairwise_run
 from llmem.setup.objectives import objective_spec
 
 # step_kind -> (one iteration of the step, the trace's notes)
@@ -26,3 +26,13 @@ def objective_iteration(step, it: int) -> None:
 
 def objective_trace_notes(setup) -> list[str]:
     return OBJECTIVE_STEPS[objective_spec(setup.objective).step_kind][1](setup)
+
+
+# step_kind -> what its trainer's __init__ makes before training (the fused heads, the reference, the batch): the
+# DeepSpeed trace makes it before deepspeed.initialize, as TRL's trainers do before Trainer.train prepares the model
+OBJECTIVE_RUNS: dict[str, Callable] = {"preference": preference_run, "pairwise": pairwise_run,
+                                       "generation": generation_run}
+
+
+def objective_run(step):
+    return OBJECTIVE_RUNS[objective_spec(step.setup.objective).step_kind](step)

@@ -18,7 +18,7 @@ before DDP's buckets); under peft none (TRL's `use_adapter(model, None)` disable
 forward); with --precompute-ref-log-probs none (the log-probs come with the batch). Under FSDP2 (--method fsdp /
 zero2) the copy is sharded as trl's `prepare_fsdp` does it: one `fully_shard` on the whole model (`prepare_fsdp`
 below), so its forward all-gathers it whole; the policy keeps llmem's FSDP2 layout (each decoder layer, then the
-root).
+root). Under DeepSpeed (--method ds-zero1/2/3) it goes through TRL's prepare_deepspeed (llmem.runtime.deepspeed).
 
 Emulated, because fake tensors cannot run it (`emulation_notes`):
 - TRL's CUDA path of its fused head (`_use_triton` is true on CUDA): only the completion tokens are projected
@@ -313,6 +313,9 @@ def reference_copy(step) -> torch.nn.Module:
     add_fused_lm_head(ref)
     if step.layout.spec.shards_model_states:
         prepare_fsdp(ref, step)
+    engine_for = getattr(step, "prepare_reference", None)     # DeepSpeed: trl's prepare_deepspeed, an engine of its
+    if engine_for is not None:                                  # own (llmem.runtime.deepspeed.ObjectiveOnEngine)
+        ref = engine_for(ref)
     return ref
 
 
@@ -435,7 +438,11 @@ def trainer_step(step, it: int, loss_of: Callable[[], torch.Tensor], on_fake: tu
             stack.enter_context(ctx)
         loss = loss_of()
         step._phase("backward", it)
-        loss.backward()
+        backward = getattr(step, "engine_backward", None)     # DeepSpeed's engine.backward (llmem.runtime.deepspeed)
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         del loss
     step.optimizer_step(it)
 

@@ -16,6 +16,11 @@ Two things of torch's pipelining cannot run on a fake process group and fake ten
   forward / backward of micro-batch 0 on the first step) is not run.
 The P2P sends and receives themselves run (no-ops on the fake process group); the schedule's order, its recv
 buffers, fwd_cache, gradient accumulation over micro-batches and FSDP2's no-sync are torch's.
+
+Under TP x PP the rank's split model is parallelized with the TP plan on the tp dimension of the (pp, dp, tp) mesh
+before FSDP2 (llmem.runtime.distributed.apply_method), as torchtitan's pipeline_llm hands each model chunk to
+parallelize_llama; under --sequence-parallel the stages exchange the residual stream's local Shard(1) shard
+(boundary_in / boundary_out), as torchtitan's blocks return local tensors.
 """
 
 from __future__ import annotations
@@ -60,12 +65,31 @@ def split_model(model: nn.Module, splits: tuple[StageSplit, ...]) -> None:
     split = splits[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kw = {"input_ids": x} if split.embedding else {"inputs_embeds": x}
+        kw = {"input_ids": x} if split.embedding else {"inputs_embeds": boundary_in(self, x)}
         if split.head:
             return forward_of_class(self, **kw).logits
-        return base(**kw).last_hidden_state
+        return boundary_out(base(**kw).last_hidden_state)
 
     lm.forward = types.MethodType(forward, lm)
+
+
+def boundary_in(lm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A received residual stream under --sequence-parallel: the local [micro-batch, seq / tp, hidden] shard as the
+    Shard(1) DTensor the stage's layers take (torchtitan's blocks take the local shard, SequenceParallel's
+    _prepare_input_fn makes the same DTensor; HF's model reads the sequence length off it). A view, no copy."""
+    mesh = lm.__dict__.get("_llmem_sp_mesh")
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+
+
+def boundary_out(y: torch.Tensor) -> torch.Tensor:
+    """The stage's output as sent: the local shard of a DTensor residual stream (torchtitan's use_local_output)."""
+    from torch.distributed.tensor import DTensor
+
+    return y.to_local() if isinstance(y, DTensor) else y
 
 
 class StageChunk(nn.Module):
@@ -86,13 +110,13 @@ class StageChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lm = self._lm
         base = lm.get_decoder()
-        kw = {"input_ids": x} if self.split.embedding else {"inputs_embeds": x}
+        kw = {"input_ids": x} if self.split.embedding else {"inputs_embeds": boundary_in(lm, x)}
         layers, norm = base.layers, base.norm
         base.layers, base.norm = self.layers, self._norm
         try:
             if self.split.head:
                 return type(lm).forward(lm, **kw).logits
-            return base(**kw).last_hidden_state
+            return boundary_out(base(**kw).last_hidden_state)
         finally:
             base.layers, base.norm = layers, norm
 
@@ -108,20 +132,22 @@ def stage_chunks(model: nn.Module, splits: tuple[StageSplit, ...]) -> list[Stage
 
 def stage_shapes(setup, resolved, split: StageSplit) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's input and output as meta tensors of one micro-batch (PipelineStage's static mode): ids into the
-    first stage, the residual stream between stages, the logits (in the compute dtype) out of the last."""
+    first stage, the residual stream between stages (its local [mb, seq / tp, hidden] shard under
+    --sequence-parallel), the logits (in the compute dtype) out of the last."""
     mb = setup.batch_size // setup.microbatches
+    seq = setup.seq_len // (resolved.layout.tp if setup.sequence_parallel else 1)
     hidden = resolved.anatomy.hidden_size
     res = torch.float32 if resolved.regime.res == 4 else getattr(torch, setup.compute_dtype)
     mm = torch.float32 if resolved.regime.mm == 4 else getattr(torch, setup.compute_dtype)
     if split.embedding:
         inp = torch.empty(mb, setup.seq_len, dtype=torch.int64, device="meta")
     else:
-        inp = torch.empty(mb, setup.seq_len, hidden, dtype=res, device="meta", requires_grad=True)
+        inp = torch.empty(mb, seq, hidden, dtype=res, device="meta", requires_grad=True)
     if split.head:
         out = torch.empty(mb, setup.seq_len, resolved.anatomy.vocab_size, dtype=mm, device="meta",
                           requires_grad=True)
     else:
-        out = torch.empty(mb, setup.seq_len, hidden, dtype=res, device="meta", requires_grad=True)
+        out = torch.empty(mb, seq, hidden, dtype=res, device="meta", requires_grad=True)
     return inp, out
 
 
@@ -147,10 +173,13 @@ class PipelineRunner:
     """The rank's stage(s) and their schedule; `iteration` runs one schedule step (every micro-batch's forward and
     backward of each stage in the schedule's order), then the optimizer step."""
 
-    def __init__(self, step, splits: tuple[StageSplit, ...], group) -> None:
+    def __init__(self, step, splits: tuple[StageSplit, ...], mesh) -> None:
         from torch.distributed import pipelining
 
         setup, lm = step.setup, causal_lm(step.model)
+        group = mesh["pp"].get_group() if mesh is not None else None
+        if setup.sequence_parallel:      # the stage boundaries' residual stream: its tp shard (boundary_in)
+            lm.__dict__["_llmem_sp_mesh"] = mesh["tp"]
         self.step, self.splits = step, splits
         spec = pipeline_schedule(setup.pp_schedule)
         stages = setup.pp * len(splits)
@@ -215,6 +244,20 @@ class PipelineRunner:
         if step.autocast_policy is not None:
             step.autocast_policy.cache.clear()
         step.optimizer_step(it)
+
+
+def fresh_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagations (the C++ dispatch fast path's cache and
+    ShardingPropagator.propagate_op_sharding's lru_cache) before a trace: their output specs hold an earlier
+    trace's DeviceMesh, equal to this one's (DeviceMesh __eq__ compares ranks and layout, not process groups) but
+    naming the process groups the earlier fake process group registered (another pipeline rank's under --pp with
+    --tp: "Could not resolve the process group")."""
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    prop._propagate_tensor_meta_cached.cache_clear()
 
 
 def stage_row(index: int, result) -> dict:

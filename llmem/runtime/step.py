@@ -209,7 +209,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     fake: materialise under `fake_mode` (a FakeTensorMode the caller owns; entered here) on the fake cpu device.
     cuda_kernels: with fake tensors, run the ops of CUDA's fused SDPA kernels (their meta kernels); real CPU cannot.
     before_model: called once the fake mode is entered, before any parameter exists (trackers start there).
-    pp_rank: under --pp, the pipeline rank whose stage runs (rank pp_rank x dp of the fake process group).
+    pp_rank: under --pp, the pipeline rank whose stage runs (rank pp_rank x world / pp of the fake process
+    group: the pp dimension outermost).
     """
     hooks = hooks or StepHooks()
     device = torch.device(device)
@@ -257,7 +258,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
                     stack.callback(dist.destroy_process_group)
                 real_pg = True
             else:
-                stack.enter_context(fake_process_group(layout.world_size, pp_rank * layout.dp))
+                stack.enter_context(fake_process_group(layout.world_size, pp_rank * (layout.world_size // layout.pp)))
         policy = None
         if not on_cuda:
             if autocast_dtype is not None:
@@ -342,7 +343,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if split is not None:
             from llmem.runtime.pipeline import PipelineRunner
 
-            step.pipeline = PipelineRunner(step, split, mesh["pp"].get_group() if mesh is not None else None)
+            step.pipeline = PipelineRunner(step, split, mesh)
         say("running the step")
         yield step
 

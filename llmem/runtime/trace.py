@@ -19,6 +19,7 @@ from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
+from llmem.runtime.pipeline import fresh_sharding_cache
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
@@ -79,6 +80,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
+    fresh_sharding_cache()     # another trace's DeviceMesh process groups (llmem.runtime.pipeline)
     ledger = Ledger(workspace_bytes=gpu.cublas_workspace_bytes)
     fake_mode = TracingFakeMode()
     roles_box: list[StepRoles] = []
@@ -131,7 +133,7 @@ def trace_stages(setup, *, iterations: int = 2, progress=None, cuda_kernels: boo
     result, details = runs[top]
     result.stages = [stage_row(k, r) for k, r in enumerate(results)]
     result.notes = result.notes + [EMULATION_NOTE.format(schedule=pipeline_schedule(setup.pp_schedule).torch_class),
-                                   f"pipeline: stage {top} of {setup.pp} (rank {top * result.setup.dp}) has the "
+                                   f"pipeline: stage {top} of {setup.pp} (rank {top * (setup.gpus // setup.pp)}) has the "
                                    "largest peak; each stage's peaks are in `stages`"]
     return result, details
 

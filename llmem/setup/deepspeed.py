@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
+from llmem.errors import LlmemError
+
 # DeepSpeedZeroConfig's field defaults (deepspeed/runtime/zero/config.py)
 REDUCE_BUCKET_SIZE = 500_000_000           # reduce_bucket_size: int = Field(pp_int(5e8), gt=0)
 PREFETCH_BUCKET_SIZE = 50_000_000          # prefetch_bucket_size: Field(pp_int(5e7), alias="stage3_prefetch_...")
@@ -148,3 +150,39 @@ def partition_gradient_numels(numels: list[int], stage: int, dp: int) -> list[in
             out.append(n)
         start += n
     return out
+
+
+# What TRL's trainers under DeepSpeed's engine do not model yet: (applies to the set-up, flag, why)
+_NOT_TRL_UNDER_DEEPSPEED = (
+    (lambda s, generates: generates and s.use_vllm, "--use-vllm",
+     "TRL's weight sync to vLLM from a DeepSpeed engine (GatheredParameters per parameter) is not modelled yet"),
+    (lambda s, generates: s.precompute_ref_log_probs and s.method == "ds-zero3", "--precompute-ref-log-probs",
+     "TRL's precompute engine (prepare_deepspeed(self.model)) hooks the policy's ZeRO-3 parameters a second time, "
+     "which is not modelled yet"),
+    (lambda s, generates: s.offload_param, "--offload-param",
+     "TRL's trainers with ZeRO-3's parameter offload (also the reference's engine: prepare_deepspeed keeps "
+     "offload_param) are not modelled yet"),
+)
+
+
+def check_trl_deepspeed(setup, generates: bool) -> None:
+    """A TRL objective under a ds-zero method (`generates`: GRPO / RLOO): what is not modelled yet, one line."""
+    for applies, flag, why in _NOT_TRL_UNDER_DEEPSPEED:
+        if applies(setup, generates):
+            raise LlmemError(f"--objective {setup.objective} with {flag} under DeepSpeed (--method {setup.method}): "
+                             f"{why}; use --method fsdp or zero2 (FSDP2), ddp or single")
+
+
+def reference_engine_note(stage: int, copy: bool) -> str:
+    """How TRL holds the reference under DeepSpeed (trl/models/utils.py prepare_deepspeed; `copy`: the step keeps a
+    separate reference model, not peft's adapters-off policy nor precomputed log-probs)."""
+    if not copy:
+        return "reference under DeepSpeed: no separate model, so no prepare_deepspeed engine"
+    if stage == 3:
+        return ("reference under DeepSpeed: TRL's prepare_deepspeed engine at ZeRO stage 3 without optimizer "
+                "(DeepSpeedZeRoOffload): each parameter partitioned over the ranks (ceil(numel / dp) elements each), "
+                "gathered per module in its forward, in the engine's dtype (bf16 / fp16 under *-mixed, whatever "
+                "--ref-dtype)")
+    return (f"reference under DeepSpeed: TRL's prepare_deepspeed engine with ZeRO off for it (stage {stage} -> 0): "
+            "the whole copy on every rank, cast to the engine's dtype (bf16 / fp16 under *-mixed, whatever "
+            "--ref-dtype)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.setup.deepspeed import check_trl_deepspeed
 from llmem.setup.methods import method_spec
 
 
@@ -156,18 +157,21 @@ _NOT_UNDER_FSDP = (
     ("pp", 1, "--pp", "pipeline parallelism"),
     ("offload_param", False, "--offload-param", "FSDP2's CPUOffloadPolicy"),
 )
-# (what it applies to, flag, why); vLLM colocated is modelled: its weight sync (each FSDP2 parameter's full_tensor,
-# trl/generation/vllm_generation.py _iter_fsdp2_params) is llmem.estimator.generation's weight_sync phase
+# (what it applies to, flag, why). Modelled: vLLM colocated and in server mode, their weight sync (each FSDP2
+# parameter's full_tensor, trl/generation/vllm_generation.py _iter_fsdp2_params; in server mode vLLM's packed
+# broadcast, trl/generation/vllm_client.py update_named_params; colocated, peft's merge_adapter / unmerge_adapter
+# around it) llmem.estimator.generation's weight_sync phase
 _NOT_GENERATING_UNDER_FSDP = (
-    (lambda s: vllm_mode(s) == "server", "--vllm-mode server",
-     "TRL's packed NCCL broadcast of the full_tensor weights to the server (trl/generation/vllm_client.py "
-     "update_named_params) is not modelled yet"),
-    (lambda s: s.lora_rank and s.use_vllm, "--lora-rank",
-     "peft's merge_adapter before the weight sync to vLLM (trl/generation/vllm_generation.py _iter_named_params) "
-     "is not modelled yet"),
+    (lambda s: s.lora_rank and vllm_mode(s) == "server", "--lora-rank and --vllm-mode server",
+     "peft's merge_adapter inside vLLM's packed broadcast (its matmuls on the broadcast's side stream, with a "
+     "cuBLAS workspace of their own) is not modelled yet"),
+    # accelerate 1.15's fsdp2_prepare_model carves the embedding and [lm_head] into units of their own, but its
+    # _find_final_norm looks among the PeftModel's base model's children (the *ForCausalLM's), so the final norm
+    # stays in the root unit; peft's generate calls the base model's forward, past the root's pre-forward hook:
+    # its sharded weight meets a plain tensor (tests/test_grpo_fsdp_peft.py runs accelerate's own prepare)
     (lambda s: s.lora_rank and not s.use_vllm, "--lora-rank",
-     "peft's generate calls the base model's, past the root FSDP2 unit that holds the embedding in llmem's fsdp "
-     "layout (accelerate carves the embedding into a unit of its own, not modelled yet)"),
+     "the real step fails: accelerate's FSDP2 prepare leaves a peft model's final norm in the root unit, which "
+     "peft's generate bypasses (aten.mul got mixed torch.Tensor and DTensor); --use-vllm colocated is modelled"),
 )
 
 
@@ -175,9 +179,8 @@ def check_trainer_layout(setup, methods: tuple[str, ...], attentions: tuple[str,
     """The methods and attention kernels a TRL objective's step is modelled under."""
     spec = method_spec(setup.method)
     if spec.zero_stage is not None:
-        raise LlmemError(f"--objective {setup.objective} under DeepSpeed (--method {setup.method}) is not modelled yet "
-                         "(TRL's prepare_deepspeed engine for the reference): use --method fsdp or zero2 (FSDP2), "
-                         "ddp or single")
+        check_trl_deepspeed(setup, setup.objective in GENERATION_DEFAULTS)
+        methods = (setup.method,)
     if setup.method not in methods:
         raise LlmemError(f"--objective {setup.objective} is modelled under --method {' or '.join(methods)} "
                          f"(got {setup.method})")
@@ -263,6 +266,17 @@ def generation_notes(setup, reference: str, scores_policy: bool = False) -> list
     generation = ("generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
                   "completion, the last token's logits per step in fp32)" if mode is None else
                   "generation (vLLM generates: the trainer holds the prompt and completion ids only)")
+    if mode is None and method_spec(setup.method).zero_stage == 3:   # trl/models/utils.py unwrap_model_for_generation
+        generation += ("; under ZeRO-3 TRL's unwrap_model_for_generation gathers the whole policy in the engine's "
+                       "dtype for it (GatheredParameters over all its parameters, ds3_gather_for_generation True: "
+                       f"{d.config_class}'s default; llmem has no flag for False), the coordinator's hooks removed and "
+                       "re-added after (add_hooks invalidates its trace each step: GRPO's training step fetches as "
+                       "a first step does, no prefetch)")
+    if mode == "server" and method_spec(setup.method).shards_model_states:   # llmem.estimator.generation
+        generation = ("weight_sync (rank 0 streams each FSDP2 full_tensor() to the server through vLLM's "
+                      "packed_nccl_broadcast_producer: chunks of just over 1 GiB torch.cat'ed into one buffer on a "
+                      "side stream, two in flight; the first sync also walks them once for their metadata), "
+                      + generation)
     return [f"--objective {setup.objective}: TRL's {trainer} with {how}; {setup.batch_size} "
             f"completions per GPU ({setup.batch_size * setup.gpus // g} prompt(s) x {g} generations across "
             f"{setup.gpus} GPU(s)), each {p} prompt tokens (left-padded) + {c} completion tokens, every completion "

@@ -75,8 +75,10 @@ class Layout:
             return f"{self.method} (dp {self.dp}, ep {self.ep})"
         if self.cp > 1:
             return f"{self.method} (dp {self.dp} x cp {self.cp})"
-        if self.pp > 1:
-            return f"{self.method} (dp {self.dp} x pp {self.pp})" if self.dp > 1 else f"{self.method} (pp {self.pp})"
+        if self.pp > 1:      # HSDP: dp as replicas x shards
+            dp = f"{self.replicas}x{self.shard_degree}" if self.replicas > 1 else f"{self.dp}"
+            degrees = ([f"dp {dp}"] if self.dp > 1 else []) + ([f"tp {self.tp}"] if self.tp > 1 else [])
+            return f"{self.method} ({' x '.join(degrees + [f'pp {self.pp}'])})"
         spec = self.spec
         if spec.tensor_parallel == TP_NONE and self.dp == 1:
             return self.method
@@ -117,7 +119,7 @@ def resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None,
     if cp > 1:
         return _context_parallel_layout(method, gpus, per_node, cp)
     if pp > 1:
-        return _pipeline_layout(method, gpus, tp, per_node, replicas, pp)
+        return _pipeline_layout(method, gpus, tp, per_node, replicas, pp, num_heads, num_kv_heads)
     layout = _resolve_layout(method, gpus, tp, per_node, num_heads, num_kv_heads)
     if replicas == 1:
         return layout
@@ -156,23 +158,42 @@ def _expert_parallel_layout(method: str, gpus: int, tp: int | None, per_node: in
     return Layout(method, gpus, 1, node, ep=ep)
 
 
-def _pipeline_layout(method: str, gpus: int, tp: int | None, per_node: int | None, replicas: int,
-                     pp: int) -> Layout:
-    """torchtitan's world = pp x dp: pure PP (single, one rank per stage) or FSDP2 x PP (each stage sharded over
-    gpus / pp ranks); the other combinations are not modelled."""
+def _pipeline_layout(method: str, gpus: int, tp: int | None, per_node: int | None, replicas: int, pp: int,
+                     num_heads: int = 0, num_kv_heads: int = 0) -> Layout:
+    """torchtitan's world = pp x dp x tp: pure PP (single, one rank per stage), FSDP2 x PP (each stage sharded over
+    gpus / pp ranks), TP x PP (tp: the stage's gpus / pp ranks all tensor-parallel) or FSDP2 x TP x PP (fsdp+tp:
+    each stage's ranks a dp x tp mesh, as on one stage's world of gpus / pp; torchtitan's ParallelDims, pp
+    outermost), each stage's dp ranks as HSDP's replicas x shards under --dp-replicate; the other combinations are
+    not modelled."""
     method = canonical_method(method)
     node = check_world(gpus, per_node)
     if method not in PP_METHODS:
-        raise LlmemError(f"--pp runs under --method single (pure pipeline) or fsdp (FSDP2 x PP) only, got {method}")
-    if tp not in (None, 1) or replicas != 1:
-        raise LlmemError("--pp with --tp or --dp-replicate is not modelled: drop them (pure PP or FSDP2 x PP)")
-    if METHODS[method].one_gpu and gpus != pp:
+        raise LlmemError(f"--pp runs under --method single (pure pipeline), fsdp (FSDP2 x PP), tp or fsdp+tp (TP x "
+                         f"PP) only, got {method}")
+    spec = METHODS[method]
+    if replicas != 1 and not spec.shards_model_states:
+        raise LlmemError(f"--dp-replicate (HSDP) replicates FSDP2's shards: use --method fsdp or fsdp+tp with --pp "
+                         f"(got {method})")
+    if not spec.has_tp and tp not in (None, 1):
+        raise LlmemError(f"--pp with --tp under --method {method}: use --method tp or fsdp+tp for TP x PP")
+    if spec.one_gpu and gpus != pp:
         raise LlmemError(f"--method single with --pp {pp} runs one stage per GPU: use --gpus {pp} (or --method "
                          "fsdp for dp x pp)")
-    if gpus % pp or (not METHODS[method].one_gpu and gpus // pp < 2):
+    if gpus % pp or (spec.shards_model_states and not spec.has_tp and gpus // pp < 2):
         raise LlmemError(f"--pp {pp} with --method {method} needs --gpus a multiple of {pp} with at least 2 "
                          f"data-parallel ranks per stage (got --gpus {gpus}): use --method single for pure PP")
-    return Layout(method, gpus // pp, 1, node, pp=pp)
+    if spec.has_tp:      # each stage's ranks as one stage's world: dp x tp, tp inside a node
+        stage = _resolve_layout(method, gpus // pp, tp, min(node, gpus // pp), num_heads, num_kv_heads)
+        if stage.tp < 2:
+            raise LlmemError(f"--method {method} with --pp {pp} on {gpus} GPUs leaves one GPU per stage, no tensor "
+                             "parallelism: use --method single for pure PP, or more GPUs")
+        layout = replace(stage, gpus_per_node=node, pp=pp)
+    else:
+        layout = Layout(method, gpus // pp, 1, node, pp=pp)
+    if layout.dp % replicas:     # HSDP x PP: each stage's dp ranks as replicas x shards (mesh pp, dp_replicate, ...)
+        raise LlmemError(f"--dp-replicate {replicas} does not divide the {layout.dp} data-parallel ranks of each "
+                         f"pipeline stage of {layout.label}: choose a divisor of {layout.dp}")
+    return replace(layout, replicas=replicas)
 
 
 def _resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None,
@@ -317,9 +338,10 @@ def scale_out_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
                       fixed: dict[str, int] | None = None) -> list[Layout]:
     """The pipeline, context- and expert-parallel layouts of `gpus` GPUs the model allows: each axis's degrees
     d >= 2 dividing the GPUs (only fixed[axis] where given; an axis not fixed is skipped when another is), under
-    each of its methods as resolve_layout accepts them (two axes together, or one with tp, is not modelled: none)."""
-    if tp not in (None, 1):
-        return []
+    each of its methods as resolve_layout accepts them, a TP method's with each tp `_searched_tp` gives (pp x tp,
+    torchtitan's 3-D layout), a pipeline layout across nodes also as HSDP within them (two axes together, or cp /
+    ep with tp, is not modelled: none)."""
+    node = gpus_per_node(gpus, per_node)
     wanted = {canonical_method(m) for m in methods} if methods else None
     fixed = fixed or {}
     out: list[Layout] = []
@@ -333,14 +355,32 @@ def scale_out_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_he
             for method in axis.methods:
                 if wanted is not None and method not in wanted:
                     continue
-                try:
-                    layout = resolve_layout(method, gpus, None, per_node, num_heads, num_kv_heads,
-                                            **{axis.name: d})
-                except LlmemError:
-                    continue
-                if axis.accepts(layout, limits):
-                    out.append(layout)
+                for t in _searched_tp(method, tp, node):
+                    try:
+                        layout = resolve_layout(method, gpus, t, per_node, num_heads, num_kv_heads,
+                                                **{axis.name: d})
+                    except LlmemError:
+                        continue
+                    if axis.accepts(layout, limits):
+                        out.append(layout)
+                        h = _hsdp_within_nodes(layout) if axis.name == "pp" else None
+                        if h is not None and h.replicas > 1:     # HSDP x PP: a stage's shards within a node
+                            out.append(h)
     return out
+
+
+def _searched_tp(method: str, tp: int | None, node: int) -> list[int | None]:
+    """The tp degrees a scale-out layout of `method` is tried with: a method without TP none (None; nothing where
+    --tp N > 1 is asked), tp its stage's GPUs (None), fsdp+tp each tp > 1 dividing the node (or the --tp asked);
+    resolve_layout drops the ones that do not fit."""
+    spec = METHODS[method]
+    if not spec.has_tp:
+        return [None] if tp in (None, 1) else []
+    if tp is not None:
+        return [tp]
+    if spec.tensor_parallel == TP_ALL:
+        return [None]
+    return [t for t in range(2, node + 1) if node % t == 0]
 
 
 def _hsdp_within_nodes(layout: Layout) -> Layout | None:

@@ -45,6 +45,7 @@ from llmem.setup.generation import (
     refuse_unmodelled,
 )
 from llmem.setup.generation import beta as generation_beta
+from llmem.setup.methods import method_spec
 
 OBJECTIVE_GROUP = "objective"      # TrainingSetup's --help section for these options
 
@@ -323,6 +324,8 @@ def objective_notes(setup) -> list[str]:
     dtype = "the compute dtype" if setup.ref_dtype == "compute" else \
         f"the policy's dtype ({'fp32' if setup.param_bytes == 4 else setup.precision.removesuffix('-mixed')}, TRL's " \
         "dtype=model.dtype)"
+    if method_spec(setup.method).zero_stage is not None:     # prepare_deepspeed's engine casts it (setup.deepspeed)
+        dtype = "the compute dtype (loaded in the policy's, cast by its DeepSpeed engine)"
     reference = {REF_COPY: f"a frozen copy in {dtype}, in eval mode, its forward under no_grad after the policy's",
                  REF_ADAPTERS_OFF: "the policy itself with its adapters disabled (peft; no copy), under no_grad",
                  REF_PRECOMPUTED: "precomputed log-probs (precompute_ref_log_probs: the reference ran before "

@@ -18,8 +18,10 @@ from llmem.errors import LlmemError
 # count as one layer in the split
 FIRST_STAGE_LESS_LAYERS = 1
 LAST_STAGE_LESS_LAYERS = 1
-# the methods a pipeline stage runs under (others refused): pure PP and FSDP2 + PP
-PP_METHODS = ("single", "fsdp")
+# the methods a pipeline stage runs under (others refused): pure PP, FSDP2 x PP, TP x PP and FSDP2 x TP x PP
+PP_METHODS = ("single", "fsdp", "tp", "fsdp+tp")
+# ... and a looped schedule (several stages per rank) under: those without FSDP2
+LOOPED_METHODS = ("single", "tp")
 
 
 def _all(rank: int, pp: int, microbatches: int, virtual: int) -> int:
@@ -270,11 +272,11 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, batch_size: int, n
 
 
 def check_schedule_method(schedule: str, method: str) -> None:
-    """A looped schedule runs under pure PP only: FSDP2 over several stages per rank (torch's UNSHARD / RESHARD /
-    REDUCE_GRAD actions per stage, _add_unshard_reshard) is not modelled."""
-    if pipeline_schedule(schedule).looped and method != "single":
+    """A looped schedule runs without FSDP2 only (pure PP, TP x PP): FSDP2 over several stages per rank (torch's
+    UNSHARD / RESHARD / REDUCE_GRAD actions per stage, _add_unshard_reshard) is not modelled."""
+    if pipeline_schedule(schedule).looped and method not in LOOPED_METHODS:
         raise LlmemError(f"--pp-schedule {schedule} under --method {method}: FSDP2 over several stages per rank "
-                         "(torch's UNSHARD / RESHARD actions per stage) is not modelled yet; use --method single, "
+                         "(torch's UNSHARD / RESHARD actions per stage) is not modelled yet; use --method single or tp, "
                          "or --pp-schedule 1f1b")
 
 

@@ -58,6 +58,7 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
         check_deepspeed(setup, method)
     if setup.quant_base != "none":
         check_quant_method(setup, method)
+    check_reshard_after_forward(setup, method)
     if model is not None:
         check_model_support(setup, method, model)
 
@@ -118,6 +119,31 @@ def check_quant_method(setup: TrainingSetup, method: MethodSpec) -> None:
     if method.shards_model_states and setup.quant_base == "int8":
         raise LlmemError(f"{flag} with {method.name}: FSDP cannot shard LLM.int8's int8 weights (bitsandbytes has "
                          "no float storage for them, unlike NF4's bnb_4bit_quant_storage); use --qlora, or ddp")
+
+
+def check_reshard_after_forward(setup: TrainingSetup, method: MethodSpec) -> None:
+    """--reshard-after-forward N: FSDP2's reshard_after_forward as an int, a non-trivial factor of the shard mesh
+    (torch's _fsdp_init._get_post_forward_mesh_info: 1 means False, the shard size itself True), on plain FSDP2 /
+    HSDP as llmem models it (FSDPParam.to_sharded_post_forward refuses DTensor parameters and tensor subclasses)."""
+    n = setup.reshard_after_forward
+    if n is None:
+        return
+    if method.name != "fsdp":
+        raise LlmemError(f"--reshard-after-forward {n} is FSDP2's reshard_after_forward={n}, modelled under --method "
+                         f"fsdp only, got {method.name} (zero2 is its False, fsdp's default its True)")
+    others = (("--pp (torchtitan keeps units gathered under PP)", setup.pp > 1), ("--cp", setup.cp > 1),
+              ("--ep", setup.ep > 1), ("--offload-param", setup.offload_param),
+              (QUANT_FLAGS.get(setup.quant_base, ""), setup.quant_base != "none"),
+              (f"--objective {setup.objective}", setup.objective != "sft"))
+    for flag, given in others:
+        if given:
+            raise LlmemError(f"--reshard-after-forward with {flag} is not modelled: drop one of them")
+    shards = setup.gpus // setup.dp_replicate
+    if not (1 < n < shards and shards % n == 0):
+        divisors = [str(d) for d in range(2, shards) if shards % d == 0]
+        fix = f"choose {' or '.join(divisors)}" if divisors else f"{shards} shard ranks have none, drop it"
+        raise LlmemError(f"--reshard-after-forward {n} must divide FSDP2's {shards} shard ranks with 1 < N < "
+                         f"{shards} (1 is zero2's False, {shards} fsdp's default True): {fix}")
 
 
 def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport) -> None:

@@ -266,6 +266,12 @@ class TrainingSetup:
                      type=int)
     ep_imbalance: float = option(1.0, "--ep: the busiest rank's routed rows over the balanced tokens x top_k "
                                  "(a stated assumption; default 1.0, balanced routing)", LAYOUT, type=float)
+    # FSDP2's reshard_after_forward as an int (llmem.estimator.post_forward; None: the method's own bool, fsdp's
+    # True, zero2's False)
+    reshard_after_forward: int | None = option(None, "fsdp: FSDP2's reshard_after_forward=N, each decoder layer "
+                                               "resharded after forward to N ranks (keeps 1/N of it, all-gathered "
+                                               "over N in backward); N divides the shard ranks, 1 < N < dp_shard "
+                                               "(default: fsdp's True)", LAYOUT, type=int, metavar="N")
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -305,8 +311,8 @@ class TrainingSetup:
         check_pipeline(self.pp, self.pp_schedule, self.microbatches, self.batch_size, None,
                        self.pp_virtual_stages)
         if self.pp > 1 and canonical_method(self.method) not in PP_METHODS:
-            raise LlmemError(f"--pp runs under --method single (pure pipeline) or fsdp (FSDP2 x PP) only, got "
-                             f"{self.method}")
+            raise LlmemError(f"--pp runs under --method single (pure pipeline), fsdp (FSDP2 x PP), tp or fsdp+tp "
+                             f"(TP x PP) only, got {self.method}")
         if self.pp > 1:
             check_schedule_method(self.pp_schedule, canonical_method(self.method))
         if self.pp == 1 and self.pp_microbatches is not None:

@@ -183,6 +183,10 @@ CI_MATRIX: list[TrainingSetup] = [
     # HSDP (--dp-replicate): FSDP2 on a (dp_replicate, dp_shard) mesh, sharded within each replica; with TP a 3-D mesh
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),
     _s("tiny-llama", "fsdp+tp", 8, tp=2, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),
+    # FSDP2's reshard_after_forward=N (llmem.estimator.post_forward): each layer kept as 1/N of its bf16 all-gather
+    # until backward gathers it over N; tiny-mistral over 6 ranks pads its rows (512 -> 516, 128 -> 132)
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, reshard_after_forward=2),
+    _s("tiny-mistral", "fsdp", 6, precision="bf16-mixed", batch_size=2, seq_len=256, reshard_after_forward=3),
     # TRL's DPOTrainer (--objective dpo; llmem.estimator.objectives against TRL's own _compute_loss traced,
     # llmem.runtime.objectives): chosen + rejected in one forward, TRL's fused LM head; the reference as a frozen
     # copy, the policy with its adapters disabled (LoRA), precomputed log-probs; DDP; another loss type and a prompt
@@ -229,22 +233,32 @@ CI_MATRIX: list[TrainingSetup] = [
     # TRL's GRPOTrainer with transformers' generate (--objective grpo; llmem.estimator.generation against generate
     # and TRL's _compute_loss traced, llmem.runtime.generation): generation, scoring, training; beta 0 (no
     # reference), LoRA with beta 0.04 (the reference is the policy with its adapters off), DDP with beta 0.04 (a
-    # reference copy; 2 GPUs x 2 completions hold one prompt's 4 generations). Completions of 8 tokens keep the
-    # trace's decode loop (one traced forward per token) short: each row traces in ~25-35 s
-    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=32, objective="grpo",
-       num_generations=4, max_completion_length=8),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=4, seq_len=32, objective="grpo", num_generations=4,
-       max_completion_length=8, beta=0.04, lora_rank=16),
-    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=32, objective="grpo",
-       num_generations=4, max_completion_length=8, beta=0.04),
+    # reference copy; 2 GPUs x 2 completions hold one prompt's 4 generations). Completions of 4 tokens after a
+    # 12-token prompt keep the trace's decode loop (one traced forward per token) short: each row traces in ~2-3 s
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="grpo",
+       num_generations=4, max_completion_length=4),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=4, seq_len=16, objective="grpo", num_generations=4,
+       max_completion_length=4, beta=0.04, lora_rank=16),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="grpo",
+       num_generations=4, max_completion_length=4, beta=0.04),
     # ... under FSDP2: every generate forward gathers each layer and reshards it (the root kept gathered), the
     # reference copy one unit (trl's prepare_fsdp); a prompt of 8 tokens
-    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="grpo",
-       num_generations=4, max_completion_length=8, beta=0.04),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=12, objective="grpo",
+       num_generations=4, max_completion_length=4, beta=0.04),
     # TRL's RLOOTrainer (--objective rloo): RLOOConfig's 2 generations and beta 0.05 (a reference copy); its scoring
-    # phase runs the policy under no_grad (old-policy log-probs) before the reference; ~25 s of trace
-    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=32, objective="rloo",
-       max_completion_length=8),
+    # phase runs the policy under no_grad (old-policy log-probs) before the reference; ~2 s of trace
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="rloo",
+       max_completion_length=4),
+    # vLLM under FSDP2 (not run: the trace runs TRL's own weight sync, llmem.runtime.generation.sync_weights):
+    # colocated with LoRA, peft's merge_adapter on the sharded DTensors, each full_tensor handed over one at a time,
+    # the unmerge; server mode, vLLM's packed broadcast (one chunk of every full tensor + its torch.cat copy on a
+    # side stream), under zero2 beside RLOO's reference kept gathered; ~5-25 s of trace each
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="grpo",
+       num_generations=2, max_completion_length=4, use_vllm=True, lora_rank=8),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="grpo",
+       num_generations=2, max_completion_length=4, use_vllm=True, vllm_mode="server"),
+    _s("tiny-llama", "zero2", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="rloo",
+       num_generations=2, max_completion_length=4, use_vllm=True, vllm_mode="server"),
     # MoE as MoE (llmem.model.moe): transformers' grouped_mm experts, activations learned from the real code; one
     # GPU, FSDP2 sharding the 3-D expert weights on dim 0, DeepSeek-V3's MLA with a shared expert and a dense layer 0
     _s("tiny-qwen3-moe", precision="bf16-mixed", batch_size=2, seq_len=128),
@@ -269,10 +283,35 @@ CI_MATRIX: list[TrainingSetup] = [
        pp_schedule="interleaved-1f1b", pp_virtual_stages=3, grad_ckpt=True),
     # FSDP2 x PP (dp 2 x pp 2): no reshard after forward, the unsharded gradients accumulated until the last backward
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=128, pp=2),
+    # TP x PP, torchtitan's 3-D layout (mesh pp x dp x tp): each stage's layers under the TP plan (SequenceParallel:
+    # [mb, seq / tp, hidden] sent between stages; the vocab-parallel embedding's Partial gradient accumulated full
+    # size over the micro-batches), FSDP2 over dp; pure TP x PP under Interleaved1F1B; Megatron TP with AdamW
+    _s("tiny-llama", "fsdp+tp", 8, tp=2, pp=2, precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=128,
+       sequence_parallel=True, loss_parallel=True),
+    _s("tiny-llama", "tp", 4, pp=2, pp_schedule="interleaved-1f1b", precision="bf16", optimizer="sgd", batch_size=4,
+       seq_len=128, sequence_parallel=True, loss_parallel=True),
+    _s("tiny-llama", "fsdp+tp", 8, tp=2, pp=2, pp_schedule="gpipe", precision="bf16-mixed", batch_size=2,
+       seq_len=128, grad_ckpt=True),
     # context parallelism (llmem.setup.context_parallel): torch's ring attention on 2 cp ranks (128 tokens each,
     # cuDNN SDPA on the H100 dispatched to the ring), FSDP2 over dp x cp; without and with checkpointing
     _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, cp=2),
     _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, cp=2, grad_ckpt=True),
+    # TRL's trainers under DeepSpeed's engine (the policy through deepspeed.initialize, the reference through TRL's
+    # prepare_deepspeed: ZeRO off for it under stages 1-2, a bf16 copy on every rank): DPO's copy, LoRA's adapters-off
+    # reference; under ZeRO-3 the reference partitioned by its own engine (gathered per module, then prefetched
+    # whole), TRL's fused head gathering the lm_head itself, ORPO's full logits (the second step's coalesced prefetch)
+    _s("tiny-llama", "ds-zero2", 2, precision="bf16-mixed", optimizer="sgd", batch_size=1, seq_len=64, objective="dpo"),
+    _s("tiny-llama", "ds-zero2", 2, precision="bf16-mixed", batch_size=1, seq_len=64, objective="dpo", lora_rank=16),
+    _s("tiny-llama", "ds-zero3", 2, precision="bf16-mixed", optimizer="sgd", batch_size=1, seq_len=64, objective="dpo"),
+    _s("tiny-llama", "ds-zero3", 2, precision="bf16-mixed", optimizer="sgd", batch_size=1, seq_len=64,
+       objective="orpo"),
+    # GRPO under DeepSpeed (TRL's unwrap_model_for_generation on the engine): ZeRO-2's module as it is, the reference
+    # copy at stage 0; ZeRO-3's GatheredParameters over the whole policy for generate, its hooks removed and re-added
+    # (the coordinator's trace invalidated every step: no prefetch); ~15-25 s of trace each
+    _s("tiny-llama", "ds-zero2", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16,
+       objective="grpo", num_generations=2, max_completion_length=4, beta=0.04),
+    _s("tiny-llama", "ds-zero3", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16,
+       objective="grpo", num_generations=2, max_completion_length=4, beta=0.0),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -385,6 +424,20 @@ GPU_MATRIX += [
         # torchtitan's op-level selective checkpointing (--ac-policy op): Llama (every other mm) and Qwen2 (addmm)
         ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
         ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
+        # issue 11's pieces that measure runs (the ranks emulated on the one device; --pp, --cp and --offload-param
+        # are traced only): torchtitan's TP with SequenceParallel + loss parallel, HSDP, reshard_after_forward=N
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp+tp", "gpus": 4, "tp": 2,
+                                                            "sequence_parallel": True, "loss_parallel": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp", "gpus": 4, "dp_replicate": 2}),
+        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp", "gpus": 4,
+                                                            "reshard_after_forward": 2}),
+        # issue 12's: TRL's DPO with its reference copy, KTO, GRPO with transformers' generate (beta 0 and 0.04)
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 2, 1024, {"objective": "dpo"}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 2, 1024, {"objective": "kto"}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 384, {"objective": "grpo", "num_generations": 4,
+                                                     "max_completion_length": 128}),
+        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 384, {"objective": "grpo", "num_generations": 4,
+                                                     "max_completion_length": 128, "beta": 0.04}),
     ]
 ]
 
@@ -417,6 +470,7 @@ def label(s: TrainingSetup) -> str:
         + (["precomputed-ref"] if s.precompute_ref_log_probs else []) \
         + ([f"prompt{s.prompt_len}"] if s.prompt_len else []) \
         + (["sequence-parallel"] if s.sequence_parallel else []) + (["loss-parallel"] if s.loss_parallel else []) \
+        + ([f"reshard-after-forward={s.reshard_after_forward}"] if s.reshard_after_forward else []) \
         + ([f"gen{s.num_generations}"] if s.num_generations else []) \
         + ([f"completion{s.max_completion_length}"] if s.max_completion_length else []) \
         + ([f"beta{s.beta:g}"] if s.beta is not None else [])

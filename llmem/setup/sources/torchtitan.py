@@ -15,6 +15,7 @@ from __future__ import annotations
 from llmem.setup.pipeline import (
     FIRST_STAGE_LESS_LAYERS,
     LAST_STAGE_LESS_LAYERS,
+    LOOPED_METHODS,
     PIPELINE_SCHEDULES,
     PipelineScheduleSpec,
 )
@@ -136,7 +137,7 @@ def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
     elif replicate > 1:
         r.note_used(f"{prefix}data_parallel_replicate_degree", replicate, "replicas without sharding: ddp")
     _pipeline(r, p if "pipeline_parallel_degree" in p else experimental, pp,
-              [name for name, on in (("TP", tp > 1), ("HSDP" if sharded else "DDP", replicate > 1)) if on])
+              ["DDP"] if replicate > 1 and not sharded else [])    # HSDP x PP, TP x PP: modelled
     if cp > 1 and r.method == "fsdp" and pp == 1 and replicate == 1:   # llmem.setup.context_parallel's layout
         r.set(f"{prefix}context_parallel_degree", cp, "cp", cp, "torch's ring attention, FSDP2 over dp_shard x cp")
     elif cp > 1:
@@ -177,10 +178,12 @@ def _pipeline(r: Reading, s: Keys, pp: int, others: list[str]) -> None:
     degree = s.name("pipeline_parallel_degree")
     if others:
         raise r.error(degree, pp, f"pipelines a {' x '.join(others)} model, which llmem does not model (pipeline "
-                      "stages run alone or under FSDP2)", "drop " + " / ".join(OTHER_DEGREES[o] for o in others) +
+                      "stages run alone, under FSDP2 / HSDP and / or TP)",
+                      "drop " + " / ".join(OTHER_DEGREES[o] for o in others) +
                       " or set pipeline_parallel_degree = 1")
     r.set(degree, pp, "pp", pp, "torch.distributed.pipelining: the decoder split into pp stages" +
-          (", FSDP2 within each" if r.method == "fsdp" else ""))
+          {"fsdp": ", FSDP2 within each", "tp": ", TP within each", "fsdp+tp": ", FSDP2 x TP within each"}.get(
+              r.method, ""))
     spec = _schedule(r, s)
     _microbatches(r, s)
     _stages_per_rank(r, s, pp, spec)
@@ -200,7 +203,7 @@ def _schedule(r: Reading, s: Keys) -> PipelineScheduleSpec:
     if spec is None or not spec.modelled:
         why = f"({spec.torch_class}) {spec.not_modelled_why}" if spec else "is not a schedule llmem knows"
         raise r.error(key, raw, why, "choose 1F1B, GPipe or Interleaved1F1B")
-    if spec.looped and r.method != "single":      # llmem.setup.pipeline.check_schedule_method
+    if spec.looped and r.method not in LOOPED_METHODS:      # llmem.setup.pipeline.check_schedule_method
         raise r.error(key, raw, "under FSDP2 (data_parallel_shard_degree > 1) runs FSDP2 over several stages per "
                       "rank, which llmem does not model yet", "choose 1F1B or GPipe, or data_parallel_shard_degree = 1")
     r.set(key + ("" if "pipeline_parallel_schedule" in s else " (default)"), raw, "pp_schedule", spec.name,
@@ -257,7 +260,7 @@ def _stages_per_rank(r: Reading, s: Keys, pp: int, spec: PipelineScheduleSpec) -
 def _precision(r: Reading, training: Keys) -> None:
     """FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce) over
     fp32 parameters."""
-    if r.method == "single" and r.values.get("pp", 1) > 1:
+    if r.method in ("single", "tp") and r.values.get("pp", 1) > 1:     # no FSDP2 (TP x PP too)
         _pure_pipeline_precision(r, training)
         return
     raw = training.get("mixed_precision_param", "bfloat16")
