@@ -207,8 +207,7 @@ class CachingAllocator:
             self._live[handle] = None
             return handle
         self._num_alloc_calls += 1
-        # round_size, inlined (hot path of replays)
-        size = kMinBlockSize if size_bytes < kMinBlockSize else -(-size_bytes // kMinBlockSize) * kMinBlockSize
+        size = round_size(size_bytes)
         if self._next_addr + size > _ADDR_MASK:  # sizes and addresses are 64-bit (size_t), as in CUDA
             raise LlmemError(f"the step's tensors pass 2**64 bytes ({size_bytes:,} more asked): no device holds "
                              "them; make --batch-size or --seq-len smaller")
@@ -227,30 +226,7 @@ class CachingAllocator:
             if block is None:
                 self._num_ooms += 1
                 raise AllocatorOOM(size_bytes, alloc_size, self._reserved, self._allocated, self.capacity_bytes)
-        # alloc_found_block, inlined (hot path of replays): split per should_split, mark allocated, count the
-        # block's size.
-        remaining = block.size - size
-        if pool.is_small or self.expandable_segments:  # should_split
-            split = remaining >= kMinBlockSize
-        else:
-            split = size < self._max_split and remaining > kSmallSize
-        if split:
-            addr = block.addr + size
-            rest = _Block(addr, remaining, stream, pool, block.seg)  # the found block is of this stream
-            nxt = block.next  # _link_after(block, rest), inlined
-            rest.prev = block
-            rest.next = nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(pool.blocks, (stream << 128) | (remaining << 64) | addr)  # pool.insert(rest), inlined
-            pool.free[addr] = rest
-        block.allocated = True
-        allocated = self._allocated + block.size
-        self._allocated = allocated
-        if allocated > self._peak_allocated:
-            self._peak_allocated = allocated
+        self._alloc_found_block(pool, block, size)
         self._live[handle] = block
         return handle
 
@@ -270,9 +246,7 @@ class CachingAllocator:
             self._try_merge_blocks(block, prev, pool)
         if nxt is not None and not nxt.allocated and nxt.mapped:
             self._try_merge_blocks(block, nxt, pool)
-        addr = block.addr  # pool.insert(block), inlined
-        insort(pool.blocks, (block.stream << 128) | (block.size << 64) | addr)
-        pool.free[addr] = block
+        pool.insert(block)
 
     def empty_cache(self) -> None:
         """emptyCache -> release_cached_blocks: free every fully free segment, unmap free expandable pages."""
@@ -353,6 +327,24 @@ class CachingAllocator:
         self._num_device_allocs += 1
         self._add_reserved(alloc_size)
         return _Block(seg.base, alloc_size, stream, pool, seg)
+
+    def _alloc_found_block(self, pool: _Pool, block: _Block, size: int) -> None:
+        """alloc_found_block: split per should_split, mark allocated, count the block's size."""
+        remaining = block.size - size
+        if pool.is_small or self.expandable_segments:  # should_split
+            split = remaining >= kMinBlockSize
+        else:
+            split = size < self._max_split and remaining > kSmallSize
+        if split:
+            rest = _Block(block.addr + size, remaining, block.stream, pool, block.seg)
+            _link_after(block, rest)
+            block.size = size
+            pool.insert(rest)
+        block.allocated = True
+        allocated = self._allocated + block.size
+        self._allocated = allocated
+        if allocated > self._peak_allocated:
+            self._peak_allocated = allocated
 
     def _try_merge_blocks(self, dst: _Block, src: _Block | None, pool: _Pool) -> int:
         """try_merge_blocks: absorb free neighbour src (same mapped state) into dst (not in any set)."""
