@@ -126,6 +126,10 @@ class DeepSpeedSchedule(StepSchedule):
         self.two_forwards = self.stage == 3 and second_forward(r.setup) is not None
         self.retraced = self.retraced or self.two_forwards
         self.root_forwards = 0            # the policy's root forwards in this step
+        # stage 3: TRL's reference engine (reference_fetch): its forwards so far, its gathered units, its prefetch
+        self.ref_forwards = 0
+        self.ref_units: dict = {}
+        self.ref_flat = -1
         self.generating = False           # inside generate: ZeRO-3's module hooks removed (remove_hooks)
 
     # ------------------------------------------------------------------------------------------ model states
@@ -191,9 +195,8 @@ class DeepSpeedSchedule(StepSchedule):
             return
         sch, mb = self.sch, self.mb
         if where == "start":
-            self.ref_forwards = getattr(self, "ref_forwards", 0) + 1
-            self.ref_units: dict = {}
-            self.ref_flat = -1
+            self.ref_forwards += 1
+            self.ref_units, self.ref_flat = {}, -1
             units = [u for u in [EMBED, *range(self.layers), None] if self.numel_of(u)]
             if self.ref_forwards > 1:
                 flat = sum(self.numel_of(u) for u in units if u not in self.alone)

@@ -249,8 +249,7 @@ class GenerationEvents(PreferenceEvents):
             sch.free_all(prompt + [alloc(b * self.c * INT64, "activations")])
             return
         prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]     # ids, attention mask
-        gather = getattr(self.s, "gather_for_generation", None)    # DeepSpeed: TRL's unwrap_model_for_generation
-        gathered = gather() if gather is not None else []           # (llmem.estimator.deepspeed)
+        gathered = self.s.gather_for_generation()    # DeepSpeed: TRL's unwrap_model_for_generation
         ids = mask = -1
         cache = [[-1, -1] for _ in range(self.s.layers)]
         sampled: list[int] = []
@@ -271,8 +270,7 @@ class GenerationEvents(PreferenceEvents):
             mask = new_mask
         sch.free_all([k for pair in cache for k in pair])                       # generate returns
         sch.free_all(sampled + [ids, mask])
-        if gather is not None:
-            self.s.release_after_generation(gathered)
+        self.s.release_after_generation(gathered)
         sch.free_all(prompt)
 
     def model_forward(self, tokens: int, total: int, cache: list[list[int]]) -> int:

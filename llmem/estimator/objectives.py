@@ -266,8 +266,7 @@ class PreferenceEvents:
             return
         self.ref_laid_out = True
         alloc = self.s.sch.alloc
-        numels = getattr(self.s, "reference_numels", None)     # DeepSpeed's engine partitions it its own way
-        for n in numels() if numels is not None else [self.s.shard_numel[p.name] for p in self.s.kept]:
+        for n in self.s.reference_numels():     # DeepSpeed's engine partitions it its own way
             alloc(n * self.ref_bytes, "weights")
 
     def batch(self) -> None:
@@ -423,8 +422,7 @@ class PreferenceEvents:
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         t, h = self.rows * self.seq, s.hidden_size
         # the reference's own ZeRO-3 engine gathers its modules (DeepSpeed: llmem.estimator.deepspeed)
-        ref_fetch = getattr(s, "reference_fetch", None) if not policy else None
-        ref_fetch = ref_fetch or (lambda where: None)
+        ref_fetch = s.reference_fetch if not policy else (lambda where: None)
         if policy:
             s.unshard_forward(None, s.root)
         ref_fetch("start")
@@ -525,11 +523,7 @@ class PreferenceEvents:
         # as StepSchedule.head_backward's fused branch: AccumulateGrad takes the accumulator as the lm_head's gradient
         for q in [q for q in s.root if q.trainable and (not is_embedding(q) or q.tied_to is not None)]:
             if grad_weight >= 0 and is_lm_head(q):
-                hand_over = getattr(s, "hand_over_grad", None)     # DeepSpeed's reduce hook takes it at once
-                if hand_over is not None:
-                    hand_over(q, grad_weight)
-                else:
-                    (s.root_unsharded_grads if s.fsdp else s.grads)[q.name] = grad_weight
+                s.hand_over_grad(q, grad_weight)     # DeepSpeed's reduce hook takes it at once
                 grad_weight = -1
             else:
                 s.make_grad(q, root_unit=True)

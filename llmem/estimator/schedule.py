@@ -409,6 +409,27 @@ class StepSchedule:
         for k in self.gathered.pop(unit_key, []):
             self.sch.free(k)
 
+    # ---------------------------------------------- TRL's trainers: what an engine does its own way (DeepSpeed's)
+    def reference_numels(self) -> list[int]:
+        """The reference copy's parameters on this rank: FSDP2's shards (trl's prepare_fsdp), whole without it."""
+        return [self.shard_numel[p.name] for p in self.kept]
+
+    def reference_fetch(self, where) -> None:
+        """The reference's own engine gathering its modules in its no-grad forward: none in PyTorch's step (FSDP2's
+        reference is its own unit, gathered by the objective's events)."""
+
+    def hand_over_grad(self, p: ParamInfo, key: int) -> None:
+        """The lm_head gradient `key` TRL's fused head hands to AccumulateGrad: held for the root's reduce-scatter
+        (FSDP2) or the optimizer step."""
+        (self.root_unsharded_grads if self.fsdp else self.grads)[p.name] = key
+
+    def gather_for_generation(self) -> list[int]:
+        """What the engine gathers around generate (TRL's unwrap_model_for_generation): nothing in PyTorch's step."""
+        return []
+
+    def release_after_generation(self, keys: list[int]) -> None:
+        self.sch.free_all(keys)
+
     # ------------------------------------------------------------------------------------------ gradients
     def accumulate(self, old: int, size: int) -> int:
         """AccumulateGrad into an existing gradient (tied weights): out of place, the new gradient and the sum

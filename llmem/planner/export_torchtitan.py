@@ -50,7 +50,7 @@ def _check(p, e) -> None:
         raise LlmemError(f"--export torchtitan: {lay.label} offloads the optimizer alone, which torchtitan cannot "
                          "(its enable_cpu_offload is FSDP2's CPUOffloadPolicy): plan with --method fsdp "
                          "--offload-param")
-    if getattr(setup, "reshard_after_forward", None) is not None:
+    if setup.reshard_after_forward is not None:
         raise LlmemError(f"torchtitan's fsdp_reshard_after_forward is default / always / never, not FSDP2's int "
                          f"(--reshard-after-forward {setup.reshard_after_forward}): plan without it to export torchtitan")
     if lay.spec.has_tp and not (setup.sequence_parallel and setup.loss_parallel):

@@ -50,7 +50,7 @@ class SetupRecord:
         s = self.setup
         tp = s.tp or 1
         detail = f" (dp {self.dp} × tp {tp})" if self.dp > 1 and tp > 1 else ""
-        if any(getattr(s, axis, 1) > 1 for axis in ("pp", "cp", "ep")):   # the layout's own label names every axis
+        if max(s.pp, s.cp, s.ep) > 1:   # the layout's own label names every axis
             detail = self.layout[len(s.method):] if self.layout.startswith(s.method) else f" ({self.layout})"
         nodes = f", {self.nodes} nodes of {s.gpus_per_node}" if self.nodes > 1 else ""
         return f"{s.method}{detail} on {s.gpus}× {s.gpu}{nodes}"
