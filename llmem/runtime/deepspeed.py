@@ -389,7 +389,10 @@ class ObjectiveOnEngine:
 
     def bind(self, engine) -> None:
         self.engine, self.runner = engine, engine
-        self.engine_backward = engine.backward
+
+    def backward(self, loss) -> None:
+        """DeepSpeed's engine.backward (its ZeRO reduce hooks and loss scaling), as TRL's Trainer calls it."""
+        self.engine.backward(loss)
 
     def unwrap_for_generation(self):
         """TRL's own unwrap_model_for_generation (trl/models/utils.py) on the engine, as GRPOTrainer's and

@@ -222,12 +222,8 @@ def generate_completions(step, run: TrainerRun) -> None:
             stack.enter_context(peers_finish_together())
             stack.enter_context(GenerateScalars())
         stack.enter_context(policy_checkpointing_paused(step.model))
-        unwrap = getattr(step, "unwrap_for_generation", None)   # DeepSpeed: TRL's unwrap_model_for_generation
-        if unwrap is None:
-            model = step.model
-        else:                                                    # (llmem.runtime.deepspeed): ZeRO-3's gather
-            with step.hooks.category("gathered_weights"):
-                model = stack.enter_context(unwrap())
+        with step.hooks.category("gathered_weights"):   # DeepSpeed: TRL's unwrap_model_for_generation, ZeRO-3's
+            model = stack.enter_context(step.unwrap_for_generation())                # gather (llmem.runtime.deepspeed)
         stack.enter_context(torch.no_grad())
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                              generation_config=generation_config(setup))

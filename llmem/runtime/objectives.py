@@ -313,10 +313,7 @@ def reference_copy(step) -> torch.nn.Module:
     add_fused_lm_head(ref)
     if step.layout.spec.shards_model_states:
         prepare_fsdp(ref, step)
-    engine_for = getattr(step, "prepare_reference", None)     # DeepSpeed: trl's prepare_deepspeed, an engine of its
-    if engine_for is not None:                                  # own (llmem.runtime.deepspeed.ObjectiveOnEngine)
-        ref = engine_for(ref)
-    return ref
+    return step.prepare_reference(ref)    # DeepSpeed: trl's prepare_deepspeed, an engine of its own
 
 
 
@@ -438,11 +435,7 @@ def trainer_step(step, it: int, loss_of: Callable[[], torch.Tensor], on_fake: tu
             stack.enter_context(ctx)
         loss = loss_of()
         step._phase("backward", it)
-        backward = getattr(step, "engine_backward", None)     # DeepSpeed's engine.backward (llmem.runtime.deepspeed)
-        if backward is None:
-            loss.backward()
-        else:
-            backward(loss)
+        step.backward(loss)     # DeepSpeed: its engine.backward (llmem.runtime.deepspeed)
         del loss
     step.optimizer_step(it)
 

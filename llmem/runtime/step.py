@@ -111,6 +111,19 @@ class TrainingStep:
         if self.hooks.on_phase is not None:
             self.hooks.on_phase(name, it)
 
+    # TRL's trainers on this step (llmem.runtime.objectives, generation): what an engine does its own way
+    # (DeepSpeed's: llmem.runtime.deepspeed.ObjectiveOnEngine)
+    def prepare_reference(self, ref: nn.Module) -> nn.Module:
+        """The reference copy as the trainer holds it (trl's prepare_fsdp already applied): as it is."""
+        return ref
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unwrap_for_generation(self) -> contextlib.AbstractContextManager:
+        """The model generate runs on (TRL's unwrap_model_for_generation): the model itself."""
+        return contextlib.nullcontext(self.model)
+
     def iteration(self, it: int) -> None:
         if self.pipeline is not None:       # one pipeline stage under torch's schedule (llmem.runtime.pipeline)
             return self.pipeline.iteration(it)
