@@ -15,7 +15,7 @@ from llmem.planner.engines import MemoryEngine
 from llmem.planner.options import PlanOptions
 from llmem.planner.timing import StepTime, accumulation_for, offload_step_extra_s, step_time
 from llmem.result import MemoryResult
-from llmem.search import BATCH_CAP, calibrated_max, max_batch_size, refine_max
+from llmem.search import BATCH_CAP, bisect_max, calibrated_max, max_batch_size, refine_max
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import setup_batch_multiple
@@ -301,14 +301,7 @@ def smallest_winning_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layou
     time model `wins`) at which the time model of `layout` would make it the answer (tokens/s does not fall as the
     largest micro-batch grows: bisection, no estimate)."""
     unit = setup_batch_multiple(setup, layout.world_size)
-    lo, hi = 0, top
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if wins(time_at_max_batch(ctx, setup, layout, mid * unit).tokens_per_s):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect_max(lambda x: not wins(time_at_max_batch(ctx, setup, layout, x * unit).tokens_per_s), 0, top) + 1
 
 
 def out_of_memory_from(ctx: PlanContext, setup: TrainingSetup, layout: Layout, start: int, top: int,
