@@ -27,13 +27,26 @@ from llmem.setup.methods import canonical_method
 
 EP_METHODS = ("fsdp",)       # FSDP2 x EP; DDP, DeepSpeed, fsdp+tp and single-GPU EP are not modelled
 
+
+
+def ep_mesh_refusal(method: str, tp: int | None, replicas: int, pp: int, cp: int) -> str | None:
+    """Why --ep cannot run on this method and mesh (the one line naming the fix), or None: FSDP2 alone, without
+    PP, HSDP, TP or CP (the set-up's check and llmem.setup.layout's both ask it)."""
+    if canonical_method(method) not in EP_METHODS:
+        return f"--ep runs under --method fsdp (FSDP2 x EP, torchtitan's layout) only, got {method}"
+    if pp > 1 or replicas > 1 or tp not in (None, 1) or cp > 1:
+        return "--ep with --pp, --dp-replicate, --tp or --cp is not modelled: drop them (FSDP2 over dp_shard, " \
+               "experts over efsdp x ep)"
+    return None
+
+
+def _mesh_refusal(s) -> str | None:
+    return ep_mesh_refusal(s.method, s.tp, s.dp_replicate, s.pp, s.cp)
+
+
 # (does the set-up have it, the one line naming the problem and the fix)
 EP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
-    (lambda s: canonical_method(s.method) not in EP_METHODS,
-     lambda s: f"--ep runs under --method fsdp (FSDP2 x EP, torchtitan's layout) only, got {s.method}"),
-    (lambda s: s.pp > 1 or s.dp_replicate > 1 or s.tp not in (None, 1) or s.cp > 1,
-     lambda s: "--ep with --pp, --dp-replicate, --tp or --cp is not modelled: drop them (FSDP2 over dp_shard, "
-               "experts over efsdp x ep)"),
+    (lambda s: _mesh_refusal(s) is not None, _mesh_refusal),
     (lambda s: s.peft or s.quant_base != "none",
      lambda s: "--ep with adapters or a quantised base is not modelled: drop --lora-rank / --peft-config / --qlora"),
     (lambda s: s.objective != "sft",

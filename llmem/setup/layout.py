@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
 from llmem.setup.context_parallel import CP_METHODS
-from llmem.setup.expert_parallel import EP_METHODS, check_ep_model
+from llmem.setup.expert_parallel import EP_METHODS, check_ep_model, ep_mesh_refusal
 from llmem.setup.methods import METHODS, TP_ALL, TP_INNER, TP_NONE, MethodSpec, canonical_method
 from llmem.setup.pipeline import PP_METHODS, stage_splits
 
@@ -147,11 +147,9 @@ def _expert_parallel_layout(method: str, gpus: int, tp: int | None, per_node: in
     the routed experts Shard(0) over ep of them (efsdp x ep = dp)."""
     method = canonical_method(method)
     node = check_world(gpus, per_node)
-    if method not in EP_METHODS:
-        raise LlmemError(f"--ep runs under --method fsdp (FSDP2 x EP, torchtitan's layout) only, got {method}")
-    if tp not in (None, 1) or replicas != 1 or pp != 1 or cp != 1:
-        raise LlmemError("--ep with --pp, --dp-replicate, --tp or --cp is not modelled: drop them (FSDP2 over "
-                         "dp_shard, experts over efsdp x ep)")
+    why = ep_mesh_refusal(method, tp, replicas, pp, cp)
+    if why:
+        raise LlmemError(why)
     if gpus % ep:
         raise LlmemError(f"--ep {ep} does not divide the {gpus} FSDP2 ranks (dp_shard = efsdp x ep, torchtitan's "
                          "ParallelDims): choose an --ep that divides --gpus")
