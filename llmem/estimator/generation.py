@@ -53,6 +53,7 @@ from llmem.memory.vllm import (
     VllmModel,
     VllmPool,
     packed_broadcast_peak,
+    packed_groups,
     vllm_pool,
 )
 from llmem.model.peft import element_bytes
@@ -215,22 +216,18 @@ class GenerationEvents(PreferenceEvents):
         resumes) and torch.cat's them into the packed buffer, kept in flight until the slot comes round again."""
         sch = self.s.sch
         in_flight = [-1] * PACKED_NUM_BUFFERS
-        slot = i = 0
+        slot = 0
         held = -1
-        while True:
+        for group in packed_groups(full):
             sch.free(in_flight[slot])
             in_flight[slot] = -1
             stream = VLLM_SIDE_STREAMS[slot]
             chunk: list[int] = []
-            total = 0
-            while i < len(full) and total <= PACKED_BUFFER_BYTES:
+            for i in group:
                 sch.free(held)                      # the generator rebinds `param`
                 held = -1
                 chunk.append(sch.alloc(full[i], "gathered_weights", stream))
-                total += full[i]
-                i += 1
-            if not chunk:                           # the generator's StopIteration frees what it held
-                break
+            total = sum(full[i] for i in group)
             in_flight[slot] = sch.alloc(total, "communication_buffers", stream)     # torch.cat(tensor_list)
             sch.free_all(chunk[-2::-1])             # del tensor_list: a list frees its items last to first
             held = chunk[-1]                        # pack_tensors' locals, then (not exhausted) the generator's
@@ -238,6 +235,8 @@ class GenerationEvents(PreferenceEvents):
                 sch.free(held)                      # exhausted: it dies as pack_tensors returns
                 held = -1
             slot = (slot + 1) % PACKED_NUM_BUFFERS
+        sch.free(in_flight[slot])                   # the generator's StopIteration: the next slot's wait first,
+        in_flight[slot] = -1                        # then what it held
         sch.free(held)
         sch.free_all(in_flight)
 

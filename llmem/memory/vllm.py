@@ -127,17 +127,24 @@ PACKED_BUFFER_BYTES = 1024 * 1024 * 1024     # DEFAULT_PACKED_BUFFER_SIZE_BYTES
 PACKED_NUM_BUFFERS = 2                       # DEFAULT_PACKED_NUM_BUFFERS: double buffering
 
 
-def packed_chunks(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES) -> list[int]:
-    """The packed buffers' sizes, in order: pack_tensors' rule (append, then stop once the total exceeds
-    buffer_bytes)."""
-    chunks: list[int] = []
+def packed_groups(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES) -> list[list[int]]:
+    """The tensors (their indices, in order) each packed buffer takes: pack_tensors' rule (append, then stop once
+    the total exceeds buffer_bytes)."""
+    groups: list[list[int]] = []
+    group: list[int] = []
     total = 0
-    for n in tensor_bytes:
+    for i, n in enumerate(tensor_bytes):
+        group.append(i)
         total += n
         if total > buffer_bytes:
-            chunks.append(total)
-            total = 0
-    return chunks + ([total] if total else [])
+            groups.append(group)
+            group, total = [], 0
+    return groups + ([group] if group else [])
+
+
+def packed_chunks(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES) -> list[int]:
+    """The packed buffers' sizes, in order (packed_groups')."""
+    return [sum(tensor_bytes[i] for i in g) for g in packed_groups(tensor_bytes, buffer_bytes)]
 
 
 def packed_broadcast_peak(tensor_bytes: list[int], buffer_bytes: int = PACKED_BUFFER_BYTES,
