@@ -85,22 +85,26 @@ def main(argv: list[str] | None = None) -> int:
     from llmem.setup.layout import ModelLimits, candidate_layouts
     from llmem.setup.training import TrainingSetup
 
-    calls = {"n": 0}
-    real_full = engines.LlmemEngine.full
+    calls = {"n": 0, "verdicts": 0}
+    real_full, real_step_verdict = engines.LlmemEngine.full, engines.step_verdict
 
     def counting(self, setup):
         calls["n"] += 1
         return real_full(self, setup)
 
-    engines.LlmemEngine.full = counting
+    def counting_verdicts(r, limit_bytes):
+        calls["verdicts"] += 1
+        return real_step_verdict(r, limit_bytes)
+
+    engines.LlmemEngine.full, engines.step_verdict = counting, counting_verdicts
     plan_rows, layout_rows, worst_512_s, worst_512_cpu_s = [], [], 0.0, 0.0
     for model in args.models.split(","):
         anatomy = load_anatomy(model)
         for gpus in map(int, args.gpu_counts.split(",")):
             setup = TrainingSetup(model=model, gpus=gpus, gpu=args.gpu, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
-            calls["n"] = 0
+            calls["n"] = calls["verdicts"] = 0
             plan(setup, anatomy=anatomy)                       # warm: imports and first-use caches
-            per_plan = calls["n"]
+            per_plan, verdicts = calls["n"], calls["verdicts"]
             cpu: list[float] = []
             plan_s, p = _median_s(lambda setup=setup, anatomy=anatomy: plan(setup, anatomy=anatomy), args.repeat, cpu)
             if gpus == 512:
@@ -112,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             heads = (anatomy.num_heads, anatomy.num_kv_heads)
             limits = ModelLimits(anatomy.num_layers, args.seq_len)
             total = len(candidate_layouts(gpus, 8, *heads, limits=limits, pp=None, cp=None))
-            plan_rows.append((model, gpus, plan_s, cpu[0], f"{len(p.candidates)} of {total}", per_plan, rec))
+            plan_rows.append((model, gpus, plan_s, cpu[0], f"{len(p.candidates)} of {total}", per_plan, verdicts,
+                              rec))
             print(f"{model:32s} {gpus:4d} GPUs  plan {plan_s:6.3f} s (cpu {cpu[0]:6.3f} s)  "
                   f"{len(p.candidates):2d} of {total:2d} layouts  "
-                  f"{per_plan:4d} estimates  -> {rec}", flush=True)
+                  f"{per_plan:4d} estimates {verdicts:4d} verdicts -> {rec}", flush=True)
         if args.no_layout_table:
             continue
         heads = (anatomy.num_heads, anatomy.num_kv_heads)
@@ -129,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
                 layout_rows.append((model, lay.label, None, str(exc)[:80]))
                 continue
             layout_rows.append((model, lay.label, est_s, ""))
-    engines.LlmemEngine.full = real_full
+    engines.LlmemEngine.full, engines.step_verdict = real_full, real_step_verdict
 
     lines = ["| model | GPUs | plan (median) | CPU (median) | layouts searched of candidates | full estimates per plan "
-             "| answer |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {m} | {g} | {s:.3f} s | {c:.3f} s | {n} | {e} | {r} |" for m, g, s, c, n, e, r in plan_rows]
+             "| verdicts per plan | answer |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {m} | {g} | {s:.3f} s | {c:.3f} s | {n} | {e} | {v} | {r} |" for m, g, s, c, n, e, v, r in plan_rows]
     if layout_rows:
         lines += ["", "| model | layout (64 GPUs) | one estimate, batch 1 (median) |", "|---|---|---|"]
     lines += [f"| {m} | {lab} | " + (f"{s * 1000:.0f} ms" if s is not None else f"refused: {why}") + " |"

@@ -12,10 +12,10 @@ import pytest
 from llmem.errors import LlmemError
 from llmem.model.anatomy import load_anatomy
 from llmem.model.resolved import setup_for
-from llmem.planner.engines import LlmemEngine
+from llmem.planner.engines import LlmemEngine, fits_within
 from llmem.planner.options import PlanOptions
 from llmem.planner.plan import plan
-from llmem.planner.search import CandidatePlan, PlanContext, attach_time, fits_within, limit_bytes
+from llmem.planner.search import CandidatePlan, PlanContext, attach_time, limit_bytes
 from llmem.planner.suggestions import CHEAP_SAVERS, combined_savers, full_finetune_savers
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import candidate_layouts

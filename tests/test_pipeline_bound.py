@@ -31,7 +31,7 @@ def test_tensor_peak_by_hand():
     s.free(a)
     s.alloc(900, "gradients")        # 600 + 900 = 1500 < 1000 + 600 = 1600
     s.free(b)
-    from llmem.estimator.pipeline import tensor_peak_bytes
+    from llmem.estimator.events import tensor_peak_bytes
 
     assert tensor_peak_bytes(s) == 1600
     # the allocator's blocks are 512-byte multiples: 1024 + 1024 = 2048 allocated at the same moment

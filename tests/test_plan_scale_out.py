@@ -10,6 +10,7 @@ import pytest
 from llmem.errors import LlmemError
 from llmem.model.anatomy import load_anatomy
 from llmem.model.resolved import assemble
+from llmem.planner.engines import MemoryEngine
 from llmem.planner.export import ExportPlan
 from llmem.planner.export_torchtitan import torchtitan_sections
 from llmem.planner.options import PlanOptions
@@ -165,10 +166,11 @@ def test_plan_without_scale_out_refuses_a_fixed_pp():
 LIMIT = 1000
 
 
-class PatternEngine:
+class PatternEngine(MemoryEngine):
     has_quick = True
 
     def __init__(self, pattern: dict[int, str]) -> None:
+        super().__init__(None, None, LIMIT)
         self.pattern, self.fulls, self.drafts = pattern, [], []
 
     def _result(self, batch: int, draft: bool):

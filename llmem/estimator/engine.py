@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
-from llmem.estimator.events import Replay, Schedule, extrapolate, replay, same_peak_phase
+from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
@@ -33,7 +33,7 @@ from llmem.memory.activations.learned import (
     remember_failure,
 )
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
-from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
+from llmem.memory.capacity import AtCapacity, Fit, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases
@@ -58,10 +58,11 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
 
 
 def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelStates | None = None,
-                      limit_bytes: int | None = None) -> MemoryResult:
+                      limit_bytes: int | None = None, verdict: StepVerdict | None = None) -> MemoryResult:
     """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
     on the micro-batch shape). `fits` is decided on a device of `limit_bytes` (default: the GPU's memory) as the
-    allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only."""
+    allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only. `verdict`:
+    step_verdict's at this limit, whose schedule and replay at the capacity are reused."""
     record = r.record()
     r = rank_tokens(r)     # --cp: the rank's seq_len / cp tokens (llmem.memory.activations.context_parallel)
     learn_if_needed(r)
@@ -77,7 +78,9 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         whole = functools.cache(lambda: stage_whole(r, top))
     else:
         moments = step_moments(r, act, ms)
-        whole = functools.cache(lambda: step_schedule(r, act).build())    # built once: replayed, maybe at capacity
+        built = verdict.schedule if verdict is not None else None
+        # built once: replayed, maybe at capacity
+        whole = functools.cache(lambda: built if built is not None else step_schedule(r, act).build())
         rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
@@ -85,7 +88,9 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     if pool is not None:
         check_vllm_starts(r, pool, ms.weights, context)
     vllm_resident = pool.resident_in_training_bytes if pool is not None else 0
-    cap = step_at_capacity(r, rep, limit - context - vllm_resident, whole, draft=draft)
+    capacity = limit - context - vllm_resident
+    known = verdict.capped if verdict is not None and verdict.capacity_bytes == capacity else None
+    cap = step_at_capacity(r, rep, capacity, whole, draft=draft, capped_replay=known)
     if stages and cap.completes:       # the answer stage fits: so must every other stage's live tensors
         cap = every_stage_fits(cap, stages)
     if pool is not None and pool.sleeps:
@@ -130,6 +135,44 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     return result
 
 
+@dataclass(frozen=True)
+class StepVerdict:
+    """step_verdict's answer: the fit at `capacity_bytes` (the allocator's share of the limit), and what deciding it
+    built, which the full estimate at the same capacity reuses (estimate_resolved's `verdict`)."""
+    fit: Fit
+    capacity_bytes: int
+    schedule: Schedule | None = field(default=None, repr=False)   # the whole-depth schedule (None: over capacity)
+    capped: Replay | None = field(default=None, repr=False)       # its replay at the capacity (None: over it)
+
+
+def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
+    """Whether the step fits within `limit_bytes` of device memory, decided as estimate_resolved decides `fits`
+    there, for less: the whole-depth schedule built once, and only as far as its live tensor bytes stay within the
+    capacity (past it the allocated peak is over too: the allocator rounds blocks up, never down), with no replay;
+    else one replay at the capacity, which stops at the first allocation that fails (the full estimate replays uncapped, then at the
+    capacity where that does not decide it: the same verdict, llmem.memory.capacity). None where the full
+    estimate decides otherwise: a pipeline (one replay per stage), a colocated vLLM pool, a model deeper than
+    EXACT_LAYERS (decided on extrapolated peaks)."""
+    if r.layout.pp > 1 or r.anatomy.num_layers > EXACT_LAYERS or colocated_pool(r) is not None:
+        return None
+    r = rank_tokens(r)
+    learn_if_needed(r)
+    check_ep_learned(r)
+    capacity = limit_bytes - outside_allocator_bytes(r.gpu, r.layout.world_size)
+    if capacity <= 0:
+        return StepVerdict(Fit.OVER_CAPACITY, capacity)
+    act = activation_profile(r)
+
+    def decide() -> StepVerdict:
+        schedule = built_within(step_schedule(r, act), capacity)
+        if schedule is None:
+            return StepVerdict(Fit.OVER_CAPACITY, capacity)
+        got = replay(schedule, r.setup.expandable_segments, capacity_bytes=capacity)
+        return StepVerdict(Fit.FITS if got.oom is None else Fit.OUT_OF_MEMORY, capacity, schedule, got)
+
+    return _without_gc(decide)
+
+
 def generation_allocated(rep: Replay) -> int:
     """The trainer's live tensor bytes at its generation phases' peak (what stays on the device while vLLM runs),
     FSDP2's weight sync included (vLLM's weights woken before it; the full tensors' blocks stay cached by then)."""
@@ -155,16 +198,17 @@ def step_phases(r: ResolvedSetup, rep: Replay) -> list[PhaseMemory]:
 
 
 def step_at_capacity(r: ResolvedSetup, rep: Replay, capacity_bytes: int, whole: Callable[[], Schedule],
-                     *, draft: bool = False) -> AtCapacity:
+                     *, draft: bool = False, capped_replay: Replay | None = None) -> AtCapacity:
     """The step on a device whose allocator may fill `capacity_bytes`: decided on the (extrapolated) peaks where
     they decide it, else by replaying the whole-depth schedule at that capacity (fragmentation does not
-    extrapolate; `whole` gives that schedule). A draft never replays: it takes an undecided step as fitting, at the
-    capacity."""
+    extrapolate; `whole` gives that schedule; `capped_replay`: that replay where the caller has it). A draft never
+    replays: it takes an undecided step as fitting, at the capacity."""
 
     def capped(capacity: int) -> tuple[int, OutOfMemory | None]:
         if draft:          # undecided: taken as fitting, with the most the allocator may hold there
             return min(rep.peak_reserved_bytes, capacity), None
-        got = _without_gc(lambda: replay(whole(), r.setup.expandable_segments, capacity_bytes=capacity))
+        got = capped_replay or _without_gc(lambda: replay(whole(), r.setup.expandable_segments,
+                                                          capacity_bytes=capacity))
         return got.peak_reserved_bytes, got.oom
 
     return at_capacity(rep.peak_allocated_bytes, rep.peak_reserved_bytes, capacity_bytes, capped,
@@ -263,7 +307,7 @@ def step_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int | None =
     return cls(r, act, layers=layers)
 
 
-def _without_gc(work: Callable[[], Replay]) -> Replay:
+def _without_gc(work: Callable[[], object]) -> object:
     """Tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses to a replay."""
     was_enabled = gc.isenabled()
     gc.disable()

@@ -15,6 +15,14 @@ from llmem.result import OutOfMemory
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
 
 
+class LiveBytesOver(Exception):
+    """A schedule's live tensor bytes passed its stop_above_bytes: the rest of the step was not built."""
+
+    def __init__(self, live_bytes: int) -> None:
+        super().__init__(f"{live_bytes} bytes of live tensors")
+        self.live_bytes = live_bytes
+
+
 @dataclass
 class Schedule:
     """Allocation events, grouped in phases, with the component each tensor belongs to."""
@@ -22,6 +30,10 @@ class Schedule:
     phase_starts: list[tuple[int, str]] = field(default_factory=list)          # (first event index, phase)
     marks: list[tuple[int, str]] = field(default_factory=list)   # (first event index, where: "layer 3", "loss")
     min_bytes: int = 1                 # smaller tensors are left out (see StepSchedule)
+    # built only to learn whether the live tensors pass this many bytes: alloc raises LiveBytesOver once they do
+    stop_above_bytes: int | None = None
+    live_bytes: int = 0                # the live tensors' bytes after the last event
+    peak_live_bytes: int = 0           # their largest sum so far (tensor_peak_bytes)
     _live: dict[int, tuple[int, str]] = field(default_factory=dict)
     _next: int = 0
 
@@ -49,6 +61,11 @@ class Schedule:
             return -1
         self.events.append((1, key, size, stream, component))
         self._live[key] = (size, component)
+        self.live_bytes += size
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
+            if self.stop_above_bytes is not None and self.live_bytes > self.stop_above_bytes:
+                raise LiveBytesOver(self.live_bytes)
         return key
 
     def size_of(self, key: int) -> int:
@@ -59,6 +76,7 @@ class Schedule:
         if key >= 0:
             size, component = self._live.pop(key)
             self.events.append((-1, key, size, DEFAULT, component))
+            self.live_bytes -= size
 
     def free_all(self, keys: list[int]) -> None:
         for k in keys:
@@ -163,3 +181,22 @@ def same_peak_phase(small: Replay, large: Replay, deep: Replay) -> bool:
     than backward's activations, overtaking it) is a step the replays did not see: its reserved bytes (new segments
     where the cached blocks no longer serve) do not grow linearly and the extrapolation misses them."""
     return small.peak_phase == large.peak_phase == deep.peak_phase
+
+
+def tensor_peak_bytes(schedule: Schedule) -> int:
+    """The largest sum of live tensor bytes over the schedule's events, without the allocator: a lower bound on its
+    replay's allocated peak (CachingAllocator rounds every block up, never down)."""
+    return schedule.peak_live_bytes
+
+
+def built_within(builder, stop_above_bytes: int) -> Schedule | None:
+    """`builder.build()` (a StepSchedule's, its schedule in `builder.sch`) only as far as the live tensor bytes stay
+    within `stop_above_bytes`: None where they pass it (the step's allocated peak is then over it too; the rest
+    of the step is not built), else the whole schedule."""
+    builder.sch.stop_above_bytes = stop_above_bytes
+    try:
+        schedule = builder.build()
+    except LiveBytesOver:
+        return None
+    schedule.stop_above_bytes = None
+    return schedule

@@ -32,10 +32,9 @@ the placement) until _get_grad_inner_tensor redistributes it to its shard at the
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import accumulate
 
 from llmem.errors import LlmemError
-from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, replay
+from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
 from llmem.estimator.schedule import StepSchedule
 from llmem.memory.activations.profile import activation_profile
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
@@ -360,12 +359,6 @@ def _tp_note(r: ResolvedSetup) -> str:
     return f"; each stage tensor-parallel over tp {r.layout.tp}, sending [micro-batch, {seq}, hidden]"
 
 
-def tensor_peak_bytes(schedule: Schedule) -> int:
-    """The largest sum of live tensor bytes over the schedule's events, without the allocator: a lower bound on its
-    replay's allocated peak (CachingAllocator rounds every block up, never down)."""
-    return max(accumulate(sign * size for sign, _k, size, _s, _c in schedule.events), default=0)
-
-
 # the ranks whose schedules bound the pipeline's memory from below: the first (the embedding and, under 1F1B, the
 # most micro-batches in flight) and the last (lm_head, the logits)
 FLOOR_RANKS = (0, -1)
@@ -373,13 +366,18 @@ FLOOR_RANKS = (0, -1)
 
 def pipeline_allocated_floor(r: ResolvedSetup, over_bytes: int | None = None) -> int:
     """A lower bound on the pipeline's largest stage allocated peak, with no allocator replay: the tensor peak of the
-    first and the last rank's schedules (built, not replayed; the first one's alone once it is over `over_bytes`).
+    first and the last rank's schedules (built, not replayed; built only until their live tensors pass
+    `over_bytes`: a floor over it is then the live bytes where the build stopped, itself over).
     Over the device's capacity, that rank's step runs out of memory at this micro-batch (its allocated peak alone
     is over: llmem.memory.capacity's case 2)."""
     check_modelled(r)
     floor = 0
     for rank in FLOOR_RANKS:
-        floor = max(floor, tensor_peak_bytes(stage_whole(r, rank % r.setup.pp)))
-        if over_bytes is not None and floor > over_bytes:
-            break
+        at = rank % r.setup.pp
+        builder = StageSchedule(r, splits_of(r, at), at)
+        if over_bytes is None:
+            builder.build()
+        elif built_within(builder, over_bytes) is None:     # over: its build stopped there
+            return builder.sch.peak_live_bytes
+        floor = max(floor, builder.sch.peak_live_bytes)
     return floor

@@ -32,9 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from llmem.result import OutOfMemory
 from llmem.units import format_bytes
+
+
+class Fit(Enum):
+    """A step's verdict on a device of some capacity, as the allocator decides it (the cases above)."""
+    FITS = "fits"                      # its allocations complete (cases 1 and 3)
+    OUT_OF_MEMORY = "out_of_memory"    # an allocation fails even after the cache is released (case 3)
+    OVER_CAPACITY = "over_capacity"    # its live tensors alone exceed the capacity (case 2: a larger batch too)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ dimensions that activations depend on. Nothing is allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import prod
 
 from llmem.model.config import build_meta_model, resolve_config
@@ -82,7 +82,16 @@ class ModelAnatomy:
         return sum(p.numel for p in self.params if p.trainable)
 
     def layer_params(self, index: int) -> int:
-        return sum(p.numel for p in self.params if p.layer_index == index)
+        return self.params_per_layer[index] if 0 <= index < self.num_layers else 0
+
+    @cached_property
+    def params_per_layer(self) -> tuple[int, ...]:
+        """Parameters of each decoder layer (summed once: the planner's time model reads them per layout)."""
+        per = [0] * self.num_layers
+        for p in self.params:
+            if p.layer_index is not None and 0 <= p.layer_index < self.num_layers:
+                per[p.layer_index] += p.numel
+        return tuple(per)
 
     @property
     def root_params(self) -> int:

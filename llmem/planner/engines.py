@@ -4,8 +4,10 @@ answers a search may use before it confirms with the full one.
 - `LlmemEngine`: the llmem estimator. Each set-up is resolved once and its model states computed once (neither
   depends on the micro-batch shape), then every batch and sequence length of it reuses them. `quick` is the tensor
   bytes at the step's largest moment (no allocator replay, about 1 ms); `draft` replays shallower depths (4 and 8
-  layers): its allocated peak is exact (linear in depth), its reserved is not. Every answer is kept per set-up (a
-  plan's what-ifs meet the same set-up more than once).
+  layers): its allocated peak is exact (linear in depth), its reserved is not; `verdict` is the full estimate's
+  fit at a limit without its numbers (llmem.estimator.engine.step_verdict: one replay at the capacity, none where the
+  live tensors alone are over it). Every answer is kept per set-up (a plan's what-ifs meet the same set-up more
+  than once).
 - `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
 """
 
@@ -15,8 +17,15 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from llmem.errors import LlmemError
-from llmem.estimator.engine import estimate_resolved, learn_if_needed, quick_peak_allocated
+from llmem.estimator.engine import (
+    StepVerdict,
+    estimate_resolved,
+    learn_if_needed,
+    quick_peak_allocated,
+    step_verdict,
+)
 from llmem.estimator.states import ModelStates, model_states
+from llmem.memory.capacity import Fit
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.paper.engine import paper_estimate
@@ -25,9 +34,30 @@ from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.training import TrainingSetup
 
 
+def fits_within(m: MemoryResult, limit: int) -> bool:
+    """Fits in `limit` bytes of device memory: as the allocator decides it where the engine replayed the step at
+    that limit (the llmem engine built with it), else device-used memory against the limit (the paper engine)."""
+    return m.fits if m.capacity_bytes else m.device_used_bytes <= limit
+
+
+def out_of_memory_above(m: MemoryResult) -> bool:
+    """Out of memory at this batch and every larger one: the step's allocated peak alone is over the capacity
+    (llmem.memory.capacity.at_capacity's case 2, no replay at the capacity), and the allocated peak grows with the
+    batch (every tensor of the step does); a draft's (extrapolated from shallower replays) only approximately."""
+    return m.oom is not None and not m.by_fragmentation
+
+
+def verdict_of(m: MemoryResult, limit: int) -> Fit:
+    """A full estimate's verdict at `limit` (the limit its engine decided `fits` at, where it has one)."""
+    if fits_within(m, limit):
+        return Fit.FITS
+    return Fit.OVER_CAPACITY if out_of_memory_above(m) else Fit.OUT_OF_MEMORY
+
+
 class MemoryEngine:
     """The interface: `full` is the engine's answer; `draft` and `quick` are cheaper ones for searches (`quick`
-    only where `has_quick`)."""
+    only where `has_quick`); `verdict` the full answer's fit at a limit (from the full answer unless the engine
+    has a cheaper way to it)."""
     name = ""
     has_quick = False
 
@@ -43,6 +73,12 @@ class MemoryEngine:
 
     def quick(self, setup: TrainingSetup) -> int:
         raise NotImplementedError(f"the {self.name} engine has no quick bound")
+
+    def verdict(self, setup: TrainingSetup, limit: int) -> Fit:
+        return verdict_of(self.full(setup), limit)
+
+    def fits(self, setup: TrainingSetup, limit: int) -> bool:
+        return self.verdict(setup, limit) is Fit.FITS
 
     def pipeline_floor(self, setup: TrainingSetup) -> int:
         raise NotImplementedError(f"the {self.name} engine has no pipeline bound")
@@ -68,7 +104,9 @@ class LlmemEngine(MemoryEngine):
         self._prepared: dict[tuple, tuple[ResolvedSetup, ModelStates]] = {}
         self._resolved: dict[tuple, ResolvedSetup] = {}
         # a plan's what-ifs meet the same set-up more than once (one saver's search, another's screen): kept
-        self._answers: dict[tuple[str, TrainingSetup], MemoryResult | int] = {}
+        self._answers: dict[tuple, MemoryResult | int | Fit] = {}
+        # the last fitting verdict's schedule and replay, which the full estimate a search confirms it with reuses
+        self._last_fit: tuple[TrainingSetup, StepVerdict] | None = None
 
     def _kept(self, kind: str, setup: TrainingSetup, work: Callable[[ResolvedSetup, ModelStates], object]):
         key = (kind, setup)
@@ -94,7 +132,9 @@ class LlmemEngine(MemoryEngine):
         return self._resolved[key].with_shape(setup.batch_size, setup.seq_len)
 
     def full(self, setup: TrainingSetup) -> MemoryResult:
-        return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states,
+        last = self._last_fit
+        known = last[1] if last is not None and last[0] == setup else None
+        return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states, verdict=known,
                                                                              limit_bytes=self.limit_bytes))
 
     def draft(self, setup: TrainingSetup) -> MemoryResult:
@@ -103,6 +143,22 @@ class LlmemEngine(MemoryEngine):
 
     def quick(self, setup: TrainingSetup) -> int:
         return self._kept("quick", setup, quick_peak_allocated)
+
+    def verdict(self, setup: TrainingSetup, limit: int) -> Fit:
+        """The full estimate's fit at `limit`: read off the full answer where it is kept and was decided at this
+        limit, else step_fits (no numbers, one replay at most), else the full estimate."""
+        if ("full", setup) in self._answers and limit == self.limit_bytes:
+            return verdict_of(self._answers[("full", setup)], limit)
+        key = ("verdict", setup, limit)
+        if key not in self._answers:
+            got = step_verdict(self.resolved(setup), limit)
+            if got is None:
+                self._answers[key] = verdict_of(self.full(setup), limit)
+            else:
+                self._answers[key] = got.fit
+                if got.fit is Fit.FITS and limit == self.limit_bytes:
+                    self._last_fit = (setup, got)
+        return self._answers[key]
 
     def pipeline_floor(self, setup: TrainingSetup) -> int:
         """Under --pp, a lower bound on the device-used memory of the pipeline's largest stage (no allocator

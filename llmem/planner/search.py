@@ -7,15 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from llmem.errors import LlmemError
+from llmem.memory.capacity import Fit
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.peft import trained_anatomy
 from llmem.model.resolved import assemble, setup_for
 from llmem.paper.algorithm1 import method_eval
-from llmem.planner.engines import MemoryEngine
+from llmem.planner.engines import MemoryEngine, fits_within, out_of_memory_above
 from llmem.planner.options import PlanOptions
 from llmem.planner.timing import StepTime, accumulation_for, offload_step_extra_s, step_time
 from llmem.result import MemoryResult
-from llmem.search import BATCH_CAP, bisect_max, calibrated_max, max_batch_size, refine_max
+from llmem.search import BATCH_CAP, bisect_max, max_batch_size, refine_max
 from llmem.setup.gpus import GpuSpec
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import setup_batch_multiple
@@ -71,12 +72,6 @@ def limit_bytes(gpu: GpuSpec, headroom: float) -> int:
     return int(gpu.memory_bytes * (1 - headroom))
 
 
-def fits_within(m: MemoryResult, limit: int) -> bool:
-    """Fits in `limit` bytes of device memory: as the allocator decides it where the engine replayed the step at
-    that limit (the llmem engine built with it), else device-used memory against the limit (the paper engine)."""
-    return m.fits if m.capacity_bytes else m.device_used_bytes <= limit
-
-
 def pipeline_microbatches(base: TrainingSetup, layout: Layout) -> int:
     """The schedule's micro-batches per step a pipeline layout is planned with: --pp-microbatches where given,
     else pp (the fewest torch's GPipe and 1F1B accept; more shrink the bubble, which the time model shows); 1
@@ -103,13 +98,57 @@ def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSet
                    pp_virtual_stages=base.pp_virtual_stages)
 
 
+# the share of the allocator's capacity a step's allocated peak reaches where it stops fitting is fragmentation's:
+# 0.88-0.97 for Llama-3.1-405B fsdp x cp at 512 GPUs; a plan's first search of a kind of layout aims here, later
+# ones at the share its earlier searches found (FitBoundary)
+FIRST_SHARE = 0.95
+# learned from a fitting batch's share: aim this much above it, so the guess lands on the boundary's either side
+NEAR_SHARE = 0.01
+
+
+@dataclass
+class FitBoundary:
+    """Where a plan's batch searches found the fit to end: per kind of layout (its method and which of tp, cp, ep it
+    uses), the share of the allocator's capacity the largest fitting batch's allocated peak reached. A search's
+    first guess only: the answer is the verdict's."""
+    shares: dict[tuple, float] = field(default_factory=dict)
+
+    @staticmethod
+    def kind(layout: Layout) -> tuple:
+        return layout.method, layout.tp > 1, layout.cp > 1, layout.ep > 1
+
+    def share(self, layout: Layout) -> float:
+        return self.shares.get(self.kind(layout), FIRST_SHARE)
+
+    def learn(self, layout: Layout, m: MemoryResult) -> None:
+        if m.capacity_bytes:
+            self.shares[self.kind(layout)] = min(1.0, m.peak_allocated_bytes / m.capacity_bytes + NEAR_SHARE)
+
+
+def boundary_guess(allocated: Callable[[int], int], quick: Callable[[int], int], target_bytes: int,
+                   cap: int) -> int:
+    """A first guess at the largest batch whose allocated peak is within `target_bytes`: the quick bound's (tensor
+    bytes at the largest moment, no replay) largest batch within it, then the line through `allocated` (the
+    draft's, exact: linear in depth) at batch 1 and there (the allocated peak grows about linearly in the batch)."""
+    b = max_batch_size(lambda x: quick(x) <= target_bytes, cap)
+    if b <= 1:
+        return 1
+    a1, ab = allocated(1), allocated(b)
+    if ab <= a1:
+        return b
+    return min(cap, max(1, 1 + int((target_bytes - a1) * (b - 1) // (ab - a1))))
+
+
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
-                     cap: int = BATCH_CAP) -> CandidatePlan:
+                     cap: int = BATCH_CAP, boundary: FitBoundary | None = None) -> CandidatePlan:
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
 
-    With the engine's quick bound (tensor bytes at the largest moment, no allocator replay) the search runs on quick
-    values scaled by the full estimate's device-used / quick ratio at batch 1, then the answer is checked and
-    stepped with full estimates, so the result is the full estimator's own largest fitting batch.
+    With the engine's quick bound the search starts from `boundary_guess` (aimed at the share of the capacity
+    `boundary` learned from the plan's earlier searches), probes with the engine's verdict (the full estimate's fit,
+    for less: one replay at the capacity, none where the live tensors alone exceed it) and confirms the answer with
+    the full estimate, so the result is a batch the full estimator fits whose next one it does not: its largest
+    fitting batch where the fit is monotone in the batch (fragmentation can make it not: the answer is then a
+    fitting batch at or above the first failing one's predecessor).
     """
     # the search runs in units of the objective's micro-batch multiple (KTO's 2): x units = x * unit samples
     unit = setup_batch_multiple(base, layout.world_size)
@@ -133,10 +172,16 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     d1 = engine.draft(layout_setup(base, layout, unit))
     if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
-    # device_used <= limit is the same decision as `fits` at this limit (llmem.memory.capacity): the numbers
-    # calibrate the search, the predicate is the allocator's
-    best = calibrated_max(lambda x: at(x).device_used_bytes,
-                          lambda x: engine.quick(layout_setup(base, layout, x * unit)), limit, cap)
+    boundary = boundary if boundary is not None else FitBoundary()
+    context = d1.components.get("cuda_context", 0)
+    target = int((limit - context) * boundary.share(layout))
+    guess = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
+                           lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
+    best = refine_max(lambda x: engine.fits(layout_setup(base, layout, x * unit), limit), guess, cap)
+    while best > 0 and not fits(best):      # the verdict is the full estimate's own: confirmed, not corrected
+        best -= 1
+    if best:
+        boundary.learn(layout, at(best))
     return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
 
 
@@ -156,9 +201,10 @@ class PlanContext:
     engine: MemoryEngine
     limit: int
     prune: bool = True      # suggestions skip the layouts a quick bound proves cannot be the fastest (False: all)
+    boundary: FitBoundary = field(default_factory=FitBoundary, compare=False)   # where its searches found fits end
 
     def search(self, setup: TrainingSetup, layout: Layout) -> CandidatePlan:
-        return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap)
+        return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap, self.boundary)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -284,15 +330,8 @@ def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, a
         return float("inf")
 
 
-# full estimates a proof that a layout cannot win (out_of_memory_from) may take before the layout is searched instead
+# verdicts a proof that a layout cannot win (out_of_memory_from) may take before the layout is searched instead
 PROOF_PROBES = 3
-
-
-def out_of_memory_above(m: MemoryResult) -> bool:
-    """Out of memory at this batch and every larger one: the step's allocated peak alone is over the capacity
-    (llmem.memory.capacity.at_capacity's case 2, no replay at the capacity), and the allocated peak grows with the
-    batch (every tensor of the step does); a draft's (extrapolated from shallower replays) only approximately."""
-    return m.oom is not None and not m.by_fragmentation
 
 
 def smallest_winning_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, wins: Callable[[float], bool],
@@ -307,9 +346,9 @@ def smallest_winning_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layou
 def out_of_memory_from(ctx: PlanContext, setup: TrainingSetup, layout: Layout, start: int, top: int,
                        probes: int = PROOF_PROBES) -> bool:
     """Whether no micro-batch from `start` to `top` (in units; above `top` the quick bound rules them out, as
-    batch_upper_bound's) fits as the batch search decides it (device-used memory over the limit): each from `start`
-    is out of memory by its full estimate, up to one whose allocated peak alone is (then every larger one is). The
-    drafts first find where that may be (cheap); False, with no full estimate, where that is more than `probes`
+    batch_upper_bound's) fits as the batch search decides it (the engine's verdict, the full estimate's fit): each
+    from `start` is out of memory, up to one whose live tensors alone are over the capacity (then every larger one's
+    are). The drafts first find where that may be (cheap); False, with no verdict, where that is more than `probes`
     batches away (the layout is then searched)."""
     unit = setup_batch_multiple(setup, layout.world_size)
     span = range(start, min(start + probes, top + 1))
@@ -320,10 +359,10 @@ def out_of_memory_from(ctx: PlanContext, setup: TrainingSetup, layout: Layout, s
     if span[-1] < top and not any(out_of_memory_above(ctx.engine.draft(at(x))) for x in span):
         return False
     for x in span:
-        m = ctx.engine.full(at(x))
-        if m.device_used_bytes > ctx.limit and out_of_memory_above(m):
+        verdict = ctx.engine.verdict(at(x), ctx.limit)
+        if verdict is Fit.OVER_CAPACITY:
             return True
-        if m.device_used_bytes <= ctx.limit:     # fits: the search may answer x (or more)
+        if verdict is Fit.FITS:     # the search may answer x (or more)
             return False
     return span[-1] == top
 

@@ -12,12 +12,11 @@ from llmem.errors import LlmemError
 from llmem.estimator.states import cpu_offload_host_bytes, offloaded_optimizer_host_bytes
 from llmem.model.resolved import assemble, setup_for
 from llmem.paper.algorithm1 import CPU_OFFLOADING
-from llmem.planner.engines import LlmemEngine
+from llmem.planner.engines import LlmemEngine, fits_within
 from llmem.planner.search import (
     CandidatePlan,
     PlanContext,
     attach_time,
-    fits_within,
     frozen_base_trainable_params,
     rank_by_time,
     time_at_max_batch,

@@ -110,8 +110,22 @@ class StepFlops:
         return self.forward + self.backward + self.recompute
 
 
+# matmul_params per model, by identity (a plan asks it of one anatomy hundreds of times; hashing one is not cheap)
+_MATMUL_PARAMS: dict[int, tuple[ModelAnatomy, tuple[float, float]]] = {}
+
+
 def matmul_params(anatomy: ModelAnatomy) -> tuple[float, float]:
     """(decoder-layer, other) weights that multiply activations, per token; MoE experts scaled to the active ones."""
+    kept = _MATMUL_PARAMS.get(id(anatomy))
+    if kept is not None and kept[0] is anatomy:
+        return kept[1]
+    if len(_MATMUL_PARAMS) >= 64:
+        _MATMUL_PARAMS.clear()
+    got = _MATMUL_PARAMS[id(anatomy)] = (anatomy, _matmul_params(anatomy))
+    return got[1]
+
+
+def _matmul_params(anatomy: ModelAnatomy) -> tuple[float, float]:
     cfg = anatomy.config or {}
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     active = cfg.get("num_experts_per_tok") or 0

@@ -1,0 +1,93 @@
+"""The step's verdict at a limit (llmem.estimator.engine.step_fits, the planner's probe) against the full estimate's
+own `fits` there, and the batch search built on it against a search on full estimates alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmem.memory.capacity import Fit
+from llmem.model.anatomy import load_anatomy
+from llmem.planner.engines import LlmemEngine, MemoryEngine, fits_within, verdict_of
+from llmem.planner.search import FitBoundary, boundary_guess, layout_setup, search_candidate
+from llmem.search import max_batch_size
+from llmem.setup.gpus import resolve_gpu
+from llmem.setup.layout import Layout
+from llmem.setup.training import TrainingSetup
+from llmem.units import MIB
+
+GPU = "A100-80GB"
+# tiny-llama at 1024 tokens: these limits put batches 1-16 in each of the three verdicts, and both ways of
+# deciding by fragmentation (the capped replay running out, and carrying through)
+LIMITS_MIB = (2000, 3000, 4000)
+BATCHES = (1, 2, 4, 6, 8, 12, 16)
+SETUPS = [("single", 1, 1), ("fsdp", 2, 1), ("fsdp", 4, 2)]
+
+
+def _setup(method: str, gpus: int, cp: int, batch: int) -> TrainingSetup:
+    return TrainingSetup(model="tiny-llama", gpus=gpus, method=method, cp=cp, seq_len=1024, batch_size=batch,
+                         gpu=GPU)
+
+
+@pytest.mark.parametrize(("method", "gpus", "cp"), SETUPS)
+def test_verdict_is_the_full_estimates_fit(method, gpus, cp):
+    anatomy, gpu = load_anatomy("tiny-llama"), resolve_gpu(GPU)
+    seen = set()
+    for limit_mib in LIMITS_MIB:
+        limit = limit_mib * MIB
+        for batch in BATCHES:
+            s = _setup(method, gpus, cp, batch)
+            m = LlmemEngine(anatomy, gpu, limit).full(s)       # the full estimate, decided at the limit
+            got = LlmemEngine(anatomy, gpu, limit).verdict(s, limit)    # a fresh engine: no full answer to read
+            assert got == verdict_of(m, limit), (limit_mib, batch)
+            assert (got is Fit.FITS) == m.fits
+            if got is Fit.OVER_CAPACITY:                        # the proof's premise: live tensors over capacity
+                assert m.peak_allocated_bytes > m.capacity_bytes and not m.by_fragmentation
+            seen.add((got, m.by_fragmentation))
+    # the grid reaches every verdict, and a fragmentation-decided one
+    assert {v for v, _ in seen} == set(Fit)
+    assert any(frag for _, frag in seen)
+
+
+class FullOnly(MemoryEngine):
+    """The llmem engine with its verdict taken from the full estimate (the interface's default)."""
+    has_quick = True
+
+    def __init__(self, engine: LlmemEngine) -> None:
+        super().__init__(engine.anatomy, engine.gpu, engine.limit_bytes)
+        self.inner = engine
+        self.full, self.draft, self.quick = engine.full, engine.draft, engine.quick
+
+
+@pytest.mark.parametrize(("method", "gpus", "cp", "limit_mib"), [
+    ("single", 1, 1, 6000), ("fsdp", 2, 1, 7000), ("fsdp", 4, 2, 6000)])
+def test_search_with_verdicts_answers_as_full_estimates_do(method, gpus, cp, limit_mib):
+    anatomy, gpu = load_anatomy("tiny-llama"), resolve_gpu(GPU)
+    limit = limit_mib * MIB
+    base = _setup(method, gpus, cp, 1)
+    layout = Layout(method, gpus // cp, 1, 8, cp=cp)
+    fast = search_candidate(base, layout, LlmemEngine(anatomy, gpu, limit), limit, 64)
+    full = LlmemEngine(anatomy, gpu, limit)
+    # the plain exponential-then-bisect search on full estimates only
+    plain = max_batch_size(lambda b: fits_within(full.full(layout_setup(base, layout, b)), limit), 64)
+    slow = search_candidate(base, layout, FullOnly(full), limit, 64)
+    assert fast.max_batch_size == slow.max_batch_size == plain > 1
+    assert fast.memory.device_used_bytes == slow.memory.device_used_bytes <= limit
+
+
+def test_boundary_guess_is_the_line_through_the_drafts():
+    # quick(x) = 100 + 12 x is within 400 up to x = 25; allocated(x) = 90 + 10 x at 1 (100) and 25 (340):
+    # slope 10 a sample, so the target 400 is reached at 1 + (400 - 100) / 10 = 31
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 64) == 31
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 20) == 20     # the cap
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 500 + x, 400, 64) == 1            # nothing within
+
+
+def test_fit_boundary_learns_the_share_per_kind_of_layout():
+    from llmem.result import MemoryResult
+
+    b = FitBoundary()
+    fsdp, cp = Layout("fsdp", 8, 1, 8), Layout("fsdp", 4, 1, 8, cp=2)
+    assert b.share(fsdp) == b.share(cp) == 0.95
+    b.learn(cp, MemoryResult("llmem", 900, 950, 1000, 2000, {}, capacity_bytes=1000))
+    assert b.share(cp) == pytest.approx(0.91)        # 900 / 1000 of the capacity, aimed 0.01 above
+    assert b.share(fsdp) == 0.95
