@@ -39,6 +39,43 @@ def test_tensor_peak_by_hand():
     assert tensor_peak_bytes(Schedule()) == 0
 
 
+class _TwoTensors:
+    """A builder (StepSchedule's interface: `sch`, `build()`) of the by-hand schedule above."""
+
+    def __init__(self) -> None:
+        self.sch, self.built = Schedule(), []
+
+    def build(self) -> Schedule:
+        a = self.sch.alloc(1000, "activations")
+        self.built.append("a")
+        self.sch.alloc(600, "activations")
+        self.built.append("b")
+        self.sch.free(a)
+        return self.sch
+
+
+def test_build_stops_once_the_live_tensors_pass_the_threshold():
+    from llmem.estimator.events import built_within, tensor_peak_bytes
+
+    whole = built_within(_TwoTensors(), 1600)           # 1600 live at most: within
+    assert whole is not None and tensor_peak_bytes(whole) == 1600 and whole.live_bytes == 600
+    over = _TwoTensors()
+    assert built_within(over, 1599) is None             # the second tensor takes it to 1600: stopped there
+    assert over.built == ["a"] and over.sch.peak_live_bytes == 1600
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['method']}-{r.get('pp_schedule', '1f1b')}")
+def test_floor_with_a_threshold_decides_as_the_whole_floor(row):
+    from llmem.estimator.pipeline import pipeline_allocated_floor
+    from llmem.model.resolved import resolve
+
+    r = resolve(TrainingSetup(**row))
+    whole = pipeline_allocated_floor(r)
+    assert pipeline_allocated_floor(r, whole) == whole            # never over: both ranks built whole
+    stopped = pipeline_allocated_floor(r, whole // 2)             # over: the build stopped past half of it
+    assert whole // 2 < stopped <= whole
+
+
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['method']}-{r.get('pp_schedule', '1f1b')}")
 def test_floor_is_below_every_replayed_stage_peak(row):
     from llmem.estimator.pipeline import pipeline_allocated_floor, stage_replays

@@ -1,4 +1,4 @@
-"""The step's verdict at a limit (llmem.estimator.engine.step_fits, the planner's probe) against the full estimate's
+"""The step's verdict at a limit (llmem.estimator.engine.step_verdict, the planner's probe) against the full estimate's
 own `fits` there, and the batch search built on it against a search on full estimates alone."""
 
 from __future__ import annotations
@@ -91,3 +91,19 @@ def test_fit_boundary_learns_the_share_per_kind_of_layout():
     b.learn(cp, MemoryResult("llmem", 900, 950, 1000, 2000, {}, capacity_bytes=1000))
     assert b.share(cp) == pytest.approx(0.91)        # 900 / 1000 of the capacity, aimed 0.01 above
     assert b.share(fsdp) == 0.95
+
+
+@pytest.mark.parametrize(("method", "gpus", "cp", "batch", "limit_mib"), [
+    ("single", 1, 1, 4, 4000),      # fits, uncapped reserved within the capacity
+    ("fsdp", 4, 2, 4, 2000),        # fits by fragmentation: the replay at the capacity is the one reused
+])
+def test_the_full_estimate_reusing_a_verdict_is_the_full_estimate(method, gpus, cp, batch, limit_mib):
+    from llmem.estimator.engine import estimate_resolved, step_verdict
+    from llmem.model.resolved import resolve
+
+    limit = limit_mib * MIB
+    r = resolve(_setup(method, gpus, cp, batch), load_anatomy("tiny-llama"), resolve_gpu(GPU))
+    v = step_verdict(r, limit)
+    assert v is not None and v.fit is Fit.FITS and v.schedule is not None
+    alone, reused = estimate_resolved(r, limit_bytes=limit), estimate_resolved(r, limit_bytes=limit, verdict=v)
+    assert alone.to_dict() == reused.to_dict()
