@@ -77,9 +77,9 @@ def test_search_with_verdicts_answers_as_full_estimates_do(method, gpus, cp, lim
 def test_boundary_guess_is_the_line_through_the_drafts():
     # quick(x) = 100 + 12 x is within 400 up to x = 25; allocated(x) = 90 + 10 x at 1 (100) and 25 (340):
     # slope 10 a sample, so the target 400 is reached at 1 + (400 - 100) / 10 = 31
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 64) == 31
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 20) == 20     # the cap
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 500 + x, 400, 64) == 1            # nothing within
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 64) == (31, 10)
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 20)[0] == 20   # the cap
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 500 + x, 400, 64) == (1, 0)      # nothing within
 
 
 def test_fit_boundary_learns_the_share_per_kind_of_layout():
@@ -88,8 +88,9 @@ def test_fit_boundary_learns_the_share_per_kind_of_layout():
     b = FitBoundary()
     fsdp, cp = Layout("fsdp", 8, 1, 8), Layout("fsdp", 4, 1, 8, cp=2)
     assert b.share(fsdp) == b.share(cp) == 0.95
-    b.learn(cp, MemoryResult("llmem", 900, 950, 1000, 2000, {}, capacity_bytes=1000))
-    assert b.share(cp) == pytest.approx(0.91)        # 900 / 1000 of the capacity, aimed 0.01 above
+    # 900 of 1000 bytes at the largest fitting batch, 40 more a batch: the fit ends midway, at 920 / 1000
+    b.learn(cp, MemoryResult("llmem", 900, 950, 1000, 2000, {}, capacity_bytes=1000), 40)
+    assert b.share(cp) == pytest.approx(0.92)
     assert b.share(fsdp) == 0.95
 
 

@@ -78,10 +78,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         whole = functools.cache(lambda: stage_whole(r, top))
     else:
         moments = step_moments(r, act, ms)
-        built = verdict.schedule if verdict is not None else None
-        # built once: replayed, maybe at capacity
-        whole = functools.cache(lambda: built if built is not None else step_schedule(r, act).build())
-        rep = replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole)
+        rep, whole = step_replay(r, act, draft, verdict)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
     pool = colocated_pool(r)           # GRPO --use-vllm colocate: vLLM's own pool beside the trainer
@@ -171,6 +168,20 @@ def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
         return StepVerdict(Fit.FITS if got.oom is None else Fit.OUT_OF_MEMORY, capacity, schedule, got)
 
     return _without_gc(decide)
+
+
+def step_replay(r: ResolvedSetup, act: ActivationProfile, draft: bool,
+                verdict: StepVerdict | None) -> tuple[Replay, Callable[[], Schedule]]:
+    """The step's replay (extrapolated in depth for deep models, from shallower depths for a draft) and the builder
+    of its whole-depth schedule (built once: replayed, maybe at the capacity). With a fitting `verdict` its
+    schedule is that one, and its replay at the capacity is the replay where no cudaMalloc failed there (the
+    allocator then never differed from an unlimited one)."""
+    built = verdict.schedule if verdict is not None else None
+    whole = functools.cache(lambda: built if built is not None else step_schedule(r, act).build())
+    capped = verdict.capped if verdict is not None and not draft else None
+    if capped is not None and capped.num_alloc_retries == 0 and capped.oom is None:
+        return capped, whole
+    return replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole), whole
 
 
 def generation_allocated(rep: Replay) -> int:

@@ -100,6 +100,9 @@ class Replay:
     peak_phase: str
     phases: dict[str, PhasePeak] = field(default_factory=dict)   # "it<i>:<phase>" -> its peak
     oom: OutOfMemory | None = None    # a replay at a capacity that failed (its peaks are those before the failure)
+    # memory_stats "num_alloc_retries": cudaMalloc failed at the capacity and the cache was released (0: the replay
+    # is the uncapped one's)
+    num_alloc_retries: int = 0
 
 
 def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes: int | None = None) -> Replay:
@@ -154,7 +157,7 @@ def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes
     phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
     name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
     return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],
-                  phases, oom)
+                  phases, oom, stats.num_alloc_retries)
 
 
 def extrapolate(small: Replay, large: Replay, small_layers: int, large_layers: int, layers: int) -> Replay:

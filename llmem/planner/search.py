@@ -102,15 +102,13 @@ def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSet
 # 0.88-0.97 for Llama-3.1-405B fsdp x cp at 512 GPUs; a plan's first search of a kind of layout aims here, later
 # ones at the share its earlier searches found (FitBoundary)
 FIRST_SHARE = 0.95
-# learned from a fitting batch's share: aim this much above it, so the guess lands on the boundary's either side
-NEAR_SHARE = 0.01
 
 
 @dataclass
 class FitBoundary:
     """Where a plan's batch searches found the fit to end: per kind of layout (its method and which of tp, cp, ep it
-    uses), the share of the allocator's capacity the largest fitting batch's allocated peak reached. A search's
-    first guess only: the answer is the verdict's."""
+    uses), the share of the allocator's capacity between the largest fitting batch's allocated peak and the next
+    batch's (midway). A search's first guess only: the answer is the verdict's."""
     shares: dict[tuple, float] = field(default_factory=dict)
 
     @staticmethod
@@ -120,23 +118,26 @@ class FitBoundary:
     def share(self, layout: Layout) -> float:
         return self.shares.get(self.kind(layout), FIRST_SHARE)
 
-    def learn(self, layout: Layout, m: MemoryResult) -> None:
+    def learn(self, layout: Layout, m: MemoryResult, step_bytes: float) -> None:
+        """`m`: the full estimate at the largest fitting batch; `step_bytes`: the allocated peak's growth a batch."""
         if m.capacity_bytes:
-            self.shares[self.kind(layout)] = min(1.0, m.peak_allocated_bytes / m.capacity_bytes + NEAR_SHARE)
+            self.shares[self.kind(layout)] = min(1.0, (m.peak_allocated_bytes + step_bytes / 2) / m.capacity_bytes)
 
 
 def boundary_guess(allocated: Callable[[int], int], quick: Callable[[int], int], target_bytes: int,
-                   cap: int) -> int:
-    """A first guess at the largest batch whose allocated peak is within `target_bytes`: the quick bound's (tensor
-    bytes at the largest moment, no replay) largest batch within it, then the line through `allocated` (the
-    draft's, exact: linear in depth) at batch 1 and there (the allocated peak grows about linearly in the batch)."""
+                   cap: int) -> tuple[int, float]:
+    """A first guess at the largest batch whose allocated peak is within `target_bytes`, and the allocated peak's
+    growth a batch: the quick bound's (tensor bytes at the largest moment, no replay) largest batch within it,
+    then the line through `allocated` (the draft's, exact: linear in depth) at batch 1 and there (the allocated
+    peak grows about linearly in the batch)."""
     b = max_batch_size(lambda x: quick(x) <= target_bytes, cap)
     if b <= 1:
-        return 1
+        return 1, 0.0
     a1, ab = allocated(1), allocated(b)
     if ab <= a1:
-        return b
-    return min(cap, max(1, 1 + int((target_bytes - a1) * (b - 1) // (ab - a1))))
+        return b, 0.0
+    slope = (ab - a1) / (b - 1)
+    return min(cap, max(1, 1 + int((target_bytes - a1) // slope))), slope
 
 
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
@@ -175,13 +176,13 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     boundary = boundary if boundary is not None else FitBoundary()
     context = d1.components.get("cuda_context", 0)
     target = int((limit - context) * boundary.share(layout))
-    guess = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
-                           lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
+    guess, step = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
+                                 lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
     best = refine_max(lambda x: engine.fits(layout_setup(base, layout, x * unit), limit), guess, cap)
     while best > 0 and not fits(best):      # the verdict is the full estimate's own: confirmed, not corrected
         best -= 1
     if best:
-        boundary.learn(layout, at(best))
+        boundary.learn(layout, at(best), step)
     return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
 
 
