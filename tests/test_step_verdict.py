@@ -108,3 +108,41 @@ def test_the_full_estimate_reusing_a_verdict_is_the_full_estimate(method, gpus, 
     assert v is not None and v.fit is Fit.FITS and v.schedule is not None
     alone, reused = estimate_resolved(r, limit_bytes=limit), estimate_resolved(r, limit_bytes=limit, verdict=v)
     assert alone.to_dict() == reused.to_dict()
+
+
+class HoleEngine(MemoryEngine):
+    """Device-used 100 MiB a sample, fitting up to 11 samples except at `holes` (fragmentation's)."""
+    has_quick = False
+
+    def __init__(self, holes: set[int]) -> None:
+        super().__init__(load_anatomy("tiny-llama"), resolve_gpu(GPU), 2000 * MIB)
+        self.holes = holes
+
+    def full(self, setup):
+        from llmem.result import MemoryResult, OutOfMemory
+
+        b, used = setup.batch_size, setup.batch_size * 100 * MIB
+        oom = None if b <= 11 and b not in self.holes else OutOfMemory("it1:backward", "", "activations", 1, used,
+                                                                        used, self.limit_bytes)
+        return MemoryResult("llmem", used, used, used, self.gpu.memory_bytes, {}, capacity_bytes=self.limit_bytes,
+                            oom=oom, by_fragmentation=oom is not None and b <= 11)
+
+
+@pytest.mark.parametrize(("holes", "micro", "steps"), [
+    (set(), 10, 1),         # a global batch of 10: one step of 10
+    ({10}, 11, 1),          # 10 runs out of memory where 11 fits: one step of 11
+    ({10, 11}, 5, 2),       # 10 and 11 do not fit, 9 is the largest: two steps of 5
+])
+def test_the_plans_micro_batch_is_one_that_fits(holes, micro, steps):
+    from llmem.planner.options import PlanOptions
+    from llmem.planner.search import CandidatePlan, PlanContext, attach_time
+
+    engine = HoleEngine(holes)
+    ctx = PlanContext(engine.anatomy, engine.gpu, PlanOptions(global_batch=10), engine, engine.limit_bytes)
+    base, layout = TrainingSetup(model="tiny-llama", seq_len=128, gpu=GPU), Layout("single", 1, 1, 8)
+    top = 9 if 11 in holes else 11          # the largest fitting batch a search may answer (9: below both holes)
+    c = CandidatePlan(layout, top, engine.full(layout_setup(base, layout, top)), engine.limit_bytes)
+    attach_time(ctx, c, base)
+    assert (c.time.micro_batch_size, c.time.accumulation_steps) == (micro, steps)
+    assert engine.fits(layout_setup(base, layout, c.time.micro_batch_size), engine.limit_bytes)
+    assert any("runs out of memory" in n for n in c.notes) == (holes == {10})

@@ -224,26 +224,39 @@ def timed(ctx: PlanContext, setup: TrainingSetup, layout: Layout, micro: int, st
 
 def attach_time(ctx: PlanContext, c: CandidatePlan, setup: TrainingSetup, adapter_params: int = 0) -> None:
     """The candidate's step time at the micro-batch and accumulation the plan would use (`adapter_params`: the
-    trained adapters, found from the set-up when 0)."""
-    if c.fits:
-        c.time = time_at_max_batch(ctx, setup, c.layout, c.max_batch_size, adapter_params, c.offload_optimizer)
+    trained adapters, found from the set-up when 0). A --global-batch can make that micro-batch smaller than the
+    largest fitting one, and where fragmentation decides the fit a smaller one can run out of memory
+    (llmem.memory.capacity's known limitations): then the next larger one that fits, with its accumulation."""
+    if not c.fits:
+        return
+    c.time = time_at_max_batch(ctx, setup, c.layout, c.max_batch_size, adapter_params, c.offload_optimizer)
+    micro, unit = c.time.micro_batch_size, setup_batch_multiple(setup, c.layout.world_size)
+    if micro >= c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, micro), ctx.limit):
+        return
+    up = next(m for m in range(micro + unit, c.max_batch_size + 1, unit)
+              if m == c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, m), ctx.limit))
+    c.time = time_at_max_batch(ctx, setup, c.layout, up, adapter_params, c.offload_optimizer, at_least=up)
+    c.notes.append(f"micro-batch {micro} runs out of memory where {c.max_batch_size} fits (fragmentation: a marginal "
+                   f"fit), so {up}, with {c.time.accumulation_steps} accumulation step(s)")
 
 
 def time_at_max_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, max_batch: int,
-                      adapter_params: int = 0, offload_optimizer: bool = False) -> StepTime:
+                      adapter_params: int = 0, offload_optimizer: bool = False, at_least: int = 1) -> StepTime:
     """The step time of `layout` whose largest micro-batch is `max_batch`, at the micro-batch and accumulation the
     plan would use (attach_time's; tokens/s does not fall as `max_batch` grows, so at an upper bound on the
-    largest batch it bounds the plan's tokens/s)."""
+    largest batch it bounds the plan's tokens/s); `at_least`: the smallest micro-batch it may use."""
     options = ctx.options
     adapter_params = adapter_params or frozen_base_trainable_params(setup, ctx.anatomy)
     if setup.optimizer_in_backward:
         # each gradient is consumed by its update during backward: no accumulation, one micro-batch per step
         wanted = -(-options.global_batch // layout.dp) if options.global_batch else max_batch
-        micro, steps = min(max_batch, wanted), 1
+        micro, steps = min(max_batch, max(wanted, at_least)), 1
     else:   # under --pp each of the dp ranks runs m micro-batches per schedule step
-        micro, steps = accumulation_for(options.global_batch, max_batch,
-                                        layout.dp * pipeline_microbatches(setup, layout),
+        ranks = layout.dp * pipeline_microbatches(setup, layout)
+        micro, steps = accumulation_for(options.global_batch, max_batch, ranks,
                                         setup_batch_multiple(setup, layout.world_size))
+        if micro < at_least:     # the fewest steps at that micro-batch
+            micro, steps = at_least, max(1, -(-options.global_batch // (at_least * ranks)))
     t = timed(ctx, setup, layout, micro, steps, adapter_params)
     if offload_optimizer:
         extra = offload_step_extra_s(assemble(layout_setup(setup, layout, micro), ctx.anatomy, ctx.gpu, layout))
