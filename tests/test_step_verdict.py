@@ -146,3 +146,25 @@ def test_the_plans_micro_batch_is_one_that_fits(holes, micro, steps):
     assert (c.time.micro_batch_size, c.time.accumulation_steps) == (micro, steps)
     assert engine.fits(layout_setup(base, layout, c.time.micro_batch_size), engine.limit_bytes)
     assert any("runs out of memory" in n for n in c.notes) == (holes == {10})
+
+
+def test_out_of_memory_where_the_peak_phase_runs_twice():
+    # a phase run twice keeps its last run's peak in the replay (1F1B's forwards between backwards): the first run
+    # holds 2048 bytes (two 1024-byte blocks), the second 512; over a 1500-byte capacity the step is out of memory
+    # at its own peak, 2048 bytes
+    from llmem.estimator.engine import first_over
+    from llmem.estimator.events import Schedule, replay
+
+    s = Schedule()
+    s.phase = "it0:forward"
+    a, b = s.alloc(1000, "activations"), s.alloc(1000, "activations")
+    s.free(a)
+    s.free(b)
+    s.phase = "it0:backward"
+    s.free(s.alloc(100, "gradients"))
+    s.phase = "it0:forward"
+    s.alloc(200, "activations")
+    rep = replay(s)
+    assert rep.peak_allocated_bytes == 2048 and rep.phases["it0:forward"].allocated == 512
+    oom = first_over(rep, 1500)
+    assert (oom.phase, oom.allocated_bytes, oom.capacity_bytes) == ("it0:forward", 2048, 1500)

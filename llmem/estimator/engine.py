@@ -243,7 +243,14 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
         if p.allocated > capacity_bytes:
             top = max(p.components, key=p.components.get, default="")
             return OutOfMemory(name, "", top, 0, p.allocated, max(p.reserved, p.allocated), capacity_bytes)
-    raise AssertionError("first_over called with the allocated peak within the capacity")
+    if rep.peak_allocated_bytes <= capacity_bytes:
+        raise AssertionError("first_over called with the allocated peak within the capacity")
+    # a phase the step runs more than once (a pipeline's forwards and backwards between micro-batches, a preference
+    # objective's two passes) keeps its last run's peak (events.replay): the step's own peak is over, in its phase
+    name, p = max(rep.phases.items(), key=lambda kv: kv[1].allocated)
+    top = max(p.components, key=p.components.get, default="")
+    return OutOfMemory(name, "", top, 0, rep.peak_allocated_bytes, max(rep.peak_reserved_bytes, rep.peak_allocated_bytes),
+                       capacity_bytes)
 
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
