@@ -8,7 +8,7 @@ import pytest
 from llmem.memory.capacity import Fit
 from llmem.model.anatomy import load_anatomy
 from llmem.planner.engines import LlmemEngine, MemoryEngine, fits_within, verdict_of
-from llmem.planner.search import FitBoundary, boundary_guess, layout_setup, search_candidate
+from llmem.planner.search import boundary_guess, layout_setup, search_candidate
 from llmem.search import max_batch_size
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
@@ -77,21 +77,9 @@ def test_search_with_verdicts_answers_as_full_estimates_do(method, gpus, cp, lim
 def test_boundary_guess_is_the_line_through_the_drafts():
     # quick(x) = 100 + 12 x is within 400 up to x = 25; allocated(x) = 90 + 10 x at 1 (100) and 25 (340):
     # slope 10 a sample, so the target 400 is reached at 1 + (400 - 100) / 10 = 31
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 64) == (31, 10)
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 20)[0] == 20   # the cap
-    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 500 + x, 400, 64) == (1, 0)      # nothing within
-
-
-def test_fit_boundary_learns_the_share_per_kind_of_layout():
-    from llmem.result import MemoryResult
-
-    b = FitBoundary()
-    fsdp, cp = Layout("fsdp", 8, 1, 8), Layout("fsdp", 4, 1, 8, cp=2)
-    assert b.share(fsdp) == b.share(cp) == 0.95
-    # 900 of 1000 bytes at the largest fitting batch, 40 more a batch: the fit ends midway, at 920 / 1000
-    b.learn(cp, MemoryResult("llmem", 900, 950, 1000, 2000, {}, capacity_bytes=1000), 40)
-    assert b.share(cp) == pytest.approx(0.92)
-    assert b.share(fsdp) == 0.95
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 64) == 31
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 100 + 12 * x, 400, 20) == 20     # the cap
+    assert boundary_guess(lambda x: 90 + 10 * x, lambda x: 500 + x, 400, 64) == 1            # nothing within
 
 
 @pytest.mark.parametrize(("method", "gpus", "cp", "batch", "limit_mib"), [

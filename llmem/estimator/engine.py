@@ -146,10 +146,10 @@ def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
     """Whether the step fits within `limit_bytes` of device memory, decided as estimate_resolved decides `fits`
     there, for less: the whole-depth schedule built once, and only as far as its live tensor bytes stay within the
     capacity (past it the allocated peak is over too: the allocator rounds blocks up, never down), with no replay;
-    else one replay at the capacity, which stops at the first allocation that fails (the full estimate replays uncapped, then at the
-    capacity where that does not decide it: the same verdict, llmem.memory.capacity). None where the full
-    estimate decides otherwise: a pipeline (one replay per stage), a colocated vLLM pool, a model deeper than
-    EXACT_LAYERS (decided on extrapolated peaks)."""
+    else one replay at the capacity, which stops at the first allocation that fails (the full estimate replays
+    uncapped, then at the capacity where that does not decide it: the same verdict, llmem.memory.capacity). None
+    where the full estimate decides otherwise: a pipeline (one replay per stage), a colocated vLLM pool, a model
+    deeper than EXACT_LAYERS (decided on extrapolated peaks)."""
     if r.layout.pp > 1 or r.anatomy.num_layers > EXACT_LAYERS or colocated_pool(r) is not None:
         return None
     r = rank_tokens(r)
@@ -249,8 +249,8 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
     # objective's two passes) keeps its last run's peak (events.replay): the step's own peak is over, in its phase
     name, p = max(rep.phases.items(), key=lambda kv: kv[1].allocated)
     top = max(p.components, key=p.components.get, default="")
-    return OutOfMemory(name, "", top, 0, rep.peak_allocated_bytes, max(rep.peak_reserved_bytes, rep.peak_allocated_bytes),
-                       capacity_bytes)
+    held = rep.peak_allocated_bytes
+    return OutOfMemory(name, "", top, 0, held, max(rep.peak_reserved_bytes, held), capacity_bytes)
 
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:

@@ -5,8 +5,8 @@ answers a search may use before it confirms with the full one.
   depends on the micro-batch shape), then every batch and sequence length of it reuses them. `quick` is the tensor
   bytes at the step's largest moment (no allocator replay, about 1 ms); `draft` replays shallower depths (4 and 8
   layers): its allocated peak is exact (linear in depth), its reserved is not; `verdict` is the full estimate's
-  fit at a limit without its numbers (llmem.estimator.engine.step_verdict: one replay at the capacity, none where the
-  live tensors alone are over it). Every answer is kept per set-up (a plan's what-ifs meet the same set-up more
+  fit at a limit without its numbers (llmem.estimator.engine.step_verdict: one replay at the capacity, none where
+  the live tensors alone are over it). Every answer is kept per set-up (a plan's what-ifs meet the same set-up more
   than once).
 - `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
 """

@@ -98,54 +98,34 @@ def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSet
                    pp_virtual_stages=base.pp_virtual_stages)
 
 
-# the share of the allocator's capacity a step's allocated peak reaches where it stops fitting is fragmentation's:
-# 0.88-0.97 for Llama-3.1-405B fsdp x cp at 512 GPUs; a plan's first search of a kind of layout aims here, later
-# ones at the share its earlier searches found (FitBoundary)
-FIRST_SHARE = 0.95
-
-
-@dataclass
-class FitBoundary:
-    """Where a plan's batch searches found the fit to end: per kind of layout (its method and which of tp, cp, ep it
-    uses), the share of the allocator's capacity between the largest fitting batch's allocated peak and the next
-    batch's (midway). A search's first guess only: the answer is the verdict's."""
-    shares: dict[tuple, float] = field(default_factory=dict)
-
-    @staticmethod
-    def kind(layout: Layout) -> tuple:
-        return layout.method, layout.tp > 1, layout.cp > 1, layout.ep > 1
-
-    def share(self, layout: Layout) -> float:
-        return self.shares.get(self.kind(layout), FIRST_SHARE)
-
-    def learn(self, layout: Layout, m: MemoryResult, step_bytes: float) -> None:
-        """`m`: the full estimate at the largest fitting batch; `step_bytes`: the allocated peak's growth a batch."""
-        if m.capacity_bytes:
-            self.shares[self.kind(layout)] = min(1.0, (m.peak_allocated_bytes + step_bytes / 2) / m.capacity_bytes)
+# the share of the allocator's capacity a step's allocated peak reaches where it stops fitting is fragmentation's
+# (0.88-0.97 for Llama-3.1-405B fsdp x cp at 512 GPUs): a search's first guess aims here. Fixed, not learned from a
+# plan's earlier searches: where the fit is not monotone in the batch the answer depends on the guess, and a layout's
+# answer must not depend on which layouts were searched before it (benchmarks/plan_scale.py --check-screening)
+FIT_SHARE = 0.95
 
 
 def boundary_guess(allocated: Callable[[int], int], quick: Callable[[int], int], target_bytes: int,
-                   cap: int) -> tuple[int, float]:
-    """A first guess at the largest batch whose allocated peak is within `target_bytes`, and the allocated peak's
-    growth a batch: the quick bound's (tensor bytes at the largest moment, no replay) largest batch within it,
-    then the line through `allocated` (the draft's, exact: linear in depth) at batch 1 and there (the allocated
-    peak grows about linearly in the batch)."""
+                   cap: int) -> int:
+    """A first guess at the largest batch whose allocated peak is within `target_bytes`: the quick bound's (tensor
+    bytes at the largest moment, no replay) largest batch within it, then the line through `allocated` (the
+    draft's: within 0.2 % of the full estimate's) at batch 1 and there (the allocated peak grows about linearly in
+    the batch)."""
     b = max_batch_size(lambda x: quick(x) <= target_bytes, cap)
     if b <= 1:
-        return 1, 0.0
+        return 1
     a1, ab = allocated(1), allocated(b)
     if ab <= a1:
-        return b, 0.0
-    slope = (ab - a1) / (b - 1)
-    return min(cap, max(1, 1 + int((target_bytes - a1) // slope))), slope
+        return b
+    return min(cap, max(1, 1 + int((target_bytes - a1) * (b - 1) // (ab - a1))))
 
 
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
-                     cap: int = BATCH_CAP, boundary: FitBoundary | None = None) -> CandidatePlan:
+                     cap: int = BATCH_CAP) -> CandidatePlan:
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
 
-    With the engine's quick bound the search starts from `boundary_guess` (aimed at the share of the capacity
-    `boundary` learned from the plan's earlier searches), probes with the engine's verdict (the full estimate's fit,
+    With the engine's quick bound the search starts from `boundary_guess` (aimed at FIT_SHARE of the capacity),
+    probes with the engine's verdict (the full estimate's fit,
     for less: one replay at the capacity, none where the live tensors alone exceed it) and confirms the answer with
     the full estimate, so the result is a batch the full estimator fits whose next one it does not: its largest
     fitting batch where the fit is monotone in the batch (fragmentation can make it not: the answer is then a
@@ -173,16 +153,13 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     d1 = engine.draft(layout_setup(base, layout, unit))
     if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
-    boundary = boundary if boundary is not None else FitBoundary()
     context = d1.components.get("cuda_context", 0)
-    target = int((limit - context) * boundary.share(layout))
-    guess, step = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
+    target = int((limit - context) * FIT_SHARE)
+    guess = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
                                  lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
     best = refine_max(lambda x: engine.fits(layout_setup(base, layout, x * unit), limit), guess, cap)
     while best > 0 and not fits(best):      # the verdict is the full estimate's own: confirmed, not corrected
         best -= 1
-    if best:
-        boundary.learn(layout, at(best), step)
     return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
 
 
@@ -202,10 +179,9 @@ class PlanContext:
     engine: MemoryEngine
     limit: int
     prune: bool = True      # suggestions skip the layouts a quick bound proves cannot be the fastest (False: all)
-    boundary: FitBoundary = field(default_factory=FitBoundary, compare=False)   # where its searches found fits end
 
     def search(self, setup: TrainingSetup, layout: Layout) -> CandidatePlan:
-        return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap, self.boundary)
+        return search_candidate(setup, layout, self.engine, self.limit, self.options.batch_cap)
 
     @property
     def heads(self) -> tuple[int, int]:
