@@ -93,6 +93,28 @@ class ModelAnatomy:
                 per[p.layer_index] += p.numel
         return tuple(per)
 
+    @cached_property
+    def matmul_params(self) -> tuple[float, float]:
+        """(decoder-layer, other) weights that multiply activations, per token (the time model's FLOPs); MoE experts
+        scaled to the active ones (summed once: the planner asks it hundreds of times a plan)."""
+        cfg = self.config or {}
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        active = cfg.get("num_experts_per_tok") or 0
+        expert_share = active / experts if experts and active else 1.0
+        layer = other = 0.0
+        for p in self.params:
+            if len(p.shape) < 2 or p.module_kind.endswith("Embedding"):
+                continue
+            n = float(p.numel)
+            if ".experts." in p.name or "Experts" in p.module_kind:
+                n *= expert_share
+            if p.layer_index is not None:
+                layer += n
+            elif not p.name.startswith("lm_head"):
+                other += n
+        other += self.vocab_size * self.hidden_size          # the lm_head matmul, tied or not
+        return layer, other
+
     @property
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embeddings, final norm, lm_head (FSDP's root unit)."""

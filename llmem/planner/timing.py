@@ -110,41 +110,6 @@ class StepFlops:
         return self.forward + self.backward + self.recompute
 
 
-# matmul_params per model, by identity (a plan asks it of one anatomy hundreds of times; hashing one is not cheap)
-_MATMUL_PARAMS: dict[int, tuple[ModelAnatomy, tuple[float, float]]] = {}
-
-
-def matmul_params(anatomy: ModelAnatomy) -> tuple[float, float]:
-    """(decoder-layer, other) weights that multiply activations, per token; MoE experts scaled to the active ones."""
-    kept = _MATMUL_PARAMS.get(id(anatomy))
-    if kept is not None and kept[0] is anatomy:
-        return kept[1]
-    if len(_MATMUL_PARAMS) >= 64:
-        _MATMUL_PARAMS.clear()
-    got = _MATMUL_PARAMS[id(anatomy)] = (anatomy, _matmul_params(anatomy))
-    return got[1]
-
-
-def _matmul_params(anatomy: ModelAnatomy) -> tuple[float, float]:
-    cfg = anatomy.config or {}
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    active = cfg.get("num_experts_per_tok") or 0
-    expert_share = active / experts if experts and active else 1.0
-    layer = other = 0.0
-    for p in anatomy.params:
-        if len(p.shape) < 2 or p.module_kind.endswith("Embedding"):
-            continue
-        n = float(p.numel)
-        if ".experts." in p.name or "Experts" in p.module_kind:
-            n *= expert_share
-        if p.layer_index is not None:
-            layer += n
-        elif not p.name.startswith("lm_head"):
-            other += n
-    other += anatomy.vocab_size * anatomy.hidden_size          # the lm_head matmul, tied or not
-    return layer, other
-
-
 def attention_flops_per_token_forward(anatomy: ModelAnatomy, seq_len: int, causal_skip: bool) -> float:
     """Scores (q k^T) and weighted values (p v): 2 x 2 s d FLOPs per token per layer, halved by causal kernels."""
     d = anatomy.num_heads * anatomy.head_dim
@@ -166,7 +131,7 @@ def step_flops(anatomy: ModelAnatomy, tokens: int, seq_len: int, *, grad_ckpt: b
     selective (--ac-policy op): torchtitan's op-level policy hands back the saved matmuls' outputs (every other
     aten.mm, llmem.memory.activations.selective.saved_matmuls) and SDPA's, so the recompute runs only the other
     matmuls and no attention."""
-    layer_p, other_p = matmul_params(anatomy)
+    layer_p, other_p = anatomy.matmul_params
     p = layer_p + other_p
     attn_fwd = attention_flops_per_token_forward(anatomy, seq_len, causal_skip)
     fwd = (2 * p + 2 * adapter_params + attn_fwd) * tokens
@@ -360,7 +325,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
     micro_compute_s = fwd_s + bwd_s + dequant_s + offload_s
     # GRPO: the micro-batch's completions generated (prefill at FLOPs, decode at memory bandwidth) and scored first
-    gen_s = generation_time_s(r, micro_batch, sum(matmul_params(anatomy)), rate,
+    gen_s = generation_time_s(r, micro_batch, sum(anatomy.matmul_params), rate,
                               attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip), fwd_s)
 
     trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
@@ -453,7 +418,7 @@ def pipeline_stage(r: ResolvedSetup, adapter_params: int, causal_skip: bool) -> 
     if r.layout.pp <= 1:
         return None
     anatomy, setup = r.base, r.setup
-    layer_p, other_p = matmul_params(anatomy)
+    layer_p, other_p = anatomy.matmul_params
     layers = max(anatomy.num_layers, 1)
     attn = attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip)
     layer_cost = (2 * layer_p + 2 * adapter_params + attn) / layers
