@@ -15,6 +15,7 @@ import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
@@ -41,6 +42,7 @@ from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 
+T = TypeVar("T")
 EXACT_LAYERS = 128                # models up to this depth (every catalog model) are replayed whole
 EXTRAPOLATE_FROM = (16, 24)       # deeper ones from these two depths, extrapolated (benchmarks/estimate_speed.md)
 DRAFT_FROM = (4, 8)               # the planner's search estimates
@@ -64,10 +66,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
     allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only. `verdict`:
     step_verdict's at this limit, whose schedule and replay at the capacity are reused."""
     record = r.record()
-    r = rank_tokens(r)     # --cp: the rank's seq_len / cp tokens (llmem.memory.activations.context_parallel)
-    learn_if_needed(r)
-    check_ep_learned(r)
-    act = activation_profile(r)
+    r, act = rank_step(r)
     ms = states or model_states(r)
     stages: list[dict] = []
     if r.layout.pp > 1:    # one schedule per pipeline stage, the answer the largest (llmem.estimator.pipeline)
@@ -152,13 +151,10 @@ def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
     deeper than EXACT_LAYERS (decided on extrapolated peaks)."""
     if r.layout.pp > 1 or r.anatomy.num_layers > EXACT_LAYERS or colocated_pool(r) is not None:
         return None
-    r = rank_tokens(r)
-    learn_if_needed(r)
-    check_ep_learned(r)
+    r, act = rank_step(r)
     capacity = limit_bytes - outside_allocator_bytes(r.gpu, r.layout.world_size)
     if capacity <= 0:
         return StepVerdict(Fit.OVER_CAPACITY, capacity)
-    act = activation_profile(r)
 
     def decide() -> StepVerdict:
         schedule = built_within(step_schedule(r, act), capacity)
@@ -261,6 +257,16 @@ def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) ->
     return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
 
 
+def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
+    """The step one rank runs, and its activations: under --cp its seq_len / cp tokens
+    (llmem.memory.activations.context_parallel), the activations learned where no recipe has them, --ep's
+    refused without them."""
+    r = rank_tokens(r)
+    learn_if_needed(r)
+    check_ep_learned(r)
+    return r, activation_profile(r)
+
+
 def check_ep_learned(r: ResolvedSetup) -> None:
     """--ep: the all-to-all buffers and the received rows are in the activations learned from the real EP forward
     (llmem.runtime.expert_parallel) only; without them the estimate is refused rather than read off a recipe
@@ -325,7 +331,7 @@ def step_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int | None =
     return cls(r, act, layers=layers)
 
 
-def _without_gc(work: Callable[[], object]) -> object:
+def _without_gc(work: Callable[[], T]) -> T:
     """Tens of thousands of short-lived tuples: the cyclic garbage collector only adds pauses to a replay."""
     was_enabled = gc.isenabled()
     gc.disable()

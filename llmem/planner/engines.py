@@ -146,7 +146,7 @@ class LlmemEngine(MemoryEngine):
 
     def verdict(self, setup: TrainingSetup, limit: int) -> Fit:
         """The full estimate's fit at `limit`: read off the full answer where it is kept and was decided at this
-        limit, else step_fits (no numbers, one replay at most), else the full estimate."""
+        limit, else step_verdict (no numbers, one replay at most), else the full estimate."""
         if ("full", setup) in self._answers and limit == self.limit_bytes:
             return verdict_of(self._answers[("full", setup)], limit)
         key = ("verdict", setup, limit)

@@ -125,9 +125,8 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
 
     With the engine's quick bound the search starts from `boundary_guess` (aimed at FIT_SHARE of the capacity),
-    probes with the engine's verdict (the full estimate's fit,
-    for less: one replay at the capacity, none where the live tensors alone exceed it) and confirms the answer with
-    the full estimate, so the result is a batch the full estimator fits whose next one it does not: its largest
+    probes with the engine's verdict (the full estimate's fit, for less: one replay at the capacity, none where the
+    live tensors alone exceed it) and confirms the answer with the full estimate, so the result is a batch the full estimator fits whose next one it does not: its largest
     fitting batch where the fit is monotone in the batch (fragmentation can make it not: the answer is then a
     fitting batch at or above the first failing one's predecessor).
     """
@@ -156,7 +155,7 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     context = d1.components.get("cuda_context", 0)
     target = int((limit - context) * FIT_SHARE)
     guess = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
-                                 lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
+                           lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
     best = refine_max(lambda x: engine.fits(layout_setup(base, layout, x * unit), limit), guess, cap)
     while best > 0 and not fits(best):      # the verdict is the full estimate's own: confirmed, not corrected
         best -= 1
