@@ -316,8 +316,7 @@ def splits_of(r: ResolvedSetup, rank: int) -> tuple[StageSplit, ...]:
 def stage_replays(r: ResolvedSetup) -> list[Replay]:
     """Each pipeline rank's stage schedule through the allocator model."""
     check_modelled(r)
-    return [replay(StageSchedule(r, splits_of(r, rank), rank).build(), expandable_segments=r.setup.expandable_segments)
-            for rank in range(r.setup.pp)]
+    return [replay(stage_whole(r, rank), expandable_segments=r.setup.expandable_segments) for rank in range(r.setup.pp)]
 
 
 def pipeline_step(r: ResolvedSetup) -> tuple[Replay, int, list[dict]]:
@@ -329,9 +328,14 @@ def pipeline_step(r: ResolvedSetup) -> tuple[Replay, int, list[dict]]:
                              "peak_reserved_bytes": rep.peak_reserved_bytes} for k, rep in enumerate(reps)]
 
 
+def stage_builder(r: ResolvedSetup, rank: int) -> StageSchedule:
+    """Rank `rank`'s stage schedule, not yet built."""
+    return StageSchedule(r, splits_of(r, rank), rank)
+
+
 def stage_whole(r: ResolvedSetup, rank: int) -> Schedule:
     """Stage `rank`'s schedule (for the replay at a device's capacity)."""
-    return StageSchedule(r, splits_of(r, rank), rank).build()
+    return stage_builder(r, rank).build()
 
 
 def pipeline_note(r: ResolvedSetup, top: int) -> str:
@@ -373,8 +377,7 @@ def pipeline_allocated_floor(r: ResolvedSetup, over_bytes: int | None = None) ->
     check_modelled(r)
     floor = 0
     for rank in FLOOR_RANKS:
-        at = rank % r.setup.pp
-        builder = StageSchedule(r, splits_of(r, at), at)
+        builder = stage_builder(r, rank % r.setup.pp)
         if over_bytes is None:
             builder.build()
         elif built_within(builder, over_bytes) is None:     # over: its build stopped there
