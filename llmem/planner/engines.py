@@ -134,6 +134,8 @@ class LlmemEngine(MemoryEngine):
     def full(self, setup: TrainingSetup) -> MemoryResult:
         last = self._last_fit
         known = last[1] if last is not None and last[0] == setup else None
+        if known is not None:
+            self._last_fit = None       # its schedule and replay are the step's size: held only until used
         return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states, verdict=known,
                                                                              limit_bytes=self.limit_bytes))
 
