@@ -14,31 +14,27 @@ from __future__ import annotations
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER, Schedule
 from llmem.estimator.objective_steps import objective_events
 from llmem.estimator.objectives import objective_view
+from llmem.estimator.param_facts import param_facts
 from llmem.estimator.post_forward import (
     free_post_forward,
     from_post_forward,
     post_forward_ranks,
     reshard_to_post_forward,
 )
-from llmem.estimator.states import by_bytes, cpu_offload, fsdp_gathered_tensors, fsdp_shards, steps_on_host
-from llmem.memory.activations.blocks import Block, block_owner
+from llmem.estimator.states import by_bytes, cpu_offload, fsdp_shards, steps_on_host
+from llmem.memory.activations.blocks import Block
 from llmem.memory.activations.loss import FusedCE
 from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
 from llmem.memory.activations.quantised import fp32_behind_quant, quant_input_bytes
-from llmem.memory.quant import allocated, is_quantised, quant_args, storage_tensors, transients
+from llmem.memory.quant import allocated, quant_args, storage_tensors, transients
 from llmem.model.anatomy import ParamInfo
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
     MATMUL_KINDS,
     foreach_groups,
-    fsdp_unit_numel,
     is_embedding,
     is_lm_head,
-    local_numel,
-    local_shape,
-    param_shard_degree,
-    tp_local_numel,
 )
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
 from llmem.setup.optimizers import AFTER_TEMPORARIES, ALL_PARAMETERS, AT_FIRST_FREE, NO_TEMPORARIES
@@ -129,8 +125,18 @@ class StepSchedule:
         # Above a billion parameters, tensors under 64 KiB (biases, norm weights and their states, per-token
         # statistics) are < 0.01 % of the step; leaving them out halves the events to replay.
         self.sch = Schedule(min_bytes=SMALL_TENSOR_BYTES if anatomy.total_params >= 1e9 else 1)
+        self.layers = anatomy.num_layers if layers is None else layers
+        # the parameters' shape-free facts, worked out once per set-up (llmem.estimator.param_facts; read-only)
+        facts = param_facts(r, act.blocks, self.layers)
+        self.kept, self.trainable, self.by_layer = facts.kept, facts.trainable, facts.by_layer
+        self.root = self.by_layer.get(None, [])
         # bytes per element of each trained parameter, its gradient and states (peft's fp32 adapters: 4)
-        self.pb = {p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable}
+        self.pb = facts.element_bytes
+        # element counts per parameter: this-rank shard, TP-local, FSDP-unsharded (padded)
+        self.shard_numel, self.tp_local, self.unsharded = facts.shard_numel, facts.tp_local, facts.unsharded
+        # FSDP2's all-gather outputs per parameter (a quantised weight's sharded tensors in their storage dtypes)
+        # and whether MixedPrecisionPolicy casts it on the way (its stored dtype is not param_dtype)
+        self.gather_sizes, self.cast_in = facts.gather_sizes, facts.cast_in
         self.fsdp = layout.shards_model_states
         # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer on the host
         self.cpu_offload = cpu_offload(r)
@@ -141,45 +147,22 @@ class StepSchedule:
         self.gather_bytes, self.reduce_bytes = setup.gather_bytes, setup.reduce_bytes
         self.t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
         self.tv = self.t * anatomy.vocab_size
-        self.layers = anatomy.num_layers if layers is None else layers
-        kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < self.layers]
-        self.kept = kept
-        self.trainable = [p for p in kept if p.trainable]
-        self.by_layer: dict[int | None, list[ParamInfo]] = {}
-        for p in kept:
-            self.by_layer.setdefault(p.layer_index, []).append(p)
-        self.root = self.by_layer.get(None, [])
-        # element counts per parameter, computed once: this-rank shard, TP-local, FSDP-unsharded (padded)
-        self.shard_numel = {p.name: local_numel(p, layout) for p in kept}
-        self.tp_local = {p.name: tp_local_numel(p, layout) for p in kept}
-        self.unsharded = {p.name: fsdp_unit_numel([p], layout) for p in kept} if self.fsdp else {}
-        # FSDP2's all-gather outputs per parameter (a quantised weight's sharded tensors in their storage dtypes)
-        self.gather_sizes = {p.name: fsdp_gathered_tensors(p, setup, layout) for p in kept} if self.fsdp else {}
-        # ... and whether MixedPrecisionPolicy casts it on the way (its stored dtype is not param_dtype)
-        self.cast_in = {p.name: setup.mixed and not is_quantised(p, setup.quant_base)
-                        and setup.stored_bytes(p.trainable) != setup.gather_bytes for p in kept}
         # the quantised base's storage and dequantisation transients per quantised linear (llmem.memory.quant)
-        self.quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
+        self.quantised = facts.quantised
         self.quant_args = quant_args(setup, self.fsdp)
         self.quant_tmp = {p.name: transients(p.shape, setup.quant_base, self.quant_args, self.t,
                                              setup.compute_dtype == "float16", p.module_kind == "Conv1D")
-                          for p in kept if self.quantised[p.name]}
-        self.adapted = {p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name}
+                          for p in self.kept if self.quantised[p.name]}
+        self.adapted = facts.adapted
         self.fp32_behind_quant = fp32_behind_quant(setup.quant_base, regime)
-        self.layer_blocks_params: dict[int, list[list[ParamInfo]]] = {}
-        for i in range(self.layers):
-            groups: list[list[ParamInfo]] = [[] for _ in act.blocks]
-            for p in self.by_layer.get(i, []):
-                groups[block_owner(act.blocks, p.name)].append(p)
-            self.layer_blocks_params[i] = groups
-        self.vocab_parallel = {p.name for p in self.root if layout.tp > 1 and is_embedding(p) and p.shape
-                               and p.shape[0] == anatomy.vocab_size}
+        self.layer_blocks_params = facts.layer_blocks
+        self.vocab_parallel = facts.vocab_parallel
         self.optimizer = r.optimizer
         self.in_backward = setup.optimizer_in_backward and not self.host_step
-        self.shapes = {p.name: local_shape(p, layout) for p in self.trainable}
+        self.shapes = facts.shapes
         self.shards = layout.shard_degree                    # FSDP2's DTensor shards of dim 0
         # ... per parameter: under --ep a routed expert's over efsdp (llmem.setup.expert_parallel)
-        self.shard_of = {p.name: param_shard_degree(p, layout) for p in kept}
+        self.shard_of = facts.shard_of
         self.gathered_by: dict[int | None, list[list[int]]] = {}   # --ep: a unit's gathered keys per FSDP2 group
         self.unsharded_grad_of: dict[str, int] = {}                # --ep: a layer's unsharded gradients by name
         self.ag_forward: dict[int, list[int]] = {}                # --ep: explicitly prefetched forward all-gathers

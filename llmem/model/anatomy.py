@@ -73,11 +73,12 @@ class ModelAnatomy:
     max_positions: int | None = None       # config's max_position_embeddings (None: not stated)
     varied_layers: tuple[str, ...] = ()    # sizes that differ between layers (gemma4, dots3, gemma3n): the largest read
 
-    @property
+    @cached_property
     def total_params(self) -> int:
+        """(summed once: every schedule and time model of a plan reads it)"""
         return sum(p.numel for p in self.params)
 
-    @property
+    @cached_property
     def trainable_params(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
 

@@ -14,7 +14,6 @@ answers a search may use before it confirms with the full one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import (
@@ -87,14 +86,6 @@ class MemoryEngine:
         return self.full(setup)
 
 
-SHAPE_FIELDS = ("batch_size", "seq_len")
-
-
-def shape_free(setup: TrainingSetup) -> tuple:
-    """The set-up less its micro-batch shape (the key of what does not depend on it)."""
-    return tuple(getattr(setup, f.name) for f in fields(TrainingSetup) if f.name not in SHAPE_FIELDS)
-
-
 class LlmemEngine(MemoryEngine):
     name = "llmem"
     has_quick = True
@@ -116,7 +107,7 @@ class LlmemEngine(MemoryEngine):
 
     def prepared(self, setup: TrainingSetup) -> tuple[ResolvedSetup, ModelStates]:
         """The set-up resolved at its shape, and its model states (resolved and computed once per set-up)."""
-        key = shape_free(setup)
+        key = setup.shape_free
         got = self._prepared.get(key)
         if got is None:
             r = self.resolved(setup)
@@ -126,7 +117,7 @@ class LlmemEngine(MemoryEngine):
 
     def resolved(self, setup: TrainingSetup) -> ResolvedSetup:
         """The set-up resolved at its shape (resolved once per set-up; no model states: the pipeline floor's)."""
-        key = shape_free(setup)
+        key = setup.shape_free
         if key not in self._resolved:
             self._resolved[key] = resolve(setup, self.anatomy, self.gpu)
         return self._resolved[key].with_shape(setup.batch_size, setup.seq_len)

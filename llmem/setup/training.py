@@ -7,7 +7,7 @@ these fields, so a new field is a new flag without a second list to keep in step
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from llmem.errors import LlmemError
@@ -114,6 +114,9 @@ def user_setup(**fields: Any) -> TrainingSetup:
         else default_method(fields.get("gpus", 1) // max(1, fields.get("pp") or 1),   # --pp N on N GPUs: single
                             fields.get("objective", "sft"))
     return TrainingSetup(**fields)
+
+
+SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,11 @@ class TrainingSetup:
             check_schedule_method(self.pp_schedule, canonical_method(self.method))
         if self.pp == 1 and self.pp_microbatches is not None:
             raise LlmemError("--pp-microbatches splits the batch over pipeline stages: add --pp N (> 1)")
+
+    @property
+    def shape_free(self) -> tuple:
+        """The set-up less its micro-batch shape (SHAPE_FIELDS): the key of what does not depend on it."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in SHAPE_FIELDS)
 
     @property
     def microbatches(self) -> int:

@@ -1,0 +1,102 @@
+"""What a step schedule reads about each parameter and does not depend on the micro-batch shape: its element bytes,
+its shard, TP-local and FSDP-unsharded element counts, its all-gather outputs, the FSDP2 group and the activation
+block it belongs to. A planner's search builds tens of schedules of one set-up at different batch sizes; these
+facts are worked out once per (trained model, set-up less its shape, layout, depth, blocks) and shared by them.
+
+The mappings are read-only by contract: every schedule of the set-up reads the same ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from llmem.estimator.states import fsdp_gathered_tensors
+from llmem.memory.activations.blocks import Block, block_owner
+from llmem.memory.quant import is_quantised
+from llmem.model.anatomy import ParamInfo
+from llmem.model.peft import element_bytes
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import (
+    fsdp_unit_numel,
+    is_embedding,
+    local_numel,
+    local_shape,
+    param_shard_degree,
+    tp_local_numel,
+)
+
+# the set-ups of one plan's searches (each layout's, at two depths for drafts, a pipeline's stages); the oldest goes
+KEPT_SET_UPS = 64
+
+
+@dataclass(frozen=True)
+class ParamFacts:
+    kept: list[ParamInfo]                          # the parameters of the first `layers` layers and the root's
+    trainable: list[ParamInfo]
+    by_layer: dict[int | None, list[ParamInfo]]    # decoder layer (None: embeddings, final norm, lm_head) -> params
+    element_bytes: dict[str, int]                  # per trained parameter: its gradient's and states' element bytes
+    shard_numel: dict[str, int]                    # this rank's shard
+    tp_local: dict[str, int]                       # the TP-local tensor
+    unsharded: dict[str, int]                      # FSDP2's unsharded (padded) parameter; {} without FSDP
+    gather_sizes: dict[str, list[int]]             # FSDP2's all-gather outputs (a quantised weight's per storage dtype)
+    cast_in: dict[str, bool]                       # MixedPrecisionPolicy casts it on the all-gather
+    quantised: dict[str, bool]                     # a quantised base weight (llmem.memory.quant)
+    adapted: set[str]                              # base weights a LoRA adapts
+    layer_blocks: dict[int, list[list[ParamInfo]]]  # decoder layer -> its params per activation block
+    vocab_parallel: set[str]                       # vocab-sharded embeddings under TP
+    shapes: dict[str, tuple[int, ...]]             # per trained parameter: its local shape
+    shard_of: dict[str, int]                       # FSDP2's shards of dim 0 (a routed expert's over efsdp under --ep)
+
+
+_KEPT: OrderedDict[tuple, tuple[object, ParamFacts]] = OrderedDict()
+
+
+def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
+    """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (worked out
+    once per set-up less its shape: the trained anatomy is compared by identity, which `r.with_shape` keeps)."""
+    anatomy = r.anatomy
+    key = (id(anatomy), r.setup.shape_free, r.layout, layers, tuple(b.params for b in blocks))
+    got = _KEPT.get(key)
+    if got is not None and got[0] is anatomy:
+        _KEPT.move_to_end(key)
+        return got[1]
+    facts = _work_out(r, blocks, layers)
+    _KEPT[key] = (anatomy, facts)           # the anatomy held: its id cannot be reused while the entry lives
+    if len(_KEPT) > KEPT_SET_UPS:
+        _KEPT.popitem(last=False)
+    return facts
+
+
+def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
+    anatomy, setup, layout = r.anatomy, r.setup, r.layout
+    kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < layers]
+    trainable = [p for p in kept if p.trainable]
+    by_layer: dict[int | None, list[ParamInfo]] = {}
+    for p in kept:
+        by_layer.setdefault(p.layer_index, []).append(p)
+    fsdp = layout.shards_model_states
+    layer_blocks: dict[int, list[list[ParamInfo]]] = {}
+    for i in range(layers):
+        groups: list[list[ParamInfo]] = [[] for _ in blocks]
+        for p in by_layer.get(i, []):
+            groups[block_owner(blocks, p.name)].append(p)
+        layer_blocks[i] = groups
+    quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
+    return ParamFacts(
+        kept=kept, trainable=trainable, by_layer=by_layer,
+        element_bytes={p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable},
+        shard_numel={p.name: local_numel(p, layout) for p in kept},
+        tp_local={p.name: tp_local_numel(p, layout) for p in kept},
+        unsharded={p.name: fsdp_unit_numel([p], layout) for p in kept} if fsdp else {},
+        gather_sizes={p.name: fsdp_gathered_tensors(p, setup, layout) for p in kept} if fsdp else {},
+        cast_in={p.name: setup.mixed and not quantised[p.name] and setup.stored_bytes(p.trainable) != setup.gather_bytes
+                 for p in kept},
+        quantised=quantised,
+        adapted={p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name},
+        layer_blocks=layer_blocks,
+        vocab_parallel={p.name for p in by_layer.get(None, []) if layout.tp > 1 and is_embedding(p) and p.shape
+                        and p.shape[0] == anatomy.vocab_size},
+        shapes={p.name: local_shape(p, layout) for p in trainable},
+        shard_of={p.name: param_shard_degree(p, layout) for p in kept},
+    )

@@ -1,0 +1,54 @@
+"""The parameters' shape-free facts a step schedule reads (llmem.estimator.param_facts): worked out once per set-up
+less its shape and shared by its schedules, which must lay out the same events as with the facts worked out
+afresh."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import llmem.estimator.param_facts as param_facts
+from llmem.estimator.engine import rank_step, step_schedule
+from llmem.model.resolved import resolve
+from llmem.setup.training import TrainingSetup
+
+SETUPS = [dict(method="single", gpus=1), dict(method="fsdp", gpus=8), dict(method="fsdp", gpus=8, cp=2),
+          dict(method="fsdp+tp", gpus=8, tp=2, sequence_parallel=True), dict(method="ddp", gpus=2, lora_rank=8),
+          dict(method="single", gpus=1, lora_rank=8, quant_base="nf4")]
+
+
+def _events(setup: TrainingSetup, layers: int | None = None) -> list:
+    r, act = rank_step(resolve(setup))
+    return step_schedule(r, act, layers).build().events
+
+
+@pytest.mark.parametrize("kw", SETUPS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_shared_facts_lay_out_the_events_fresh_facts_do(kw):
+    """Batch 3 after batch 1 has filled the cache (the facts shared) against batch 3 with the cache emptied first
+    (worked out afresh): the same events, at the whole depth and at a draft's."""
+    base = TrainingSetup(model="tiny-llama", gpu="A100-80GB", seq_len=128, batch_size=1, **kw)
+    at3 = replace(base, batch_size=3)
+    for layers in (None, 2):
+        _events(base, layers)
+        shared = _events(at3, layers)
+        param_facts._KEPT.clear()
+        assert _events(at3, layers) == shared
+
+
+def test_one_set_up_at_two_shapes_shares_its_facts_and_another_layout_does_not():
+    def facts(setup: TrainingSetup, layers: int):
+        r, act = rank_step(resolve(setup))
+        return param_facts.param_facts(r, act.blocks, layers)
+
+    base = TrainingSetup(model="tiny-llama", gpu="A100-80GB", method="fsdp", gpus=8, seq_len=128, batch_size=1)
+    first = facts(base, 4)
+    assert facts(replace(base, batch_size=5, seq_len=256), 4) is first
+    assert facts(base, 2) is not first and len(facts(base, 2).kept) < len(first.kept)
+    other = facts(replace(base, gpus=4), 4)
+    # tiny-llama's q_proj [512, 512]: a rank's shard is 512 / 8 rows at 8 GPUs, 512 / 4 at 4
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert first.shard_numel[q] == 512 * 512 // 8 and other.shard_numel[q] == 512 * 512 // 4
+    # the set-up's other fields are in the key too: pure bf16 stores the weight (and its gradient) in 2 bytes, mixed
+    # precision's master weight in 4
+    assert first.element_bytes[q] == 4 and facts(replace(base, precision="bf16"), 4).element_bytes[q] == 2
