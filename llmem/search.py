@@ -44,17 +44,20 @@ def bisect_max(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 def refine_max(fits: Callable[[int], bool], guess: int, cap: int = BATCH_CAP) -> int:
     """The largest b in [1, cap] with fits(b) (monotone), starting from a guess from a cheaper model: probe away
-    from the guess in doubling steps until the answer is bracketed, then bisect (O(log |error|) calls)."""
+    from the guess at offsets 1, 2, 4, ... until the answer is bracketed, then bisect (O(log |error|) calls; a
+    guess one short costs 3, an exact one 2)."""
     guess = min(max(guess, 1), cap)
     if fits(guess):
         lo, step = guess, 1
         while lo + step <= cap and fits(lo + step):
-            lo, step = lo + step, step * 2
+            lo += step
+            step = lo - guess           # the next probe twice as far from the guess
         hi = min(lo + step, cap + 1)
     else:
         hi, step = guess, 1
         while hi - step >= 1 and not fits(hi - step):
-            hi, step = hi - step, step * 2
+            hi -= step
+            step = guess - hi
         lo = hi - step
         if lo < 1:
             if not fits(1):

@@ -26,7 +26,7 @@ from llmem.planner.timing import (
     step_flops,
     step_time,
 )
-from llmem.search import max_batch_size
+from llmem.search import max_batch_size, refine_max
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout, candidate_layouts
 from llmem.setup.training import TrainingSetup
@@ -52,6 +52,30 @@ def test_max_batch_size_equals_linear_scan_on_thresholds(threshold):
     calls.clear()
     assert max_batch_size(fits, cap) == linear
     assert len(calls) <= 2 * math.log2(cap) + 3   # exponential probe + bisection, not a scan
+
+
+@pytest.mark.parametrize("cap", [1, 2, 5, 17, 64])
+def test_refine_max_equals_linear_scan_from_any_guess(cap):
+    for threshold in range(cap + 1):
+        for guess in range(-1, cap + 3):
+            assert refine_max(lambda b, t=threshold: 1 <= b <= t, guess, cap) == threshold, (threshold, guess)
+
+
+@pytest.mark.parametrize("threshold, guess, probes", [
+    (17, 17, [17, 18]),                    # exact: the guess and the one above
+    (17, 16, [16, 17, 18]),                # one short: offsets 1, 2 bracket it
+    (16, 17, [17, 16]),                    # one over
+    (20, 16, [16, 17, 18, 20, 24, 22, 21]),  # offsets 1, 2, 4, 8 bracket (20, 24); bisection 22, 21
+    (13, 16, [16, 15, 14, 12, 13]),        # offsets -1, -2, -4 bracket (12, 14); bisection 13
+])
+def test_refine_max_probes_at_doubling_offsets_from_the_guess(threshold, guess, probes):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= threshold
+
+    assert refine_max(fits, guess, 4096) == threshold and calls == probes
 
 
 def _linear_scan(mem, base, layout, limit, cap=4096):
