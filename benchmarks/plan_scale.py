@@ -111,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                 worst_512_s = max(worst_512_s, plan_s)
                 worst_512_cpu_s = max(worst_512_cpu_s, cpu[0])
             rec = p.recommendation or "nothing fits: " + (p.suggestions[0]["text"][:60] if p.suggestions else "")
-            if args.check_screening:
-                print(f"  screening off: {_same_as_unscreened(p, setup, anatomy)}", flush=True)
             heads = (anatomy.num_heads, anatomy.num_kv_heads)
             limits = ModelLimits(anatomy.num_layers, args.seq_len)
             total = len(candidate_layouts(gpus, 8, *heads, limits=limits, pp=None, cp=None))
@@ -121,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model:32s} {gpus:4d} GPUs  plan {plan_s:6.3f} s (cpu {cpu[0]:6.3f} s)  "
                   f"{len(p.candidates):2d} of {total:2d} layouts  "
                   f"{per_plan:4d} estimates {verdicts:4d} verdicts -> {rec}", flush=True)
+            if args.check_screening:
+                print(f"  screening off: {_same_as_unscreened(p, setup, anatomy)}", flush=True)
         if args.no_layout_table:
             continue
         heads = (anatomy.num_heads, anatomy.num_kv_heads)

@@ -259,3 +259,22 @@ def test_a_layout_proved_unable_to_win_is_not_faster_when_searched(monkeypatch):
         c = ctx.search(setup, layout)
         attach_time(ctx, c, setup)
         assert not c.fits or c.time.tokens_per_s <= p.recommended.time.tokens_per_s, layout.label
+
+
+@pytest.mark.parametrize("seq_len, memory", [(1024, "2GiB"), (8192, "3GiB")])
+def test_the_screens_search_order_does_not_change_the_answer(monkeypatch, seq_len, memory):
+    """The screened layouts are searched likeliest-fastest first and the rest proved out against the fastest found:
+    the same answer (layout, micro-batch, tokens/s) as every layout searched, the screen off."""
+    import llmem.planner.plan as planning
+
+    setup = TrainingSetup(model="tiny-llama", gpus=16, seq_len=seq_len, gpu="A100-80GB", gpu_memory=memory)
+    screened = planning.plan(setup, PlanOptions(batch_cap=64))
+    monkeypatch.setattr(planning, "_screens", lambda ctx, setup: False)
+    every = planning.plan(setup, PlanOptions(batch_cap=64))
+    assert len(screened.candidates) < len(every.candidates)
+
+    def answer(p):
+        r = p.recommended
+        return p.recommendation, r.max_batch_size, r.time.tokens_per_s
+
+    assert screened.recommended is not None and answer(screened) == answer(every)

@@ -11,8 +11,9 @@ For a model, a GPU type and count, a sequence length and the training options, t
    cp, ep, every layout across nodes) only where an upper bound on their tokens/s (the
    time model at the batch cap, then at the largest batch the quick memory bound allows: under --pp the
    pipeline's floor, its first and last stages' schedules built, not replayed) could beat the fastest found, and
-   not where a few full estimates prove every batch at which it would is out of memory (search.cannot_win), the
-   highest bound first, so the answer is the one searching them all would give;
+   not where a few full estimates prove every batch at which it would is out of memory (search.cannot_win); the
+   likeliest fastest searched first (the time model at the quick bound's batch within FIT_SHARE of the limit),
+   and every layout left out proved unable to win, so the answer is the one searching them all would give;
 2. finds each candidate's largest micro-batch that fits (`max_batch_size`: exponential probe 1, 2, 4, ... then
    bisection over the memory engine, which is monotone in the batch size), with the user's headroom;
 3. ranks the candidates, either by the time model below (`--ranking time`, default) or by LLMem's Algorithm 1
@@ -49,6 +50,7 @@ from llmem.planner.generation_plan import (
 )
 from llmem.planner.options import PlanOptions
 from llmem.planner.search import (
+    FIT_SHARE,
     CandidatePlan,
     PlanContext,
     attach_time,
@@ -159,27 +161,30 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     for i, layout in plain:
         search_one(i, layout)
     # the screened ones best first: the highest bound popped, refined (the time model at the quick memory bound's
-    # batch) and pushed back, searched once its refined bound is the highest; each pruned where its bound is not
-    # above the fastest found (a tie goes to the earlier layout, as rank_by_time breaks it), or where every batch
-    # at which it would be is out of memory (cannot_win: a few estimates)
-    queue = [(-bounds[i], i, False) for i, _ in rest]
+    # batch) and pushed back, searched once its likely tokens/s (the same at the quick bound's batch within FIT_SHARE
+    # of the limit, where a step likely stops fitting: the fastest found early proves more of the rest out) is the
+    # highest; each pruned where its bound is not above the fastest found (a tie goes to the earlier layout, as
+    # rank_by_time breaks it), or where every batch at which it would be is out of memory (cannot_win: a few
+    # estimates). The order decides which are searched, not the answer: every pruned layout is proved not to be it.
+    queue = [(-bounds[i], i, False, bounds[i]) for i, _ in rest]     # (-priority, index, refined, bound)
     heapq.heapify(queue)
     while queue:
-        bound, i, refined = heapq.heappop(queue)
+        _, i, refined, bound = heapq.heappop(queue)
         layout, best = layouts[i], rank_by_time([found[k] for k in sorted(found)])
         earlier = best is not None and i < layouts.index(best.layout)
 
         def wins(tps: float, best: CandidatePlan | None = best, earlier: bool = earlier) -> bool:
             return best is None or _may_win(tps, best, earlier)
 
-        if not wins(-bound):
+        if not wins(bound):
             pruned.append(layout.label)
         elif not refined:
             tight = tokens_per_s_bound(ctx, setup, layout)
             if best is None and tight == 0.0:
                 deferred.append((i, layout))
             else:
-                heapq.heappush(queue, (-tight, i, True))
+                likely = tokens_per_s_bound(ctx, setup, layout, slack=FIT_SHARE - 1) if tight else 0.0
+                heapq.heappush(queue, (-min(likely, tight), i, True, tight))
         elif best is not None and cannot_win(ctx, setup, layout, wins):
             pruned.append(layout.label)
         else:

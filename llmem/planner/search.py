@@ -266,11 +266,13 @@ def step_cap(setup: TrainingSetup, layout: Layout, cap: int) -> int:
     return max(1, min(cap, MAX_STEP_TOKENS // (setup.seq_len * pipeline_microbatches(setup, layout))))
 
 
-def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
-    """An upper bound on the largest micro-batch `layout` fits, from the quick bound (no allocator replay): the
-    layout's own (HSDP's: the same step, its own shards); under --cp its FSDP twin's at seq_len / cp (the same
-    shards over dp x cp, the same tokens per rank; the ring's buffers only add); under --pp the pipeline's floor's
-    (pipeline_batch_bound)."""
+def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout,
+                      slack: float = QUICK_BOUND_SLACK) -> int:
+    """An upper bound on the largest micro-batch `layout` fits, from the quick bound (no allocator replay) within
+    the limit and `slack` over it: the layout's own (HSDP's: the same step, its own shards); under --cp its FSDP
+    twin's at seq_len / cp (the same shards over dp x cp, the same tokens per rank; the ring's buffers only add);
+    under --pp the pipeline's floor's (pipeline_batch_bound). With `slack` 0 or below not a bound but the likely
+    answer (the quick bound lies a few per cent under the allocated peak): an order to search in."""
     cap = step_cap(setup, layout, ctx.options.batch_cap)
     if not ctx.engine.has_quick:
         return cap
@@ -278,7 +280,7 @@ def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) ->
         return pipeline_batch_bound(ctx, setup, layout, cap)
     twin_setup, twin = quick_twin(setup, layout)
     unit = setup_batch_multiple(setup, layout.world_size)
-    bound = ctx.limit * (1 + QUICK_BOUND_SLACK)
+    bound = ctx.limit * (1 + slack)
 
     def quick(b: int) -> int:
         return ctx.engine.quick(layout_setup(twin_setup, twin, b * unit))
@@ -306,12 +308,15 @@ def pipeline_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout,
     return unit * refine_max(within, 1, max(cap // unit, 1))
 
 
-def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, at_cap: bool = False) -> float:
+def tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, at_cap: bool = False,
+                       slack: float = QUICK_BOUND_SLACK) -> float:
     """An upper bound on `layout`'s tokens/s: the time model at its batch bound (tokens/s does not fall as the
     largest micro-batch grows), or at the batch cap (`at_cap`: no memory bound, a looser and cheaper one); 0 where
-    batch 1 is out of the bound, infinite where it cannot be computed."""
+    batch 1 is out of the bound, infinite where it cannot be computed. With `slack` 0 or below (batch_upper_bound's)
+    the likely tokens/s, not a bound."""
     try:
-        bound = step_cap(setup, layout, ctx.options.batch_cap) if at_cap else batch_upper_bound(ctx, setup, layout)
+        bound = (step_cap(setup, layout, ctx.options.batch_cap) if at_cap
+                 else batch_upper_bound(ctx, setup, layout, slack))
         if not bound:
             return 0.0
         return time_at_max_batch(ctx, setup, layout, bound).tokens_per_s
