@@ -182,7 +182,11 @@ def test_torchtitan_export_round_trip(tmp_path):
 def test_estimate_refuses_ep_without_learned_activations():
     """The tests run with LLMEM_LEARN=never: --ep's all-to-all buffers exist only in the learned EP forward, so
     the estimate refuses rather than fall back to a recipe without them."""
-    from llmem.estimator.engine import estimate
+    from llmem.estimator.engine import estimate, quick_peak_allocated, step_verdict
+    from llmem.model.resolved import resolve
 
-    with pytest.raises(LlmemError, match="--ep needs the activations learned"):
-        estimate(_ep())
+    # every engine a search uses: the full estimate, the planner's quick bound and the verdict
+    for run in (lambda: estimate(_ep()), lambda: quick_peak_allocated(resolve(_ep())),
+                lambda: step_verdict(resolve(_ep()), 80 * 2**30)):
+        with pytest.raises(LlmemError, match="--ep needs the activations learned"):
+            run()

@@ -251,10 +251,10 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:
     """Tensor bytes at the step's largest moment, without the allocator replay (about 1 ms): for searches. Under
-    --cp the rank's step, as the full estimate runs it: seq_len / cp tokens and the ring's K/V buffers."""
-    r = rank_tokens(r)
-    learn_if_needed(r)
-    return max(m.total for m in step_moments(r, activation_profile(r), states or model_states(r)))
+    --cp the rank's step, as the full estimate runs it: seq_len / cp tokens and the ring's K/V buffers (rank_step:
+    --ep refused as the full estimate refuses it)."""
+    r, act = rank_step(r)
+    return max(m.total for m in step_moments(r, act, states or model_states(r)))
 
 
 def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
