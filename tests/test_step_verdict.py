@@ -136,10 +136,10 @@ def test_the_plans_micro_batch_is_one_that_fits(holes, micro, steps):
     assert any("runs out of memory" in n for n in c.notes) == (holes == {10})
 
 
-def test_out_of_memory_where_the_peak_phase_runs_twice():
-    # a phase run twice keeps its last run's peak in the replay (1F1B's forwards between backwards): the first run
-    # holds 2048 bytes (two 1024-byte blocks), the second 512; over a 1500-byte capacity the step is out of memory
-    # at its own peak, 2048 bytes
+def test_a_phase_run_twice_peaks_at_its_larger_run():
+    # 1F1B's forwards between backwards: the first run of it0:forward holds two 1000-byte tensors (two 1024-byte
+    # blocks: 2048 bytes), the second one 200-byte tensor (512); the phase peaks at 2048 with the first run's tensors,
+    # whichever run comes last, and over a 1500-byte capacity the step is out of memory there
     from llmem.estimator.engine import first_over
     from llmem.estimator.events import Schedule, replay
 
@@ -151,8 +151,12 @@ def test_out_of_memory_where_the_peak_phase_runs_twice():
     s.phase = "it0:backward"
     s.free(s.alloc(100, "gradients"))
     s.phase = "it0:forward"
-    s.alloc(200, "activations")
+    s.alloc(200, "optimizer")
     rep = replay(s)
-    assert rep.peak_allocated_bytes == 2048 and rep.phases["it0:forward"].allocated == 512
+    forward = rep.phases["it0:forward"]
+    assert rep.peak_allocated_bytes == 2048 and forward.allocated == 2048
+    assert forward.components == {"activations": 2000}        # the tensors at the first run's peak, not the last's
+    assert forward.reserved == 2 * 2**20                       # one 2 MiB small-pool segment at the last run's end
     oom = first_over(rep, 1500)
-    assert (oom.phase, oom.allocated_bytes, oom.capacity_bytes) == ("it0:forward", 2048, 1500)
+    assert (oom.phase, oom.allocated_bytes, oom.capacity_bytes, oom.component) == ("it0:forward", 2048, 1500,
+                                                                                    "activations")

@@ -239,14 +239,8 @@ def first_over(rep: Replay, capacity_bytes: int) -> OutOfMemory:
         if p.allocated > capacity_bytes:
             top = max(p.components, key=p.components.get, default="")
             return OutOfMemory(name, "", top, 0, p.allocated, max(p.reserved, p.allocated), capacity_bytes)
-    if rep.peak_allocated_bytes <= capacity_bytes:
-        raise AssertionError("first_over called with the allocated peak within the capacity")
-    # a phase the step runs more than once (a pipeline's forwards and backwards between micro-batches, a preference
-    # objective's two passes) keeps its last run's peak (events.replay): the step's own peak is over, in its phase
-    name, p = max(rep.phases.items(), key=lambda kv: kv[1].allocated)
-    top = max(p.components, key=p.components.get, default="")
-    held = rep.peak_allocated_bytes
-    return OutOfMemory(name, "", top, 0, held, max(rep.peak_reserved_bytes, held), capacity_bytes)
+    # (the step's allocated peak is some phase's: a phase run more than once keeps its largest run, events.replay)
+    raise AssertionError("first_over called with the allocated peak within the capacity")
 
 
 def quick_peak_allocated(r: ResolvedSetup, states: ModelStates | None = None) -> int:

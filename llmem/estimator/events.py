@@ -107,7 +107,8 @@ class Replay:
 
 def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes: int | None = None) -> Replay:
     """Run the events through the allocator; per phase, its peak of allocated bytes (and the tensor bytes per
-    component at that moment, found in a second pass) and the reserved bytes at its end.
+    component at that moment, found in a second pass) and the reserved bytes at its end (a phase run more than once:
+    its largest run's peak, its last run's end).
 
     With `capacity_bytes` the allocator behaves as on a device of that size: a segment that does not fit makes it
     release its cached blocks and retry, as PyTorch does, and the replay stops at an allocation that still fails
@@ -134,7 +135,13 @@ def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes
         except AllocatorOOM as exc:
             oom = OutOfMemory(phase, schedule.where(i), events[i][4], exc.requested_bytes, exc.allocated_bytes,
                               exc.reserved_bytes, int(capacity_bytes or 0))
-        peaks[phase] = [best, alloc.reserved_bytes, best_at]
+        # a phase the step runs more than once (a pipeline's forwards and backwards between micro-batches, a
+        # preference objective's two passes) peaks at its largest run, and has reserved what its last run ends with
+        seen = peaks.get(phase)
+        if seen is None or best > seen[0]:
+            peaks[phase] = [best, alloc.reserved_bytes, best_at]
+        else:
+            seen[1] = alloc.reserved_bytes
         if oom is not None:
             break
     # second pass: tensor bytes per component at each phase's peak
