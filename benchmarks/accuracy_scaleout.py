@@ -30,8 +30,9 @@ OUT = Path(__file__).parent / "results" / "scaleout_trace.json"
 
 # pipeline rows: the stages traced (each costs a whole-model trace: layers / pp x micro-batches); the rest of the
 # stages are the estimator's only. 1F1B: the first stage (pp micro-batches in flight); GPipe: the last (all of them in
-# flight, and the lm_head and loss): the largest of each by the estimate.
-TRACED_STAGES = {"1f1b": (0,), "gpipe": (-1,)}
+# flight, and the lm_head and loss); interleaved 1F1B: the first (its warm-up holds the most micro-batch chunks): the
+# largest of each by the estimate.
+TRACED_STAGES = {"1f1b": (0,), "gpipe": (-1,), "interleaved-1f1b": (0,)}
 
 
 def traced(setup) -> tuple:

@@ -352,6 +352,13 @@ SCALEOUT_MATRIX: list[TrainingSetup] = [
     # MoE under FSDP2 (experts sharded on dim 0, no EP): Qwen3-30B-A3B on one node, Qwen3-235B-A22B on 16 nodes
     _s("Qwen/Qwen3-30B-A3B", "fsdp", 8, precision="bf16-mixed", batch_size=2, seq_len=4096, grad_ckpt=True),
     _s("Qwen/Qwen3-235B-A22B", "fsdp", 128, precision="bf16-mixed", batch_size=1, seq_len=4096, grad_ckpt=True),
+    # expert parallel: Qwen3-30B-A3B's 128 experts over the node's 8 ranks (16 whole experts a rank, the tokens
+    # routed by all-to-all), FSDP2 over the rest, as row 7 otherwise
+    _s("Qwen/Qwen3-30B-A3B", "fsdp", 8, ep=8, precision="bf16-mixed", batch_size=2, seq_len=4096, grad_ckpt=True),
+    # a looped schedule: TP 8 (SequenceParallel) x PP 8 with interleaved 1F1B, 2 stages a rank (5 layers each),
+    # 8 micro-batches of 1 x 2048, full AC; pure bf16 (autocast over a whole schedule step is not modelled)
+    _s("meta-llama/Llama-3.1-70B", "tp", 64, tp=8, pp=8, pp_schedule="interleaved-1f1b", pp_virtual_stages=2,
+       precision="bf16", batch_size=8, seq_len=2048, grad_ckpt=True, sequence_parallel=True),
 ]
 LARGE_MATRIX += SCALEOUT_MATRIX
 
