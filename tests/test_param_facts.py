@@ -52,3 +52,35 @@ def test_one_set_up_at_two_shapes_shares_its_facts_and_another_layout_does_not()
     # the set-up's other fields are in the key too: pure bf16 stores the weight (and its gradient) in 2 bytes, mixed
     # precision's master weight in 4
     assert first.element_bytes[q] == 4 and facts(replace(base, precision="bf16"), 4).element_bytes[q] == 2
+
+
+def test_a_pipeline_ranks_schedules_share_its_sub_model_and_facts():
+    """A pipeline rank's schedules at two micro-batch sizes: one sub-model (stage_anatomy) and one set of facts, and
+    the events the schedule lays out with everything worked out afresh."""
+    import llmem.estimator.pipeline as pipeline
+
+    base = TrainingSetup(model="tiny-llama", gpu="A100-80GB", method="fsdp", gpus=4, pp=2, seq_len=128, batch_size=2)
+    at4 = replace(base, batch_size=4)
+    for rank in (0, 1):
+        pipeline.stage_whole(resolve(base), rank)
+        kept = len(param_facts._KEPT)
+        shared = pipeline.stage_whole(resolve(at4), rank).events
+        assert len(param_facts._KEPT) == kept
+        r = resolve(at4)
+        splits = pipeline.splits_of(r, rank)
+        assert pipeline.stage_anatomy(r.anatomy, splits) is pipeline.stage_anatomy(resolve(base).anatomy, splits)
+        param_facts._KEPT.clear()
+        pipeline._STAGE_ANATOMIES.clear()
+        assert pipeline.stage_whole(resolve(at4), rank).events == shared
+
+
+def test_the_identity_cache_keys_on_the_object_not_its_value_and_drops_the_oldest():
+    from llmem.estimator.identity_cache import IdentityCache
+
+    cache: IdentityCache[list] = IdentityCache(2)
+    a, equal_to_a = [1], [1]
+    first = cache.get(a, "k", lambda: ["a"])
+    assert cache.get(a, "k", lambda: ["again"]) is first                 # the same object: kept
+    assert cache.get(equal_to_a, "k", lambda: ["b"]) == ["b"]            # equal but another object: worked out
+    cache.get(a, "other", lambda: ["c"])                                 # a third entry drops the oldest used
+    assert len(cache) == 2 and cache.get(a, "k", lambda: ["a2"]) == ["a2"]

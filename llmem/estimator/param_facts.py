@@ -8,9 +8,9 @@ The mappings are read-only by contract: every schedule of the set-up reads the s
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.quant import is_quantised
@@ -49,23 +49,14 @@ class ParamFacts:
     shard_of: dict[str, int]                       # FSDP2's shards of dim 0 (a routed expert's over efsdp under --ep)
 
 
-_KEPT: OrderedDict[tuple, tuple[object, ParamFacts]] = OrderedDict()
+_KEPT: IdentityCache[ParamFacts] = IdentityCache(KEPT_SET_UPS)
 
 
 def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
     """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (worked out
     once per set-up less its shape: the trained anatomy is compared by identity, which `r.with_shape` keeps)."""
-    anatomy = r.anatomy
-    key = (id(anatomy), r.setup.shape_free, r.layout, layers, tuple(b.params for b in blocks))
-    got = _KEPT.get(key)
-    if got is not None and got[0] is anatomy:
-        _KEPT.move_to_end(key)
-        return got[1]
-    facts = _work_out(r, blocks, layers)
-    _KEPT[key] = (anatomy, facts)           # the anatomy held: its id cannot be reused while the entry lives
-    if len(_KEPT) > KEPT_SET_UPS:
-        _KEPT.popitem(last=False)
-    return facts
+    key = (r.setup.shape_free, r.layout, layers, tuple(b.params for b in blocks))
+    return _KEPT.get(r.anatomy, key, lambda: _work_out(r, blocks, layers))
 
 
 def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:

@@ -35,6 +35,7 @@ from dataclasses import replace
 
 from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
+from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.schedule import StepSchedule
 from llmem.memory.activations.profile import activation_profile
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
@@ -79,9 +80,18 @@ def check_modelled(r: ResolvedSetup) -> None:
         raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
 
 
+# the pipeline ranks' sub-models of one plan's searches (one object per rank, so the schedules built for one rank
+# share their parameters' facts: llmem.estimator.param_facts)
+_STAGE_ANATOMIES: IdentityCache[ModelAnatomy] = IdentityCache(64)
+
+
 def stage_anatomy(anatomy: ModelAnatomy, splits: tuple[StageSplit, ...]) -> ModelAnatomy:
     """The rank's sub-model: its stages' decoder layers renumbered from 0 (in stage order), the embedding if it
-    holds the first stage, the final norm and lm_head if it holds the last."""
+    holds the first stage, the final norm and lm_head if it holds the last (worked out once per model and splits)."""
+    return _STAGE_ANATOMIES.get(anatomy, splits, lambda: _stage_anatomy(anatomy, splits))
+
+
+def _stage_anatomy(anatomy: ModelAnatomy, splits: tuple[StageSplit, ...]) -> ModelAnatomy:
     index = {layer: k for k, layer in enumerate(i for s in splits for i in s.layers)}
     embedding, head = any(s.embedding for s in splits), any(s.head for s in splits)
 
