@@ -198,80 +198,37 @@ class CachingAllocator:
     # ------------------------------------------------------------------ public API
 
     def malloc(self, size_bytes: int, stream: int = 0) -> int:
-        """DeviceCachingAllocator::malloc; returns a handle to pass to free(). (The replays' hot path: round_size,
-        get_pool, a plain segment's get_free_block and alloc_found_block are written inline.)"""
-        if size_bytes <= 0 or stream < 0:
-            if size_bytes < 0 or stream < 0:
-                raise ValueError(f"size and stream must be >= 0, got size={size_bytes} stream={stream}")
-            handle = self._next_handle     # CUDACachingAllocator::allocate: size 0 returns nullptr, no block
-            self._next_handle = handle + 1
-            self._live[handle] = None
-            return handle
+        """DeviceCachingAllocator::malloc; returns a handle to pass to free()."""
+        if size_bytes < 0 or stream < 0:
+            raise ValueError(f"size and stream must be >= 0, got size={size_bytes} stream={stream}")
         handle = self._next_handle
         self._next_handle = handle + 1
+        if size_bytes == 0:  # CUDACachingAllocator::allocate: size 0 returns nullptr, no block
+            self._live[handle] = None
+            return handle
         self._num_alloc_calls += 1
-        size = -(-size_bytes // kMinBlockSize) * kMinBlockSize      # round_size (>= kMinBlockSize: size > 0)
+        size = round_size(size_bytes)
         if self._next_addr + size > _ADDR_MASK:  # sizes and addresses are 64-bit (size_t), as in CUDA
             raise LlmemError(f"the step's tensors pass 2**64 bytes ({size_bytes:,} more asked): no device holds "
                              "them; make --batch-size or --seq-len smaller")
-        small = size <= kSmallSize
-        pool = self._small if small else self._large  # get_pool
-        block = None
-        if self.expandable_segments:
-            block = self._get_free_block(pool, size, stream)
-        else:                                # get_free_block on plain segments: best fit, max_split_size rules
-            keys = pool.blocks
-            i = bisect_left(keys, (stream << 128) | (size << 64))
-            if i < len(keys) and keys[i] >> 128 == stream:
-                found = pool.free[keys[i] & _ADDR_MASK]
-                max_split = self._max_split
-                if (found.size < max_split or size >= max_split) and (size < max_split
-                                                                      or found.size < size + kLargeBuffer):
-                    del keys[i]
-                    del pool.free[found.addr]
-                    block = found
+        pool = self._small if size <= kSmallSize else self._large  # get_pool
+        block = self._get_free_block(pool, size, stream)
         if block is None:
-            block = self._new_block(pool, size, size_bytes, stream)
-        # alloc_found_block: split per should_split, mark allocated, count the block's size
-        remaining = block.size - size
-        if small or self.expandable_segments:  # should_split
-            split = remaining >= kMinBlockSize
-        else:
-            split = size < self._max_split and remaining > kSmallSize
-        if split:
-            rest = _Block(block.addr + size, remaining, block.stream, pool, block.seg)
-            nxt = block.next                   # linked right after the block (its segment's address order)
-            rest.prev, rest.next = block, nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(pool.blocks, (rest.stream << 128) | (remaining << 64) | rest.addr)   # pool.insert(rest)
-            pool.free[rest.addr] = rest
-        block.allocated = True
-        allocated = self._allocated + block.size
-        self._allocated = allocated
-        if allocated > self._peak_allocated:
-            self._peak_allocated = allocated
+            alloc_size = allocation_size(size)
+            block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None:
+                # release_cached_blocks() && alloc_block(params, isRetry=true)
+                self._release_cached_blocks()
+                self._num_alloc_retries += 1
+                block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None:
+                self._num_ooms += 1
+                raise AllocatorOOM(size_bytes, alloc_size, self._reserved, self._allocated, self.capacity_bytes)
+        self._alloc_found_block(pool, block, size)
         self._live[handle] = block
         return handle
-
-    def _new_block(self, pool: _Pool, size: int, size_bytes: int, stream: int) -> _Block:
-        """A request the cache does not serve: alloc_block, then (at a capacity) release_available_cached_blocks
-        and retry, release_cached_blocks and retry, else OOM."""
-        alloc_size = allocation_size(size)
-        block = self._alloc_block(pool, size, alloc_size, stream)
-        if block is None and self._release_available_cached_blocks(pool, size, stream):
-            block = self._alloc_block(pool, size, alloc_size, stream)
-        if block is None:
-            # release_cached_blocks() && alloc_block(params, isRetry=true)
-            self._release_cached_blocks()
-            self._num_alloc_retries += 1
-            block = self._alloc_block(pool, size, alloc_size, stream)
-        if block is None:
-            self._num_ooms += 1
-            raise AllocatorOOM(size_bytes, alloc_size, self._reserved, self._allocated, self.capacity_bytes)
-        return block
 
     def free(self, handle: int) -> None:
         """DeviceCachingAllocator::free -> free_block: merge with free neighbours, back to the pool."""
@@ -289,8 +246,7 @@ class CachingAllocator:
             self._try_merge_blocks(block, prev, pool)
         if nxt is not None and not nxt.allocated and nxt.mapped:
             self._try_merge_blocks(block, nxt, pool)
-        insort(pool.blocks, (block.stream << 128) | (block.size << 64) | block.addr)   # pool.insert(block)
-        pool.free[block.addr] = block
+        pool.insert(block)
 
     def empty_cache(self) -> None:
         """emptyCache -> release_cached_blocks: free every fully free segment, unmap free expandable pages."""
@@ -371,6 +327,24 @@ class CachingAllocator:
         self._num_device_allocs += 1
         self._add_reserved(alloc_size)
         return _Block(seg.base, alloc_size, stream, pool, seg)
+
+    def _alloc_found_block(self, pool: _Pool, block: _Block, size: int) -> None:
+        """alloc_found_block: split per should_split, mark allocated, count the block's size."""
+        remaining = block.size - size
+        if pool.is_small or self.expandable_segments:  # should_split
+            split = remaining >= kMinBlockSize
+        else:
+            split = size < self._max_split and remaining > kSmallSize
+        if split:
+            rest = _Block(block.addr + size, remaining, block.stream, pool, block.seg)
+            _link_after(block, rest)
+            block.size = size
+            pool.insert(rest)
+        block.allocated = True
+        allocated = self._allocated + block.size
+        self._allocated = allocated
+        if allocated > self._peak_allocated:
+            self._peak_allocated = allocated
 
     def _try_merge_blocks(self, dst: _Block, src: _Block | None, pool: _Pool) -> int:
         """try_merge_blocks: absorb free neighbour src (same mapped state) into dst (not in any set)."""
