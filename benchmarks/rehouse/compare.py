@@ -15,8 +15,11 @@ What is dumped, one JSON file per case (a case is the engine, the set-up's list 
 so that a row added to a matrix after the change is reported as new, not as a shifted neighbour):
 - `estimate` (llmem engine), `paper` (estimate --engine paper) and `trace` for every row of the CI matrix and the
   large matrix (llmem.validate's CI_MATRIX and LARGE_MATRIX);
-- `plan` for every row of the CI matrix and for benchmarks/plan_speed.py's set-ups (every catalog model on
-  8x A100-80GB at 2048 tokens, at 4096 tokens with checkpointing, and on one RTX4090 at 4096 tokens).
+- `plan` for every row of the CI matrix, for benchmarks/plan_speed.py's set-ups (every catalog model on
+  8x A100-80GB at 2048 tokens, at 4096 tokens with checkpointing, and on one RTX4090 at 4096 tokens) and for
+  benchmarks/plan_scale.py's (8B / 70B / 405B on 8, 64 and 512 H100s, with and without checkpointing).
+The large matrix holds the scale-out rows (SCALEOUT_MATRIX) and the CI matrix the objectives' rows
+(OBJECTIVES_MATRIX), so the four matrices of llmem.validate are all covered.
 The JSON is what `--json` prints (`to_dict()` of the result), with the one field that is not a result of the step
 taken out: the trace's own wall time in its last note ("trace: N allocator events, X.X s" keeps N).
 
@@ -100,6 +103,14 @@ def plan_speed_setups(TrainingSetup) -> list:
     return out
 
 
+def plan_scale_setups(TrainingSetup) -> list:
+    """benchmarks/plan_scale.py's set-ups: 8B / 70B / 405B on 8, 64 and 512 H100s at 4096 tokens, with and without
+    checkpointing."""
+    return [TrainingSetup(model=m, gpus=g, gpu="H100-80GB", seq_len=4096, grad_ckpt=ckpt)
+            for m in ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-405B")
+            for g in (8, 64, 512) for ckpt in (False, True)]
+
+
 _PEFT_PATH = re.compile(r"peft_config='[^']*/([^/']+/[^/']+)'")
 
 
@@ -120,6 +131,7 @@ def cases(api, only: set[str]) -> list[tuple[str, str, object]]:
     if "plan" in only:
         out += [("plan", case_key("ci", s), s) for s in api["ci"]]
         out += [("plan", case_key("speed", s), s) for s in plan_speed_setups(api["TrainingSetup"])]
+        out += [("plan", case_key("scale", s), s) for s in plan_scale_setups(api["TrainingSetup"])]
     return out
 
 
