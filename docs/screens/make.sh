@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the screens of the README's "Screens" section: each text file starts with the command that made it.
+# Regenerates the screens listed in docs/screens/README.md: each text file starts with the command that made it.
 #   bash docs/screens/make.sh            # estimate, trace, plan, the web page (a few minutes)
 #   bash docs/screens/make.sh validate   # also validate --matrix ci at 80 and 120 columns (traces: ~10 minutes)
 set -euo pipefail
