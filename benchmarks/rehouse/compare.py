@@ -198,7 +198,7 @@ def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | Non
     failed = 0
     for engine in ("estimate", "paper", "trace", "plan"):
         names = sorted(p.name for p in (before / engine).glob("*.json")) if (before / engine).is_dir() else []
-        if not names:
+        if not names or not (after / engine).is_dir():     # an engine not dumped on one side is not compared
             continue
         new_only = sorted(p.name for p in (after / engine).glob("*.json") if not (before / engine / p.name).exists())
         same = 0
