@@ -10,7 +10,7 @@ import json
 import os
 import re
 import shlex
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +29,7 @@ from llmem.cli.serve import bind, make_app  # noqa: E402
 from llmem.errors import LlmemError  # noqa: E402
 from llmem.planner.options import PlanOptions  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
-from llmem.setup.training import TrainingSetup, user_setup  # noqa: E402
+from llmem.setup.training import option_fields, user_setup  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
 
@@ -305,7 +305,7 @@ def test_the_page_is_served_whole_and_fetches_nothing_from_elsewhere(client):
 
 def test_the_form_has_every_field_the_command_line_has(client):
     form = client.get("/api/form").json()
-    names = [f.name for f in fields(TrainingSetup) if "option" in f.metadata]
+    names = [f.name for f in option_fields() if "option" in f.metadata]
     assert [f["name"] for f in form["fields"]] == names
     by_name = {f["name"]: f for f in form["fields"]}
     assert by_name["batch_size"]["flag"] == "--batch-size" and by_name["batch_size"]["default"] == 1

@@ -24,6 +24,7 @@ from llmem.setup.training import (
     Option,
     TrainingSetup,
     default_method,
+    option_fields,
     user_setup,
 )
 
@@ -80,7 +81,7 @@ def _typed(convert: Any) -> Any:
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The set-up's options, grouped as --help shows them, --from and --json."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
-    for f in fields(TrainingSetup):
+    for f in option_fields():
         opt = _option(f)
         if opt is None:
             continue
@@ -132,7 +133,7 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
     values: dict[str, Any] = {}
     given: set[str] = set()
     recorded = getattr(args, GIVEN, frozenset())
-    for f in fields(TrainingSetup):
+    for f in option_fields():
         opt = _option(f)
         if opt is None:
             continue
@@ -152,7 +153,7 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
         if value is None and parser_default is None and f.default is not None:
             continue                       # not given: the field's default (or what resolving decides)
         values[f.name] = value
-    for f in fields(TrainingSetup):
+    for f in option_fields():
         opt = _option(f)
         if opt is not None and f.name in given:
             values.update(dict(opt.implies))
@@ -160,7 +161,7 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
                 raise LlmemError(f"{_flag(f, opt)} applies to {_flag_for(*opt.requires)} only")
     files = getattr(args, "from_files", None)
     if files:
-        implied = {k: v for f in fields(TrainingSetup) if f.name in given and _option(f) is not None
+        implied = {k: v for f in option_fields() if f.name in given and _option(f) is not None
                    for k, v in _option(f).implies}
         read = setup_from_file(files, **{k: values[k] for k in given | set(implied) if k in values})
         return read.setup, read.record
@@ -181,7 +182,7 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
 
 def _flag_for(name: str, value: Any) -> str:
     """The flag that sets field `name` to `value`."""
-    f = next(f for f in fields(TrainingSetup) if f.name == name)
+    f = next(f for f in option_fields() if f.name == name)
     opt = _option(f)
     if opt.kind == "switches":
         return next(flag for flag, v, _ in opt.switches if v == value)
@@ -229,7 +230,7 @@ def option_flags(values: dict[str, Any], attached: bool = False) -> list[str]:
     a switch when true, a negated switch when false, one of several switches by the value it maps to. attached:
     `--flag=VALUE`, which argparse reads as the value even when it starts with '-'."""
     out: list[str] = []
-    for f in fields(TrainingSetup):
+    for f in option_fields():
         opt = _option(f)
         if opt is None or opt.kind == "positional" or f.name not in values:
             continue
@@ -250,15 +251,15 @@ def _unset_value(name: str, setup: TrainingSetup) -> Any:
     field's default."""
     if name == "method":
         return default_method(setup.gpus, setup.objective)
-    return next(f.default for f in fields(TrainingSetup) if f.name == name)
+    return next(f.default for f in option_fields() if f.name == name)
 
 
 def setup_flags(setup: TrainingSetup) -> list[str]:
     """`setup` as the command line that gives it (the inverse of setup_from_args): MODEL, then the flag of each
     field whose value differs from its unset value, less what a given flag implies (--grad-ckpt under
     --grad-ckpt-every K)."""
-    changed = {f.name: getattr(setup, f.name) for f in fields(TrainingSetup)
+    changed = {f.name: getattr(setup, f.name) for f in option_fields()
                if _option(f) is not None and getattr(setup, f.name) != _unset_value(f.name, setup)}
-    implied = {name: value for f in fields(TrainingSetup) if f.name in changed
+    implied = {name: value for f in option_fields() if f.name in changed
                for name, value in _option(f).implies}
     return [setup.model] + option_flags({k: v for k, v in changed.items() if implied.get(k, ...) != v})

@@ -37,7 +37,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -68,6 +68,7 @@ from llmem.setup.training import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
     TrainingSetup,
+    option_fields,
 )
 
 log = logging.getLogger("llmem.serve")
@@ -107,7 +108,7 @@ def form_schema() -> dict:
     from llmem.model.catalog import catalog
 
     items = []
-    for f in fields(TrainingSetup):
+    for f in option_fields():
         opt = _option(f)
         if opt is None:
             continue
@@ -281,7 +282,7 @@ class Query:
     def __init__(self, params: dict[str, str], uploads: Path, training: list[str] | None = None):
         self.params = dict(params)
         self.uploads = uploads
-        known = {f.name for f in fields(TrainingSetup) if _option(f) is not None} | {CONFIG_KEY}
+        known = {f.name for f in option_fields() if _option(f) is not None} | {CONFIG_KEY}
         unknown = sorted(set(self.params) - known)
         if unknown:
             names = ", ".join(sorted(known | {FROM_KEY}))
@@ -312,7 +313,7 @@ class Query:
     def values(self, drop: tuple[str, ...] = ()) -> dict[str, Any]:
         """The fields given, switches as booleans, the rest as text (the parser types and checks them)."""
         out: dict[str, Any] = {}
-        for f in fields(TrainingSetup):
+        for f in option_fields():
             opt = _option(f)
             if opt is None or opt.kind == "positional" or f.name in drop or f.name not in self.params:
                 continue

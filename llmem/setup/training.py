@@ -1,13 +1,20 @@
-"""The training set-up a user asks about, as one plain frozen dataclass, and its validation.
+"""The training set-up a user asks about: one plain frozen dataclass of sections, and its validation.
 
-Each field carries its command-line option in its metadata (`Option`): llmem.cli builds the argument parser from
-these fields, so a new field is a new flag without a second list to keep in step.
+`TrainingSetup` holds the model's name and one section of each kind (llmem.setup.sections: parallelism, hardware,
+step, optim, activations, adapters, deepspeed, trainer, generation), as torchtitan's Trainer config holds its section
+configs. Each section field carries its command-line `Option` (llmem.setup.flags), so llmem.cli builds the argument
+parser from them and a new field is a new flag without a second list to keep in step.
+
+A set-up is built from its fields' flat names, as the command line and the API give them
+(`TrainingSetup(model="gpt2", gpus=8, lora_rank=16)`, `dataclasses.replace(setup, batch_size=4)`), or from
+sections; each field also reads by its flat name (`setup.pp` is `setup.parallelism.pp`), and `to_dict()` (the
+`setup` of every `--json`) keeps the flat keys in the order they have always had.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Any
 
 from llmem.errors import LlmemError
@@ -15,88 +22,49 @@ from llmem.setup.checkpointing import ac_policy
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.expert_parallel import check_expert_parallel
+from llmem.setup.flags import (  # noqa: F401 - re-exported: the flags' names as llmem has always offered them
+    ACTIVATIONS,
+    ADAPTERS,
+    DEEPSPEED,
+    LAYOUT,
+    MAX_COUNT,
+    MODEL,
+    OPTIMIZER,
+    STEP,
+    Option,
+    count,
+    count_or_auto,
+    option,
+)
 from llmem.setup.methods import canonical_method, method_spec
-from llmem.setup.objectives import (
-    DPO_LOSS_TYPES,
-    KTO_LOSS_TYPES,
-    OBJECTIVE_GROUP,
-    OBJECTIVES,
-    REF_DTYPES,
-    check_objective,
-    objective_spec,
-)
+from llmem.setup.objectives import check_objective, objective_spec
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
-from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline, check_schedule_method
+from llmem.setup.pipeline import PP_METHODS, check_pipeline, check_schedule_method
 from llmem.setup.precision import PRECISIONS, Precision
-
-ATTENTIONS = ("sdpa", "eager", "flash")
-QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
-QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
-    ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
-    ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
-    ("--qlora-torchao", "torchao-nf4", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs adapters "
-     "(--lora-rank)"),
+from llmem.setup.sections import (  # noqa: F401 - re-exported
+    ADAPTER_DTYPES,
+    ATTENTIONS,
+    LORA_ALL_LINEAR,
+    QUANT_BASES,
+    QUANT_FLAGS,
+    QUANT_SWITCHES,
+    SECTIONS,
+    ActivationsConfig,
+    AdaptersConfig,
+    DeepSpeedConfig,
+    GenerationConfig,
+    HardwareConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    StepConfig,
+    TrainerConfig,
 )
-# TrainingSetup.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
-# axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
-# (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)
-ADAPTER_DTYPES = ("fp32", "base")
-QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
-LORA_ALL_LINEAR = "all-linear"
+
 # Bounds of one micro-batch: far past any real run (the largest contexts are ~10M tokens), and small enough that a
 # step's tensors stay below 2**64 bytes (CUDA's size_t) on real models; the allocator model refuses the rest
 MAX_BATCH_SIZE = 1 << 20
 MAX_SEQ_LEN = 1 << 24
 MAX_STEP_TOKENS = 1 << 28
-MAX_COUNT = 1 << 48            # a DeepSpeed size in elements: 2**48 bf16 elements are 512 TiB
-
-# Option.group: the sections of --help
-LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL, DEEPSPEED = "layout", "step", "optimizer", "activations", \
-    "adapters", "model", "deepspeed"
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a TrainingSetup field is asked for on the command line.
-
-    kind: "value" (a flag taking a value of `type`), "switch" (a flag that sets True), "switches" (flags that each
-    set the value they map to, at most one of them), "negate" (a flag that sets False), "positional".
-    """
-    help: str
-    group: str
-    kind: str = "value"
-    flag: str | None = None                  # default: --field-name
-    type: Any = str
-    metavar: str | None = None
-    cli_default: Any = ...                   # the parser's default when it differs from the field's (None: unset)
-    switches: tuple[tuple[str, Any, str], ...] = ()   # kind "switches": (flag, value, help)
-    noun: str = ""                               # kind "switches": what one chooses ("choose one <noun>")
-    implies: tuple[tuple[str, Any], ...] = ()    # given: these fields take these values too
-    requires: tuple[str, Any] | None = None      # kind "negate": only with field == value
-
-
-def count(text: str) -> int:
-    """A count of elements as DeepSpeed's configs write them: 500000000, 5e8 or 5_0000_0000."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return count(str(text))
-    try:
-        value = float(str(text).replace("_", ""))
-    except ValueError:
-        raise LlmemError(f"{text!r} is not a count: write e.g. 500000000 or 5e8") from None
-    if not math.isfinite(value) or value != int(value) or value < 0:
-        raise LlmemError(f"{text!r} is not a whole number of elements >= 0: write e.g. 500000000 or 5e8")
-    if value > MAX_COUNT:
-        raise LlmemError(f"{text!r} elements is more than any GPU holds (at most 2**48): write e.g. 500000000 or 5e8")
-    return int(value)
-
-
-def count_or_auto(text: str) -> int | str:
-    """A count, or "auto": the value HF's Trainer and accelerate fill from the model's hidden size."""
-    return "auto" if str(text).strip().lower() == "auto" else count(text)
-
-
-def option(default: Any, help: str, group: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"option": Option(help, group, **kw)})
 
 
 def default_method(gpus: int, objective: str = "sft") -> str:
@@ -117,164 +85,55 @@ def user_setup(**fields: Any) -> TrainingSetup:
 
 
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
+# Every field by its flat name, in the order the set-up's JSON and --help have always listed them
+FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward')
+# flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
+SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False, repr=False)
 class TrainingSetup:
-    """One fine-tuning step as the user describes it. Sizes are per GPU (batch_size is the micro-batch)."""
+    """One fine-tuning step as the user describes it: the model and one section of each kind. Sizes are per GPU
+    (batch_size is the micro-batch)."""
     model: str = field(metadata={"option": Option(
         "catalog name, hub id, path to config.json, or a model folder", MODEL, kind="positional",
         metavar="MODEL")})
-    method: str = option("single", "single, ddp (cdp), fsdp (zero3, adp), zero2, tp, fsdp+tp (dp+tp), DeepSpeed's "
-                         "ds-zero1/2/3; default single on one GPU, fsdp on more", LAYOUT, cli_default=None)
-    gpus: int = option(1, "number of GPUs (default 1)", LAYOUT, type=int)
-    gpus_per_node: int | None = option(None, "GPUs per node (default: min(gpus, 8))", LAYOUT, type=int)
-    tp: int | None = option(None, "tensor-parallel degree (default: all GPUs under tp, 2 under fsdp+tp)",
-                            LAYOUT, type=int)
-    batch_size: int = option(1, "per-GPU micro-batch (default 1)", STEP, type=int)
-    seq_len: int = option(2048, "tokens per sample (default 2048)", STEP, type=int)
-    precision: str = option("bf16-mixed", f"{', '.join(PRECISIONS)} (default bf16-mixed)", STEP)
-    optimizer: str = option("adamw", ", ".join(f"{o.name} ({o.summary})" for o in OPTIMIZERS.values())
-                            + " (default adamw)", OPTIMIZER)
-    grad_ckpt: bool = option(False, "gradient checkpointing of every decoder layer", ACTIVATIONS, kind="switch")
-    attn: str = option("sdpa", "sdpa, flash (flash_attention_2; fp16/bf16) or eager (default sdpa)", ACTIVATIONS)
-    gpu: str = option("A100-80GB", "GPU type (see `llmem gpus`; default A100-80GB)", LAYOUT)
-    gpu_memory: str | None = option(None, "GPU memory, e.g. 80GiB (overrides the catalog)", LAYOUT)
-    cuda_context: str | None = option(None, "CUDA context size, e.g. 500MiB (overrides the assumption)", LAYOUT)
-    expandable_segments: bool = option(False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments", LAYOUT, kind="switch")
-    offload_optimizer: bool = option(False, "optimizer states and update on the CPU", OPTIMIZER, kind="switch")
-    lora_rank: int = option(0, "LoRA adapters of this rank (base frozen); 0: full fine-tuning", ADAPTERS, type=int)
-    lora_alpha: int = option(16, "LoRA alpha (scaling; no effect on memory)", ADAPTERS, type=int)
-    lora_targets: str = option("q_proj,v_proj", "modules to adapt, comma-separated, or all-linear "
-                               "(default q_proj,v_proj)", ADAPTERS)
-    lora_dropout: float = option(0.0, "LoRA dropout on the adapters' input (default 0)", ADAPTERS, type=float)
-    peft_config: str | None = option(None, "adapter_config.json (or its folder) applied with peft: LoRA, DoRA, IA3, "
-                                     "prompt/prefix tuning", ADAPTERS, metavar="PATH")
     trust_remote_code: bool = option(False, "let transformers run the model's own code", MODEL, kind="switch")
-    optimizer_in_backward: bool = option(False, "step each parameter in its post-accumulate-grad hook and free its "
-                                         "gradient (single GPU)", OPTIMIZER, kind="switch")
-    quant_base: str = option("none", "frozen base quantised (bitsandbytes or torchao)", ADAPTERS, kind="switches",
-                             noun="quantised base", switches=QUANT_SWITCHES)
-    kbit_upcast: bool = option(True, "quantised base without peft's prepare_model_for_kbit_training upcast of the "
-                               "unquantised frozen parameters (embeddings, norms, lm_head) to fp32", ADAPTERS,
-                               kind="negate", flag="--no-kbit-upcast")
-    adapter_dtype: str = option("fp32", "fp32 (peft's autocast_adapter_dtype, its default: adapters in fp32 also on "
-                                "a bf16/fp16 base) or base (adapters in the base's dtype, torchtune's LoRA)",
-                                ADAPTERS)
-    double_quant: bool = option(True, "--qlora without double quantisation (fp32 absmax per 64-block)", ADAPTERS,
-                                kind="negate", flag="--no-double-quant", requires=("quant_base", "nf4"))
-    ckpt_every: int = option(1, "checkpoint every K-th decoder layer (index %% K == 0); implies --grad-ckpt",
-                             ACTIVATIONS, type=int, flag="--grad-ckpt-every", metavar="K", cli_default=None,
-                             implies=(("grad_ckpt", True),))
-    offload_activations: bool = option(False, "keep saved activations in pinned CPU memory between forward and "
-                                       "backward", ACTIVATIONS, kind="switch")
-    fused_ce: bool = option(False, "fused linear cross-entropy in chunks of tokens (no full fp32 logits)",
-                            ACTIVATIONS, kind="switch")
-    packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
-    # DeepSpeed's ZeRO section (methods ds-zero1/2/3; None: DeepSpeed's default, llmem.setup.deepspeed)
-    reduce_bucket_size: int | str | None = option(None, "elements per gradient bucket (IPG buffer; DeepSpeed's "
-                                                  "default 5e8; auto: HF's hidden_size^2)", DEEPSPEED,
-                                                  type=count_or_auto)
-    overlap_comm: bool | None = option(None, "reduce gradients while backward runs (DeepSpeed's default: on for "
-                                       "stage 3 only); stages 1-2 then keep two IPG buffers", DEEPSPEED,
-                                       kind="switches", noun="overlap setting", switches=(
-                                           ("--overlap-comm", True, "overlap_comm: true (ds-zero*)"),
-                                           ("--no-overlap-comm", False, "overlap_comm: false (ds-zero*)")))
-    prefetch_bucket_size: int | str | None = option(None, "ds-zero3: elements prefetched ahead (stage3_prefetch_"
-                                                    "bucket_size; default 5e7; auto: HF's 0.9 x hidden_size^2)",
-                                                    DEEPSPEED, type=count_or_auto)
-    param_persistence_threshold: int | str | None = option(None, "ds-zero3: parameters of at most this many "
-                                                           "elements stay gathered (default 1e5; auto: HF's 10 x "
-                                                           "hidden_size)", DEEPSPEED, type=count_or_auto)
-    max_live_parameters: int | None = option(None, "ds-zero3: most gathered elements before prefetching stops "
-                                             "(default 1e9)", DEEPSPEED, type=count)
-    max_reuse_distance: int | None = option(None, "ds-zero3: a parameter used again within this many elements "
-                                            "stays gathered (default 1e9)", DEEPSPEED, type=count)
-    sub_group_size: int | None = option(None, "elements per optimizer sub-group (the step's fp32 gradient "
-                                        "transient under ds-zero3; default 1e9)", DEEPSPEED, type=count)
-    offload_param: bool = option(False, "parameters sharded in pinned CPU memory: ds-zero3's offload_param; under "
-                                 "fsdp / zero2 / fsdp+tp FSDP2's CPUOffloadPolicy (gradients and the optimizer "
-                                 "step on the host too)", DEEPSPEED, kind="switch")
-    # The training objective (llmem.setup.objectives): TRL's trainers' names and defaults
-    objective: str = option("sft", f"{', '.join(OBJECTIVES)}: sft (one model's causal-LM loss), TRL's DPOTrainer "
-                            "(chosen and rejected in one forward against a reference) or KTOTrainer (unpaired "
-                            "completions against a reference; default sft)", OBJECTIVE_GROUP)
-    loss_type: str | None = option(None, f"the trainer's loss_type (dpo: {', '.join(DPO_LOSS_TYPES[:4])}, ..., "
-                                   f"default sigmoid; kto: {', '.join(KTO_LOSS_TYPES)}, default kto)",
-                                   OBJECTIVE_GROUP)
-    precompute_ref_log_probs: bool = option(False, "dpo/kto: the reference's log-probs computed before training "
-                                            "(precompute_ref_log_probs): no reference in the step",
-                                            OBJECTIVE_GROUP, kind="switch")
-    ref_dtype: str = option("policy", f"{', '.join(REF_DTYPES)}: the reference copy's dtype (policy: TRL's "
-                            "dtype=model.dtype, fp32 under *-mixed; compute: the compute dtype)", OBJECTIVE_GROUP)
-    prompt_len: int = option(0, "dpo/kto: prompt tokens at the start of each --seq-len sequence (not scored: TRL's "
-                             "labels are -100 there; default 0, every token but the first scored)", OBJECTIVE_GROUP,
-                             type=int)
-    max_length: int | None = option(None, "dpo/kto: TRL's max_length, to which it truncates each sequence (default "
-                                    "1024, the configs'); --seq-len is the length after truncation",
-                                    OBJECTIVE_GROUP, type=int)
-    # tensor parallelism as torchtitan applies it (parallelize_llama's plan; plain Megatron TP without these)
-    sequence_parallel: bool = option(False, "tp / fsdp+tp: SequenceParallel on the norms, the residual stream "
-                                     "sharded along the sequence between the TP regions (all-gather before "
-                                     "attention / MLP, reduce-scatter after)", LAYOUT, kind="switch")
-    loss_parallel: bool = option(False, "tp / fsdp+tp: vocab-sharded logits, the cross-entropy on them under "
-                                 "torch's loss_parallel() (no full-vocab gather)", LAYOUT, kind="switch")
-    # activation checkpointing's policy (llmem.setup.checkpointing): full, or torchtitan's op-level selective
-    ac_policy: str = option("full", "what a checkpointed layer keeps: full (its input only) or op (torchtitan's "
-                            "op-level selective checkpointing: every other matmul output and the SDPA outputs "
-                            "saved too); implies --grad-ckpt (default full)", ACTIVATIONS, cli_default=None,
-                            implies=(("grad_ckpt", True),))
-    # The generation objectives' options (llmem.setup.generation): GRPOConfig's names and defaults
-    num_generations: int | None = option(None, "grpo / rloo: completions per prompt (GRPOConfig's default 8, "
-                                         "RLOOConfig's 2); must divide "
-                                         "--gpus x --batch-size", OBJECTIVE_GROUP, type=int)
-    max_completion_length: int | None = option(None, "grpo / rloo: completion tokens (default 512, the configs'); "
-                                               "--seq-len is the prompt plus these", OBJECTIVE_GROUP, type=int)
-    beta: float | None = option(None, "grpo / rloo: the KL coefficient (default 0.0, GRPOConfig's: no reference "
-                                "model; RLOOConfig's 0.05; > 0 scores a reference)", OBJECTIVE_GROUP, type=float)
-    use_vllm: bool = option(False, "grpo / rloo: generate with vLLM (its pool modelled from vLLM's accounting, not "
-                            "run; see --vllm-mode)", OBJECTIVE_GROUP, kind="switch")
-    # FSDP2's HSDP: replicate across groups x shard within each (torchtitan's data_parallel_replicate_degree)
-    dp_replicate: int = option(1, "fsdp / zero2 / fsdp+tp: HSDP, the data-parallel ranks as this many replicas, "
-                               "each FSDP-sharded over dp / N ranks (a 2-D mesh; default 1: shard over all dp "
-                               "ranks)", LAYOUT, type=int)
-    # pipeline parallelism (llmem.setup.pipeline): torch.distributed.pipelining's stages as torchtitan splits them
-    pp: int = option(1, "pipeline-parallel degree: the decoder split into this many stages, one per rank "
-                     "(single: --gpus = --pp; fsdp: dp x pp; default 1)", LAYOUT, type=int)
-    pp_schedule: str = option("1f1b", f"{', '.join(PIPELINE_SCHEDULES)}: torch's pipeline schedule (default 1f1b, "
-                              "torchtitan's)", LAYOUT)
-    pp_microbatches: int | None = option(None, "micro-batches --batch-size is split into under --pp (default: "
-                                         "--batch-size, torchtitan's micro-batch size 1)", LAYOUT, type=int)
-    # context parallelism (llmem.setup.context_parallel): torch's ring attention, seq_len / cp tokens per rank
-    cp: int = option(1, "context-parallel degree: each sample's tokens split over this many ranks (torch's ring "
-                     "attention, FSDP2 over dp x cp; --gpus = dp x cp; fsdp only; default 1)", LAYOUT, type=int)
-    # TRL's colocated vLLM (--use-vllm: GRPOConfig's vllm_* fields; llmem.memory.vllm models its pool)
-    vllm_mode: str | None = option(None, "grpo --use-vllm: colocate (vLLM in each training process, TRL 1.16's "
-                                   "default) or server (vLLM on other GPUs: nothing of it on these)", OBJECTIVE_GROUP)
-    vllm_gpu_memory_utilization: float | None = option(None, "grpo --use-vllm colocate: the share of device memory "
-                                                       "vLLM takes (GRPOConfig's default 0.3)", OBJECTIVE_GROUP,
-                                                       type=float)
-    vllm_enable_sleep_mode: bool = option(False, "grpo --use-vllm colocate: vLLM released between generations "
-                                          "(TRL's sleep(level=2): weights and KV cache)", OBJECTIVE_GROUP,
-                                          kind="switch")
-    vllm_max_model_length: int | None = option(None, "grpo --use-vllm colocate: vLLM's max_model_len (default: "
-                                               "the model's max_position_embeddings, as vLLM infers it)",
-                                               OBJECTIVE_GROUP, type=int)
-    # --pp-schedule interleaved-1f1b: stages per pipeline rank (llmem.setup.pipeline; torchtitan's stages_per_rank)
-    pp_virtual_stages: int | None = option(None, "interleaved-1f1b: stages per pipeline rank, rank r holding stages "
-                                           "r, r + pp, ... (default 2, torchtitan's)", LAYOUT, type=int)
-    # expert parallelism (llmem.setup.expert_parallel): torchtitan's EP under FSDP2, dp_shard = efsdp x ep
-    ep: int = option(1, "expert-parallel degree: the routed experts split over this many ranks (torchtitan's "
-                     "all-to-all dispatch; FSDP2 over dp, the experts over dp / ep; fsdp only; default 1)", LAYOUT,
-                     type=int)
-    ep_imbalance: float = option(1.0, "--ep: the busiest rank's routed rows over the balanced tokens x top_k "
-                                 "(a stated assumption; default 1.0, balanced routing)", LAYOUT, type=float)
-    # FSDP2's reshard_after_forward as an int (llmem.estimator.post_forward; None: the method's own bool, fsdp's
-    # True, zero2's False)
-    reshard_after_forward: int | None = option(None, "fsdp: FSDP2's reshard_after_forward=N, each decoder layer "
-                                               "resharded after forward to N ranks (keeps 1/N of it, all-gathered "
-                                               "over N in backward); N divides the shard ranks, 1 < N < dp_shard "
-                                               "(default: fsdp's True)", LAYOUT, type=int, metavar="N")
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    step: StepConfig = field(default_factory=StepConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __init__(self, model: str, trust_remote_code: bool = False, **given: Any) -> None:
+        """Sections given whole (`parallelism=ParallelismConfig(...)`), fields by their flat names (`gpus=8`), or
+        both: a flat field overrides its section's value (what dataclasses.replace passes)."""
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "trust_remote_code", trust_remote_code)
+        flat: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in given.items():
+            if key in SECTIONS:
+                continue
+            if key not in SECTION_OF:
+                raise TypeError(f"TrainingSetup got an unexpected keyword argument {key!r}")
+            flat[SECTION_OF[key]][key] = value
+        for name, section in SECTIONS.items():
+            value = given.get(name) or section()
+            object.__setattr__(self, name, replace(value, **flat[name]) if flat[name] else value)
+        self.__post_init__()
+
+    def __repr__(self) -> str:
+        """The flat form, as the set-up has always printed (its fields by their flat names)."""
+        return f"TrainingSetup({', '.join(f'{name}={getattr(self, name)!r}' for name in FLAT_ORDER)})"
+
+    def _set(self, name: str, value: Any) -> None:
+        """Validation's own normalisation of a field (a count parsed, a flag implied), in its section."""
+        section = SECTION_OF[name]
+        object.__setattr__(self, section, replace(getattr(self, section), **{name: value}))
 
     def __post_init__(self) -> None:
         self._check_step_size()
@@ -324,7 +183,7 @@ class TrainingSetup:
     @property
     def shape_free(self) -> tuple:
         """The set-up less its micro-batch shape (SHAPE_FIELDS): the key of what does not depend on it."""
-        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in SHAPE_FIELDS)
+        return tuple(getattr(self, name) for name in FLAT_ORDER if name not in SHAPE_FIELDS)
 
     @property
     def microbatches(self) -> int:
@@ -348,7 +207,7 @@ class TrainingSetup:
             if self.ckpt_every > 1:
                 raise LlmemError(f"--ac-policy {self.ac_policy} checkpoints every layer (torchtitan's op-level "
                                  "selective checkpointing wraps each block): drop --grad-ckpt-every")
-            object.__setattr__(self, "grad_ckpt", True)   # implied, as the flag implies it
+            self._set("grad_ckpt", True)   # implied, as the flag implies it
 
     def _check_deepspeed(self) -> None:
         """DeepSpeed's options belong to its methods, stage 3's to stage 3 (DeepSpeed refuses offload_param below
@@ -374,7 +233,7 @@ class TrainingSetup:
         for name in ZERO_FIELDS:     # the API takes the same values as the flags
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                object.__setattr__(self, name, count_or_auto(value) if name in HIDDEN_SIZE_RULES else count(value))
+                self._set(name, count_or_auto(value) if name in HIDDEN_SIZE_RULES else count(value))
         if stage is not None and self.reduce_bucket_size == 0:
             raise LlmemError("--reduce-bucket-size must be > 0 (DeepSpeed's reduce_bucket_size is gt=0)")
 
@@ -500,4 +359,22 @@ class TrainingSetup:
         return self.offload_optimizer or self.fsdp_cpu_offload
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field by its flat name, in FLAT_ORDER: the `setup` of every --json."""
+        return {name: getattr(self, name) for name in FLAT_ORDER}
+
+
+def option_fields() -> list:
+    """The dataclass fields that carry a command-line Option, in FLAT_ORDER: what the CLI and the web page build
+    their flags and form from."""
+    own = {f.name: f for f in fields(TrainingSetup) if f.name not in SECTIONS}
+    nested = {f.name: f for section in SECTIONS.values() for f in fields(section)}
+    return [own.get(name) or nested[name] for name in FLAT_ORDER]
+
+
+def _flat_alias(name: str) -> property:
+    """`setup.<name>` reads `setup.<section>.<name>`."""
+    return property(attrgetter(f"{SECTION_OF[name]}.{name}"), doc=f"{SECTION_OF[name]}.{name}")
+
+
+for _name in SECTION_OF:
+    setattr(TrainingSetup, _name, _flat_alias(_name))

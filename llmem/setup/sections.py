@@ -1,0 +1,247 @@
+"""The sections of a training set-up, each a plain frozen dataclass whose fields carry their command-line `Option`
+(llmem.setup.flags): `llmem.setup.training.TrainingSetup` holds one of each, the CLI's flags and `--help` groups are
+built from their fields, and the `--from` readers fill them. A field is documented once, here.
+
+`SECTIONS` registers them by the name TrainingSetup holds each under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.setup.flags import (
+    ACTIVATIONS,
+    ADAPTERS,
+    DEEPSPEED,
+    LAYOUT,
+    OPTIMIZER,
+    STEP,
+    count,
+    count_or_auto,
+    option,
+)
+from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, OBJECTIVE_GROUP, OBJECTIVES, REF_DTYPES
+from llmem.setup.optimizers import OPTIMIZERS
+from llmem.setup.pipeline import PIPELINE_SCHEDULES
+from llmem.setup.precision import PRECISIONS
+
+ATTENTIONS = ("sdpa", "eager", "flash")
+QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
+QUANT_SWITCHES = (   # AdaptersConfig.quant_base's flags: (flag, value, help)
+    ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
+    ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
+    ("--qlora-torchao", "torchao-nf4", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs adapters "
+     "(--lora-rank)"),
+)
+QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
+# AdaptersConfig.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
+# axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
+# (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)
+ADAPTER_DTYPES = ("fp32", "base")
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismConfig:
+    """How the GPUs are used: the method, the mesh's degrees (tensor, pipeline, context, expert, HSDP
+    replicas) and the styles of its tensor-parallel plan and FSDP2 resharding. Resolved once into a
+    `llmem.setup.layout.Layout` (torchtitan's ParallelismConfig resolved into ParallelDims)."""
+    method: str = option("single", "single, ddp (cdp), fsdp (zero3, adp), zero2, tp, fsdp+tp (dp+tp), DeepSpeed's "
+                         "ds-zero1/2/3; default single on one GPU, fsdp on more", LAYOUT, cli_default=None)
+    gpus: int = option(1, "number of GPUs (default 1)", LAYOUT, type=int)
+    gpus_per_node: int | None = option(None, "GPUs per node (default: min(gpus, 8))", LAYOUT, type=int)
+    tp: int | None = option(None, "tensor-parallel degree (default: all GPUs under tp, 2 under fsdp+tp)",
+                            LAYOUT, type=int)
+    # FSDP2's HSDP: replicate across groups x shard within each (torchtitan's data_parallel_replicate_degree)
+    dp_replicate: int = option(1, "fsdp / zero2 / fsdp+tp: HSDP, the data-parallel ranks as this many replicas, "
+                               "each FSDP-sharded over dp / N ranks (a 2-D mesh; default 1: shard over all dp "
+                               "ranks)", LAYOUT, type=int)
+    # pipeline parallelism (llmem.setup.pipeline): torch.distributed.pipelining's stages as torchtitan splits them
+    pp: int = option(1, "pipeline-parallel degree: the decoder split into this many stages, one per rank "
+                     "(single: --gpus = --pp; fsdp: dp x pp; default 1)", LAYOUT, type=int)
+    pp_schedule: str = option("1f1b", f"{', '.join(PIPELINE_SCHEDULES)}: torch's pipeline schedule (default 1f1b, "
+                              "torchtitan's)", LAYOUT)
+    pp_microbatches: int | None = option(None, "micro-batches --batch-size is split into under --pp (default: "
+                                         "--batch-size, torchtitan's micro-batch size 1)", LAYOUT, type=int)
+    # --pp-schedule interleaved-1f1b: stages per pipeline rank (llmem.setup.pipeline; torchtitan's stages_per_rank)
+    pp_virtual_stages: int | None = option(None, "interleaved-1f1b: stages per pipeline rank, rank r holding stages "
+                                           "r, r + pp, ... (default 2, torchtitan's)", LAYOUT, type=int)
+    # context parallelism (llmem.setup.context_parallel): torch's ring attention, seq_len / cp tokens per rank
+    cp: int = option(1, "context-parallel degree: each sample's tokens split over this many ranks (torch's ring "
+                     "attention, FSDP2 over dp x cp; --gpus = dp x cp; fsdp only; default 1)", LAYOUT, type=int)
+    # expert parallelism (llmem.setup.expert_parallel): torchtitan's EP under FSDP2, dp_shard = efsdp x ep
+    ep: int = option(1, "expert-parallel degree: the routed experts split over this many ranks (torchtitan's "
+                     "all-to-all dispatch; FSDP2 over dp, the experts over dp / ep; fsdp only; default 1)", LAYOUT,
+                     type=int)
+    ep_imbalance: float = option(1.0, "--ep: the busiest rank's routed rows over the balanced tokens x top_k "
+                                 "(a stated assumption; default 1.0, balanced routing)", LAYOUT, type=float)
+    # tensor parallelism as torchtitan applies it (parallelize_llama's plan; plain Megatron TP without these)
+    sequence_parallel: bool = option(False, "tp / fsdp+tp: SequenceParallel on the norms, the residual stream "
+                                     "sharded along the sequence between the TP regions (all-gather before "
+                                     "attention / MLP, reduce-scatter after)", LAYOUT, kind="switch")
+    loss_parallel: bool = option(False, "tp / fsdp+tp: vocab-sharded logits, the cross-entropy on them under "
+                                 "torch's loss_parallel() (no full-vocab gather)", LAYOUT, kind="switch")
+    # FSDP2's reshard_after_forward as an int (llmem.estimator.post_forward; None: the method's own bool, fsdp's
+    # True, zero2's False)
+    reshard_after_forward: int | None = option(None, "fsdp: FSDP2's reshard_after_forward=N, each decoder layer "
+                                               "resharded after forward to N ranks (keeps 1/N of it, all-gathered "
+                                               "over N in backward); N divides the shard ranks, 1 < N < dp_shard "
+                                               "(default: fsdp's True)", LAYOUT, type=int, metavar="N")
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareConfig:
+    """The GPU the step runs on and how its caching allocator is configured."""
+    gpu: str = option("A100-80GB", "GPU type (see `llmem gpus`; default A100-80GB)", LAYOUT)
+    gpu_memory: str | None = option(None, "GPU memory, e.g. 80GiB (overrides the catalog)", LAYOUT)
+    cuda_context: str | None = option(None, "CUDA context size, e.g. 500MiB (overrides the assumption)", LAYOUT)
+    expandable_segments: bool = option(False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments", LAYOUT, kind="switch")
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """One training step's micro-batch and its dtypes (sizes are per GPU: batch_size is the micro-batch)."""
+    batch_size: int = option(1, "per-GPU micro-batch (default 1)", STEP, type=int)
+    seq_len: int = option(2048, "tokens per sample (default 2048)", STEP, type=int)
+    precision: str = option("bf16-mixed", f"{', '.join(PRECISIONS)} (default bf16-mixed)", STEP)
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer (a row of `llmem.setup.optimizers.OPTIMIZERS`), where it steps and when."""
+    optimizer: str = option("adamw", ", ".join(f"{o.name} ({o.summary})" for o in OPTIMIZERS.values())
+                            + " (default adamw)", OPTIMIZER)
+    offload_optimizer: bool = option(False, "optimizer states and update on the CPU", OPTIMIZER, kind="switch")
+    optimizer_in_backward: bool = option(False, "step each parameter in its post-accumulate-grad hook and free its "
+                                         "gradient (single GPU)", OPTIMIZER, kind="switch")
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationsConfig:
+    """What the forward keeps for backward: checkpointing and its policy, the attention kernel, the loss's
+    logits, packing and activation offloading."""
+    grad_ckpt: bool = option(False, "gradient checkpointing of every decoder layer", ACTIVATIONS, kind="switch")
+    ckpt_every: int = option(1, "checkpoint every K-th decoder layer (index %% K == 0); implies --grad-ckpt",
+                             ACTIVATIONS, type=int, flag="--grad-ckpt-every", metavar="K", cli_default=None,
+                             implies=(("grad_ckpt", True),))
+    # activation checkpointing's policy (llmem.setup.checkpointing): full, or torchtitan's op-level selective
+    ac_policy: str = option("full", "what a checkpointed layer keeps: full (its input only) or op (torchtitan's "
+                            "op-level selective checkpointing: every other matmul output and the SDPA outputs "
+                            "saved too); implies --grad-ckpt (default full)", ACTIVATIONS, cli_default=None,
+                            implies=(("grad_ckpt", True),))
+    attn: str = option("sdpa", "sdpa, flash (flash_attention_2; fp16/bf16) or eager (default sdpa)", ACTIVATIONS)
+    offload_activations: bool = option(False, "keep saved activations in pinned CPU memory between forward and "
+                                       "backward", ACTIVATIONS, kind="switch")
+    fused_ce: bool = option(False, "fused linear cross-entropy in chunks of tokens (no full fp32 logits)",
+                            ACTIVATIONS, kind="switch")
+    packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptersConfig:
+    """What is trained when the base is frozen: peft's adapters (LoRA, or any --peft-config) and the quantised
+    base under them (QLoRA, LLM.int8, torchao's NF4)."""
+    lora_rank: int = option(0, "LoRA adapters of this rank (base frozen); 0: full fine-tuning", ADAPTERS, type=int)
+    lora_alpha: int = option(16, "LoRA alpha (scaling; no effect on memory)", ADAPTERS, type=int)
+    lora_targets: str = option("q_proj,v_proj", "modules to adapt, comma-separated, or all-linear "
+                               "(default q_proj,v_proj)", ADAPTERS)
+    lora_dropout: float = option(0.0, "LoRA dropout on the adapters' input (default 0)", ADAPTERS, type=float)
+    peft_config: str | None = option(None, "adapter_config.json (or its folder) applied with peft: LoRA, DoRA, IA3, "
+                                     "prompt/prefix tuning", ADAPTERS, metavar="PATH")
+    adapter_dtype: str = option("fp32", "fp32 (peft's autocast_adapter_dtype, its default: adapters in fp32 also on "
+                                "a bf16/fp16 base) or base (adapters in the base's dtype, torchtune's LoRA)",
+                                ADAPTERS)
+    quant_base: str = option("none", "frozen base quantised (bitsandbytes or torchao)", ADAPTERS, kind="switches",
+                             noun="quantised base", switches=QUANT_SWITCHES)
+    kbit_upcast: bool = option(True, "quantised base without peft's prepare_model_for_kbit_training upcast of the "
+                               "unquantised frozen parameters (embeddings, norms, lm_head) to fp32", ADAPTERS,
+                               kind="negate", flag="--no-kbit-upcast")
+    double_quant: bool = option(True, "--qlora without double quantisation (fp32 absmax per 64-block)", ADAPTERS,
+                                kind="negate", flag="--no-double-quant", requires=("quant_base", "nf4"))
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedConfig:
+    """DeepSpeed's ZeRO section (methods ds-zero1/2/3; None: DeepSpeed's default, `llmem.setup.deepspeed`) and the
+    parameter offload that FSDP2's CPUOffloadPolicy shares."""
+    # DeepSpeed's ZeRO section (methods ds-zero1/2/3; None: DeepSpeed's default, llmem.setup.deepspeed)
+    reduce_bucket_size: int | str | None = option(None, "elements per gradient bucket (IPG buffer; DeepSpeed's "
+                                                  "default 5e8; auto: HF's hidden_size^2)", DEEPSPEED,
+                                                  type=count_or_auto)
+    overlap_comm: bool | None = option(None, "reduce gradients while backward runs (DeepSpeed's default: on for "
+                                       "stage 3 only); stages 1-2 then keep two IPG buffers", DEEPSPEED,
+                                       kind="switches", noun="overlap setting", switches=(
+                                           ("--overlap-comm", True, "overlap_comm: true (ds-zero*)"),
+                                           ("--no-overlap-comm", False, "overlap_comm: false (ds-zero*)")))
+    prefetch_bucket_size: int | str | None = option(None, "ds-zero3: elements prefetched ahead (stage3_prefetch_"
+                                                    "bucket_size; default 5e7; auto: HF's 0.9 x hidden_size^2)",
+                                                    DEEPSPEED, type=count_or_auto)
+    param_persistence_threshold: int | str | None = option(None, "ds-zero3: parameters of at most this many "
+                                                           "elements stay gathered (default 1e5; auto: HF's 10 x "
+                                                           "hidden_size)", DEEPSPEED, type=count_or_auto)
+    max_live_parameters: int | None = option(None, "ds-zero3: most gathered elements before prefetching stops "
+                                             "(default 1e9)", DEEPSPEED, type=count)
+    max_reuse_distance: int | None = option(None, "ds-zero3: a parameter used again within this many elements "
+                                            "stays gathered (default 1e9)", DEEPSPEED, type=count)
+    sub_group_size: int | None = option(None, "elements per optimizer sub-group (the step's fp32 gradient "
+                                        "transient under ds-zero3; default 1e9)", DEEPSPEED, type=count)
+    offload_param: bool = option(False, "parameters sharded in pinned CPU memory: ds-zero3's offload_param; under "
+                                 "fsdp / zero2 / fsdp+tp FSDP2's CPUOffloadPolicy (gradients and the optimizer "
+                                 "step on the host too)", DEEPSPEED, kind="switch")
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The training objective (a row of `llmem.setup.objectives.OBJECTIVES`: sft, or one of TRL's trainers) and
+    the preference trainers' settings, with TRL's names and defaults."""
+    # The training objective (llmem.setup.objectives): TRL's trainers' names and defaults
+    objective: str = option("sft", f"{', '.join(OBJECTIVES)}: sft (one model's causal-LM loss), TRL's DPOTrainer "
+                            "(chosen and rejected in one forward against a reference) or KTOTrainer (unpaired "
+                            "completions against a reference; default sft)", OBJECTIVE_GROUP)
+    loss_type: str | None = option(None, f"the trainer's loss_type (dpo: {', '.join(DPO_LOSS_TYPES[:4])}, ..., "
+                                   f"default sigmoid; kto: {', '.join(KTO_LOSS_TYPES)}, default kto)",
+                                   OBJECTIVE_GROUP)
+    precompute_ref_log_probs: bool = option(False, "dpo/kto: the reference's log-probs computed before training "
+                                            "(precompute_ref_log_probs): no reference in the step",
+                                            OBJECTIVE_GROUP, kind="switch")
+    ref_dtype: str = option("policy", f"{', '.join(REF_DTYPES)}: the reference copy's dtype (policy: TRL's "
+                            "dtype=model.dtype, fp32 under *-mixed; compute: the compute dtype)", OBJECTIVE_GROUP)
+    prompt_len: int = option(0, "dpo/kto: prompt tokens at the start of each --seq-len sequence (not scored: TRL's "
+                             "labels are -100 there; default 0, every token but the first scored)", OBJECTIVE_GROUP,
+                             type=int)
+    max_length: int | None = option(None, "dpo/kto: TRL's max_length, to which it truncates each sequence (default "
+                                    "1024, the configs'); --seq-len is the length after truncation",
+                                    OBJECTIVE_GROUP, type=int)
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """The generation objectives' settings (GRPO / RLOO: GRPOConfig's names and defaults) and TRL's vLLM engine
+    (`llmem.memory.vllm` models its pool; it is never run)."""
+    # The generation objectives' options (llmem.setup.generation): GRPOConfig's names and defaults
+    num_generations: int | None = option(None, "grpo / rloo: completions per prompt (GRPOConfig's default 8, "
+                                         "RLOOConfig's 2); must divide "
+                                         "--gpus x --batch-size", OBJECTIVE_GROUP, type=int)
+    max_completion_length: int | None = option(None, "grpo / rloo: completion tokens (default 512, the configs'); "
+                                               "--seq-len is the prompt plus these", OBJECTIVE_GROUP, type=int)
+    beta: float | None = option(None, "grpo / rloo: the KL coefficient (default 0.0, GRPOConfig's: no reference "
+                                "model; RLOOConfig's 0.05; > 0 scores a reference)", OBJECTIVE_GROUP, type=float)
+    use_vllm: bool = option(False, "grpo / rloo: generate with vLLM (its pool modelled from vLLM's accounting, not "
+                            "run; see --vllm-mode)", OBJECTIVE_GROUP, kind="switch")
+    # TRL's colocated vLLM (--use-vllm: GRPOConfig's vllm_* fields; llmem.memory.vllm models its pool)
+    vllm_mode: str | None = option(None, "grpo --use-vllm: colocate (vLLM in each training process, TRL 1.16's "
+                                   "default) or server (vLLM on other GPUs: nothing of it on these)", OBJECTIVE_GROUP)
+    vllm_gpu_memory_utilization: float | None = option(None, "grpo --use-vllm colocate: the share of device memory "
+                                                       "vLLM takes (GRPOConfig's default 0.3)", OBJECTIVE_GROUP,
+                                                       type=float)
+    vllm_enable_sleep_mode: bool = option(False, "grpo --use-vllm colocate: vLLM released between generations "
+                                          "(TRL's sleep(level=2): weights and KV cache)", OBJECTIVE_GROUP,
+                                          kind="switch")
+    vllm_max_model_length: int | None = option(None, "grpo --use-vllm colocate: vLLM's max_model_len (default: "
+                                               "the model's max_position_embeddings, as vLLM infers it)",
+                                               OBJECTIVE_GROUP, type=int)
+
+
+# TrainingSetup holds one of each, under these names (the order of its fields)
+SECTIONS: dict[str, type] = {
+    "parallelism": ParallelismConfig,
+    "hardware": HardwareConfig,
+    "step": StepConfig,
+    "optim": OptimizerConfig,
+    "activations": ActivationsConfig,
+    "adapters": AdaptersConfig,
+    "deepspeed": DeepSpeedConfig,
+    "trainer": TrainerConfig,
+    "generation": GenerationConfig,
+}
