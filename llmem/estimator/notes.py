@@ -140,7 +140,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes += setup.optimizer_spec.sharded_notes
     if r.method.zero_stage is not None:
         notes += deepspeed_notes(r, offloaded_host_bytes)
-        if r.setup.objective != "sft" and objective_spec(r.setup.objective).keeps_reference:   # TRL's reference
+        if r.setup.objective_spec.keeps_reference:   # TRL's reference
             notes.append(reference_engine_note(r.method.zero_stage, reference_mode(r.setup) == REF_COPY))
         notes += [n for n in (two_forwards_note(r.setup),) if n is not None]     # llmem.estimator.deepspeed
     elif cpu_offload(r):

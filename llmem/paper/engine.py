@@ -71,7 +71,7 @@ def paper_layout(setup: TrainingSetup) -> Layout:
     if METHODS[canonical_method(setup.method)].zero_stage is not None:
         raise LlmemError(f"--engine paper with {setup.method}: the paper's methods are Colossal-AI's (its ADP is "
                          "ZeRO-3-style); DeepSpeed's engine is the llmem engine's: drop --engine paper")
-    if setup.objective != "sft":
+    if setup.objective_spec.runs_trainer:
         raise LlmemError(f"--engine paper with --objective {setup.objective}: the paper models one model's "
                          "fine-tuning loss; drop --engine paper")
     if setup.pp > 1:

@@ -72,7 +72,8 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
-        (f"--attn {s.attn}", s.attn != "sdpa"), (f"--objective {s.objective}", s.objective != "sft"),
+        (f"--attn {s.attn}", s.attn != "sdpa"),
+        (f"--objective {s.objective}", s.objective_spec.runs_trainer),
         (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),
         # accelerate's fsdp_reshard_after_forward and torchrun's script take a bool only
         (f"--reshard-after-forward {s.reshard_after_forward}", s.reshard_after_forward is not None)) if on]

@@ -127,7 +127,7 @@ class TrainingStep:
     def iteration(self, it: int) -> None:
         if self.pipeline is not None:       # one pipeline stage under torch's schedule (llmem.runtime.pipeline)
             return self.pipeline.iteration(it)
-        if self.setup.objective != "sft":   # TRL's trainer step (llmem.runtime.objective_steps)
+        if self.setup.objective_spec.runs_trainer:   # TRL's trainer step (llmem.runtime.objective_steps)
             from llmem.runtime.objective_steps import objective_iteration
 
             return objective_iteration(self, it)

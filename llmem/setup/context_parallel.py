@@ -34,7 +34,7 @@ CP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
      lambda s: "--cp with --packing: the ring attention takes no mask (its attn_bias is refused): drop --packing"),
     (lambda s: s.pp > 1 or s.dp_replicate > 1 or s.tp not in (None, 1),
      lambda s: "--cp with --pp, --dp-replicate or --tp is not modelled: drop them (FSDP2 over dp_shard x cp)"),
-    (lambda s: s.objective != "sft",
+    (lambda s: s.objective_spec.runs_trainer,
      lambda s: f"--cp with --objective {s.objective} is not modelled: use the sft objective"),
     (lambda s: s.peft or s.quant_base != "none",
      lambda s: "--cp with adapters or a quantised base is not modelled: drop --lora-rank / --peft-config / --qlora"),

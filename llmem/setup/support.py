@@ -73,7 +73,7 @@ def check_tp_styles(setup: TrainingSetup, method: MethodSpec) -> None:
     if setup.loss_parallel and setup.fused_ce:
         raise LlmemError("--fused-ce with --loss-parallel is not modelled: the fused loss takes the whole lm_head, "
                          "loss_parallel() the vocab-sharded logits; choose one (torchtitan: --loss-parallel)")
-    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective != "sft":
+    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective_spec.runs_trainer:
         raise LlmemError(f"--sequence-parallel / --loss-parallel with --objective {setup.objective}: TRL's loss "
                          "reads full hidden states and gathers per-token log-probs; not modelled, drop them")
     if setup.sequence_parallel and setup.offload_activations:
@@ -134,7 +134,7 @@ def check_reshard_after_forward(setup: TrainingSetup, method: MethodSpec) -> Non
     others = (("--pp (torchtitan keeps units gathered under PP)", setup.pp > 1), ("--cp", setup.cp > 1),
               ("--ep", setup.ep > 1), ("--offload-param", setup.offload_param),
               (QUANT_FLAGS.get(setup.quant_base, ""), setup.quant_base != "none"),
-              (f"--objective {setup.objective}", setup.objective != "sft"))
+              (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
     for flag, given in others:
         if given:
             raise LlmemError(f"--reshard-after-forward with {flag} is not modelled: drop one of them")
@@ -176,7 +176,8 @@ def selective_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
            ("DeepSpeed's engine", method.zero_stage is not None),
            ("peft adapters", setup.peft), ("a quantised base", setup.quant_base != "none"),
            ("--offload-activations", setup.offload_activations), ("--packing", setup.packing),
-           ("--attn eager", setup.attn == "eager"), (f"--objective {setup.objective}", setup.objective != "sft"))
+           ("--attn eager", setup.attn == "eager"),
+           (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
     named = [what for what, applies in why if applies]
     if named:
         return (f"{flag} with {named[0]} is not modelled: use it on a full fine-tune under single, ddp, fsdp or "

@@ -22,6 +22,7 @@ from llmem.setup.objectives import (
     OBJECTIVE_GROUP,
     OBJECTIVES,
     REF_DTYPES,
+    ObjectiveSpec,
     check_objective,
     objective_spec,
 )
@@ -104,7 +105,7 @@ def default_method(gpus: int, objective: str = "sft") -> str:
     generation alike: accelerate's launch without an FSDP config; --method fsdp / zero2 model its FSDP2 plugin)."""
     if gpus == 1:
         return "single"
-    return "ddp" if objective_spec(objective).trainer else "fsdp"
+    return "ddp" if objective_spec(objective).runs_trainer else "fsdp"
 
 
 def user_setup(**fields: Any) -> TrainingSetup:
@@ -436,6 +437,10 @@ class TrainingSetup:
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def objective_spec(self) -> ObjectiveSpec:
+        return objective_spec(self.objective)
 
     # ------------------------------------------------------------------ bytes per element
     @property
