@@ -393,7 +393,7 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
     if s.grad_ckpt:
         words.append("ckpt" + (f"/{s.ckpt_every}" if s.ckpt_every > 1 else "")
                      + (f"/{s.ac_policy}" if s.ac_policy != "full" else ""))
-    if s.attn != "sdpa":
+    if s.attn != DEFAULT_LABEL.attn:
         words.append(s.attn)
     words += [w for w, on in (("fused-ce", s.fused_ce), ("offload-act", s.offload_activations),
                               ("offload-opt", s.offload_optimizer), ("packing", s.packing),

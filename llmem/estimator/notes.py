@@ -160,6 +160,6 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         if anatomy.peft.use_dora and setup.quant_base != "none":
             notes.append("DoRA on a quantised base: its weight norms are modelled as for an unquantised one (the "
                          "dequantised weight each forward), not checked against the trace")
-    if not anatomy.supports_sdpa and setup.attn == "sdpa":
+    if not anatomy.supports_sdpa and setup.attention_spec.without_sdpa != setup.attn:
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return notes

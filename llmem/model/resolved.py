@@ -116,7 +116,7 @@ def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gp
     peft builds), not from the options: their kind, rank and the modules they adapt."""
     resolved = replace(setup, model=anatomy.name, method=layout.method, tp=layout.tp, gpus=layout.world_size,
                        gpus_per_node=layout.gpus_per_node, gpu=gpu.name,
-                       attn=setup.attn if anatomy.supports_sdpa or setup.attn == "flash" else "eager")
+                       attn=setup.attn if anatomy.supports_sdpa else setup.attention_spec.without_sdpa)
     kind, rank, targets, virtual = _adapters(anatomy, setup)
     return SetupRecord(resolved, anatomy.model_type, anatomy.total_params, anatomy.trainable_params, layout.dp,
                        layout.nodes, gpu.memory_bytes, gpu.cuda_context_bytes, layout=layout.label, adapter=kind,

@@ -14,7 +14,7 @@ import json
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from llmem.errors import LlmemError
 from llmem.planner.export_torchtitan import export_torchtitan
@@ -58,6 +58,8 @@ class ExportPlan:
 
 # the options an export kind writes beyond the layout, batch, precision and checkpointing (the trl CLI's config:
 # its trainer's objective and ModelConfig's LoRA adapters; llmem.planner.export_trl)
+# the attention every export launches with: TrainingSetup's default (transformers' own, sdpa)
+DEFAULT_ATTN = next(f.default for f in fields(TrainingSetup) if f.name == "attn")
 EXPRESSED = {"trl": ("--objective", "--lora-rank"),
              "torchtitan": ("--ac-policy", "--grad-ckpt-every")}   # [activation_checkpoint] selective op / N
 
@@ -72,7 +74,7 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
-        (f"--attn {s.attn}", s.attn != "sdpa"),
+        (f"--attn {s.attn}", s.attn != DEFAULT_ATTN),
         (f"--objective {s.objective}", s.objective_spec.runs_trainer),
         (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),
         # accelerate's fsdp_reshard_after_forward and torchrun's script take a bool only

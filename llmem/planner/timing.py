@@ -308,7 +308,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         raise LlmemError(f"--mfu must lie in (0, 1], got {mfu}")
     # --cp: each rank runs seq_len / cp of every sample's tokens, its queries against all seq_len keys
     tokens = micro_batch * setup.seq_len // layout.cp
-    causal_skip = effective_attention(anatomy, setup) == "sdpa"
+    causal_skip = not effective_attention(anatomy, setup).keeps_scores    # a fused kernel skips masked blocks
     flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
                        frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every,
                        selective=AC_POLICIES[setup.ac_policy].selective)

@@ -279,8 +279,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             stack.enter_context(cuda_like_dropout())
             if fake and cuda_kernels:
                 stack.enter_context(cuda_like_sdpa(gpu.compute_capability,
-                                                   "flash" if setup.attn == "flash" else None))
-        elif setup.attn == "flash":   # a real GPU: PyTorch's flash SDPA kernel only
+                                                   "flash" if setup.attention_spec.flash_kernel else None))
+        elif setup.attention_spec.flash_kernel:   # a real GPU: PyTorch's flash SDPA kernel only
             from torch.nn.attention import SDPBackend, sdpa_kernel
             stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         mesh = None
@@ -302,13 +302,13 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if spec.gradient_buckets and not real_pg:
             stack.enter_context(ddp_on_fake_pg())
         packing = setup.packing
-        if packing and setup.attn == "flash" and not fake:
+        if packing and setup.attention_spec.varlen_packing and not fake:
             raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
                              "flash_attention_2); llmem models it but cannot run it")
         if fake:
             # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
             # rows, so the traced flash step gets no packed mask
-            stack.enter_context(hf_untraced_masks(packed=packing and setup.attn != "flash"))
+            stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
             stack.enter_context(grouped_mm_meta_any_float())
             stack.enter_context(fake_mode)
         if before_model is not None:

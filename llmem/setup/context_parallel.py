@@ -24,7 +24,7 @@ CP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
     (lambda s: s.seq_len % (2 * s.cp) != 0,
      lambda s: f"--cp {s.cp} splits --seq-len into 2 x {s.cp} chunks (torch's head-tail load balancing): choose a "
                f"--seq-len divisible by {2 * s.cp}, got {s.seq_len}"),
-    (lambda s: s.attn != "sdpa",
+    (lambda s: not s.attention_spec.calls_torch_sdpa,
      lambda s: f"--cp dispatches SDPA's flash / efficient / cuDNN kernels to the ring only (--attn sdpa); "
                f"--attn {s.attn} is not modelled under context parallelism"),
     (lambda s: not s.precision_spec.low_precision,

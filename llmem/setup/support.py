@@ -153,9 +153,9 @@ def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSu
     for name, why in model.tp_style_refusals:
         if getattr(setup, name):
             raise LlmemError(why)
-    if setup.attn == "flash" and model.flash_refusal:
+    if setup.attention_spec.flash_kernel and model.flash_refusal:
         raise LlmemError(model.flash_refusal)
-    if setup.attn == "flash" and not model.supports_flash_attn:
+    if setup.attention_spec.flash_kernel and not model.supports_flash_attn:
         able = "sdpa or eager" if model.supports_sdpa else "eager"
         raise LlmemError(f"--attn flash: transformers has no flash attention for {model.architecture} "
                          f"(_supports_flash_attn is False); use --attn {able}")
@@ -176,7 +176,7 @@ def selective_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
            ("DeepSpeed's engine", method.zero_stage is not None),
            ("peft adapters", setup.peft), ("a quantised base", setup.quant_base != "none"),
            ("--offload-activations", setup.offload_activations), ("--packing", setup.packing),
-           ("--attn eager", setup.attn == "eager"),
+           (f"--attn {setup.attn}", setup.attention_spec.keeps_scores),
            (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
     named = [what for what, applies in why if applies]
     if named:

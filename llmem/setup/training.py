@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import ac_policy
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
@@ -30,7 +31,6 @@ from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline, check_schedule_method
 from llmem.setup.precision import PRECISIONS, Precision
 
-ATTENTIONS = ("sdpa", "eager", "flash")
 QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
 QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
     ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
@@ -294,8 +294,8 @@ class TrainingSetup:
             raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
-        if self.attn == "flash" and not self.precision_spec.low_precision:
-            raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
+        if self.attention_spec.low_precision_only and not self.precision_spec.low_precision:
+            raise LlmemError(f"--attn {self.attn} needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         self._check_ac_policy()
@@ -405,7 +405,7 @@ class TrainingSetup:
             raise LlmemError(f"{flag} quantises the frozen base: its weights cannot be trained, so give adapters to "
                              "train (--lora-rank R, or --peft-config PATH)")
         pure_low = self.precision_spec.low_precision and not self.mixed
-        if pure_low and self.kbit_upcasts and self.attn == "flash":
+        if pure_low and self.kbit_upcasts and self.attention_spec.flash_kernel:
             raise LlmemError(f"{flag} under --precision {self.precision} with the kbit upcast gives attention fp32 "
                              "inputs (an fp32 residual stream), which flash attention does not take (transformers' "
                              "cast back to the compute dtype is not modelled): add --no-kbit-upcast or use --attn sdpa")
@@ -437,6 +437,11 @@ class TrainingSetup:
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The attention kernel asked for (llmem.setup.attention); the model may run another (no SDPA class)."""
+        return ATTENTIONS[self.attn]
 
     @property
     def objective_spec(self) -> ObjectiveSpec:
