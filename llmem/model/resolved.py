@@ -135,8 +135,8 @@ def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[str, int, tu
     if info is None:
         return "", 0, (), 0
     kind = "DoRA" if info.use_dora else _PEFT_KINDS.get(info.peft_type, info.peft_type)
-    if kind == "LoRA" and setup.quant_base in ("nf4", "torchao-nf4"):
-        kind = "QLoRA"
+    if kind == "LoRA":
+        kind = setup.quant_spec.adapter_kind      # QLoRA on a 4-bit NF4 base
     rank, targets = 0, []
     for p in anatomy.params:
         parts = p.name.split(".")

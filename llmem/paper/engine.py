@@ -140,7 +140,7 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
         notes.append(f"optimizer {setup.optimizer} ignored: the paper models Adam (fp32 momentum + variance) only")
     ignored = [flag for flag, on in (
         ("LoRA / peft adapters", bool(setup.lora_rank or setup.peft_config)),
-        ("the quantised base", setup.quant_base != "none"), ("--optimizer-in-backward", setup.optimizer_in_backward),
+        ("the quantised base", setup.quant_spec.quantised), ("--optimizer-in-backward", setup.optimizer_in_backward),
         ("--offload-optimizer", setup.offload_optimizer), (f"--grad-ckpt-every {setup.ckpt_every}",
                                                            setup.ckpt_every > 1),
         ("--fused-ce", setup.fused_ce), ("--offload-activations", setup.offload_activations),

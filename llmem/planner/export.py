@@ -26,7 +26,7 @@ from llmem.setup.deepspeed import ZeroConfig, zero_config
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS
 from llmem.setup.precision import PRECISIONS
-from llmem.setup.training import QUANT_FLAGS, TrainingSetup
+from llmem.setup.training import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
     s = setup
     found = [flag for flag, on in (
         ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
-        (QUANT_FLAGS.get(s.quant_base, ""), s.quant_base != "none"),
+        (s.quant_spec.flag, s.quant_spec.quantised),
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),

@@ -78,7 +78,7 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
 
     if setup.peft_config:
         text, fields = read_peft_config(setup.peft_config)
-        if fields.get("use_dora") and setup.quant_base != "none":
+        if fields.get("use_dora") and setup.quant_spec.quantised:
             raise LlmemError("DoRA on a bitsandbytes-quantised base is not emulated in trace (peft dequantises the "
                              "weight every forward); llmem estimate models it analytically")
         with quiet():

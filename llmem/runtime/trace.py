@@ -44,7 +44,7 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
         notes.append(ep_note(layout.ep, layout.expert_shard_degree, setup.ep_imbalance, engine))
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         notes.append(emulation_note(setup))
     if setup.offload_optimizer and engine == "trace":
         notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "

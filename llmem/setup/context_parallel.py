@@ -36,7 +36,7 @@ CP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
      lambda s: "--cp with --pp, --dp-replicate or --tp is not modelled: drop them (FSDP2 over dp_shard x cp)"),
     (lambda s: s.objective_spec.runs_trainer,
      lambda s: f"--cp with --objective {s.objective} is not modelled: use the sft objective"),
-    (lambda s: s.peft or s.quant_base != "none",
+    (lambda s: s.peft or s.quant_spec.quantised,
      lambda s: "--cp with adapters or a quantised base is not modelled: drop --lora-rank / --peft-config / --qlora"),
     (lambda s: s.offload_activations or s.offload_param or s.offload_optimizer or s.optimizer_in_backward,
      lambda s: "--cp with offloading or the optimizer in backward is not modelled: drop --offload-* / "

@@ -30,19 +30,12 @@ from llmem.setup.objectives import (
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, PP_METHODS, check_pipeline, check_schedule_method
 from llmem.setup.precision import PRECISIONS, Precision
+from llmem.setup.quant_bases import QUANT_SWITCHES, QuantBaseSpec, quant_base_spec
 
-QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
-QUANT_SWITCHES = (   # TrainingSetup.quant_base's flags: (flag, value, help)
-    ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
-    ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
-    ("--qlora-torchao", "torchao-nf4", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs adapters "
-     "(--lora-rank)"),
-)
 # TrainingSetup.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
 # axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
 # (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)
 ADAPTER_DTYPES = ("fp32", "base")
-QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
 LORA_ALL_LINEAR = "all-linear"
 # Bounds of one micro-batch: far past any real run (the largest contexts are ~10M tokens), and small enough that a
 # step's tensors stay below 2**64 bytes (CUDA's size_t) on real models; the allocator model refuses the rest
@@ -392,15 +385,14 @@ class TrainingSetup:
 
     def _check_quant_base(self) -> None:
         """The combinations llmem models for a quantised base: bitsandbytes' under peft (HF, TRL, axolotl), torchao's
-        NF4Tensor under torchtune's LoRA recipes."""
-        if self.quant_base not in QUANT_BASES:
-            raise LlmemError(f"unknown quantised base {self.quant_base!r}: choose one of {', '.join(QUANT_BASES)}")
-        if self.quant_base == "none":
+        NF4Tensor under torchtune's LoRA recipes (the row's own precision rules: QuantBaseSpec.check)."""
+        spec = quant_base_spec(self.quant_base)
+        if not spec.quantised:
             if not self.kbit_upcast:
                 raise LlmemError("--no-kbit-upcast applies to a quantised base only (--qlora, --qlora-torchao, "
                                  "--load-in-8bit)")
             return
-        flag = QUANT_FLAGS[self.quant_base]
+        flag = spec.flag
         if not self.peft:
             raise LlmemError(f"{flag} quantises the frozen base: its weights cannot be trained, so give adapters to "
                              "train (--lora-rank R, or --peft-config PATH)")
@@ -409,25 +401,8 @@ class TrainingSetup:
             raise LlmemError(f"{flag} under --precision {self.precision} with the kbit upcast gives attention fp32 "
                              "inputs (an fp32 residual stream), which flash attention does not take (transformers' "
                              "cast back to the compute dtype is not modelled): add --no-kbit-upcast or use --attn sdpa")
-        if self.quant_base == "int8":
-            if pure_low:
-                raise LlmemError(f"{flag} with --precision {self.precision}: pure low-precision LLM.int8 is not "
-                                 f"modelled; use --precision {self.precision}-mixed or fp32")
-            if self.adapter_dtype == "base" and self.precision_spec.low_precision:
-                raise LlmemError(f"{flag} with --adapter-dtype base: peft casts adapters to the base layer's dtype "
-                                 "only when it is a float dtype, and Linear8bitLt's is int8, so they stay fp32; drop "
-                                 "--adapter-dtype base")
-        if self.quant_base == "torchao-nf4":
-            # torchtune's LoRA recipes: fp32 or bf16, no autocast, adapters built in the model's dtype
-            if self.mixed or self.precision == "fp16":
-                raise LlmemError(f"{flag} runs torchtune's QLoRA, which trains in fp32 or pure bf16 (no autocast, no "
-                                 "fp16): use --precision bf16 or fp32")
-            if pure_low and self.adapter_dtype == "fp32":
-                raise LlmemError(f"{flag}: torchtune's LoRALinear keeps its adapters in the model dtype: add "
-                                 "--adapter-dtype base")
-            if not self.double_quant:
-                raise LlmemError(f"{flag}: torchao's NF4Tensor always quantises its scalers (drop "
-                                 "--no-double-quant)")
+        if spec.check is not None:
+            spec.check(self, flag)
 
     # ------------------------------------------------------------------ the registry rows it names
     @property
@@ -437,6 +412,11 @@ class TrainingSetup:
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def quant_spec(self) -> QuantBaseSpec:
+        """The frozen base's row (llmem.setup.quant_bases): what it is; llmem.memory.quant how it is stored."""
+        return quant_base_spec(self.quant_base)
 
     @property
     def attention_spec(self) -> AttentionSpec:
@@ -495,7 +475,7 @@ class TrainingSetup:
     def kbit_upcasts(self) -> bool:
         """peft's prepare_model_for_kbit_training runs: a bitsandbytes base with the upcast (--no-kbit-upcast: not).
         torchtune, which runs torchao's NF4 base, has no such step: its frozen parameters stay in the model dtype."""
-        return self.quant_base not in ("none", "torchao-nf4") and self.kbit_upcast
+        return self.quant_spec.kbit_prep and self.kbit_upcast
 
     @property
     def fsdp_cpu_offload(self) -> bool:

@@ -36,6 +36,7 @@ from llmem.memory.activations.quantised import (
 )
 from llmem.memory.activations.recipes import recipe_for
 from llmem.memory.activations.selective import SelectiveLayer, selective_layer, selective_refusal
+from llmem.memory.quant import quant_layout
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
@@ -286,7 +287,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     if learned is None and exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
         recipe = with_adapters(anatomy, recipe, d, adapted, behind_fp32, upcast)
     int8_kept: Sizes = ()
-    if setup.quant_base == "int8":
+    if setup.quant_spec.quantised and quant_layout(setup.quant_base).keeps_inputs:
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
