@@ -56,6 +56,7 @@ from llmem.cli.options import (
     setup_flags,
 )
 from llmem.errors import LlmemError
+from llmem.setup.attention import ATTENTIONS
 from llmem.setup.gpus import GPU_CATALOG
 from llmem.setup.methods import METHODS
 from llmem.setup.optimizers import OPTIMIZERS
@@ -64,7 +65,6 @@ from llmem.setup.sources import SourceRecord
 from llmem.setup.sources.files import parse
 from llmem.setup.training import (
     ADAPTER_DTYPES,
-    ATTENTIONS,
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
     TrainingSetup,

@@ -387,13 +387,14 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
         words.append(f"drop{s.lora_dropout:g}")
     if s.peft_config:
         words.append(f"peft:{Path(s.peft_config).name}")
-    if s.quant_base != "none":
-        words.append(s.quant_base + ("" if s.double_quant or s.quant_base != "nf4" else "-no-dq")
-                     + ("" if s.kbit_upcast or s.quant_base == "torchao-nf4" else "-no-upcast"))
+    quant = s.quant_spec
+    if quant.quantised:
+        words.append(s.quant_base + ("-no-dq" if quant.double_quant_optional and not s.double_quant else "")
+                     + ("-no-upcast" if quant.kbit_prep and not s.kbit_upcast else ""))
     if s.grad_ckpt:
         words.append("ckpt" + (f"/{s.ckpt_every}" if s.ckpt_every > 1 else "")
                      + (f"/{s.ac_policy}" if s.ac_policy != "full" else ""))
-    if s.attn != "sdpa":
+    if s.attn != DEFAULT_LABEL.attn:
         words.append(s.attn)
     words += [w for w, on in (("fused-ce", s.fused_ce), ("offload-act", s.offload_activations),
                               ("offload-opt", s.offload_optimizer), ("packing", s.packing),

@@ -96,7 +96,7 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     """
     if r.method.zero_stage is not None:
         return zero_moments(r, act, ms)
-    if r.setup.objective != "sft":     # TRL's trainers' steps: these moments of their batch, adjusted
+    if r.setup.objective_spec.runs_trainer:     # TRL's trainers' steps: these moments of their batch, adjusted
         return objective_moments(r, act, ms, step_moments)
     anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
     costs = layer_costs(r, act)

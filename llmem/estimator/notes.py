@@ -25,9 +25,10 @@ from llmem.units import GIB
 def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | None = None) -> list[str]:
     """What the estimate says about a quantised base: its storage, who runs it that way, the kbit upcast (its kernels
     are modelled, never run)."""
-    if setup.quant_base == "none":
+    if not setup.quant_spec.quantised:
         return []
     q = quant_layout(setup.quant_base)
+    bnb = setup.quant_spec.bitsandbytes
     shards = layout.shard_degree if layout is not None else 1
     args = quant_args(setup, shards > 1)
     quantised = [p for p in anatomy.params if is_quantised(p, setup.quant_base)]
@@ -40,10 +41,10 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
             f"({8 * stored / max(numel, 1):.3f} bits each)")
     if shards > 1:
         size += (f", the packed weights (in {dtype}: bnb_4bit_quant_storage, the FSDP-QLoRA recipe) sharded by FSDP2 "
-                 f"over {shards} GPUs, the quantisation state replicated" if q.name == "nf4" else
+                 f"over {shards} GPUs, the quantisation state replicated" if bnb else
                  f", quantized_data / scalers / factors sharded by FSDP2 over {shards} GPUs and all-gathered per "
                  "layer in their own dtypes (fsdp_pre_all_gather), scaler_mean and the nf4 table replicated")
-    if q.library == "torchao":
+    if not bnb:
         notes = [size + "; torchao's dequantisation (get_original_weight in eager mode: int64 nibble planes, "
                  "about 7x the weight for a moment, in forward and again in backward) is modelled, not run",
                  f"torchtune's QLoRA (LoRALinear(quantize_base=True)): no prepare_model_for_kbit_training, so the "
@@ -64,7 +65,7 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
         else:
             notes.append(f"no prepare_model_for_kbit_training (--no-kbit-upcast, as TRL and axolotl run "
                          f"FSDP-QLoRA): the {upcast / 1e9:.2f} B unquantised frozen parameters stay in {dtype}")
-    if anatomy.family != "llama" and setup.mixed and q.library == "bitsandbytes" and setup.kbit_upcasts:
+    if anatomy.family != "llama" and setup.mixed and bnb and setup.kbit_upcasts:
         notes.append(f"activations behind bitsandbytes' fp32-returning linears are modelled for the Llama family; "
                      f"for {anatomy.model_type!r} they are approximate (llmem trace gives the step)")
     return notes
@@ -140,7 +141,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes += setup.optimizer_spec.sharded_notes
     if r.method.zero_stage is not None:
         notes += deepspeed_notes(r, offloaded_host_bytes)
-        if r.setup.objective != "sft" and objective_spec(r.setup.objective).keeps_reference:   # TRL's reference
+        if r.setup.objective_spec.keeps_reference:   # TRL's reference
             notes.append(reference_engine_note(r.method.zero_stage, reference_mode(r.setup) == REF_COPY))
         notes += [n for n in (two_forwards_note(r.setup),) if n is not None]     # llmem.estimator.deepspeed
     elif cpu_offload(r):
@@ -157,9 +158,9 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes.append(f"activations offloaded: about {act.offloaded_bytes / GIB:.2f} GiB of pinned host memory per GPU")
     if anatomy.peft is not None:
         notes.extend(anatomy.peft.notes)
-        if anatomy.peft.use_dora and setup.quant_base != "none":
+        if anatomy.peft.use_dora and setup.quant_spec.quantised:
             notes.append("DoRA on a quantised base: its weight norms are modelled as for an unquantised one (the "
                          "dequantised weight each forward), not checked against the trace")
-    if not anatomy.supports_sdpa and setup.attn == "sdpa":
+    if not anatomy.supports_sdpa and setup.attention_spec.without_sdpa != setup.attn:
         notes.append(f"{anatomy.architecture} has no SDPA implementation in transformers: eager attention assumed")
     return notes

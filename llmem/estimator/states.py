@@ -209,7 +209,7 @@ def zero_model_states(r: ResolvedSetup) -> ModelStates:
 
 def check_cpu_offload(r: ResolvedSetup) -> None:
     """FSDP2's CPUOffloadPolicy is modelled over plain (unquantised) parameters."""
-    if cpu_offload(r) and r.setup.quant_base != "none":
+    if cpu_offload(r) and r.setup.quant_spec.quantised:
         raise LlmemError(f"--offload-param with a quantised base under {r.layout.method} is not modelled (FSDP2 "
                          "copies a quantised shard through its tensor subclass): drop --offload-param or the "
                          "quantisation")

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 from llmem.model.sharding import MATMUL_KINDS
 from llmem.setup.precision import F32
-from llmem.setup.training import QUANT_BASES, QUANT_FLAGS
+from llmem.setup.quant_bases import QUANTISED, quant_base_spec
 from llmem.units import ceil_div
 
 NF4_BLOCK = 64                  # Params4bit blocksize (transformers' BitsAndBytesConfig default); torchao block_size
@@ -192,28 +192,49 @@ def _ao_transients(out_f: int, in_f: int, a: QuantArgs, tokens: int, input_fp16:
     return Transients(events, events)
 
 
+def _ao_check(p, out_f: int, in_f: int, shards: int, flag: str) -> None:
+    """torchao's to_nf4 needs n % (64 x 256) == 0; under FSDP2 its nf4_split needs dim 0 and every inner tensor to
+    divide by the shards."""
+    n = out_f * in_f
+    if n % AO_QUANT_UNIT:
+        raise LlmemError(f"{flag}: torchao's to_nf4 needs every weight's size to divide by {NF4_BLOCK} x "
+                         f"{NESTED_BLOCK} (block_size x scaler_block_size); {p.name} {list(p.shape)} "
+                         "does not: use --qlora (bitsandbytes)")
+    if shards > 1 and (out_f % shards or (n // AO_QUANT_UNIT) % shards):
+        raise LlmemError(f"{flag} over {shards} FSDP2 shards: NF4Tensor splits dim 0 and its scale tensors "
+                         f"evenly only; {p.name} {list(p.shape)} has {n // AO_QUANT_UNIT} scale blocks "
+                         f"and {out_f} rows, not divisible by {shards}: use fewer GPUs or --qlora")
+
+
 # ------------------------------------------------------------------------------------------ the registry
 @dataclass(frozen=True)
 class QuantLayout:
-    """One quantised base as its library holds and runs a weight."""
+    """One quantised base as its library holds and runs a weight (what the base is, its library and flag:
+    llmem.setup.quant_bases, the row of the same name)."""
     name: str                                  # TrainingSetup.quant_base
-    library: str
     kind: str                                  # what the notes call it
     tensors: Callable[[int, int, QuantArgs], tuple[tuple[int, int], ...]]   # (numel, itemsize) per stored tensor
     sharded: int                               # how many leading tensors FSDP2 shards (0: it cannot)
     transients: Callable[[int, int, QuantArgs, int, bool], Transients]
+    # the matmul keeps its input for backward even with a frozen weight (MatMul8bitLt's ctx.tensors)
+    keeps_inputs: bool = False
+    check: Callable[..., None] | None = None   # refuses a weight the library cannot quantise / FSDP2 cannot shard
+
+    @property
+    def library(self) -> str:
+        return quant_base_spec(self.name).library
 
 
 QUANT_LAYOUTS: dict[str, QuantLayout] = {q.name: q for q in (
-    QuantLayout("nf4", "bitsandbytes", "NF4 4-bit", _bnb_nf4_tensors, 1, _bnb_nf4_transients),
-    QuantLayout("int8", "bitsandbytes", "LLM.int8", _int8_tensors, 0, _int8_transients),
-    QuantLayout("torchao-nf4", "torchao", "NF4Tensor", _ao_tensors, 3, _ao_transients),
+    QuantLayout("nf4", "NF4 4-bit", _bnb_nf4_tensors, 1, _bnb_nf4_transients),
+    QuantLayout("int8", "LLM.int8", _int8_tensors, 0, _int8_transients, keeps_inputs=True),
+    QuantLayout("torchao-nf4", "NF4Tensor", _ao_tensors, 3, _ao_transients, check=_ao_check),
 )}
 
 
 def quant_layout(quant_base: str) -> QuantLayout:
     if quant_base not in QUANT_LAYOUTS:
-        raise LlmemError(f"unknown quantised base {quant_base!r}: choose one of {', '.join(QUANT_BASES[1:])}")
+        raise LlmemError(f"unknown quantised base {quant_base!r}: choose one of {', '.join(QUANTISED)}")
     return QUANT_LAYOUTS[quant_base]
 
 
@@ -228,20 +249,11 @@ def _out_in(shape: tuple[int, ...], conv1d: bool) -> tuple[int, int]:
 
 
 def check_quantisable(p, quant_base: str, shards: int = 1) -> None:
-    """Refuse a weight the library cannot quantise (or FSDP2 cannot shard) as the set-up asks: torchao's to_nf4
-    needs n % (64 x 256) == 0; under FSDP2 its nf4_split needs dim 0 and every inner tensor to divide by the shards."""
-    if quant_base != "torchao-nf4":
-        return
-    out_f, in_f = _out_in(p.shape, p.module_kind == "Conv1D")
-    n = out_f * in_f
-    if n % AO_QUANT_UNIT:
-        raise LlmemError(f"{QUANT_FLAGS[quant_base]}: torchao's to_nf4 needs every weight's size to divide by "
-                         f"{NF4_BLOCK} x {NESTED_BLOCK} (block_size x scaler_block_size); {p.name} {list(p.shape)} "
-                         "does not: use --qlora (bitsandbytes)")
-    if shards > 1 and (out_f % shards or (n // AO_QUANT_UNIT) % shards):
-        raise LlmemError(f"{QUANT_FLAGS[quant_base]} over {shards} FSDP2 shards: NF4Tensor splits dim 0 and its "
-                         f"scale tensors evenly only; {p.name} {list(p.shape)} has {n // AO_QUANT_UNIT} scale blocks "
-                         f"and {out_f} rows, not divisible by {shards}: use fewer GPUs or --qlora")
+    """Refuse a weight the library cannot quantise (or FSDP2 cannot shard) as the set-up asks (the row's check)."""
+    q = QUANT_LAYOUTS.get(quant_base)
+    if q is not None and q.check is not None:
+        out_f, in_f = _out_in(p.shape, p.module_kind == "Conv1D")
+        q.check(p, out_f, in_f, shards, quant_base_spec(quant_base).flag)
 
 
 def storage_tensors(shape: tuple[int, ...], quant_base: str, args: QuantArgs, conv1d: bool = False,
@@ -260,7 +272,7 @@ def gathered_tensors(shape: tuple[int, ...], quant_base: str, args: QuantArgs, s
     bitsandbytes' packed weight; NF4Tensor's quantized_scalers, quantization_factor and quantized_data."""
     q = quant_layout(quant_base)
     if not q.sharded:
-        raise LlmemError(f"{QUANT_FLAGS[quant_base]}: FSDP2 cannot shard {q.library}'s {q.kind} storage")
+        raise LlmemError(f"{quant_base_spec(quant_base).flag}: FSDP2 cannot shard {q.library}'s {q.kind} storage")
     tensors = q.tensors(*_out_in(shape, conv1d), args)[:q.sharded]
     return tuple(ceil_div(n, shards) * shards * s for n, s in tensors)
 
@@ -268,7 +280,8 @@ def gathered_tensors(shape: tuple[int, ...], quant_base: str, args: QuantArgs, s
 def is_quantised(p, quant_base: str) -> bool:
     """Whether the quantised base replaces this parameter's module (a ParamInfo): the weight of an nn.Linear /
     Conv1D that is not the output embedding nor tied (LoRA adapters are never quantised)."""
-    if quant_base == "none" or not p.name.endswith(".weight") or p.module_kind not in MATMUL_KINDS:
+    if not quant_base_spec(quant_base).quantised or not p.name.endswith(".weight") \
+            or p.module_kind not in MATMUL_KINDS:
         return False
     module = p.name.rsplit(".", 1)[0]
     return ".lora_" not in p.name and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"

@@ -116,7 +116,7 @@ def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gp
     peft builds), not from the options: their kind, rank and the modules they adapt."""
     resolved = replace(setup, model=anatomy.name, method=layout.method, tp=layout.tp, gpus=layout.world_size,
                        gpus_per_node=layout.gpus_per_node, gpu=gpu.name,
-                       attn=setup.attn if anatomy.supports_sdpa or setup.attn == "flash" else "eager")
+                       attn=setup.attn if anatomy.supports_sdpa else setup.attention_spec.without_sdpa)
     kind, rank, targets, virtual = _adapters(anatomy, setup)
     return SetupRecord(resolved, anatomy.model_type, anatomy.total_params, anatomy.trainable_params, layout.dp,
                        layout.nodes, gpu.memory_bytes, gpu.cuda_context_bytes, layout=layout.label, adapter=kind,
@@ -135,8 +135,8 @@ def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[str, int, tu
     if info is None:
         return "", 0, (), 0
     kind = "DoRA" if info.use_dora else _PEFT_KINDS.get(info.peft_type, info.peft_type)
-    if kind == "LoRA" and setup.quant_base in ("nf4", "torchao-nf4"):
-        kind = "QLoRA"
+    if kind == "LoRA":
+        kind = setup.quant_spec.adapter_kind      # QLoRA on a 4-bit NF4 base
     rank, targets = 0, []
     for p in anatomy.params:
         parts = p.name.split(".")

@@ -71,7 +71,7 @@ def paper_layout(setup: TrainingSetup) -> Layout:
     if METHODS[canonical_method(setup.method)].zero_stage is not None:
         raise LlmemError(f"--engine paper with {setup.method}: the paper's methods are Colossal-AI's (its ADP is "
                          "ZeRO-3-style); DeepSpeed's engine is the llmem engine's: drop --engine paper")
-    if setup.objective != "sft":
+    if setup.objective_spec.runs_trainer:
         raise LlmemError(f"--engine paper with --objective {setup.objective}: the paper models one model's "
                          "fine-tuning loss; drop --engine paper")
     if setup.pp > 1:
@@ -140,7 +140,7 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
         notes.append(f"optimizer {setup.optimizer} ignored: the paper models Adam (fp32 momentum + variance) only")
     ignored = [flag for flag, on in (
         ("LoRA / peft adapters", bool(setup.lora_rank or setup.peft_config)),
-        ("the quantised base", setup.quant_base != "none"), ("--optimizer-in-backward", setup.optimizer_in_backward),
+        ("the quantised base", setup.quant_spec.quantised), ("--optimizer-in-backward", setup.optimizer_in_backward),
         ("--offload-optimizer", setup.offload_optimizer), (f"--grad-ckpt-every {setup.ckpt_every}",
                                                            setup.ckpt_every > 1),
         ("--fused-ce", setup.fused_ce), ("--offload-activations", setup.offload_activations),

@@ -26,7 +26,8 @@ from llmem.setup.deepspeed import ZeroConfig, zero_config
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS
 from llmem.setup.precision import PRECISIONS
-from llmem.setup.training import QUANT_FLAGS, TrainingSetup
+from llmem.setup.sections import ActivationsConfig
+from llmem.setup.training import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ExportPlan:
 
 # the options an export kind writes beyond the layout, batch, precision and checkpointing (the trl CLI's config:
 # its trainer's objective and ModelConfig's LoRA adapters; llmem.planner.export_trl)
+# the attention every export launches with: TrainingSetup's default (transformers' own, sdpa)
+DEFAULT_ATTN = ActivationsConfig().attn
 EXPRESSED = {"trl": ("--objective", "--lora-rank"),
              "torchtitan": ("--ac-policy", "--grad-ckpt-every")}   # [activation_checkpoint] selective op / N
 
@@ -68,11 +71,12 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
     s = setup
     found = [flag for flag, on in (
         ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
-        (QUANT_FLAGS.get(s.quant_base, ""), s.quant_base != "none"),
+        (s.quant_spec.flag, s.quant_spec.quantised),
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
-        (f"--attn {s.attn}", s.attn != "sdpa"), (f"--objective {s.objective}", s.objective != "sft"),
+        (f"--attn {s.attn}", s.attn != DEFAULT_ATTN),
+        (f"--objective {s.objective}", s.objective_spec.runs_trainer),
         (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),
         # accelerate's fsdp_reshard_after_forward and torchrun's script take a bool only
         (f"--reshard-after-forward {s.reshard_after_forward}", s.reshard_after_forward is not None)) if on]

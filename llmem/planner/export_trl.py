@@ -68,7 +68,7 @@ def trl_config(p: Plan, e) -> dict:
     if spec.generates:
         cfg.pop("max_length")             # GRPOConfig has none: the sequence is the prompt + max_completion_length
         cfg.update(generation_config(planned_generation(p, e)))
-    elif spec.name == "dpo":
+    elif spec.loss_type_list:
         cfg["loss_type"] = [loss_type_of(setup)]          # DPOConfig.loss_type is a list
     elif spec.loss_types:
         cfg["loss_type"] = loss_type_of(setup)

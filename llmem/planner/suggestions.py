@@ -374,7 +374,7 @@ def adapter_menus(setup: TrainingSetup) -> list[AdapterMenu]:
     - for a pure bf16 / fp32 set-up with LoRA, torchtune's QLoRA: torchao's NF4Tensor, adapters in the model dtype,
       no upcast, on any layout.
     A set-up that already trains adapters gets the QLoRA menus on its own adapters; a quantised one gets none."""
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         return []
     lora = (("lora_rank", LORA_RANK), ("lora_targets", LORA_TARGETS))
     lora_flags = f"--lora-rank {LORA_RANK} --lora-targets {LORA_TARGETS}"

@@ -152,7 +152,7 @@ def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> i
     forward and again in backward (and in the recompute under checkpointing); LLM.int8 dequantises in backward and
     quantises the input in forward (counted alike, an approximation); torchao's NF4Tensor, forward and backward,
     through eager temporaries each written and read once (llmem.memory.quant.torchao_dequantise_events)."""
-    if setup.quant_base == "none":
+    if not setup.quant_spec.quantised:
         return 0
     args = quant_args(setup, False)
     total = 0
@@ -161,7 +161,7 @@ def dequantised_bytes_per_pass(anatomy: ModelAnatomy, setup: TrainingSetup) -> i
             weight = p.numel * setup.compute_bytes
             # torchao's eager get_original_weight writes and reads back its temporaries (int64 nibble planes, ...)
             temps = sum(allocated(torchao_dequantise_events(p.numel, setup.compute_bytes))) - weight \
-                if setup.quant_base == "torchao-nf4" else 0
+                if not setup.quant_spec.bitsandbytes else 0
             total += storage_bytes(p, setup.quant_base, args) + weight + 2 * temps
     return total
 
@@ -251,7 +251,7 @@ def comm_sizes(anatomy: ModelAnatomy, setup: TrainingSetup, layout: Layout, micr
         gather_b = setup.gather_bytes if stage is None else pb
         reduce_b = setup.reduce_bytes if stage is None else pb
         gathered = (total * gather_b, root * gather_b, layer * gather_b)
-        if setup.quant_base != "none":   # FSDP-QLoRA gathers the quantised storage, not compute-dtype weights
+        if setup.quant_spec.quantised:   # FSDP-QLoRA gathers the quantised storage, not compute-dtype weights
             gathered = quantised_gather_bytes(anatomy, setup, layout)
         sizes.update(fsdp_gather_bytes=gathered[0], fsdp_reduce_bytes=total * trainable_fraction * reduce_b,
                      fsdp_root_gather_bytes=gathered[1], fsdp_layer_gather_bytes=gathered[2],
@@ -308,7 +308,7 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         raise LlmemError(f"--mfu must lie in (0, 1], got {mfu}")
     # --cp: each rank runs seq_len / cp of every sample's tokens, its queries against all seq_len keys
     tokens = micro_batch * setup.seq_len // layout.cp
-    causal_skip = effective_attention(anatomy, setup) == "sdpa"
+    causal_skip = not effective_attention(anatomy, setup).keeps_scores    # a fused kernel skips masked blocks
     flops = step_flops(anatomy, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, causal_skip=causal_skip,
                        frozen_base=adapter_params > 0, adapter_params=adapter_params, ckpt_every=setup.ckpt_every,
                        selective=AC_POLICIES[setup.ac_policy].selective)

@@ -15,6 +15,7 @@ from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
+from llmem.setup.attention import AttentionSpec
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import LORA_ALL_LINEAR
 
@@ -26,7 +27,7 @@ def meta_model_for(setup):
     # llmem's flash-kernel one where the class has flash attention but no SDPA one (Gemma-2: softcapping)
     _, cfg = resolve_config(setup.model, setup.trust_remote_code)
     cfg = training_config(cfg)
-    attn = attention_implementation(cfg, setup.attn)
+    attn = attention_implementation(cfg, setup.attention_spec)
     with warnings.catch_warnings(), flash_kernel_attention():
         warnings.simplefilter("ignore")
         try:
@@ -47,13 +48,13 @@ def meta_model_for(setup):
     return model
 
 
-def attention_implementation(cfg, requested: str) -> str:
+def attention_implementation(cfg, requested: AttentionSpec) -> str:
     """The attn_implementation the step builds for --attn `requested`, from the class's own flags as every engine
     reads them (llmem.setup.support): sdpa where the class has it, else eager (transformers' own fallback; the
     estimate and the setup record say eager too); flash as SDPA's flash kernel, or llmem's flash-kernel
     implementation on a class with flash but no SDPA attention. Classes outside transformers' mapping (remote
     code) get the request as it is."""
-    if requested == "eager":
+    if requested.keeps_scores:
         return "eager"
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -63,7 +64,7 @@ def attention_implementation(cfg, requested: str) -> str:
         return "sdpa"
     if getattr(cls, "_supports_sdpa", False):
         return "sdpa"
-    return FLASH_KERNEL if requested == "flash" else "eager"
+    return FLASH_KERNEL if requested.flash_kernel else "eager"
 
 
 def apply_peft(model: nn.Module, setup) -> nn.Module:
@@ -77,7 +78,7 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
 
     if setup.peft_config:
         text, fields = read_peft_config(setup.peft_config)
-        if fields.get("use_dora") and setup.quant_base != "none":
+        if fields.get("use_dora") and setup.quant_spec.quantised:
             raise LlmemError("DoRA on a bitsandbytes-quantised base is not emulated in trace (peft dequantises the "
                              "weight every forward); llmem estimate models it analytically")
         with quiet():

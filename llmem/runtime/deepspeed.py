@@ -479,7 +479,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
                 _environment(prepared.layout.world_size), cpu_accelerator() as accelerator, _fresh_comm_state(), \
                 deepspeed_patches(ledger, accelerator, gpu.memory_bytes, fake):
             trl_step = None
-            if setup.objective != "sft":    # TRL's trainer __init__ (its reference engine) before the policy's
+            if setup.objective_spec.runs_trainer:   # TRL's trainer __init__ (its reference engine), before the policy's
                 from llmem.runtime.objective_steps import objective_run
 
                 trl_step = ObjectiveOnEngine(prepared)
@@ -507,7 +507,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
-    if setup.objective != "sft":         # TRL's trainer code and what the run emulates of it
+    if setup.objective_spec.runs_trainer:         # TRL's trainer code and what the run emulates of it
         from llmem.runtime.objective_steps import objective_trace_notes
 
         notes += objective_trace_notes(setup) + [reference_engine_note(stage, reference_mode(setup) == REF_COPY)]

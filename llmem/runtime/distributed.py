@@ -234,7 +234,7 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
                                                reduce_dtype=torch.float32)
     host = contextlib.nullcontext()
     if setup.offload_param:
-        if setup.quant_base != "none":
+        if setup.quant_spec.quantised:
             raise LlmemError("--offload-param with a quantised base is not modelled (FSDP2 copies a quantised shard "
                              "through its tensor subclass): drop --offload-param or the quantisation")
         if next(model.parameters()).is_meta:

@@ -234,6 +234,26 @@ def trainer_class(objective: str):
     return getattr(trl, objective_spec(objective).trainer)
 
 
+def _dpo_loss_attrs(setup, defaults: dict, loss_type: str) -> dict:
+    """DPOTrainer's __init__: a list of loss types with their weights, and its divergence settings."""
+    return {"loss_types": [loss_type], "loss_weights": [1.0], "ld_alpha": defaults["ld_alpha"],
+            "f_divergence_type": defaults["f_divergence_type"],
+            "f_alpha_divergence_coef": defaults["f_alpha_divergence_coef"],
+            # exo_pair needs a label smoothing > 0 (DPOTrainer refuses 0): the EXO paper's 1e-3
+            "label_smoothing": 1e-3 if loss_type == "exo_pair" else defaults["label_smoothing"],
+            "use_weighting": defaults["use_weighting"]}
+
+
+def _kto_loss_attrs(setup, defaults: dict, loss_type: str) -> dict:
+    """KTOTrainer's __init__: one loss type, the desirable / undesirable weights, the KL term's switch."""
+    return {"loss_type": loss_type, "desirable_weight": defaults["desirable_weight"],
+            "undesirable_weight": defaults["undesirable_weight"], "calculate_KL": kl_sequences(setup)}
+
+
+# the loss attributes each trainer's __init__ sets, by the objective row's trainer class
+_LOSS_ATTRS: dict[str, Callable[..., dict]] = {"DPOTrainer": _dpo_loss_attrs, "KTOTrainer": _kto_loss_attrs}
+
+
 def _trainer_for(step, ref_model):
     """A DPOTrainer / KTOTrainer carrying what its `_compute_loss` reads (its __init__'s attributes, from its
     config's defaults and the set-up)."""
@@ -249,17 +269,7 @@ def _trainer_for(step, ref_model):
         "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
         "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)}, "_total_train_tokens": 0, "_tp_size": 1,
     }
-    if setup.objective == "dpo":
-        attrs.update({
-            "loss_types": [loss_type], "loss_weights": [1.0], "ld_alpha": defaults["ld_alpha"],
-            "f_divergence_type": defaults["f_divergence_type"],
-            "f_alpha_divergence_coef": defaults["f_alpha_divergence_coef"],
-            # exo_pair needs a label smoothing > 0 (DPOTrainer refuses 0): the EXO paper's 1e-3
-            "label_smoothing": 1e-3 if loss_type == "exo_pair" else defaults["label_smoothing"],
-            "use_weighting": defaults["use_weighting"]})
-    else:
-        attrs.update({"loss_type": loss_type, "desirable_weight": defaults["desirable_weight"],
-                      "undesirable_weight": defaults["undesirable_weight"], "calculate_KL": kl_sequences(setup)})
+    attrs.update(_LOSS_ATTRS[objective_spec(setup.objective).trainer](setup, defaults, loss_type))
     for name, value in attrs.items():
         object.__setattr__(trainer, name, value)
     return trainer

@@ -123,12 +123,13 @@ def _trainer_for(step):
              "is_encoder_decoder": False, "aux_loss_enabled": False, "padding_value": 0, "pad_token_id": 0,
              "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)}, "_total_train_tokens": 0,
              "_tp_size": 1}
-    if setup.objective == "reward":
+    spec = objective_spec(setup.objective)
+    if spec.scalar_head:       # RewardTrainer: the score head's loss reads args
         attrs["args"] = types.SimpleNamespace(center_rewards_coefficient=defaults["center_rewards_coefficient"])
     else:
         attrs["beta"] = defaults["beta"]
-    if setup.objective == "simpo":
-        attrs.update({"loss_type": "simpo", "simpo_gamma": defaults["simpo_gamma"],
+    if spec.loss_types:        # CPOTrainer under loss_type simpo (ORPOTrainer has no loss_type)
+        attrs.update({"loss_type": spec.default_loss_type, "simpo_gamma": defaults["simpo_gamma"],
                       "cpo_alpha": defaults["cpo_alpha"], "alpha": defaults["alpha"],
                       "label_smoothing": defaults["label_smoothing"]})
     for name, value in attrs.items():

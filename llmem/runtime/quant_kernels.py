@@ -17,12 +17,15 @@ dtype, bnb_4bit_quant_storage; NF4Tensor's three inner tensors FSDP2 all-gathers
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmem.errors import LlmemError
-from llmem.memory.quant import AO_QUANT_UNIT, NESTED_BLOCK, NF4_BLOCK, check_quantisable
+from llmem.memory.quant import AO_QUANT_UNIT, NESTED_BLOCK, NF4_BLOCK, check_quantisable, quant_layout
 from llmem.model.anatomy import ParamInfo
 from llmem.setup.methods import METHODS
 from llmem.units import ceil_div
@@ -213,11 +216,21 @@ class Linear8bitLtEmulated(nn.Linear):
         return _MatMul8bitLt.apply(x, self.weight, bias, self)
 
 
+# the emulated module per quantised base (llmem.setup.quant_bases' rows): (the nn.Linear, its compute dtype, the
+# set-up, whether FSDP2 shards it) -> the module holding the library's storage
+EMULATIONS: dict[str, Callable[[nn.Linear, torch.dtype, Any, bool], nn.Module]] = {
+    "nf4": lambda child, dtype, setup, sharded: Linear4bitEmulated(child, dtype, setup.double_quant,
+                                                                   dtype if sharded else torch.uint8),
+    "int8": lambda child, dtype, setup, sharded: Linear8bitLtEmulated(child),
+    "torchao-nf4": lambda child, dtype, setup, sharded: LinearNF4Emulated(child, dtype),
+}
+
+
 def quantize_base(model: nn.Module, setup, fake: bool) -> int:
     """Replace every linear the quantising library replaces (all nn.Linear but the output embedding and tied
     weights: transformers' bitsandbytes integration, torchtune's QLoRA builders) by its emulation, in place on the
     meta model. Returns how many were replaced."""
-    if setup.quant_base == "none":
+    if not setup.quant_spec.quantised:
         return 0
     if not fake:
         raise LlmemError("a quantised base runs only in the trace (its kernels are emulated there): llmem measure "
@@ -241,13 +254,7 @@ def quantize_base(model: nn.Module, setup, fake: bool) -> int:
             name = f"{prefix}.{child_name}.weight" if prefix else f"{child_name}.weight"
             check_quantisable(ParamInfo(name, tuple(child.weight.shape), "float32", "Linear", None, None),
                               setup.quant_base, shards)
-            if setup.quant_base == "nf4":
-                new = Linear4bitEmulated(child, dtype, setup.double_quant, dtype if sharded else torch.uint8)
-            elif setup.quant_base == "torchao-nf4":
-                new = LinearNF4Emulated(child, dtype)
-            else:
-                new = Linear8bitLtEmulated(child)
-            setattr(module, child_name, new)
+            setattr(module, child_name, EMULATIONS[setup.quant_base](child, dtype, setup, sharded))
             replaced += 1
     return replaced
 
@@ -321,10 +328,10 @@ def wrap_quant_adapters(model: nn.Module, setup=None) -> int:
 
 def emulation_note(setup) -> str:
     """What the trace says about the quantised base it emulates."""
-    if setup.quant_base == "torchao-nf4":
+    if not setup.quant_spec.bitsandbytes:
         return ("torchao NF4Tensor base (torchtune's QLoRA): its inner tensors and the eager dequantisation "
                 "(get_original_weight) re-run op for op on fake tensors; torchao itself is not imported")
     sharded = (", the packed weights in the compute dtype (bnb_4bit_quant_storage) sharded by FSDP2"
-               if setup.quant_base == "nf4" and METHODS[setup.method].shards_model_states else "")
+               if quant_layout(setup.quant_base).sharded and METHODS[setup.method].shards_model_states else "")
     return (f"bitsandbytes {setup.quant_base} base: its CUDA kernels are emulated (storage tensors, dequantisation / "
             f"int8 buffers as bitsandbytes allocates them), not run{sharded}")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from llmem.errors import LlmemError
+from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.runtime.build import (
     apply_peft,
@@ -127,7 +128,7 @@ class TrainingStep:
     def iteration(self, it: int) -> None:
         if self.pipeline is not None:       # one pipeline stage under torch's schedule (llmem.runtime.pipeline)
             return self.pipeline.iteration(it)
-        if self.setup.objective != "sft":   # TRL's trainer step (llmem.runtime.objective_steps)
+        if self.setup.objective_spec.runs_trainer:   # TRL's trainer step (llmem.runtime.objective_steps)
             from llmem.runtime.objective_steps import objective_iteration
 
             return objective_iteration(self, it)
@@ -191,8 +192,11 @@ def real_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> tu
     setup = resolved.setup
     low = setup.precision_spec.low_precision
     trained = 2 if low and not setup.mixed else 4          # fp32 master weights unless pure bf16 / fp16
-    frozen = {"nf4": 0.5, "int8": 1}.get(setup.quant_base, 2 if low else 4)   # the frozen base's storage
-    params = sum(p.numel * (trained if p.trainable else frozen) for p in resolved.anatomy.params)
+    frozen = 2 if low else 4                # the frozen base's storage, unless quantised
+    args = quant_args(setup, False)
+    params = sum(p.numel * trained if p.trainable else
+                 storage_bytes(p, setup.quant_base, args) if is_quantised(p, setup.quant_base) else p.numel * frozen
+                 for p in resolved.anatomy.params)
     grads = sum(p.numel * trained for p in resolved.anatomy.params if p.trainable)
     # the loss's logits, [batch, seq, vocab] in fp32 at least once (none under --fused-ce)
     logits = 0 if setup.fused_ce else setup.batch_size * setup.seq_len * resolved.anatomy.vocab_size * 4
@@ -246,11 +250,11 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     low = low_dtype(setup)
     if setup.precision_spec.low_precision and not setup.mixed:
         model.to(low)                 # still on meta: dtype only
-    if setup.quant_base != "none":    # bitsandbytes' quantised linears, emulated (llmem.runtime.quant_kernels)
+    if setup.quant_spec.quantised:    # the libraries' quantised linears, emulated (llmem.runtime.quant_kernels)
         quantize_base(model, setup, fake=fake)
     if setup.peft:
         model = apply_peft(model, setup)
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         wrap_quant_adapters(model, setup)
     autocast_dtype = low if (setup.mixed and spec.autocast_under_mixed) else None
     on_cuda = device.type == "cuda"
@@ -279,8 +283,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             stack.enter_context(cuda_like_dropout())
             if fake and cuda_kernels:
                 stack.enter_context(cuda_like_sdpa(gpu.compute_capability,
-                                                   "flash" if setup.attn == "flash" else None))
-        elif setup.attn == "flash":   # a real GPU: PyTorch's flash SDPA kernel only
+                                                   "flash" if setup.attention_spec.flash_kernel else None))
+        elif setup.attention_spec.flash_kernel:   # a real GPU: PyTorch's flash SDPA kernel only
             from torch.nn.attention import SDPBackend, sdpa_kernel
             stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         mesh = None
@@ -302,13 +306,13 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if spec.gradient_buckets and not real_pg:
             stack.enter_context(ddp_on_fake_pg())
         packing = setup.packing
-        if packing and setup.attn == "flash" and not fake:
+        if packing and setup.attention_spec.varlen_packing and not fake:
             raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
                              "flash_attention_2); llmem models it but cannot run it")
         if fake:
             # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
             # rows, so the traced flash step gets no packed mask
-            stack.enter_context(hf_untraced_masks(packed=packing and setup.attn != "flash"))
+            stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
             stack.enter_context(grouped_mm_meta_any_float())
             stack.enter_context(fake_mode)
         if before_model is not None:

@@ -44,12 +44,12 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
         notes.append(ep_note(layout.ep, layout.expert_shard_degree, setup.ep_imbalance, engine))
     if setup.precision == "fp16-mixed":
         notes.append("fp16-mixed: the GradScaler's state (a few scalars) is not included")
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         notes.append(emulation_note(setup))
     if setup.offload_optimizer and engine == "trace":
         notes.append("optimizer offloaded: it steps fp32 master copies in host memory, its states there too; the "
                      "device keeps the gradients until zero_grad and is updated in place (no device allocations)")
-    if setup.objective != "sft":         # TRL's trainer code and what the run emulates of it
+    if setup.objective_spec.runs_trainer:         # TRL's trainer code and what the run emulates of it
         from llmem.runtime.objective_steps import objective_trace_notes
 
         notes += objective_trace_notes(setup) if engine == "trace" else objective_notes(setup)

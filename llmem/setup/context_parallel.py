@@ -24,7 +24,7 @@ CP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
     (lambda s: s.seq_len % (2 * s.cp) != 0,
      lambda s: f"--cp {s.cp} splits --seq-len into 2 x {s.cp} chunks (torch's head-tail load balancing): choose a "
                f"--seq-len divisible by {2 * s.cp}, got {s.seq_len}"),
-    (lambda s: s.attn != "sdpa",
+    (lambda s: not s.attention_spec.calls_torch_sdpa,
      lambda s: f"--cp dispatches SDPA's flash / efficient / cuDNN kernels to the ring only (--attn sdpa); "
                f"--attn {s.attn} is not modelled under context parallelism"),
     (lambda s: not s.precision_spec.low_precision,
@@ -34,9 +34,9 @@ CP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
      lambda s: "--cp with --packing: the ring attention takes no mask (its attn_bias is refused): drop --packing"),
     (lambda s: s.pp > 1 or s.dp_replicate > 1 or s.tp not in (None, 1),
      lambda s: "--cp with --pp, --dp-replicate or --tp is not modelled: drop them (FSDP2 over dp_shard x cp)"),
-    (lambda s: s.objective != "sft",
+    (lambda s: s.objective_spec.runs_trainer,
      lambda s: f"--cp with --objective {s.objective} is not modelled: use the sft objective"),
-    (lambda s: s.peft or s.quant_base != "none",
+    (lambda s: s.peft or s.quant_spec.quantised,
      lambda s: "--cp with adapters or a quantised base is not modelled: drop --lora-rank / --peft-config / --qlora"),
     (lambda s: s.offload_activations or s.offload_param or s.offload_optimizer or s.optimizer_in_backward,
      lambda s: "--cp with offloading or the optimizer in backward is not modelled: drop --offload-* / "

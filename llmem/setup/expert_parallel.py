@@ -47,9 +47,9 @@ def _mesh_refusal(s) -> str | None:
 # (does the set-up have it, the one line naming the problem and the fix)
 EP_REFUSALS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
     (lambda s: _mesh_refusal(s) is not None, _mesh_refusal),
-    (lambda s: s.peft or s.quant_base != "none",
+    (lambda s: s.peft or s.quant_spec.quantised,
      lambda s: "--ep with adapters or a quantised base is not modelled: drop --lora-rank / --peft-config / --qlora"),
-    (lambda s: s.objective != "sft",
+    (lambda s: s.objective_spec.runs_trainer,
      lambda s: f"--ep with --objective {s.objective} is not modelled: use the sft objective"),
     (lambda s: s.offload_activations or s.offload_param or s.offload_optimizer or s.optimizer_in_backward,
      lambda s: "--ep with offloading or the optimizer in backward is not modelled: drop --offload-* / "

@@ -89,6 +89,7 @@ class ObjectiveSpec:
     paired: bool = False             # chosen and rejected concatenated in one forward (2 sequences per sample)
     keeps_reference: bool = False    # the loss needs a reference model's log-probs
     loss_types: tuple[str, ...] = ()   # TRL's names; the first is its default
+    loss_type_list: bool = False     # the config's loss_type is a list (DPOConfig: several losses, weighted)
     max_length: int | None = None    # TRL's default truncation of each sequence (None: none)
     beta: float | None = None        # TRL's default beta (no effect on memory; for the exports)
     fused_lm_head: bool = False      # per-token log-probs from TRL's chunked LM head
@@ -111,6 +112,11 @@ class ObjectiveSpec:
     batch_multiple: int = 1
 
     @property
+    def runs_trainer(self) -> bool:
+        """A TRL trainer runs the step (every objective but sft: transformers' Trainer / a plain loop)."""
+        return bool(self.trainer)
+
+    @property
     def step_kind(self) -> str:
         """Which step runs it (the estimator's and the trace's dispatch key): sft, preference (a reference's
         log-probs, TRL's fused head), pairwise (the loss on full logits or a scalar head), generation (GRPO)."""
@@ -118,7 +124,7 @@ class ObjectiveSpec:
             return "generation"
         if self.full_logits or self.scalar_head:
             return "pairwise"
-        return "preference" if self.trainer else "sft"
+        return "preference" if self.runs_trainer else "sft"
 
     @property
     def sequences_per_sample(self) -> int:
@@ -133,8 +139,8 @@ class ObjectiveSpec:
 OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
     ObjectiveSpec("sft", "", "one model's causal-LM loss", cli_command="sft"),
     ObjectiveSpec("dpo", "DPOTrainer", "preference pairs against a reference (TRL's DPOTrainer)", paired=True,
-                  keeps_reference=True, loss_types=DPO_LOSS_TYPES, max_length=1024, beta=0.1, fused_lm_head=True,
-                  disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo"),
+                  keeps_reference=True, loss_types=DPO_LOSS_TYPES, loss_type_list=True, max_length=1024, beta=0.1,
+                  fused_lm_head=True, disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo"),
     ObjectiveSpec("kto", "KTOTrainer", "unpaired completions, desirable or not, against a reference (TRL's "
                   "KTOTrainer)", keeps_reference=True, loss_types=KTO_LOSS_TYPES, max_length=1024, beta=0.1,
                   fused_lm_head=True, disable_dropout=True, head_outputs=KTO_HEAD_OUTPUTS, kl_loss_types=("kto",),
@@ -232,7 +238,7 @@ def check_objective(setup) -> None:
         check_generation(setup)
         return
     check_no_generation_options(setup)
-    if spec.name == "sft":
+    if not spec.runs_trainer:
         _check_sft(setup)
         return
     if setup.loss_type is not None and not spec.loss_types:
@@ -312,7 +318,7 @@ def completion_tokens(setup) -> int:
 def objective_notes(setup) -> list[str]:
     """What the estimate and the trace say about a preference objective's step (none for sft)."""
     spec = objective_spec(setup.objective)
-    if spec.name == "sft":
+    if not spec.runs_trainer:
         return []
     if spec.full_logits or spec.scalar_head:
         return _pairwise_notes(setup, spec)

@@ -62,13 +62,11 @@ class SetupRecord:
         if not self.adapter:
             return "full fine-tuning"
         kind = self.adapter
-        if s.quant_base == "nf4":
-            kind += f" (nf4 base{', double quant' if s.double_quant else ''})"
-        elif s.quant_base == "int8":
-            kind += " (int8 base)"
-        elif s.quant_base == "torchao-nf4":
-            kind += " (torchao nf4 base)"
-        if s.quant_base in ("nf4", "int8") and not s.kbit_upcast:
+        quant = s.quant_spec
+        if quant.quantised:
+            double = ", double quant" if quant.double_quant_optional and s.double_quant else ""
+            kind += f" ({quant.base_text}{double})"
+        if quant.kbit_prep and not s.kbit_upcast:
             kind = kind[:-1] + ", no kbit upcast)"
         if self.adapter_rank:
             kind += f" r{self.adapter_rank}"

@@ -23,16 +23,8 @@ from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, OBJECTIVE_GRO
 from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.pipeline import PIPELINE_SCHEDULES
 from llmem.setup.precision import PRECISIONS
+from llmem.setup.quant_bases import QUANT_SWITCHES
 
-ATTENTIONS = ("sdpa", "eager", "flash")
-QUANT_BASES = ("none", "nf4", "int8", "torchao-nf4")
-QUANT_SWITCHES = (   # AdaptersConfig.quant_base's flags: (flag, value, help)
-    ("--qlora", "nf4", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)"),
-    ("--load-in-8bit", "int8", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters (--lora-rank)"),
-    ("--qlora-torchao", "torchao-nf4", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs adapters "
-     "(--lora-rank)"),
-)
-QUANT_FLAGS = {value: flag for flag, value, _ in QUANT_SWITCHES}
 # AdaptersConfig.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
 # axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
 # (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)

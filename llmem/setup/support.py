@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.methods import METHODS, MethodSpec
-from llmem.setup.training import QUANT_FLAGS, TrainingSetup
+from llmem.setup.training import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
         raise LlmemError(selective)
     if method.zero_stage is not None:
         check_deepspeed(setup, method)
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         check_quant_method(setup, method)
     check_reshard_after_forward(setup, method)
     if model is not None:
@@ -73,7 +73,7 @@ def check_tp_styles(setup: TrainingSetup, method: MethodSpec) -> None:
     if setup.loss_parallel and setup.fused_ce:
         raise LlmemError("--fused-ce with --loss-parallel is not modelled: the fused loss takes the whole lm_head, "
                          "loss_parallel() the vocab-sharded logits; choose one (torchtitan: --loss-parallel)")
-    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective != "sft":
+    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective_spec.runs_trainer:
         raise LlmemError(f"--sequence-parallel / --loss-parallel with --objective {setup.objective}: TRL's loss "
                          "reads full hidden states and gathers per-token log-probs; not modelled, drop them")
     if setup.sequence_parallel and setup.offload_activations:
@@ -96,8 +96,8 @@ def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
     if setup.precision_spec.low_precision and not setup.mixed:
         return (f"--precision {setup.precision} with {method.name}: DeepSpeed's bf16 / fp16 keep fp32 master "
                 f"weights in the ZeRO optimizer, which --precision {setup.precision}-mixed describes; use it")
-    if setup.quant_base != "none":
-        return (f"{QUANT_FLAGS[setup.quant_base]} with {method.name}: a quantised base under DeepSpeed's ZeRO is "
+    if setup.quant_spec.quantised:
+        return (f"{setup.quant_spec.flag} with {method.name}: a quantised base under DeepSpeed's ZeRO is "
                 "not modelled; use single, ddp, fsdp or zero2")
     spec = setup.optimizer_spec
     if spec.parts or spec.plain_tensors_only or spec.eight_bit:
@@ -111,12 +111,12 @@ def check_quant_method(setup: TrainingSetup, method: MethodSpec) -> None:
     """A quantised base under `method`: one GPU and DDP (replicated), FSDP2 / zero2 over the quantised storage
     (FSDP-QLoRA: bitsandbytes' NF4 packed in the compute dtype, bnb_4bit_quant_storage; torchao's NF4Tensor through
     its fsdp_pre/post_all_gather), not LLM.int8 under FSDP, not tensor parallelism."""
-    flag = QUANT_FLAGS[setup.quant_base]
+    flag = setup.quant_spec.flag
     if method.has_tp:
         raise LlmemError(f"{flag} with {method.name}: tensor parallelism over quantised linears is not modelled "
                          "(DTensor cannot split bitsandbytes' packed weights; NF4Tensor has no TP sharding); use "
                          "single, ddp, fsdp or zero2")
-    if method.shards_model_states and setup.quant_base == "int8":
+    if method.shards_model_states and not setup.quant_spec.fsdp_shards:
         raise LlmemError(f"{flag} with {method.name}: FSDP cannot shard LLM.int8's int8 weights (bitsandbytes has "
                          "no float storage for them, unlike NF4's bnb_4bit_quant_storage); use --qlora, or ddp")
 
@@ -133,8 +133,8 @@ def check_reshard_after_forward(setup: TrainingSetup, method: MethodSpec) -> Non
                          f"fsdp only, got {method.name} (zero2 is its False, fsdp's default its True)")
     others = (("--pp (torchtitan keeps units gathered under PP)", setup.pp > 1), ("--cp", setup.cp > 1),
               ("--ep", setup.ep > 1), ("--offload-param", setup.offload_param),
-              (QUANT_FLAGS.get(setup.quant_base, ""), setup.quant_base != "none"),
-              (f"--objective {setup.objective}", setup.objective != "sft"))
+              (setup.quant_spec.flag, setup.quant_spec.quantised),
+              (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
     for flag, given in others:
         if given:
             raise LlmemError(f"--reshard-after-forward with {flag} is not modelled: drop one of them")
@@ -153,9 +153,9 @@ def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSu
     for name, why in model.tp_style_refusals:
         if getattr(setup, name):
             raise LlmemError(why)
-    if setup.attn == "flash" and model.flash_refusal:
+    if setup.attention_spec.flash_kernel and model.flash_refusal:
         raise LlmemError(model.flash_refusal)
-    if setup.attn == "flash" and not model.supports_flash_attn:
+    if setup.attention_spec.flash_kernel and not model.supports_flash_attn:
         able = "sdpa or eager" if model.supports_sdpa else "eager"
         raise LlmemError(f"--attn flash: transformers has no flash attention for {model.architecture} "
                          f"(_supports_flash_attn is False); use --attn {able}")
@@ -174,9 +174,10 @@ def selective_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
     flag = f"--ac-policy {setup.ac_policy}"
     why = (("tensor parallelism (DTensor matmuls)", method.has_tp),
            ("DeepSpeed's engine", method.zero_stage is not None),
-           ("peft adapters", setup.peft), ("a quantised base", setup.quant_base != "none"),
+           ("peft adapters", setup.peft), ("a quantised base", setup.quant_spec.quantised),
            ("--offload-activations", setup.offload_activations), ("--packing", setup.packing),
-           ("--attn eager", setup.attn == "eager"), (f"--objective {setup.objective}", setup.objective != "sft"))
+           (f"--attn {setup.attn}", setup.attention_spec.keeps_scores),
+           (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
     named = [what for what, applies in why if applies]
     if named:
         return (f"{flag} with {named[0]} is not modelled: use it on a full fine-tune under single, ddp, fsdp or "

@@ -18,6 +18,7 @@ from operator import attrgetter
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import ac_policy
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
@@ -37,17 +38,14 @@ from llmem.setup.flags import (  # noqa: F401 - re-exported: the flags' names as
     option,
 )
 from llmem.setup.methods import canonical_method, method_spec
-from llmem.setup.objectives import check_objective, objective_spec
+from llmem.setup.objectives import ObjectiveSpec, check_objective, objective_spec
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
 from llmem.setup.pipeline import PP_METHODS, check_pipeline, check_schedule_method
 from llmem.setup.precision import PRECISIONS, Precision
+from llmem.setup.quant_bases import QuantBaseSpec, quant_base_spec
 from llmem.setup.sections import (  # noqa: F401 - re-exported
     ADAPTER_DTYPES,
-    ATTENTIONS,
     LORA_ALL_LINEAR,
-    QUANT_BASES,
-    QUANT_FLAGS,
-    QUANT_SWITCHES,
     SECTIONS,
     ActivationsConfig,
     AdaptersConfig,
@@ -72,7 +70,7 @@ def default_method(gpus: int, objective: str = "sft") -> str:
     generation alike: accelerate's launch without an FSDP config; --method fsdp / zero2 model its FSDP2 plugin)."""
     if gpus == 1:
         return "single"
-    return "ddp" if objective_spec(objective).trainer else "fsdp"
+    return "ddp" if objective_spec(objective).runs_trainer else "fsdp"
 
 
 def user_setup(**fields: Any) -> TrainingSetup:
@@ -152,8 +150,8 @@ class TrainingSetup:
             raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
         if self.attn not in ATTENTIONS:
             raise LlmemError(f"unknown attention {self.attn!r}: choose one of {', '.join(ATTENTIONS)}")
-        if self.attn == "flash" and not self.precision_spec.low_precision:
-            raise LlmemError("--attn flash needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
+        if self.attention_spec.low_precision_only and not self.precision_spec.low_precision:
+            raise LlmemError(f"--attn {self.attn} needs fp16 or bf16 compute (flash attention has no fp32 kernel)")
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         self._check_ac_policy()
@@ -250,42 +248,24 @@ class TrainingSetup:
 
     def _check_quant_base(self) -> None:
         """The combinations llmem models for a quantised base: bitsandbytes' under peft (HF, TRL, axolotl), torchao's
-        NF4Tensor under torchtune's LoRA recipes."""
-        if self.quant_base not in QUANT_BASES:
-            raise LlmemError(f"unknown quantised base {self.quant_base!r}: choose one of {', '.join(QUANT_BASES)}")
-        if self.quant_base == "none":
+        NF4Tensor under torchtune's LoRA recipes (the row's own precision rules: QuantBaseSpec.check)."""
+        spec = quant_base_spec(self.quant_base)
+        if not spec.quantised:
             if not self.kbit_upcast:
                 raise LlmemError("--no-kbit-upcast applies to a quantised base only (--qlora, --qlora-torchao, "
                                  "--load-in-8bit)")
             return
-        flag = QUANT_FLAGS[self.quant_base]
+        flag = spec.flag
         if not self.peft:
             raise LlmemError(f"{flag} quantises the frozen base: its weights cannot be trained, so give adapters to "
                              "train (--lora-rank R, or --peft-config PATH)")
         pure_low = self.precision_spec.low_precision and not self.mixed
-        if pure_low and self.kbit_upcasts and self.attn == "flash":
+        if pure_low and self.kbit_upcasts and self.attention_spec.flash_kernel:
             raise LlmemError(f"{flag} under --precision {self.precision} with the kbit upcast gives attention fp32 "
                              "inputs (an fp32 residual stream), which flash attention does not take (transformers' "
                              "cast back to the compute dtype is not modelled): add --no-kbit-upcast or use --attn sdpa")
-        if self.quant_base == "int8":
-            if pure_low:
-                raise LlmemError(f"{flag} with --precision {self.precision}: pure low-precision LLM.int8 is not "
-                                 f"modelled; use --precision {self.precision}-mixed or fp32")
-            if self.adapter_dtype == "base" and self.precision_spec.low_precision:
-                raise LlmemError(f"{flag} with --adapter-dtype base: peft casts adapters to the base layer's dtype "
-                                 "only when it is a float dtype, and Linear8bitLt's is int8, so they stay fp32; drop "
-                                 "--adapter-dtype base")
-        if self.quant_base == "torchao-nf4":
-            # torchtune's LoRA recipes: fp32 or bf16, no autocast, adapters built in the model's dtype
-            if self.mixed or self.precision == "fp16":
-                raise LlmemError(f"{flag} runs torchtune's QLoRA, which trains in fp32 or pure bf16 (no autocast, no "
-                                 "fp16): use --precision bf16 or fp32")
-            if pure_low and self.adapter_dtype == "fp32":
-                raise LlmemError(f"{flag}: torchtune's LoRALinear keeps its adapters in the model dtype: add "
-                                 "--adapter-dtype base")
-            if not self.double_quant:
-                raise LlmemError(f"{flag}: torchao's NF4Tensor always quantises its scalers (drop "
-                                 "--no-double-quant)")
+        if spec.check is not None:
+            spec.check(self, flag)
 
     # ------------------------------------------------------------------ the registry rows it names
     @property
@@ -295,6 +275,20 @@ class TrainingSetup:
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def quant_spec(self) -> QuantBaseSpec:
+        """The frozen base's row (llmem.setup.quant_bases): what it is; llmem.memory.quant how it is stored."""
+        return quant_base_spec(self.quant_base)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The attention kernel asked for (llmem.setup.attention); the model may run another (no SDPA class)."""
+        return ATTENTIONS[self.attn]
+
+    @property
+    def objective_spec(self) -> ObjectiveSpec:
+        return objective_spec(self.objective)
 
     # ------------------------------------------------------------------ bytes per element
     @property
@@ -344,7 +338,7 @@ class TrainingSetup:
     def kbit_upcasts(self) -> bool:
         """peft's prepare_model_for_kbit_training runs: a bitsandbytes base with the upcast (--no-kbit-upcast: not).
         torchtune, which runs torchao's NF4 base, has no such step: its frozen parameters stay in the model dtype."""
-        return self.quant_base not in ("none", "torchao-nf4") and self.kbit_upcast
+        return self.quant_spec.kbit_prep and self.kbit_upcast
 
     @property
     def fsdp_cpu_offload(self) -> bool:

@@ -38,6 +38,7 @@ from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
 from llmem.result import MemoryResult
 from llmem.setup.gpus import catalog_gpu_for
+from llmem.setup.sources.names import HF_ATTENTIONS
 from llmem.setup.training import TrainingSetup, user_setup
 
 log = logging.getLogger("llmem")
@@ -101,7 +102,8 @@ def live_setup(model: torch.nn.Module, optimizer: Any, *, batch_size: int, seq_l
                               "precision": _precision(model, autocast_dtype),
                               "grad_ckpt": bool(getattr(base, "is_gradient_checkpointing", False))}
     attn = getattr(base.config, "_attn_implementation", None) or "sdpa"
-    fields["attn"] = "flash" if attn.startswith("flash") else attn if attn in ("sdpa", "eager") else "sdpa"
+    row = HF_ATTENTIONS.get(attn)          # transformers' attn_implementation -> --attn (the --from readers' table)
+    fields["attn"] = row.llmem if row is not None and row.llmem else "flash" if attn.startswith("flash") else "sdpa"
     peft_configs = getattr(model, "peft_config", None)
     if peft_configs:
         peft_configs["default"].save_pretrained(str(folder / "adapter"))

@@ -178,7 +178,7 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
         return False, "tensor parallelism (the copy runs on one GPU; its heads would not split the same way)"
     if setup.ac_policy != "full":
         return False, f"--ac-policy {setup.ac_policy} (its stored op outputs are the hand recipes' only)"
-    if setup.quant_base != "none":
+    if setup.quant_spec.quantised:
         return False, ("a quantised base (the schedule lays out bitsandbytes' transients itself; the emulated "
                        "kernels' buffers are not told apart from the layer's tensors yet)")
     if anatomy.peft is not None and _uneven(r):

@@ -36,10 +36,12 @@ from llmem.memory.activations.quantised import (
 )
 from llmem.memory.activations.recipes import recipe_for
 from llmem.memory.activations.selective import SelectiveLayer, selective_layer, selective_refusal
+from llmem.memory.quant import quant_layout
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
+from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.precision import Regime
 from llmem.setup.training import TrainingSetup
@@ -181,7 +183,8 @@ def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
         i=-(-anatomy.intermediate_size // tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
         kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
         vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
-        masked=setup.packing and effective_attention(anatomy, setup) == "sdpa" and setup.attn != "flash",
+        masked=setup.packing and not effective_attention(anatomy, setup).keeps_scores
+        and not setup.attention_spec.varlen_packing,
         pos_rows=setup.batch_size if setup.packing else 1,
         seq_shards=tp if setup.sequence_parallel else 1, vocab_shards=tp if setup.loss_parallel else 1,
     )
@@ -192,21 +195,20 @@ def has_recipe(anatomy: ModelAnatomy) -> bool:
     return family_of(anatomy.model_type).recipe is not None
 
 
-def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> str:
+def effective_attention(anatomy: ModelAnatomy, setup: TrainingSetup) -> AttentionSpec:
     """HF runs eager attention for models without an SDPA implementation (BLOOM, GPT-Neo, Gemma-2).
 
     flash (HF flash_attention_2) keeps what PyTorch's flash SDPA kernel keeps (q, k, v, out, logsumexp; GQA native,
     dropout regenerated from the RNG state): the sdpa recipe, also for classes with flash but no SDPA attention
     (Gemma-2). Whether the class has flash attention at all is the support check's (llmem.setup.support)."""
-    if setup.attn == "flash":
-        return "sdpa"
-    return setup.attn if anatomy.supports_sdpa else "eager"
+    spec = setup.attention_spec
+    return ATTENTIONS[spec.recipe if anatomy.supports_sdpa else ATTENTIONS[spec.without_sdpa].recipe]
 
 
 def activation_notes(setup: TrainingSetup) -> list[str]:
     """What the estimate and the trace say about the activation options (both engines print them)."""
     notes = []
-    if setup.attn == "flash":
+    if setup.attention_spec.flash_kernel:
         notes.append("--attn flash: the flash-attn package's kernel (HF flash_attention_2) is modelled by PyTorch's "
                      "flash SDPA kernel (the same saved tensors: q, k, v, output, logsumexp)")
     if setup.fused_ce:
@@ -222,10 +224,7 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                          "recompute, and a frozen embedding's output (a leaf its AccumulateGrad node holds), stay "
                          "on the device" if setup.grad_ckpt else ""))
     if setup.packing:
-        notes.append("--packing: position ids restart per packed sample; " + (
-            "flash attention runs varlen (cu_seqlens, no mask)" if setup.attn == "flash" else
-            "SDPA gets transformers' block-diagonal causal mask and keeps it as a bias per layer (no native GQA)"
-            if setup.attn == "sdpa" else "eager attention's mask is [b, 1, s, s] as without packing"))
+        notes.append("--packing: position ids restart per packed sample; " + setup.attention_spec.packing_note)
     if setup.grad_ckpt and setup.ckpt_every > 1:
         notes.append(f"checkpointing decoder layers with index % {setup.ckpt_every} == 0 (HF every_n_layers)")
     if AC_POLICIES[setup.ac_policy].selective:
@@ -288,7 +287,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     if learned is None and exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
         recipe = with_adapters(anatomy, recipe, d, adapted, behind_fp32, upcast)
     int8_kept: Sizes = ()
-    if setup.quant_base == "int8":
+    if setup.quant_spec.quantised and quant_layout(setup.quant_base).keeps_inputs:
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)

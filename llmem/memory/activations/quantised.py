@@ -10,6 +10,7 @@ from llmem.memory.activations.blocks import Block, Dims, LayerRecipe, Sizes, blo
 from llmem.memory.quant import is_quantised
 from llmem.model.anatomy import ModelAnatomy
 from llmem.setup.precision import F32, Regime
+from llmem.setup.quant_bases import quant_base_spec
 
 NORM_FED_BLOCKS = ("qkv_proj", "gate_up_proj", "c_attn", "c_fc", "fc1", "query_key_value", "dense_h_to_4h",
              "qkv_and_fc_in")
@@ -19,7 +20,7 @@ def fp32_behind_quant(quant_base: str, r: Regime) -> bool:
     """bitsandbytes' linears return their input's dtype: behind prepare_model_for_kbit_training's fp32 norms under
     autocast (an fp32 residual stream), the MLP's gate/up outputs (and what silu and the product keep) are fp32,
     not the compute dtype."""
-    return quant_base in ("nf4", "int8") and r.autocast and r.res == F32
+    return quant_base_spec(quant_base).bitsandbytes and r.autocast and r.res == F32
 
 
 def adapter_regime(quant_base: str, r: Regime) -> Regime:
@@ -27,7 +28,7 @@ def adapter_regime(quant_base: str, r: Regime) -> Regime:
     autocast they cast nothing (`requires_conversion = not torch.is_autocast_enabled()`), so with a low-precision
     input (no kbit upcast: a bf16 residual stream) lora_A reads and keeps the base linear's input itself, as outside
     autocast; behind the upcast's fp32 norms autocast casts that input for lora_A as for any fp32 activation."""
-    if quant_base in ("nf4", "int8") and r.autocast and r.res != F32:
+    if quant_base_spec(quant_base).bitsandbytes and r.autocast and r.res != F32:
         return Regime("lowp", r.res, r.mm)
     return r
 
@@ -39,7 +40,7 @@ def quant_adapters_upcast(anatomy: ModelAnatomy, setup, r: Regime) -> bool:
     lora_B run in fp32 and their output is cast back before the sum. Modelled as peft's plain lora.Linear upcast
     (the same kept tensors: the fp32 copy, lora_A's fp32 output); the clone and the low-precision sum are laid out
     with the dequantisation (estimator.schedule.StepSchedule.dequantise)."""
-    return (setup.quant_base in ("nf4", "int8") and setup.precision_spec.low_precision and not setup.mixed
+    return (setup.quant_spec.bitsandbytes and setup.precision_spec.low_precision and not setup.mixed
             and r.mm != F32 and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
 
 

@@ -26,10 +26,11 @@ from llmem.memory.activations.blocks import (
 )
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
+from llmem.setup.attention import AttentionSpec
 from llmem.setup.precision import F32, Regime
 
 
-def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> LayerRecipe:
     """Llama, Mistral, Qwen2, Phi-3, Mixtral, Gemma-2: RMSNorm, RoPE, SwiGLU / GeGLU gated MLP, no dropout."""
     t = d.t
     spec = family_of(a.model_type)
@@ -40,7 +41,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
                         ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))
     # RoPE makes new q, k (fp32 under autocast: cos/sin follow the fp32 stream); SDPA/eager keep casts of them
     core: Sizes = (t * (d.qd + d.kvd) * r.mm,) if fused else ()   # phi3: v is a view of the fused qkv, kept
-    if attn == "sdpa":
+    if not attn.keeps_scores:
         kv = d.qd if d.masked else d.kvd    # a mask turns GQA off: repeat_kv's copies are what SDPA keeps
         core += sdpa_saved(r, d, (t * d.qd * r.mm,), (t * kv * r.mm,), (t * kv * r.mm,))
         core_transient = t * (d.qd + 2 * d.kvd) * r.mm
@@ -51,7 +52,7 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
             core += (d.b * d.heads * d.s * d.s * r.mm,)
         core_transient = 2 * d.b * d.heads * d.s * d.s * F32
     # SDPA keeps v_proj's output as is (not behind a mask with GQA: then it keeps repeat_kv's copy)
-    v_out = (("v_proj", 2),) if attn == "sdpa" and not fused and not (d.masked and d.kvd != d.qd) else ()
+    v_out = (("v_proj", 2),) if not attn.keeps_scores and not fused and not (d.masked and d.kvd != d.qd) else ()
     blocks = [n1, qkv, Block("attention", core, (), core_transient, outputs=v_out),
               Block("o_proj", (), ("o_proj",), t * d.qd * r.mm)]
     if spec.post_norms:  # post-attention and post-feedforward norms (Gemma-2)
@@ -102,7 +103,7 @@ def sp_proj_block(name: str, r: Regime, d: Dims, consumers: int, norm_out_bytes:
     return replace(block, temps=temps)
 
 
-def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> LayerRecipe:
     """GPT-2, GPT-BigCode, GPT-Neo: LayerNorm, fused c_attn (GPT-Neo: q/k/v), dropouts, gelu_new MLP."""
     t = d.t
     p_resid = float(config_value(a, "resid_pdrop", "resid_dropout"))
@@ -113,7 +114,7 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     proj = proj_block("c_attn", r, t, d.h, 3 if separate_qkv else 1, out1,
                        ("attn.c_attn", "q_attn", "attention.q_proj", "attention.k_proj", "attention.v_proj"))
     qkv = t * (d.qd + 2 * d.kvd) * r.mm           # q, k, v (views of one c_attn output, kept whole)
-    if attn == "sdpa":
+    if not attn.keeps_scores:
         core: Sizes = (qkv, t * d.qd * r.mm, F32 * d.b * d.heads * d.s) + packed_bias_saved(r, d)
     else:
         core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=separate_qkv)
@@ -129,13 +130,13 @@ def _gpt2(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     return LayerRecipe(blocks, dropout_saved(p_embd, t * d.h), head, (), head_tags)
 
 
-def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> LayerRecipe:
     """OPT and BioGPT: LayerNorm (pre-LN), separate q/k/v, dropout on residual branches, ReLU/GELU MLP."""
     t = d.t
     p = float(config_value(a, "dropout", "hidden_dropout_prob"))
     p_attn = float(config_value(a, "attention_dropout", "attention_probs_dropout_prob"))
     n1, out1 = norm_block("attn_norm", "layernorm", r, t, d.h, ("self_attn_layer_norm",))
-    if attn == "sdpa":
+    if not attn.keeps_scores:
         core = sdpa_saved(r, d, (t * d.qd * r.mm,), (t * d.kvd * r.mm,), (t * d.kvd * r.mm,))
     else:
         core = eager_attention_saved(r, d, p_attn, repeat_kv=False, softmax_fp32=False)
@@ -152,7 +153,7 @@ def _opt(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
     return LayerRecipe(blocks, dropout_saved(p, t * d.h), head, (), head_tags)
 
 
-def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+def _bloom(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> LayerRecipe:
     """BLOOM: LayerNorm, fused query_key_value, ALiBi baddbmm eager attention, custom GeLU autograd function."""
     t = d.t
     p = float(config_value(a, "hidden_dropout"))
@@ -209,7 +210,7 @@ def _mlp_act_saved(a: ModelAnatomy, r: Regime, n: int) -> Sizes:
     return (n * r.mm,) * 2
 
 
-def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerRecipe:
+def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> LayerRecipe:
     """Falcon (7B: multi-query, parallel attention + MLP from one LayerNorm) and CodeGen (GPT-J style).
 
     One LayerNorm feeds both the fused qkv projection and the MLP. Falcon with one kv head cannot use the flash /
@@ -226,7 +227,7 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
         core += (d.b * d.heads * d.s * d.s * r.mm, t * d.qd * r.mm, t * d.qd * r.mm)      # softmax, out, merged
         mlp: Sizes = (t * d.i * r.mm,) * 2                                                 # F.gelu in, fc2 in
     else:
-        if attn == "sdpa":                                                    # q, k (roped), v copies, out, lse
+        if not attn.keeps_scores:                                            # q, k (roped), v copies, out, lse
             core = (t * d.qd * r.mm,) * 4 + (F32 * d.b * d.heads * d.s,) + packed_bias_saved(r, d)
         else:
             core = (t * d.qd * r.mm,) + eager_attention_saved(r, d, 0.0, repeat_kv=False, softmax_fp32=True)
@@ -240,7 +241,7 @@ def _parallel_block(a: ModelAnatomy, d: Dims, r: Regime, attn: str) -> LayerReci
     return LayerRecipe(blocks, (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
 
 
-Recipe = Callable[[ModelAnatomy, Dims, Regime, str], LayerRecipe]
+Recipe = Callable[[ModelAnatomy, Dims, Regime, AttentionSpec], LayerRecipe]
 RECIPES: dict[str, Recipe] = {
     "llama_like": _llama_like, "gpt2": _gpt2, "opt": _opt, "bloom": _bloom, "parallel_block": _parallel_block,
 }

@@ -31,6 +31,7 @@ from llmem.memory.activations.blocks import Block, Dims, block_owner
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.sharding import MATMUL_KINDS
+from llmem.setup.attention import AttentionSpec
 from llmem.setup.precision import Regime
 
 
@@ -61,7 +62,7 @@ def saved_matmuls(anatomy: ModelAnatomy) -> tuple[str, ...]:
     return tuple(name for n, name in enumerate(plain, start=1) if n % 2 == 1)
 
 
-def selective_refusal(anatomy: ModelAnatomy, attn: str, learned: bool) -> str | None:
+def selective_refusal(anatomy: ModelAnatomy, attn: AttentionSpec, learned: bool) -> str | None:
     """Why the estimate cannot model op-level SAC on this model (None: it can)."""
     spec = family_of(anatomy.model_type)
     if learned or spec.recipe is None:
@@ -70,13 +71,13 @@ def selective_refusal(anatomy: ModelAnatomy, attn: str, learned: bool) -> str | 
     if spec.recipe != "llama_like" or spec.fused_projections or spec.experts or spec.post_norms:
         return (f"--ac-policy op is modelled for Llama, Mistral and Qwen2 layers, not {anatomy.model_type}; use "
                 "--grad-ckpt")
-    if attn != "sdpa":
+    if attn.keeps_scores:
         return (f"--ac-policy op is modelled under SDPA / flash attention; {anatomy.architecture} runs eager "
                 "attention; use --grad-ckpt")
     return None
 
 
-def selective_layer(anatomy: ModelAnatomy, blocks: tuple[Block, ...], d: Dims, r: Regime, attn: str,
+def selective_layer(anatomy: ModelAnatomy, blocks: tuple[Block, ...], d: Dims, r: Regime, attn: AttentionSpec,
                     learned: bool = False) -> SelectiveLayer:
     """The layer's stored outputs under torchtitan's op-level policy (see the module docstring)."""
     why = selective_refusal(anatomy, attn, learned)

@@ -19,6 +19,7 @@ from llmem.errors import LlmemError
 from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.methods import METHODS, canonical_method
+from llmem.setup.quant_bases import quant_base_spec
 from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
 from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, read_deepspeed
 from llmem.setup.sources.files import load
@@ -158,7 +159,8 @@ def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> Non
     if not values.get("offload_param"):
         return
     spec = METHODS[canonical_method(values.get("method", "single"))]
-    if values.get("quant_base", "none") != "none":    # FSDP2 copies the shard through the quantised subclass
+    quantised = quant_base_spec(values.get("quant_base", "none")).quantised
+    if quantised:    # FSDP2 copies the shard through the quantised subclass
         why = "FSDP2's CPU offload of a quantised base (QLoRA) is not modelled"
     elif not spec.shards_model_states and spec.zero_stage != 3:
         why = f"parameter offload belongs to FSDP2 (or ZeRO-3); {values.get('method')} keeps every parameter"
@@ -179,6 +181,7 @@ def _merge(a: Dtypes, b: Dtypes) -> Dtypes:
 def _precision(r: Reading, values: dict, used: list[Used], notes: list[str], d: Dtypes) -> None:
     """--precision, --adapter-dtype and --no-kbit-upcast from the merged dtype facts."""
     peft = bool(values.get("lora_rank") or values.get("peft_config"))
+    quant = values.get("quant_base", "none")
     if d.compute is None:
         used.append(Used(r.file, "(precision)", "auto", "", None, "the trainer fills fp16 / bf16: llmem's "
                          "--precision decides (default bf16-mixed)"))
@@ -192,12 +195,11 @@ def _precision(r: Reading, values: dict, used: list[Used], notes: list[str], d: 
         values["adapter_dtype"] = adapter_dtype
         if adapter_dtype == "base":
             used.append(Used(r.file, "(adapters)", "the base's dtype", "adapter_dtype", "base"))
-        if d.weights == "fp32" and d.compute != "fp32" and values.get("quant_base", "none") == "none":
+        if d.weights == "fp32" and d.compute != "fp32" and not quant_base_spec(quant).quantised:
             notes.append(f"the frozen base loads in fp32 ({r.format}'s dtype) under {d.compute} autocast: llmem holds "
                          "a LoRA's frozen base in the compute dtype, so its bytes are half what this run holds; load "
                          "the model in bf16 to match")
-    quant = values.get("quant_base", "none")
-    if quant not in ("none", "torchao-nf4"):        # torchao's NF4 base has no upcast step (kbit_upcasts)
+    if quant_base_spec(quant).kbit_prep:        # torchao's NF4 base has no upcast step (kbit_upcasts)
         upcast = bool(d.kbit_upcast) or d.weights == "fp32"
         values["kbit_upcast"] = upcast
         why = ("peft's prepare_model_for_kbit_training upcasts them" if d.kbit_upcast else

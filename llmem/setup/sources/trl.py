@@ -13,6 +13,7 @@ defaults (no checkpointing, no bf16, the sequence length from the command line).
 from __future__ import annotations
 
 from llmem.setup.generation import GENERATION_DEFAULTS
+from llmem.setup.objectives import objective_spec
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.hf import (
@@ -118,7 +119,7 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     raw = keys.get("loss_type")
     if raw is not None:
         losses = raw if isinstance(raw, list) else [raw]
-        if objective == "sft":
+        if not objective_spec(objective).runs_trainer:
             r.ignore("loss_type", raw, "SFTConfig's loss_type: llmem models the causal-LM loss (nll)")
         elif losses:
             r.set("loss_type", raw, "loss_type", str(losses[0]), "" if len(losses) == 1 else
@@ -141,7 +142,7 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     if objective not in GENERATING and "max_prompt_length" in keys:
         r.ignore("max_prompt_length", keys.get("max_prompt_length"), "no field of trl 1.16's configs (older TRL's "
                  "prompt truncation): TRL's parser leaves it unused; --prompt-len gives the prompt")
-    if objective in ("orpo", "simpo") and "max_completion_length" in keys:
+    if objective_spec(objective).full_logits and "max_completion_length" in keys:
         r.note_used("max_completion_length", keys.get("max_completion_length"), "the completion's truncation; "
                     "--seq-len is each sequence's length after TRL's truncation")
     if keys.get("disable_dropout") is False:
@@ -161,7 +162,7 @@ def _sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
                                 if "max_prompt_length" in keys else "512 tokens assumed (trl 1.16 does not truncate "
                                 "prompts): give --seq-len for yours"))
     elif "max_length" in keys or trl:
-        if objective != "sft" and objective not in GENERATING and "max_length" in keys:
+        if objective_spec(objective).runs_trainer and objective not in GENERATING and "max_length" in keys:
             r.set("max_length", keys.get("max_length"), "max_length", r.integer("max_length", keys.get("max_length")),
                   f"TRL's truncation; --seq-len {keys.get('max_length')}, each sequence's length after it")
         raw = keys.get("max_length", 1024)
