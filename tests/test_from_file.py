@@ -2,7 +2,7 @@
 TrainingSetup or refused with a line naming the file and what it cannot express; per framework, `llmem estimate
 --from F` equals `llmem estimate` with the flags written out by hand from the file (and the framework's documented
 defaults, INDEX.md's "Defaults" section and the framework sources named in llmem/setup/sources); and the bad inputs
-of issue 13 item 5."""
+a user can give (missing, empty, malformed files)."""
 
 from __future__ import annotations
 

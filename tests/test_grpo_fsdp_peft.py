@@ -1,4 +1,4 @@
-"""GRPO / RLOO under FSDP2 (--method fsdp / zero2) with what issue 12 looked at: vLLM in server mode (TRL's
+"""GRPO / RLOO under FSDP2 (--method fsdp / zero2) with vLLM in server mode (TRL's
 VLLMClient.update_named_params streaming the full tensors through vLLM 0.33's packed_nccl_broadcast_producer,
 vllm/distributed/weight_transfer/packed_tensor.py: chunks of just over 1 GiB, torch.cat'ed into one uint8 buffer,
 two in flight) and peft with transformers' generate (refused: the real step fails, shown here on accelerate's own

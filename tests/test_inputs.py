@@ -1,5 +1,5 @@
 """Garbage a user can give as MODEL, in a config.json or as a size: one line on stderr and exit 2, never a
-traceback (issue 14, item 1). Every file of tests/data/malformed_configs/ runs through the CLI in-process; the
+traceback. Every file of tests/data/malformed_configs/ runs through the CLI in-process; the
 `ok_*` files are real-shaped configs of architectures that once crashed llmem and must be estimated.
 """
 

@@ -1,4 +1,4 @@
-"""Invariants every catalog model keeps (issue 14): more batch or sequence never needs less allocated memory, more
+"""Invariants every catalog model keeps: more batch or sequence never needs less allocated memory, more
 FSDP GPUs never need more per GPU, the components add up to the counters, and `fits` (the allocator's decision,
 llmem.memory.capacity) is monotone in batch size and sequence length, so the largest batch is well defined.
 

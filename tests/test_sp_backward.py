@@ -1,4 +1,4 @@
-"""Backward under FSDP2 + TP with SequenceParallel and loss parallel (issue 11's 405B HSDP row): the schedule's
+"""Backward under FSDP2 + TP with SequenceParallel and loss parallel (the 405B HSDP row of the scale-out matrix): the schedule's
 tensors against the trace's ledger, sizes worked out by hand."""
 
 from __future__ import annotations
