@@ -62,9 +62,9 @@ EMBED = "embed"     # stage 3's unit key of the input embedding (None: the rest 
 def second_forward(setup) -> str | None:
     """What makes the policy engine run two forwards in a step (KTO's no_grad KL forward, RLOO's old-policy scoring,
     LoRA's adapters-off reference), or None."""
-    if setup.objective == "sft":
-        return None
     spec = objective_spec(setup.objective)
+    if not spec.trainer:          # sft: one forward
+        return None
     return ("KTO's no_grad KL forward" if kl_sequences(setup) else
             "RLOO's old-policy scoring forward" if spec.scores_policy else
             "LoRA's adapters-off reference forward" if reference_mode(setup) == REF_ADAPTERS_OFF else None)
