@@ -59,8 +59,8 @@ def test_tiny_llama_parameter_count():
 
 def test_chosen_and_rejected_double_the_batch():
     s = schedule(dpo())
-    assert s.setup.batch_size == 4                  # 2 pairs: 2 chosen + 2 rejected sequences
-    assert s.t == 4 * 256
+    assert s.facts.setup.batch_size == 4                  # 2 pairs: 2 chosen + 2 rejected sequences
+    assert s.facts.t == 4 * 256
     assert s.objective.n == 4 * 255                 # no prompt: every token but the first is a label
 
 
@@ -171,7 +171,7 @@ def test_kto_runs_the_batch_as_it_is():
     """Unpaired: 2 completions (not doubled), 510 scored tokens; the batch is six [2, 256] int64 tensors (the
     completions and their KL sequences) and the [2] bool labels."""
     s = schedule(kto())
-    assert s.setup.batch_size == 2 and s.objective.n == 2 * 255
+    assert s.facts.setup.batch_size == 2 and s.objective.n == 2 * 255
     assert setup_bytes(kto(precompute_ref_log_probs=True)) - setup_bytes(kto()) == 2 * (2 * 4) - TINY_LLAMA_PARAMS * 4
     batch = [n for sign, _k, n, _st, c in s.sch.events if sign > 0 and c == "activations"][:7]
     assert batch == [2 * 256 * 8] * 6 + [2]

@@ -55,11 +55,11 @@ def test_each_shard_is_copied_from_the_host_then_cast_before_the_all_gather():
     fp32 shard's copy, its bf16 cast, the copy freed; then the gathered output; then the inputs freed."""
     r = _resolved(precision="bf16-mixed")
     sch = StepSchedule(r, activation_profile(r))
-    layer = sch.by_layer[0]
+    layer = sch.facts.unit(0)
     shards = [512 * 512 // 2] * 4 + [512 * 1376 // 2] * 3 + [256, 256]
     want = [x for n in shards for x in ((1, n * 4, ALL_GATHER), (1, n * 2, ALL_GATHER), (-1, n * 4))]
     want += [(1, LAYER * 2, ALL_GATHER)] + [(-1, n * 2) for n in shards]
-    assert _events(sch, lambda: sch.all_gather(layer)) == want
+    assert _events(sch, lambda: sch.units.all_gather(layer)) == want
 
 
 def test_fp32_copies_are_the_all_gather_inputs_themselves():
@@ -69,7 +69,7 @@ def test_fp32_copies_are_the_all_gather_inputs_themselves():
     shards = [512 * 512 // 2] * 4 + [512 * 1376 // 2] * 3 + [256, 256]
     want = [(1, n * 4, ALL_GATHER) for n in shards] + [(1, LAYER * 4, ALL_GATHER)]
     want += [(-1, n * 4) for n in shards]
-    assert _events(sch, lambda: sch.all_gather(sch.by_layer[0])) == want
+    assert _events(sch, lambda: sch.units.all_gather(sch.facts.unit(0))) == want
 
 
 def test_the_reduce_scatter_output_leaves_for_the_host_at_once():
@@ -77,11 +77,10 @@ def test_the_reduce_scatter_output_leaves_for_the_host_at_once():
     2 GPUs) is freed right after it is made, and no sharded gradient waits for the optimizer step on the device."""
     r = _resolved(precision="bf16-mixed")
     sch = StepSchedule(r, activation_profile(r))
-    sch.pending_rs = []                       # what backward() starts with
     events = _events(sch, lambda: sch.reduce_scatter_layer(0))
     out = LAYER * 4 // 2
     assert events[-2:] == [(1, out, REDUCE_SCATTER), (-1, out)]
-    assert sch.rs_outputs == []
+    assert sch.state.units.rs_outputs == []
 
 
 def test_whole_step_holds_nothing_but_buffers_after_the_optimizer_step():

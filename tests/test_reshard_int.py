@@ -110,12 +110,12 @@ def _backward_cast_ins(s: StepSchedule) -> int:
 
 def test_schedule_keeps_the_shards_until_backward_reads_them():
     s = _schedule(2)
-    held = [s.sch.size_of(k) for keys in s.post_forward_shards.values() for k in keys]
+    held = [s.sch.size_of(k) for keys in s.state.units.post_forward_shards.values() for k in keys]
     assert sum(held) == 4 * LLAMA_LAYER * 2 // 2 and len(held) == 4 * 9     # 9 parameters per layer
-    assert all(i not in s.gathered for i in range(4))                       # the unsharded layers are freed
+    assert all(i not in s.state.units.gathered for i in range(4))                       # the unsharded layers are freed
     # backward all-gathers from the bf16 shards: no cast of the fp32 shard on the copy-in (fsdp's default casts)
     assert _backward_cast_ins(s) == 0
-    assert s.post_forward_shards == {}
+    assert s.state.units.post_forward_shards == {}
     assert _backward_cast_ins(_schedule(None)) == 4
 
 

@@ -47,14 +47,13 @@ def test_ddp_buckets_in_reverse_parameter_order():
 def test_fsdp_collectives_run_on_their_streams():
     """FSDP2's all-gather copy-in and output on the all-gather stream, the reduce-scatter output on its own."""
     sch = _schedule(precision="bf16-mixed", method="fsdp", gpus=2)
-    unit = sch.by_layer[0]
-    out = sch.all_gather(unit)
-    gathered = sum(sch.unsharded[p.name] for p in unit) * 2
+    unit = sch.facts.unit(0)
+    out = sch.units.all_gather(unit)
+    gathered = sum(sch.facts.params.unsharded[p.name] for p in unit) * 2
     allocs = [(size, stream) for sign, _k, size, stream, _c in sch.sch.events if sign > 0]
     assert allocs == [(gathered // 2, ALL_GATHER), (gathered, ALL_GATHER)] and out >= 0
-    sch.pending_rs = []
     sch.reduce_scatter_layer(0)
-    reduced = sum(sch.unsharded[p.name] for p in unit if p.trainable) * 4
+    reduced = sum(sch.facts.params.unsharded[p.name] for p in unit if p.trainable) * 4
     assert [(size, stream) for sign, _k, size, stream, _c in sch.sch.events[-3:] if sign > 0] == \
         [(reduced, 0), (reduced // 2, REDUCE_SCATTER)]
 

@@ -36,7 +36,9 @@ says so in a note for these set-ups (`two_forwards_note`).
 
 from __future__ import annotations
 
-from llmem.estimator.schedule import StepSchedule
+from dataclasses import dataclass, field, replace
+
+from llmem.estimator.schedule import StepFacts, StepSchedule
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
@@ -60,9 +62,9 @@ EMBED = "embed"     # stage 3's unit key of the input embedding (None: the rest 
 def second_forward(setup) -> str | None:
     """What makes the policy engine run two forwards in a step (KTO's no_grad KL forward, RLOO's old-policy scoring,
     LoRA's adapters-off reference), or None."""
-    if setup.objective == "sft":
-        return None
     spec = objective_spec(setup.objective)
+    if not spec.trainer:          # sft: one forward
+        return None
     return ("KTO's no_grad KL forward" if kl_sequences(setup) else
             "RLOO's old-policy scoring forward" if spec.scores_policy else
             "LoRA's adapters-off reference forward" if reference_mode(setup) == REF_ADAPTERS_OFF else None)
@@ -88,6 +90,25 @@ def model_bytes(r: ResolvedSetup) -> int:
     return r.setup.compute_bytes
 
 
+@dataclass
+class ZeroLive:
+    """The engine's own live buffers and its stage-3 coordinator's state in a step (StepState's for DeepSpeed)."""
+    bucket: int = -1                  # the IPG buffers of this backward
+    bucket_filled: int = 0            # elements in the IPG bucket
+    grad_partition: int = -1          # the gradients of this rank's partition (bf16)
+    full_grads: list[tuple[int, int]] = field(default_factory=list)   # ZeRO-1: (key, elements) of whole gradients
+    live_units: dict[int | str | None, int] = field(default_factory=dict)   # stage 3: gathered parameters per unit
+    # stage 3: a coalesced prefetch's flat all-gather buffer and the units it gathered not yet fetched
+    inflight: list[tuple[int, set]] = field(default_factory=list)
+    iteration: int = 0
+    root_forwards: int = 0            # the policy's root forwards in this step
+    # stage 3: TRL's reference engine (reference_fetch): its forwards so far, its gathered units, its prefetch
+    ref_forwards: int = 0
+    ref_units: dict = field(default_factory=dict)
+    ref_flat: int = -1
+    generating: bool = False          # inside generate: ZeRO-3's module hooks removed (remove_hooks)
+
+
 class DeepSpeedSchedule(StepSchedule):
     """Two iterations of DeepSpeed's engine step on rank 0: forward, engine.backward, engine.step."""
 
@@ -95,26 +116,19 @@ class DeepSpeedSchedule(StepSchedule):
         super().__init__(r, act, layers)
         self.zero: ZeroConfig = zero_config(r.setup, r.method.zero_stage, r.anatomy.hidden_size)
         self.stage, self.dp, self.mb = self.zero.stage, r.layout.dp, model_bytes(r)
-        self.fsdp = False                 # no FSDP2 units: DeepSpeed partitions the states itself
-        self.reshard = self.stage == 3    # stage 3 releases a layer's parameters after its forward (reshard_unit)
         # a parameter of at most param_persistence_threshold elements stays gathered (stage3.py persistent params)
-        self.persistent = {p.name for p in self.kept
+        self.persistent = {p.name for p in self.facts.params.kept
                            if self.stage == 3 and p.numel <= self.zero.param_persistence_threshold}
-        self.partition = partition_numel([p.numel for p in self.trainable], self.stage, self.dp)
-        self.largest_numel = max((p.numel for p in self.trainable), default=0)
-        self.in_partition = partition_gradient_numels([p.numel for p in self.trainable], self.stage, self.dp)
+        self.partition = partition_numel([p.numel for p in self.facts.params.trainable], self.stage, self.dp)
+        self.largest_numel = max((p.numel for p in self.facts.params.trainable), default=0)
+        trained = [p.numel for p in self.facts.params.trainable]
+        self.in_partition = partition_gradient_numels(trained, self.stage, self.dp)
         self.layer_numel = {u: sum(p.numel for p in self.unit_params(u))
-                            for u in [*range(self.layers), None, EMBED]}
-        self.bucket = -1                  # the IPG buffers of this backward
-        self.grad_partition = -1          # the gradients of this rank's partition (bf16)
-        self.full_grads: list[tuple[int, int]] = []   # ZeRO-1: (key, elements) of the whole gradients
-        self.live_units: dict[int | None, int] = {}   # stage 3: gathered parameters per unit
-        # stage 3: a coalesced prefetch's flat all-gather buffer and the units it gathered not yet fetched
-        self.inflight: list[tuple[int, set]] = []
+                            for u in [*range(self.facts.layers), None, EMBED]}
+        self.zl = ZeroLive()              # what is live of the engine's own buffers and its coordinator
         # units whose parameters a prefetch gathers on their own: TRL's fused head reads lm_head.weight outside the
         # lm_head module (trl/trainer/utils.py maybe_gather_lm_head_ctx, GatheredParameters), as the trace shows
         self.alone = {None} if objective_spec(r.setup.objective).step_kind in ("preference", "generation") else set()
-        self.iteration = 0
         # GRPO / RLOO: TRL's add_hooks after each generate invalidates the coordinator's trace (trl/models/utils.py
         # add_hooks: coordinator._invalidate_trace() unless already invalid), so no training step runs on a complete
         # trace: each fetches and releases as the first one does (no prefetch, no reuse-distance keeping)
@@ -125,12 +139,11 @@ class DeepSpeedSchedule(StepSchedule):
         # finds no module in it and invalidates it (trace_prologue): every step records again
         self.two_forwards = self.stage == 3 and second_forward(r.setup) is not None
         self.retraced = self.retraced or self.two_forwards
-        self.root_forwards = 0            # the policy's root forwards in this step
-        # stage 3: TRL's reference engine (reference_fetch): its forwards so far, its gathered units, its prefetch
-        self.ref_forwards = 0
-        self.ref_units: dict = {}
-        self.ref_flat = -1
-        self.generating = False           # inside generate: ZeRO-3's module hooks removed (remove_hooks)
+
+    def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
+        """No FSDP2 units: DeepSpeed partitions the states itself; stage 3 releases a layer's parameters after its
+        forward (reshard_unit)."""
+        return replace(super().step_facts(r, act, layers), fsdp=False, reshard=r.method.zero_stage == 3)
 
     # ------------------------------------------------------------------------------------------ model states
     def setup_phase(self) -> None:
@@ -142,7 +155,7 @@ class DeepSpeedSchedule(StepSchedule):
         if self.stage == 3:
             self.partitioned_weights()
         else:
-            for p in self.kept:           # frozen ones are not in the optimizer's groups: left whole
+            for p in self.facts.params.kept:           # frozen ones are not in the optimizer's groups: left whole
                 if not p.trainable:
                     alloc(p.numel * mb, "weights")
             # stage_1_and_2.py: the trained parameters flattened into one buffer (they become views of it). The
@@ -153,8 +166,8 @@ class DeepSpeedSchedule(StepSchedule):
         if self.stage == 3:
             # the partition's gradient buffer (grad_partitions_flat_buffer; pinned host memory under the optimizer's
             # offload) and the one IPG bucket (__ipg_bucket_flat_buffer), both made at init
-            self.grad_partition = -1 if offload else alloc(self.partition * mb, "gradients")
-            self.bucket = alloc(self.zero.reduce_bucket_size * mb, "communication_buffers")
+            self.zl.grad_partition = -1 if offload else alloc(self.partition * mb, "gradients")
+            self.zl.bucket = alloc(self.zero.reduce_bucket_size * mb, "communication_buffers")
         if offload:
             return                        # the fp32 partition, its gradient and the states in pinned host memory
         # the fp32 master partition (single_partition_of_fp32_groups / fp32_partitioned_groups_flat); the
@@ -169,10 +182,11 @@ class DeepSpeedSchedule(StepSchedule):
         alloc, mb = self.sch.alloc, self.mb
         if not self.zero.offload_param:   # (the partitions moved into the buffer are freed at init: not laid out)
             alloc(self.partition * mb, "weights")
-            frozen = sum(param_partition_numel(p.numel, self.dp) for p in self.kept if not p.trainable) * mb
+            frozen = sum(param_partition_numel(p.numel, self.dp) for p in self.facts.params.kept
+                         if not p.trainable) * mb
             if frozen:
                 alloc(frozen, "weights")
-        for p in self.kept:
+        for p in self.facts.params.kept:
             if p.name in self.persistent:
                 alloc(p.numel * mb, "weights")
 
@@ -181,9 +195,9 @@ class DeepSpeedSchedule(StepSchedule):
         stages 1-2 (its engine runs at stage 0), each parameter's ZeRO-3 partition under stage 3, the persistent
         ones (param_persistence_threshold) whole as well once its first forward has gathered them."""
         if self.stage < 3:
-            return [p.numel for p in self.kept]
-        return [param_partition_numel(p.numel, self.dp) for p in self.kept] + \
-            [p.numel for p in self.kept if p.name in self.persistent]
+            return [p.numel for p in self.facts.params.kept]
+        return [param_partition_numel(p.numel, self.dp) for p in self.facts.params.kept] + \
+            [p.numel for p in self.facts.params.kept if p.name in self.persistent]
 
     def reference_fetch(self, where) -> None:
         """TRL's ZeRO-3 reference engine (DeepSpeedZeRoOffload, its own coordinator) in its no_grad forward:
@@ -195,28 +209,28 @@ class DeepSpeedSchedule(StepSchedule):
             return
         sch, mb = self.sch, self.mb
         if where == "start":
-            self.ref_forwards += 1
-            self.ref_units, self.ref_flat = {}, -1
-            units = [u for u in [EMBED, *range(self.layers), None] if self.numel_of(u)]
-            if self.ref_forwards > 1:
+            self.zl.ref_forwards += 1
+            self.zl.ref_units, self.zl.ref_flat = {}, -1
+            units = [u for u in [EMBED, *range(self.facts.layers), None] if self.numel_of(u)]
+            if self.zl.ref_forwards > 1:
                 flat = sum(self.numel_of(u) for u in units if u not in self.alone)
-                self.ref_flat = sch.alloc(flat * mb, "gathered_weights")
-                self.ref_units = {u: sch.alloc(self.numel_of(u) * mb, "gathered_weights") for u in units}
+                self.zl.ref_flat = sch.alloc(flat * mb, "gathered_weights")
+                self.zl.ref_units = {u: sch.alloc(self.numel_of(u) * mb, "gathered_weights") for u in units}
             elif self.numel_of(EMBED):
-                self.ref_units[EMBED] = sch.alloc(self.numel_of(EMBED) * mb, "gathered_weights")
+                self.zl.ref_units[EMBED] = sch.alloc(self.numel_of(EMBED) * mb, "gathered_weights")
         elif isinstance(where, int):
-            sch.free(self.ref_units.pop(EMBED, -1))
-            if where not in self.ref_units and self.numel_of(where):
-                self.ref_units[where] = sch.alloc(self.numel_of(where) * mb, "gathered_weights")
+            sch.free(self.zl.ref_units.pop(EMBED, -1))
+            if where not in self.zl.ref_units and self.numel_of(where):
+                self.zl.ref_units[where] = sch.alloc(self.numel_of(where) * mb, "gathered_weights")
         elif isinstance(where, tuple):
-            sch.free(self.ref_units.pop(where[1], -1))
+            sch.free(self.zl.ref_units.pop(where[1], -1))
         elif where == "head":
-            if None not in self.ref_units and self.numel_of(None):
-                self.ref_units[None] = sch.alloc(self.numel_of(None) * mb, "gathered_weights")
+            if None not in self.zl.ref_units and self.numel_of(None):
+                self.zl.ref_units[None] = sch.alloc(self.numel_of(None) * mb, "gathered_weights")
         else:
-            sch.free_all(list(self.ref_units.values()))
-            self.ref_units = {}
-            sch.free(self.ref_flat)
+            sch.free_all(list(self.zl.ref_units.values()))
+            self.zl.ref_units = {}
+            sch.free(self.zl.ref_flat)
 
     def flat_shapes(self) -> list[tuple[int]]:
         """The fp32 partition as the optimizer steps it: one flat tensor per sub-group (stage 3:
@@ -230,36 +244,36 @@ class DeepSpeedSchedule(StepSchedule):
         """A unit's gathered parameters: a decoder layer's, the input embedding's (EMBED) or the rest of the root's
         (None: final norm, lm_head), persistent ones excepted."""
         if unit_key == EMBED or unit_key is None:
-            root = [p for p in self.root if p.name not in self.persistent]
+            root = [p for p in self.facts.root if p.name not in self.persistent]
             return [p for p in root if (is_embedding(p) and p.tied_to is None) == (unit_key == EMBED)]
-        return [p for p in self.by_layer.get(unit_key, []) if p.name not in self.persistent]
+        return [p for p in self.facts.unit(unit_key) if p.name not in self.persistent]
 
     def gather(self, unit_key: int | None) -> None:
         """stage 3 fetch_sub_module: an all-gather of the unit's parameters into one flat buffer they view."""
-        if unit_key in self.live_units:
+        if unit_key in self.zl.live_units:
             self.fetched(unit_key)
             return
         numel = sum(p.numel for p in self.unit_params(unit_key))
         if numel:
-            self.live_units[unit_key] = self.sch.alloc(numel * self.mb, "gathered_weights")
+            self.zl.live_units[unit_key] = self.sch.alloc(numel * self.mb, "gathered_weights")
 
     def release(self, unit_key: int | None, distance_numel: int) -> None:
         """release_sub_module: freed unless it is used again within max_reuse_distance elements (only once the
         first step has recorded the module trace: partitioned_param_coordinator.__params_to_release)."""
-        if unit_key in self.live_units and (self.recording() or self.on_forward_trace()
+        if unit_key in self.zl.live_units and (self.recording() or self.on_forward_trace()
                                             or distance_numel >= self.zero.max_reuse_distance):
-            self.sch.free(self.live_units.pop(unit_key))
+            self.sch.free(self.zl.live_units.pop(unit_key))
 
     def fetched(self, unit_key: int | str | None) -> None:
         """fetch_sub_module of a prefetched unit pops its parameters from the in-flight registry; a coalesced
         all-gather's handle (AllGatherCoalescedHandle: its flat buffer, partition_parameters.py) dies with the
         last of them."""
-        for entry in list(self.inflight):
+        for entry in list(self.zl.inflight):
             key, pending = entry
             pending.discard(unit_key)
             if not pending:
                 self.sch.free(key)
-                self.inflight.remove(entry)
+                self.zl.inflight.remove(entry)
 
     def coalesced(self, units: list[int | str | None]) -> None:
         """One all_gather_coalesced over the prefetched `units` (partition_parameters.py _all_gather_coalesced):
@@ -268,7 +282,7 @@ class DeepSpeedSchedule(StepSchedule):
         flat = [u for u in units if u not in self.alone]
         if sum(len(self.unit_params(u)) for u in flat) > 1:
             numel = sum(self.numel_of(u) for u in flat)
-            self.inflight.append((self.sch.alloc(numel * self.mb, "gathered_weights"), set(flat)))
+            self.zl.inflight.append((self.sch.alloc(numel * self.mb, "gathered_weights"), set(flat)))
         for u in units:
             self.gather(u)
 
@@ -278,11 +292,11 @@ class DeepSpeedSchedule(StepSchedule):
         if self.recording() and not self.on_forward_trace():
             return
         budget = self.zero.prefetch_bucket_size
-        live = sum(self.numel_of(u) for u in self.live_units)
+        live = sum(self.numel_of(u) for u in self.zl.live_units)
         batch = []
         for u in order:
             n = self.numel_of(u)
-            if u in self.live_units or not n:
+            if u in self.zl.live_units or not n:
                 continue
             if n > budget or live + n > self.zero.max_live_parameters:
                 break
@@ -292,11 +306,11 @@ class DeepSpeedSchedule(StepSchedule):
 
     def recording(self) -> bool:
         """The coordinator's trace is not complete in this step (the first one; every one under GRPO / RLOO)."""
-        return self.iteration == 0 or self.retraced
+        return self.zl.iteration == 0 or self.retraced
 
     def on_forward_trace(self) -> bool:
         """The second root forward of a two-forward step: on the trace of the first (complete, forward only)."""
-        return self.two_forwards and self.root_forwards >= 2
+        return self.two_forwards and self.zl.root_forwards >= 2
 
     def gather_for_generation(self) -> list[int]:
         """TRL's unwrap_model_for_generation (trl/models/utils.py, ds3_gather_for_generation True, GRPOConfig's
@@ -304,15 +318,15 @@ class DeepSpeedSchedule(StepSchedule):
         (partition_parameters.py _allgather_params_coalesced: one buffer of ceil(numel / dp) x dp elements per
         parameter not yet available, in the engine's dtype; the persistent ones are already whole), then
         remove_hooks (no per-module fetch in generate's forwards); nothing under stages 1-2. Returns the keys."""
-        self.generating = True
+        self.zl.generating = True
         if self.stage != 3:
             return []
         return [self.sch.alloc(param_partition_numel(p.numel, self.dp) * self.dp * self.mb, "gathered_weights")
-                for p in self.kept if p.name not in self.persistent]
+                for p in self.facts.params.kept if p.name not in self.persistent]
 
     def release_after_generation(self, keys: list[int]) -> None:
         """add_hooks, then GatheredParameters' exit: each parameter partitioned again (its full buffer freed)."""
-        self.generating = False
+        self.zl.generating = False
         self.sch.free_all(keys)
 
     def numel_of(self, unit_key: int | str | None) -> int:
@@ -321,23 +335,23 @@ class DeepSpeedSchedule(StepSchedule):
     def forward_distance(self, i: int) -> int:
         """Elements fetched between a unit's forward and its backward: the layers above it twice and the head
         (the embedding, i = -1: all of them)."""
-        above = sum(self.numel_of(j) for j in range(i + 1, self.layers))
+        above = sum(self.numel_of(j) for j in range(i + 1, self.facts.layers))
         return 2 * above + self.numel_of(None)
 
     # the PyTorch step's hooks, as stage 3 runs them (stages 1-2 gather nothing)
     def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
-        if self.stage != 3 or self.generating:
+        if self.stage != 3 or self.zl.generating:
             return
         if unit_key is None:              # the model's forward starts with the input embedding
-            self.root_forwards += 1
+            self.zl.root_forwards += 1
             # the root module's fetch (no parameters of its own) prefetches from the embedding on
-            self.prefetch_after([EMBED, *range(self.layers), None])
+            self.prefetch_after([EMBED, *range(self.facts.layers), None])
             self.gather(EMBED)
             return
         if unit_key == 0:
             self.release(EMBED, self.forward_distance(-1))
         self.gather(unit_key)
-        self.prefetch_after([*range(unit_key + 1, self.layers), None])
+        self.prefetch_after([*range(unit_key + 1, self.facts.layers), None])
 
     def head_forward(self) -> None:
         if self.stage == 3:
@@ -372,7 +386,7 @@ class DeepSpeedSchedule(StepSchedule):
 
     def reshard_unit(self, unit_key: int | None) -> None:
         """After a layer's forward (the PyTorch step calls it where FSDP2 reshards)."""
-        if self.stage == 3 and isinstance(unit_key, int) and not self.generating:
+        if self.stage == 3 and isinstance(unit_key, int) and not self.zl.generating:
             self.release(unit_key, self.forward_distance(unit_key))
 
     # ------------------------------------------------------------------------------------------ gradients
@@ -380,32 +394,33 @@ class DeepSpeedSchedule(StepSchedule):
         """engine.backward: the autograd backward (stages 1-2 set up their IPG buffers at its first gradient,
         make_grad), then the epilogue: the last bucket reduced, stages 1-2's buffers released
         (_release_ipg_buffers; stage 3's one bucket, made at init, stays)."""
-        self.iteration = it
-        self.root_forwards = 0            # the backward invalidates a forward-only trace: the next step records
+        self.zl.iteration = it
+        self.zl.root_forwards = 0            # the backward invalidates a forward-only trace: the next step records
         sch = self.sch
         sch.phase = f"it{it}:backward"
-        self.bucket_filled = 0
+        self.zl.bucket_filled = 0
         super().backward(it)
-        stolen = list(self.grads.values())    # gradients handed over whole (the fused loss's lm_head gradient)
-        self.grads.clear()
+        # gradients handed over whole (the fused loss's lm_head gradient)
+        stolen = list(self.state.grads.grads.values())
+        self.state.grads.grads.clear()
         if self.stage == 3 and not self.head_to_epilogue():
             self.release(EMBED, self.zero.max_reuse_distance)
         if self.stage == 1:
-            self.full_grads += [(k, self.sch.size_of(k) // self.mb) for k in stolen]
+            self.zl.full_grads += [(k, self.sch.size_of(k) // self.mb) for k in stolen]
             self.reduce_whole_gradients()
         else:
             self.sch.free_all(stolen)
-            if self.bucket_filled:
-                self.reduce_bucket(self.bucket_filled)
+            if self.zl.bucket_filled:
+                self.reduce_bucket(self.zl.bucket_filled)
         if self.stage == 3 and self.head_to_epilogue():
             self.release(EMBED, self.zero.max_reuse_distance)
             self.release(None, self.zero.max_reuse_distance)
         if self.stage < 3:
-            sch.free(self.bucket)
-            self.bucket = -1
+            sch.free(self.zl.bucket)
+            self.zl.bucket = -1
 
     def forward(self, it: int) -> None:
-        self.iteration = it
+        self.zl.iteration = it
         super().forward(it)
 
     def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
@@ -417,8 +432,8 @@ class DeepSpeedSchedule(StepSchedule):
 
     def setup_buckets(self) -> None:
         """Stages 1-2's setup_buckets at the backward's first gradient."""
-        if self.stage < 3 and self.bucket < 0:
-            self.bucket = self.sch.alloc(bucket_buffers(self.zero) * self.zero.reduce_bucket_size * self.mb,
+        if self.stage < 3 and self.zl.bucket < 0:
+            self.zl.bucket = self.sch.alloc(bucket_buffers(self.zero) * self.zero.reduce_bucket_size * self.mb,
                                          "communication_buffers")
 
     def hand_over_grad(self, p: ParamInfo, key: int) -> None:
@@ -426,12 +441,12 @@ class DeepSpeedSchedule(StepSchedule):
         head returns for the lm_head): ZeRO-1 keeps it, stages 2-3 copy it into the bucket and it dies."""
         self.setup_buckets()
         if self.stage == 1:
-            self.full_grads.append((key, p.numel))
+            self.zl.full_grads.append((key, p.numel))
             return
         self.sch.free(key)
-        if self.bucket_filled + p.numel > self.zero.reduce_bucket_size:
-            self.reduce_bucket(self.bucket_filled)
-        self.bucket_filled += p.numel
+        if self.zl.bucket_filled + p.numel > self.zero.reduce_bucket_size:
+            self.reduce_bucket(self.zl.bucket_filled)
+        self.zl.bucket_filled += p.numel
 
     def reduce_whole_gradients(self) -> None:
         """ZeRO-1's epilogue (reduce_gradients, no overlap_comm): the whole gradients go into the bucket a bucket's
@@ -439,7 +454,7 @@ class DeepSpeedSchedule(StepSchedule):
         rank's share is kept from the first one on (averaged_gradients: the parameters overlapping its partition,
         whole)."""
         filled, batch = 0, []
-        for key, numel in self.full_grads:
+        for key, numel in self.zl.full_grads:
             if batch and filled + numel > self.zero.reduce_bucket_size:
                 self.flush_whole(batch, filled)
                 filled, batch = 0, []
@@ -447,13 +462,13 @@ class DeepSpeedSchedule(StepSchedule):
             filled += numel
         if batch:
             self.flush_whole(batch, filled)
-        self.full_grads.clear()
+        self.zl.full_grads.clear()
 
     def flush_whole(self, keys: list[int], numel: int) -> None:
         self.sch.free_all(keys)
         self.reduce_bucket(numel)
-        if self.grad_partition < 0:
-            self.grad_partition = self.sch.alloc(sum(self.in_partition) * self.mb, "gradients")
+        if self.zl.grad_partition < 0:
+            self.zl.grad_partition = self.sch.alloc(sum(self.in_partition) * self.mb, "gradients")
 
     def reduce_bucket(self, numel: int) -> None:
         """reduce_ipg_grads of `numel` bucketed elements: a flattened copy of the bucket for the collective
@@ -463,12 +478,12 @@ class DeepSpeedSchedule(StepSchedule):
         chunk = min(numel, self.zero.reduce_bucket_size) * self.mb
         for _ in range(-(-numel // self.zero.reduce_bucket_size) if numel else 0):
             self.sch.free(self.sch.alloc(chunk, "communication_buffers"))
-        if self.stage == 2 and self.grad_partition < 0:
+        if self.stage == 2 and self.zl.grad_partition < 0:
             # grads_in_partition; under the optimizer's offload the share goes to pinned host memory through
             # temp_grad_buffer_for_gpu_offload (the largest parameter's size)
             size = self.largest_numel if self.zero.offload_optimizer else sum(self.in_partition)
-            self.grad_partition = self.sch.alloc(size * self.mb, "gradients")
-        self.bucket_filled = 0
+            self.zl.grad_partition = self.sch.alloc(size * self.mb, "gradients")
+        self.zl.bucket_filled = 0
 
     # ------------------------------------------------------------------------------------------ the step
     def optimizer_step(self, it: int) -> None:
@@ -486,15 +501,16 @@ class DeepSpeedSchedule(StepSchedule):
                 grad = sch.alloc(shape[0] * F32, "optimizer_temporaries")
                 sch.free(flat)
                 if self.stage < 3:        # averaged_gradients dropped once upcast
-                    sch.free(self.grad_partition)
-                    self.grad_partition = -1
+                    sch.free(self.zl.grad_partition)
+                    self.zl.grad_partition = -1
                 if it == 0:               # torch's optimizer makes its states at its first step
-                    self.states.extend(sch.alloc(b, "optimizer_states") for b in self.optimizer.states(shape, F32))
+                    self.state.states.extend(sch.alloc(b, "optimizer_states")
+                                             for b in self.facts.optimizer.states(shape, F32))
                 self.flat_step_temporaries(shape)
                 sch.free(grad)
         if self.stage < 3:
-            sch.free(self.grad_partition)
-            self.grad_partition = -1
+            sch.free(self.zl.grad_partition)
+            self.zl.grad_partition = -1
 
     def grad_norm(self) -> None:
         """compute_grad_norm (on by default): get_grad_norm_direct takes each gradient this rank holds to
@@ -503,7 +519,7 @@ class DeepSpeedSchedule(StepSchedule):
             self.sch.free(self.sch.alloc(n * 8, "optimizer_temporaries"))
 
     def flat_step_temporaries(self, shape: tuple[int]) -> None:
-        spec = self.optimizer
+        spec = self.facts.optimizer
         if spec.step_scope == NO_TEMPORARIES:
             return
         keys: dict[int, int] = {}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from llmem.errors import LlmemError
 from llmem.estimator.objectives import (
@@ -62,6 +63,9 @@ from llmem.model.sharding import fsdp_unit_numel
 from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
 from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
+
+if TYPE_CHECKING:
+    from llmem.estimator.schedule.hooks import StepHooks
 
 VLLM_SIDE_STREAMS = (REF_ALL_GATHER + 1, REF_ALL_GATHER + 2)    # vLLM's packed broadcast streams, its own
 MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
@@ -108,12 +112,12 @@ class GenerationEvents(PreferenceEvents):
     """GRPO's events in a StepSchedule `s`: generation and scoring before its forward, the training phase as DPO's
     fused head without the reference forward."""
 
-    def __init__(self, s, r: ResolvedSetup) -> None:
+    def __init__(self, s: StepHooks, r: ResolvedSetup) -> None:
         super().__init__(s, r)
         setup = r.setup
         self.b, self.p, self.c = setup.batch_size, prompt_length(setup), completion_length(setup)
         kv, d = attention_dims(r.anatomy.config)
-        self.kv_token_bytes = self.b * kv * d * s.regime.mm      # one layer's K (or V), one token
+        self.kv_token_bytes = self.b * kv * d * s.facts.regime.mm      # one layer's K (or V), one token
         self.iteration = 0
         self.step_batch: list[int] = []
         self.loss_inputs: list[int] = []
@@ -134,7 +138,7 @@ class GenerationEvents(PreferenceEvents):
         s = self.s
         it = self.iteration
         self.iteration += 1
-        if vllm_mode(self.r.setup) is not None and s.fsdp:    # FSDP2: the weights pushed to vLLM first
+        if vllm_mode(self.r.setup) is not None and s.facts.fsdp:    # FSDP2: the weights pushed to vLLM first
             s.sch.phase = f"it{it}:weight_sync"
             self.weight_sync()
         s.sch.phase = f"it{it}:generation"
@@ -160,8 +164,9 @@ class GenerationEvents(PreferenceEvents):
         each is copied into vLLM's own weights (load_weights). In server mode the first sync walks them once for
         their metadata (`_weight_metadata`), then every sync streams them through vLLM's packed broadcast (the main
         process's, rank 0: the others only walk them)."""
-        s = self.s
-        full = [s.unsharded[p.name] * element_bytes(p, s.setup) for p in s.kept if PEFT_PREFIX not in p.name]
+        f = self.s.facts
+        full = [f.params.unsharded[p.name] * element_bytes(p, f.setup) for p in f.params.kept
+                if PEFT_PREFIX not in p.name]
         server = vllm_mode(self.r.setup) == "server"
         if not server or self.iteration == 1:
             self.one_at_a_time(full)
@@ -188,27 +193,26 @@ class GenerationEvents(PreferenceEvents):
         (Shard(0)) all-gathers lora_A, the product [out / shards, in] and its scaled copy in the adapters' dtype, the
         base shard updated in place (unmerge: the delta cast to the base's dtype first); cuBLAS's workspace at the
         step's first matmul."""
-        s = self.s
+        s, f = self.s, self.s.facts
         alloc, free = s.sch.alloc, s.sch.free
         for a, b, base in self.lora_modules:
-            if s.workspace < 0:
-                s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
-            delta = s.unsharded[b.name] // s.shards * a.shape[1] // a.shape[0] * element_bytes(b, s.setup)
-            gathered = alloc(s.unsharded[a.name] * element_bytes(a, s.setup), "gathered_weights")
+            s.ensure_workspace()
+            delta = f.params.unsharded[b.name] // f.shards * a.shape[1] // a.shape[0] * element_bytes(b, f.setup)
+            gathered = alloc(f.params.unsharded[a.name] * element_bytes(a, f.setup), "gathered_weights")
             product = alloc(delta, "gathered_weights")                          # weight_B @ weight_A
             free(gathered)
             scaled = alloc(delta, "gathered_weights")                           # ... * scaling
             free(product)
-            if unmerge and element_bytes(b, s.setup) != element_bytes(base, s.setup):   # delta.to(orig_dtype)
-                free(alloc(delta // element_bytes(b, s.setup) * element_bytes(base, s.setup), "gathered_weights"))
+            if unmerge and element_bytes(b, f.setup) != element_bytes(base, f.setup):   # delta.to(orig_dtype)
+                free(alloc(delta // element_bytes(b, f.setup) * element_bytes(base, f.setup), "gathered_weights"))
             free(scaled)
 
     @functools.cached_property
     def lora_modules(self) -> list:
         """(lora_A, lora_B, base weight) of each LoRA module, in module order (none without peft)."""
-        by_name = {p.name: p for p in self.s.kept}
+        by_name = {p.name: p for p in self.s.facts.params.kept}
         return [(p, by_name[p.name.replace(".lora_A.", ".lora_B.")], by_name[p.name.split(".lora_A.")[0] + ".weight"])
-                for p in self.s.kept if ".lora_A." in p.name]
+                for p in self.s.facts.params.kept if ".lora_A." in p.name]
 
     def packed_broadcast(self, full: list[int]) -> None:
         """vLLM's packed_nccl_broadcast_producer (llmem.memory.vllm): on side stream `slot` its previous chunk is
@@ -250,14 +254,14 @@ class GenerationEvents(PreferenceEvents):
         prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]     # ids, attention mask
         gathered = self.s.gather_for_generation()    # DeepSpeed: TRL's unwrap_model_for_generation
         ids = mask = -1
-        cache = [[-1, -1] for _ in range(self.s.layers)]
+        cache = [[-1, -1] for _ in range(self.s.facts.layers)]
         sampled: list[int] = []
         for step, total in enumerate(decode_totals(p, self.c)):
             tokens = p if step == 0 else 1
             logits = self.model_forward(tokens, total, cache)
-            copy = alloc(b * self.s.vocab_size * F32, "logits_and_loss")        # logits[:, -1].to(float32)
+            copy = alloc(b * self.s.facts.vocab_size * F32, "logits_and_loss")        # logits[:, -1].to(float32)
             sch.free_all(sampled[:1])
-            probs = alloc(b * self.s.vocab_size * F32, "logits_and_loss")       # softmax for multinomial
+            probs = alloc(b * self.s.facts.vocab_size * F32, "logits_and_loss")       # softmax for multinomial
             sch.free_all(sampled[1:])
             sampled = [copy, probs]
             free(logits)                                                        # del outputs
@@ -277,19 +281,18 @@ class GenerationEvents(PreferenceEvents):
         the [B, 1, V] logits."""
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
-        regime, h = s.regime, s.hidden_size
+        regime, h = s.facts.regime, s.facts.hidden_size
         act = self.profile(tokens)
-        s.unshard_forward(None, s.root)        # FSDP2: the root gathered at the first forward, kept so
+        s.unshard_forward(None, s.facts.root)        # FSDP2: the root gathered at the first forward, kept so
         stream = alloc(self.b * tokens * h * regime.res, "activations")        # the embedding's output
-        if s.workspace < 0:                                                     # cuBLAS's, at the first matmul
-            s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
+        s.ensure_workspace()                                                    # cuBLAS's, at the first matmul
         cached: list[int] = []
-        for i in range(s.layers):
-            s.unshard_forward(i, s.by_layer.get(i, []))     # FSDP2: every forward gathers each layer (zero2: once)
+        for i in range(s.facts.layers):
+            s.unshard_forward(i, s.facts.unit(i))     # FSDP2: every forward gathers each layer (zero2: once)
             previous: list[int] = []
-            for blk, params in zip(act.blocks, s.layer_blocks_params[i], strict=True):
+            for blk, params in zip(act.blocks, s.facts.params.layer_blocks[i], strict=True):
                 for prm in self.cast_weights(regime, "cached", params):
-                    cached.append(alloc(s.tp_local[prm.name] * regime.mm, "gathered_weights"))
+                    cached.append(alloc(s.facts.params.tp_local[prm.name] * regime.mm, "gathered_weights"))
                 current = [alloc(n, "activations") for n in blk.tensors]
                 sch.free_all(previous)
                 previous = current
@@ -301,15 +304,16 @@ class GenerationEvents(PreferenceEvents):
             sch.free_all(previous)
             free(stream)
             stream = out
-            if s.reshard:                           # ... and reshards it after (reshard_after_forward)
+            if s.facts.reshard:                           # ... and reshards it after (reshard_after_forward)
                 s.reshard_unit(i)
-        sch.free_all(s.last_forward_ag)            # the root's post-forward frees the last all-gather output
+        s.release_forward_gathers()                # the root's post-forward frees the last all-gather output
         norm = alloc(self.b * tokens * h * regime.res, "activations")
         free(stream)
         head = self.head_param
-        if regime.autocast and head.trainable and s.pb.get(head.name) == F32:   # the lm_head's cached cast
-            cached.append(alloc(s.tp_local[head.name] * regime.mm, "gathered_weights"))
-        logits = alloc(self.b * s.vocab_size * (regime.mm if regime.autocast else regime.res), "logits_and_loss")
+        # the lm_head's cached cast
+        if regime.autocast and head.trainable and s.facts.params.element_bytes.get(head.name) == F32:
+            cached.append(alloc(s.facts.params.tp_local[head.name] * regime.mm, "gathered_weights"))
+        logits = alloc(self.b * s.facts.vocab_size * (regime.mm if regime.autocast else regime.res), "logits_and_loss")
         free(norm)
         sch.free_all(cached)                       # the forward's autocast region ends: its cache is cleared
         return logits
@@ -322,7 +326,7 @@ class GenerationEvents(PreferenceEvents):
         joined = [alloc(b * self.seq * INT64, "activations") for _ in range(2)]
         per_token: list[int] = []                # the [B, C] fp32 log-probs of each no-grad forward
         if self.spec.scores_policy:              # RLOO: the policy's old log-probs, then their per-sequence sums
-            per_token.append(self.logps_forward(lambda: self.no_grad_forward(self.s.regime, "cached",
+            per_token.append(self.logps_forward(lambda: self.no_grad_forward(self.s.facts.regime, "cached",
                                                                              self.policy_head())))
             product = alloc(b * c * F32, "activations")                  # old_per_token_logps * completion_mask
             new_batch.append(alloc(b * F32, "activations"))             # .sum(1): old_logps

@@ -36,6 +36,7 @@ does; the lm_head the fused head multiplies by is the unsharded one (MixedPrecis
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from llmem.estimator.events import REDUCE_SCATTER
 from llmem.memory.activations.blocks import norm_saved
@@ -43,7 +44,7 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.model.families import family_of
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_embedding, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_lm_head
 from llmem.setup.methods import method_spec
 from llmem.setup.objectives import (
     FUSED_TOKEN_CHUNK,
@@ -59,6 +60,9 @@ from llmem.setup.objectives import (
     reference_mode,
 )
 from llmem.setup.precision import F32, Regime
+
+if TYPE_CHECKING:
+    from llmem.estimator.schedule.hooks import StepHooks
 
 INT64, BOOL = 8, 1
 # FSDP2's streams are per root (FSDPCommContext): the reference copy, a root of its own, all-gathers on its own
@@ -237,9 +241,10 @@ def reference_copy_bytes(r: ResolvedSetup) -> tuple[int, int]:
 
 
 class PreferenceEvents:
-    """The DPO step's own events, written into a StepSchedule `s` (which runs the doubled batch)."""
+    """The DPO step's own events, written into a StepSchedule `s` (which runs the doubled batch), through its
+    hooks (llmem.estimator.schedule.hooks)."""
 
-    def __init__(self, s, r: ResolvedSetup) -> None:
+    def __init__(self, s: StepHooks, r: ResolvedSetup) -> None:
         self.s, self.r = s, r
         setup = r.setup
         self.spec = objective_spec(setup.objective)
@@ -250,14 +255,15 @@ class PreferenceEvents:
         self.n = self.rows * completion_tokens(setup)
         self.head_param = lm_head_param(r)
         self.ref_bytes = reference_bytes(setup)
-        self.ref_regime = reference_regime(s.regime, self.ref_bytes) if self.mode == REF_COPY else s.regime
+        self.ref_regime = reference_regime(s.facts.regime, self.ref_bytes) if self.mode == REF_COPY else s.facts.regime
         self.batch_keys: list[int] = []
+        self.head_keys: list[int] = []        # the final norm's tensors the fused head's backward frees
         self.ref_gathered: list[int] = []     # FSDP2: the reference's unsharded parameters while gathered
         self.ref_ag_out = -1
         self.ref_laid_out = False             # the copy's weights are laid out (DeepSpeed: at its setup)
 
     def policy_head(self) -> FusedHead:
-        return fused_head(self.r, self.s.regime, policy_weight_bytes(self.r))
+        return fused_head(self.r, self.s.facts.regime, policy_weight_bytes(self.r))
 
     # ---------------------------------------------------------------------------------------------- setup
     def reference_weights(self) -> None:
@@ -286,24 +292,22 @@ class PreferenceEvents:
         """KTO's KL term: the policy runs the KL sequences under no_grad before its own forward."""
         if self.kl:
             self.s.sch.mark("policy KL forward")
-            self.no_grad_forward(self.s.regime, "cached", self.policy_head(), workspace=True)
+            self.no_grad_forward(self.s.facts.regime, "cached", self.policy_head(), workspace=True)
 
     # ---------------------------------------------------------------------------------------------- forward
     def head_forward(self) -> None:
         """_compute_loss up to the loss: the policy's fused head (its saved tensors kept), the reference forward
         and its head (transient), the per-token outputs."""
         s = self.s
-        sch, alloc, act = s.sch, s.sch.alloc, s.act
+        sch, alloc, act = s.sch, s.sch.alloc, s.facts.act
         sch.mark("lm_head and loss")
         head = self.policy_head()
         # the recipe's final norm tensors; its last one, the lm_head's input (kept for a trained lm_head's weight
         # gradient), is not kept: the fused head copies the completion tokens instead
         kept = act.head_tensors[:-1] if act.lm_head_kept else act.head_tensors
-        s.head_keys = [alloc(n, "activations") for n in kept]
-        s.head_offloaded, s.head_copy = [], []
-        s.logits = s.log_softmax = -1
+        self.head_keys = [alloc(n, "activations") for n in kept]
         self.labels = alloc(self.rows * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
-        norm_out = alloc(self.rows * self.seq * s.hidden_size * head.out_bytes, "activations")
+        norm_out = alloc(self.rows * self.seq * s.facts.hidden_size * head.out_bytes, "activations")
         self.saved, outputs = self.fused_forward(head, keep=True)
         sch.free(norm_out)                       # the backbone's output dies when the fused forward returns
         self.forwards_after_policy()
@@ -389,24 +393,25 @@ class PreferenceEvents:
         MixedPrecisionPolicy casts, the gathered output, then every parameter copied out unsharded (already so
         under zero2 after the first forward: reshard_after_forward False keeps them)."""
         s = self.s
-        if not s.fsdp or self.ref_gathered:
+        if not s.facts.fsdp or self.ref_gathered:
             return
         alloc = s.sch.alloc
         per = reference_gather_bytes(self.r)
-        numel = sum(s.unsharded[p.name] for p in s.kept)
-        cast = alloc(numel // s.shards * per, "communication_buffers", REF_ALL_GATHER) if per != self.ref_bytes \
+        numel = sum(s.facts.params.unsharded[p.name] for p in s.facts.params.kept)
+        cast = alloc(numel // s.facts.shards * per, "communication_buffers", REF_ALL_GATHER) if per != self.ref_bytes \
             else -1
         self.ref_ag_out = alloc(numel * per, "communication_buffers", REF_ALL_GATHER)
         s.sch.free(cast)
-        self.ref_gathered = [alloc(s.unsharded[p.name] * per, "gathered_weights") for p in s.kept]
+        self.ref_gathered = [alloc(s.facts.params.unsharded[p.name] * per, "gathered_weights")
+                             for p in s.facts.params.kept]
 
     def reference_post_forward(self) -> None:
         """The reference root's post-forward: reshard (reshard_after_forward True, FULL_SHARD; zero2 keeps the
         parameters gathered), then the root frees its all-gather state (FSDPState._post_forward)."""
         s = self.s
-        if not s.fsdp:
+        if not s.facts.fsdp:
             return
-        if s.reshard:
+        if s.facts.reshard:
             s.sch.free_all(self.ref_gathered)
         s.sch.free(self.ref_ag_out)
         self.ref_ag_out = -1
@@ -420,25 +425,25 @@ class PreferenceEvents:
         are gathered as in its own forward (the root kept gathered, each layer resharded after it)."""
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
-        t, h = self.rows * self.seq, s.hidden_size
+        t, h = self.rows * self.seq, s.facts.hidden_size
         # the reference's own ZeRO-3 engine gathers its modules (DeepSpeed: llmem.estimator.deepspeed)
         ref_fetch = s.reference_fetch if not policy else (lambda where: None)
         if policy:
-            s.unshard_forward(None, s.root)
+            s.unshard_forward(None, s.facts.root)
         ref_fetch("start")
         stream = alloc(t * h * regime.res, "activations")
-        if workspace and s.workspace < 0:             # cuBLAS's, at the step's first matmul
-            s.workspace = alloc(s.workspace_bytes, "cuda_workspaces")
+        if workspace:                                 # cuBLAS's, at the step's first matmul
+            s.ensure_workspace()
         cached: list[int] = []
-        for i in range(s.layers):
+        for i in range(s.facts.layers):
             sch.mark(f"no_grad layer {i}")
             if policy:
-                s.unshard_forward(i, s.by_layer.get(i, []))
+                s.unshard_forward(i, s.facts.unit(i))
             ref_fetch(i)
             previous: list[int] = []
-            for b, params in zip(s.act.blocks, s.layer_blocks_params[i], strict=True):
+            for b, params in zip(s.facts.act.blocks, s.facts.params.layer_blocks[i], strict=True):
                 for p in self.cast_weights(regime, casts, params):
-                    key = alloc(s.tp_local[p.name] * regime.mm, "gathered_weights")
+                    key = alloc(s.facts.params.tp_local[p.name] * regime.mm, "gathered_weights")
                     if casts == "cached":
                         cached.append(key)
                     else:
@@ -450,11 +455,11 @@ class PreferenceEvents:
             sch.free_all(previous)
             free(stream)
             stream = out
-            if policy and s.reshard:
+            if policy and s.facts.reshard:
                 s.reshard_unit(i)
             ref_fetch(("done", i))
         if policy:
-            sch.free_all(s.last_forward_ag)
+            s.release_forward_gathers()
         ref_fetch("head")
         norm_out = alloc(t * h * head.out_bytes, "activations")
         free(stream)
@@ -470,7 +475,8 @@ class PreferenceEvents:
         matmul = [p for p in params if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias")]
         if casts == "per_use":
             return matmul
-        return [p for p in matmul if p.trainable and self.s.pb[p.name] == F32]      # autocast caches these
+        pb = self.s.facts.params.element_bytes
+        return [p for p in matmul if p.trainable and pb[p.name] == F32]      # autocast caches these
 
     # ---------------------------------------------------------------------------------------------- backward
     def head_backward(self, it: int) -> None:
@@ -518,16 +524,14 @@ class PreferenceEvents:
         stream_grad = alloc(self.rows * self.seq * head.h * head.out_bytes, "activations")
         free(put)
         free(mask)
-        s.root_unsharded_grads.clear()
-        s.layer_unsharded.clear()
         # as StepSchedule.head_backward's fused branch: AccumulateGrad takes the accumulator as the lm_head's gradient
-        for q in [q for q in s.root if q.trainable and (not is_embedding(q) or q.tied_to is not None)]:
+        for q in s.head_backward_params():
             if grad_weight >= 0 and is_lm_head(q):
                 s.hand_over_grad(q, grad_weight)     # DeepSpeed's reduce hook takes it at once
                 grad_weight = -1
             else:
                 s.make_grad(q, root_unit=True)
-        sch.free_all(s.head_keys)
+        sch.free_all(self.head_keys)
         s.flush_steps(it)
         free(stream_grad)
 

@@ -25,10 +25,15 @@ the head's tensors are the final norm's and the score's input; no vocabulary-siz
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llmem.estimator.objectives import BATCH_FIELDS, INT64, PreferenceEvents
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.objectives import REF_NONE, objective_spec
 from llmem.setup.precision import F32
+
+if TYPE_CHECKING:
+    from llmem.estimator.schedule.hooks import StepHooks
 
 CONCATENATED = 3          # concatenated_inputs: input_ids, attention_mask, labels [R, S] int64
 KERNEL_OUTPUTS = 4        # logprob_entropy's forward: logprobs, entropy, log_z, expected_logit (fp32 per token)
@@ -43,7 +48,7 @@ def logits_bytes(setup, regime, fsdp: bool) -> int:
 class PairwiseEvents(PreferenceEvents):
     """ORPO / SimPO / reward in the StepSchedule `s` (the doubled batch)."""
 
-    def __init__(self, s, r) -> None:        # PreferenceEvents' facts, less the lm_head (the reward model has none)
+    def __init__(self, s: StepHooks, r) -> None:  # PreferenceEvents' facts, less the lm_head (the reward model has none)
         self.s, self.r = s, r
         self.spec = objective_spec(r.setup.objective)
         self.mode, self.kl = REF_NONE, False
@@ -52,6 +57,8 @@ class PairwiseEvents(PreferenceEvents):
         self.pairs = self.rows // 2
         self.scalar = objective_spec(r.setup.objective).scalar_head
         self.concat: list[int] = []
+        self.head_keys: list[int] = []        # the final norm's (and the score's input) tensors
+        self.head_copy: list[int] = []        # autocast's copies of the head's matmul weights
         # ORPO / CPO compute the loss on the model's output logits: FSDP2's root pre-backward hook (on that output)
         # fires once the loss's backward has made their gradient, not at the backward's start
         self.loss_outside_model = not self.scalar
@@ -60,7 +67,7 @@ class PairwiseEvents(PreferenceEvents):
     def logits_bytes(self) -> int:
         """Bytes per element of the logits the loss sees: fp32 under mixed precision (accelerate casts the
         outputs), else the compute dtype."""
-        return logits_bytes(self.r.setup, self.s.regime, self.s.fsdp)
+        return logits_bytes(self.r.setup, self.s.facts.regime, self.s.facts.fsdp)
 
     # ---------------------------------------------------------------------------------------------- setup
     def batch(self) -> None:
@@ -87,22 +94,21 @@ class PairwiseEvents(PreferenceEvents):
     def head_start(self) -> None:
         """The final norm's tensors (the recipe's head), autocast's copies of the head's matmul weights."""
         s = self.s
-        sch, alloc, act, regime = s.sch, s.sch.alloc, s.act, s.regime
+        sch, alloc, act, regime = s.sch, s.sch.alloc, s.facts.act, s.facts.regime
         sch.mark("lm_head and loss")
         # the reward model: the norm's output in the stream's dtype lives until autocast has cast it (and the
         # score's weight) for the score (the causal-LM recipe's head leaves it out: the logits dwarf it)
         norm_out = -1
         if self.scalar and regime.autocast and regime.res != regime.mm:
-            s.head_keys = [alloc(n, "activations") for n in act.head_tensors[:-1]]
-            norm_out = alloc(s.t * s.hidden_size * regime.res, "activations")
+            self.head_keys = [alloc(n, "activations") for n in act.head_tensors[:-1]]
+            norm_out = alloc(s.facts.t * s.facts.hidden_size * regime.res, "activations")
         else:
-            s.head_keys = [alloc(n, "activations") for n in act.head_tensors]
-        s.head_offloaded, s.fused_grads = [], (-1, -1)
-        s.logits = s.log_softmax = -1
-        s.head_copy = [alloc(s.tp_local[p.name] * regime.mm, "gathered_weights") for p in s.root
-                       if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and s.casts(p)] if regime.autocast else []
+            self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        f = s.facts
+        self.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
+                          if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)] if regime.autocast else []
         if norm_out >= 0:
-            s.head_keys.append(alloc(act.head_tensors[-1], "activations"))
+            self.head_keys.append(alloc(act.head_tensors[-1], "activations"))
             sch.free(norm_out)
 
     def head_forward(self) -> None:
@@ -112,10 +118,10 @@ class PairwiseEvents(PreferenceEvents):
             return
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
-        b, seq, v, ld = self.pairs, self.seq, s.vocab_size, self.logits_bytes
+        b, seq, v, ld = self.pairs, self.seq, s.facts.vocab_size, self.logits_bytes
         tv = self.rows * seq * v
-        logits = alloc(tv * s.regime.mm, "logits_and_loss")
-        if ld != s.regime.mm:                                  # convert_outputs_to_fp32
+        logits = alloc(tv * s.facts.regime.mm, "logits_and_loss")
+        if ld != s.facts.regime.mm:                                  # convert_outputs_to_fp32
             converted = alloc(tv * ld, "logits_and_loss")
             free(logits)
             logits = converted
@@ -142,7 +148,7 @@ class PairwiseEvents(PreferenceEvents):
     def head_backward(self, it: int) -> None:
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
-        b, seq, v = self.pairs, self.seq, s.vocab_size
+        b, seq, v = self.pairs, self.seq, s.facts.vocab_size
         if self.scalar:
             grad = -1
         else:
@@ -164,9 +170,9 @@ class PairwiseEvents(PreferenceEvents):
             free(sliced)
             free(full)
             free(self.loss_mask)
-            s.prefetch(s.layers - 1, s.by_layer.get(s.layers - 1, []))    # the root's pre-backward hook
-            if ld != s.regime.mm:                                          # ToCopyBackward
-                cast = alloc(rows * seq * v * s.regime.mm, "logits_and_loss")
+            s.prefetch(s.facts.layers - 1, s.facts.unit(s.facts.layers - 1))    # the root's pre-backward hook
+            if ld != s.facts.regime.mm:                                          # ToCopyBackward
+                cast = alloc(rows * seq * v * s.facts.regime.mm, "logits_and_loss")
                 free(grad)
                 grad = cast
         if self.scalar:
@@ -183,30 +189,30 @@ class PairwiseEvents(PreferenceEvents):
         to the last decoder layer (which the layer's own transients account for, as in the causal-LM step)."""
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
-        x = s.t * s.hidden_size * s.regime.res
+        x = s.facts.t * s.facts.hidden_size * s.facts.regime.res
         head = s.head_backward_params()
-        grad_in = alloc(s.t * s.hidden_size * s.regime.mm, "activations")
+        grad_in = alloc(s.facts.t * s.facts.hidden_size * s.facts.regime.mm, "activations")
         for p in reversed(head):            # the score's weight first, then the final norm's
             s.make_grad(p, root_unit=True)
-        sch.free_all(s.head_copy)
-        sch.free(s.head_keys.pop())         # the score's saved input
-        stream = alloc(x, "activations") if s.regime.mm != s.regime.res else grad_in
+        sch.free_all(self.head_copy)
+        sch.free(self.head_keys.pop())         # the score's saved input
+        stream = alloc(x, "activations") if s.facts.regime.mm != s.facts.regime.res else grad_in
         if stream != grad_in:
             free(grad_in)
         a, b = alloc(x, "activations"), alloc(x, "activations")
         free(b)
         free(stream)
-        sch.free(s.head_keys.pop())         # the norm's saved normalised input (hidden * rsqrt)
+        sch.free(self.head_keys.pop())         # the norm's saved normalised input (hidden * rsqrt)
         c, d = alloc(x, "activations"), alloc(x, "activations")
         free(c)
         free(a)
         e, f, g, h = (alloc(x, "activations") for _ in range(4))
         sch.free_all([g, f, e])
-        sch.free(s.head_keys.pop(0))        # the norm's input: the last layer's output
+        sch.free(self.head_keys.pop(0))        # the norm's input: the last layer's output
         out = alloc(x, "activations")
         free(d)
         free(h)
-        sch.free_all(s.head_keys)
+        sch.free_all(self.head_keys)
         s.flush_steps(it)
         free(out)
 
@@ -215,12 +221,12 @@ class PairwiseEvents(PreferenceEvents):
         s = self.s
         sch, alloc = s.sch, s.sch.alloc
         head = s.head_backward_params()
-        grad_in = alloc(s.t * s.hidden_size * s.regime.mm, "activations")
+        grad_in = alloc(s.facts.t * s.facts.hidden_size * s.facts.regime.mm, "activations")
         for p in head:
             s.make_grad(p, root_unit=True)
         sch.free(grad)
-        sch.free_all(s.head_copy)
-        sch.free_all(s.head_keys)
+        sch.free_all(self.head_copy)
+        sch.free_all(self.head_keys)
         s.flush_steps(it)
         sch.free(grad_in)
 

@@ -36,11 +36,13 @@ from dataclasses import replace
 from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
 from llmem.estimator.identity_cache import IdentityCache
-from llmem.estimator.schedule import StepSchedule
-from llmem.memory.activations.profile import activation_profile
+from llmem.estimator.schedule import StepFacts, StepSchedule
+from llmem.estimator.schedule.state import ForwardLive
+from llmem.memory.activations.profile import ActivationProfile, activation_profile
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
+from llmem.setup.objectives import objective_spec
 from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_actions, rank_splits, stages_per_rank
 
 # the set-up options a pipeline stage's estimate does not model (refused with one line each)
@@ -53,10 +55,6 @@ UNMODELLED = (
     ("fused_ce", "--fused-ce"),
     ("packing", "--packing"),
 )
-# what one micro-batch's forward leaves for its backward: StepSchedule's per-forward attributes
-PER_MICROBATCH = ("cache", "bias_cache", "copies_by_layer", "embed_keys", "shared_keys", "layer_keys", "ckpt_keys",
-                  "sac_keys", "sac_extra", "passed", "int8_keys", "head_keys", "head_offloaded", "head_copy",
-                  "logits", "log_softmax", "output")
 
 
 def check_modelled(r: ResolvedSetup) -> None:
@@ -70,7 +68,8 @@ def check_modelled(r: ResolvedSetup) -> None:
     for name, flag in UNMODELLED:
         if getattr(setup, name):
             raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
-    if setup.objective != "sft" or setup.quant_base != "none" or setup.ckpt_every > 1 or setup.ac_policy != "full":
+    if objective_spec(setup.objective).trainer or setup.quant_base != "none" or setup.ckpt_every > 1 \
+            or setup.ac_policy != "full":
         raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
                          "every layer only: drop the other options")
     if r.regime.autocast:
@@ -134,19 +133,21 @@ class StageSchedule(StepSchedule):
         self.actions = rank_actions(setup.pp_schedule, rank, setup.pp, self.n, len(splits))
         # one micro-batch's hidden states (under --sequence-parallel their local [mb, seq / tp, hidden] shard: the
         # stage's output is the last block's Shard(1) residual stream, torchtitan's use_local_output)
-        self.boundary_bytes = self.t * self.hidden_size * self.regime.res // (
-            r.layout.tp if setup.sequence_parallel else 1)
-        self.saved: dict[tuple[int, int], dict] = {}
+        f = self.facts
+        self.boundary_bytes = f.t * f.hidden_size * f.regime.res // (r.layout.tp if setup.sequence_parallel else 1)
+        self.saved: dict[tuple[int, int], ForwardLive] = {}   # what each forward leaves for its backward
         self.recv: list[int] = []
         self.accumulating = False
-        # FSDP2 x PP: torchtitan's reshard_after_forward=False under PP (fsdp.py); the stage sets
-        # requires_gradient_sync / reshard_after_backward False for every backward (backward_maybe_with_nosync)
-        self.reshard = False
         self.fresh: list[tuple[ParamInfo, int]] = []        # a unit's unsharded gradients of this backward
         self.root_fresh: list[tuple[ParamInfo, int]] = []
         self.accumulated: dict[str, int] = {}               # across micro-batches, until perform_reduce_grad
         self.last_output: list[int] = []
         self.latest: tuple[int, int] | None = None          # the (stage, micro-batch) of the latest forward
+
+    def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
+        """FSDP2 x PP: torchtitan's reshard_after_forward=False under PP (fsdp.py); the stage sets
+        requires_gradient_sync / reshard_after_backward False for every backward (backward_maybe_with_nosync)."""
+        return replace(super().step_facts(r, act, layers), reshard=False)
 
     def build(self, iterations: int = 2) -> Schedule:
         self.setup_phase()
@@ -159,7 +160,7 @@ class StageSchedule(StepSchedule):
                     self.forward_microbatch(it, c, k)
                 else:
                     self.backward_microbatch(it, c, k)
-            if self.fsdp:
+            if self.facts.fsdp:
                 self.reduce_grads()
             self.sch.free_all(self.last_output)
             self.last_output = []
@@ -180,38 +181,31 @@ class StageSchedule(StepSchedule):
 
     # ------------------------------------------------------------------------------------------ one micro-batch
     def forward_microbatch(self, it: int, c: int, k: int) -> None:
-        sch, alloc, act = self.sch, self.sch.alloc, self.act
+        sch, alloc, act = self.sch, self.sch.alloc, self.facts.act
         split = self.split = self.splits[c]
         sch.phase = f"it{it}:forward"
         sch.mark(f"stage {split.index} micro-batch {k} forward")
-        self.cache, self.bias_cache, self.copies_by_layer = [], [], {}
-        self.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if split.embedding else []
-        self.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]   # each stage's rotary cos/sin
-        if self.workspace < 0:
-            self.workspace = alloc(self.workspace_bytes, "cuda_workspaces")
-        self.layer_keys, self.ckpt_keys, self.sac_keys, self.sac_extra, self.int8_keys = {}, {}, {}, {}, {}
-        self.passed = -1
-        self.head_keys, self.head_offloaded, self.head_copy = [], [], []
-        self.logits = self.log_softmax = self.output = -1
-        if self.root:
-            self.unshard_forward(None, self.root)
+        fwd = self.state.forward = ForwardLive()
+        fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if split.embedding else []
+        fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]   # each stage's rotary cos/sin
+        self.ensure_workspace()
+        if self.facts.root:
+            self.unshard_forward(None, self.facts.root)
         for i in self.chunk_layers[c]:
             self.forward_layer(i)
-        sch.free_all(self.last_forward_ag)
-        self.last_forward_ag = []
+        self.release_forward_gathers()
         if split.head:
             self.head_forward()            # the logits stay: the stage's output, in fwd_cache until backward
         else:                              # the last layer's output: sent, and kept in fwd_cache
-            self.output = alloc(self.boundary_bytes, "activations")
-        self.saved[c, k] = {name: getattr(self, name) for name in PER_MICROBATCH}
+            fwd.output = alloc(self.boundary_bytes, "activations")
+        self.saved[c, k] = fwd
         if self.holds_last_output:   # _step_microbatches' `output = forward_one_chunk(...)` drops the previous one
             sch.free_all(self.last_output)
             self.last_output, self.latest = [], (c, k)
 
     def backward_microbatch(self, it: int, c: int, k: int) -> None:
-        sch, alloc = self.sch, self.sch.alloc
-        for name, value in self.saved.pop((c, k)).items():
-            setattr(self, name, value)
+        sch, alloc, f = self.sch, self.sch.alloc, self.facts
+        fwd = self.state.forward = self.saved.pop((c, k))
         split = self.split = self.splits[c]
         sch.phase = f"it{it}:backward"
         sch.mark(f"stage {split.index} micro-batch {k} backward")
@@ -220,32 +214,32 @@ class StageSchedule(StepSchedule):
         for i in reversed(self.chunk_layers[c]):
             self.backward_layer(i, it)
         if split.embedding:
-            embeds = [p for p in self.root if p.trainable and is_embedding(p)]
-            stream_grad = alloc(self.t * self.hidden_size * self.regime.res, "activations") if embeds else -1
+            embeds = [p for p in f.root if p.trainable and is_embedding(p)]
+            stream_grad = alloc(f.t * f.hidden_size * f.regime.res, "activations") if embeds else -1
             for p in embeds:
                 self.make_grad(p, root_unit=True)
             sch.free(stream_grad)
         else:                               # the input's gradient, sent to the previous stage
             sch.free(alloc(self.boundary_bytes, "activations"))
-        sch.free_all(self.embed_keys)
-        sch.free_all(self.shared_keys)
+        sch.free_all(fwd.embed_keys)
+        sch.free_all(fwd.shared_keys)
         # `output` holds the latest forward's until the next forward returns (or step() does: the last one's)
         if self.holds_last_output and (c, k) == self.latest:
-            self.last_output = [self.output, self.logits]
+            self.last_output = [fwd.output, fwd.logits]
         else:
-            sch.free(self.output)
-            sch.free(self.logits)
-        if self.fsdp:       # the root's post_backward, in the final callback
-            self.accumulate(self.root_fresh)
+            sch.free(fwd.output)
+            sch.free(fwd.logits)
+        if f.fsdp:       # the root's post_backward, in the final callback
+            self.accumulate_unsharded(self.root_fresh)
         self.accumulating = True
 
     # ------------------------------------------------------------------------------------------ FSDP2 x PP
     def reduce_scatter_layer(self, i: int) -> None:
         """FSDPParamGroup.post_backward with reduce_grads False: no reduce-scatter, no reshard; the gradients
         accumulate unsharded."""
-        self.accumulate(self.fresh)
+        self.accumulate_unsharded(self.fresh)
 
-    def accumulate(self, fresh: list[tuple[ParamInfo, int]]) -> None:
+    def accumulate_unsharded(self, fresh: list[tuple[ParamInfo, int]]) -> None:
         """FSDPParam.to_accumulated_grad_if_needed (first micro-batch: the gradient upcast to the reduce dtype,
         unsharded_accumulated_grad, where that differs) and accumulate_unsharded_grad_if_needed (later ones: added
         in place, the new gradient freed)."""
@@ -253,8 +247,8 @@ class StageSchedule(StepSchedule):
         for p, key in fresh:
             if p.name in self.accumulated:
                 sch.free(key)
-            elif self.reduce_bytes != self.gather_bytes:
-                self.accumulated[p.name] = sch.alloc(self.grad_numel(p) * self.reduce_bytes, "gradients")
+            elif self.facts.reduce_bytes != self.facts.gather_bytes:
+                self.accumulated[p.name] = sch.alloc(self.grad_numel(p) * self.facts.reduce_bytes, "gradients")
                 sch.free(key)
             else:
                 self.accumulated[p.name] = key
@@ -264,15 +258,15 @@ class StageSchedule(StepSchedule):
         """The elements of an unsharded gradient: FSDP2's unsharded parameter (its TP-local shard), or under TP a
         vocab-parallel embedding's whole [vocab, hidden] (its gradient comes back Partial over tp, full size, and
         accumulates so: FSDPParam.to_accumulated_grad_if_needed's .to(reduce_dtype) keeps the placement)."""
-        return p.numel if p.name in self.vocab_parallel else self.unsharded[p.name]
+        return p.numel if p.name in self.facts.params.vocab_parallel else self.facts.params.unsharded[p.name]
 
     def redistribute_partial(self, params: list[ParamInfo]) -> None:
         """FSDPParam.unsharded_accumulated_grad_data (_get_grad_inner_tensor): a Partial gradient redistributed to
         the parameter's TP placement (a reduce-scatter over tp to its local shard), the full one then dropped."""
-        sch = self.sch
+        sch, facts = self.sch, self.facts.params
         for p in params:
-            if p.name in self.vocab_parallel and p.name in self.accumulated:
-                local = sch.alloc(self.tp_local[p.name] * self.reduce_bytes, "gradients")
+            if p.name in facts.vocab_parallel and p.name in self.accumulated:
+                local = sch.alloc(facts.tp_local[p.name] * self.facts.reduce_bytes, "gradients")
                 sch.free(self.accumulated[p.name])
                 self.accumulated[p.name] = local
 
@@ -280,38 +274,39 @@ class StageSchedule(StepSchedule):
         """perform_reduce_grad after the last backward: each FSDP state's post_backward (the root's first, then the
         layers'), each resharding, then foreach_reduce's input (the accumulated gradients copied in) and its
         sharded output."""
-        sch, alloc = self.sch, self.sch.alloc
-        units = ([None] if any(p.trainable for p in self.root) else []) + list(range(self.layers))
+        sch, alloc, f = self.sch, self.sch.alloc, self.facts
+        units = ([None] if any(p.trainable for p in f.root) else []) + list(range(f.layers))
         pending: list[int] = []
         for u in units:
-            params = self.root if u is None else self.by_layer.get(u, [])
+            params = f.unit(u)
             self.reshard_unit(u)
             sch.free_all(pending)
             self.redistribute_partial(params)
-            rs_in = alloc(self.unit_bytes(params, self.reduce_bytes, True), "communication_buffers")
-            self.sharded_grads(alloc(self.unit_bytes(params, self.reduce_bytes, True) // self.shards, "gradients",
-                                     REDUCE_SCATTER))
+            rs_in = alloc(f.unit_bytes(params, f.reduce_bytes, True), "communication_buffers")
+            self.units.sharded_grads(alloc(f.unit_bytes(params, f.reduce_bytes, True) // f.shards, "gradients",
+                                           REDUCE_SCATTER))
             sch.free_all([self.accumulated.pop(p.name) for p in params if p.name in self.accumulated])
             pending = [rs_in]
         sch.free_all(pending)
-        for u in list(self.gathered):
+        for u in list(self.state.units.gathered):
             self.reshard_unit(u)
 
     def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
         """Later micro-batches: AccumulateGrad adds the new gradient into .grad in place (the new one, and under
         autocast its low-precision matmul output, freed after). FSDP2: the unsharded gradient, in the gathered
         dtype, for its unit's post_backward."""
-        if self.fsdp:
-            key = self.sch.alloc(self.grad_numel(p) * self.gather_bytes, "gradients")
+        f = self.facts
+        if f.fsdp:
+            key = self.sch.alloc(self.grad_numel(p) * f.gather_bytes, "gradients")
             (self.root_fresh if root_unit else self.fresh).append((p, key))
             return
-        if p.name not in self.grads:
+        if p.name not in self.state.grads.grads:
             return super().make_grad(p, root_unit, low)
-        # a vocab-parallel embedding's gradient: full size, Partial over tp (StepSchedule.make_grad's)
-        numel = p.numel if p.name in self.vocab_parallel else self.shard_numel[p.name]
-        sch, size = self.sch, numel * self.pb[p.name]
-        low = sch.alloc(self.tp_local[p.name] * self.regime.mm, "gradients") \
-            if self.regime.autocast and p.module_kind in MATMUL_KINDS else -1
+        # a vocab-parallel embedding's gradient: full size, Partial over tp (Gradients.make's)
+        numel = p.numel if p.name in f.params.vocab_parallel else f.params.shard_numel[p.name]
+        sch, size = self.sch, numel * f.params.element_bytes[p.name]
+        low = sch.alloc(f.params.tp_local[p.name] * f.regime.mm, "gradients") \
+            if f.regime.autocast and p.module_kind in MATMUL_KINDS else -1
         new = sch.alloc(size, "gradients")
         sch.free(low)
         sch.free(new)

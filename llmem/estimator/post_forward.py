@@ -6,12 +6,12 @@ rank's chunk of its all-gather output (padded to the shard world, in MixedPrecis
 on the default stream, then the unsharded parameter freed. In backward FSDPParam.all_gather_inputs hands that clone
 to the all-gather as it is (already param_dtype: no cast on the copy-in), the output is the whole unit as always,
 and FSDPParam.to_unsharded frees the clone after the copy-out. The root keeps fully_shard's default (gathered).
+The events themselves are FsdpUnits' (llmem.estimator.schedule.units); here, their sizes.
 """
 
 from __future__ import annotations
 
 from llmem.estimator.states import fsdp_gathered_tensors
-from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
 
 
@@ -32,27 +32,3 @@ def post_forward_layer_bytes(r: ResolvedSetup) -> int:
         return 0
     return sum(post_forward_param_bytes(sum(fsdp_gathered_tensors(p, r.setup, r.layout)), ranks)
                for p in r.anatomy.params if p.layer_index == 0)
-
-
-def reshard_to_post_forward(s, i: int) -> None:
-    """FSDPParamGroup.reshard after layer i's forward in the StepSchedule `s`: per parameter its post-forward shard
-    allocated, then its unsharded copy freed; the shards are kept (`s.post_forward_shards`) until backward."""
-    unit: list[ParamInfo] = s.by_layer.get(i, [])
-    keys = s.gathered.pop(i, [])
-    s.gathered_by.pop(i, None)
-    shards = []
-    for p, k in zip(unit, keys, strict=True):
-        shards.append(s.sch.alloc(post_forward_param_bytes(sum(s.gather_sizes[p.name]), s.post_forward_ranks),
-                                  "gathered_weights"))
-        s.sch.free(k)
-    s.post_forward_shards[i] = shards
-
-
-def from_post_forward(s, unit: list[ParamInfo]) -> bool:
-    """The unit's next all-gather reads its post-forward shards (already in param_dtype: no copy-in cast)."""
-    return bool(unit) and unit[0].layer_index in s.post_forward_shards
-
-
-def free_post_forward(s, i: int | None) -> None:
-    """FSDPParam.to_unsharded after layer i's backward copy-out: its post-forward shards are freed."""
-    s.sch.free_all(s.post_forward_shards.pop(i, []))

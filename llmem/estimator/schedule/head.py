@@ -1,0 +1,223 @@
+"""The head and the loss in the step schedule: the final norm, the lm_head and HF's ForCausalLMLoss on full logits
+(their fp32 upcast and log-softmax; with TP the vocab shards all-gathered, or under --loss-parallel kept sharded),
+or llmem.runtime.losses' fused linear cross-entropy (--fused-ce); then the loss's backward and the head's
+gradients (under --optimizer-in-backward, the lm_head's hook where the matmul's node has released its inputs).
+
+Known Limitations: the loss's per-token scalars (a few KiB) are left out; the objectives' heads (TRL's fused head,
+the pairwise losses) are their own events (llmem.estimator.objectives, .pairwise).
+"""
+
+from __future__ import annotations
+
+from llmem.estimator.events import Schedule
+from llmem.estimator.schedule.hooks import StepHooks
+from llmem.estimator.schedule.state import StepState
+from llmem.memory.activations.loss import FusedCE
+from llmem.model.anatomy import ParamInfo
+from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.setup.precision import F32
+
+
+def fused_ce_forward(sch: Schedule, f: FusedCE, batch: int, seq: int) -> tuple[int, int]:
+    """llmem.runtime.losses.fused_linear_cross_entropy's forward, in its allocation order (the final hidden states
+    are live around it). Returns the keys of the kept grad_input and grad_weight (-1 when not made)."""
+    alloc, free = sch.alloc, sch.free
+    t = f.tokens
+    hidden = alloc(t * f.hidden * f.hidden_bytes, "activations")        # the final norm's output
+    padded = alloc(batch * (seq + 1) * 8, "logits_and_loss")           # shifted labels: pad, then a copy
+    labels = alloc(t * 8, "logits_and_loss")
+    free(padded)
+    cast = alloc(f.weight_cast_bytes, "gathered_weights") if f.weight_cast_bytes else -1
+    grad_input = alloc(f.grad_input_bytes, "activations")
+    grad_weight = alloc(f.grad_weight_bytes, "gradients") if f.weight_trainable else -1
+    mask = alloc(t, "logits_and_loss")
+    valid = alloc(t * F32, "logits_and_loss")
+    free(mask)
+    scale = alloc(t * F32, "logits_and_loss")
+    safe = alloc(t * 8, "logits_and_loss")
+    loss_1d = alloc(t * F32, "logits_and_loss")
+    for c in f.chunk_sizes:
+        x = alloc(c * f.hidden * f.mm, "logits_and_loss") if f.hidden_bytes != f.mm else -1
+        logits = alloc(c * f.vocab * f.mm, "logits_and_loss")
+        p = logits
+        if f.mm != F32:
+            p = alloc(c * f.vocab * F32, "logits_and_loss")
+            free(logits)
+        if f.weight_trainable and f.weight_bytes != f.mm and f.hidden_bytes != F32:
+            free(alloc(c * f.hidden * F32, "logits_and_loss"))        # grad_weight's fp32 chunk of hidden
+        g = p
+        if f.mm != F32:
+            g = alloc(c * f.vocab * f.mm, "logits_and_loss")
+            free(p)
+        if f.hidden_bytes != f.mm:
+            free(alloc(c * f.hidden * f.mm, "logits_and_loss"))       # grad_input's matmul output, copied in
+        free(g)
+        free(x)
+    free(cast)
+    for k in (valid, scale, safe, loss_1d, labels, hidden):
+        free(k)
+    return grad_input, grad_weight
+
+
+class HeadEvents:
+    """The final norm, lm_head and loss: forward and backward."""
+
+    def __init__(self, step: StepHooks, state: StepState) -> None:
+        self.step, self.f, self.sch, self.state = step, step.facts, step.sch, state
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self) -> None:
+        """The final norm, the lm_head and the loss: full logits, their fp32 upcast and log-softmax (HF's
+        ForCausalLMLoss), or the fused linear cross-entropy; with TP the vocab-split logits are all-gathered (under
+        --loss-parallel they stay sharded: loss_parallel_forward)."""
+        f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
+        act, regime, tv, tp = f.act, f.regime, f.tv, f.layout.tp
+        sch.mark("lm_head and loss")
+        fwd.head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        fwd.head_offloaded = []
+        if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
+            fwd.head_offloaded = list(act.head_tensors[:-1] if act.lm_head_input else act.head_tensors)
+            sch.free_all(fwd.head_keys[:len(fwd.head_offloaded)])
+            fwd.head_keys = fwd.head_keys[len(fwd.head_offloaded):]
+        fwd.head_copy, fwd.fused_grads = [], (-1, -1)
+        fwd.logits = fwd.log_softmax = -1
+        if act.fused_ce is not None:    # chunked: no [tokens, vocab] logits, the gradients kept instead
+            fwd.fused_grads = fused_ce_forward(sch, act.fused_ce, f.setup.batch_size, f.setup.seq_len)
+            return
+        if regime.autocast:
+            fwd.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
+                             if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)]
+        if f.setup.loss_parallel:   # ColwiseParallel(output_layouts=Shard(-1)): the logits stay vocab-sharded
+            self.loss_parallel_forward()
+            return
+        if tp > 1:   # ColwiseParallel(output_layouts=Replicate()): all-gather the vocab shards, rearrange
+            local = alloc(-(-tv // tp) * regime.mm, "logits_and_loss")
+            gathered_out = alloc(tv * regime.mm, "logits_and_loss")
+            rearranged = alloc(tv * regime.mm, "logits_and_loss")
+            fwd.logits = alloc(tv * regime.mm, "logits_and_loss")
+            sch.free(rearranged)
+            sch.free(gathered_out)
+            sch.free(local)
+        else:
+            fwd.logits = alloc(tv * regime.mm, "logits_and_loss")
+        upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
+        fwd.log_softmax = alloc(tv * F32, "logits_and_loss")
+        sch.free(upcast)
+
+    def loss_parallel_forward(self) -> None:
+        """--loss-parallel: HF's logits.float() of the [tokens, vocab/tp] shard, then loss_parallel()'s _log_softmax
+        (torch/distributed/tensor/parallel/loss.py): x - max (all-reduced), its exp (summed and all-reduced, then
+        freed), the log-softmax (kept for backward); the upcast dies with the loss function."""
+        sch, alloc, mm, fwd = self.sch, self.sch.alloc, self.f.regime.mm, self.state.forward
+        n = self.f.t * -(-self.f.vocab_size // self.f.layout.tp)
+        fwd.logits = alloc(n * mm, "logits_and_loss")
+        upcast = alloc(n * F32, "logits_and_loss") if mm != F32 else -1
+        shifted = alloc(n * F32, "logits_and_loss")
+        sch.free(alloc(n * F32, "logits_and_loss"))          # exp(shifted), summed
+        fwd.log_softmax = alloc(n * F32, "logits_and_loss")
+        sch.free(shifted)
+        sch.free(upcast)
+
+    # ------------------------------------------------------------------------------------------ backward
+    def loss_parallel_backward(self) -> int:
+        """--loss-parallel: _nll_loss_and_log_softmax_backward on the shard: zeros_like (the one-hot), exp of the
+        log-softmax, their sum, times grad_output; then the cast back to the logits' dtype. Returns its key."""
+        sch, alloc, mm = self.sch, self.sch.alloc, self.f.regime.mm
+        n = self.f.t * -(-self.f.vocab_size // self.f.layout.tp)
+        zeros = alloc(n * F32, "logits_and_loss")
+        e = alloc(n * F32, "logits_and_loss")
+        total = alloc(n * F32, "logits_and_loss")
+        sch.free(e)
+        grad = alloc(n * F32, "logits_and_loss")
+        sch.free(total)
+        sch.free(zeros)
+        sch.free(self.state.forward.log_softmax)
+        if mm == F32:
+            return grad
+        cast = alloc(n * mm, "logits_and_loss")
+        sch.free(grad)
+        return cast
+
+    def loss_backward(self) -> int:
+        """The loss's backward: three fp32 [tokens, vocab] tensors, the gradient cast to the logits' dtype; with TP
+        sliced back to the vocab shard (none for the fused loss: it hands over what it kept). Returns its key."""
+        f, sch, alloc = self.f, self.sch, self.sch.alloc
+        regime, tv = f.regime, f.tv
+        if f.act.fused_ce is not None:   # the loss's backward hands over the gradients it kept
+            cast_grad = -1
+        elif f.setup.loss_parallel:   # the gradient of the local vocab shard (no slicing)
+            cast_grad = self.loss_parallel_backward()
+        else:
+            nll_grad = alloc(tv * F32, "logits_and_loss")
+            ls_grad = alloc(tv * F32, "logits_and_loss")
+            sch.free(self.state.forward.log_softmax)
+            sch.free(nll_grad)
+            if regime.mm != F32:
+                cast_grad = alloc(tv * regime.mm, "logits_and_loss")
+                sch.free(ls_grad)
+            else:
+                cast_grad = ls_grad
+        if f.layout.tp > 1 and not f.setup.loss_parallel:   # the replicated gradient sliced to the shard
+            shard_grad = alloc(-(-tv // f.layout.tp) * regime.mm, "logits_and_loss")
+            sch.free(cast_grad)
+            cast_grad = shard_grad
+        return cast_grad
+
+    def backward(self, it: int) -> None:
+        """The loss's backward or the fused loss's hand-over, then the lm_head's and the final norm's gradients."""
+        f, sch, alloc, fwd, step = self.f, self.sch, self.sch.alloc, self.state.forward, self.step
+        cast_grad = self.loss_backward()
+        head_params = step.head_backward_params()
+        fwd.head_keys += [alloc(n, "activations") for n in fwd.head_offloaded]   # offloaded: unpacked
+        if f.act.fused_ce is not None:
+            grad_in, stolen = fwd.fused_grads
+            for p in head_params:
+                if stolen >= 0 and is_lm_head(p):
+                    # AccumulateGrad takes the loss's grad_weight as the gradient (no copy)
+                    grads = self.state.grads
+                    (grads.root_unsharded if f.fsdp else grads.grads)[p.name] = stolen
+                    stolen = -1
+                    if f.in_backward and not f.fsdp and not (p.tied_to is not None and is_embedding(p)):
+                        grads.pending_steps.append(p)
+                else:
+                    step.make_grad(p, root_unit=True)
+            self.release_head(cast_grad)
+        else:
+            grad_in = alloc(f.t * f.hidden_size * f.regime.mm, "activations")
+            if f.in_backward and not f.fsdp:
+                self.hooks_in_backward(head_params, cast_grad, it)
+            else:
+                for p in head_params:
+                    step.make_grad(p, root_unit=True)
+                self.release_head(cast_grad)
+        step.flush_steps(it)
+        sch.free(grad_in)
+
+    def release_head(self, cast_grad: int) -> None:
+        """The lm_head's node has run: the loss's gradient, the weight copies and the head's saved tensors die."""
+        fwd = self.state.forward
+        self.sch.free(cast_grad)
+        self.sch.free_all(fwd.head_copy)
+        self.sch.free_all(fwd.head_keys)
+
+    def hooks_in_backward(self, head_params: list[ParamInfo], cast_grad: int, it: int) -> None:
+        """--optimizer-in-backward at the lm_head: the matmul's node releases what it saved and its input gradient
+        before ToCopyBackward casts the weight gradient up and AccumulateGrad runs the hook (the final norm's
+        backward runs after the lm_head's hook)."""
+        sch, regime, step = self.sch, self.f.regime, self.step
+        head_mm = [p for p in head_params if is_lm_head(p)]
+        grads = self.state.grads.grads
+        lows = {p.name: sch.alloc(self.f.params.tp_local[p.name] * regime.mm, "gradients") for p in head_mm
+                if regime.autocast and self.f.casts(p) and p.name not in grads}
+        for p in head_mm:          # gradients the node produces directly (no cast): while its inputs live
+            if p.name not in lows:
+                step.make_grad(p, root_unit=True)
+        self.release_head(cast_grad)
+        for p in head_mm:
+            if p.name in lows:
+                step.make_grad(p, root_unit=True, low=lows[p.name])
+            step.flush_steps(it)
+        for p in head_params:
+            if p not in head_mm:
+                step.make_grad(p, root_unit=True)
+                step.flush_steps(it)

@@ -1,0 +1,76 @@
+"""What is live during a step schedule: the keys (llmem.estimator.events.Schedule's) of the tensors allocated and
+not yet freed, by role, so that each event knows what it frees. A key is -1 for a tensor never laid out (below the
+schedule's min_bytes, or not made).
+
+One `StepState` per schedule, in sections: FSDP2's units and collectives, the gradients, what one forward leaves
+for its backward (`ForwardLive`: a pipeline stage keeps one per micro-batch in flight), the optimizer's states.
+`Schedule.free_all` clears the list it is given: the lists here are emptied in place as their tensors die.
+
+Known Limitations: the keys say nothing of a tensor's size or role on their own (the Schedule holds those); a key
+left in a list after its tensor was freed elsewhere would be freed twice (the Schedule raises KeyError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmem.model.anatomy import ParamInfo
+
+UnitKey = int | None    # a decoder layer's index, None: the root unit (embeddings, final norm, lm_head)
+
+
+@dataclass
+class UnitsLive:
+    """FSDP2's gathered units and its collectives' buffers (llmem.estimator.schedule.units)."""
+    gathered: dict[UnitKey, list[int]] = field(default_factory=dict)          # unsharded parameters per unit
+    gathered_by: dict[UnitKey, list[list[int]]] = field(default_factory=dict)  # ... per FSDP2 group (--ep)
+    ag_forward: dict[int, list[int]] = field(default_factory=dict)    # --ep: prefetched forward all-gathers
+    ag_out: dict[UnitKey, list[int]] = field(default_factory=dict)    # prefetched all-gather outputs (backward)
+    last_forward_ag: list[int] = field(default_factory=list)          # the forward's latest all-gather output
+    post_forward_shards: dict[UnitKey, list[int]] = field(default_factory=dict)   # --reshard-after-forward N
+    pending_rs: list[int] = field(default_factory=list)   # the latest reduce-scatter input (freed at the next)
+    rs_outputs: list[int] = field(default_factory=list)   # sharded gradients until the optimizer step
+
+
+@dataclass
+class GradsLive:
+    """The gradients (llmem.estimator.schedule.gradients)."""
+    grads: dict[str, int] = field(default_factory=dict)   # param -> its final gradient (non-FSDP) until the step
+    root_unsharded: dict[str, int] = field(default_factory=dict)   # FSDP2: the root's unsharded gradients
+    layer_unsharded: list[int] = field(default_factory=list)       # FSDP2: this layer's unsharded gradients
+    unsharded_of: dict[str, int] = field(default_factory=dict)     # --ep: ... by parameter name
+    pending_steps: list[ParamInfo] = field(default_factory=list)   # --optimizer-in-backward: hooks to run
+
+
+@dataclass
+class ForwardLive:
+    """What one forward leaves for its backward (llmem.estimator.schedule.layers and .head)."""
+    cache: list[int] = field(default_factory=list)         # autocast's cached casts of trained weights
+    bias_cache: list[int] = field(default_factory=list)    # ... of trained biases, until autocast exits
+    copies_by_layer: dict[UnitKey, list[list[int]]] = field(default_factory=dict)   # weight copies kept, per block
+    embed_keys: list[int] = field(default_factory=list)
+    shared_keys: list[int] = field(default_factory=list)   # rotary cos/sin, shared by the layers
+    layer_keys: dict[int, list[list[int]]] = field(default_factory=dict)   # each layer's kept tensors, per block
+    ckpt_keys: dict[int, int] = field(default_factory=dict)                 # a checkpointed layer's input
+    sac_keys: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)   # --ac-policy op: stored tensors
+    sac_extra: dict[int, list[tuple[int, int, bool]]] = field(default_factory=dict)  # ... other stored outputs
+    passed: int = -1          # offloaded checkpointing: the last checkpointed layer's output, the next one's input
+    int8_keys: dict[int, list[int]] = field(default_factory=dict)   # LLM.int8's inputs a checkpointed layer keeps
+    head_keys: list[int] = field(default_factory=list)
+    head_offloaded: list[int] = field(default_factory=list)   # sizes of the head's tensors on the host
+    head_copy: list[int] = field(default_factory=list)        # autocast's copies of the head's weights
+    fused_grads: tuple[int, int] = (-1, -1)                   # --fused-ce: grad_input and grad_weight kept
+    logits: int = -1
+    log_softmax: int = -1
+    output: int = -1          # a pipeline stage's output (llmem.estimator.pipeline)
+
+
+@dataclass
+class StepState:
+    """The step's live tensors, by section."""
+    units: UnitsLive = field(default_factory=UnitsLive)
+    grads: GradsLive = field(default_factory=GradsLive)
+    forward: ForwardLive = field(default_factory=ForwardLive)
+    states: list[int] = field(default_factory=list)        # the optimizer's states
+    quant_live: list[int] = field(default_factory=list)    # a quantised linear's backward transients
+    workspace: int = -1                                     # cuBLAS's workspace, made at the first matmul

@@ -1,0 +1,241 @@
+"""The step's allocation schedule: the sequence of tensor allocations and frees one training step makes on rank 0,
+written from the same model states and activation recipes the moments use, for the allocator model to replay.
+
+`max_memory_allocated` counts whole allocator blocks and `max_memory_reserved` counts segments, so both depend on
+the order and the sizes of the step's tensors, not only on their sum. `StepSchedule` writes two iterations of
+forward, loss, backward, optimizer step and zero_grad: parameters, DDP's buckets, FSDP2's all-gather and
+reduce-scatter buffers on their own streams, the tensors each block keeps for backward, autocast's weight copies,
+bitsandbytes' dequantisation transients, gradients, optimizer states and the step's temporaries. It plays the
+recipe; its parts own the events (FSDP2 units, gradients, the optimizer, blocks, layers, head and loss: this
+package's modules), each naming the PyTorch behaviour it lays out, and what is live is one `StepState`.
+
+Known Limitations: the first `layers` decoder layers only (llmem.estimator.engine extrapolates the others); two
+iterations (the second is the steady state); rank 0's view (the other ranks are alike but for the pipeline's,
+llmem.estimator.pipeline).
+"""
+
+from __future__ import annotations
+
+from llmem.estimator.events import Schedule
+from llmem.estimator.objective_steps import objective_events
+from llmem.estimator.objectives import objective_view
+from llmem.estimator.schedule.blocks import BlockEvents
+from llmem.estimator.schedule.facts import SMALL_TENSOR_BYTES, StepFacts, step_facts
+from llmem.estimator.schedule.gradients import Gradients
+from llmem.estimator.schedule.head import HeadEvents
+from llmem.estimator.schedule.layers import LayerEvents
+from llmem.estimator.schedule.optimizer import OptimizerEvents
+from llmem.estimator.schedule.state import ForwardLive, StepState, UnitKey
+from llmem.estimator.schedule.units import FsdpUnits
+from llmem.estimator.states import fsdp_shards
+from llmem.memory.activations.profile import ActivationProfile
+from llmem.memory.quant import storage_tensors
+from llmem.model.anatomy import ParamInfo
+from llmem.model.peft import element_bytes
+from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import is_embedding
+from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
+from llmem.setup.objectives import objective_spec
+
+
+class StepSchedule:
+    """Two iterations of forward, loss, backward, optimizer step and zero_grad, as rank 0 runs them.
+
+    `layers` keeps only the first decoder layers (the others are identical), for extrapolation. `facts` are fixed
+    at construction, `state` is what is live; the parts (`units`, `gradients`, `optimizer`, `blocks`,
+    `layer_events`, `head`) write the events, reaching the overridable steps (llmem.estimator.schedule.hooks)
+    through this object.
+    """
+
+    def __init__(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> None:
+        trained = bool(objective_spec(r.setup.objective).trainer)   # TRL's trainers (llmem.estimator.objectives)
+        if trained:
+            r, act = objective_view(r, act)       # chosen and rejected: twice the sequences
+        self.facts: StepFacts = self.step_facts(r, act, layers)
+        # Above a billion parameters, tensors under 64 KiB (biases, norm weights and their states, per-token
+        # statistics) are < 0.01 % of the step; leaving them out halves the events to replay.
+        self.sch = Schedule(min_bytes=SMALL_TENSOR_BYTES if r.anatomy.total_params >= 1e9 else 1)
+        self.state = StepState()
+        self.units = FsdpUnits(self, self.state)
+        self.gradients = Gradients(self.facts, self.sch, self.state)
+        self.optimizer = OptimizerEvents(self.facts, self.sch, self.state)
+        self.blocks = BlockEvents(self.facts, self.sch, self.state)
+        self.layer_events = LayerEvents(self, self.state, self.blocks, self.units)
+        self.head = HeadEvents(self, self.state)
+        self.objective = objective_events(self, r) if trained else None   # TRL's trainers' steps
+
+    def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
+        """The step's facts (an engine that runs its own way adjusts them)."""
+        return step_facts(r, act, layers)
+
+    # ------------------------------------------------------------------------------------------ the recipe
+    def build(self, iterations: int = 2) -> Schedule:
+        self.setup_phase()
+        for it in range(iterations):
+            self.forward(it)
+            self.backward(it)
+            self.optimizer_step(it)
+        return self.sch
+
+    def setup_phase(self) -> None:
+        """Parameters (bitsandbytes' storage for a quantised base) and DDP's gradient buckets."""
+        sch, f = self.sch, self.facts
+        sch.phase = "setup:setup"
+        for p in f.params.kept:
+            if f.params.quantised[p.name]:   # the quantised storage: packed weight and quantisation constants
+                for n in storage_tensors(p.shape, f.setup.quant_base, f.quant_args, p.module_kind == "Conv1D",
+                                         fsdp_shards(f.layout)):
+                    sch.alloc(n, "weights")
+            elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
+                sch.alloc(f.params.shard_numel[p.name] * element_bytes(p, f.setup), "weights")
+        if f.layout.spec.gradient_buckets:
+            self.ddp_buckets()
+
+    def ddp_buckets(self) -> None:
+        """The reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB."""
+        f = self.facts
+        cap, filled = DDP_FIRST_BUCKET_BYTES, 0
+        for p in reversed(f.params.trainable):
+            filled += f.params.shard_numel[p.name] * f.params.element_bytes[p.name]
+            if filled >= cap:
+                self.sch.alloc(filled, "communication_buffers")
+                cap, filled = DDP_BUCKET_CAP_BYTES, 0
+        self.sch.alloc(filled, "communication_buffers")
+
+    def forward(self, it: int) -> None:
+        sch, alloc, f = self.sch, self.sch.alloc, self.facts
+        act = f.act
+        if self.objective is not None and it == 0:    # the reference copy's weights and the batch, before the step
+            self.objective.reference_weights()
+            self.objective.batch()
+        sch.phase = f"it{it}:forward"
+        if self.objective is not None:    # forwards before the policy's own (KTO's KL sequences)
+            self.objective.before_forward()
+        self.unshard_forward(None, f.root)          # the root is not resharded after forward (FSDP2 default)
+        self.units.prefetch_forward(0)
+        fwd = self.state.forward = ForwardLive()
+        fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        if act.offload:
+            sch.free_all(fwd.embed_keys)
+            # a frozen embedding's output under checkpointing: a leaf its AccumulateGrad node holds on the device
+            # (without offloading it is layer 0's checkpointed input, counted there)
+            fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
+        fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
+        mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
+        self.ensure_workspace()
+        for i in range(f.layers):
+            self.forward_layer(i)
+        self.release_forward_gathers()
+        sch.free(mask_key)              # the packed mask dies with the model's forward
+        self.head_forward()
+        sch.free(fwd.passed)            # the final norm has read the last layer's output
+        sch.free_all(fwd.bias_cache)    # autocast exit clears its cache; saved weight copies stay referenced
+        if act.offload and not act.grad_ckpt:
+            # the model's forward drops its rotary cos/sin and the layers' copies are on the host; checkpointed
+            # layers' recompute partials (HF passes them as keywords) hold them on the device until their backward
+            sch.free_all(fwd.shared_keys)
+        sch.free_all(fwd.cache)
+        sch.free(fwd.logits)            # the model output is dropped before backward
+
+    def backward(self, it: int) -> None:
+        sch, f = self.sch, self.facts
+        sch.phase = f"it{it}:backward"
+        layers = f.layers
+        if not getattr(self.objective, "loss_outside_model", False):   # TRL's ORPO / CPO: at the logits' gradient
+            self.prefetch(layers - 1, f.unit(layers - 1))   # the root's pre-backward hook gathers it
+        sch.mark("lm_head and loss")
+        self.head_backward(it)
+        self.state.units.pending_rs = []
+        for i in reversed(range(layers)):
+            self.backward_layer(i, it)
+        fwd = self.state.forward
+        if f.act.offload and f.act.embed_leaf_bytes:   # AccumulateGrad gives the leaf its .grad
+            fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
+        # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
+        embeds = [p for p in f.root if p.trainable and is_embedding(p)]
+        stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") if embeds else -1
+        for p in embeds:
+            self.make_grad(p, root_unit=True)
+        self.flush_steps(it)
+        sch.free(stream_grad)
+        sch.free_all(fwd.embed_keys)
+        sch.free_all(fwd.shared_keys)
+        if f.fsdp:
+            self.units.root_post_backward()
+
+    def optimizer_step(self, it: int) -> None:
+        """optimizer.step() (its states at the first step, its temporaries as its row describes them), then
+        zero_grad(set_to_none=True)."""
+        self.sch.phase = f"it{it}:optimizer_step"
+        self.sch.mark("optimizer step")
+        self.optimizer.step(it)
+
+    # ------------------------------------------------------------------------------------------ the parts' steps
+    def forward_layer(self, i: int) -> None:
+        self.layer_events.forward(i)
+
+    def backward_layer(self, i: int, it: int) -> None:
+        self.layer_events.backward(i, it)
+
+    def head_forward(self) -> None:
+        if self.objective is not None:    # TRL's fused head and the reference forward
+            return self.objective.head_forward()
+        self.head.forward()
+
+    def head_backward(self, it: int) -> None:
+        if self.objective is not None:    # TRL's fused head
+            return self.objective.head_backward(it)
+        self.head.backward(it)
+
+    # ------------------------------------------------------------------------------------------ hooks (StepHooks)
+    def unshard_forward(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None:
+        self.units.unshard_forward(unit_key, unit)
+
+    def unshard_backward(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None:
+        self.units.unshard_backward(unit_key, unit)
+
+    def prefetch(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None:
+        self.units.prefetch(unit_key, unit)
+
+    def reshard_unit(self, unit_key: UnitKey) -> None:
+        self.units.reshard_unit(unit_key)
+
+    def release_forward_gathers(self) -> None:
+        self.sch.free_all(self.state.units.last_forward_ag)
+
+    def reduce_scatter_layer(self, i: int) -> None:
+        self.units.reduce_scatter_layer(i)
+
+    def ensure_workspace(self) -> None:
+        if self.state.workspace < 0:
+            self.state.workspace = self.sch.alloc(self.facts.workspace_bytes, "cuda_workspaces")
+
+    def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
+        self.gradients.make(p, root_unit, low)
+
+    def hand_over_grad(self, p: ParamInfo, key: int) -> None:
+        """The lm_head gradient `key` TRL's fused head hands to AccumulateGrad: held for the root's reduce-scatter
+        (FSDP2) or the optimizer step."""
+        self.gradients.hand_over(p, key)
+
+    def head_backward_params(self) -> list[ParamInfo]:
+        return self.gradients.head_params()
+
+    def flush_steps(self, it: int) -> None:
+        self.optimizer.flush_steps(it)
+
+    # ---------------------------------------------- TRL's trainers: what an engine does its own way (DeepSpeed's)
+    def reference_numels(self) -> list[int]:
+        """The reference copy's parameters on this rank: FSDP2's shards (trl's prepare_fsdp), whole without it."""
+        return [self.facts.params.shard_numel[p.name] for p in self.facts.params.kept]
+
+    def reference_fetch(self, where) -> None:
+        """The reference's own engine gathering its modules in its no-grad forward: none in PyTorch's step (FSDP2's
+        reference is its own unit, gathered by the objective's events)."""
+
+    def gather_for_generation(self) -> list[int]:
+        """What the engine gathers around generate (TRL's unwrap_model_for_generation): nothing in PyTorch's step."""
+        return []
+
+    def release_after_generation(self, keys: list[int]) -> None:
+        self.sch.free_all(keys)
