@@ -63,7 +63,7 @@ def second_forward(setup) -> str | None:
     """What makes the policy engine run two forwards in a step (KTO's no_grad KL forward, RLOO's old-policy scoring,
     LoRA's adapters-off reference), or None."""
     spec = objective_spec(setup.objective)
-    if not spec.trainer:          # sft: one forward
+    if not spec.runs_trainer:     # sft: one forward
         return None
     return ("KTO's no_grad KL forward" if kl_sequences(setup) else
             "RLOO's old-policy scoring forward" if spec.scores_policy else

@@ -42,7 +42,6 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
-from llmem.setup.objectives import objective_spec
 from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_actions, rank_splits, stages_per_rank
 
 # the set-up options a pipeline stage's estimate does not model (refused with one line each)
@@ -68,7 +67,7 @@ def check_modelled(r: ResolvedSetup) -> None:
     for name, flag in UNMODELLED:
         if getattr(setup, name):
             raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
-    if objective_spec(setup.objective).trainer or setup.quant_base != "none" or setup.ckpt_every > 1 \
+    if setup.objective_spec.runs_trainer or setup.quant_spec.quantised or setup.ckpt_every > 1 \
             or setup.ac_policy != "full":
         raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
                          "every layer only: drop the other options")

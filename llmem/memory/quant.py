@@ -218,6 +218,9 @@ class QuantLayout:
     transients: Callable[[int, int, QuantArgs, int, bool], Transients]
     # the matmul keeps its input for backward even with a frozen weight (MatMul8bitLt's ctx.tensors)
     keeps_inputs: bool = False
+    # bitsandbytes' Linear4bit.forward: gemm_4bit's output in the compute dtype, cast back to its input's dtype
+    # (out.to(inp_dtype)), which peft's 4-bit LoRA layer clones before adding the adapters (estimator's schedule)
+    casts_output: bool = False
     check: Callable[..., None] | None = None   # refuses a weight the library cannot quantise / FSDP2 cannot shard
 
     @property
@@ -226,7 +229,7 @@ class QuantLayout:
 
 
 QUANT_LAYOUTS: dict[str, QuantLayout] = {q.name: q for q in (
-    QuantLayout("nf4", "NF4 4-bit", _bnb_nf4_tensors, 1, _bnb_nf4_transients),
+    QuantLayout("nf4", "NF4 4-bit", _bnb_nf4_tensors, 1, _bnb_nf4_transients, casts_output=True),
     QuantLayout("int8", "LLM.int8", _int8_tensors, 0, _int8_transients, keeps_inputs=True),
     QuantLayout("torchao-nf4", "NF4Tensor", _ao_tensors, 3, _ao_transients, check=_ao_check),
 )}

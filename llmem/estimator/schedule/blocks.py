@@ -13,7 +13,7 @@ from llmem.estimator.schedule.facts import StepFacts
 from llmem.estimator.schedule.state import StepState
 from llmem.memory.activations.blocks import Block
 from llmem.memory.activations.quantised import quant_input_bytes
-from llmem.memory.quant import allocated
+from llmem.memory.quant import allocated, quant_layout
 from llmem.model.anatomy import ParamInfo
 
 BlockOps = list[tuple[int, int, int]]
@@ -93,13 +93,14 @@ class BlockEvents:
             if p.name not in quant_tmp:
                 continue
             keys = self.play(quant_tmp[p.name].forward)
-            if self.f.setup.quant_base != "nf4" or block is None:
+            if block is None or not quant_layout(self.f.setup.quant_base).casts_output:
                 self.sch.free_all(keys)
                 continue
-            self.nf4_output(p, block, keys)
+            self.cast_output(p, block, keys)
 
-    def nf4_output(self, p: ParamInfo, block: Block, keys: list[int]) -> None:
-        """bitsandbytes nf4's output of `p`'s linear (its dequantised weight `keys` die with gemm_4bit)."""
+    def cast_output(self, p: ParamInfo, block: Block, keys: list[int]) -> None:
+        """The output of `p`'s quantised linear as bitsandbytes' Linear4bit returns it (QuantLayout.casts_output: its
+        dequantised weight `keys` die with gemm_4bit, the output is cast to its input's dtype, peft clones it)."""
         sch, alloc, mm = self.sch, self.sch.alloc, self.f.quant_args.dtype_bytes
         rows = self.f.t * p.out_features                 # elements of the linear's output
         out = alloc(rows * mm, "activations")

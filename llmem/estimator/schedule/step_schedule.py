@@ -35,7 +35,6 @@ from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
-from llmem.setup.objectives import objective_spec
 
 
 class StepSchedule:
@@ -48,7 +47,7 @@ class StepSchedule:
     """
 
     def __init__(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> None:
-        trained = bool(objective_spec(r.setup.objective).trainer)   # TRL's trainers (llmem.estimator.objectives)
+        trained = r.setup.objective_spec.runs_trainer   # TRL's trainers (llmem.estimator.objectives)
         if trained:
             r, act = objective_view(r, act)       # chosen and rejected: twice the sequences
         self.facts: StepFacts = self.step_facts(r, act, layers)
