@@ -2,7 +2,7 @@
 and the rule that reads its head counts.
 
 A row says which activation recipe describes its decoder layer (llmem.memory.activations.recipes.RECIPES, by
-name; None: none written, the activations are learned from the real code (llmem.runtime.learn), Llama's recipe only
+name; None: none written, the activations are learned from the real code (llmem.learn), Llama's recipe only
 where learning is refused, with a note), the architectural details that recipe branches on, and
 how the trace applies tensor parallelism to it (a Megatron-style plan of column- and row-parallel modules, or why
 it cannot). Adding a family: docs/architecture.md.
@@ -65,7 +65,7 @@ class FamilySpec:
     parallel_attention: bool = False     # Falcon: attention and MLP from one LayerNorm, multi-query kv
     tp_plan: TensorParallelPlan | None = None
     tp_refusal: str = _NO_TP             # why no engine runs TP on it ({model_type}), when there is no plan
-    # config values the learned copy (llmem.runtime.learn, 2 layers, layer 1 read) sets so that its layer 1 is a
+    # config values the learned copy (llmem.learn, 2 layers, layer 1 read) sets so that its layer 1 is a
     # routed MoE layer (DeepSeek-V3's first 3 layers are dense)
     learn_copy: tuple[tuple[str, object], ...] = ()
     flash_refusal: str | None = None     # why --attn flash is not modelled on it (one line), when it is not

@@ -101,7 +101,7 @@ IMBALANCE_STEP = 64    # --ep-imbalance is taken in 1/64ths: the learning copy's
 
 def effective_imbalance(imbalance: float) -> float:
     """--ep-imbalance as llmem applies it: rounded up to a multiple of 1/64, so that the rows the learning copy
-    receives (llmem.runtime.learn: its tokens are multiples of 64) are exact and the fitted sizes linear in them."""
+    receives (llmem.learn: its tokens are multiples of 64) are exact and the fitted sizes linear in them."""
     return math.ceil(imbalance * IMBALANCE_STEP - 1e-9) / IMBALANCE_STEP
 
 
