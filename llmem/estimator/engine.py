@@ -1,4 +1,4 @@
-"""The llmem engine: per-GPU peak memory of one fine-tuning step under PyTorch-native training, in milliseconds.
+"""The engine on the estimator floor: per-GPU peak memory of one PyTorch-native fine-tuning step, in milliseconds.
 
 LLMem's equations (paper §3-4) generalised to modern PyTorch: the model states follow the method's real sharding
 (llmem.estimator.states), the activations its family's recipe (llmem.memory.activations), and the step is laid out

@@ -1,4 +1,6 @@
-"""Expert parallelism in the real step, as torchtitan 0.3.0 runs it (models/common/token_dispatcher.py
+"""Expert parallelism on the runtime floor: torchtitan's all-to-all token dispatch in the traced step.
+
+Expert parallelism in the real step, as torchtitan 0.3.0 runs it (models/common/token_dispatcher.py
 AllToAllTokenDispatcher, distributed/fsdp.py apply_fsdp_to_decoder), applied to transformers 5.24's
 `@use_experts_implementation` experts modules (integrations/moe.py grouped_mm_experts_forward):
 

@@ -1,4 +1,6 @@
-"""Expert parallelism (--ep N) as torchtitan 0.3.0 runs it under FSDP2 (torchtitan/distributed/parallel_dims.py,
+"""Expert parallelism on the set-up floor: what --ep accepts and refuses, and the routing it assumes.
+
+Expert parallelism (--ep N) as torchtitan 0.3.0 runs it under FSDP2 (torchtitan/distributed/parallel_dims.py,
 distributed/fsdp.py apply_fsdp_to_decoder, models/common/token_dispatcher.py AllToAllTokenDispatcher):
 
 - ep borrows its ranks from FSDP2's: dp_shard x cp = efsdp x ep. The routed experts' 3-D weights are Shard(0) over

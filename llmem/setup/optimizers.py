@@ -1,4 +1,4 @@
-"""Optimizers: one row per `--optimizer`, registered by name; the only place an optimizer's memory is written.
+"""Optimizers on the set-up floor: one row per `--optimizer`, the only place an optimizer's memory is written.
 
 A row says what the optimizer keeps (`states`: the device tensors it creates per parameter, in creation order;
 `shared_state_bytes`: tensors shared by all parameters; `outside_allocator_bytes`: memory PyTorch's counters never

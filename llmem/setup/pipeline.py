@@ -1,4 +1,6 @@
-"""Pipeline parallelism as torch.distributed.pipelining runs it under torchtitan: the schedules (one registry row
+"""Pipeline parallelism on the set-up floor: the schedules' registry rows and torchtitan's split into stages.
+
+Pipeline parallelism as torch.distributed.pipelining runs it under torchtitan: the schedules (one registry row
 each), how many micro-batches a stage holds in flight under each, and torchtitan's split of the model into stages.
 
 The schedules are torch's (torch/distributed/pipelining/schedules.py); the split is torchtitan's
