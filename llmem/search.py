@@ -1,4 +1,4 @@
-"""Monotone searches: the largest value a predicate accepts, with few calls of it.
+"""Search on the ground floor: monotone searches, the largest value a predicate accepts with few calls of it.
 
 Pure functions over `fits(x) -> bool` (true up to some x, false after it). The planner searches batch sizes and
 sequence lengths with them; LLMem's Algorithm 1 (llmem.paper.algorithm1) its inner batch loop.

@@ -1,4 +1,4 @@
-"""Activations learned from the real code (llmem.runtime.learn, llmem.memory.activations.learned): the exact fit of
+"""Activations learned from the real code (llmem.learn, llmem.memory.activations.learned): the exact fit of
 sizes in b and s, the cache (memory and disk, in a tmp dir), where learning is used and where it is refused, the
 learned layer against the hand recipes where both exist, the floors it keeps, and the tiny catalog entries of three
 families without a hand recipe (checked by their parameter counts worked out by hand)."""
@@ -41,7 +41,8 @@ def _setup(model: str, **kw) -> TrainingSetup:
 def test_sizes_are_fitted_exactly_from_the_points():
     """Allocations whose bytes are known polynomials (a weight cast, rotary cos/sin, a per-token tensor, eager
     scores, a prompt-tuning k/v of s + 20 tokens) come back with exactly those coefficients."""
-    from llmem.runtime.learn import POINTS, Reading, fit_sizes
+    from llmem.learn.fit import fit_sizes
+    from llmem.learn.points import POINTS, Reading
 
     truths = [lambda b, s: 2 * 4096 * 4096, lambda b, s: 4 * 128 * s, lambda b, s: 2 * 4096 * b * s,
               lambda b, s: 4 * 32 * b * s * s, lambda b, s: 2 * 1024 * b * (s + 20)]
@@ -57,7 +58,8 @@ def test_sizes_are_fitted_exactly_from_the_points():
 
 
 def test_points_that_allocate_differently_are_refused():
-    from llmem.runtime.learn import POINTS, LearnError, Reading, fit_sizes
+    from llmem.learn.fit import fit_sizes
+    from llmem.learn.points import POINTS, LearnError, Reading
 
     readings = [Reading([(True, 0, 8 * b * s, 1, "activations", "m")] * (2 if b == 3 else 1), "", (), {}, ())
                 for b, s in POINTS]
@@ -116,8 +118,8 @@ def test_learned_layer_equals_the_hand_recipe_and_is_cached(micro, monkeypatch, 
     assert any(n.startswith("activations learned from the real code on a 2-layer copy") for n in learned.notes)
     assert len(list((tmp_path / "learned").glob("*.json"))) == 1
     lm.forget_in_memory()
-    import llmem.runtime.learn as runtime_learn
-    monkeypatch.setattr(runtime_learn, "learn", lambda r, points=None: pytest.fail("learned again"))
+    import llmem.learn.shallow_copy as shallow_copy
+    monkeypatch.setattr(shallow_copy, "learn", lambda r, points=None: pytest.fail("learned again"))
     assert estimate(setup).peak_allocated_bytes == learned.peak_allocated_bytes
 
 
@@ -197,26 +199,34 @@ def test_fallback_note_says_why_nothing_was_learned(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- floors
-def test_the_estimator_imports_the_runtime_only_lazily_and_only_learn():
-    """Hand-recipe estimates stay milliseconds and import no runtime: llmem/estimator and llmem/memory import
-    llmem.runtime only inside a function, and only llmem.runtime.learn."""
+def test_the_estimator_imports_learning_only_lazily_and_no_runtime():
+    """Hand-recipe estimates stay milliseconds and import no runtime: llmem/estimator and llmem/memory never import
+    llmem.runtime, and only the estimator imports llmem.learn (whose floor runs the real code), inside a function."""
+    seen = []
     for folder in ("estimator", "memory"):
         for path in (ROOT / "llmem" / folder).rglob("*.py"):
             tree = ast.parse(path.read_text())
             top = {id(n) for n in tree.body}
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmem.runtime"):
-                    assert node.module == "llmem.runtime.learn" and id(node) not in top, path
-                    assert folder == "estimator", path
+                module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module]
+                assert not any(n.startswith("llmem.runtime") for n in names), path
+                if any(n.startswith("llmem.learn") for n in names):
+                    assert folder == "estimator" and id(node) not in top, path
+                    seen.append(path.name)
+    assert "engine.py" in seen
 
 
-def test_every_runtime_module_but_learn_is_forbidden_to_the_estimator():
+def test_the_estimator_is_forbidden_the_whole_runtime():
+    """The estimator's contract names the runtime package whole; learning is a floor of its own between them."""
     import tomllib
 
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     forbidden = next(c for c in contracts if c.get("source_modules") == ["llmem.estimator"])["forbidden_modules"]
-    runtime = {f"llmem.runtime.{p.stem}" for p in (ROOT / "llmem" / "runtime").glob("*.py") if p.stem != "__init__"}
-    assert set(forbidden) == runtime - {"llmem.runtime.learn"}
+    assert forbidden == ["llmem.runtime"]
+    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    assert layers.index("llmem.estimator | llmem.paper") + 1 == layers.index("llmem.learn") == \
+        layers.index("llmem.runtime") - 1
 
 
 # ---------------------------------------------------------------------------------------------- the tiny catalog entries

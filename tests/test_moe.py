@@ -11,10 +11,10 @@ import torch
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
+from llmem.learn.shallow_copy import shallow_config
 from llmem.model.anatomy import load_anatomy
 from llmem.model.catalog import find_entry, load_config_dict
 from llmem.model.config import build_meta_model, config_from_dict
-from llmem.runtime.learn import shallow_config
 from llmem.runtime.measure import measure_cpu_with_details
 from llmem.runtime.trace import trace_with_details
 from llmem.setup.training import TrainingSetup

@@ -1,4 +1,6 @@
-"""Command-line options built from the dataclasses' fields: TrainingSetup's fields carry their `Option`
+"""Options on the command-line floor: argparse flags built from the dataclasses' fields.
+
+Command-line options built from the dataclasses' fields: TrainingSetup's fields carry their `Option`
 (llmem.setup.training), PlanOptions' their flag (llmem.planner.options). The parser and the set-up are made from the
 same fields, so they cannot drift apart."""
 

@@ -1,4 +1,6 @@
-"""DeepSpeed ZeRO stages 1-3 as DeepSpeed's engine runs them: the step's allocation schedule of rank 0.
+"""DeepSpeed on the estimator floor: its engine's flat buffers, buckets and ZeRO-3 fetches as allocation events.
+
+DeepSpeed ZeRO stages 1-3 as DeepSpeed's engine runs them: the step's allocation schedule of rank 0.
 
 `DeepSpeedSchedule` extends the PyTorch step's schedule (llmem.estimator.schedule) where DeepSpeed's engine differs:
 the module cast to bf16/fp16 by the engine (no autocast, no fp32 weights on the device), the ZeRO optimizer's flat

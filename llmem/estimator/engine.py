@@ -1,4 +1,4 @@
-"""The llmem engine: per-GPU peak memory of one fine-tuning step under PyTorch-native training, in milliseconds.
+"""The engine on the estimator floor: per-GPU peak memory of one PyTorch-native fine-tuning step, in milliseconds.
 
 LLMem's equations (paper §3-4) generalised to modern PyTorch: the model states follow the method's real sharding
 (llmem.estimator.states), the activations its family's recipe (llmem.memory.activations), and the step is laid out
@@ -273,13 +273,14 @@ def check_ep_learned(r: ResolvedSetup) -> None:
 
 def learn_if_needed(r: ResolvedSetup) -> None:
     """Set-ups without a hand recipe (a family with none, a peft type without an exact model) get their activations
-    learned from the real code (llmem.runtime.learn: a shallow copy run on fake tensors, once per model and set-up,
+    learned from the real code (llmem.learn: a shallow copy run on fake tensors, once per model and set-up,
     cached); imported only then, so hand-recipe estimates import no runtime. A refusal is kept as the reason the
     notes give, and the hand recipes stand."""
     need, _ = learning_need(r)
     if not need or learned_for(r) is not None or learning_failure(r) is not None:
         return
-    from llmem.runtime.learn import LearnError, learned_activations
+    from llmem.learn.points import LearnError
+    from llmem.learn.shallow_copy import learned_activations
 
     try:
         learned_activations(r)

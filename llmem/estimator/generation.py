@@ -1,4 +1,6 @@
-"""A generation objective's events in the step's schedule (--objective grpo): GRPOTrainer with transformers'
+"""Generation objectives on the estimator floor: generate and the scoring phases as events.
+
+A generation objective's events in the step's schedule (--objective grpo): GRPOTrainer with transformers'
 generate, as llmem.runtime.generation traces it. Each iteration has three phases before the optimizer step:
 
 - generation: the prompts [B, P] int64 (ids and mask) on the device; `generate` of the unwrapped policy under

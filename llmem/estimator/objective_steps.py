@@ -1,4 +1,6 @@
-"""The events and moments of an objective's step, one row per kind of step (ObjectiveSpec.step_kind): TRL's
+"""Objective steps on the estimator floor: each kind of objective step's events and moments.
+
+The events and moments of an objective's step, one row per kind of step (ObjectiveSpec.step_kind): TRL's
 preference step with a reference (llmem.estimator.objectives), the pairwise losses on full logits or a scalar head
 (llmem.estimator.pairwise), GRPO's generation, scoring and training (llmem.estimator.generation)."""
 

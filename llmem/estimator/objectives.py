@@ -1,4 +1,6 @@
-"""A preference objective's events in the step's schedule (--objective dpo / kto): TRL's DPOTrainer and KTOTrainer as
+"""Preference objectives on the estimator floor: DPO's and KTO's events in the step's schedule.
+
+A preference objective's events in the step's schedule (--objective dpo / kto): TRL's DPOTrainer and KTOTrainer as
 llmem.runtime.objectives traces them.
 
 StepSchedule calls these at its entry points (`PreferenceEvents`): the reference copy's weights after the policy's

@@ -1,4 +1,6 @@
-"""TRL's pairwise objectives without a reference in the step's schedule: --objective orpo / simpo (the loss on the
+"""Pairwise objectives on the estimator floor: ORPO's, SimPO's and reward's events in the step's schedule.
+
+TRL's pairwise objectives without a reference in the step's schedule: --objective orpo / simpo (the loss on the
 model's full logits) and reward (a scalar head), as llmem.runtime.pairwise traces them. StepSchedule runs the
 doubled batch (chosen then rejected rows, R = 2B sequences); these events replace the preference events' batch,
 head forward and head backward.

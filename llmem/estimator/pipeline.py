@@ -1,5 +1,6 @@
-"""Pipeline parallelism in the estimate: one allocation schedule per pipeline rank, the answer the rank with the
-largest peak.
+"""Pipeline parallelism on the estimator floor: one allocation schedule per pipeline rank.
+
+The answer is the rank with the largest peak.
 
 A rank's schedule is the step's own (llmem.estimator.schedule.StepSchedule) on the rank's sub-model: its stages'
 decoder layers (torchtitan's split, llmem.setup.pipeline), the embedding on the first stage, the final norm, lm_head

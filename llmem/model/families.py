@@ -2,7 +2,7 @@
 and the rule that reads its head counts.
 
 A row says which activation recipe describes its decoder layer (llmem.memory.activations.recipes.RECIPES, by
-name; None: none written, the activations are learned from the real code (llmem.runtime.learn), Llama's recipe only
+name; None: none written, the activations are learned from the real code (llmem.learn), Llama's recipe only
 where learning is refused, with a note), the architectural details that recipe branches on, and
 how the trace applies tensor parallelism to it (a Megatron-style plan of column- and row-parallel modules, or why
 it cannot). Adding a family: docs/architecture.md.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorParallelPlan:
     """Megatron-style split per decoder layer: column-parallel and row-parallel module paths (within a layer)."""
     colwise: tuple[str, ...]
@@ -33,15 +33,16 @@ class TensorParallelPlan:
 
 
 _LLAMA_TP = TensorParallelPlan(
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-    ("self_attn.o_proj", "mlp.down_proj"), sp_norms=("input_layernorm", "post_attention_layernorm"),
+    colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
+    sp_norms=("input_layernorm", "post_attention_layernorm"),
     sp_regions=(("self_attn", "hidden_states"), ("mlp", 0)))
 # Gemma scales the embedding by a plain tensor and Gemma-2 adds post-norms and soft-caps the logits: no
 # sequence parallel (and for Gemma-2 no loss parallel) modelled on them
-_GEMMA_TP = TensorParallelPlan(_LLAMA_TP.colwise, _LLAMA_TP.rowwise)
-_GEMMA2_TP = TensorParallelPlan(_LLAMA_TP.colwise, _LLAMA_TP.rowwise, loss_parallel=False)
-_OPT_TP = TensorParallelPlan(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
-                             ("self_attn.out_proj", "fc2"), local_heads=True)
+_GEMMA_TP = TensorParallelPlan(colwise=_LLAMA_TP.colwise, rowwise=_LLAMA_TP.rowwise)
+_GEMMA2_TP = TensorParallelPlan(colwise=_LLAMA_TP.colwise, rowwise=_LLAMA_TP.rowwise, loss_parallel=False)
+_OPT_TP = TensorParallelPlan(colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+                             rowwise=("self_attn.out_proj", "fc2"), local_heads=True)
 _CONV1D_TP = ("tp is not supported for {model_type}: transformers has no TP plan for it (base_model_tp_plan is None) "
               "and its Conv1D c_attn/c_fc/c_proj layers cannot be split by torch's ColwiseParallel/RowwiseParallel "
               "(nn.Linear/nn.Embedding only); use ddp, fsdp or zero2")
@@ -52,7 +53,7 @@ _NO_TP = ("tp is not supported for model_type {model_type!r}: llmem has no TP pl
           "Qwen2/Qwen3/Gemma/Gemma-2 and OPT); use ddp, fsdp or zero2")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     family: str                          # ModelAnatomy.family: the family whose conventions the model follows
     recipe: str | None                   # activation recipe name; None: learned from the real code
@@ -64,26 +65,26 @@ class FamilySpec:
     parallel_attention: bool = False     # Falcon: attention and MLP from one LayerNorm, multi-query kv
     tp_plan: TensorParallelPlan | None = None
     tp_refusal: str = _NO_TP             # why no engine runs TP on it ({model_type}), when there is no plan
-    # config values the learned copy (llmem.runtime.learn, 2 layers, layer 1 read) sets so that its layer 1 is a
+    # config values the learned copy (llmem.learn, 2 layers, layer 1 read) sets so that its layer 1 is a
     # routed MoE layer (DeepSeek-V3's first 3 layers are dense)
     learn_copy: tuple[tuple[str, object], ...] = ()
     flash_refusal: str | None = None     # why --attn flash is not modelled on it (one line), when it is not
 
 
 FAMILIES: dict[str, FamilySpec] = {
-    "llama": FamilySpec("llama", "llama_like", tp_plan=_LLAMA_TP),
-    "mistral": FamilySpec("llama", "llama_like", tp_plan=_LLAMA_TP),
-    "qwen2": FamilySpec("llama", "llama_like", tp_plan=_LLAMA_TP),
-    "qwen3": FamilySpec("llama", None, tp_plan=_LLAMA_TP),
-    "gemma": FamilySpec("llama", None, tp_plan=_GEMMA_TP),
-    "gemma2": FamilySpec("llama", "llama_like", norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA2_TP),
-    "phi3": FamilySpec("llama", "llama_like", fused_projections=True,
+    "llama": FamilySpec(family="llama", recipe="llama_like", tp_plan=_LLAMA_TP),
+    "mistral": FamilySpec(family="llama", recipe="llama_like", tp_plan=_LLAMA_TP),
+    "qwen2": FamilySpec(family="llama", recipe="llama_like", tp_plan=_LLAMA_TP),
+    "qwen3": FamilySpec(family="llama", recipe=None, tp_plan=_LLAMA_TP),
+    "gemma": FamilySpec(family="llama", recipe=None, tp_plan=_GEMMA_TP),
+    "gemma2": FamilySpec(family="llama", recipe="llama_like", norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA2_TP),
+    "phi3": FamilySpec(family="llama", recipe="llama_like", fused_projections=True,
                        tp_refusal="tp is not supported for phi3: transformers' own plan gathers the fused qkv_proj / "
                                   "gate_up_proj outputs on every rank (colwise_gather_output, rowwise_split_input), "
                                   "which llmem does not model (its TP splits heads); use ddp, fsdp or zero2"),
     # Mixtral: learned like the MoE rows below (transformers 5.24's grouped_mm experts run on the fp32 master weights
     # under autocast and keep the sorted T*k rows: Llama's recipe with experts was 4-5 % low in fp32 and bf16-mixed)
-    "mixtral": FamilySpec("llama", None, experts=True,
+    "mixtral": FamilySpec(family="llama", recipe=None, experts=True,
                           tp_refusal="tp is not supported for mixtral: its experts are fused 3-D parameters "
                                      "(transformers' plan: packed_colwise / moe_tp_experts, no torch "
                                      "ParallelStyle), which llmem does not model; use ddp, fsdp or zero2"),
@@ -91,30 +92,31 @@ FAMILIES: dict[str, FamilySpec] = {
     # sort and gathers as transformers 5.24 runs them; llmem.model.moe). experts=True only where intermediate_size is
     # one expert's width (gpt-oss), for the fallback recipe; Qwen3-MoE's and DeepSeek's intermediate_size is the
     # dense MLP's (= top_k x moe_intermediate_size in the published configs), which the fallback then models
-    "qwen3_moe": FamilySpec("llama", None, tp_refusal=_MOE_TP,
+    "qwen3_moe": FamilySpec(family="llama", recipe=None, tp_refusal=_MOE_TP,
                             learn_copy=(("decoder_sparse_step", 1), ("mlp_only_layers", ()))),
-    "gpt_oss": FamilySpec("llama", None, experts=True, tp_refusal=_MOE_TP),
-    "deepseek_v3": FamilySpec("llama", None, tp_refusal=_MOE_TP, learn_copy=(("first_k_dense_replace", 1),),
+    "gpt_oss": FamilySpec(family="llama", recipe=None, experts=True, tp_refusal=_MOE_TP),
+    "deepseek_v3": FamilySpec(family="llama", recipe=None, tp_refusal=_MOE_TP,
+                              learn_copy=(("first_k_dense_replace", 1),),
                               flash_refusal="--attn flash is not modelled for deepseek_v3: MLA's value heads (v_head_dim) "
                                             "are narrower than its query/key heads (qk_nope + qk_rope head dims), "
                                             "which transformers pads for flash-attn and PyTorch's flash kernel does "
                                             "not take; use --attn sdpa"),
     # Gemma-3's text model (Gemma3ForCausalLM; the catalog's gemma-3 entries are their text configs)
-    "gemma3_text": FamilySpec("llama", None, norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA_TP),
-    "gpt2": FamilySpec("gpt2", "gpt2", norm="layernorm", tp_refusal=_CONV1D_TP),
-    "gpt_bigcode": FamilySpec("gpt2", "gpt2", norm="layernorm",
+    "gemma3_text": FamilySpec(family="llama", recipe=None, norm="rmsnorm_gemma", post_norms=True, tp_plan=_GEMMA_TP),
+    "gpt2": FamilySpec(family="gpt2", recipe="gpt2", norm="layernorm", tp_refusal=_CONV1D_TP),
+    "gpt_bigcode": FamilySpec(family="gpt2", recipe="gpt2", norm="layernorm",
                               tp_refusal="tp is not supported for gpt_bigcode: transformers has no TP plan for it "
                                          "(base_model_tp_plan is None) and its fused c_attn holds the queries with "
                                          "the one multi-query key/value head, which a column split cuts across; "
                                          "use ddp, fsdp or zero2"),
-    "gpt_neo": FamilySpec("gpt_neo", "gpt2", norm="layernorm", separate_qkv=True),
-    "opt": FamilySpec("opt", "opt", norm="layernorm", tp_plan=_OPT_TP),
-    "biogpt": FamilySpec("opt", "opt", norm="layernorm"),
-    "bloom": FamilySpec("bloom", "bloom", norm="layernorm"),
-    "falcon": FamilySpec("falcon", "parallel_block", norm="layernorm", parallel_attention=True),
-    "codegen": FamilySpec("codegen", "parallel_block", norm="layernorm"),
+    "gpt_neo": FamilySpec(family="gpt_neo", recipe="gpt2", norm="layernorm", separate_qkv=True),
+    "opt": FamilySpec(family="opt", recipe="opt", norm="layernorm", tp_plan=_OPT_TP),
+    "biogpt": FamilySpec(family="opt", recipe="opt", norm="layernorm"),
+    "bloom": FamilySpec(family="bloom", recipe="bloom", norm="layernorm"),
+    "falcon": FamilySpec(family="falcon", recipe="parallel_block", norm="layernorm", parallel_attention=True),
+    "codegen": FamilySpec(family="codegen", recipe="parallel_block", norm="layernorm"),
 }
-UNKNOWN_FAMILY = FamilySpec("llama", None)   # model types without a row: activations learned from the real code
+UNKNOWN_FAMILY = FamilySpec(family="llama", recipe=None)   # model types without a row: activations learned from the real code
 
 
 def family_of(model_type: str) -> FamilySpec:

@@ -41,7 +41,7 @@ def moe_facts(anatomy: ModelAnatomy) -> MoeFacts | None:
 
 def routing_notes(anatomy: ModelAnatomy, learned: bool = False, ep: int = 1) -> list[str]:
     """The routing assumption an MoE result states (estimate and trace alike); with activations `learned` from the
-    copy's routed layer 1 (llmem.runtime.learn), how a model whose first layers are dense is read; under --ep
+    copy's routed layer 1 (llmem.learn), how a model whose first layers are dense is read; under --ep
     `ep` > 1 the rank's rows depend on the routing (the --ep note states the assumption)."""
     facts = moe_facts(anatomy)
     if facts is None:

@@ -1,4 +1,6 @@
-"""The paper engine (`--engine paper`): a set-up's m_peak from LLMem's equations (llmem.paper.equations) as a
+"""The engine on the paper floor: LLMem's equations as a MemoryResult (--engine paper).
+
+The paper engine (`--engine paper`): a set-up's m_peak from LLMem's equations (llmem.paper.equations) as a
 MemoryResult, with what the paper does not model named in its notes.
 
 ``m_base`` (CUDA context + Colossal-AI/Gemini initialisation, including NCCL buffers) is measured in the paper, not

@@ -1,4 +1,6 @@
-"""What `llmem plan` is asked: the engine, the ranking, the headroom and the time model's knobs, the export kinds.
+"""Options on the planner floor: what `llmem plan` is asked (PlanOptions).
+
+What `llmem plan` is asked: the engine, the ranking, the headroom and the time model's knobs, the export kinds.
 Each field carries its command-line option (llmem.cli builds the `plan` flags from these fields)."""
 
 from __future__ import annotations

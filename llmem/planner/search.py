@@ -1,4 +1,6 @@
-"""One layout's plan: the largest micro-batch whose device-used memory fits, the memory there, its time; and the
+"""Search on the planner floor: one layout's largest fitting micro-batch, and the rankings of such plans.
+
+One layout's plan: the largest micro-batch whose device-used memory fits, the memory there, its time; and the
 two rankings of such plans (the time model's tokens/s, or LLMem's Algorithm 1)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Context parallelism in the real step: torch's ring attention on the cp dimension of the mesh, applied as
+"""Context parallelism on the runtime floor: torch's ring attention applied to SDPA in the traced step.
+
+Context parallelism in the real step: torch's ring attention on the cp dimension of the mesh, applied as
 torchtitan 0.3.0 applies it to SDPA (torchtitan/distributed/context_parallel/api.py apply_cp_to_forward:
 `_enable_context_parallel_dispatcher()`, then q, k, v wrapped as DTensors sharded on the sequence dimension, so
 the SDPA kernel's aten op - flash, efficient or cuDNN - dispatches to torch's `_templated_ring_attention`

@@ -1,4 +1,6 @@
-"""`llmem trace` under ds-zero1/2/3: DeepSpeed's own engine (deepspeed.initialize) runs the step, with the ZeRO
+"""DeepSpeed on the runtime floor: its own engine runs the traced step on fake tensors.
+
+`llmem trace` under ds-zero1/2/3: DeepSpeed's own engine (deepspeed.initialize) runs the step, with the ZeRO
 optimizer of the set-up's stage, on fake tensors, rank 0 of the layout on a fake process group.
 
 The step is HF Trainer's under DeepSpeed: the model (fp32, as loaded), the set-up's torch optimizer over its trainable

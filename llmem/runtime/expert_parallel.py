@@ -1,4 +1,6 @@
-"""Expert parallelism in the real step, as torchtitan 0.3.0 runs it (models/common/token_dispatcher.py
+"""Expert parallelism on the runtime floor: torchtitan's all-to-all token dispatch in the traced step.
+
+Expert parallelism in the real step, as torchtitan 0.3.0 runs it (models/common/token_dispatcher.py
 AllToAllTokenDispatcher, distributed/fsdp.py apply_fsdp_to_decoder), applied to transformers 5.24's
 `@use_experts_implementation` experts modules (integrations/moe.py grouped_mm_experts_forward):
 
@@ -17,7 +19,7 @@ What cannot run on fake tensors is emulated and stated: the all-to-all splits ar
 the rank sends its T*k rows split evenly over the ep ranks and receives `received_rows` (balanced, or scaled by
 --ep-imbalance). On the fake process group the collectives allocate their outputs as on a GPU (the fake mode's copy
 at wait_tensor dropped, as under --cp). The activations the estimate learns from the real code
-(llmem.runtime.learn) run the same forward with each all-to-all emulated by a new buffer of its output's size
+(llmem.learn) run the same forward with each all-to-all emulated by a new buffer of its output's size
 (forward and backward), since the learning copy has no process group (`learning_ep`).
 """
 
@@ -35,7 +37,7 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.setup.expert_parallel import received_rows, split_sizes
 
-# (ep, imbalance) while llmem.runtime.learn runs its copy under --ep (no process group: emulated all-to-alls)
+# (ep, imbalance) while llmem.learn runs its copy under --ep (no process group: emulated all-to-alls)
 _LEARNING: contextvars.ContextVar[tuple[int, float] | None] = contextvars.ContextVar("llmem_learning_ep",
                                                                                      default=None)
 

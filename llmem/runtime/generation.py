@@ -1,4 +1,6 @@
-"""The step of a TRL generation objective (--objective grpo, rloo) on the prepared model: TRL's own GRPOTrainer (or
+"""Generation objectives on the runtime floor: TRL's GRPO / RLOO trainer and transformers' generate run.
+
+The step of a TRL generation objective (--objective grpo, rloo) on the prepared model: TRL's own GRPOTrainer (or
 RLOOTrainer) code and transformers' own `generate`, on fake tensors.
 
 Each iteration runs the three phases of GRPOTrainer's `training_step` with its defaults (steps_per_generation 1,

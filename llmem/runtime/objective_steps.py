@@ -1,4 +1,6 @@
-"""The trainer step the trace (and measure) runs for an objective, one row per kind of step
+"""Objective steps on the runtime floor: the trainer step the trace runs for each kind of objective.
+
+The trainer step the trace (and measure) runs for an objective, one row per kind of step
 (ObjectiveSpec.step_kind): TRL's preference step (llmem.runtime.objectives), the pairwise losses on full logits or
 a scalar head (llmem.runtime.pairwise), GRPO's generation, scoring and training (llmem.runtime.generation); each
 with the notes saying what the run emulates."""

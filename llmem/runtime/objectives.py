@@ -1,4 +1,6 @@
-"""The step of a TRL preference objective (--objective dpo / kto) on the prepared model: TRL's own trainer code.
+"""Preference objectives on the runtime floor: TRL's DPO / KTO trainer code run in the traced step.
+
+The step of a TRL preference objective (--objective dpo / kto) on the prepared model: TRL's own trainer code.
 
 Each iteration calls the trainer's `_compute_loss` (trl/trainer/dpo_trainer.py or kto_trainer.py, the installed trl)
 on the step's model, then backward and the optimizer step, as transformers' Trainer.training_step does. The

@@ -1,4 +1,6 @@
-"""The optimizers the step runs, one builder per registry row (llmem.setup.optimizers), as PyTorch runs them on
+"""Optimizers on the runtime floor: one builder per registry row, the optimizers the traced step runs.
+
+The optimizers the step runs, one builder per registry row (llmem.setup.optimizers), as PyTorch runs them on
 CUDA, and the ones torch does not ship or whose kernels cannot run on fake tensors.
 
 - torch.optim's AdamW (foreach, fused, for-loop), SGD and Adafactor. Under FakeTensorMode torch would pick the

@@ -1,4 +1,6 @@
-"""The step of TRL's pairwise objectives without a reference (--objective orpo / simpo / reward) on the prepared
+"""Pairwise objectives on the runtime floor: TRL's ORPO / SimPO / reward loss code run in the traced step.
+
+The step of TRL's pairwise objectives without a reference (--objective orpo / simpo / reward) on the prepared
 model: TRL's own loss code.
 
 - orpo, simpo: trl.experimental's ORPOTrainer / CPOTrainer (loss_type simpo) `get_batch_loss_metrics`

@@ -1,4 +1,6 @@
-"""Pipeline parallelism in the real step: one rank's stage(s) of the HF model, split as torchtitan splits it, run by
+"""Pipeline parallelism on the runtime floor: torch's PipelineStage and schedule run the traced step.
+
+Pipeline parallelism in the real step: one rank's stage(s) of the HF model, split as torchtitan splits it, run by
 torch's own PipelineStage(s) and schedule (torch/distributed/pipelining) on the fake process group.
 
 The stage is the model with only its decoder layers (torchtitan's _split_module: the others deleted), the embedding

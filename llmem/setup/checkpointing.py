@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AcPolicy:
     """One way to checkpoint a decoder layer."""
     name: str
@@ -19,12 +19,13 @@ class AcPolicy:
 
 
 AC_POLICIES: dict[str, AcPolicy] = {p.name: p for p in (
-    AcPolicy("full", "the layer input only; the whole layer is recomputed in backward (torch.utils.checkpoint)"),
+    AcPolicy(name="full", saves="the layer input only; the whole layer is recomputed in backward (torch.utils.checkpoint)"),
     # torchtitan/distributed/activation_checkpoint.py, _apply_op_sac with _op_sac_save_list
-    AcPolicy("op", "torchtitan's op-level selective checkpointing: the layer input plus the outputs of every other "
-             "aten.mm (the 1st, 3rd, ... in forward order), of SDPA (output, logsumexp and the kernel's RNG state), "
-             "of aten.max / aten.abs and reduce_scatter; the rest is recomputed", selective=True),
-    AcPolicy("memory-budget", "torch._functorch.config.activation_memory_budget",
+    AcPolicy(name="op", selective=True,
+             saves="torchtitan's op-level selective checkpointing: the layer input plus the outputs of every other "
+                   "aten.mm (the 1st, 3rd, ... in forward order), of SDPA (output, logsumexp and the kernel's RNG "
+                   "state), of aten.max / aten.abs and reduce_scatter; the rest is recomputed"),
+    AcPolicy(name="memory-budget", saves="torch._functorch.config.activation_memory_budget",
              refusal="--ac-policy memory-budget (torch._functorch.config.activation_memory_budget) is decided by "
                      "torch.compile's min-cut partitioner, which llmem does not run: use --ac-policy op or full"),
 )}

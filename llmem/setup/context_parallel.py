@@ -1,4 +1,6 @@
-"""Context parallelism (--cp N) as torchtitan runs it with torch's ring attention
+"""Context parallelism on the set-up floor: what --cp accepts and refuses, the tokens a rank holds.
+
+Context parallelism (--cp N) as torchtitan runs it with torch's ring attention
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py): each rank holds seq_len / cp tokens
 (the head-tail load balancer's 2 x cp chunks, two per rank), SDPA's flash / efficient / cuDNN kernels are
 dispatched to the ring, and FSDP2 shards over dp_shard x cp (torchtitan's ParallelDims: the "fsdp" mesh folds

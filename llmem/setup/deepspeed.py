@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO's knobs as its config resolves them: one frozen `ZeroConfig` per set-up under a ds-zero method.
+"""DeepSpeed on the set-up floor: ZeRO's knobs as its config resolves them, one frozen `ZeroConfig` per ds-zero set-up.
 
 The defaults are DeepSpeed's own (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig, the installed 0.19.x):
 reduce_bucket_size 5e8 elements, overlap_comm on for stage 3 only (its `overlap_comm_valid` validator),

@@ -1,4 +1,6 @@
-"""Expert parallelism (--ep N) as torchtitan 0.3.0 runs it under FSDP2 (torchtitan/distributed/parallel_dims.py,
+"""Expert parallelism on the set-up floor: what --ep accepts and refuses, and the routing it assumes.
+
+Expert parallelism (--ep N) as torchtitan 0.3.0 runs it under FSDP2 (torchtitan/distributed/parallel_dims.py,
 distributed/fsdp.py apply_fsdp_to_decoder, models/common/token_dispatcher.py AllToAllTokenDispatcher):
 
 - ep borrows its ranks from FSDP2's: dp_shard x cp = efsdp x ep. The routed experts' 3-D weights are Shard(0) over
@@ -101,7 +103,7 @@ IMBALANCE_STEP = 64    # --ep-imbalance is taken in 1/64ths: the learning copy's
 
 def effective_imbalance(imbalance: float) -> float:
     """--ep-imbalance as llmem applies it: rounded up to a multiple of 1/64, so that the rows the learning copy
-    receives (llmem.runtime.learn: its tokens are multiples of 64) are exact and the fitted sizes linear in them."""
+    receives (llmem.learn: its tokens are multiples of 64) are exact and the fitted sizes linear in them."""
     return math.ceil(imbalance * IMBALANCE_STEP - 1e-9) / IMBALANCE_STEP
 
 

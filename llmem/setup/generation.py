@@ -1,4 +1,6 @@
-"""The generation objectives' options and their check (--objective grpo): TRL's GRPOTrainer as the installed trl 1.16
+"""Generation objectives on the set-up floor: GRPO's and RLOO's options and their check.
+
+The generation objectives' options and their check (--objective grpo): TRL's GRPOTrainer as the installed trl 1.16
 runs it with transformers' `generate` (trl/trainer/grpo_trainer.py, grpo_config.py).
 
 One step, as GRPOTrainer runs it with its defaults (steps_per_generation = gradient_accumulation_steps = 1,

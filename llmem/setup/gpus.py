@@ -23,7 +23,7 @@ _UNMEASURED = "nvidia-smi total; the driver's total (what PyTorch can use) not f
 _OOM_MESSAGE = "driver total as PyTorch's OOM message and get_device_properties report it on Linux"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuSpec:
     name: str
     memory_bytes: int
@@ -45,28 +45,59 @@ class GpuSpec:
 _WS_HOPPER = 32 * MIB
 _WS_PRE_HOPPER = 2 * 4096 * KIB + 8 * 16 * KIB
 
-# Memory bandwidth (last field): the vendors' datasheet peaks (HBM / GDDR), GB/s.
+# Memory bandwidth (memory_gbps): the vendors' datasheet peaks (HBM / GDDR), GB/s.
 GPU_CATALOG: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("V100-16GB", 16384 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0,
-                "the paper's m_total (16384 MiB, kept so the paper engine reproduces it); the driver reports less"),
-        GpuSpec("V100-32GB", 32768 * MIB, 330 * MIB, _WS_PRE_HOPPER, 125.0, 150.0, (7, 0), 900.0),
-        GpuSpec("T4", 15102 * MIB, 330 * MIB, _WS_PRE_HOPPER, 65.0, 16.0, (7, 5), 320.0, _OOM_MESSAGE + " (14.75 GiB)"),
-        GpuSpec("A10G", 23028 * MIB, 420 * MIB, _WS_PRE_HOPPER, 70.0, 16.0, (8, 6), 600.0),
-        GpuSpec("RTX3090", 24576 * MIB, 420 * MIB, _WS_PRE_HOPPER, 71.0, 25.0, (8, 6), 936.0),
-        GpuSpec("RTX4090", 24218 * MIB, 420 * MIB, _WS_PRE_HOPPER, 165.0, 25.0, (8, 9), 1008.0,
-                _OOM_MESSAGE + " (23.65 GiB)"),
-        GpuSpec("L4", 23034 * MIB, 420 * MIB, _WS_PRE_HOPPER, 121.0, 25.0, (8, 9), 300.0),
-        GpuSpec("L40S", 46068 * MIB, 420 * MIB, _WS_PRE_HOPPER, 362.0, 25.0, (8, 9), 864.0),
-        GpuSpec("A100-40GB", 42_298_834_944, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 1555.0,
-                "driver total measured on an A100-40GB (issue 10: 42,298,834,944 B = 39.39 GiB)"),
-        GpuSpec("A100-80GB", 81050 * MIB, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0, (8, 0), 2039.0,
-                _OOM_MESSAGE + " (79.15 GiB, total_memory=81050MB)"),
-        GpuSpec("H100-80GB", 81559 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 3350.0),
-        GpuSpec("H200", 143771 * MIB, 520 * MIB, _WS_HOPPER, 989.0, 450.0, (9, 0), 4800.0),
-        GpuSpec("B200", 183359 * MIB, 600 * MIB, _WS_HOPPER, 2250.0, 900.0, (10, 0), 8000.0),
-        GpuSpec("MI300X", 196592 * MIB, 600 * MIB, _WS_HOPPER, 1307.0, 448.0, (9, 4), 5300.0),
+        GpuSpec(name="V100-16GB", memory_bytes=16384 * MIB, compute_capability=(7, 0),
+                cuda_context_bytes=330 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=125.0, link_gbps=150.0, memory_gbps=900.0,
+                memory_source="the paper's m_total (16384 MiB, kept so the paper engine reproduces it); "
+                              "the driver reports less"),
+        GpuSpec(name="V100-32GB", memory_bytes=32768 * MIB, compute_capability=(7, 0),
+                cuda_context_bytes=330 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=125.0, link_gbps=150.0, memory_gbps=900.0),
+        GpuSpec(name="T4", memory_bytes=15102 * MIB, compute_capability=(7, 5),
+                cuda_context_bytes=330 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=65.0, link_gbps=16.0, memory_gbps=320.0,
+                memory_source=_OOM_MESSAGE + " (14.75 GiB)"),
+        GpuSpec(name="A10G", memory_bytes=23028 * MIB, compute_capability=(8, 6),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=70.0, link_gbps=16.0, memory_gbps=600.0),
+        GpuSpec(name="RTX3090", memory_bytes=24576 * MIB, compute_capability=(8, 6),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=71.0, link_gbps=25.0, memory_gbps=936.0),
+        GpuSpec(name="RTX4090", memory_bytes=24218 * MIB, compute_capability=(8, 9),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=165.0, link_gbps=25.0, memory_gbps=1008.0,
+                memory_source=_OOM_MESSAGE + " (23.65 GiB)"),
+        GpuSpec(name="L4", memory_bytes=23034 * MIB, compute_capability=(8, 9),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=121.0, link_gbps=25.0, memory_gbps=300.0),
+        GpuSpec(name="L40S", memory_bytes=46068 * MIB, compute_capability=(8, 9),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=362.0, link_gbps=25.0, memory_gbps=864.0),
+        GpuSpec(name="A100-40GB", memory_bytes=42_298_834_944, compute_capability=(8, 0),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=312.0, link_gbps=300.0, memory_gbps=1555.0,
+                memory_source="driver total measured on an A100-40GB (issue 10: 42,298,834,944 B = 39.39 "
+                              "GiB)"),
+        GpuSpec(name="A100-80GB", memory_bytes=81050 * MIB, compute_capability=(8, 0),
+                cuda_context_bytes=420 * MIB, cublas_workspace_bytes=_WS_PRE_HOPPER,
+                bf16_tflops=312.0, link_gbps=300.0, memory_gbps=2039.0,
+                memory_source=_OOM_MESSAGE + " (79.15 GiB, total_memory=81050MB)"),
+        GpuSpec(name="H100-80GB", memory_bytes=81559 * MIB, compute_capability=(9, 0),
+                cuda_context_bytes=520 * MIB, cublas_workspace_bytes=_WS_HOPPER,
+                bf16_tflops=989.0, link_gbps=450.0, memory_gbps=3350.0),
+        GpuSpec(name="H200", memory_bytes=143771 * MIB, compute_capability=(9, 0),
+                cuda_context_bytes=520 * MIB, cublas_workspace_bytes=_WS_HOPPER,
+                bf16_tflops=989.0, link_gbps=450.0, memory_gbps=4800.0),
+        GpuSpec(name="B200", memory_bytes=183359 * MIB, compute_capability=(10, 0),
+                cuda_context_bytes=600 * MIB, cublas_workspace_bytes=_WS_HOPPER,
+                bf16_tflops=2250.0, link_gbps=900.0, memory_gbps=8000.0),
+        GpuSpec(name="MI300X", memory_bytes=196592 * MIB, compute_capability=(9, 4),
+                cuda_context_bytes=600 * MIB, cublas_workspace_bytes=_WS_HOPPER,
+                bf16_tflops=1307.0, link_gbps=448.0, memory_gbps=5300.0),
     )
 }
 
@@ -85,7 +116,8 @@ def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
     if key is None:
         if memory is None:
             raise LlmemError(f"unknown GPU {name!r}: choose one of {', '.join(GPU_CATALOG)} or give --gpu-memory")
-        base = GpuSpec(name, 0, 420 * MIB, _WS_PRE_HOPPER, 312.0, 300.0)
+        base = GpuSpec(name=name, memory_bytes=0, cuda_context_bytes=420 * MIB,
+                       cublas_workspace_bytes=_WS_PRE_HOPPER, bf16_tflops=312.0, link_gbps=300.0)
     else:
         base = GPU_CATALOG[key]
     changes = {}

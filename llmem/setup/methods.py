@@ -33,10 +33,10 @@ TP_ALL = "all"       # every GPU is one tensor-parallel group (dp = 1)
 TP_INNER = "inner"   # the tp dimension of a (dp, tp) mesh inside a node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MethodSpec:
     name: str
-    aliases: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
     shards_model_states: bool       # FSDP2: parameters, gradients and optimizer states split over the dp ranks
     reshard_after_forward: bool     # FSDP2 frees a decoder layer's unsharded parameters after its forward
     tensor_parallel: str            # TP_NONE, TP_ALL or TP_INNER
@@ -61,27 +61,61 @@ class MethodSpec:
         return self.tensor_parallel != TP_NONE
 
 
+def _deepspeed(stage: int) -> MethodSpec:
+    """DeepSpeed's engine (deepspeed.initialize) with ZeRO stage `stage`: bf16/fp16 run without autocast (the engine
+    casts the module), its ZeRO optimizer partitions the states itself (no FSDP2 sharding, no DDP reducer)."""
+    return MethodSpec(
+        name=f"ds-zero{stage}", aliases=(f"deepspeed-zero{stage}", f"ds{stage}"),
+        shards_model_states=False, reshard_after_forward=False, tensor_parallel=TP_NONE, gradient_buckets=False,
+        autocast_under_mixed=False, steps_in_backward=False,
+        paper_name="ADP" if stage == 3 else "CDP", paper_order=5 + stage, deepspeed_stage=stage,
+        torch_recipe=f"deepspeed.initialize(model, config={{'zero_optimization': {{'stage': {stage}}}, ...}})",
+        label_format="{name} ({dp})", zero_stage=stage)
+
+
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec("single", (), False, False, TP_NONE, False, True, True, "CDP", 0, 0,
-               "one process, no process group", "{name}", one_gpu=True),
-    MethodSpec("ddp", ("cdp", "dp"), False, False, TP_NONE, True, True, False, "CDP", 0, 0,
-               "DistributedDataParallel(model)", "{name} ({dp})"),
-    MethodSpec("fsdp", ("zero3", "adp", "fsdp2"), True, True, TP_NONE, False, False, False, "ADP", 1, 3,
-               "fully_shard(layer) for each decoder layer, then fully_shard(model) (reshard_after_forward=True)",
-               "{name} ({dp})"),
-    MethodSpec("zero2", ("fsdp-no-reshard", "shard-grad-op"), True, False, TP_NONE, False, False, False, "ADP", 2, 2,
-               "fully_shard(..., reshard_after_forward=False) per decoder layer and the root", "{name} ({dp})"),
-    MethodSpec("tp", (), False, False, TP_ALL, False, True, False, "TP", 3, 0,
-               "init_device_mesh('cuda', ({tp},)) and parallelize_module with the model's tp_plan", "{name} ({tp})"),
-    MethodSpec("fsdp+tp", ("dp+tp", "fsdp-tp", "2d"), True, True, TP_INNER, False, False, False, "DP+TP", 4, None,
-               "init_device_mesh('cuda', ({dp}, {tp}), mesh_dim_names=('dp', 'tp')): parallelize_module on "
-               "mesh['tp'], then fully_shard on mesh['dp']", "{name} ({dp}dp x {tp}tp)"),
-    # DeepSpeed's engine (deepspeed.initialize): bf16/fp16 run without autocast (the engine casts the module), its
-    # ZeRO optimizer partitions the states itself (no FSDP2 sharding, no DDP reducer)
-    *(MethodSpec(f"ds-zero{stage}", (f"deepspeed-zero{stage}", f"ds{stage}"), False, False, TP_NONE, False, False,
-                 False, "ADP" if stage == 3 else "CDP", 5 + stage, stage,
-                 f"deepspeed.initialize(model, config={{'zero_optimization': {{'stage': {stage}}}, ...}})",
-                 "{name} ({dp})", zero_stage=stage) for stage in (1, 2, 3)),
+    MethodSpec(
+        name="single", one_gpu=True,
+        shards_model_states=False, reshard_after_forward=False, tensor_parallel=TP_NONE, gradient_buckets=False,
+        autocast_under_mixed=True, steps_in_backward=True,
+        paper_name="CDP", paper_order=0, deepspeed_stage=0,
+        torch_recipe="one process, no process group", label_format="{name}"),
+    MethodSpec(
+        name="ddp", aliases=("cdp", "dp"),
+        shards_model_states=False, reshard_after_forward=False, tensor_parallel=TP_NONE, gradient_buckets=True,
+        autocast_under_mixed=True, steps_in_backward=False,
+        paper_name="CDP", paper_order=0, deepspeed_stage=0,
+        torch_recipe="DistributedDataParallel(model)", label_format="{name} ({dp})"),
+    MethodSpec(
+        name="fsdp", aliases=("zero3", "adp", "fsdp2"),
+        shards_model_states=True, reshard_after_forward=True, tensor_parallel=TP_NONE, gradient_buckets=False,
+        autocast_under_mixed=False, steps_in_backward=False,
+        paper_name="ADP", paper_order=1, deepspeed_stage=3,
+        torch_recipe="fully_shard(layer) for each decoder layer, then fully_shard(model) (reshard_after_forward=True)",
+        label_format="{name} ({dp})"),
+    MethodSpec(
+        name="zero2", aliases=("fsdp-no-reshard", "shard-grad-op"),
+        shards_model_states=True, reshard_after_forward=False, tensor_parallel=TP_NONE, gradient_buckets=False,
+        autocast_under_mixed=False, steps_in_backward=False,
+        paper_name="ADP", paper_order=2, deepspeed_stage=2,
+        torch_recipe="fully_shard(..., reshard_after_forward=False) per decoder layer and the root",
+        label_format="{name} ({dp})"),
+    MethodSpec(
+        name="tp",
+        shards_model_states=False, reshard_after_forward=False, tensor_parallel=TP_ALL, gradient_buckets=False,
+        autocast_under_mixed=True, steps_in_backward=False,
+        paper_name="TP", paper_order=3, deepspeed_stage=0,
+        torch_recipe="init_device_mesh('cuda', ({tp},)) and parallelize_module with the model's tp_plan",
+        label_format="{name} ({tp})"),
+    MethodSpec(
+        name="fsdp+tp", aliases=("dp+tp", "fsdp-tp", "2d"),
+        shards_model_states=True, reshard_after_forward=True, tensor_parallel=TP_INNER, gradient_buckets=False,
+        autocast_under_mixed=False, steps_in_backward=False,
+        paper_name="DP+TP", paper_order=4, deepspeed_stage=None,
+        torch_recipe="init_device_mesh('cuda', ({dp}, {tp}), mesh_dim_names=('dp', 'tp')): parallelize_module on "
+                     "mesh['tp'], then fully_shard on mesh['dp']",
+        label_format="{name} ({dp}dp x {tp}tp)"),
+    *(_deepspeed(stage) for stage in (1, 2, 3)),
 )}
 METHOD_ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
 

@@ -1,4 +1,4 @@
-"""Training objectives: one row per `--objective`, registered by name, as TRL's trainers name and run them.
+"""Objectives on the set-up floor: one row per `--objective`, registered by name, as TRL's trainers run them.
 
 `sft` is one model's causal-LM step (HF's loss on full logits, or --fused-ce). The preference objectives follow the
 installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):

@@ -1,4 +1,4 @@
-"""Optimizers: one row per `--optimizer`, registered by name; the only place an optimizer's memory is written.
+"""Optimizers on the set-up floor: one row per `--optimizer`, the only place an optimizer's memory is written.
 
 A row says what the optimizer keeps (`states`: the device tensors it creates per parameter, in creation order;
 `shared_state_bytes`: tensors shared by all parameters; `outside_allocator_bytes`: memory PyTorch's counters never
@@ -66,7 +66,7 @@ def _nothing_outside(shape: Shape) -> int:
     return 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     name: str
     summary: str                                            # --help
@@ -343,17 +343,18 @@ def _bnb_row(name: str, summary: str, paged: bool) -> OptimizerSpec:
     if paged:
         notes[0].append(_PAGED_NOTE)
         notes[1].append(_PAGED_NOTE)
-    return OptimizerSpec(name, summary, _bnb_states(paged), _no_events, NO_TEMPORARIES,
-                         shared_state_bytes=_bnb_qmaps,
+    return OptimizerSpec(name=name, summary=summary, states=_bnb_states(paged), step_events=_no_events,
+                         step_scope=NO_TEMPORARIES, shared_state_bytes=_bnb_qmaps,
                          outside_allocator_bytes=_bnb_paged_states if paged else _nothing_outside,
                          plain_tensors_only=_BNB_PLAIN, eight_bit=True, paged=paged,
                          estimate_notes=tuple(notes[0]), step_notes=tuple(notes[1]))
 
 
-_ADAMW = OptimizerSpec("adamw", "torch AdamW, foreach (the CUDA default)", _adam_states, _foreach_copy_events,
-                       PER_GROUP, AFTER_TEMPORARIES, adam=True)
-_MUON_PART = OptimizerSpec("muon-matrices", "torch Muon over the hidden layers' matrices", _one_state, _muon_events,
-                           ALL_PARAMETERS)
+_ADAMW = OptimizerSpec(name="adamw", summary="torch AdamW, foreach (the CUDA default)", states=_adam_states,
+                       step_events=_foreach_copy_events, step_scope=PER_GROUP, redistribute=AFTER_TEMPORARIES,
+                       adam=True)
+_MUON_PART = OptimizerSpec(name="muon-matrices", summary="torch Muon over the hidden layers' matrices",
+                           states=_one_state, step_events=_muon_events, step_scope=ALL_PARAMETERS)
 _MUON_NOTE = ("muon: torch.optim.Muon (single-tensor; Newton-Schulz in bf16) over the decoder layers' 2-D weights, "
               "torch.optim.AdamW (foreach) over the other parameters (embeddings, lm_head, norms, biases), stepped "
               "Muon first, as torch's documentation pairs them")
@@ -364,22 +365,26 @@ _MUON_SHARDED_NOTE = ("muon on FSDP2 shards: DTensor's redistributions of the Ne
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {o.name: o for o in (
     _ADAMW,
-    OptimizerSpec("adamw-fused", "torch AdamW(fused=True)", _adam_states, _no_events, NO_TEMPORARIES,
-                  host_step_counters=False, adam=True),
-    OptimizerSpec("adamw-forloop", "torch AdamW(foreach=False)", _adam_states, _forloop_adamw_events,
-                  ALL_PARAMETERS, adam=True),
-    OptimizerSpec("sgd", "torch SGD without momentum", _no_states, _no_events, NO_TEMPORARIES),
-    OptimizerSpec("sgd-momentum", "torch SGD(momentum=0.9)", _one_state, _no_events, NO_TEMPORARIES),
-    OptimizerSpec("adafactor", "torch Adafactor (its default for-loop implementation)", _adafactor_states,
-                  _adafactor_events, PER_GROUP,
+    OptimizerSpec(name="adamw-fused", summary="torch AdamW(fused=True)", states=_adam_states,
+                  step_events=_no_events, step_scope=NO_TEMPORARIES, host_step_counters=False, adam=True),
+    OptimizerSpec(name="adamw-forloop", summary="torch AdamW(foreach=False)", states=_adam_states,
+                  step_events=_forloop_adamw_events, step_scope=ALL_PARAMETERS, adam=True),
+    OptimizerSpec(name="sgd", summary="torch SGD without momentum", states=_no_states,
+                  step_events=_no_events, step_scope=NO_TEMPORARIES),
+    OptimizerSpec(name="sgd-momentum", summary="torch SGD(momentum=0.9)", states=_one_state,
+                  step_events=_no_events, step_scope=NO_TEMPORARIES),
+    OptimizerSpec(name="adafactor", summary="torch Adafactor (its default for-loop implementation)",
+                  states=_adafactor_states, step_events=_adafactor_events, step_scope=PER_GROUP,
                   plain_tensors_only=("{name} with {method}: torch.optim.Adafactor fails on DTensor parameters "
                                       "(torch.norm(grad, dim=-2).square_() cannot keep the _NormPartial placement in "
                                       "place); use single or ddp"),
                   estimate_notes=(_ADAFACTOR_NOTE,), step_notes=(_ADAFACTOR_NOTE,)),
-    OptimizerSpec("lion", "Lion (lion-pytorch's update, foreach kernels)", _one_state, _foreach_copy_events,
-                  PER_GROUP, AT_FIRST_FREE, estimate_notes=(_LION_NOTE,), step_notes=(_LION_NOTE,)),
-    OptimizerSpec("muon", "torch Muon for the hidden layers' matrices, AdamW for the rest", _one_state, _muon_events,
-                  PER_GROUP, parts=(_MUON_PART, _ADAMW), part_of=_muon_part_of,
+    OptimizerSpec(name="lion", summary="Lion (lion-pytorch's update, foreach kernels)", states=_one_state,
+                  step_events=_foreach_copy_events, step_scope=PER_GROUP, redistribute=AT_FIRST_FREE,
+                  estimate_notes=(_LION_NOTE,), step_notes=(_LION_NOTE,)),
+    OptimizerSpec(name="muon", summary="torch Muon for the hidden layers' matrices, AdamW for the rest",
+                  states=_one_state, step_events=_muon_events, step_scope=PER_GROUP,
+                  parts=(_MUON_PART, _ADAMW), part_of=_muon_part_of,
                   tp_refusal=("{name} with {method}: torch.optim.Muon's Newton-Schulz iteration on tensor-parallel "
                               "DTensor shards is not modelled; use single, ddp, fsdp or zero2"),
                   estimate_notes=(_MUON_NOTE,), step_notes=(_MUON_NOTE,), sharded_notes=(_MUON_SHARDED_NOTE,)),

@@ -1,4 +1,6 @@
-"""Pipeline parallelism as torch.distributed.pipelining runs it under torchtitan: the schedules (one registry row
+"""Pipeline parallelism on the set-up floor: the schedules' registry rows and torchtitan's split into stages.
+
+Pipeline parallelism as torch.distributed.pipelining runs it under torchtitan: the schedules (one registry row
 each), how many micro-batches a stage holds in flight under each, and torchtitan's split of the model into stages.
 
 The schedules are torch's (torch/distributed/pipelining/schedules.py); the split is torchtitan's
@@ -100,7 +102,7 @@ _SPLIT_BACKWARD = ("splits each backward into an input-gradient and a later weig
                    "and the weight gradients' inputs held in between), which the estimate does not model yet")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineScheduleSpec:
     """One of torch's pipeline schedules."""
     name: str                      # --pp-schedule
@@ -128,19 +130,30 @@ class PipelineScheduleSpec:
 
 
 PIPELINE_SCHEDULES: dict[str, PipelineScheduleSpec] = {s.name: s for s in (
-    PipelineScheduleSpec("gpipe", "ScheduleGPipe", "GPipe", 1, _all, True, "all forwards, then all backwards"),
-    PipelineScheduleSpec("1f1b", "Schedule1F1B", "1F1B", 1, _one_f_one_b, True,
-                         "warm-up forwards, then one forward and one backward (torchtitan's default)"),
-    PipelineScheduleSpec("interleaved-1f1b", "ScheduleInterleaved1F1B", "Interleaved1F1B", 2, _interleaved, True,
-                         "1F1B over --pp-virtual-stages (default 2) stages per rank (looped: r, r + pp, ...)",
-                         bubble=_interleaved_bubble),
-    PipelineScheduleSpec("interleaved-zb", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", 2,
-                         _not_modelled, False, "interleaved 1F1B with split backwards", _SPLIT_BACKWARD),
-    PipelineScheduleSpec("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", 2, _not_modelled, False,
-                         "zero bubble over 2 stages per rank in a V (r and 2 pp - 1 - r)", _SPLIT_BACKWARD),
-    PipelineScheduleSpec("dualpipev", "ScheduleDualPipeV", "DualPipeV", 2, _not_modelled, False,
-                         "DeepSeek's DualPipe in a V, overlapped forward / backward pairs",
-                         _SPLIT_BACKWARD + " nor its overlapped forward / backward pairs"),
+    PipelineScheduleSpec(
+        name="gpipe", torch_class="ScheduleGPipe", torchtitan_name="GPipe", virtual_stages=1,
+        in_flight=_all, modelled=True, summary="all forwards, then all backwards"),
+    PipelineScheduleSpec(
+        name="1f1b", torch_class="Schedule1F1B", torchtitan_name="1F1B", virtual_stages=1,
+        in_flight=_one_f_one_b, modelled=True,
+        summary="warm-up forwards, then one forward and one backward (torchtitan's default)"),
+    PipelineScheduleSpec(
+        name="interleaved-1f1b", torch_class="ScheduleInterleaved1F1B", torchtitan_name="Interleaved1F1B",
+        virtual_stages=2, in_flight=_interleaved, modelled=True, bubble=_interleaved_bubble,
+        summary="1F1B over --pp-virtual-stages (default 2) stages per rank (looped: r, r + pp, ...)"),
+    PipelineScheduleSpec(
+        name="interleaved-zb", torch_class="ScheduleInterleavedZeroBubble", torchtitan_name="InterleavedZeroBubble",
+        virtual_stages=2, in_flight=_not_modelled, modelled=False,
+        summary="interleaved 1F1B with split backwards", not_modelled_why=_SPLIT_BACKWARD),
+    PipelineScheduleSpec(
+        name="zbv", torch_class="ScheduleZBVZeroBubble", torchtitan_name="ZBVZeroBubble",
+        virtual_stages=2, in_flight=_not_modelled, modelled=False,
+        summary="zero bubble over 2 stages per rank in a V (r and 2 pp - 1 - r)", not_modelled_why=_SPLIT_BACKWARD),
+    PipelineScheduleSpec(
+        name="dualpipev", torch_class="ScheduleDualPipeV", torchtitan_name="DualPipeV",
+        virtual_stages=2, in_flight=_not_modelled, modelled=False,
+        summary="DeepSeek's DualPipe in a V, overlapped forward / backward pairs",
+        not_modelled_why=_SPLIT_BACKWARD + " nor its overlapped forward / backward pairs"),
 )}
 
 
@@ -151,7 +164,7 @@ def pipeline_schedule(name: str) -> PipelineScheduleSpec:
     return spec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageSplit:
     """One pipeline stage's modules: the embedding (first stage), decoder layers [first, stop), the final norm and
     lm_head (last stage)."""
@@ -172,7 +185,7 @@ def stage_splits(num_layers: int, stages: int, first_less: int = FIRST_STAGE_LES
     evenly over the stages (the first ones one more where it does not divide), the embedding counting first_less
     layers of stage 0 and norm + lm_head last_less of the last stage."""
     if stages == 1:
-        return (StageSplit(0, 0, num_layers, True, True),)
+        return (StageSplit(index=0, first_layer=0, stop_layer=num_layers, embedding=True, head=True),)
     effective = num_layers + first_less + last_less
     per, extra = divmod(effective, stages)
     if per == 0 or first_less > per or last_less > per:
@@ -183,7 +196,8 @@ def stage_splits(num_layers: int, stages: int, first_less: int = FIRST_STAGE_LES
     for s in range(stages):
         n = per + (1 if s < extra else 0) - (first_less if s == 0 else last_less if s == stages - 1 else 0)
         stop = min(num_layers, layer + n)
-        out.append(StageSplit(s, layer, stop, s == 0, s == stages - 1))
+        out.append(StageSplit(index=s, first_layer=layer, stop_layer=stop, embedding=s == 0,
+                              head=s == stages - 1))
         layer = stop
     return tuple(out)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 F32 = 4   # bytes of an fp32 element
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Precision:
     name: str
     param_bytes: int      # stored trained parameters, their gradients and optimizer states
@@ -28,11 +28,16 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", 4, 4, "float32", False, "no"),
-    Precision("bf16-mixed", 4, 2, "bfloat16", True, "bf16"),
-    Precision("fp16-mixed", 4, 2, "float16", True, "fp16"),
-    Precision("bf16", 2, 2, "bfloat16", False, "no"),
-    Precision("fp16", 2, 2, "float16", False, "no"),
+    Precision(name="fp32", param_bytes=4, compute_bytes=4, compute_dtype="float32", mixed=False,
+              accelerate="no"),
+    Precision(name="bf16-mixed", param_bytes=4, compute_bytes=2, compute_dtype="bfloat16", mixed=True,
+              accelerate="bf16"),
+    Precision(name="fp16-mixed", param_bytes=4, compute_bytes=2, compute_dtype="float16", mixed=True,
+              accelerate="fp16"),
+    Precision(name="bf16", param_bytes=2, compute_bytes=2, compute_dtype="bfloat16", mixed=False,
+              accelerate="no"),
+    Precision(name="fp16", param_bytes=2, compute_bytes=2, compute_dtype="float16", mixed=False,
+              accelerate="no"),
 )}
 
 

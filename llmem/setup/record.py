@@ -1,4 +1,6 @@
-"""The set-up as every engine reports it: the user's set-up with what resolving it decided (the model's name, the
+"""The set-up's record on the set-up floor: the set-up as every engine's result reports it.
+
+The set-up as every engine reports it: the user's set-up with what resolving it decided (the model's name, the
 layout, the GPU, the attention kernel that runs, the adapters peft builds) and the facts the numbers depend on. One
 record, filled one way (llmem.model.resolved.setup_record), in every MemoryResult; `describe()` says it in words
 (the tables' and the plots' titles)."""

@@ -138,7 +138,7 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16", adapter_dtype="base", lora_rank=8, lora_alpha=16,
        lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", optimizer="adamw-fused", grad_ckpt=True,
        batch_size=2, seq_len=256),
-    # activations learned from the real code (llmem.runtime.learn) where no hand recipe exists: peft types without
+    # activations learned from the real code (llmem.learn) where no hand recipe exists: peft types without
     # an exact model (OFT, DeLoRA, C3A, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
     *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
       for name in ("oft-r32-q-v", "delora-r32-q-v", "c3a-q-v", "miss-r64-q-v", "hira-r32-q-v")),

@@ -1,4 +1,6 @@
-"""What context parallelism (--cp N) changes in a rank's step, as torch's ring attention allocates it
+"""Context parallelism on the memory floor: the ring attention's buffers in a rank's activations.
+
+What context parallelism (--cp N) changes in a rank's step, as torch's ring attention allocates it
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py).
 
 - Every activation is the rank's: seq_len / cp tokens per sample (the head-tail load balancer's two chunks), so

@@ -2,7 +2,7 @@
 for backward, its forward temporaries, the parameters it owns, its backward transient) with every size a polynomial
 in the micro-batch b and the tokens per sample s, plus the embedding's, the head's and the shared tensors.
 
-llmem.runtime.learn measures them (a shallow copy of the model run on fake tensors at a few b x s points, the
+llmem.learn measures them (a shallow copy of the model run on fake tensors at a few b x s points, the
 recorded allocations read back); this module holds the fitted result, evaluates it at the requested shape as a
 `LayerRecipe` the schedule replays like a hand recipe, says when a set-up needs it (`learning_need`), and keeps it
 per key (`learning_key`: the model's config and the set-up fields that change activations) in memory and on disk
@@ -57,7 +57,7 @@ class LearnedBlock:
 
 @dataclass(frozen=True)
 class LearnedActivations:
-    """A decoder layer and what is kept outside the layers, learned from the real code (see llmem.runtime.learn)."""
+    """A decoder layer and what is kept outside the layers, learned from the real code (see llmem.learn)."""
     blocks: tuple[LearnedBlock, ...]
     embed: tuple[Poly, ...]
     head: tuple[Poly, ...]           # the final norm's tensors, then the lm_head's input (last)
@@ -327,7 +327,7 @@ def learned_for(r: ResolvedSetup) -> LearnedActivations | None:
 
 def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:
     """The activation profile's hook: the learned layer recipe at the set-up's micro-batch shape, or None (the hand
-    recipes then). Learning itself is the runtime's (llmem.runtime.learn, started by the estimator)."""
+    recipes then). Learning itself is llmem.learn's (a floor above the runtime, started by the estimator)."""
     learned = learned_for(r)
     return learned.recipe(r.setup.batch_size, r.setup.seq_len) if learned is not None else None
 

@@ -1,4 +1,6 @@
-"""LoRA / QLoRA as the frameworks describe it, into --lora-rank and friends, or, where only peft can express it
+"""Adapters on the set-up floor's config readers: LoRA / QLoRA as the frameworks write it, into the set-up.
+
+LoRA / QLoRA as the frameworks describe it, into --lora-rank and friends, or, where only peft can express it
 (modules_to_save: full trained copies of embed_tokens / lm_head; DoRA), into an adapter_config.json that llmem
 writes to its cache folder and reads back through --peft-config, so that peft itself builds the adapters."""
 

@@ -1,4 +1,6 @@
-"""A DeepSpeed JSON, alone or referenced from a trainer's config (`deepspeed:` in TrainingArguments, axolotl and
+"""DeepSpeed on the set-up floor's config readers: a DeepSpeed JSON read into the set-up (--from).
+
+A DeepSpeed JSON, alone or referenced from a trainer's config (`deepspeed:` in TrainingArguments, axolotl and
 LLaMA-Factory; `deepspeed_config_file` in an accelerate config), with its "auto" values filled as the trainer fills
 them, and what DeepSpeed itself would refuse.
 

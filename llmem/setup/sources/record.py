@@ -1,4 +1,6 @@
-"""What a training config said and what llmem made of it: each field it used (file key -> llmem field = value),
+"""A config file's record on the set-up floor's readers: what it said and what llmem made of it.
+
+What a training config said and what llmem made of it: each field it used (file key -> llmem field = value),
 each one it ignored and why, the notes on what stands in for what, and the flags that overrode the file.
 `--json` prints it under "from_file"; the tables print it under the estimate."""
 

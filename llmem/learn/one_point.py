@@ -1,0 +1,248 @@
+"""One point of the learning: the real step of the shallow copy run once on fake tensors, each allocation recorded
+unrounded with the module that made it, the backward stopped once the layer read is done."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from llmem.errors import LlmemError, first_line
+from llmem.learn.points import BACKWARD, FORWARD, READ_LAYER, LearnError, Reading, layer_of, unit_of
+from llmem.model.families import decoder_layers
+from llmem.model.sharding import MATMUL_KINDS
+from llmem.runtime.ledger import Ledger, TracingFakeMode, tracking
+from llmem.runtime.step import StepHooks, prepared_step
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log():
+    """A failed op on fake tensors is logged with its traceback by torch (fake_tensor's logger) before it raises;
+    learning catches it and gives the reason in one note."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+NODE_TAG = "llmem_module"
+
+
+class ModuleLedger(Ledger):
+    """The trace's ledger, unrounded, with backward allocations given the module whose forward made the autograd node
+    running (the module tracker's own backward names go stale: its post-backward hooks wait on positional inputs,
+    and transformers calls attention and decoder layers with keyword arguments only)."""
+
+    def module_now(self) -> int:
+        if self.phase == BACKWARD:
+            node = torch._C._current_autograd_node()
+            name = node.metadata.get(NODE_TAG) if node is not None else None
+            if name is not None:
+                idx = self.module_index.get(name)
+                if idx is None:
+                    idx = self.module_index[name] = len(self.module_names)
+                    self.module_names.append(name)
+                return idx
+        return super().module_now()
+
+
+class NodeModules(TorchFunctionMode):
+    """In forward, tag each autograd node a torch call makes (and the nodes under it it made: autocast's casts, a
+    parameter's AccumulateGrad at its first use) with the module running the call."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        led = self.ledger
+        if led.phase == FORWARD and led.mod_tracker is not None and torch.is_grad_enabled():
+            parents = led.mod_tracker.parents
+            name = max(parents, key=len) if len(parents) > 1 else "-"
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                node = t.grad_fn if isinstance(t, torch.Tensor) else None
+                stack = [node]
+                while stack:
+                    n = stack.pop()
+                    if n is None or NODE_TAG in n.metadata:
+                        continue
+                    n.metadata[NODE_TAG] = name
+                    stack.extend(f for f, _ in n.next_functions)
+        return out
+
+
+def run_point(setup) -> Reading:
+    """One training step of `setup` on fake tensors, its allocations recorded unrounded."""
+    ledger = ModuleLedger(workspace_bytes=0, round_to=1)
+    fake_mode = TracingFakeMode()
+    roles: list = []
+    info: dict = {}
+    try:
+        with contextlib.ExitStack() as outer:
+            outer.enter_context(quiet_fake_tensor_log())
+
+            def start_tracking() -> None:
+                roles.append(outer.enter_context(tracking(ledger, fake_mode, real=False)))
+                outer.enter_context(NodeModules(ledger))
+
+            hooks = StepHooks(on_phase=lambda ph, it: roles[0].on_phase(ph, it), region=ledger.region)
+            with prepared_step(setup, fake=True, fake_mode=fake_mode, hooks=hooks,
+                               before_model=start_tracking) as step:
+                roles[0].bind(step)
+                info = model_info(step)
+                stop_at: list[int] = []
+                handle = stop_after_read_layer(info.pop("layer"), ledger, stop_at)
+                try:
+                    step.run(1)
+                except ReadLayerDone:
+                    pass
+                handle.remove()
+                if stop_at:        # the rest of the backward is not run (nor read: the graph is torn down)
+                    del ledger.events[stop_at[0]:]
+                # the gradients made so far, as the optimizer_step phase would label them (never reached)
+                ledger.relabel([p.grad for p in step.model.parameters()], "gradients")
+                ledger.enabled = False
+                del step
+    except LearnError:
+        raise
+    except LlmemError as exc:
+        raise LearnError(f"the real step does not run on the copy: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - peft / transformers code on fake tensors: refused with the reason
+        raise LearnError(f"the real step does not run on fake tensors ({type(exc).__name__}: "
+                         f"{first_line(exc, 160)})") from None
+    events = until_read_layer_done(without_loss(ledger, info["layers_path"], info["outer"]), info["layers_path"])
+    return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"])
+
+
+def without_loss(ledger: Ledger, layers_path: str, outer: tuple[str, ...]) -> list[tuple]:
+    """Iteration 0's events, less the loss's own tensors (the causal LM's ops after the last layer in forward, and
+    before the lm_head's backward): the schedule lays the loss out itself, and HF's loss allocates differently for
+    one sample and several (the labels' shift is a view or a copy)."""
+    names = ledger.module_names
+    out = []
+    loss: set[int] = set()
+    seen_layer = head_reached = False
+    for a, key, size, phase, it, mod, _stream in ledger.events:
+        if it != 0:
+            continue
+        module = _fqn(names[mod]) if a else ""
+        if a:
+            if phase == FORWARD:
+                seen_layer = seen_layer or layer_of(module, layers_path) is not None
+                if seen_layer and module in outer:
+                    loss.add(key)
+                    continue
+            elif phase == BACKWARD:
+                head_reached = head_reached or module not in outer
+                if not head_reached:
+                    loss.add(key)
+                    continue
+        elif key in loss:
+            continue
+        out.append((a, key, size, phase, ledger.cat.get(key, "activations"), module))
+    return frees_in_order(out)
+
+
+def until_read_layer_done(events: list[tuple], layers_path: str) -> list[tuple]:
+    """The events up to the end of layer READ_LAYER's backward: what comes after (the earlier layers' backward, the
+    embedding's gradients, whose reduction over the batch differs for one sample) is not read."""
+    seen = False
+    for i, (a, _key, _size, phase, _cat, module) in enumerate(events):
+        if not a or phase < BACKWARD:
+            continue
+        found = layer_of(module, layers_path)
+        if found is not None and found[0] == READ_LAYER:
+            seen = True
+        elif seen and (found is None or found[0] < READ_LAYER) and module:
+            return events[:i]
+        if phase > BACKWARD:
+            return events[:i]
+    return events
+
+
+def frees_in_order(events: list[tuple]) -> list[tuple]:
+    """Frees that happen together (no allocation between them) in the order their tensors were made: a cache's
+    release order (autocast's weight copies) follows object ids, which differ from run to run."""
+    born: dict[int, int] = {}
+    out: list[tuple] = []
+    run: list[tuple] = []
+    for ev in events:
+        if ev[0]:
+            out += sorted(run, key=lambda e: born.get(e[1], -1))
+            run = []
+            born[ev[1]] = len(born)
+            out.append(ev)
+        else:
+            run.append(ev)
+    return out + sorted(run, key=lambda e: born.get(e[1], -1))
+
+
+def _fqn(tracked: str) -> str:
+    """The module tracker's name ("LlamaForCausalLM.model.layers.0") -> the path within the model run."""
+    return tracked.split(".", 1)[1] if "." in tracked else ""
+
+
+def model_info(step) -> dict:
+    """The copy's decoder-layer path, the units of layer READ_LAYER (peft tuner layers whole), the autocast copies
+    the schedule makes itself (nn.Linear / Conv1D weights and biases, in the low dtype) and the loss's modules."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = step.model
+    found = decoder_layers(model)
+    if found is None or len(found[1]) <= READ_LAYER:
+        raise LearnError(f"{type(model).__name__} has no list of decoder layers to learn from")
+    layers_path, layers = found
+    layer = layers[READ_LAYER]
+    modules = dict(layer.named_modules())
+    others = {id(m) for i, other in enumerate(layers) if i != READ_LAYER for m in other.modules()}
+    shared = sorted(n for n, m in modules.items() if id(m) in others)
+    if shared:     # the module tracker names a shared module once: its ops could not be told apart by layer
+        raise LearnError(f"decoder layers share modules ({shared[0]}: peft's cross-layer adapters): one layer's "
+                         "allocations cannot be told apart from another's")
+    units: set[str] = set()
+    for pname, _p in layer.named_parameters():
+        path = pname.rsplit(".", 1)[0] if "." in pname else ""
+        parts = path.split(".") if path else []
+        unit = next((".".join(parts[:n]) for n in range(1, len(parts) + 1)
+                     if isinstance(modules.get(".".join(parts[:n])), BaseTunerLayer)), path)
+        if unit:
+            units.add(unit)
+    low = 2 if step.autocast_dtype is not None else 0
+    casts = {name: tuple(p.numel() * low for p in m.parameters(recurse=False))
+             for name, m in modules.items() if type(m).__name__ in MATMUL_KINDS and low}
+    lm = step.model.get_base_model() if hasattr(step.model, "get_base_model") else step.model
+    lm_path = next((n for n, m in model.named_modules() if m is lm), "")
+    parts = lm_path.split(".") if lm_path else []
+    outer = tuple(".".join(parts[:n]) for n in range(len(parts) + 1))
+    leaves = tuple(sorted(n for n, m in modules.items() if n and not any(True for _ in m.children())
+                          and not any(True for _ in m.parameters()) and unit_of(n, tuple(units)) is None))
+    return {"layers_path": layers_path, "units": tuple(sorted(units)), "casts": casts, "outer": outer,
+            "leaves": leaves,
+            "layer": layer}
+
+
+class ReadLayerDone(Exception):
+    """Raised from the gradient hook on layer READ_LAYER's input: its backward is done, the rest is not read."""
+
+
+def stop_after_read_layer(layer, ledger: Ledger, stop_at: list[int]):
+    """Stop the backward once the gradient of layer READ_LAYER's input is made (its backward is complete): the earlier
+    layers' backward, the embedding's gradients and the optimizer step are not read, so not run."""
+
+    def pre_hook(_module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            def done(_grad):
+                stop_at.append(len(ledger.events))
+                raise ReadLayerDone
+            x.register_hook(done)
+
+    return layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+

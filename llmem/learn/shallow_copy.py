@@ -1,0 +1,89 @@
+"""The learned activations of a set-up: the model's shallow copy (LEARN_DEPTH decoder layers) run at the POINTS
+(llmem.learn.one_point), its sizes fitted (llmem.learn.fit) and its layer read (llmem.learn.layer_blocks); cached
+per key (llmem.memory.activations.learned)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from llmem.learn.fit import check_alike, fit_sizes
+from llmem.learn.layer_blocks import read_layer
+from llmem.learn.one_point import run_point
+from llmem.learn.points import LEARN_DEPTH, POINTS, LearnError, Reading
+from llmem.memory.activations.learned import LearnedActivations, cached, learning_key, learning_need, remember
+from llmem.model.families import LAYERS_FIELDS, family_of
+from llmem.model.resolved import ResolvedSetup
+from llmem.runtime.expert_parallel import learning_ep
+
+
+def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
+    """The learned activations of `r` when it needs them (learning_need), from the cache or learned now; None when it
+    does not need them. LearnError when they cannot be learned."""
+    need, why_not = learning_need(r)
+    if not need:
+        if why_not:
+            raise LearnError(f"activations cannot be learned for this set-up: {why_not}")
+        return None
+    key = learning_key(r)
+    hit = cached(key)
+    if hit is not None:
+        return hit
+    learned = learn(r)
+    remember(key, learned)
+    return learned
+
+
+def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] = POINTS) -> LearnedActivations:
+    """Run the copy at `points` and fit what its layers keep (not cached: learned_activations caches)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(shallow_config(r.base.config, LEARN_DEPTH)))
+        readings: list[Reading] = []
+        for b, s in points:          # each point checked against the first as it comes: a refusal costs two runs
+            with learning_ep(r.setup.ep, r.setup.ep_imbalance):   # --ep: the EP forward, all-to-alls emulated
+                readings.append(run_point(learning_setup(r, str(path), b, s)))
+            check_alike(readings, points)
+    sizes = fit_sizes(readings, points)
+    return read_layer(readings[0], sizes, points, time.perf_counter() - t0)
+
+
+def shallow_config(config: dict, depth: int) -> dict:
+    """The model's own config with `depth` decoder layers: the layer count of the text config (multimodal configs
+    nest it) and the per-layer lists as long as it (attention kinds per layer) cut to `depth`."""
+    out = copy.deepcopy(config)
+    holder = out.get("text_config") if isinstance(out.get("text_config"), dict) else out
+    name = next((n for n in LAYERS_FIELDS if isinstance(holder.get(n), int)), None)
+    if name is None:
+        raise LearnError("the model's config names no layer count (num_hidden_layers): no shallow copy to learn from")
+    layers = holder[name]
+    for k, v in list(holder.items()):
+        if isinstance(v, list) and len(v) == layers and layers != depth:
+            holder[k] = v[:depth]
+    holder[name] = depth
+    holder.update(family_of(str(holder.get("model_type", out.get("model_type")))).learn_copy)   # layer 1 a routed one
+    return out
+
+
+def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
+    """The set-up the copy runs: the same adapters, precision and activation options on one GPU (the method's dtype
+    regime kept: FSDP2's mixed precision computes in the low dtype, as pure low precision does), without the
+    options the schedule lays out itself (checkpointing, offloading, the fused loss, the optimizer's placement)."""
+    setup = r.setup
+    precision = setup.precision
+    adapter_dtype = setup.adapter_dtype
+    if setup.mixed and not r.regime.autocast:        # FSDP2's MixedPrecisionPolicy: everything computes in low
+        precision = setup.precision_spec.compute_dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
+        adapter_dtype = "base"
+    return replace(setup, model=model_path, method="single", gpus=1, gpus_per_node=None, tp=None, batch_size=batch,
+                   seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
+                   grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
+                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full", ep=1,
+                   ep_imbalance=1.0)
+
+
