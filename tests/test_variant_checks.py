@@ -16,13 +16,7 @@ VARIANT_FIELDS = ("quant_base", "objective", "attn")      # TrainingSetup's fiel
 # where the names belong: the registries themselves, the readers' mapping tables, the matrices' rows
 HOMES = ("llmem/setup/quant_bases.py", "llmem/setup/objectives.py", "llmem/setup/generation.py",
          "llmem/setup/attention.py", "llmem/setup/sources/", "llmem/validate/matrices.py")
-# Modules not yet moved to the rows, being rewritten on another branch at the time of writing: empty this list once
-# that branch is merged and they ask the rows.
 ALLOWED: tuple[str, ...] = ()    # modules allowed a check by name (none: every check reads its row)
-# Rewritten on another branch too (the adapters' event order), its two checks kept there: `quant_base == "int8"`
-# (becomes quant_layout(quant_base).keeps_inputs) and `setup.quant_base == "none"` (not setup.quant_spec.quantised).
-# Take it off once fixed after the merge.
-MOVING = ("llmem/memory/activations/adapters.py",)
 
 
 def _names_variant(node: ast.AST) -> str | None:
@@ -84,7 +78,7 @@ def _module_checks() -> dict[str, list[tuple[int, str]]]:
 
 def test_no_variant_decided_by_its_name_outside_the_registries():
     offences = [f"{rel}:{line}: {name} compared with a string (ask the row: quant_spec, objective_spec, "
-                f"attention_spec)" for rel, found in _module_checks().items() if rel not in ALLOWED + MOVING
+                f"attention_spec)" for rel, found in _module_checks().items() if rel not in ALLOWED
                 for line, name in found]
     assert not offences, "\n".join(offences)
 

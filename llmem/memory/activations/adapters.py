@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from llmem.memory.activations.blocks import MASK, Block, Dims, LayerRecipe, Sizes, block_owner
 from llmem.memory.activations.quantised import quant_input_bytes
-from llmem.memory.quant import is_quantised
+from llmem.memory.quant import is_quantised, quant_layout
 from llmem.model.adapter_params import (
     IA3_L,
     LORA_A,
@@ -117,7 +117,7 @@ def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, adapters_read:
 
     def needed(params, keepers: tuple[str, ...], cast: bool) -> bool:
         for p in params:
-            int8 = quant_base == "int8" and not cast and is_quantised(p, quant_base)
+            int8 = not cast and is_quantised(p, quant_base) and quant_layout(quant_base).keeps_inputs
             if not int8 and (not p.trainable or frozen_base and p.layer_index is not None):
                 continue
             names = (p.name, p.tied_to or "")
@@ -160,7 +160,7 @@ def adapters_upcast(anatomy: ModelAnatomy, setup: TrainingSetup, r: Regime) -> b
     own path), nor where the stream is fp32 anyway (a kbit upcast), nor in peft's bitsandbytes layers (lora/bnb.py
     casts lora_B's output back before the sum: llmem.memory.quant's transients)."""
     return (setup.precision_spec.low_precision and not setup.mixed and not r.autocast and r.mm != F32
-            and setup.quant_base == "none" and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
+            and not setup.quant_spec.quantised and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
 
 
 def adapters_read_input(anatomy: ModelAnatomy, r: Regime, upcast: bool = False) -> bool:

@@ -39,7 +39,7 @@ def quant_adapters_upcast(anatomy: ModelAnatomy, setup, r: Regime) -> bool:
     adapters in bf16) cast it to fp32 (`_cast_input_dtype`), lora_A and
     lora_B run in fp32 and their output is cast back before the sum. Modelled as peft's plain lora.Linear upcast
     (the same kept tensors: the fp32 copy, lora_A's fp32 output); the clone and the low-precision sum are laid out
-    with the dequantisation (estimator.schedule.StepSchedule.dequantise)."""
+    with the dequantisation (llmem.estimator.schedule.blocks.BlockEvents.dequantise)."""
     return (setup.quant_spec.bitsandbytes and setup.precision_spec.low_precision and not setup.mixed
             and r.mm != F32 and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
 
