@@ -44,7 +44,7 @@ def _is_string(node: ast.AST) -> bool:
 
 def string_checks(source: str) -> list[tuple[int, str]]:
     """(line, field) of every comparison of a variant field with a string literal, and of every dict literal looked
-    up by one (`{"nf4": 0.5}.get(setup.quant_base)`)."""
+    up by one (`{"nf4": 0.5}.get(setup.quant_base)`, `{"nf4": 0.5}[setup.quant_base]`)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
@@ -59,6 +59,10 @@ def string_checks(source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
                 and isinstance(node.func.value, ast.Dict) and node.args:
             name = _names_variant(node.args[0])
+            if name:
+                found.append((node.lineno, name))
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+            name = _names_variant(node.slice)          # {"nf4": ..., "int8": ...}[q.name] / [setup.quant_base]
             if name:
                 found.append((node.lineno, name))
     return found
@@ -91,6 +95,7 @@ def test_the_scan_finds_each_form_of_check():
              'x = objective not in ["dpo"]',
              'x = values.get("quant_base", "none") != "none"',
              'x = {"nf4": 0.5, "int8": 1}.get(setup.quant_base, 2)',
+             'x = {"nf4": "NF4", "int8": "LLM.int8"}[setup.quant_base]',
              'x = a < b == setup.attn == "eager"']
     for form in forms:
         assert len(string_checks(form)) == 1, form

@@ -35,8 +35,7 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
     stored = sum(storage_bytes(p, setup.quant_base, args) for p in quantised)
     numel = sum(p.numel for p in quantised)
     dtype = setup.compute_dtype.replace("bfloat", "bf").replace("float", "fp")
-    kind = {"nf4": "NF4 4-bit" + (", double-quantised constants" if setup.double_quant else ", fp32 absmax"),
-            "int8": "LLM.int8", "torchao-nf4": "NF4Tensor (block 64, scalers double-quantised per 256)"}[q.name]
+    kind = q.storage_text(setup.double_quant)
     size = (f"{q.library} {kind} base: {numel / 1e9:.2f} B parameters in {stored / GIB:.2f} GiB "
             f"({8 * stored / max(numel, 1):.3f} bits each)")
     if shards > 1:
