@@ -43,6 +43,14 @@ def test_flat_names_and_sections_build_the_same_setup():
     assert flat.parallelism.gpus == flat.gpus == 8 and flat.step.seq_len == flat.seq_len == 512
 
 
+def test_values_by_position_follow_the_flat_order():
+    """As the flat dataclass took them: model, method, gpus, gpus_per_node, tp, batch_size, ..."""
+    s = TrainingSetup("gpt2", "ddp", 2, None, None, 4)
+    assert (s.method, s.gpus, s.batch_size) == ("ddp", 2, 4)
+    with pytest.raises(TypeError, match="multiple values for argument 'gpus'"):
+        TrainingSetup("gpt2", "ddp", 2, gpus=4)
+
+
 def test_a_flat_override_changes_its_section_only():
     base = TrainingSetup(model="gpt2", method="fsdp", gpus=8, lora_rank=16)
     wider = replace(base, batch_size=6)

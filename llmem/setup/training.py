@@ -107,11 +107,18 @@ class TrainingSetup:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
-    def __init__(self, model: str, trust_remote_code: bool = False, **given: Any) -> None:
+    def __init__(self, model: str, *positional: Any, **given: Any) -> None:
         """Sections given whole (`parallelism=ParallelismConfig(...)`), fields by their flat names (`gpus=8`), or
-        both: a flat field overrides its section's value (what dataclasses.replace passes)."""
+        both: a flat field overrides its section's value (what dataclasses.replace passes). Values given by position
+        follow FLAT_ORDER, as the flat dataclass's did (`TrainingSetup("gpt2", "ddp", 2)`)."""
+        for name, value in zip(FLAT_ORDER[1:], positional, strict=False):
+            if name in given:
+                raise TypeError(f"TrainingSetup got multiple values for argument {name!r}")
+            given[name] = value
+        if len(positional) >= len(FLAT_ORDER):
+            raise TypeError(f"TrainingSetup takes at most {len(FLAT_ORDER)} values by position")
         object.__setattr__(self, "model", model)
-        object.__setattr__(self, "trust_remote_code", trust_remote_code)
+        object.__setattr__(self, "trust_remote_code", given.pop("trust_remote_code", False))
         flat: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in given.items():
             if key in SECTIONS:
