@@ -98,166 +98,253 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
         return zero_moments(r, act, ms)
     if r.setup.objective_spec.runs_trainer:     # TRL's trainers' steps: these moments of their batch, adjusted
         return objective_moments(r, act, ms, step_moments)
-    anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
+    held = _held(r, act, ms)
+    return [*_loss_moments(r, act, ms, held), *_layer_moments(r, act, held), *_embedding_moments(r, act, ms, held),
+            *_optimizer_moments(r, ms, held)]
+
+
+@dataclass(frozen=True)
+class _LiveGrads:
+    """Gradient bytes alive during backward."""
+    head: int               # the root parameters' (lm_head, final norm; embedding when tied)
+    embed: int              # the untied embedding's
+    layer_final: int        # one decoder layer's once its backward is done (0: stepped in backward)
+    in_backward_head: int   # the lm_head's hook: its gradient and its step's temporaries (0: no such moment)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Bytes the step's moments share: what is live outside the layer being walked."""
+    static: dict[str, int]      # weights, optimizer states, DDP buckets, cuBLAS workspace: at every moment
+    costs: LayerCosts           # one decoder layer, block by block
+    layer_copies: int           # one decoder layer's autocast weight copies
+    full_layers: int            # layers that keep their autocast weight copies through backward
+    outside: int                # saved outside the decoder layers, on the device during backward
+    root_gathered: int          # FSDP2's unsharded root parameters
+    layer_gathered: int         # FSDP2's one unsharded decoder layer
+    all_layers_gathered: int    # FSDP2 without reshard-after-forward: every layer stays unsharded
+    post: int                   # --reshard-after-forward N: one layer's shards kept until its backward
+    rs_prev: int                # FSDP2: the previous layer's reduce-scatter input
+    grads: _LiveGrads
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(self.static.values())
+
+
+def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
+    """What every moment of the step holds, or builds on."""
+    layers = r.anatomy.num_layers
+    fsdp = r.layout.shards_model_states
     costs = layer_costs(r, act)
-    tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
-    layers = anatomy.num_layers
-    fsdp = layout.shards_model_states
-    reshard = r.method.reshard_after_forward
-    static = {
-        "weights": ms.weights,
-        "optimizer_states": ms.optimizer_states,
-        "communication_buffers": ms.ddp_buckets,
-        "cuda_workspaces": r.gpu.cublas_workspace_bytes,
-    }
-    layer_copies = sum(costs.copies)
-    head_copy = ms.autocast_weight_copies - layers * layer_copies     # lm_head (and anything outside layers)
-    root_gathered = ms.fsdp_root_gathered if fsdp else 0
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
-    all_layers_gathered = layers * layer_gathered if fsdp and not reshard else 0
-    post = post_forward_layer_bytes(r)       # --reshard-after-forward N: each layer's shards until its backward
-    # layers that keep everything (not checkpointed) also keep their autocast weight copies
-    full_layers = 0 if act.offload else layers - act.checkpointed_layers()   # offloaded: copies on the host
-    # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
-    outside = act.embed_saved + act.shared_saved if not act.offload else \
-        act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0
-    top_ckpt = act.checkpointed(layers - 1)
-    # a checkpointed layer's backward: the gradient of its output (the residual stream's) is live throughout, and
-    # the offloaded input copied back while it recomputes
-    # (--ac-policy op: and the stored outputs its recompute never reads, llmem.memory.activations.selective)
-    top_stream = act.ckpt_input_bytes + act.selective_held_bytes if top_ckpt else 0
-    bottom_stream = act.ckpt_input_bytes + act.selective_held_bytes if act.checkpointed(0) else 0
-    gather_bytes = setup.gather_bytes
+    return _Held(
+        static={
+            "weights": ms.weights,
+            "optimizer_states": ms.optimizer_states,
+            "communication_buffers": ms.ddp_buckets,
+            "cuda_workspaces": r.gpu.cublas_workspace_bytes,
+        },
+        costs=costs,
+        layer_copies=sum(costs.copies),
+        # layers that keep everything (not checkpointed) also keep their autocast weight copies
+        full_layers=0 if act.offload else layers - act.checkpointed_layers(),   # offloaded: copies on the host
+        # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
+        outside=act.embed_saved + act.shared_saved if not act.offload else
+        act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0,
+        root_gathered=ms.fsdp_root_gathered if fsdp else 0,
+        layer_gathered=layer_gathered,
+        all_layers_gathered=layers * layer_gathered if fsdp and not r.method.reshard_after_forward else 0,
+        post=post_forward_layer_bytes(r),       # --reshard-after-forward N: each layer's shards until its backward
+        rs_prev=ms.fsdp_layer_reduce if fsdp and layers > 1 else 0,
+        grads=_live_grads(r, ms),
+    )
+
+
+def _live_grads(r: ResolvedSetup, ms: ModelStates) -> _LiveGrads:
+    anatomy, setup, layout = r.anatomy, r.setup, r.layout
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
     head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
                    and (not is_embedding(p) or p.tied_to is not None)]
     embed_params = [p for p in anatomy.params if p.layer_index is None and p.trainable and is_embedding(p)
                     and p.tied_to is None]
-    if fsdp:
-        head_live = fsdp_unit_numel(head_params, layout) * gather_bytes
-        embed_live = fsdp_unit_numel(embed_params, layout) * gather_bytes
+    if layout.shards_model_states:
+        head_live = fsdp_unit_numel(head_params, layout) * setup.gather_bytes
+        embed_live = fsdp_unit_numel(embed_params, layout) * setup.gather_bytes
     else:
         head_live = ms.head_grads + (ms.embed_grads if anatomy.tie_word_embeddings else 0)
         embed_live = ms.embed_grads - (ms.embed_grads if anatomy.tie_word_embeddings else 0)
-    layer_final_grads = ms.layer_grads
-    in_backward_head = 0
-    if setup.optimizer_in_backward:
-        # each hook steps its parameter and frees the gradient: no gradient outlives its own step. The head's
-        # step (its gradient and the step's temporaries) is a moment of its own; later moments hold no head or
-        # layer gradients, the embedding's moment its own gradient and step
-        if anatomy.tie_word_embeddings:
-            head_live = ms.embed_grads    # the tied weight's one hook waits for its embedding gradient
-        else:
-            in_backward_head = head_live + ms.optimizer_temporaries
-            head_live = 0
-            embed_live += ms.optimizer_temporaries
-        layer_final_grads = 0
+    if not setup.optimizer_in_backward:
+        return _LiveGrads(head_live, embed_live, ms.layer_grads, 0)
+    # each hook steps its parameter and frees the gradient: no gradient outlives its own step. The head's step (its
+    # gradient and the step's temporaries) is a moment of its own; later moments hold no head or layer gradients,
+    # the embedding's moment its own gradient and step
+    if anatomy.tie_word_embeddings:     # the tied weight's one hook waits for its embedding gradient
+        return _LiveGrads(ms.embed_grads, embed_live, 0, 0)
+    return _LiveGrads(0, embed_live + ms.optimizer_temporaries, 0, head_live + ms.optimizer_temporaries)
 
-    moments: list[Moment] = []
-    # 1. end of forward, inside the loss: logits, their fp32 upcast and the log-softmax output; autocast's cache
-    fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
-    if setup.loss_parallel:          # the vocab-sharded logits, x - max and its exp (loss_parallel()'s log-softmax)
-        fwd_loss = loss_parallel_forward_bytes(dims_for(anatomy, setup, layout.tp), regime.mm)
-    if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
-        fwd_loss = act.fused_ce.forward_peak_bytes
-        head_copy = 0                # the loss's weight cast is freed at its end (counted in fwd_loss)
-    gathered_fwd = root_gathered + all_layers_gathered + layers * post
+
+def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: _Held) -> list[Moment]:
+    """1. the end of forward, inside the loss; 2. the loss's backward; the lm_head's own step in backward."""
+    layers = r.anatomy.num_layers
+    head_copy = ms.autocast_weight_copies - layers * h.layer_copies     # lm_head (and anything outside layers)
+    if act.fused_ce is not None:
+        head_copy = 0                # the loss's weight cast is freed at its end (counted in the forward's loss)
+    gathered_fwd = h.root_gathered + h.all_layers_gathered + layers * h.post
     saved_layers = act.device_layers_saved() + act.device_outside_saved
-    moments.append(Moment("forward", {
-        **static,
+    moments = [Moment("forward", {
+        **h.static,
         "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,
         "activations": saved_layers + act.mask_bytes,
-        "logits_and_loss": fwd_loss,
-    }))
+        "logits_and_loss": _forward_loss_bytes(r, act),
+    })]
     # 2. loss backward: three fp32 [tokens, vocab] tensors; the graph still holds the weight copies it saved
-    kept_copies = head_copy + full_layers * layer_copies
+    kept_copies = head_copy + h.full_layers * h.layer_copies
     moments.append(Moment("backward", {
-        **static,
+        **h.static,
         "gathered_weights": gathered_fwd + kept_copies,
         "activations": saved_layers,
         "logits_and_loss": act.loss_peak,
     }))
-    if in_backward_head:   # the lm_head's hook: its gradient and step, the graph below still alive
+    if h.grads.in_backward_head:   # the lm_head's hook: its gradient and step, the graph below still alive
         moments.append(Moment("backward", {
-            **static,
+            **h.static,
             "gathered_weights": gathered_fwd + kept_copies - head_copy,
             "activations": saved_layers - act.head_saved,
-            "gradients": in_backward_head,
-        }))
-    # 3. top decoder layer: head gradients exist; the layers below still hold their activations
-    others = outside + act.device_layers_saved(layers - 1)
-    other_copies = max(full_layers - (0 if top_ckpt else 1), 0) * layer_copies
-    gathered_top = root_gathered + (all_layers_gathered or layer_gathered) + (layers - 1) * post
-    prefetch = layer_gathered if fsdp and reshard and layers > 1 else 0
-    base_top = sum(static.values()) + gathered_top + other_copies + head_live + others + prefetch + top_stream
-    top_peak = _walk_layer_backward(base_top, costs, regime.autocast,
-                                    act.recompute_input_bytes if top_ckpt else 0)
-    moments.append(_lump("backward", static, top_peak, {
-        "gathered_weights": gathered_top + other_copies, "gradients": head_live,
-        "communication_buffers": static["communication_buffers"] + prefetch}))
-    rs_prev = ms.fsdp_layer_reduce if fsdp and layers > 1 else 0
-    # 4. bottom decoder layer: every other layer's final gradients exist
-    below_grads = (layers - 1) * layer_final_grads
-    base_bottom = sum(static.values()) + root_gathered + (all_layers_gathered or layer_gathered) + head_live \
-        + below_grads + outside + rs_prev + bottom_stream
-    bottom_peak = _walk_layer_backward(base_bottom, costs, regime.autocast,
-                                       act.recompute_input_bytes if bottom_stream else 0)
-    moments.append(_lump("backward", static, bottom_peak, {
-        "gathered_weights": root_gathered + (all_layers_gathered or layer_gathered),
-        "gradients": head_live + below_grads, "communication_buffers": static["communication_buffers"] + rs_prev}))
-    if fsdp and layers > 2:
-        # 4b. FSDP2, the layer below the top (and so the middle layers): the previous layer's reduce-scatter input
-        # is still held (FSDPParamGroup's reduce-scatter state) while the next unit is prefetched
-        i = layers - 2
-        ckpt = act.checkpointed(i)
-        base_mid = sum(static.values()) + gathered_top - post + head_live + layer_final_grads + outside \
-            + act.device_layers_saved(i) + prefetch + rs_prev \
-            + (act.ckpt_input_bytes + act.selective_held_bytes if ckpt else 0)
-        mid_peak = _walk_layer_backward(base_mid, costs, regime.autocast, act.recompute_input_bytes if ckpt else 0)
-        moments.append(_lump("backward", static, mid_peak, {
-            "gathered_weights": gathered_top - post, "gradients": head_live + layer_final_grads,
-            "communication_buffers": static["communication_buffers"] + prefetch + rs_prev}))
-    # 5. embedding backward: all layer gradients final; the last layer's reduce-scatter may still be in flight
-    all_layer_grads = layers * layer_final_grads
-    tied_extra = 0
-    if anatomy.tie_word_embeddings:
-        # AccumulateGrad adds the embedding's gradient to the lm_head's one out of place: old + new + sum
-        tied = [p for p in anatomy.params if is_embedding(p) and p.tied_to is not None]
-        tied_extra = 2 * (fsdp_unit_numel(tied, layout) * gather_bytes if fsdp
-                          else sum(local_numel(p, layout) * (element_bytes(p, setup) if p.trainable
-                                                             else setup.param_bytes) for p in tied))
-    embed_transient = tied_extra or embed_live
-    moments.append(Moment("backward", {
-        **static,
-        "gathered_weights": root_gathered + all_layers_gathered,
-        "gradients": all_layer_grads + head_live + embed_transient + ms.tp_embed_grad_excess,
-        "activations": outside,
-        "communication_buffers": static["communication_buffers"] + rs_prev,
-    }))
-    if fsdp:
-        # the root's post-backward: its unsharded gradients, their reduce-scatter input and the sharded output
-        # (FSDPParamGroup.post_backward reshards the root's parameters before the reduce)
-        moments.append(Moment("backward", {
-            **static,
-            "gathered_weights": all_layers_gathered,
-            "gradients": all_layer_grads + head_live + embed_live + ms.gradients - layers * layer_final_grads,
-            "communication_buffers": static["communication_buffers"] + ms.fsdp_root_reduce,
-        }))
-        # 5b. the next forward's start, FSDP2's root unshard: the all-gather output and the unsharded parameters it
-        # is copied out into, both live (FSDPParamGroup.unshard then wait_for_unshard: foreach_all_gather_copy_out)
-        moments.append(Moment("forward", {
-            **static,
-            "gathered_weights": root_gathered,
-            "communication_buffers": static["communication_buffers"] + root_gathered,
-        }))
-    # 6. optimizer step: every gradient, the states and the implementation's temporaries
-    if not setup.optimizer_in_backward:   # in backward: the step already happened, parameter by parameter
-        moments.append(Moment("optimizer_step", {
-            **static,
-            "gradients": ms.gradients + ms.tp_embed_grad_excess,
-            "optimizer_temporaries": ms.optimizer_temporaries,
+            "gradients": h.grads.in_backward_head,
         }))
     return moments
+
+
+def _forward_loss_bytes(r: ResolvedSetup, act: ActivationProfile) -> int:
+    """1. end of forward, inside the loss: logits, their fp32 upcast, the log-softmax output; autocast's cache."""
+    anatomy, setup, regime = r.anatomy, r.setup, r.regime
+    tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
+    fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
+    if setup.loss_parallel:          # the vocab-sharded logits, x - max and its exp (loss_parallel()'s log-softmax)
+        fwd_loss = loss_parallel_forward_bytes(dims_for(anatomy, setup, r.layout.tp), regime.mm)
+    if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
+        fwd_loss = act.fused_ce.forward_peak_bytes
+    return fwd_loss
+
+
+def _layer_moments(r: ResolvedSetup, act: ActivationProfile, h: _Held) -> list[Moment]:
+    """3., 4. the backward of the top and the bottom decoder layer, 4b. under FSDP2 of the layer below the top."""
+    layers = r.anatomy.num_layers
+    fsdp = r.layout.shards_model_states
+    gathered_top = h.root_gathered + (h.all_layers_gathered or h.layer_gathered) + (layers - 1) * h.post
+    prefetch = h.layer_gathered if fsdp and r.method.reshard_after_forward and layers > 1 else 0
+    moments = [_top_layer_moment(r, act, h, gathered_top, prefetch), _bottom_layer_moment(r, act, h)]
+    if fsdp and layers > 2:
+        moments.append(_middle_layer_moment(r, act, h, gathered_top, prefetch))
+    return moments
+
+
+def _checkpoint_held(act: ActivationProfile, layer: int) -> int:
+    """A checkpointed layer's backward: the gradient of its output (the residual stream's) is live throughout, and
+    the offloaded input copied back while it recomputes (--ac-policy op: and the stored outputs its recompute never
+    reads, llmem.memory.activations.selective)."""
+    return act.ckpt_input_bytes + act.selective_held_bytes if act.checkpointed(layer) else 0
+
+
+def _top_layer_moment(r: ResolvedSetup, act: ActivationProfile, h: _Held, gathered_top: int,
+                      prefetch: int) -> Moment:
+    """3. top decoder layer: head gradients exist; the layers below still hold their activations."""
+    layers = r.anatomy.num_layers
+    top_ckpt = act.checkpointed(layers - 1)
+    others = h.outside + act.device_layers_saved(layers - 1)
+    other_copies = max(h.full_layers - (0 if top_ckpt else 1), 0) * h.layer_copies
+    base = h.static_bytes + gathered_top + other_copies + h.grads.head + others + prefetch \
+        + _checkpoint_held(act, layers - 1)
+    peak = _walk_layer_backward(base, h.costs, r.regime.autocast, act.recompute_input_bytes if top_ckpt else 0)
+    return _lump("backward", h.static, peak, {
+        "gathered_weights": gathered_top + other_copies, "gradients": h.grads.head,
+        "communication_buffers": h.static["communication_buffers"] + prefetch})
+
+
+def _bottom_layer_moment(r: ResolvedSetup, act: ActivationProfile, h: _Held) -> Moment:
+    """4. bottom decoder layer: every other layer's final gradients exist."""
+    layers = r.anatomy.num_layers
+    below_grads = (layers - 1) * h.grads.layer_final
+    gathered = h.root_gathered + (h.all_layers_gathered or h.layer_gathered)
+    stream = _checkpoint_held(act, 0)
+    base = h.static_bytes + gathered + h.grads.head + below_grads + h.outside + h.rs_prev + stream
+    peak = _walk_layer_backward(base, h.costs, r.regime.autocast, act.recompute_input_bytes if stream else 0)
+    return _lump("backward", h.static, peak, {
+        "gathered_weights": gathered,
+        "gradients": h.grads.head + below_grads,
+        "communication_buffers": h.static["communication_buffers"] + h.rs_prev})
+
+
+def _middle_layer_moment(r: ResolvedSetup, act: ActivationProfile, h: _Held, gathered_top: int,
+                         prefetch: int) -> Moment:
+    """4b. FSDP2, the layer below the top (and so the middle layers): the previous layer's reduce-scatter input is
+    still held (FSDPParamGroup's reduce-scatter state) while the next unit is prefetched."""
+    i = r.anatomy.num_layers - 2
+    ckpt = act.checkpointed(i)
+    base = h.static_bytes + gathered_top - h.post + h.grads.head + h.grads.layer_final + h.outside \
+        + act.device_layers_saved(i) + prefetch + h.rs_prev + _checkpoint_held(act, i)
+    peak = _walk_layer_backward(base, h.costs, r.regime.autocast, act.recompute_input_bytes if ckpt else 0)
+    return _lump("backward", h.static, peak, {
+        "gathered_weights": gathered_top - h.post, "gradients": h.grads.head + h.grads.layer_final,
+        "communication_buffers": h.static["communication_buffers"] + prefetch + h.rs_prev})
+
+
+def _embedding_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: _Held) -> list[Moment]:
+    """5. the embedding's backward: all layer gradients final; the last layer's reduce-scatter may still be in
+    flight. Under FSDP2 then the root's post-backward and the next forward's root unshard."""
+    all_layer_grads = r.anatomy.num_layers * h.grads.layer_final
+    buffers = h.static["communication_buffers"]
+    moments = [Moment("backward", {
+        **h.static,
+        "gathered_weights": h.root_gathered + h.all_layers_gathered,
+        "gradients": all_layer_grads + h.grads.head + (_tied_accumulate_bytes(r) or h.grads.embed)
+        + ms.tp_embed_grad_excess,
+        "activations": h.outside,
+        "communication_buffers": buffers + h.rs_prev,
+    })]
+    if not r.layout.shards_model_states:
+        return moments
+    # the root's post-backward: its unsharded gradients, their reduce-scatter input and the sharded output
+    # (FSDPParamGroup.post_backward reshards the root's parameters before the reduce)
+    moments.append(Moment("backward", {
+        **h.static,
+        "gathered_weights": h.all_layers_gathered,
+        "gradients": h.grads.head + h.grads.embed + ms.gradients,     # every gradient's shard, the root's unsharded
+        "communication_buffers": buffers + ms.fsdp_root_reduce,
+    }))
+    # 5b. the next forward's start, FSDP2's root unshard: the all-gather output and the unsharded parameters it is
+    # copied out into, both live (FSDPParamGroup.unshard then wait_for_unshard: foreach_all_gather_copy_out)
+    moments.append(Moment("forward", {
+        **h.static,
+        "gathered_weights": h.root_gathered,
+        "communication_buffers": buffers + h.root_gathered,
+    }))
+    return moments
+
+
+def _tied_accumulate_bytes(r: ResolvedSetup) -> int:
+    """A tied embedding: AccumulateGrad adds the embedding's gradient to the lm_head's one out of place: old + new +
+    sum (0: untied)."""
+    anatomy, setup, layout = r.anatomy, r.setup, r.layout
+    if not anatomy.tie_word_embeddings:
+        return 0
+    tied = [p for p in anatomy.params if is_embedding(p) and p.tied_to is not None]
+    if layout.shards_model_states:
+        return 2 * fsdp_unit_numel(tied, layout) * setup.gather_bytes
+    return 2 * sum(local_numel(p, layout) * (element_bytes(p, setup) if p.trainable else setup.param_bytes)
+                   for p in tied)
+
+
+def _optimizer_moments(r: ResolvedSetup, ms: ModelStates, h: _Held) -> list[Moment]:
+    """6. optimizer step: every gradient, the states and the implementation's temporaries."""
+    if r.setup.optimizer_in_backward:   # in backward: the step already happened, parameter by parameter
+        return []
+    return [Moment("optimizer_step", {
+        **h.static,
+        "gradients": ms.gradients + ms.tp_embed_grad_excess,
+        "optimizer_temporaries": ms.optimizer_temporaries,
+    })]
 
 
 def zero_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> list[Moment]:

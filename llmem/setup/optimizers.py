@@ -18,7 +18,7 @@ llmem/validate/matrices.py and a hand-worked test of its state and step bytes (d
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from llmem.errors import LlmemError
@@ -194,95 +194,123 @@ def _adafactor_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Eve
 MUON_NS_STEPS = 5               # torch/optim/_muon.py: DEFAULT_NS_STEPS
 NS_BYTES = 2                    # _zeropower_via_newtonschulz iterates in bfloat16 (grad.bfloat16())
 
+_Tensor = tuple[int, int]       # a temporary of the step: (tag, bytes)
+
+
+@dataclass
+class _StepLog:
+    """A step's allocation events, in order; each tensor allocated gets the next tag."""
+    events: list[Event] = field(default_factory=list)
+    tags: int = 0
+
+    def alloc(self, size: int) -> _Tensor:
+        self.events.append((1, self.tags, size))
+        self.tags += 1
+        return self.tags - 1, size
+
+    def free(self, *tensors: _Tensor | None) -> None:
+        self.events += [(-1, *t) for t in tensors if t is not None]
+
+    def made(self, size: int, replaced: _Tensor | None, operand: _Tensor | None) -> _Tensor:
+        """An op's output: it exists before its replicated operand, then the tensor it replaces, are released."""
+        new = self.alloc(size)
+        self.free(operand, replaced)
+        return new
+
+    def replicated(self, full: int | None, strided_local: int = 0) -> _Tensor | None:
+        """Replicate a DTensor operand (`full` bytes; None: the op is local): all-gather (or all-reduce) output and
+        its wait; a Shard(1) view (`strided_local` bytes) is made contiguous first and concatenated after. Returns
+        the replicated tensor, to free after the op."""
+        if full is None:
+            return None
+        contiguous = self.alloc(strided_local) if strided_local else None
+        out = self.alloc(full)
+        done = self.alloc(full)
+        if contiguous is None:
+            self.free(out)
+            return done
+        cat = self.alloc(full)
+        self.free(done, out, contiguous)
+        return cat
+
+
+@dataclass(frozen=True)
+class _NewtonSchulzBytes:
+    """One parameter's Newton-Schulz tensors (rank-local bytes): X [r, c] (r, c: the smaller and the larger
+    dimension), gram and gram_update [r, r], and the operand each matmul replicates on FSDP2's shards (None: the
+    matmul is local)."""
+    elements: int               # of the parameter (and of its gradient, its update)
+    gram: int
+    xt_replicated: int | None = None        # gram = X @ X.T: X.T all-gathered ...
+    xt_strided: int = 0                     # ... from its Shard(1) view, made contiguous first
+    gram_replicated: int | None = None      # addmm(gram, gram, gram): gram all-gathered or all-reduced
+    x_operand_replicated: int | None = None     # addmm(X, gram_update, X): X gathered or gram_update reduced
+
+    @property
+    def x(self) -> int:
+        return self.elements * NS_BYTES
+
+
+def _newton_schulz_bytes(shape: Shape, shards: int) -> _NewtonSchulzBytes:
+    """On FSDP2's DTensor shards (`shards` > 1: dim 0 split evenly over the ranks) each matmul's operands are
+    placed as DTensor's sharding propagation chooses (torch 2.13, checked op by op against the trace), and the
+    local tensors are the shards: without the transpose (rows <= columns, X Shard(0)) every matmul all-gathers one
+    operand to a replicated copy (gram: X.T, a Shard(1) view, made contiguous, all-gathered and concatenated;
+    gram_update: gram; X: X itself); with it (X Shard(1)) gram is a local matmul (Partial) and gram_update and X
+    all-reduce their [r, r] operand. A functional collective's output and its wait_tensor are two tensors, as the trace records
+    them. Uneven shards (DTensor pads them for the collective) are not modelled."""
+    rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (prod(shape), 1)
+    n = rows * cols
+    if shards == 1:
+        r = min(rows, cols)
+        return _NewtonSchulzBytes(elements=n, gram=r * r * NS_BYTES)
+    full_rows = rows * shards
+    if full_rows > cols:                # transposed: X Shard(1), the global [r, r] gram Partial
+        r = cols
+        return _NewtonSchulzBytes(elements=n, gram=r * r * NS_BYTES, gram_replicated=r * r * NS_BYTES,
+                                  x_operand_replicated=r * r * NS_BYTES)
+    r = full_rows                       # X Shard(0), the global [r, r] gram Shard(0): [rows, r] here
+    return _NewtonSchulzBytes(elements=n, gram=rows * r * NS_BYTES, xt_replicated=n * shards * NS_BYTES,
+                              xt_strided=n * NS_BYTES, gram_replicated=full_rows * r * NS_BYTES,
+                              x_operand_replicated=n * shards * NS_BYTES)
+
+
+def _newton_schulz(log: _StepLog, b: _NewtonSchulzBytes, update: _Tensor, pb: int) -> _Tensor:
+    """_zeropower_via_newtonschulz(update): ortho_grad = grad.bfloat16() (a bf16 copy unless the gradient is bf16
+    already: then it is the update itself), transposed when it has more rows than columns, its 0-dim norm (a
+    host-read scalar here, like the step counters), then MUON_NS_STEPS iterations of gram = X @ X.T [r, r],
+    gram_update = addmm(gram, gram, gram) [r, r], X = addmm(X, gram_update, X) [r, c], each new tensor allocated
+    before the one it replaces is released; at the return its gram and gram_update die. Returns the last X."""
+    x = log.alloc(b.x) if pb != NS_BYTES else update        # grad.bfloat16()
+    gram = gram_update = None
+    for _ in range(MUON_NS_STEPS):
+        # each new tensor exists before the operand copy and the tensor it replaces are released
+        gram = log.made(b.gram, gram, log.replicated(b.xt_replicated, b.xt_strided))     # gram = X @ X.T
+        gram_update = log.made(b.gram, gram_update, log.replicated(b.gram_replicated))   # addmm(gram, gram, gram)
+        x = log.made(b.x, x if x != update else None,                                     # addmm(X, gram_update, X)
+                     log.replicated(b.x_operand_replicated))
+    log.free(gram, gram_update)
+    return x
+
 
 def _muon_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
     """torch.optim.Muon's step (torch 2.13, _single_tensor_muon, nesterov=True; foreach is not supported), one
     parameter after the other:
     - update = grad.lerp(buf, momentum): a copy of the gradient; the previous parameter's orthogonalised update,
       still bound to `update`, is freed only now;
-    - _zeropower_via_newtonschulz: ortho_grad = grad.bfloat16() (a bf16 copy unless the gradient is bf16 already:
-      then it is the update itself), transposed when it has more rows than columns, its 0-dim norm (a host-read
-      scalar here, like the step counters), then MUON_NS_STEPS iterations of gram = X @ X.T [r, r],
-      gram_update = addmm(gram, gram, gram) [r, r], X = addmm(X, gram_update, X) [r, c] (r, c: the smaller and the
-      larger dimension), each new tensor allocated before the one it replaces is released; at the return its gram
-      and gram_update die, then the copy of the gradient;
-    - param.mul_ / param.add_(update) in place. The last parameter's update dies when the step returns.
-
-    On FSDP2's DTensor shards (`shards` > 1: dim 0 split evenly over the ranks) each matmul's operands are placed as
-    DTensor's sharding propagation chooses (torch 2.13, checked op by op against the trace), and the local tensors
-    are the shards: without the transpose (rows <= columns, X Shard(0)) every matmul all-gathers one operand to a
-    replicated copy (gram: X.T, a Shard(1) view, made contiguous, all-gathered and concatenated; gram_update: gram;
-    X: X itself); with it (X Shard(1)) gram is a local matmul (Partial) and gram_update and X all-reduce their
-    [r, r] operand. A functional collective's output and its wait_tensor are two tensors, as the trace records
-    them. Uneven shards (DTensor pads them for the collective) are not modelled."""
-    ev: list[Event] = []
-    tag = 0
-
-    def alloc(size: int) -> int:
-        nonlocal tag
-        ev.append((1, tag, size))
-        tag += 1
-        return tag - 1
-
-    def free(t: int, size: int) -> None:
-        ev.append((-1, t, size))
-
-    def made(size: int, replaced: tuple[int, int] | None, operand: tuple[int, int] | None) -> tuple[int, int]:
-        new = alloc(size)
-        if operand is not None:
-            free(*operand)
-        if replaced is not None:
-            free(*replaced)
-        return new, size
-
-    def gathered(full: int, strided_local: int = 0) -> tuple[int, int]:
-        """Replicate a DTensor operand: all-gather (or all-reduce) output and its wait; a Shard(1) view is made
-        contiguous first and concatenated after. Returns the replicated tensor, to free after the op."""
-        contiguous = alloc(strided_local) if strided_local else None
-        out = alloc(full)
-        done = alloc(full)
-        if contiguous is None:
-            free(out, full)
-            return done, full
-        cat = alloc(full)
-        free(done, full)
-        free(out, full)
-        free(contiguous, strided_local)
-        return cat, full
-
-    previous: tuple[int, int] | None = None          # the previous parameter's update
+    - _zeropower_via_newtonschulz (_newton_schulz; its tensors' sizes, on FSDP2's shards too: _newton_schulz_bytes),
+      then the copy of the gradient dies;
+    - param.mul_ / param.add_(update) in place. The last parameter's update dies when the step returns."""
+    log = _StepLog()
+    previous: _Tensor | None = None                  # the previous parameter's update
     for s in shapes:
-        rows, cols = (s[0], s[1]) if len(s) == 2 else (prod(s), 1)
-        n = rows * cols
-        sharded = shards > 1
-        transposed = rows * shards > cols if sharded else rows > cols
-        if sharded:
-            full_rows = rows * shards
-            r = cols if transposed else full_rows            # the global r x r gram
-            local_gram = r * r if transposed else rows * r   # Partial [r, r], or Shard(0) [rows, r]
-        else:
-            r = min(rows, cols)
-            local_gram = r * r
-        copy = alloc(n * pb)                          # update = grad.lerp(buf, momentum)
-        if previous is not None:
-            free(*previous)
-        x = (alloc(n * NS_BYTES) if pb != NS_BYTES else copy, n * NS_BYTES)      # grad.bfloat16()
-        gram = gram_update = None
-        for _ in range(MUON_NS_STEPS):
-            # each new tensor exists before the operand copy and the tensor it replaces are released
-            gram = made(local_gram * NS_BYTES, gram,                                   # gram = X @ X.T
-                        gathered(n * shards * NS_BYTES, n * NS_BYTES) if sharded and not transposed else None)
-            gram_update = made(local_gram * NS_BYTES, gram_update,                     # addmm(gram, gram, gram)
-                               gathered((r * r if transposed else full_rows * r) * NS_BYTES) if sharded else None)
-            x = made(n * NS_BYTES, x if x[0] != copy else None,                        # addmm(X, gram_update, X)
-                     gathered((r * r if transposed else n * shards) * NS_BYTES) if sharded else None)
-        free(*gram)
-        free(*gram_update)
-        free(copy, n * pb)
-        previous = x
-    if previous is not None:
-        free(*previous)
-    return ev
+        b = _newton_schulz_bytes(s, shards)
+        update = log.alloc(b.elements * pb)          # update = grad.lerp(buf, momentum)
+        log.free(previous)
+        previous = _newton_schulz(log, b, update, pb)
+        log.free(update)
+    log.free(previous)
+    return log.events
 
 
 def _muon_part_of(param) -> int:
