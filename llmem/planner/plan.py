@@ -130,71 +130,116 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
     layouts = plan_layouts(ctx, setup)
     notes = plan_notes(setup, gpu, options, anatomy)
-    vllm_choices: dict[str, VllmChoice] = {}
     total_steps = len(layouts) + 1
-    found: dict[int, CandidatePlan] = {}
-    skipped: list[str] = []
-    # the plain dp x tp layouts first, every one searched and shown; then the screened ones (HSDP, pp, cp)
-    plain = [(i, lay) for i, lay in enumerate(layouts) if not screened(lay) or not _screens(ctx, setup)]
-    rest = [(i, lay) for i, lay in enumerate(layouts) if (i, lay) not in plain]
-    bounds = {i: tokens_per_s_bound(ctx, setup, lay, at_cap=True) for i, lay in rest}     # no estimate: cheap
-    pruned: list[str] = []
-    deferred: list[tuple[int, Layout]] = []     # out of memory by their bound: searched only if nothing fits
+    search = LayoutSearch(ctx, setup, layouts, notes, progress, total_steps)
+    search.run()
+    candidates = [search.found[i] for i in sorted(search.found)]   # in the layouts' order: rank_by_time breaks ties
+    notes += search_notes(setup, candidates, search.pruned, search.skipped)
+    if not candidates:
+        raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
+    best, recommendation, reason = recommend(candidates, options.ranking)
+    layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
+    suggestions = what_would_fit(ctx, setup, layouts, candidates, progress, total_steps)
+    result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
+    result.generation = plan_generation(ctx, setup, layouts, best, suggestions, search.vllm_choices)
+    if best is not None and best.time is not None and options.dataset_tokens:
+        result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
+    if progress:
+        progress("done", total_steps, total_steps)
+    return result
 
-    def search_one(i: int, layout: Layout) -> None:
-        if progress:
-            progress(f"searching {layout.label}", len(found), total_steps)
+
+@dataclass
+class LayoutSearch:
+    """The plan's search over its layouts as it runs: the plain dp x tp layouts of one node first, every one searched
+    and shown; then the screened ones (HSDP, pp, cp, ep, every layout across nodes), each searched only where its
+    bound could beat the fastest found (module docstring, step 1)."""
+    ctx: PlanContext
+    setup: TrainingSetup
+    layouts: list[Layout]
+    notes: list[str]                        # the plan's notes: a plain layout's refusal is told there
+    progress: Callable[[str, int, int], None] | None
+    total_steps: int
+    found: dict[int, CandidatePlan] = field(default_factory=dict)
+    vllm_choices: dict[str, VllmChoice] = field(default_factory=dict)
+    bounds: dict[int, float] = field(default_factory=dict)     # the screened layouts' tokens/s bounds at the cap
+    skipped: list[str] = field(default_factory=list)           # screened layouts the set-up cannot run
+    pruned: list[str] = field(default_factory=list)            # screened layouts proved unable to win
+    deferred: list[tuple[int, Layout]] = field(default_factory=list)   # out of memory by their bound
+
+    def run(self) -> None:
+        ctx, setup = self.ctx, self.setup
+        plain = [(i, lay) for i, lay in enumerate(self.layouts) if not screened(lay) or not _screens(ctx, setup)]
+        rest = [(i, lay) for i, lay in enumerate(self.layouts) if (i, lay) not in plain]
+        self.bounds = {i: tokens_per_s_bound(ctx, setup, lay, at_cap=True) for i, lay in rest}   # no estimate: cheap
+        for i, layout in plain:
+            self.search(i, layout)
+        self.search_screened(rest)
+        if not any(c.fits for c in self.found.values()):    # searched only if nothing fits
+            for i, layout in self.deferred:
+                self.search(i, layout)
+        else:
+            self.pruned += [layout.label for _, layout in self.deferred]
+
+    def search(self, i: int, layout: Layout) -> None:
+        """One layout's largest batch (and, under GRPO --use-vllm colocate, its vLLM utilization), timed."""
+        ctx, setup = self.ctx, self.setup
+        if self.progress:
+            self.progress(f"searching {layout.label}", len(self.found), self.total_steps)
         try:
             if searches_utilization(setup):     # GRPO --use-vllm colocate: its utilization searched too
-                c, _, vllm_choices[layout.label] = choose_utilization(ctx, setup, layout)
+                c, _, self.vllm_choices[layout.label] = choose_utilization(ctx, setup, layout)
             else:
                 c = ctx.search(setup, layout)
         except LlmemError as exc:
-            (skipped if i in bounds and not _fixed(setup) else notes).append(f"{layout.label} skipped: {exc}")
+            (self.skipped if i in self.bounds and not _fixed(setup) else self.notes).append(
+                f"{layout.label} skipped: {exc}")
             return
-        if layout.label not in vllm_choices:    # choose_utilization timed it at its utilization
+        if layout.label not in self.vllm_choices:    # choose_utilization timed it at its utilization
             attach_time(ctx, c, setup)
-        if options.ranking == "paper":
+        if ctx.options.ranking == "paper":
             c.eval = paper_eval(layout, c.max_batch_size)
-        found[i] = c
+        self.found[i] = c
 
-    for i, layout in plain:
-        search_one(i, layout)
-    # the screened ones best first: the highest bound popped, refined (the time model at the quick memory bound's
-    # batch) and pushed back, searched once its likely tokens/s (the same at the quick bound's batch within FIT_SHARE
-    # of the limit, where a step likely stops fitting: the fastest found early proves more of the rest out) is the
-    # highest; each pruned where its bound is not above the fastest found (a tie goes to the earlier layout, as
-    # rank_by_time breaks it), or where every batch at which it would be is out of memory (cannot_win: a few
-    # estimates). The order decides which are searched, not the answer: every pruned layout is proved not to be it.
-    queue = [(-bounds[i], i, False, bounds[i]) for i, _ in rest]     # (-priority, index, refined, bound)
-    heapq.heapify(queue)
-    while queue:
-        _, i, refined, bound = heapq.heappop(queue)
-        layout, best = layouts[i], rank_by_time([found[k] for k in sorted(found)])
-        earlier = best is not None and i < layouts.index(best.layout)
+    def search_screened(self, rest: list[tuple[int, Layout]]) -> None:
+        """The screened layouts best first: the highest bound popped, refined (the time model at the quick memory
+        bound's batch) and pushed back, searched once its likely tokens/s (the same at the quick bound's batch within
+        FIT_SHARE of the limit, where a step likely stops fitting: the fastest found early proves more of the rest
+        out) is the highest; each pruned where its bound is not above the fastest found (a tie goes to the earlier
+        layout, as rank_by_time breaks it), or where every batch at which it would be is out of memory (cannot_win:
+        a few estimates). The order decides which are searched, not the answer: every pruned layout is proved not to
+        be it."""
+        ctx, setup, bounds = self.ctx, self.setup, self.bounds
+        queue = [(-bounds[i], i, False, bounds[i]) for i, _ in rest]     # (-priority, index, refined, bound)
+        heapq.heapify(queue)
+        while queue:
+            _, i, refined, bound = heapq.heappop(queue)
+            layout, best = self.layouts[i], rank_by_time([self.found[k] for k in sorted(self.found)])
+            earlier = best is not None and i < self.layouts.index(best.layout)
 
-        def wins(tps: float, best: CandidatePlan | None = best, earlier: bool = earlier) -> bool:
-            return best is None or _may_win(tps, best, earlier)
+            def wins(tps: float, best: CandidatePlan | None = best, earlier: bool = earlier) -> bool:
+                return best is None or _may_win(tps, best, earlier)
 
-        if not wins(bound):
-            pruned.append(layout.label)
-        elif not refined:
-            tight = tokens_per_s_bound(ctx, setup, layout)
-            if best is None and tight == 0.0:
-                deferred.append((i, layout))
+            if not wins(bound):
+                self.pruned.append(layout.label)
+            elif not refined:
+                tight = tokens_per_s_bound(ctx, setup, layout)
+                if best is None and tight == 0.0:
+                    self.deferred.append((i, layout))
+                else:
+                    likely = tokens_per_s_bound(ctx, setup, layout, slack=FIT_SHARE - 1) if tight else 0.0
+                    heapq.heappush(queue, (-min(likely, tight), i, True, tight))
+            elif best is not None and cannot_win(ctx, setup, layout, wins):
+                self.pruned.append(layout.label)
             else:
-                likely = tokens_per_s_bound(ctx, setup, layout, slack=FIT_SHARE - 1) if tight else 0.0
-                heapq.heappush(queue, (-min(likely, tight), i, True, tight))
-        elif best is not None and cannot_win(ctx, setup, layout, wins):
-            pruned.append(layout.label)
-        else:
-            search_one(i, layout)
-    if not any(c.fits for c in found.values()):
-        for i, layout in deferred:
-            search_one(i, layout)
-    else:
-        pruned += [layout.label for _, layout in deferred]
-    candidates = [found[i] for i in sorted(found)]     # in the layouts' order: rank_by_time breaks ties by it
+                self.search(i, layout)
+
+
+def search_notes(setup: TrainingSetup, candidates: list[CandidatePlan], pruned: list[str],
+                 skipped: list[str]) -> list[str]:
+    """What the plan tells about the layouts it searched: the expert-parallel and pipeline layouts' assumptions,
+    those the bounds proved unable to win, those the set-up cannot run."""
+    notes = []
     if any(c.layout.ep > 1 for c in candidates):
         notes.append(expert_parallel_note(setup))
     if any(c.layout.pp > 1 for c in candidates):
@@ -208,42 +253,39 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     if skipped:
         notes.append(f"{len(skipped)} pipeline / context- / expert-parallel / HSDP layout(s) this set-up cannot run: "
                      + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))
-    if not candidates:
-        raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
+    return notes
 
-    if options.ranking == "paper":
+
+def recommend(candidates: list[CandidatePlan], ranking: str) -> tuple[CandidatePlan | None, str, str]:
+    """The recommended plan, its label ("cpu-offloading" or "" when nothing fits) and the reason: by LLMem's
+    Algorithm 1 (`--ranking paper`) or by the time model."""
+    if ranking == "paper":
         best = rank_by_paper(candidates)
         if best is None:
-            recommendation, reason = CPU_OFFLOADING, ("Algorithm 1: every method's eval is 0 (nothing fits at "
-                                                      "batch 1), so CPU offloading (heterogeneous training)")
-        else:
-            recommendation = best.layout.label
-            reason = (f"Algorithm 1: largest eval {best.eval:g} (max batch {best.max_batch_size}; eval = "
-                      + EVAL_FORMULAS[best.layout.spec.paper_name] + ")")
-    else:
-        best = rank_by_time(candidates)
-        if best is None:
-            recommendation, reason = "", "nothing fits at batch 1 on these GPUs; see the suggestions"
-        else:
-            recommendation = best.layout.label
-            piped = f" x {best.time.pp_microbatches} pipeline micro-batches" if best.layout.pp > 1 else ""
-            reason = (f"fastest by the time model: {best.time.tokens_per_s:,.0f} tokens/s at micro-batch "
-                      f"{best.time.micro_batch_size}{piped} x {best.time.accumulation_steps} accumulation step(s)")
-    suggestions: list[dict] = []
-    layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
-    if not any(c.fits for c in candidates) and layouts:
-        if progress:
-            progress("looking for what would fit", len(layouts), total_steps)
-        # every what-if is searched on every layout that can run it (screened by the quick bound: suggestions.py)
-        suggestions = suggest(ctx, setup, layouts, progress=progress and (
-            lambda what, i, n: progress(what, len(layouts) + i, len(layouts) + n + 1)))
-    result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
-    result.generation = plan_generation(ctx, setup, layouts, best, suggestions, vllm_choices)
-    if best is not None and best.time is not None and options.dataset_tokens:
-        result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s
+            return best, CPU_OFFLOADING, ("Algorithm 1: every method's eval is 0 (nothing fits at batch 1), so CPU "
+                                          "offloading (heterogeneous training)")
+        return best, best.layout.label, (f"Algorithm 1: largest eval {best.eval:g} (max batch "
+                                         f"{best.max_batch_size}; eval = "
+                                         + EVAL_FORMULAS[best.layout.spec.paper_name] + ")")
+    best = rank_by_time(candidates)
+    if best is None:
+        return best, "", "nothing fits at batch 1 on these GPUs; see the suggestions"
+    piped = f" x {best.time.pp_microbatches} pipeline micro-batches" if best.layout.pp > 1 else ""
+    return best, best.layout.label, (f"fastest by the time model: {best.time.tokens_per_s:,.0f} tokens/s at "
+                                     f"micro-batch {best.time.micro_batch_size}{piped} x "
+                                     f"{best.time.accumulation_steps} accumulation step(s)")
+
+
+def what_would_fit(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], candidates: list[CandidatePlan],
+                   progress: Callable[[str, int, int], None] | None, total_steps: int) -> list[dict]:
+    """The suggestions when no candidate fits (none otherwise): every what-if searched on every dp x tp layout that
+    can run it (screened by the quick bound: llmem.planner.suggestions.fitting), its progress after the layouts'."""
+    if any(c.fits for c in candidates) or not layouts:
+        return []
     if progress:
-        progress("done", total_steps, total_steps)
-    return result
+        progress("looking for what would fit", len(layouts), total_steps)
+    return suggest(ctx, setup, layouts, progress=progress and (
+        lambda what, i, n: progress(what, len(layouts) + i, len(layouts) + n + 1)))
 
 
 def _may_win(bound: float, best: CandidatePlan, earlier: bool) -> bool:

@@ -242,7 +242,7 @@ def time_at_max_batch(ctx: PlanContext, setup: TrainingSetup, layout: Layout, ma
 
 
 # a fitting batch's quick bound stays within this share over the limit (it never lay above 1.16x the allocated
-# peak: llmem.planner.suggestions' QUICK_SLACK, the same screen)
+# peak: llmem.planner.suggestions.fitting's QUICK_SLACK, the same screen)
 QUICK_BOUND_SLACK = 0.25
 
 

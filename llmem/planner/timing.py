@@ -306,6 +306,51 @@ def step_time(r: ResolvedSetup, micro_batch: int,
         raise LlmemError("micro-batch and accumulation steps must be >= 1")
     if not 0 < mfu <= 1:
         raise LlmemError(f"--mfu must lie in (0, 1], got {mfu}")
+    w = micro_step_compute(r, micro_batch, mfu, adapter_params)
+    trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
+    c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction, w.stage.params if w.stage else None)
+    dp_bw = group_bandwidth_gbps(gpu, layout.world_size > layout.gpus_per_node, inter_node_gbps)
+    a = accumulation_steps
+    copies = host_copies(r, adapter_params)
+    dp_comm, exposed = data_parallel_comm_s(r, c, copies, w, a, dp_bw, inter_node_gbps)
+    tp_comm = tensor_parallel_comm_s(c, layout.tp, gpu.link_gbps, a)     # tp stays inside a node
+    ring = ring_attention_time_s(anatomy, micro_batch, setup.seq_len, layout.cp, setup.compute_bytes,
+                                 attention_flops_per_token_forward(anatomy, setup.seq_len, w.causal_skip)
+                                 / anatomy.num_layers * w.tokens / w.rate_flops_per_s,
+                                 checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every),
+                                 group_bandwidth_gbps(gpu, layout.cp > layout.gpus_per_node, inter_node_gbps),
+                                 COLLECTIVE_LATENCY_S)
+    micro_compute_s = w.compute_s + ring.exposed_s
+    m, p2p, bubble = pipeline_terms(r, micro_batch, micro_compute_s, w.stage, dp_bw)
+    compute = a * m * (micro_compute_s - ring.exposed_s)
+    ep_s = a * ep_alltoall_time_s(r, micro_batch, group_bandwidth_gbps(gpu, layout.ep > layout.gpus_per_node,
+                                                                       inter_node_gbps))
+    step = compute + a * m * (ring.exposed_s + p2p) + a * bubble + exposed + tp_comm + copies.step_s \
+        + a * w.generation_s + ep_s
+    global_batch = micro_batch * m * a * layout.dp
+    tokens_per_step = global_batch * setup.seq_len
+    copy_s = a * (copies.params_s * (2 if layout.spec.reshard_after_forward else 1) + copies.grads_s)
+    return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
+                    tokens_per_step / step, copy_s, copies.step_s, a * w.generation_s, m, a * bubble, a * m * p2p,
+                    a * m * ring.comm_s, a * m * ring.exposed_s, ep_comm_s=ep_s)
+
+
+@dataclass(frozen=True)
+class MicroStepCompute:
+    """One micro-step's work on the busiest rank, before any communication (module docstring), seconds."""
+    tokens: int                   # the rank's tokens: micro_batch x seq_len / cp
+    causal_skip: bool             # a fused attention kernel skips the masked blocks
+    rate_flops_per_s: float       # peak x MFU x tp
+    stage: StageShare | None      # --pp: the busiest rank's share
+    forward_s: float
+    backward_s: float             # backward and the recompute
+    compute_s: float              # forward + backward + dequantisation + the activation copies not hidden
+    generation_s: float           # --objective grpo: generate and score the micro-batch's completions first
+
+
+def micro_step_compute(r: ResolvedSetup, micro_batch: int, mfu: float, adapter_params: int) -> MicroStepCompute:
+    """The FLOPs of one micro-step at peak x MFU, the memory-bound work added to them, and GRPO's generation."""
+    anatomy, setup, layout, gpu = r.base, r.setup, r.layout, r.gpu
     # --cp: each rank runs seq_len / cp of every sample's tokens, its queries against all seq_len keys
     tokens = micro_batch * setup.seq_len // layout.cp
     causal_skip = not effective_attention(anatomy, setup).keeps_scores    # a fused kernel skips masked blocks
@@ -323,78 +368,70 @@ def step_time(r: ResolvedSetup, micro_batch: int,
     # activation offloading: copies to the host in forward, back in backward, each overlapping its phase's compute
     copy_s = offloaded_activation_bytes(r) / (PCIE_GBPS * 1e9)
     offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
-    micro_compute_s = fwd_s + bwd_s + dequant_s + offload_s
     # GRPO: the micro-batch's completions generated (prefill at FLOPs, decode at memory bandwidth) and scored first
     gen_s = generation_time_s(r, micro_batch, sum(anatomy.matmul_params), rate,
                               attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip), fwd_s)
+    return MicroStepCompute(tokens, causal_skip, rate, stage, fwd_s, bwd_s, fwd_s + bwd_s + dequant_s + offload_s,
+                            gen_s)
 
-    trainable_fraction = adapter_params / max(anatomy.total_params, 1) if adapter_params else 1.0
-    c = comm_sizes(anatomy, setup, layout, micro_batch, trainable_fraction, stage.params if stage else None)
-    spans = layout.world_size > layout.gpus_per_node
-    dp_bw = group_bandwidth_gbps(gpu, spans, inter_node_gbps)
-    tp_bw = gpu.link_gbps                       # tp stays inside a node
-    a = accumulation_steps
 
-    copies = host_copies(r, adapter_params)
-    dp_comm = exposed = 0.0
+def data_parallel_comm_s(r: ResolvedSetup, c: CommSizes, copies: HostCopies, w: MicroStepCompute, a: int,
+                         dp_bw: float, inter_node_gbps: float) -> tuple[float, float]:
+    """(the data-parallel collectives per step, the part of them not hidden behind compute): DDP's all-reduce, or
+    FSDP's all-gathers and reduce-scatters (with --offload-param's copies on their streams); 0 without either."""
+    layout = r.layout
     if c.ddp_grad_bytes:
         ar = ring_allreduce_time_s(c.ddp_grad_bytes, layout.dp, dp_bw)
         tail = ring_allreduce_time_s(min(DDP_BUCKET_CAP_BYTES, c.ddp_grad_bytes), layout.dp, dp_bw)
-        dp_comm = ar
-        exposed = max(0.0, ar - bwd_s) + tail   # once per step, behind the last micro-step's backward
-    elif c.fsdp_units:
-        lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
-        # HSDP: all-gathers and reduce-scatters within a shard group (on NVLink when it fits in a node), then
-        # FSDP2's foreach_reduce all-reduces each gradient shard across the replicas (all_reduce_group)
-        shards = layout.dp if layout.spec.zero_stage is not None else layout.shard_degree
-        shard_bw = dp_bw if layout.replicas == 1 else group_bandwidth_gbps(
-            gpu, shards * layout.tp > layout.gpus_per_node, inter_node_gbps)
-        replica_ar = ring_allreduce_time_s(c.fsdp_reduce_bytes / shards, layout.replicas, dp_bw) \
-            if layout.replicas > 1 else 0.0
-        ag = ring_allgather_time_s(c.fsdp_gather_bytes, shards, shard_bw) + lat + copies.params_s
-        rs = ring_allgather_time_s(c.fsdp_reduce_bytes, shards, shard_bw) + lat + copies.grads_s + replica_ar
-        ag_bwd = ag if layout.spec.reshard_after_forward or layout.spec.zero_stage == 3 else 0.0
-        tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, shards, shard_bw)
-                + ring_allgather_time_s(c.fsdp_layer_gather_bytes, shards, shard_bw)
-                + ring_allgather_time_s(c.fsdp_root_reduce_bytes, shards, shard_bw) + copies.root_s)
-        dp_comm = a * (ag + ag_bwd + rs)
-        exposed = a * (max(0.0, ag - fwd_s) + max(0.0, ag_bwd + rs - bwd_s) + tail)
-        if stage:   # FSDP2 x PP: the stage gathered once per schedule step, reduce-scattered once (parallel_time)
-            dp_comm = a * (ag + rs)
-            exposed = a * (max(0.0, ag - fwd_s) + max(0.0, rs - bwd_s))
-    tp_comm = 0.0
-    if c.tp_allreduces:
-        # sequence parallel (Megatron-SP, torchtitan): an all-gather of [b, s, h] before each TP region and a
-        # reduce-scatter after it replace the all-reduce: (n-1)/n each, 2 (n-1)/n together, as the all-reduce's ring
-        one = 2 * ring_allgather_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw) if c.tp_sequence_parallel else \
-            ring_allreduce_time_s(c.tp_allreduce_bytes, layout.tp, tp_bw)
-        tp_comm = a * (c.tp_allreduces * one + ring_allgather_time_s(c.tp_logits_gather_bytes, layout.tp, tp_bw))
-    ring = ring_attention_time_s(anatomy, micro_batch, setup.seq_len, layout.cp, setup.compute_bytes,
-                                 attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip)
-                                 / anatomy.num_layers * tokens / rate,
-                                 checkpointed_fraction(anatomy.num_layers, setup.grad_ckpt, setup.ckpt_every),
-                                 group_bandwidth_gbps(gpu, layout.cp > layout.gpus_per_node, inter_node_gbps),
-                                 COLLECTIVE_LATENCY_S)
-    micro_compute_s += ring.exposed_s
-    m = setup.microbatches if stage else 1
-    p2p = bubble = 0.0
-    if stage:   # the micro-batches of one schedule step, each waiting on its neighbours, stretched by the bubble
-        p2p = p2p_time_s(micro_batch, setup.seq_len, anatomy.hidden_size, setup.compute_bytes, stage.stages,
-                         dp_bw, COLLECTIVE_LATENCY_S, layout.tp if setup.sequence_parallel else 1)
-        busy = micro_compute_s + p2p
-        bubble = pipeline_step_s(busy, m, pipeline_schedule(setup.pp_schedule).bubble_fraction(
-            layout.pp, m, stage.stages)) - m * busy
-    compute = a * m * (micro_compute_s - ring.exposed_s)
-    ep_s = a * ep_alltoall_time_s(r, micro_batch, group_bandwidth_gbps(gpu, layout.ep > layout.gpus_per_node,
-                                                                       inter_node_gbps))
-    step = compute + a * m * (ring.exposed_s + p2p) + a * bubble + exposed + tp_comm + copies.step_s + a * gen_s \
-        + ep_s
-    global_batch = micro_batch * m * a * layout.dp
-    tokens_per_step = global_batch * setup.seq_len
-    copy_s = a * (copies.params_s * (2 if layout.spec.reshard_after_forward else 1) + copies.grads_s)
-    return StepTime(micro_batch, a, global_batch, tokens_per_step, compute, dp_comm, exposed, tp_comm, step,
-                    tokens_per_step / step, copy_s, copies.step_s, a * gen_s, m, a * bubble, a * m * p2p,
-                    a * m * ring.comm_s, a * m * ring.exposed_s, ep_comm_s=ep_s)
+        return ar, max(0.0, ar - w.backward_s) + tail   # once per step, behind the last micro-step's backward
+    if not c.fsdp_units:
+        return 0.0, 0.0
+    lat = (c.fsdp_units - 1) * COLLECTIVE_LATENCY_S      # one latency is inside each ring_* call already
+    # HSDP: all-gathers and reduce-scatters within a shard group (on NVLink when it fits in a node), then
+    # FSDP2's foreach_reduce all-reduces each gradient shard across the replicas (all_reduce_group)
+    shards = layout.dp if layout.spec.zero_stage is not None else layout.shard_degree
+    shard_bw = dp_bw if layout.replicas == 1 else group_bandwidth_gbps(
+        r.gpu, shards * layout.tp > layout.gpus_per_node, inter_node_gbps)
+    replica_ar = ring_allreduce_time_s(c.fsdp_reduce_bytes / shards, layout.replicas, dp_bw) \
+        if layout.replicas > 1 else 0.0
+    ag = ring_allgather_time_s(c.fsdp_gather_bytes, shards, shard_bw) + lat + copies.params_s
+    rs = ring_allgather_time_s(c.fsdp_reduce_bytes, shards, shard_bw) + lat + copies.grads_s + replica_ar
+    if w.stage:   # FSDP2 x PP: the stage gathered once per schedule step, reduce-scattered once (parallel_time)
+        return a * (ag + rs), a * (max(0.0, ag - w.forward_s) + max(0.0, rs - w.backward_s))
+    ag_bwd = ag if layout.spec.reshard_after_forward or layout.spec.zero_stage == 3 else 0.0
+    tail = (ring_allgather_time_s(c.fsdp_root_gather_bytes, shards, shard_bw)
+            + ring_allgather_time_s(c.fsdp_layer_gather_bytes, shards, shard_bw)
+            + ring_allgather_time_s(c.fsdp_root_reduce_bytes, shards, shard_bw) + copies.root_s)
+    return a * (ag + ag_bwd + rs), a * (max(0.0, ag - w.forward_s) + max(0.0, ag_bwd + rs - w.backward_s) + tail)
+
+
+def tensor_parallel_comm_s(c: CommSizes, tp: int, tp_bw: float, a: int) -> float:
+    """The tensor-parallel collectives per step (never hidden): the activations' all-reduces and the logits'
+    all-gather."""
+    if not c.tp_allreduces:
+        return 0.0
+    # sequence parallel (Megatron-SP, torchtitan): an all-gather of [b, s, h] before each TP region and a
+    # reduce-scatter after it replace the all-reduce: (n-1)/n each, 2 (n-1)/n together, as the all-reduce's ring
+    one = 2 * ring_allgather_time_s(c.tp_allreduce_bytes, tp, tp_bw) if c.tp_sequence_parallel else \
+        ring_allreduce_time_s(c.tp_allreduce_bytes, tp, tp_bw)
+    return a * (c.tp_allreduces * one + ring_allgather_time_s(c.tp_logits_gather_bytes, tp, tp_bw))
+
+
+def pipeline_terms(r: ResolvedSetup, micro_batch: int, micro_compute_s: float, stage: StageShare | None,
+                   dp_bw: float) -> tuple[int, float, float]:
+    """--pp: (micro-batches per schedule step, the stage-to-stage sends per micro-batch, the schedule's bubble):
+    the micro-batches of one schedule step, each waiting on its neighbours, stretched by the bubble; (1, 0, 0)
+    without pipeline parallelism."""
+    if not stage:
+        return 1, 0.0, 0.0
+    setup, layout = r.setup, r.layout
+    m = setup.microbatches
+    p2p = p2p_time_s(micro_batch, setup.seq_len, r.base.hidden_size, setup.compute_bytes, stage.stages,
+                     dp_bw, COLLECTIVE_LATENCY_S, layout.tp if setup.sequence_parallel else 1)
+    busy = micro_compute_s + p2p
+    bubble = pipeline_step_s(busy, m, pipeline_schedule(setup.pp_schedule).bubble_fraction(
+        layout.pp, m, stage.stages)) - m * busy
+    return m, p2p, bubble
 
 
 def ep_alltoall_time_s(r: ResolvedSetup, micro_batch: int, bw_gbps: float) -> float:

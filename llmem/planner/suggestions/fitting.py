@@ -1,0 +1,151 @@
+"""A what-if searched: the layouts that can run it (the support check), screened by the engine's quick bound, then
+batch-searched with full estimates for the fastest that fits; the bounds that let a search skip a layout that
+cannot change the answer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmem.errors import LlmemError
+from llmem.model.resolved import setup_for
+from llmem.planner.engines import fits_within
+from llmem.planner.search import CandidatePlan, PlanContext, attach_time, rank_by_time, time_at_max_batch
+from llmem.search import max_batch_size
+from llmem.setup.layout import Layout, candidate_layouts
+from llmem.setup.methods import MethodSpec
+from llmem.setup.objectives import setup_batch_multiple
+from llmem.setup.support import check_support
+from llmem.setup.training import TrainingSetup
+
+# Each what-if is searched on every layout that can run it, screened by the engine's quick bound at batch 1 (tensor
+# bytes at the step's largest moment, ~1 ms): a layout whose bound exceeds the limit by more than QUICK_SLACK is
+# not batch-searched (the bound lay within 0.98-1.16x of the allocated peak on the sweeps, and the allocated peak
+# never exceeds what the step needs); the CLOSEST_LAYOUTS with the lowest bound are always searched, so a what-if
+# that fits nowhere is reported against full estimates of its nearest layouts.
+QUICK_SLACK = 0.25
+CLOSEST_LAYOUTS = 3
+
+
+def plan_layouts(ctx: PlanContext, gpus: int, per_node: int | None) -> list[Layout]:
+    """Every layout the plan may use on `gpus` GPUs (the plan's --method / --tp restrictions kept)."""
+    return candidate_layouts(gpus, per_node, *ctx.heads, methods=ctx.options.methods, tp=ctx.options.tp)
+
+
+def supports(setup: TrainingSetup | None, method: MethodSpec) -> bool:
+    """Whether `method` may run `setup`: the set-up's own validation with that method (its objective's refusals:
+    GRPO's methods, its options) and the support check (llmem.setup.support, the engines' own). None (a what-if
+    the validation refused: `applied`) is never supported."""
+    if setup is None:
+        return False
+    gpus = 1 if method.one_gpu else setup.gpus
+    try:
+        s = replace(setup, method=method.name, gpus=gpus, batch_size=setup_batch_multiple(setup, gpus))
+        check_support(s, method)
+    except LlmemError:
+        return False
+    return True
+
+
+def applied(setup: TrainingSetup, **changes) -> TrainingSetup | None:
+    """`setup` with `changes`, or None where its validation refuses them (an option its objective does not take,
+    e.g. --fused-ce under GRPO): the what-if is then not proposed."""
+    try:
+        return replace(setup, **changes)
+    except LlmemError:
+        return None
+
+
+def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],
+                     closest: int = CLOSEST_LAYOUTS) -> list[Layout]:
+    """The layouts worth a full batch search for `setup`: those whose method supports it and whose quick bound at
+    batch 1 does not rule them out, and at least the `closest` nearest by that bound; in the given order."""
+    runnable = [lay for lay in layouts if supports(setup, lay.spec)]
+    if not ctx.engine.has_quick:
+        return runnable
+    scored: list[tuple[int, int, Layout]] = []
+    for i, lay in enumerate(runnable):
+        try:
+            scored.append((ctx.engine.quick(setup_for(setup, lay, setup_batch_multiple(setup, lay.world_size))), i,
+                           lay))
+        except LlmemError:          # the model refuses it (e.g. no tensor-parallel plan): not a layout for it
+            continue
+    scored.sort(key=lambda x: (x[0], x[1]))
+    bound = ctx.limit * (1 + QUICK_SLACK)
+    keep = {i for k, (q, i, _) in enumerate(scored) if q <= bound or k < closest}
+    return [lay for i, lay in enumerate(runnable) if i in keep]
+
+
+def best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
+                  offload: bool = False, closest: int = CLOSEST_LAYOUTS
+                  ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+    """The fastest fitting plan of `setup` over every layout in `layouts` that can run it (screened by the quick
+    bound, then batch-searched with full estimates), and every plan searched. With ctx.prune, a layout is not
+    searched once a bound proves it cannot change the answer: its tokens/s at its quick batch bound is below the
+    fastest found, or (nothing fitting yet) its draft is out of memory and needs more than the nearest searched;
+    the answer and the closest plan are those of searching every screened layout."""
+    screened = screened_layouts(ctx, setup, layouts, closest)
+    order = list(enumerate(screened))
+    uppers = {i: float("inf") for i, _ in order}
+    floors: dict[int, float | None] = {i: None for i, _ in order}
+    if ctx.prune and ctx.engine.has_quick and len(screened) > 1:
+        uppers = {i: _tokens_per_s_bound(ctx, setup, lay, adapter_params, offload) for i, lay in order}
+        floors = {i: _out_of_memory_floor(ctx, setup, lay) for i, lay in order}
+        # the likely fastest first, so the rest are soon ruled out; then those out of memory, nearest first
+        order.sort(key=lambda x: (-uppers[x[0]], floors[x[0]] if floors[x[0]] is not None else -1.0))
+    found: dict[int, CandidatePlan] = {}
+    best: CandidatePlan | None = None
+    nearest = float("inf")
+    for i, layout in order:
+        if best is not None and uppers[i] < best.time.tokens_per_s:
+            continue                 # its tokens/s at its quick batch bound already falls short: it cannot win
+        if best is None and floors[i] is not None and floors[i] > nearest:
+            continue                 # out of memory, and needs more than the nearest one searched: not the closest
+        try:
+            c = ctx.search(setup, layout)
+        except LlmemError:
+            continue
+        c.offload_optimizer = offload
+        attach_time(ctx, c, setup, adapter_params)
+        found[i] = c
+        nearest = min(nearest, c.memory.device_used_bytes)
+        if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s):
+            best = c
+    plans = [found[i] for i in sorted(found)]       # in the layouts' order: rank_by_time breaks ties by it
+    return rank_by_time(plans), plans
+
+
+def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> float | None:
+    """A lower bound on the full estimate's device-used memory at batch 1 where the draft proves it out of memory
+    (its allocated peak is exact and over the capacity): the draft's device-used with its reserved peak replaced by
+    that allocated peak (the full estimate's reserved is never below its allocated: llmem.estimator.events
+    extrapolate); None where the draft does not rule batch 1 out (or cannot be made)."""
+    try:
+        d = ctx.engine.draft(setup_for(setup, layout, setup_batch_multiple(setup, layout.world_size)))
+    except LlmemError:
+        return None
+    if fits_within(d, ctx.limit) or d.capped_reserved_bytes is not None:
+        return None
+    return d.device_used_bytes - d.peak_reserved_bytes + d.peak_allocated_bytes
+
+
+def _tokens_per_s_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout, adapter_params: int,
+                        offload: bool) -> float:
+    """An upper bound on the tokens/s `layout` can reach for `setup`: the time model at its quick batch bound
+    (tokens/s does not fall as the largest micro-batch grows); 0 where even batch 1 is out of the bound, infinite
+    where the bound cannot be computed (then it is searched)."""
+    try:
+        bound = quick_batch_bound(ctx, setup, layout)
+        if not bound:
+            return 0.0
+        return time_at_max_batch(ctx, setup, layout, bound, adapter_params, offload).tokens_per_s
+    except LlmemError:
+        return float("inf")
+
+
+def quick_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> int:
+    """An upper bound on the micro-batch `layout` fits: the largest whose quick bound stays within the screening
+    slack (the bound never lay above 1.16x the allocated peak, and a batch that fits keeps that within the
+    limit)."""
+    bound = ctx.limit * (1 + QUICK_SLACK)
+    return max_batch_size(lambda b: ctx.engine.quick(setup_for(setup, layout, b)) <= bound,
+                          ctx.options.batch_cap)
