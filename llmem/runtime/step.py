@@ -216,6 +216,146 @@ def check_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> N
                          "model, or llmem estimate (nothing allocated)")
 
 
+def _meta_model(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, pp_rank: int):
+    """The model on the meta device: its pipeline stage, its dtype, quantised base, adapters. (model, split, low)"""
+    with quiet():
+        model = meta_model_for(setup)
+    split = None
+    if resolved.layout.pp > 1:        # one pipeline stage of the model (llmem.runtime.pipeline)
+        from llmem.runtime.pipeline import split_model, stage_split
+
+        split = stage_split(setup, resolved.anatomy.num_layers, pp_rank)
+        split_model(model, split)
+    low = low_dtype(setup)
+    if setup.precision_spec.low_precision and not setup.mixed:
+        model.to(low)                 # still on meta: dtype only
+    if setup.quant_spec.quantised:    # the libraries' quantised linears, emulated (llmem.runtime.quant_kernels)
+        quantize_base(model, setup, fake=fake)
+    if setup.peft:
+        model = apply_peft(model, setup)
+    if setup.quant_spec.quantised:
+        wrap_quant_adapters(model, setup)
+    return model, split, low
+
+
+def _enter_process_group(stack: contextlib.ExitStack, layout: Layout, fake: bool, on_cuda: bool,
+                         pp_rank: int) -> bool:
+    """torchrun's real process group (measure, WORLD_SIZE > 1) or the fake one; whether it is real."""
+    import torch.distributed as dist
+    env_ws = int(os.environ.get("WORLD_SIZE", "1"))
+    if not fake and env_ws > 1:
+        if env_ws != layout.world_size:
+            raise LlmemError(f"torchrun started {env_ws} processes but the setup needs {layout.world_size}")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if on_cuda else "gloo")
+            stack.callback(dist.destroy_process_group)
+        return True
+    stack.enter_context(fake_process_group(layout.world_size, pp_rank * (layout.world_size // layout.pp)))
+    return False
+
+
+def _enter_kernels(stack: contextlib.ExitStack, setup: TrainingSetup, resolved: ResolvedSetup, fake: bool,
+                   on_cuda: bool, cuda_kernels: bool, autocast_dtype) -> CudaAutocastPolicy | None:
+    """CUDA's autocast, dropout and SDPA kernels emulated on the CPU, or the flash kernel on a real GPU; the
+    autocast policy (None where not emulated)."""
+    policy = None
+    if not on_cuda:
+        if autocast_dtype is not None:
+            policy = stack.enter_context(cuda_autocast_policy())
+        stack.enter_context(cuda_like_dropout())
+        if fake and cuda_kernels:
+            stack.enter_context(cuda_like_sdpa(resolved.gpu.compute_capability,
+                                               "flash" if setup.attention_spec.flash_kernel else None))
+    elif setup.attention_spec.flash_kernel:   # a real GPU: PyTorch's flash SDPA kernel only
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
+    return policy
+
+
+def _enter_parallelism(stack: contextlib.ExitStack, model: nn.Module, setup: TrainingSetup, layout: Layout,
+                       spec, device: torch.device, fake: bool, sharded: bool, real_pg: bool):
+    """The device mesh, expert parallelism, ring attention, loss_parallel and DDP on the fake group; the mesh."""
+    mesh = None
+    if sharded:
+        stack.enter_context(dtensor_propagation_untracked())
+        stack.enter_context(device_mesh_outside_fake())
+        mesh = device_mesh(layout, device.type)
+    ep = ep_plan(layout, setup, device.type)     # --ep (or the learning copy's): llmem.runtime.expert_parallel
+    if ep is not None:
+        apply_expert_parallel(model, ep, fake)
+        if ep.ep_mesh is not None:
+            stack.enter_context(collectives_waited_in_place())
+    if layout.cp > 1:     # torch's ring attention on the cp dimension (llmem.runtime.context_parallel)
+        from llmem.runtime.context_parallel import ring_attention
+        stack.enter_context(ring_attention(mesh["cp"], fake))
+    if setup.loss_parallel:   # HF's cross_entropy on the vocab-sharded logits, its backward too (torchtitan)
+        from torch.distributed.tensor.parallel import loss_parallel
+        stack.enter_context(loss_parallel())
+    if spec.gradient_buckets and not real_pg:
+        stack.enter_context(ddp_on_fake_pg())
+    return mesh
+
+
+def _enter_fake_mode(stack: contextlib.ExitStack, setup: TrainingSetup, fake: bool, fake_mode) -> None:
+    """The packing check, then (fake) HF's masks untraced, grouped_mm's meta kernel and the caller's fake mode."""
+    packing = setup.packing
+    if packing and setup.attention_spec.varlen_packing and not fake:
+        raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
+                         "flash_attention_2); llmem models it but cannot run it")
+    if fake:
+        # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
+        # rows, so the traced flash step gets no packed mask
+        stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
+        stack.enter_context(grouped_mm_meta_any_float())
+        stack.enter_context(fake_mode)
+
+
+def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: TrainingSetup, layout: Layout,
+                         mesh, region, device: torch.device, fake: bool, sharded: bool, real_pg: bool):
+    """The model's parameters allocated (fake cpu, or real on `device`) and the method applied; the runner."""
+    if fake:
+        materialize(model, "cpu")
+        materialize_prompt_tokens(model, "cpu")
+        collect_after_dora(model, stack)
+        return apply_method(model, layout, mesh, setup, region, fake_pg=True)
+    if sharded:   # shard on meta, then allocate only the local shards
+        apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.to_empty(device=device)
+    tie_if_needed(model)
+    init_real_weights(model)
+    collect_after_dora(model, stack)       # measure's tracker makes the same cycle as fake tensors
+    runner = model
+    if not sharded:
+        runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
+    return runner
+
+
+def _optimizer(model: nn.Module, setup: TrainingSetup, hooks: StepHooks, fake: bool):
+    if setup.optimizer_in_backward:
+        return InBackwardOptimizer(model, setup.optimizer, hooks.region)
+    if setup.steps_on_host and fake:
+        return HostOffloadedOptimizer(model, setup.optimizer)
+    return make_optimizer(model, setup.optimizer)
+
+
+def _inputs(model: nn.Module, setup: TrainingSetup, layout: Layout, device: torch.device, fake: bool):
+    """The rank's random token ids and, with --packing, the packed rows' position ids."""
+    seq = local_seq_len(setup.seq_len, layout.cp)      # the rank's tokens under --cp (seq_len without)
+    ids = torch.randint(0, vocab_size(model), (setup.batch_size, seq), dtype=torch.int64,
+                        device="cpu" if fake else device)
+    positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if setup.packing else None
+    return ids, positions
+
+
+def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOffload | None:
+    if not setup.offload_activations:
+        return None
+    lm = causal_lm(model)
+    return ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
+
+
 @contextlib.contextmanager
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
@@ -236,26 +376,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     if setup.pp > 1 and not fake:
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
-    gpu, layout, spec = resolved.gpu, resolved.layout, resolved.method
-    region = hooks.category
+    layout, spec = resolved.layout, resolved.method
 
-    with quiet():
-        model = meta_model_for(setup)
-    split = None
-    if layout.pp > 1:                 # one pipeline stage of the model (llmem.runtime.pipeline)
-        from llmem.runtime.pipeline import split_model, stage_split
-
-        split = stage_split(setup, resolved.anatomy.num_layers, pp_rank)
-        split_model(model, split)
-    low = low_dtype(setup)
-    if setup.precision_spec.low_precision and not setup.mixed:
-        model.to(low)                 # still on meta: dtype only
-    if setup.quant_spec.quantised:    # the libraries' quantised linears, emulated (llmem.runtime.quant_kernels)
-        quantize_base(model, setup, fake=fake)
-    if setup.peft:
-        model = apply_peft(model, setup)
-    if setup.quant_spec.quantised:
-        wrap_quant_adapters(model, setup)
+    model, split, low = _meta_model(setup, resolved, fake, pp_rank)
     autocast_dtype = low if (setup.mixed and spec.autocast_under_mixed) else None
     on_cuda = device.type == "cuda"
     sharded = spec.shards_model_states or spec.has_tp
@@ -265,56 +388,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         stack.enter_context(flash_kernel_attention())   # the step's attention, where --attn flash needs it
         real_pg = False
         if not spec.one_gpu or layout.pp > 1:
-            import torch.distributed as dist
-            env_ws = int(os.environ.get("WORLD_SIZE", "1"))
-            if not fake and env_ws > 1:
-                if env_ws != layout.world_size:
-                    raise LlmemError(f"torchrun started {env_ws} processes but the setup needs {layout.world_size}")
-                if not dist.is_initialized():
-                    dist.init_process_group("nccl" if on_cuda else "gloo")
-                    stack.callback(dist.destroy_process_group)
-                real_pg = True
-            else:
-                stack.enter_context(fake_process_group(layout.world_size, pp_rank * (layout.world_size // layout.pp)))
-        policy = None
-        if not on_cuda:
-            if autocast_dtype is not None:
-                policy = stack.enter_context(cuda_autocast_policy())
-            stack.enter_context(cuda_like_dropout())
-            if fake and cuda_kernels:
-                stack.enter_context(cuda_like_sdpa(gpu.compute_capability,
-                                                   "flash" if setup.attention_spec.flash_kernel else None))
-        elif setup.attention_spec.flash_kernel:   # a real GPU: PyTorch's flash SDPA kernel only
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
-        mesh = None
-        if sharded:
-            stack.enter_context(dtensor_propagation_untracked())
-            stack.enter_context(device_mesh_outside_fake())
-            mesh = device_mesh(layout, device.type)
-        ep = ep_plan(layout, setup, device.type)     # --ep (or the learning copy's): llmem.runtime.expert_parallel
-        if ep is not None:
-            apply_expert_parallel(model, ep, fake)
-            if ep.ep_mesh is not None:
-                stack.enter_context(collectives_waited_in_place())
-        if layout.cp > 1:     # torch's ring attention on the cp dimension (llmem.runtime.context_parallel)
-            from llmem.runtime.context_parallel import ring_attention
-            stack.enter_context(ring_attention(mesh["cp"], fake))
-        if setup.loss_parallel:   # HF's cross_entropy on the vocab-sharded logits, its backward too (torchtitan)
-            from torch.distributed.tensor.parallel import loss_parallel
-            stack.enter_context(loss_parallel())
-        if spec.gradient_buckets and not real_pg:
-            stack.enter_context(ddp_on_fake_pg())
-        packing = setup.packing
-        if packing and setup.attention_spec.varlen_packing and not fake:
-            raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
-                             "flash_attention_2); llmem models it but cannot run it")
-        if fake:
-            # flash attention packs through cu_seqlens (varlen kernel, no mask): the same saved tensors as unpacked
-            # rows, so the traced flash step gets no packed mask
-            stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
-            stack.enter_context(grouped_mm_meta_any_float())
-            stack.enter_context(fake_mode)
+            real_pg = _enter_process_group(stack, layout, fake, on_cuda, pp_rank)
+        policy = _enter_kernels(stack, setup, resolved, fake, on_cuda, cuda_kernels, autocast_dtype)
+        mesh = _enter_parallelism(stack, model, setup, layout, spec, device, fake, sharded, real_pg)
+        _enter_fake_mode(stack, setup, fake, fake_mode)
         if before_model is not None:
             before_model()
 
@@ -324,37 +401,11 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             install_fused_ce(model)
 
         say("materialising the model")
-        if fake:
-            materialize(model, "cpu")
-            materialize_prompt_tokens(model, "cpu")
-            collect_after_dora(model, stack)
-            runner = apply_method(model, layout, mesh, setup, region, fake_pg=True)
-        else:
-            if sharded:   # shard on meta, then allocate only the local shards
-                apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model.to_empty(device=device)
-            tie_if_needed(model)
-            init_real_weights(model)
-            collect_after_dora(model, stack)       # measure's tracker makes the same cycle as fake tensors
-            runner = model
-            if not sharded:
-                runner = apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
-        if setup.optimizer_in_backward:
-            optimizer = InBackwardOptimizer(model, setup.optimizer, hooks.region)
-        elif setup.steps_on_host and fake:
-            optimizer = HostOffloadedOptimizer(model, setup.optimizer)
-        else:
-            optimizer = make_optimizer(model, setup.optimizer)
-        seq = local_seq_len(setup.seq_len, layout.cp)      # the rank's tokens under --cp (seq_len without)
-        ids = torch.randint(0, vocab_size(model), (setup.batch_size, seq), dtype=torch.int64,
-                            device="cpu" if fake else device)
-        positions = packed_position_ids(setup.batch_size, setup.seq_len, ids.device) if packing else None
-        offload = None
-        if setup.offload_activations:
-            lm = causal_lm(model)
-            offload = ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
+        runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,
+                                      real_pg)
+        optimizer = _optimizer(model, setup, hooks, fake)
+        ids, positions = _inputs(model, setup, layout, device, fake)
+        offload = _activation_offload(model, setup)
         step = TrainingStep(setup, model, runner, optimizer, ids, resolved, "cpu" if fake else device.type,
                             autocast_dtype, hooks, policy, offload, positions)
         if split is not None:
@@ -363,4 +414,3 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             step.pipeline = PipelineRunner(step, split, mesh)
         say("running the step")
         yield step
-

@@ -169,34 +169,112 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> list[float]:
-    """Train `args.steps` steps; the losses of rank 0 (every rank returns its own)."""
-    import contextlib
-
+def _device(local_rank: int):
+    """This rank's GPU (made the current one), or the CPU on a machine without CUDA."""
     import torch
-    import torch.distributed as dist
 
-    from llmem.runtime.distributed import device_mesh
-    from llmem.runtime.optimizers import make_optimizer
-    from llmem.setup.layout import resolve_layout
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _check(args, world)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return device
+
+
+def _layout(args: argparse.Namespace, world: int):
+    """The method's layout on `world` GPUs, checked against --dp."""
+    from llmem.setup.layout import resolve_layout
+
     spec = METHODS[args.method]
     layout = resolve_layout(args.method, world, args.tp if spec.has_tp else None, args.gpus_per_node, 0, 0,
                             args.dp_replicate)
     if layout.dp != args.dp:
         raise LlmemError(f"{args.method} on {world} GPU(s) with --tp {args.tp} has dp {layout.dp}, not --dp "
                          f"{args.dp}")
+    return layout
+
+
+def _scaler(args: argparse.Namespace, device):
+    """fp16 mixed precision's loss scaler (FSDP2's sharded one where the method shards); None otherwise."""
+    import torch
+
+    precision = PRECISIONS[args.precision]
+    if not (precision.mixed and getattr(torch, precision.compute_dtype) == torch.float16):
+        return None
+    if METHODS[args.method].shards_model_states:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def _micro_batch(args: argparse.Namespace, model, vocab: int, device, generator, scaler, last: bool) -> float:
+    """Forward and backward of one micro-batch of fresh tokens, the gradients synchronised on the last one; its loss."""
+    import contextlib
+
+    import torch
+
+    spec, precision = METHODS[args.method], PRECISIONS[args.precision]
+    sync = contextlib.nullcontext()
+    if spec.gradient_buckets and not last:
+        sync = model.no_sync()
+    elif spec.shards_model_states:
+        model.set_requires_gradient_sync(last)
+    ids = _tokens(args, vocab, device, generator)
+    with sync, _loss_parallel(args):
+        with torch.autocast(device.type, dtype=getattr(torch, precision.compute_dtype),
+                            enabled=precision.mixed and spec.autocast_under_mixed):
+            loss = model(input_ids=ids, labels=ids).loss / args.gradient_accumulation_steps
+        (scaler.scale(loss) if scaler else loss).backward()
+    return float(loss.detach())
+
+
+def _train(args: argparse.Namespace, model, optimizer, scaler, layout, device, rank: int) -> list[float]:
+    """The optimizer steps, each over the accumulated micro-batches; rank 0 prints loss, tokens/s and peaks."""
+    import torch
+
+    # each data-parallel rank its own tokens; the ranks of one tensor-parallel group the same ones
+    data_rank = rank // layout.tp if METHODS[args.method].has_tp else rank
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + data_rank + 1)
+    vocab = model.module.config.vocab_size if hasattr(model, "module") else model.config.vocab_size
+    losses = []
+    tokens = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps * layout.dp
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        total = 0.0
+        for micro in range(args.gradient_accumulation_steps):
+            last = micro == args.gradient_accumulation_steps - 1
+            total += _micro_batch(args, model, vocab, device, generator, scaler, last)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        if rank == 0:
+            dt = time.perf_counter() - t0
+            peak = f", peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, reserved " \
+                   f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+            print(f"step {step + 1}/{args.steps}: loss {total:.4f}, {tokens / dt:,.0f} tokens/s{peak}", flush=True)
+    return losses
+
+
+def run(args: argparse.Namespace) -> list[float]:
+    """Train `args.steps` steps; the losses of rank 0 (every rank returns its own)."""
+    import torch
+    import torch.distributed as dist
+
+    from llmem.runtime.distributed import device_mesh
+    from llmem.runtime.optimizers import make_optimizer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _check(args, world)
+    device = _device(local_rank)
+    layout = _layout(args, world)
     started = world > 1 and not dist.is_initialized()
     if started:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(args.seed)                       # the same initial weights on every rank
         mesh = device_mesh(layout, device.type)
@@ -204,52 +282,7 @@ def run(args: argparse.Namespace) -> list[float]:
         optimizer = make_optimizer(model, args.optimizer)
         for group in optimizer.param_groups:
             group["lr"] = args.lr
-        precision = PRECISIONS[args.precision]
-        autocast = precision.mixed and spec.autocast_under_mixed
-        dtype = getattr(torch, precision.compute_dtype)
-        scaler = None
-        if precision.mixed and dtype == torch.float16:
-            if spec.shards_model_states:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-                scaler = ShardedGradScaler(device.type)
-            else:
-                scaler = torch.amp.GradScaler(device.type)
-        # each data-parallel rank its own tokens; the ranks of one tensor-parallel group the same ones
-        data_rank = rank // layout.tp if spec.has_tp else rank
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + data_rank + 1)
-        vocab = model.module.config.vocab_size if hasattr(model, "module") else model.config.vocab_size
-        losses = []
-        tokens = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps * layout.dp
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            total = 0.0
-            for micro in range(args.gradient_accumulation_steps):
-                last = micro == args.gradient_accumulation_steps - 1
-                sync = contextlib.nullcontext()
-                if spec.gradient_buckets and not last:
-                    sync = model.no_sync()
-                elif spec.shards_model_states:
-                    model.set_requires_gradient_sync(last)
-                ids = _tokens(args, vocab, device, generator)
-                with sync, _loss_parallel(args):
-                    with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-                        loss = model(input_ids=ids, labels=ids).loss / args.gradient_accumulation_steps
-                    (scaler.scale(loss) if scaler else loss).backward()
-                total += float(loss.detach())
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(total)
-            if rank == 0:
-                dt = time.perf_counter() - t0
-                peak = f", peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, reserved " \
-                       f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB" if cuda else ""
-                print(f"step {step + 1}/{args.steps}: loss {total:.4f}, {tokens / dt:,.0f} tokens/s{peak}",
-                      flush=True)
-        return losses
+        return _train(args, model, optimizer, _scaler(args, device), layout, device, rank)
     finally:
         if started:
             dist.destroy_process_group()
