@@ -62,7 +62,7 @@ from llmem.memory.vllm import (
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import fsdp_unit_numel
-from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
+from llmem.setup.generation import completion_length, plain_setup, prompt_length, vllm_mode, vllm_utilization
 from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
 
@@ -101,13 +101,6 @@ def generation_kv_bytes(r: ResolvedSetup) -> int:
     setup = r.setup
     kv, d = attention_dims(r.anatomy)
     return kv_cache_bytes(r.anatomy.num_layers, setup.batch_size, kv, d, setup.seq_len - 1, r.regime.mm)
-
-
-def plain_setup(setup):
-    """The set-up as one model's step (sft): the same model, precision and adapters, no objective options."""
-    return replace(setup, objective="sft", loss_type=None, num_generations=None, max_completion_length=None,
-                   beta=None, use_vllm=False, vllm_mode=None, vllm_gpu_memory_utilization=None,
-                   vllm_enable_sleep_mode=False, vllm_max_model_length=None)
 
 
 class GenerationEvents(PreferenceEvents):
