@@ -33,6 +33,8 @@ REFUSED = {
     "not_json.json": "line 1",
     "empty.json": "Expecting value",
     "top_level_list.json": "model_type",
+    "top_level_null.json": "holds null, not a JSON object",
+    "top_level_number.json": "holds 7, not a JSON object",
     "no_model_type.json": "model_type",
     "model_type_number.json": "model_type 7",
     "unknown_model_type.json": "model_type 'no-such-architecture'",
@@ -100,6 +102,14 @@ def test_the_corpus_is_complete():
 def test_malformed_config_is_one_line_naming_the_field(name, capsys):
     code, out, err = run_cli(["estimate", str(CORPUS / name), "--seq-len", "256"], capsys)
     assert_one_line_refusal(code, err, REFUSED[name])
+    assert out == ""
+
+
+def test_folder_whose_config_is_null(tmp_path, capsys):
+    """A model folder whose config.json is `null` (transformers' loader raises TypeError on it)."""
+    (tmp_path / "config.json").write_text("null\n")
+    code, out, err = run_cli(["estimate", str(tmp_path)], capsys)
+    assert_one_line_refusal(code, err, str(tmp_path / "config.json"), "not a JSON object")
     assert out == ""
 
 

@@ -246,3 +246,22 @@ def test_tiny_families_without_a_recipe_have_their_published_layouts():
     assert load_anatomy("tiny-qwen3").total_params == qwen3 == 20_780_032
     for name, family in (("tiny-pythia", "gpt_neox"), ("tiny-phi", "phi"), ("tiny-qwen3", "qwen3")):
         assert load_anatomy(name).model_type == family
+
+
+def test_a_generation_objective_learns_the_plain_step(monkeypatch, tmp_path):
+    """GRPO on a family without a hand recipe, nothing cached: the shallow copy runs at the learning points (batch
+    2 and 3, 64 to 192 tokens), where GRPOConfig's checks would refuse (8 generations do not divide a batch of 2;
+    a 512-token completion does not fit in 64 tokens). The copy runs the plain step, whose layer the training
+    forward is; the learned layer is the sft set-up's, under the same cache key."""
+    from dataclasses import replace
+
+    from llmem.learn.shallow_copy import learn, learned_activations
+
+    monkeypatch.setenv(lm.LEARN_ENV, "auto")
+    monkeypatch.setenv(lm.CACHE_ENV, str(tmp_path))
+    grpo = resolve(_setup("tiny-qwen3", objective="grpo", batch_size=8, seq_len=1024))
+    sft = resolve(_setup("tiny-qwen3", batch_size=8, seq_len=1024))
+    assert lm.learning_key(grpo) == lm.learning_key(sft)
+    learned = learned_activations(grpo)
+    assert learned is not None and learned.points[0] == (2, 64)
+    assert replace(learned, seconds=0) == replace(learn(sft), seconds=0)

@@ -291,6 +291,33 @@ def test_in_backward_moments_follow_the_replay(model):
     assert "optimizer_step" not in {m["phase"] for m in res.moments}
 
 
+@pytest.mark.parametrize(("model", "kw"), [
+    ("tiny-llama", {}),
+    ("tiny-llama", {"precision": "bf16-mixed", "seq_len": 64}),
+    ("tiny-llama", {"grad_ckpt": True}),
+    ("gpt2", {"seq_len": 128}),                                  # tied: the head's hook waits for the embedding
+    ("tiny-qwen3", {"precision": "bf16-mixed", "batch_size": 2, "seq_len": 256}),
+])
+def test_in_backward_with_offloaded_activations_no_negative_component(model, kw):
+    """--optimizer-in-backward --offload-activations: no moment holds a negative byte count."""
+    res = estimate(TrainingSetup(model=model, optimizer_in_backward=True, offload_activations=True, **kw))
+    negative = [(i, k, v) for i, m in enumerate(res.moments) for k, v in m["components"].items() if v < 0]
+    assert negative == []
+
+
+def test_in_backward_head_hook_frees_the_offloaded_head_input():
+    """tiny-llama (untied, pure bf16, batch 1 x 1024 tokens) with activations offloaded: the only saved tensor left
+    on the device at the loss is the lm_head's input, [1024, 512] bf16 (the output layer is not offloaded); once the
+    lm_head's hook has stepped it, that input is freed too, so the moment holds no activations, not minus the final
+    norm's offloaded tensors."""
+    res = estimate(TrainingSetup(model="tiny-llama", optimizer_in_backward=True, offload_activations=True,
+                                 precision="bf16", batch_size=1, seq_len=1024))
+    loss_backward, head_hook = res.moments[1]["components"], res.moments[2]["components"]
+    assert loss_backward["activations"] == 1024 * 512 * 2
+    assert head_hook["gradients"] >= 32000 * 512 * 2          # the lm_head's gradient, its step's temporaries
+    assert head_hook["activations"] == 0
+
+
 def test_cli_options():
     from llmem.cli import build_parser
     from llmem.cli.options import setup_from_args

@@ -62,12 +62,13 @@ from llmem.memory.vllm import (
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import fsdp_unit_numel
-from llmem.setup.generation import completion_length, prompt_length, vllm_mode, vllm_utilization
+from llmem.setup.generation import completion_length, plain_setup, prompt_length, vllm_mode, vllm_utilization
 from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
 from llmem.setup.precision import F32
 
 if TYPE_CHECKING:
     from llmem.estimator.schedule.hooks import StepHooks
+    from llmem.model.anatomy import ModelAnatomy
 
 VLLM_SIDE_STREAMS = (REF_ALL_GATHER + 1, REF_ALL_GATHER + 2)    # vLLM's packed broadcast streams, its own
 MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
@@ -88,26 +89,18 @@ def kv_cache_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, tokens
     return 2 * layers * batch * kv_heads * head_dim * tokens * dtype_bytes
 
 
-def attention_dims(config: dict) -> tuple[int, int]:
-    """(kv_heads, head_dim) from a transformers config dict (head_dim: hidden_size / heads unless given)."""
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return kv, head_dim
+def attention_dims(anatomy: ModelAnatomy) -> tuple[int, int]:
+    """(kv_heads, head_dim) as the model's attention runs them: the anatomy's, read from the config under each
+    family's own spellings (GPT-2's n_head, BLOOM's n_head, GPTBigCode's multi_query; head_dim: hidden_size / heads
+    unless given)."""
+    return anatomy.num_kv_heads, anatomy.head_dim
 
 
 def generation_kv_bytes(r: ResolvedSetup) -> int:
     """The DynamicCache at generate's last forward: P + C - 1 tokens (the last sampled token is never fed)."""
     setup = r.setup
-    kv, d = attention_dims(r.anatomy.config)
+    kv, d = attention_dims(r.anatomy)
     return kv_cache_bytes(r.anatomy.num_layers, setup.batch_size, kv, d, setup.seq_len - 1, r.regime.mm)
-
-
-def plain_setup(setup):
-    """The set-up as one model's step (sft): the same model, precision and adapters, no objective options."""
-    return replace(setup, objective="sft", loss_type=None, num_generations=None, max_completion_length=None,
-                   beta=None, use_vllm=False, vllm_mode=None, vllm_gpu_memory_utilization=None,
-                   vllm_enable_sleep_mode=False, vllm_max_model_length=None)
 
 
 class GenerationEvents(PreferenceEvents):
@@ -118,7 +111,7 @@ class GenerationEvents(PreferenceEvents):
         super().__init__(s, r)
         setup = r.setup
         self.b, self.p, self.c = setup.batch_size, prompt_length(setup), completion_length(setup)
-        kv, d = attention_dims(r.anatomy.config)
+        kv, d = attention_dims(r.anatomy)
         self.kv_token_bytes = self.b * kv * d * s.facts.regime.mm      # one layer's K (or V), one token
         self.iteration = 0
         self.step_batch: list[int] = []
@@ -456,7 +449,7 @@ def colocated_pool(r: ResolvedSetup) -> VllmPool | None:
     if vllm_mode(setup) != "colocate":
         return None
     cfg = r.base.config
-    kv, d = attention_dims(cfg)
+    kv, d = attention_dims(r.base)
     dtype = 4 if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") in ("float32", "torch.float32") else 2
     m = VllmModel(params=r.base.total_params, num_layers=r.base.num_layers, num_kv_heads=kv, head_dim=d,
                   hidden_size=r.base.hidden_size, intermediate_size=cfg.get("intermediate_size") or 4 * r.base.hidden_size,

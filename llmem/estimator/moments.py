@@ -210,7 +210,7 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
         moments.append(Moment("backward", {
             **h.static,
             "gathered_weights": gathered_fwd + kept_copies - head_copy,
-            "activations": saved_layers - act.head_saved,
+            "activations": saved_layers - act.device_head_saved,      # the head's saved tensors freed
             "gradients": h.grads.in_backward_head,
         }))
     return moments

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER
 from llmem.memory.activations.blocks import norm_saved
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
@@ -155,8 +156,18 @@ def fused_head(r: ResolvedSetup, regime: Regime, weight_bytes: int, outputs: tup
 
 
 def lm_head_param(r: ResolvedSetup):
-    """The lm_head weight, or the embedding tied to it."""
-    return next(p for p in r.anatomy.params if p.layer_index is None and is_lm_head(p))
+    """The lm_head weight, or the embedding tied to it. A head of another name (BioGPT's output_projection, which
+    transformers' get_output_embeddings returns) is the root matrix tied to the input embedding, or, untied, the
+    root Linear of [vocab, hidden]."""
+    a = r.anatomy
+    root = [p for p in a.params if p.layer_index is None]
+    head = (next((p for p in root if is_lm_head(p)), None)
+            or next((p for p in root if p.tied_to and len(p.shape) == 2), None)
+            or next((p for p in root if p.module_kind == "Linear" and p.shape == (a.vocab_size, a.hidden_size)), None))
+    if head is None:
+        raise LlmemError(f"{a.name}: llmem finds no output layer (lm_head) among its parameters, which this "
+                         "objective's fused head reads")
+    return head
 
 
 def policy_weight_bytes(r: ResolvedSetup) -> int:

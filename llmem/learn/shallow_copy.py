@@ -19,6 +19,8 @@ from llmem.memory.activations.learned import LearnedActivations, cached, learnin
 from llmem.model.families import LAYERS_FIELDS, family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.runtime.expert_parallel import learning_ep
+from llmem.setup.generation import plain_setup
+from llmem.setup.objectives import objective_spec
 
 
 def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
@@ -73,8 +75,11 @@ def shallow_config(config: dict, depth: int) -> dict:
 def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     """The set-up the copy runs: the same adapters, precision and activation options on one GPU (the method's dtype
     regime kept: FSDP2's mixed precision computes in the low dtype, as pure low precision does), without the
-    options the schedule lays out itself (checkpointing, offloading, the fused loss, the optimizer's placement)."""
-    setup = r.setup
+    options the schedule lays out itself (checkpointing, offloading, the fused loss, the optimizer's placement).
+    A generation objective's copy runs the plain step: its layers' tensors are the training forward's (the schedule
+    lays generate out itself), and GRPOConfig's checks (num_generations dividing the batch, a completion shorter
+    than the sequence) would refuse the learning points."""
+    setup = plain_setup(r.setup) if objective_spec(r.setup.objective).generates else r.setup
     precision = setup.precision
     adapter_dtype = setup.adapter_dtype
     if setup.mixed and not r.regime.autocast:        # FSDP2's MixedPrecisionPolicy: everything computes in low

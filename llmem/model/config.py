@@ -54,13 +54,15 @@ def _why_unreadable(file: Path) -> str:
     """Why transformers could not read a config file, found by reading it here (its own message names no cause)."""
     try:
         text = file.read_bytes().decode("utf-8")
-        json.loads(text)
+        value = json.loads(text)
     except OSError as exc:
         return f"cannot read config {file}: {exc.strerror or first_line(exc)}"
     except UnicodeDecodeError as exc:
         return f"config {file} is not UTF-8 text (byte {exc.start}): give a transformers config.json"
     except json.JSONDecodeError as exc:
         return f"malformed config {file}: {exc.msg} at line {exc.lineno}; give a valid config.json"
+    if not isinstance(value, (dict, list)):
+        return f"malformed config {file}: it holds {text.strip()[:40]}, not a JSON object; give a transformers config.json"
     return f"cannot read config {file}: give a transformers config.json"
 
 
@@ -77,7 +79,7 @@ def _read_config(path: Path) -> dict:
                          f"{CONFIG_MAX_BYTES // 1024**2} MiB): point MODEL at the model's config.json")
     try:
         raw, _ = PretrainedConfig.get_config_dict(str(file))
-    except OSError:
+    except (OSError, TypeError):      # TypeError: a JSON scalar (`null`), which its `"model_type" in` check rejects
         raise LlmemError(_why_unreadable(file)) from None
     return raw
 

@@ -81,7 +81,7 @@ def vllm_generation_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, 
     if pool is not None:
         weights_bytes, kv_bytes_per_token = pool.weights_bytes, pool.block_bytes / pool.block_size
     else:
-        kv, head_dim = attention_dims(r.base.config or {})
+        kv, head_dim = attention_dims(r.base)
         weights_bytes = r.base.total_params * VLLM_SERVER_DTYPE_BYTES
         kv_bytes_per_token = 2 * r.base.num_layers * kv * head_dim * VLLM_SERVER_DTYPE_BYTES
     at_once, waves = vllm_waves(r, micro_batch)

@@ -25,7 +25,7 @@ scores_policy and sequence_logps, llmem.setup.objectives).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
 from llmem.setup.deepspeed import check_trl_deepspeed
@@ -113,6 +113,13 @@ def prompt_length(setup) -> int:
 def beta(setup) -> float:
     d = GENERATION_DEFAULTS[setup.objective]
     return d.beta if setup.beta is None else setup.beta
+
+
+def plain_setup(setup):
+    """The set-up as one model's step (sft): the same model, precision and adapters, no objective options."""
+    return replace(setup, objective="sft", loss_type=None, num_generations=None, max_completion_length=None,
+                   beta=None, use_vllm=False, vllm_mode=None, vllm_gpu_memory_utilization=None,
+                   vllm_enable_sleep_mode=False, vllm_max_model_length=None)
 
 
 def check_generation(setup) -> None:

@@ -149,6 +149,12 @@ class ActivationProfile:
         return self.lm_head_input + (self.shared_saved + self.embed_leaf_bytes if self.grad_ckpt else 0)
 
     @property
+    def device_head_saved(self) -> int:
+        """The final norm's and the lm_head's saved tensors on the device at the end of the forward: all of them, or
+        with offloading only the lm_head's input (the final norm's went to the host)."""
+        return self.lm_head_input if self.offload else self.head_saved
+
+    @property
     def lm_head_input(self) -> int:
         """The lm_head's kept input (its weight's gradient needs it; the output layer is not offloaded): 0 when the
         head keeps none."""
