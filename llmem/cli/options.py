@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from llmem.errors import LlmemError
-from llmem.planner.options import PlanOptions
+from llmem.planner.options import EXPORT_FILES, PlanOptions
 from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, objective_spec
 from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
@@ -209,8 +209,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write memory vs batch size per method (png, svg or pdf, from the extension)")
     g.add_argument("--export", nargs=2, default=None, metavar=("KIND", "PATH"),
-                   help="write a launch config for the recommended plan: accelerate (YAML), torchrun (shell), "
-                        "deepspeed (JSON)")
+                   help="write a launch config for the recommended plan: "
+                        + ", ".join(f"{kind} ({files})" for kind, files in EXPORT_FILES.items()))
 
 
 def plan_options_from_args(args: argparse.Namespace, setup: TrainingSetup,

@@ -15,7 +15,10 @@ from llmem.units import parse_bytes, parse_count, parse_fraction
 
 ENGINES = ("llmem", "paper")
 RANKINGS = ("time", "paper")
-EXPORT_KINDS = ("accelerate", "torchrun", "deepspeed", "torchtitan", "trl")
+# plan --export KIND: what each kind writes (its writer: llmem.planner.export.EXPORTERS)
+EXPORT_FILES = {"accelerate": "YAML", "torchrun": "shell", "deepspeed": "JSON", "torchtitan": "TOML",
+                "trl": "the trl CLI's YAML and the accelerate config beside it"}
+EXPORT_KINDS = tuple(EXPORT_FILES)
 LAYOUT_SCOPES = ("all", "dp-tp")     # --layouts: with pipeline, context- and expert-parallel layouts, or without
 
 
