@@ -221,8 +221,8 @@ class QuantLayout:
     # bitsandbytes' Linear4bit.forward: gemm_4bit's output in the compute dtype, cast back to its input's dtype
     # (out.to(inp_dtype)), which peft's 4-bit LoRA layer clones before adding the adapters (estimator's schedule)
     casts_output: bool = False
-    # how the estimate's notes name its storage, given double quantisation (--no-double-quant: False)
-    describe: Callable[[bool], str] | None = None
+    # what the estimate's notes add to `kind`, given double quantisation (--no-double-quant: False)
+    detail: Callable[[bool], str] | None = None
     check: Callable[..., None] | None = None   # refuses a weight the library cannot quantise / FSDP2 cannot shard
 
     @property
@@ -230,16 +230,16 @@ class QuantLayout:
         return quant_base_spec(self.name).library
 
     def storage_text(self, double_quant: bool) -> str:
-        """The storage in words, for the notes (`kind` where the row says nothing more)."""
-        return self.describe(double_quant) if self.describe is not None else self.kind
+        """The storage in words, for the notes: `kind` and the row's detail."""
+        return self.kind + (self.detail(double_quant) if self.detail is not None else "")
 
 
 QUANT_LAYOUTS: dict[str, QuantLayout] = {q.name: q for q in (
     QuantLayout("nf4", "NF4 4-bit", _bnb_nf4_tensors, 1, _bnb_nf4_transients, casts_output=True,
-                describe=lambda double: "NF4 4-bit" + (", double-quantised constants" if double else ", fp32 absmax")),
+                detail=lambda double: ", double-quantised constants" if double else ", fp32 absmax"),
     QuantLayout("int8", "LLM.int8", _int8_tensors, 0, _int8_transients, keeps_inputs=True),
     QuantLayout("torchao-nf4", "NF4Tensor", _ao_tensors, 3, _ao_transients, check=_ao_check,
-                describe=lambda double: "NF4Tensor (block 64, scalers double-quantised per 256)"),
+                detail=lambda double: " (block 64, scalers double-quantised per 256)"),
 )}
 
 
