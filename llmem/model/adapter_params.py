@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class AdapterPart:
-    """One kind of adapter parameter, by the piece of its name peft gives it."""
-    name: str       # peft's attribute on the tuner layer
+    """One kind of adapter parameter, by the piece of its name peft gives it (its attribute on the tuner layer)."""
     mark: str       # the piece of the parameter's name: `<module><mark><adapter name>...`
-    tuner: str      # peft's PeftType
 
 
-LORA_A = AdapterPart(name="lora_A", mark=".lora_A.", tuner="LORA")    # [rank, in]: reads the module's input
-LORA_B = AdapterPart(name="lora_B", mark=".lora_B.", tuner="LORA")    # [out, rank]: reads lora_A's output
-IA3_L = AdapterPart(name="ia3_l", mark=".ia3_l.", tuner="IA3")       # [out, 1] or [1, in]
+LORA_A = AdapterPart(mark=".lora_A.")    # LoRA: [rank, in]: reads the module's input
+LORA_B = AdapterPart(mark=".lora_B.")    # LoRA: [out, rank]: reads lora_A's output
+IA3_L = AdapterPart(mark=".ia3_l.")      # IA3: [out, 1] or [1, in]
 ADAPTER_PARTS = (LORA_A, LORA_B, IA3_L)
 
 # every parameter a LoRA (lora_A/B, lora_embedding_A/B, DoRA's lora_magnitude_vector) or IA3 tuner layer adds
