@@ -539,7 +539,7 @@ class PreferenceEvents:
         free(mask)
         # as StepSchedule.head_backward's fused branch: AccumulateGrad takes the accumulator as the lm_head's gradient
         for q in s.head_backward_params():
-            if grad_weight >= 0 and is_lm_head(q):
+            if grad_weight >= 0 and (is_lm_head(q) or q is p):   # p: a head of another name (BioGPT's)
                 s.hand_over_grad(q, grad_weight)     # DeepSpeed's reduce hook takes it at once
                 grad_weight = -1
             else:
