@@ -121,9 +121,9 @@ class DeepSpeedSchedule(StepSchedule):
         # a parameter of at most param_persistence_threshold elements stays gathered (stage3.py persistent params)
         self.persistent = {p.name for p in self.facts.params.kept
                            if self.stage == 3 and p.numel <= self.zero.param_persistence_threshold}
-        self.partition = partition_numel([p.numel for p in self.facts.params.trainable], self.stage, self.dp)
-        self.largest_numel = max((p.numel for p in self.facts.params.trainable), default=0)
         trained = [p.numel for p in self.facts.params.trainable]
+        self.partition = partition_numel(trained, self.stage, self.dp)
+        self.largest_numel = max(trained, default=0)
         self.in_partition = partition_gradient_numels(trained, self.stage, self.dp)
         self.layer_numel = {u: sum(p.numel for p in self.unit_params(u))
                             for u in [*range(self.facts.layers), None, EMBED]}
