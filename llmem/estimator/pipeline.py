@@ -282,9 +282,9 @@ class StageSchedule(StepSchedule):
             self.reshard_unit(u)
             sch.free_all(pending)
             self.redistribute_partial(params)
-            rs_in = alloc(f.unit_bytes(params, f.reduce_bytes, True), "communication_buffers")
-            self.units.sharded_grads(alloc(f.unit_bytes(params, f.reduce_bytes, True) // f.shards, "gradients",
-                                           REDUCE_SCATTER))
+            rs_bytes = f.unit_bytes(params, f.reduce_bytes, True)
+            rs_in = alloc(rs_bytes, "communication_buffers")
+            self.units.sharded_grads(alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER))
             sch.free_all([self.accumulated.pop(p.name) for p in params if p.name in self.accumulated])
             pending = [rs_in]
         sch.free_all(pending)

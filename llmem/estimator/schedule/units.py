@@ -170,9 +170,10 @@ class FsdpUnits:
             return
         self.step.reshard_unit(i)
         sch.free_all(self.live.pending_rs)
-        rs_in = alloc(f.unit_bytes(unit, f.reduce_bytes, True), "communication_buffers")
+        rs_bytes = f.unit_bytes(unit, f.reduce_bytes, True)
+        rs_in = alloc(rs_bytes, "communication_buffers")
         sch.free_all(self.grads.layer_unsharded)
-        self.sharded_grads(alloc(f.unit_bytes(unit, f.reduce_bytes, True) // f.shards, "gradients", REDUCE_SCATTER))
+        self.sharded_grads(alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER))
         self.live.pending_rs.append(rs_in)
 
     def reduce_scatter_groups(self, i: int, unit: list[ParamInfo]) -> None:
@@ -219,11 +220,12 @@ class FsdpUnits:
         self.redistribute_root_grads()
         sch.free_all(self.live.pending_rs)
         self.step.reshard_unit(None)
-        rs_in = alloc(f.unit_bytes(root, f.reduce_bytes, True), "communication_buffers")
+        rs_bytes = f.unit_bytes(root, f.reduce_bytes, True)
+        rs_in = alloc(rs_bytes, "communication_buffers")
         ordered = [grads[p.name] for p in root if p.name in grads]
         for k in ordered[:-1]:
             sch.free(k)
-        out = alloc(f.unit_bytes(root, f.reduce_bytes, True) // f.shards, "gradients", REDUCE_SCATTER)
+        out = alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER)
         sch.free_all(ordered[-1:])
         self.sharded_grads(out)
         sch.free(rs_in)
