@@ -159,6 +159,18 @@ def pair_table(reasons: Reasons) -> list[str]:
     return rows
 
 
+def rules_by_option() -> list[str]:
+    """The support tables themselves (llmem.setup.support.SUPPORT), one list per feature in the order they are
+    checked: what each option is not modelled with."""
+    from llmem.setup.support import SUPPORT
+
+    lines: list[str] = []
+    for row in SUPPORT.values():
+        others = dict.fromkeys(r.other for r in row.refusals)       # in order, each once
+        lines += [f"- **{row.feature}** is not modelled with: " + "; ".join(others) + "."]
+    return lines
+
+
 def page() -> str:
     reasons = Reasons()
     methods = method_table(reasons)
@@ -189,6 +201,14 @@ def page() -> str:
         "## Refusals",
         "",
         *[f"{n}. {why}" for why, n in reasons.lines.items()],
+        "",
+        "## The rules, by option",
+        "",
+        "The support tables every engine reads (`llmem.setup.support.SUPPORT`), in the order they are checked: the "
+        "first that applies is the refusal a user reads. A single option's own range or name, and the methods a "
+        "layout degree runs under (`--pp`, `--cp`, `--ep`, `--dp-replicate`), are checked where the set-up is built.",
+        "",
+        *rules_by_option(),
         "",
     ]
     return "\n".join(lines)

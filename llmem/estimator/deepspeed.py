@@ -72,11 +72,11 @@ def second_forward(setup) -> str | None:
             "LoRA's adapters-off reference forward" if reference_mode(setup) == REF_ADAPTERS_OFF else None)
 
 
-def two_forwards_note(setup) -> str | None:
+def two_forwards_note(r: ResolvedSetup) -> str | None:
     """The ZeRO-3 set-ups whose policy engine runs two forwards in a step: DeepSpeed's coordinator resets its step
     at each root forward (parameter_offload.py _start_of_forward_hook: reset_step), so its trace is complete after
     the first forward and the second prefetches. One line, or None."""
-    which = second_forward(setup) if setup.method == "ds-zero3" else None
+    which = second_forward(r.setup) if r.method.zero_stage == 3 else None
     if which is None:
         return None
     return (f"approximate under ZeRO-3: the policy runs two forwards a step ({which}); DeepSpeed's coordinator "

@@ -132,7 +132,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
             " (its FSDP2 shard: trl's prepare_fsdp makes the whole copy one unit, all-gathered for its forward, "
             "when the unsharded copy and the all-gather output both live,"
             + (" and resharded after it)" if r.method.reshard_after_forward else " and kept gathered after it: zero2)"))
-        notes.append(f"the reference copy costs {anatomy.total_params * reference_bytes(setup) / shards / GIB:.2f} GiB "
+        notes.append(f"the reference copy costs {anatomy.total_params * reference_bytes(r) / shards / GIB:.2f} GiB "
                      f"of weights per GPU{sharded}, resident through the step (no gradients, no optimizer states); "
                      + ("--beta 0" if objective_spec(setup.objective).generates else "--precompute-ref-log-probs")
                      + " or LoRA (adapters disabled) drop it")
@@ -142,7 +142,7 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes += deepspeed_notes(r, offloaded_host_bytes)
         if r.setup.objective_spec.keeps_reference:   # TRL's reference
             notes.append(reference_engine_note(r.method.zero_stage, reference_mode(r.setup) == REF_COPY))
-        notes += [n for n in (two_forwards_note(r.setup),) if n is not None]     # llmem.estimator.deepspeed
+        notes += [n for n in (two_forwards_note(r),) if n is not None]     # llmem.estimator.deepspeed
     elif cpu_offload(r):
         notes.append(cpu_offload_note(r))
     elif setup.offload_optimizer:

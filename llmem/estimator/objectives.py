@@ -48,7 +48,6 @@ from llmem.model.families import family_of
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_lm_head
-from llmem.setup.methods import method_spec
 from llmem.setup.objectives import (
     FUSED_TOKEN_CHUNK,
     FUSED_VOCAB_CHUNK,
@@ -181,26 +180,26 @@ def policy_weight_bytes(r: ResolvedSetup) -> int:
     return element_bytes(p, r.setup) if p.trainable else r.setup.stored_bytes(False)
 
 
-def reference_bytes(setup) -> int:
+def reference_bytes(r: ResolvedSetup) -> int:
     """Bytes per element of the reference copy: TRL loads it in the policy's dtype (dtype=self.model.dtype), or
     --ref-dtype compute; under DeepSpeed its prepare_deepspeed engine casts it to the compute dtype (engine.py
     _configure_distributed_model, the config's bf16 / fp16), whichever it was loaded in."""
-    if setup.ref_dtype == "compute" or method_spec(setup.method).zero_stage is not None:
-        return setup.compute_bytes
-    return setup.param_bytes
+    if r.setup.ref_dtype == "compute" or r.method.zero_stage is not None:
+        return r.setup.compute_bytes
+    return r.setup.param_bytes
 
 
 def reference_gather_bytes(r: ResolvedSetup) -> int:
     """Bytes per element of the reference copy's weights as its forward reads them: its own dtype, or under FSDP2
     the all-gathered one (trl's prepare_fsdp passes accelerate's MixedPrecisionPolicy: param_dtype under *-mixed)."""
-    ref = reference_bytes(r.setup)
+    ref = reference_bytes(r)
     return r.setup.compute_bytes if r.layout.shards_model_states and r.setup.mixed else ref
 
 
 def reference_head(r: ResolvedSetup) -> FusedHead:
     """The reference forward's fused head: the copy's (its own dtype), or the policy's with adapters off."""
     if reference_mode(r.setup) == REF_COPY:
-        ref = reference_bytes(r.setup)
+        ref = reference_bytes(r)
         return fused_head(r, reference_regime(r.regime, ref), reference_gather_bytes(r), REF_HEAD_OUTPUTS)
     return fused_head(r, r.regime, policy_weight_bytes(r))
 
@@ -248,9 +247,9 @@ def reference_copy_bytes(r: ResolvedSetup) -> tuple[int, int]:
         return 0, 0
     numel = sum(p.numel for p in r.anatomy.params)
     if not r.layout.shards_model_states:
-        return numel * reference_bytes(r.setup), 0
+        return numel * reference_bytes(r), 0
     padded = fsdp_unit_numel(list(r.anatomy.params), r.layout)
-    return padded // r.layout.shard_degree * reference_bytes(r.setup), padded * reference_gather_bytes(r)
+    return padded // r.layout.shard_degree * reference_bytes(r), padded * reference_gather_bytes(r)
 
 
 class PreferenceEvents:
@@ -267,7 +266,7 @@ class PreferenceEvents:
         self.samples = self.rows // self.spec.sequences_per_sample
         self.n = self.rows * completion_tokens(setup)
         self.head_param = lm_head_param(r)
-        self.ref_bytes = reference_bytes(setup)
+        self.ref_bytes = reference_bytes(r)
         self.ref_regime = reference_regime(s.facts.regime, self.ref_bytes) if self.mode == REF_COPY else s.facts.regime
         self.batch_keys: list[int] = []
         self.head_keys: list[int] = []        # the final norm's tensors the fused head's backward frees

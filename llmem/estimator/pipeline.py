@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
 from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.schedule import StepFacts, StepSchedule
@@ -44,40 +43,6 @@ from llmem.model.anatomy import ModelAnatomy, ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
 from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_actions, rank_splits, stages_per_rank
-
-# the set-up options a pipeline stage's estimate does not model (refused with one line each)
-UNMODELLED = (
-    ("peft", "adapters (--lora-rank / --peft-config)"),
-    ("fsdp_cpu_offload", "--offload-param"),
-    ("offload_optimizer", "--offload-optimizer"),
-    ("optimizer_in_backward", "--optimizer-in-backward"),
-    ("offload_activations", "--offload-activations"),
-    ("fused_ce", "--fused-ce"),
-    ("packing", "--packing"),
-)
-
-
-def check_modelled(r: ResolvedSetup) -> None:
-    """The pipeline set-ups the estimate models: pure PP (without autocast), FSDP2 (HSDP) x PP, TP x PP or FSDP2 x
-    TP x PP of a full fine-tune; a looped schedule (several stages per rank) without FSDP2."""
-    setup = r.setup
-    spec = pipeline_schedule(setup.pp_schedule)
-    if not spec.modelled:
-        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe, 1f1b or "
-                         "interleaved-1f1b")
-    for name, flag in UNMODELLED:
-        if getattr(setup, name):
-            raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
-    if setup.objective_spec.runs_trainer or setup.quant_spec.quantised or setup.ckpt_every > 1 \
-            or setup.ac_policy != "full":
-        raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
-                         "every layer only: drop the other options")
-    if r.regime.autocast:
-        raise LlmemError(f"--pp with --method {setup.method} under --precision {setup.precision}: autocast over the whole "
-                         "schedule step is not modelled; use --precision bf16 or fp32")
-    if r.anatomy.tie_word_embeddings:
-        raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
-
 
 # the pipeline ranks' sub-models of one plan's searches (one object per rank, so the schedules built for one rank
 # share their parameters' facts: llmem.estimator.param_facts)
@@ -130,7 +95,7 @@ class StageSchedule(StepSchedule):
         # _PipelineScheduleRuntime's actions keep no forward's output past its action (PipelineScheduleSingle's
         # _step_microbatches holds the last one in its `output` local until step() returns)
         self.holds_last_output = not spec.looped
-        self.actions = rank_actions(setup.pp_schedule, rank, setup.pp, self.n, len(splits))
+        self.actions = rank_actions(setup.pp_schedule, rank, r.layout.pp, self.n, len(splits))
         # one micro-batch's hidden states (under --sequence-parallel their local [mb, seq / tp, hidden] shard: the
         # stage's output is the last block's Shard(1) residual stream, torchtitan's use_local_output)
         f = self.facts
@@ -314,14 +279,13 @@ class StageSchedule(StepSchedule):
 
 def splits_of(r: ResolvedSetup, rank: int) -> tuple[StageSplit, ...]:
     """The stages pipeline rank `rank` holds (one, or its chunks under a looped schedule)."""
-    return rank_splits(r.anatomy.num_layers, r.setup.pp, stages_per_rank(r.setup.pp_schedule,
+    return rank_splits(r.anatomy.num_layers, r.layout.pp, stages_per_rank(r.setup.pp_schedule,
                                                                          r.setup.pp_virtual_stages), rank)
 
 
 def stage_replays(r: ResolvedSetup) -> list[Replay]:
     """Each pipeline rank's stage schedule through the allocator model."""
-    check_modelled(r)
-    return [replay(stage_whole(r, rank), expandable_segments=r.setup.expandable_segments) for rank in range(r.setup.pp)]
+    return [replay(stage_whole(r, rank), expandable_segments=r.setup.expandable_segments) for rank in range(r.layout.pp)]
 
 
 def pipeline_step(r: ResolvedSetup) -> tuple[Replay, int, list[dict]]:
@@ -346,16 +310,16 @@ def stage_whole(r: ResolvedSetup, rank: int) -> Schedule:
 def pipeline_note(r: ResolvedSetup, top: int) -> str:
     splits = splits_of(r, top)
     spec = pipeline_schedule(r.setup.pp_schedule)
-    held = spec.microbatches_in_flight(top, r.setup.pp, r.setup.microbatches, len(splits))
+    held = spec.microbatches_in_flight(top, r.layout.pp, r.setup.microbatches, len(splits))
     parts = (["embedding"] if splits[0].embedding else []) \
         + [f"layers {s.first_layer}-{s.stop_layer - 1}" for s in splits if len(s.layers)] \
         + (["norm, lm_head and loss"] if splits[-1].head else [])
-    chunks = f"; stages {', '.join(str(s.index) for s in splits)} of {r.setup.pp * len(splits)}" \
+    chunks = f"; stages {', '.join(str(s.index) for s in splits)} of {r.layout.pp * len(splits)}" \
         if len(splits) > 1 else ""
     unit = "stage forward(s)" if len(splits) > 1 else "micro-batch(es)"
     return (f"pipeline ({spec.torch_class}, {r.setup.microbatches} micro-batches of "
             f"{r.setup.batch_size // r.setup.microbatches}): the answer is {'rank' if chunks else 'stage'} {top} of "
-            f"{r.setup.pp} "
+            f"{r.layout.pp} "
             f"({', '.join(parts)}{chunks}; {held} {unit} in flight){_tp_note(r)}; each stage's peaks are in "
             "`stages`")
 
@@ -379,10 +343,9 @@ def pipeline_allocated_floor(r: ResolvedSetup, over_bytes: int | None = None) ->
     `over_bytes`: a floor over it is then the live bytes where the build stopped, itself over).
     Over the device's capacity, that rank's step runs out of memory at this micro-batch (its allocated peak alone
     is over: llmem.memory.capacity's case 2)."""
-    check_modelled(r)
     floor = 0
     for rank in FLOOR_RANKS:
-        builder = stage_builder(r, rank % r.setup.pp)
+        builder = stage_builder(r, rank % r.layout.pp)
         if over_bytes is None:
             builder.build()
         elif built_within(builder, over_bytes) is None:     # over: its build stopped there

@@ -107,7 +107,8 @@ def model_support(anatomy: ModelAnatomy) -> ModelSupport:
     return ModelSupport(anatomy.architecture, anatomy.model_type, anatomy.supports_sdpa, anatomy.supports_flash_attn,
                         tp_refusal_of(anatomy.model_type), head,
                         tuple(tp_style_refusal(anatomy.model_type).items()),
-                        flash_refusal=flash_refusal_of(anatomy.model_type))
+                        flash_refusal=flash_refusal_of(anatomy.model_type),
+                        tied_embeddings=anatomy.tie_word_embeddings)
 
 
 def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> SetupRecord:

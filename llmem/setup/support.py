@@ -1,18 +1,27 @@
-"""The one support check: what a set-up's options need of its method, raised by every engine once the method is
-resolved (so a planner can build the set-up and skip the layouts that cannot run it, with the same message).
+"""The one support check: which options combine, as one table per feature, read by every engine once the method
+is resolved (so a planner can build the set-up and skip the layouts that cannot run it, with the same message).
 
-With the model's facts (`ModelSupport`, read by llmem.model from transformers' own class flags and the family
-table), the same check refuses what the model cannot run: tensor parallelism without a plan, an attention kernel
-transformers does not implement for the class, adapters on the lm_head. estimate, trace and measure all resolve
-the set-up through it, so they accept and refuse the same set-ups with the same message."""
+A feature's row (`FeatureSupport`) says when a set-up turns it on and lists, in order, what it is not modelled
+with (`Refusal`: the condition and the one line a user reads). `SUPPORT` registers the rows; `check_support` walks
+them in order and raises the first refusal that applies; docs/make_support.py prints them into docs/support.md. The
+model's own facts (`ModelSupport`, read by llmem.model from transformers' class flags and the family table) are
+one more row: tensor parallelism without a plan, an attention kernel transformers does not implement for the class,
+adapters on the lm_head, a pipeline over tied embeddings. estimate, trace and measure all resolve the set-up through
+it, so they accept and refuse the same set-ups with the same message.
+
+What is checked here is a combination; a single option's range or name is checked where its field is built
+(llmem.setup.training, llmem.setup.sections) and the method-only rules of a layout in llmem.setup.layout."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.methods import METHODS, MethodSpec
+from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
+from llmem.setup.precision import regime_for
 from llmem.setup.training import TrainingSetup
 
 
@@ -28,158 +37,287 @@ class ModelSupport:
     # why --sequence-parallel / --loss-parallel cannot run on it (field name -> the line), where it has a TP plan
     tp_style_refusals: tuple[tuple[str, str], ...] = ()
     flash_refusal: str | None = None  # why --attn flash is not modelled on it (its family row), or None
+    tied_embeddings: bool = False    # the input and output embeddings share one weight
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a rule reads: the set-up, its resolved method's row and (where known) the model's facts."""
+    setup: TrainingSetup
+    method: MethodSpec
+    model: ModelSupport | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One thing a feature is not modelled with: `applies` to a case, `why` is the line a user reads (a str, or
+    made from the case)."""
+    other: str                                   # what it is refused with, as docs/support.md names it
+    applies: Callable[[Case], bool]
+    why: str | Callable[[Case], str]
+
+    def line(self, case: Case) -> str:
+        return self.why if isinstance(self.why, str) else self.why(case)
+
+
+@dataclass(frozen=True)
+class FeatureSupport:
+    """A feature's row: when a set-up turns it on, and what it is not modelled with (checked in order)."""
+    feature: str                                 # as a user turns it on, e.g. "--fused-ce"
+    on: Callable[[Case], bool]
+    refusals: tuple[Refusal, ...]
+
+    def refusal(self, case: Case) -> str | None:
+        """The first line refusing `case` (None: the feature is off, or runs with everything else in it)."""
+        if not self.on(case):
+            return None
+        return next((r.line(case) for r in self.refusals if r.applies(case)), None)
+
+
+def _able(flag: str) -> str:
+    return ", ".join(m.name for m in METHODS.values() if getattr(m, flag))
+
+
+OPTIMIZER_IN_BACKWARD = FeatureSupport("--optimizer-in-backward", lambda c: c.setup.optimizer_in_backward, (
+    Refusal("--offload-optimizer", lambda c: c.setup.offload_optimizer,
+            "--optimizer-in-backward and --offload-optimizer cannot be combined"),
+    Refusal("methods that reduce after accumulation", lambda c: not c.method.steps_in_backward,
+            lambda c: f"--optimizer-in-backward is supported with method {_able('steps_in_backward')} only (got "
+                      f"{c.method.name}): DDP and FSDP2 reduce gradients after accumulation (a post-accumulate-grad "
+                      "hook would step on unreduced gradients, or never fire on FSDP2's sharded parameters); TP is "
+                      "not modelled"),
+))
+
+# the optimizer's own row (llmem.setup.optimizers) names what it cannot step
+OPTIMIZER = FeatureSupport("--optimizer", lambda c: True, (
+    Refusal("DTensor / DeepSpeed parameters (optimizers on plain tensors only)",
+            lambda c: bool(c.setup.optimizer_spec.plain_tensors_only) and not c.method.plain_tensors,
+            lambda c: c.setup.optimizer_spec.plain_tensors_only.format(name=c.setup.optimizer_spec.name,
+                                                                       method=c.method.name)),
+    Refusal("tensor parallelism (per the optimizer's row)",
+            lambda c: bool(c.setup.optimizer_spec.tp_refusal) and c.method.has_tp,
+            lambda c: c.setup.optimizer_spec.tp_refusal.format(name=c.setup.optimizer_spec.name,
+                                                               method=c.method.name)),
+))
+
+
+def _tp_style(name: str) -> Refusal:
+    return Refusal("methods without tensor parallelism", lambda c: getattr(c.setup, name) and not c.method.has_tp,
+                   lambda c: f"--{name.replace('_', '-')} applies to tensor parallelism: use --method tp or "
+                             f"fsdp+tp (got {c.method.name})")
+
+
+TP_STYLES = FeatureSupport("--sequence-parallel / --loss-parallel",
+                           lambda c: c.setup.sequence_parallel or c.setup.loss_parallel, (
+    _tp_style("sequence_parallel"),
+    _tp_style("loss_parallel"),
+    Refusal("--fused-ce", lambda c: c.setup.loss_parallel and c.setup.fused_ce,
+            "--fused-ce with --loss-parallel is not modelled: the fused loss takes the whole lm_head, "
+            "loss_parallel() the vocab-sharded logits; choose one (torchtitan: --loss-parallel)"),
+    Refusal("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+            lambda c: f"--sequence-parallel / --loss-parallel with --objective {c.setup.objective}: TRL's loss "
+                      "reads full hidden states and gathers per-token log-probs; not modelled, drop them"),
+    Refusal("--offload-activations", lambda c: c.setup.sequence_parallel and c.setup.offload_activations,
+            "--offload-activations with --sequence-parallel is not modelled (the offloaded saved tensors of a "
+            "DTensor residual stream); drop one of them"),
+))
+
+ADAPTERS = FeatureSupport("adapters (--lora-rank / --peft-config)", lambda c: c.setup.peft, (
+    Refusal("tensor parallelism", lambda c: c.method.has_tp,
+            "LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2"),
+))
+
+FUSED_CE = FeatureSupport("--fused-ce", lambda c: c.setup.fused_ce, (
+    Refusal("tensor parallelism", lambda c: c.method.has_tp,
+            "--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a vocab-parallel "
+            "loss"),
+))
+
+
+def _selective_line(c: Case) -> str:
+    return (f"--ac-policy {c.setup.ac_policy} with {{}} is not modelled: use it on a full fine-tune under single, "
+            "ddp, fsdp or zero2 with SDPA or flash attention, or use --grad-ckpt")
+
+
+def _selective(other: str, applies: Callable[[Case], bool]) -> Refusal:
+    return Refusal(other, applies, lambda c: _selective_line(c).format(other))
+
+
+# the estimate's selective policy models a plain decoder layer under SDPA / flash attention, trained whole, on
+# plain tensors (llmem.memory.activations.selective)
+SELECTIVE_AC = FeatureSupport("--ac-policy op", lambda c: AC_POLICIES[c.setup.ac_policy].selective, (
+    _selective("tensor parallelism (DTensor matmuls)", lambda c: c.method.has_tp),
+    _selective("DeepSpeed's engine", lambda c: c.method.zero_stage is not None),
+    _selective("peft adapters", lambda c: c.setup.peft),
+    _selective("a quantised base", lambda c: c.setup.quant_spec.quantised),
+    _selective("--offload-activations", lambda c: c.setup.offload_activations),
+    _selective("--packing", lambda c: c.setup.packing),
+    Refusal("--attn eager", lambda c: c.setup.attention_spec.keeps_scores,
+            lambda c: _selective_line(c).format(f"--attn {c.setup.attn}")),
+    Refusal("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+            lambda c: _selective_line(c).format(f"--objective {c.setup.objective}")),
+))
+
+# DeepSpeed's bf16 / fp16 sections (fp32 master weights in the ZeRO optimizer) or fp32, a torch optimizer stepping
+# the flat fp32 partition, no quantised base
+DEEPSPEED = FeatureSupport("DeepSpeed (ds-zero1/2/3)", lambda c: c.method.zero_stage is not None, (
+    Refusal("pure bf16 / fp16", lambda c: c.setup.precision_spec.low_precision and not c.setup.mixed,
+            lambda c: f"--precision {c.setup.precision} with {c.method.name}: DeepSpeed's bf16 / fp16 keep fp32 "
+                      f"master weights in the ZeRO optimizer, which --precision {c.setup.precision}-mixed describes; "
+                      "use it"),
+    Refusal("a quantised base", lambda c: c.setup.quant_spec.quantised,
+            lambda c: f"{c.setup.quant_spec.flag} with {c.method.name}: a quantised base under DeepSpeed's ZeRO is "
+                      "not modelled; use single, ddp, fsdp or zero2"),
+    Refusal("optimizers other than elementwise torch ones",
+            lambda c: bool(c.setup.optimizer_spec.parts or c.setup.optimizer_spec.plain_tensors_only
+                           or c.setup.optimizer_spec.eight_bit),
+            lambda c: f"--optimizer {c.setup.optimizer_spec.name} with {c.method.name}: the ZeRO optimizer steps one "
+                      "flat fp32 partition, which llmem models for elementwise torch optimizers only (adamw, "
+                      "adamw-fused, adamw-forloop, sgd, sgd-momentum, lion)"),
+))
+
+# one GPU and DDP (replicated), FSDP2 / zero2 over the quantised storage (FSDP-QLoRA: bitsandbytes' NF4 packed in
+# the compute dtype, bnb_4bit_quant_storage; torchao's NF4Tensor through its fsdp_pre/post_all_gather)
+QUANTISED_BASE = FeatureSupport("a quantised base (--qlora, --load-in-8bit, --qlora-torchao)",
+                                lambda c: c.setup.quant_spec.quantised, (
+    Refusal("tensor parallelism", lambda c: c.method.has_tp,
+            lambda c: f"{c.setup.quant_spec.flag} with {c.method.name}: tensor parallelism over quantised linears is "
+                      "not modelled (DTensor cannot split bitsandbytes' packed weights; NF4Tensor has no TP "
+                      "sharding); use single, ddp, fsdp or zero2"),
+    Refusal("FSDP without a float storage (LLM.int8)",
+            lambda c: c.method.shards_model_states and not c.setup.quant_spec.fsdp_shards,
+            lambda c: f"{c.setup.quant_spec.flag} with {c.method.name}: FSDP cannot shard LLM.int8's int8 weights "
+                      "(bitsandbytes has no float storage for them, unlike NF4's bnb_4bit_quant_storage); use "
+                      "--qlora, or ddp"),
+))
+
+
+def _shard_ranks(c: Case) -> int:
+    return c.setup.gpus // c.setup.dp_replicate
+
+
+def _reshard_range_line(c: Case) -> str:
+    n, shards = c.setup.reshard_after_forward, _shard_ranks(c)
+    divisors = [str(d) for d in range(2, shards) if shards % d == 0]
+    fix = f"choose {' or '.join(divisors)}" if divisors else f"{shards} shard ranks have none, drop it"
+    return (f"--reshard-after-forward {n} must divide FSDP2's {shards} shard ranks with 1 < N < {shards} (1 is "
+            f"zero2's False, {shards} fsdp's default True): {fix}")
+
+
+def _reshard_with(other: str, applies: Callable[[Case], bool]) -> Refusal:
+    return Refusal(other, applies, f"--reshard-after-forward with {other} is not modelled: drop one of them")
+
+
+def _not_a_divisor(c: Case) -> bool:
+    n, shards = c.setup.reshard_after_forward, _shard_ranks(c)
+    return not (1 < n < shards and shards % n == 0)
+
+
+# FSDP2's reshard_after_forward as an int, a non-trivial factor of the shard mesh (torch's
+# _fsdp_init._get_post_forward_mesh_info: 1 means False, the shard size itself True), on plain FSDP2 / HSDP as llmem
+# models it (FSDPParam.to_sharded_post_forward refuses DTensor parameters and tensor subclasses)
+RESHARD_AFTER_FORWARD = FeatureSupport("--reshard-after-forward N", lambda c: c.setup.reshard_after_forward is not None, (
+    Refusal("methods other than fsdp", lambda c: c.method.name != "fsdp",
+            lambda c: f"--reshard-after-forward {c.setup.reshard_after_forward} is FSDP2's "
+                      f"reshard_after_forward={c.setup.reshard_after_forward}, modelled under --method fsdp only, "
+                      f"got {c.method.name} (zero2 is its False, fsdp's default its True)"),
+    _reshard_with("--pp (torchtitan keeps units gathered under PP)", lambda c: c.setup.pp > 1),
+    _reshard_with("--cp", lambda c: c.setup.cp > 1),
+    _reshard_with("--ep", lambda c: c.setup.ep > 1),
+    _reshard_with("--offload-param", lambda c: c.setup.offload_param),
+    Refusal("a quantised base", lambda c: c.setup.quant_spec.quantised,
+            lambda c: f"--reshard-after-forward with {c.setup.quant_spec.flag} is not modelled: drop one of them"),
+    Refusal("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+            lambda c: f"--reshard-after-forward with --objective {c.setup.objective} is not modelled: drop one of "
+                      "them"),
+    Refusal("N not a factor of the shard ranks", _not_a_divisor, _reshard_range_line),
+))
+
+
+def _no_flash(c: Case) -> bool:
+    return c.setup.attention_spec.flash_kernel and not c.model.supports_flash_attn
+
+
+def _style_refusal(c: Case) -> str | None:
+    return next((why for name, why in c.model.tp_style_refusals if getattr(c.setup, name)), None)
+
+
+# what the model itself cannot run (the same refusal in every engine); read only where the model is known
+MODEL = FeatureSupport("a model (its family row, its transformers class)", lambda c: c.model is not None, (
+    Refusal("tensor parallelism (no TP plan for the family)", lambda c: c.method.has_tp and bool(c.model.tp_refusal),
+            lambda c: c.model.tp_refusal),
+    Refusal("--sequence-parallel / --loss-parallel (the family's plan)", lambda c: _style_refusal(c) is not None,
+            _style_refusal),
+    Refusal("--attn flash (the family's row)",
+            lambda c: c.setup.attention_spec.flash_kernel and bool(c.model.flash_refusal),
+            lambda c: c.model.flash_refusal),
+    Refusal("--attn flash (transformers' class flag)", _no_flash,
+            lambda c: f"--attn flash: transformers has no flash attention for {c.model.architecture} "
+                      "(_supports_flash_attn is False); use --attn "
+                      f"{'sdpa or eager' if c.model.supports_sdpa else 'eager'}"),
+    Refusal("adapters on the output layer", lambda c: bool(c.model.adapted_head),
+            lambda c: f"adapters on the output layer {c.model.adapted_head!r} are not modelled: peft can wrap it "
+                      "(a lora.Linear adding a [tokens, vocab] output to the logits, which --fused-ce would skip), "
+                      "but llmem's logits and loss model has no adapter there; target the decoder layers' modules "
+                      "(peft's all-linear leaves the output layer out too)"),
+))
+
+# the set-up options a pipeline stage's estimate does not model (one line each)
+_PP_UNMODELLED = (
+    ("peft", "adapters (--lora-rank / --peft-config)"),
+    ("fsdp_cpu_offload", "--offload-param"),
+    ("offload_optimizer", "--offload-optimizer"),
+    ("optimizer_in_backward", "--optimizer-in-backward"),
+    ("offload_activations", "--offload-activations"),
+    ("fused_ce", "--fused-ce"),
+    ("packing", "--packing"),
+)
+
+
+def _pp_with(name: str, flag: str) -> Refusal:
+    return Refusal(flag, lambda c: bool(getattr(c.setup, name)), f"--pp with {flag} is not modelled: drop one of them")
+
+
+# the pipeline set-ups the estimate models (llmem.estimator.pipeline): pure PP (without autocast), FSDP2 (HSDP) x
+# PP, TP x PP or FSDP2 x TP x PP of a full fine-tune; checked after the model's row, as the estimate did
+PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not None, (
+    Refusal(f"--pp-schedule {' / '.join(n for n, row in PIPELINE_SCHEDULES.items() if not row.modelled)}",
+            lambda c: not pipeline_schedule(c.setup.pp_schedule).modelled,
+            lambda c: f"--pp-schedule {c.setup.pp_schedule} is not modelled yet: use gpipe, 1f1b or "
+                      "interleaved-1f1b"),
+    *(_pp_with(name, flag) for name, flag in _PP_UNMODELLED),
+    Refusal("TRL's objectives, a quantised base, partial or selective checkpointing",
+            lambda c: c.setup.objective_spec.runs_trainer or c.setup.quant_spec.quantised
+            or c.setup.ckpt_every > 1 or c.setup.ac_policy != "full",
+            "--pp is modelled for the sft objective, an unquantised base and full checkpointing of every layer "
+            "only: drop the other options"),
+    Refusal("autocast (*-mixed under single / tp)", lambda c: regime_for(c.setup, c.method).autocast,
+            lambda c: f"--pp with --method {c.setup.method} under --precision {c.setup.precision}: autocast over "
+                      "the whole schedule step is not modelled; use --precision bf16 or fp32"),
+    Refusal("tied input and output embeddings", lambda c: c.model.tied_embeddings,
+            "--pp with tied input and output embeddings (on the first and last stage) is not modelled"),
+))
+
+# the features in the order they are checked: the first refusal that applies is the one a user reads
+SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE,
+    RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
+
+
+def support_refusal(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> str | None:
+    """The line refusing `setup` under `method` (and `model`), from the first feature row that refuses it; None:
+    every engine models it."""
+    case = Case(setup, method, model)
+    return next((why for row in SUPPORT.values() if (why := row.refusal(case)) is not None), None)
 
 
 def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> None:
     """Raise LlmemError naming the first option that `method`'s real code path (or `model`) does not support."""
-    if setup.optimizer_in_backward and setup.offload_optimizer:
-        raise LlmemError("--optimizer-in-backward and --offload-optimizer cannot be combined")
-    if setup.optimizer_in_backward and not method.steps_in_backward:
-        able = ", ".join(m.name for m in METHODS.values() if m.steps_in_backward)
-        raise LlmemError(f"--optimizer-in-backward is supported with method {able} only (got {method.name}): DDP "
-                         "and FSDP2 reduce gradients after accumulation (a post-accumulate-grad hook would step "
-                         "on unreduced gradients, or never fire on FSDP2's sharded parameters); TP is not "
-                         "modelled")
-    optimizer = setup.optimizer_spec
-    if optimizer.plain_tensors_only and not method.plain_tensors:
-        raise LlmemError(optimizer.plain_tensors_only.format(name=optimizer.name, method=method.name))
-    if optimizer.tp_refusal and method.has_tp:
-        raise LlmemError(optimizer.tp_refusal.format(name=optimizer.name, method=method.name))
-    check_tp_styles(setup, method)
-    if setup.peft and method.has_tp:
-        raise LlmemError("LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2")
-    if setup.fused_ce and method.has_tp:
-        raise LlmemError("--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a "
-                         "vocab-parallel loss")
-    selective = selective_refusal(setup, method)     # --ac-policy op: what its estimate models
-    if selective:
-        raise LlmemError(selective)
-    if method.zero_stage is not None:
-        check_deepspeed(setup, method)
-    if setup.quant_spec.quantised:
-        check_quant_method(setup, method)
-    check_reshard_after_forward(setup, method)
-    if model is not None:
-        check_model_support(setup, method, model)
-
-
-def check_tp_styles(setup: TrainingSetup, method: MethodSpec) -> None:
-    """--sequence-parallel / --loss-parallel: styles of a tensor-parallel plan (torchtitan's), and what they are
-    not modelled with."""
-    for name in ("sequence_parallel", "loss_parallel"):
-        if getattr(setup, name) and not method.has_tp:
-            raise LlmemError(f"--{name.replace('_', '-')} applies to tensor parallelism: use --method tp or "
-                             f"fsdp+tp (got {method.name})")
-    if setup.loss_parallel and setup.fused_ce:
-        raise LlmemError("--fused-ce with --loss-parallel is not modelled: the fused loss takes the whole lm_head, "
-                         "loss_parallel() the vocab-sharded logits; choose one (torchtitan: --loss-parallel)")
-    if (setup.loss_parallel or setup.sequence_parallel) and setup.objective_spec.runs_trainer:
-        raise LlmemError(f"--sequence-parallel / --loss-parallel with --objective {setup.objective}: TRL's loss "
-                         "reads full hidden states and gathers per-token log-probs; not modelled, drop them")
-    if setup.sequence_parallel and setup.offload_activations:
-        raise LlmemError("--offload-activations with --sequence-parallel is not modelled (the offloaded saved "
-                         "tensors of a DTensor residual stream); drop one of them")
-
-
-def check_deepspeed(setup: TrainingSetup, method: MethodSpec) -> None:
-    why = deepspeed_refusal(setup, method)
-    if why:
+    why = support_refusal(setup, method, model)
+    if why is not None:
         raise LlmemError(why)
 
 
 def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem does not model `setup` under DeepSpeed's engine (None: it does). It models DeepSpeed's bf16 / fp16
-    sections (fp32 master weights in the ZeRO optimizer) or fp32, a torch optimizer stepping the flat fp32
-    partition, no quantised base."""
-    if method.zero_stage is None:
-        return None
-    if setup.precision_spec.low_precision and not setup.mixed:
-        return (f"--precision {setup.precision} with {method.name}: DeepSpeed's bf16 / fp16 keep fp32 master "
-                f"weights in the ZeRO optimizer, which --precision {setup.precision}-mixed describes; use it")
-    if setup.quant_spec.quantised:
-        return (f"{setup.quant_spec.flag} with {method.name}: a quantised base under DeepSpeed's ZeRO is "
-                "not modelled; use single, ddp, fsdp or zero2")
-    spec = setup.optimizer_spec
-    if spec.parts or spec.plain_tensors_only or spec.eight_bit:
-        return (f"--optimizer {spec.name} with {method.name}: the ZeRO optimizer steps one flat fp32 partition, "
-                "which llmem models for elementwise torch optimizers only (adamw, adamw-fused, adamw-forloop, sgd, "
-                "sgd-momentum, lion)")
-    return None
-
-
-def check_quant_method(setup: TrainingSetup, method: MethodSpec) -> None:
-    """A quantised base under `method`: one GPU and DDP (replicated), FSDP2 / zero2 over the quantised storage
-    (FSDP-QLoRA: bitsandbytes' NF4 packed in the compute dtype, bnb_4bit_quant_storage; torchao's NF4Tensor through
-    its fsdp_pre/post_all_gather), not LLM.int8 under FSDP, not tensor parallelism."""
-    flag = setup.quant_spec.flag
-    if method.has_tp:
-        raise LlmemError(f"{flag} with {method.name}: tensor parallelism over quantised linears is not modelled "
-                         "(DTensor cannot split bitsandbytes' packed weights; NF4Tensor has no TP sharding); use "
-                         "single, ddp, fsdp or zero2")
-    if method.shards_model_states and not setup.quant_spec.fsdp_shards:
-        raise LlmemError(f"{flag} with {method.name}: FSDP cannot shard LLM.int8's int8 weights (bitsandbytes has "
-                         "no float storage for them, unlike NF4's bnb_4bit_quant_storage); use --qlora, or ddp")
-
-
-def check_reshard_after_forward(setup: TrainingSetup, method: MethodSpec) -> None:
-    """--reshard-after-forward N: FSDP2's reshard_after_forward as an int, a non-trivial factor of the shard mesh
-    (torch's _fsdp_init._get_post_forward_mesh_info: 1 means False, the shard size itself True), on plain FSDP2 /
-    HSDP as llmem models it (FSDPParam.to_sharded_post_forward refuses DTensor parameters and tensor subclasses)."""
-    n = setup.reshard_after_forward
-    if n is None:
-        return
-    if method.name != "fsdp":
-        raise LlmemError(f"--reshard-after-forward {n} is FSDP2's reshard_after_forward={n}, modelled under --method "
-                         f"fsdp only, got {method.name} (zero2 is its False, fsdp's default its True)")
-    others = (("--pp (torchtitan keeps units gathered under PP)", setup.pp > 1), ("--cp", setup.cp > 1),
-              ("--ep", setup.ep > 1), ("--offload-param", setup.offload_param),
-              (setup.quant_spec.flag, setup.quant_spec.quantised),
-              (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
-    for flag, given in others:
-        if given:
-            raise LlmemError(f"--reshard-after-forward with {flag} is not modelled: drop one of them")
-    shards = setup.gpus // setup.dp_replicate
-    if not (1 < n < shards and shards % n == 0):
-        divisors = [str(d) for d in range(2, shards) if shards % d == 0]
-        fix = f"choose {' or '.join(divisors)}" if divisors else f"{shards} shard ranks have none, drop it"
-        raise LlmemError(f"--reshard-after-forward {n} must divide FSDP2's {shards} shard ranks with 1 < N < "
-                         f"{shards} (1 is zero2's False, {shards} fsdp's default True): {fix}")
-
-
-def check_model_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport) -> None:
-    """What the model itself cannot run under `setup` and `method` (the same refusal in every engine)."""
-    if method.has_tp and model.tp_refusal:
-        raise LlmemError(model.tp_refusal)
-    for name, why in model.tp_style_refusals:
-        if getattr(setup, name):
-            raise LlmemError(why)
-    if setup.attention_spec.flash_kernel and model.flash_refusal:
-        raise LlmemError(model.flash_refusal)
-    if setup.attention_spec.flash_kernel and not model.supports_flash_attn:
-        able = "sdpa or eager" if model.supports_sdpa else "eager"
-        raise LlmemError(f"--attn flash: transformers has no flash attention for {model.architecture} "
-                         f"(_supports_flash_attn is False); use --attn {able}")
-    if model.adapted_head:
-        raise LlmemError(f"adapters on the output layer {model.adapted_head!r} are not modelled: peft can wrap it "
-                         "(a lora.Linear adding a [tokens, vocab] output to the logits, which --fused-ce would skip), "
-                         "but llmem's logits and loss model has no adapter there; target the decoder layers' modules "
-                         "(peft's all-linear leaves the output layer out too)")
-
-
-def selective_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem cannot model `setup`'s selective policy under `method` (None: it can, or the policy is full). The
-    estimate models a plain decoder layer under SDPA / flash attention, trained whole, on plain tensors."""
-    if not AC_POLICIES[setup.ac_policy].selective:
-        return None
-    flag = f"--ac-policy {setup.ac_policy}"
-    why = (("tensor parallelism (DTensor matmuls)", method.has_tp),
-           ("DeepSpeed's engine", method.zero_stage is not None),
-           ("peft adapters", setup.peft), ("a quantised base", setup.quant_spec.quantised),
-           ("--offload-activations", setup.offload_activations), ("--packing", setup.packing),
-           (f"--attn {setup.attn}", setup.attention_spec.keeps_scores),
-           (f"--objective {setup.objective}", setup.objective_spec.runs_trainer))
-    named = [what for what, applies in why if applies]
-    if named:
-        return (f"{flag} with {named[0]} is not modelled: use it on a full fine-tune under single, ddp, fsdp or "
-                "zero2 with SDPA or flash attention, or use --grad-ckpt")
-    return None
+    """Why llmem does not model `setup` under DeepSpeed's engine (None: it does, or `method` is not DeepSpeed's)."""
+    return DEEPSPEED.refusal(Case(setup, method))

@@ -212,7 +212,7 @@ def learning_key(r: ResolvedSetup) -> dict:
     setup = r.setup
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
-            r.gpu.compute_capability, setup.ep, setup.ep_imbalance)
+            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance)
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -238,7 +238,7 @@ def _learning_key(r: ResolvedSetup) -> dict:
             "adapter_dtype": setup.adapter_dtype, "attn": setup.attn, "packing": setup.packing,
             "compute_capability": list(r.gpu.compute_capability) if r.gpu.compute_capability else None,
             # --ep: the rank's local experts and received rows (llmem.runtime.expert_parallel)
-            **({"ep": setup.ep, "ep_imbalance": setup.ep_imbalance} if setup.ep > 1 else {})}
+            **({"ep": r.layout.ep, "ep_imbalance": setup.ep_imbalance} if r.layout.ep > 1 else {})}
 
 
 _CONFIG_IGNORED = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
