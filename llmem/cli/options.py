@@ -64,6 +64,20 @@ class _Given(argparse.Action):
         setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
 
 
+class _GivenBoolean(argparse.BooleanOptionalAction):
+    """argparse's --flag / --no-flag pair (BooleanOptionalAction) that notes its dest as given: a file's choice
+    can be turned off from the command line as well as on."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
+def _positive(flag: str) -> str:
+    """The flag a negating switch turns off: --no-kbit-upcast -> --kbit-upcast."""
+    return "--" + flag.removeprefix("--no-")
+
+
 def _typed(convert: Any) -> Any:
     """A field's converter as argparse calls it: llmem's own converters' refusals (LlmemError: the problem and the
     fix) become argparse's message for the flag; int, float and str keep argparse's own."""
@@ -92,11 +106,10 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         if opt.kind == "positional":
             g.add_argument(_dest(f), metavar=opt.metavar, nargs="?", default=None,
                            help=opt.help + " (optional with --from: the file names it)")
-        elif opt.kind == "switch":
-            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, nargs=0, const=True, default=False,
-                           help=opt.help)
-        elif opt.kind == "negate":
-            g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, nargs=0, const=False, default=True,
+        elif opt.kind == "switch":            # --flag / --no-flag
+            g.add_argument(_flag(f, opt), dest=_dest(f), action=_GivenBoolean, default=False, help=opt.help)
+        elif opt.kind == "negate":            # --no-flag (the help's) / --flag
+            g.add_argument(_positive(_flag(f, opt)), dest=_dest(f), action=_GivenBoolean, default=True,
                            help=opt.help)
         elif opt.kind == "switches":
             for flag, value, help_text in opt.switches:
@@ -157,8 +170,9 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
         values[f.name] = value
     for f in option_fields():
         opt = _option(f)
-        if opt is not None and f.name in given:
+        if opt is not None and f.name in given and values.get(f.name) is not False:
             values.update(dict(opt.implies))
+        if opt is not None and f.name in given and values.get(f.name) != f.default:
             if opt.requires and values.get(opt.requires[0]) != opt.requires[1]:
                 raise LlmemError(f"{_flag(f, opt)} applies to {_flag_for(*opt.requires)} only")
     files = getattr(args, "from_files", None)
