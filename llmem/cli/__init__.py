@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_options(p)
     p.add_argument("--engine", default="llmem", choices=ENGINES,
                    help="llmem (PyTorch-native, default) or paper (LLMem's equations)")
+    p.add_argument("--check", action="store_true",
+                   help="a launch guard: exit 0 when the step fits, 1 when it does not, 2 when llmem cannot tell "
+                   "(a refusal), e.g. llmem estimate ... --check && torchrun ...")
     p.add_argument("--m-base", default=None, metavar="BYTES",
                    help="paper engine: memory in use before training, e.g. 700MiB (default: 600MiB on V100s, else "
                         "the CUDA context)")

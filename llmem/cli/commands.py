@@ -58,7 +58,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     with file_model(source):
         result = estimate(setup, engine=args.engine, m_base=args.m_base or None)
     _emit(args, result, source)
-    return 0
+    return int(args.check and not result.fits)     # --check: 1 when it does not fit (a refusal exits 2)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
