@@ -265,3 +265,22 @@ def test_a_generation_objective_learns_the_plain_step(monkeypatch, tmp_path):
     learned = learned_activations(grpo)
     assert learned is not None and learned.points[0] == (2, 64)
     assert replace(learned, seconds=0) == replace(learn(sft), seconds=0)
+
+
+@pytest.mark.parametrize("fields", [
+    {"method": "ds-zero3", "gpus": 8, "reduce_bucket_size": "auto", "offload_param": True},
+    {"method": "fsdp", "gpus": 8, "dp_replicate": 2, "reshard_after_forward": 2},
+    {"method": "fsdp", "gpus": 4, "cp": 2},
+])
+def test_the_learning_copy_runs_on_one_gpu_whatever_the_layout(fields):
+    """The copy that learns a family's activations runs on one GPU: the user's ZeRO buckets, HSDP degree or context
+    parallelism must not reach it (on an empty cache they refused the estimate with '(got single)'; a warm cache,
+    which skips the copy, answered)."""
+    from llmem.learn.shallow_copy import learning_setup
+    from llmem.model.resolved import resolve
+
+    r = resolve(TrainingSetup("tiny-llama", seq_len=64, **fields))
+    copy = learning_setup(r, "/nowhere", 1, 64)
+    assert (copy.method, copy.gpus, copy.dp_replicate, copy.cp) == ("single", 1, 1, 1)
+    assert (copy.reduce_bucket_size, copy.offload_param, copy.reshard_after_forward) == (None, False, None)
+    assert (copy.batch_size, copy.seq_len, copy.model) == (1, 64, "/nowhere")

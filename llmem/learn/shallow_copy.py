@@ -21,6 +21,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.generation import plain_setup
 from llmem.setup.objectives import objective_spec
+from llmem.setup.sections import DeepSpeedConfig, ParallelismConfig
 
 
 def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
@@ -85,10 +86,11 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     if setup.mixed and not r.regime.autocast:        # FSDP2's MixedPrecisionPolicy: everything computes in low
         precision = setup.precision_spec.compute_dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
         adapter_dtype = "base"
-    return replace(setup, model=model_path, method="single", gpus=1, gpus_per_node=None, tp=None, batch_size=batch,
-                   seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
+    # one GPU: the layout's and DeepSpeed's sections at their defaults (a ZeRO bucket size or an HSDP degree of the
+    # user's set-up would be refused on it, whatever the cache held)
+    return replace(setup, model=model_path, parallelism=ParallelismConfig(), deepspeed=DeepSpeedConfig(),
+                   batch_size=batch, seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
                    grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
-                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full", ep=1,
-                   ep_imbalance=1.0)
+                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full")
 
 
