@@ -48,11 +48,22 @@ def lora_run(tmp_path_factory):
     args = transformers.TrainingArguments(output_dir=str(out.parent / "run"), per_device_train_batch_size=BATCH,
                                           max_steps=2, use_cpu=True, report_to=[], logging_steps=1,
                                           save_strategy="no", optim="adamw_torch", disable_tqdm=True)
-    callback = LlmemCallback(after_steps=2, out=out)
+    callback, reporter = LlmemCallback(after_steps=2, out=out), _Reporter()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size),
-                                   callbacks=[callback])
+                                   callbacks=[reporter, callback])      # a reporter registered before llmem's
     trainer.train()
+    callback.log_history, callback.reporter_logs = trainer.state.log_history, reporter.logs
     return callback, model, out
+
+
+class _Reporter(transformers.TrainerCallback):
+    """Stands for a reporting integration (W&B, TensorBoard, MLflow): what on_log hands it, kept."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
 
 
 def test_the_setup_is_rebuilt_from_the_live_objects(lora_run):
@@ -91,6 +102,49 @@ def test_the_comparison_is_logged_and_written_as_a_validate_record(lora_run):
         100 * (est - record["truth"]["peak_allocated_bytes"]) / record["truth"]["peak_allocated_bytes"])
     assert callback.result.agrees == (abs(record["error_pct"]["peak_allocated_bytes"]) <= 10.0)
     assert "llmem check on cpu" in callback.result.message()
+
+
+def test_the_metrics_reach_log_history_and_every_reporter(lora_run):
+    """Trainer.log appends its copy of the logs to state.log_history before the callbacks' on_log, and calls them in
+    turn, reporters first: the check's keys must reach both."""
+    callback = lora_run[0]
+    keys = set(callback.result.log_values())
+    assert "llmem/allocated_error_pct" in keys
+    assert any(keys <= set(entry) for entry in callback.log_history)
+    assert any(keys <= set(logs) for logs in callback.reporter_logs)
+
+
+def test_a_run_llmem_cannot_estimate_completes(tmp_path, caplog):
+    """RMSprop is not an optimizer llmem models: the check says so in the log, the run trains on to its last step."""
+    model = _tiny_llama()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=3,
+                                          use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                                          optim="rmsprop", disable_tqdm=True)
+    callback = LlmemCallback(after_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size),
+                                   callbacks=[callback])
+    with caplog.at_level("WARNING", logger="llmem"):
+        trainer.train()
+    assert trainer.state.global_step == 3 and callback.result is None
+    assert any("no estimate of this run" in r.message and "RMSprop" in r.message for r in caplog.records)
+    assert any(entry.get("llmem/estimate_error") == 1.0 for entry in trainer.state.log_history)
+
+
+def test_a_trl_config_names_its_objective():
+    """A TRL trainer's config class names its trainer (DPOConfig -> DPOTrainer -> --objective dpo), and the settings
+    TRL spells as llmem does are read off it; transformers' own TrainingArguments name none."""
+    from llmem.validate.live import trl_fields
+
+    trl = pytest.importorskip("trl")
+    dpo = trl.DPOConfig(output_dir="unused", beta=0.25, loss_type=["sigmoid"], max_length=512, report_to=[],
+                         use_cpu=True, bf16=False)
+    fields = trl_fields(dpo)
+    assert fields["objective"] == "dpo" and fields["beta"] == 0.25 and fields["max_length"] == 512
+    grpo = trl_fields(trl.GRPOConfig(output_dir="unused", num_generations=4, max_completion_length=64,
+                                     per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                     bf16=False))
+    assert (grpo["objective"], grpo["num_generations"], grpo["max_completion_length"]) == ("grpo", 4, 64)
+    assert trl_fields(transformers.TrainingArguments(output_dir="unused", report_to=[])) == {}
 
 
 def test_an_optimizer_llmem_does_not_model_is_refused_in_one_line():

@@ -14,11 +14,15 @@ The counters: on a CUDA device `torch.cuda.max_memory_allocated` / `max_memory_r
 on the CPU the bytes of live tensors counted per op by llmem.runtime.ledger's RealTracker (what `llmem measure
 --device cpu` counts), reserved from its replay through the caching-allocator model. The comparison is logged
 (transformers' logger; a warning when the peak allocated differs by more than `threshold_pct`), added to the
-trainer's logs as `llmem/...` keys, and written as a `llmem validate --out` record (`{"rows": [...]}`, truth
-engine "live") when `out` is given.
+trainer's logs as `llmem/...` keys (the callback moves itself first, so that `trainer.state.log_history` and every
+reporting integration see them), and written as a `llmem validate --out` record (`{"rows": [...]}`, truth engine
+"live", named by the model's name_or_path) when `out` is given. A TRL trainer's config (DPOConfig, GRPOConfig, ...)
+names the objective and its settings (`trl_fields`). The callback never stops the run: what it cannot estimate (an
+optimizer llmem does not model, a set-up it refuses) is a warning and an `llmem/estimate_error` log key.
 
 Known limitations: the set-up is what llmem can express of the live objects (`live_setup` raises a one-line
-LlmemError for an optimizer it does not model); the sequence length is the first batch's (a run with variable
+LlmemError for an optimizer it does not model, which the callback logs); the distributed layout is the world size
+only (method and GPU as `overrides`); the sequence length is the first batch's (a run with variable
 lengths is compared at that length); on the CPU the kernels are the CPU's (its SDPA differs from CUDA's), so the
 CPU comparison checks the bookkeeping, not CUDA's saved tensors; a multi-GPU run is compared on its rank.
 """
@@ -169,6 +173,7 @@ class LiveCheck:
     estimate: MemoryResult
     device: str
     threshold_pct: float = DEFAULT_THRESHOLD_PCT
+    model_name: str = ""              # the model as the run loaded it (its config's name_or_path), for the record
 
     def error_pct(self, counter: str) -> float:
         truth = self.measured[counter]
@@ -196,7 +201,8 @@ class LiveCheck:
 
     def to_row(self) -> dict:
         """One row of `llmem validate --out`'s JSON (truth engine "live")."""
-        return {"setup": self.setup.to_dict(), "seconds": 0.0, "error": "", "skipped": "",
+        setup = self.setup.to_dict() | ({"model": self.model_name} if self.model_name else {})
+        return {"setup": setup, "seconds": 0.0, "error": "", "skipped": "",
                 "estimate": {c: getattr(self.estimate, c) for c in COUNTERS},
                 "truth": dict(self.measured), "truth_engine": f"live ({self.device})",
                 "error_pct": {c: self.error_pct(c) for c in COUNTERS},
@@ -212,8 +218,9 @@ def check(model: torch.nn.Module, optimizer: Any, *, batch_size: int, seq_len: i
     """The live run's counters against llmem's estimate of its set-up; logged, a warning when they differ."""
     setup = live_setup(model, optimizer, batch_size=batch_size, seq_len=seq_len, autocast_dtype=autocast_dtype,
                        **overrides)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     result = LiveCheck(setup, measured, estimate(setup), device or str(next(model.parameters()).device),
-                       threshold_pct)
+                       threshold_pct, str(getattr(base.config, "name_or_path", "") or ""))
     (log.info if result.agrees else log.warning)(result.message())
     return result
 
@@ -246,10 +253,6 @@ class LlmemCallback(_trainer_callback_base()):
         if self.shape is None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.shape = (int(ids.shape[0]), int(ids.shape[1]))
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._hook = model.register_forward_pre_hook(self._record_shape, with_kwargs=True)
-        self.watch = MemoryWatch.start(model, args.device, optimizer)
-
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.result is not None or self.watch is None or state.global_step < self.after_steps:
             return
@@ -259,15 +262,69 @@ class LlmemCallback(_trainer_callback_base()):
         if self.shape is None:
             log.warning("llmem check: no input_ids seen in the model's forward; nothing compared")
             return
-        autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self.result = check(model, optimizer, batch_size=self.shape[0], seq_len=self.shape[1], measured=measured,
-                            autocast_dtype=autocast, threshold_pct=self.threshold_pct, device=str(args.device),
-                            **self.overrides)
+        try:                   # the user's training goes on whatever the check meets
+            self.result = self._check(args, model, optimizer, measured)
+        except Exception as exc:   # noqa: BLE001 - an estimate that cannot be made is logged, never raised
+            log.warning(f"llmem check: no estimate of this run ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                        "training continues")
+            self._pending = {"llmem/estimate_error": 1.0}
+            return
         self._pending = self.result.log_values()
         if self.out is not None:
             self.result.write(self.out)
 
+    def _check(self, args, model, optimizer, measured: dict[str, int]) -> LiveCheck:
+        """The comparison at the recorded shape: a TRL trainer's objective and its settings read off its config
+        (`args`, e.g. a DPOConfig), the micro-batch its per-device batch size."""
+        autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        fields = {**trl_fields(args), **self.overrides}
+        batch = getattr(args, "per_device_train_batch_size", None) if fields.get("objective") else None
+        return check(model, optimizer, batch_size=batch or self.shape[0], seq_len=self.shape[1], measured=measured,
+                     autocast_dtype=autocast, threshold_pct=self.threshold_pct, device=str(args.device), **fields)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        _run_first(self)        # so that the reporters (W&B, TensorBoard, MLflow, the console) see its keys
+        self._hook = model.register_forward_pre_hook(self._record_shape, with_kwargs=True)
+        self.watch = MemoryWatch.start(model, args.device, optimizer)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self._pending:
-            logs.update(self._pending)     # reporters after this callback see them (install it first to reach all)
+            logs.update(self._pending)     # the reporters after this callback (it runs first) see them
+            if state.log_history:          # Trainer.log appended its copy of `logs` before on_log
+                state.log_history[-1].update(self._pending)
             self._pending = {}
+
+
+def _run_first(callback: Any) -> None:
+    """Move `callback` to the front of its Trainer's CallbackHandler list: transformers registers the reporting
+    integrations before user callbacks, and each reads `logs` in turn (CallbackHandler.call_event), so keys added
+    later reach none of them. The handler is found as the list that holds the callback (callbacks get no handle on
+    it); nothing happens if none is found."""
+    import gc
+
+    for holder in gc.get_referrers(callback):
+        if isinstance(holder, list) and holder and holder[0] is not callback and callback in holder:
+            holder.remove(callback)
+            holder.insert(0, callback)
+            return
+
+
+def trl_fields(args: Any) -> dict[str, Any]:
+    """The TrainingSetup fields a TRL trainer's config states (its class names the trainer: DPOConfig -> dpo): the
+    objective, and the trainer's and generation's settings TRL spells as llmem does (beta, loss_type,
+    num_generations, max_completion_length, use_vllm, ...). {} for transformers' own TrainingArguments."""
+    from dataclasses import fields as dataclass_fields
+
+    from llmem.setup.objectives import OBJECTIVES
+    from llmem.setup.sections import GenerationConfig, TrainerConfig
+
+    trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+    spec = next((o for o in OBJECTIVES.values() if o.trainer == trainer), None)
+    if spec is None:
+        return {}
+    out: dict[str, Any] = {"objective": spec.name}
+    for f in (*dataclass_fields(TrainerConfig), *dataclass_fields(GenerationConfig)):
+        value = getattr(args, f.name, None)
+        if f.name != "objective" and value is not None and not isinstance(value, (list, dict)):
+            out[f.name] = value
+    return out
