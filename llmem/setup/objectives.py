@@ -228,7 +228,7 @@ _NOT_WITH_PREFERENCE = (
     ("quant_base", "none", "a quantised base", "QLoRA under DPO is not modelled yet"),
 )
 PREFERENCE_METHODS = TRL_METHODS          # the layouts the preference step is modelled under (FSDP2 included)
-PREFERENCE_ATTENTIONS = ("sdpa", "eager")
+PREFERENCE_ATTENTIONS = ("sdpa", "eager", "flash")
 
 
 def check_objective(setup) -> None:
