@@ -22,8 +22,16 @@ from llmem.setup.sources.hf import (
     read_optimizer,
 )
 from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.trl import GENERATING, PAIRED, objective_keys, trl_sequence
 
-RL_BATCH = {"dpo": 2, "ipo": 2, "orpo": 2, "simpo": 2, "kto": 1, "grpo": 1}
+# axolotl's RLType (utils/schemas/enums.py, axolotl 0.19) -> (llmem's objective, the TRL trainer its builder runs,
+# the loss_type it sets): core/builders/rl.py _get_trainer_cls / _build_training_arguments; ipo is DPO with
+# loss_type ["ipo"], simpo TRL's CPOTrainer with loss_type "simpo"; gdpo and ebft are not modelled. reward:
+# `reward_model: true` (TRL's RewardTrainer)
+AXOLOTL_RL = {"dpo": ("dpo", "DPOTrainer", None), "ipo": ("dpo", "DPOTrainer", "ipo"),
+              "orpo": ("orpo", "ORPOTrainer", None), "kto": ("kto", "KTOTrainer", None),
+              "simpo": ("simpo", "CPOTrainer", None), "grpo": ("grpo", "GRPOTrainer", None),
+              "reward": ("reward", "RewardTrainer", None)}
 CCE_PLUGIN = "cut_cross_entropy"
 LIGER_PLUGIN = "liger"
 
@@ -41,10 +49,10 @@ def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
     if keys.get("trust_remote_code"):
         r.set("trust_remote_code", True, "trust_remote_code", True)
     batch = r.integer("micro_batch_size", keys.get("micro_batch_size", 1), what="a micro-batch")
-    _batch_with_rl(r, keys, batch)
-    r.set("sequence_len", keys.get("sequence_len", 512), "seq_len",
-          r.integer("sequence_len", keys.get("sequence_len", 512), what="a sequence length"),
+    seq = r.integer("sequence_len", keys.get("sequence_len", 512), what="a sequence length")
+    r.set("sequence_len", keys.get("sequence_len", 512), "seq_len", seq,
           "" if "sequence_len" in keys else "axolotl's default")
+    _objective(r, keys, batch, seq)
     if "sample_packing" in keys:
         r.set("sample_packing", keys.get("sample_packing"), "packing", r.boolean("sample_packing",
                                                                                 keys.get("sample_packing")))
@@ -68,23 +76,42 @@ def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
     r.not_read(keys)
 
 
-def _batch_with_rl(r: Reading, keys: Keys, batch: int) -> None:
+def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
+    """axolotl's `rl:` (or `reward_model:`) as the TRL trainer its builder runs, with the settings it passes
+    (core/builders/rl.py, core/trainers/dpo and grpo); no `rl:`: supervised fine-tuning."""
     rl = str(keys.get("rl", "")).lower()
     if keys.get("reward_model"):
-        r.set("micro_batch_size", batch, "batch_size", 2 * batch, "reward model: chosen and rejected rows in one "
-              "batch")
-        r.ignore("reward_model", True, "a sequence-classification head (hidden x num_labels) instead of the lm_head "
-                 "is not modelled: the causal LM's logits are counted (an upper bound)")
+        rl = "reward"
+        r.note_used("reward_model", True, "TRL's RewardTrainer (axolotl's AxolotlRewardTrainer)")
+    if not rl:
+        r.set("micro_batch_size", batch, "batch_size", batch)
         return
-    factor = RL_BATCH.get(rl, 1)
-    if rl and rl not in RL_BATCH:
-        r.ignore("rl", rl, "this RL trainer is not modelled: estimated as supervised fine-tuning")
-    note = f"rl {rl}: chosen and rejected rows run as one batch of {factor}x" if factor > 1 else ""
-    r.set("micro_batch_size", batch, "batch_size", factor * batch, note)
-    if rl in RL_BATCH:
-        r.ignore("rl", rl, "the reference model's forward (no_grad) and the RL loss' tensors are not modelled"
-                 if rl != "grpo" else "GRPO's generation and reference model are not modelled: estimated as the "
-                 "policy's training step")
+    if rl not in AXOLOTL_RL:
+        raise r.error("rl", rl, f"runs a trainer llmem does not model (modelled: {', '.join(AXOLOTL_RL)})",
+                      "estimate another trainer's config")
+    objective, trainer, loss_type = AXOLOTL_RL[rl]
+    if rl != "reward":
+        r.set("rl", rl, "objective", objective, f"axolotl runs TRL's {trainer}")
+    else:
+        r.set("reward_model", True, "objective", objective)
+    paired = objective in PAIRED
+    r.set("micro_batch_size", batch, "batch_size", batch, "pairs: chosen and rejected rows run as one batch of 2x"
+          if paired else "")
+    dpo_losses = keys.get("dpo_loss_type") if rl == "dpo" else None
+    if loss_type or dpo_losses:
+        r.set("dpo_loss_type" if dpo_losses else "rl", dpo_losses or rl, "loss_type",
+              str(dpo_losses[0]) if dpo_losses else loss_type)
+    if rl in ("dpo", "ipo") and keys.get("precompute_ref_log_probs"):
+        r.set("precompute_ref_log_probs", True, "precompute_ref_log_probs", True,
+              "the reference's log-probs computed before training: no reference in the step")
+    if objective in GENERATING:       # GRPOStrategy: the trl block's keys, max_length / max_prompt_length dropped
+        trl = keys.sub("trl")
+        objective_keys(r, trl, objective)
+        if "beta" not in trl and "rl_beta" in keys:
+            r.set("rl_beta", keys.get("rl_beta"), "beta", float(keys.get("rl_beta")))
+        trl_sequence(r, trl, True, objective)
+    else:                             # _set_base_training_args: max_length = sequence_len under rl / reward_model
+        r.set("sequence_len", seq, "max_length", seq, "axolotl passes it as TRL's max_length")
 
 
 def _dtypes(r: Reading, keys: Keys, bf16_capable: bool) -> None:

@@ -53,8 +53,8 @@ def read(keys: Keys, r: Reading) -> None:
     paired = objective in PAIRED
     r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"), batch,
           "batch_size", batch, "pairs: chosen and rejected rows run as one batch of 2x" if paired else "")
-    _objective_keys(r, keys, objective)
-    _sequence(r, keys, trl, objective)
+    objective_keys(r, keys, objective)
+    trl_sequence(r, keys, trl, objective)
     if "gradient_accumulation_steps" in keys:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
@@ -110,7 +110,7 @@ def _objective(r: Reading, keys: Keys) -> str:
     return config.objective
 
 
-def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
+def objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     """The trainer's own keys that decide memory (the rest are the loss's coefficients: no memory effect)."""
     if objective in REFERENCED and "precompute_ref_log_probs" in keys:
         r.set("precompute_ref_log_probs", keys.get("precompute_ref_log_probs"), "precompute_ref_log_probs",
@@ -152,7 +152,7 @@ def _objective_keys(r: Reading, keys: Keys, objective: str) -> None:
             r.note_used(key, keys.get(key), "the reference's weights updated in place: no memory effect")
 
 
-def _sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
+def trl_sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
     if objective in GENERATING:
         prompt = keys.get("max_prompt_length", 512)
         completion = keys.get("max_completion_length", GENERATION_DEFAULTS[objective].max_completion_length)
