@@ -25,11 +25,13 @@ if TYPE_CHECKING:
 
 
 def _emit(args: argparse.Namespace, result: MemoryResult, source: SourceRecord | None = None) -> None:
-    from llmem.cli.tables import print_json, print_memory, print_source
+    from llmem.cli.tables import print_approximate, print_json, print_memory, print_source
 
     if args.json:
         print_json(result.to_dict() | ({"from_file": source.to_dict()} if source is not None else {}))
     else:
+        if source is not None:
+            print_approximate(source)
         print_memory(result)
         if source is not None:
             print_source(source)

@@ -166,6 +166,16 @@ def print_memory(result: MemoryResult, console: Console | None = None) -> None:
         console.print(f"[yellow]note:[/] {escape(note)}")
 
 
+def print_approximate(record: SourceRecord, console: Console | None = None) -> None:
+    """Above a result read --from a file that llmem cannot express whole: that the answer is approximate, and the
+    keys that make it so (each listed with its reason under the result)."""
+    if record.exact:
+        return
+    keys = ", ".join(dict.fromkeys(i.key for i in record.approximations))
+    (console or Console()).print(f"[bold yellow]approximate:[/] the file's run without what llmem does not model "
+                                 f"({escape(keys)}; see 'ignored' below)")
+
+
 def print_source(record: SourceRecord, console: Console | None = None) -> None:
     """Under a result read --from a file: each file, the keys used (key = value -> field = value), those ignored
     and why, the notes."""

@@ -44,7 +44,7 @@ def read(keys: Keys, r: Reading) -> None:
         r.note_used("distributed_type", kind, "method single")
         if processes > 1:
             r.ignore("num_processes", processes, "distributed_type NO launches one process (accelerate's "
-                     "simple_launcher)")
+                     "simple_launcher)", approximates=False)
     else:
         r.gpus = processes
         r.note_used("num_processes", processes, f"gpus = {processes}")

@@ -57,6 +57,9 @@ BUFFER_FIELDS = {
     "stage3_max_reuse_distance": "max_reuse_distance", "max_reuse_distance": "max_reuse_distance",
 }
 # read and not modelled, with why
+# the BUFFER_IGNORED keys with no effect on memory as DeepSpeed runs them (the others set what llmem models at the
+# default, an approximation where the file departs from it)
+BUFFER_NO_EFFECT = ("allgather_bucket_size", "reduce_scatter", "allgather_partitions", "round_robin_gradients")
 BUFFER_IGNORED = {
     "allgather_bucket_size": "no buffer of its size: the post-step all-gather writes into the flat buffer "
                              "(all_gather_into_tensor, deepspeed/runtime/utils.py)",
@@ -237,7 +240,8 @@ def _read_buffers(r: Reading, zero: Keys, file: str, stage: int) -> None:
             continue
         raw = zero.get(key)
         if stage == 0 or (ZERO_FIELDS[name] == 3 and stage < 3):
-            r.ignore(f"zero_optimization.{key}", raw, f"no effect at ZeRO stage {stage}", file=file)
+            r.ignore(f"zero_optimization.{key}", raw, f"no effect at ZeRO stage {stage}", file=file,
+                     approximates=False)
             continue
         if name == "overlap_comm":
             value = r.boolean(f"{file}: zero_optimization.{key}", raw)
@@ -250,7 +254,8 @@ def _read_buffers(r: Reading, zero: Keys, file: str, stage: int) -> None:
               f"auto = {rule[0]} (as HF fills it)" if raw == AUTO and rule else "", file=file)
     for key, why in BUFFER_IGNORED.items():
         if key in zero:
-            r.ignore(f"zero_optimization.{key}", zero.get(key), why, file=file)
+            r.ignore(f"zero_optimization.{key}", zero.get(key), why, file=file,
+                     approximates=key not in BUFFER_NO_EFFECT)
 
 
 def _read_dtypes(r: Reading, keys: Keys, file: str, filled: dict) -> None:

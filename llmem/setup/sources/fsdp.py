@@ -78,11 +78,11 @@ def read_fsdp_config(r: Reading, cfg: Keys, strategy: str | None = None, version
     k = _name(cfg, "mixed_precision_policy")
     if k in cfg:
         r.ignore(cfg.name(k), cfg.get(k), "FSDP's precision follows the trainer's bf16 / fp16 (llmem's *-mixed: "
-                 "bf16 gathers, fp32 reductions)")
+                 "bf16 gathers, fp32 reductions)", approximates=False)
     for name, why in NO_EFFECT.items():
         k = _name(cfg, name)
         if k in cfg:
-            r.ignore(cfg.name(k), cfg.get(k), why)
+            r.ignore(cfg.name(k), cfg.get(k), why, approximates=name != "min_num_params")
     for name in ("activation_cpu_offload", "offload_policy"):
         k = _name(cfg, name)
         if k in cfg:

@@ -92,7 +92,7 @@ def trainer_distributed(r: Reading, keys: Keys, trainer: TrainerValues) -> None:
     if strategy is not None or (isinstance(config, dict) and config and keys.get("fsdp")):
         read_fsdp_config(r, Keys(config if isinstance(config, dict) else {}, "fsdp_config."), strategy)
     elif isinstance(config, dict) and config:
-        r.ignore("fsdp_config", "...", "fsdp is not set, so transformers does not use fsdp_config")
+        r.ignore("fsdp_config", "...", "fsdp is not set, so transformers does not use fsdp_config", approximates=False)
     if "deepspeed" in keys:
         read_deepspeed_ref(r, "deepspeed", keys.get("deepspeed"), trainer)
 

@@ -118,7 +118,7 @@ def _quantisation(r: Reading, keys: Keys) -> bool:
         qtype = str(keys.get("quantization_type", "nf4")).lower()
         if qtype != "nf4":
             r.ignore("quantization_type", qtype, "FP4 is stored as NF4 is (4 bits per weight, the same absmax): "
-                     "modelled as nf4")
+                     "modelled as nf4", approximates=False)
         double = r.boolean("double_quantization", keys.get("double_quantization", True))
         r.set("double_quantization" if "double_quantization" in keys else "double_quantization (default)", double,
               "double_quant", double)

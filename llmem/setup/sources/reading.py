@@ -113,8 +113,10 @@ class Reading:
         """A key read that changes no llmem field (gradient accumulation, the sharding's own facts)."""
         self.used.append(Used(file or self.file, key, raw, "", None, note))
 
-    def ignore(self, key: str, raw: Any, why: str, file: str | None = None) -> None:
-        self.ignored.append(Ignored(file or self.file, key, raw, why))
+    def ignore(self, key: str, raw: Any, why: str, file: str | None = None, approximates: bool = True) -> None:
+        """A key llmem does not express; approximates False: it has no effect on memory (the answer stays the
+        file's run)."""
+        self.ignored.append(Ignored(file or self.file, key, raw, why, approximates))
 
     def dtype(self, **changes: Any) -> None:
         self.dtypes = replace(self.dtypes, **changes)
@@ -123,7 +125,8 @@ class Reading:
         """One entry for the keys no reader looked at (data, logging, learning rate, saving, ...)."""
         rest = list(keys.unread())
         if rest:
-            self.ignore("(other keys)", rest, "not read: no memory effect llmem knows of", file=file)
+            self.ignore("(other keys)", rest, "not read: no memory effect llmem knows of", file=file,
+                        approximates=False)
 
     # ------------------------------------------------------------------ values
     def error(self, key: str, raw: Any, problem: str, fix: str) -> LlmemError:

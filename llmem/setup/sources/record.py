@@ -40,12 +40,14 @@ class Ignored:
     key: str
     raw: Any
     why: str
+    approximates: bool = True     # it changes memory and is not modelled: the answer is not the file's run
 
     def text(self) -> str:
         return f"{self.key} = {_short(self.raw)}: {self.why}"
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "key": self.key, "raw": _plain(self.raw), "why": self.why}
+        return {"file": self.file, "key": self.key, "raw": _plain(self.raw), "why": self.why,
+                "approximates": self.approximates}
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,18 @@ class SourceRecord:
     overridden: tuple[str, ...] = ()        # the fields the command line set over the file's
     states_method: bool = False             # the file names the distributed method (not left to the launcher)
 
+    @property
+    def approximations(self) -> tuple[Ignored, ...]:
+        """The ignored keys that change memory: the answer is the file's run without them."""
+        return tuple(i for i in self.ignored if i.approximates)
+
+    @property
+    def exact(self) -> bool:
+        return not self.approximations
+
     def to_dict(self) -> dict:
-        return {"files": [{"path": p, "format": f} for p, f in self.files],
+        return {"exact": self.exact, "approximate_because": [f"{i.key}: {i.why}" for i in self.approximations],
+                "files": [{"path": p, "format": f} for p, f in self.files],
                 "used": [u.to_dict() for u in self.used], "ignored": [i.to_dict() for i in self.ignored],
                 "notes": list(self.notes), "overridden_by_command_line": list(self.overridden),
                 "states_method": self.states_method}

@@ -106,7 +106,7 @@ def _objective(r: Reading, keys: Keys) -> str:
         note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
     r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
     for key in found.strays(keys.data):
-        r.ignore(key, keys.get(key), f"not a {config.name} field: TRL's parser leaves it unused")
+        r.ignore(key, keys.get(key), f"not a {config.name} field: TRL's parser leaves it unused", approximates=False)
     return config.objective
 
 
@@ -120,7 +120,8 @@ def objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     if raw is not None:
         losses = raw if isinstance(raw, list) else [raw]
         if not objective_spec(objective).runs_trainer:
-            r.ignore("loss_type", raw, "SFTConfig's loss_type: llmem models the causal-LM loss (nll)")
+            r.ignore("loss_type", raw, "SFTConfig's loss_type: llmem models the causal-LM loss (nll)",
+                     approximates=False)
         elif losses:
             r.set("loss_type", raw, "loss_type", str(losses[0]), "" if len(losses) == 1 else
                   "the losses combined are per-pair scalars on the same log-probs: the first's step is modelled")
@@ -141,7 +142,7 @@ def objective_keys(r: Reading, keys: Keys, objective: str) -> None:
         r.note_used("beta", keys.get("beta"), "the loss's temperature: no memory effect")
     if objective not in GENERATING and "max_prompt_length" in keys:
         r.ignore("max_prompt_length", keys.get("max_prompt_length"), "no field of trl 1.16's configs (older TRL's "
-                 "prompt truncation): TRL's parser leaves it unused; --prompt-len gives the prompt")
+                 "prompt truncation): TRL's parser leaves it unused; --prompt-len gives the prompt", approximates=False)
     if objective_spec(objective).full_logits and "max_completion_length" in keys:
         r.note_used("max_completion_length", keys.get("max_completion_length"), "the completion's truncation; "
                     "--seq-len is each sequence's length after TRL's truncation")
@@ -200,7 +201,7 @@ def _quantisation(r: Reading, keys: Keys) -> bool:
         r.set("load_in_4bit", True, "quant_base", "nf4", "bitsandbytes 4-bit")
         qtype = str(keys.get("bnb_4bit_quant_type", "nf4")).lower()
         if qtype != "nf4":
-            r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4")
+            r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4", approximates=False)
         nested = r.boolean("use_bnb_nested_quant", keys.get("use_bnb_nested_quant", False))
         r.set("use_bnb_nested_quant" + ("" if "use_bnb_nested_quant" in keys else " (TRL's default)"), nested,
               "double_quant", nested)
@@ -216,7 +217,7 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
     if not keys.get("use_peft", False):
         for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save"):
             if key in keys:
-                r.ignore(key, keys.get(key), "use_peft is not set, so TRL trains the whole model")
+                r.ignore(key, keys.get(key), "use_peft is not set, so TRL trains the whole model", approximates=False)
         return
     rank = r.integer("lora_r", keys.get("lora_r", 16), what="a LoRA rank")
     raw_targets = keys.get("lora_target_modules")
