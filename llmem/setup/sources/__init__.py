@@ -18,6 +18,7 @@ from typing import Any
 from llmem.errors import LlmemError
 from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
+from llmem.setup.layout import DEFAULT_GPUS_PER_NODE
 from llmem.setup.methods import METHODS, canonical_method
 from llmem.setup.quant_bases import quant_base_spec
 from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
@@ -123,7 +124,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
         values["gpus_per_node"] = per_node
     overridden = tuple(sorted(k for k, v in overrides.items() if k in values and values[k] != v))
     values.update(overrides)
-    _check_gpus(main, values, multi)
+    _check_gpus(main, values, multi, used, notes)
     _offload_not_expressed(values, used, ignored)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
@@ -208,14 +209,35 @@ def _precision(r: Reading, values: dict, used: list[Used], notes: list[str], d: 
                          f"parameters: {why}"))
 
 
-def _check_gpus(r: Reading, values: dict, multi: str) -> None:
+def _check_gpus(r: Reading, values: dict, multi: str, used: list[Used], notes: list[str]) -> None:
+    """The GPU count: the file's, else (a multi-GPU method whose count the launcher decides) this machine's GPUs,
+    else one node of DEFAULT_GPUS_PER_NODE, said in a note."""
     gpus = values.get("gpus")
     if "method" not in values:
         values["method"] = multi if (gpus or 1) > 1 else "single"
     spec = METHODS[canonical_method(values["method"])]
     if not spec.one_gpu and gpus is None:
-        raise LlmemError(f"{r.path}: runs {values['method']} on several GPUs, but the file does not say how many "
-                         "(the launcher decides): give --gpus N")
+        local = local_gpu_count()
+        values["gpus"] = local if local > 1 else DEFAULT_GPUS_PER_NODE
+        where = f"this machine's {local} GPUs" if local > 1 else f"one node of {DEFAULT_GPUS_PER_NODE} GPUs"
+        used.append(Used(r.file, "(launcher)", "not in the file", "gpus", values["gpus"], where))
+        notes.append(f"{r.file} runs {values['method']} on several GPUs and leaves their number to the launcher: "
+                     f"estimated on {where}; give --gpus N for yours")
+
+
+def local_gpu_count() -> int:
+    """The NVIDIA GPUs this machine's driver lists (`nvidia-smi -L`; 0 without a driver), without importing torch."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def _marked(used: list[Used], overrides: dict[str, Any]) -> list[Used]:

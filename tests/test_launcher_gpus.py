@@ -1,0 +1,58 @@
+"""A config whose GPU count the launcher decides (a multi-GPU method, no count in the file) is answered, not
+refused: on this machine's GPUs where the driver lists several, else on one node of 8, said in the record."""
+
+from __future__ import annotations
+
+import pytest
+
+import llmem.setup.sources as sources
+from llmem.setup.sources import setup_from_file
+
+FSDP_TRL = """model_name_or_path: meta-llama/Llama-3.1-8B
+per_device_train_batch_size: 1
+max_length: 512
+bf16: true
+fsdp: full_shard auto_wrap
+fsdp_config:
+  fsdp_version: 2
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(FSDP_TRL)
+    return path
+
+
+def test_no_gpu_here_answers_one_node_of_eight(config, monkeypatch):
+    monkeypatch.setattr(sources, "local_gpu_count", lambda: 0)
+    read = setup_from_file(config)
+    assert (read.setup.method, read.setup.gpus) == ("fsdp", 8)
+    launcher = [u for u in read.record.used if u.key == "(launcher)"]
+    assert launcher and launcher[0].value == 8 and "one node of 8 GPUs" in launcher[0].note
+    assert any("give --gpus N" in n for n in read.record.notes)
+
+
+def test_this_machines_gpus_when_it_has_several(config, monkeypatch):
+    monkeypatch.setattr(sources, "local_gpu_count", lambda: 4)
+    assert setup_from_file(config).setup.gpus == 4
+
+
+def test_the_command_line_count_wins(config, monkeypatch):
+    monkeypatch.setattr(sources, "local_gpu_count", lambda: 4)
+    read = setup_from_file(config, gpus=2)
+    assert read.setup.gpus == 2 and not [u for u in read.record.used if u.key == "(launcher)"]
+
+
+def test_local_gpu_count_reads_nvidia_smi(monkeypatch):
+    """Two `GPU n:` lines of `nvidia-smi -L` are two GPUs; no nvidia-smi on the PATH: none."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, ""))
+    assert sources.local_gpu_count() == 2
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert sources.local_gpu_count() == 0
