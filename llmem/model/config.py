@@ -21,6 +21,7 @@ from pathlib import Path
 
 from llmem.errors import LlmemError, first_line
 from llmem.model.catalog import find_entry, load_config_dict, tiny_config_dict
+from llmem.model.catalog.variants import variant_entry
 from llmem.model.families import check_dimensions, check_raw_sizes
 
 CONFIG_MAX_BYTES = 16 * 1024**2      # real config.json files are a few KiB; a bigger file is weights, not a config
@@ -107,7 +108,15 @@ def resolve_config(model: str, trust_remote_code: bool = False):
         what = "is not a regular file" if os.path.exists(os.path.expanduser(model)) else "does not exist"
         raise LlmemError(f"config file {_shown(model)} {what}: give a path to a config.json, a model folder, or a "
                          "catalog name (`llmem models`)")
-    return model, _checked(model, _hub_config(model, trust_remote_code))
+    try:
+        return model, _checked(model, _hub_config(model, trust_remote_code))
+    except LlmemError as exc:
+        entry = variant_entry(model) if str(exc).startswith("unknown model") else None
+        if entry is None:
+            raise
+    # a mirror or chat-tuned variant of a catalog model the hub could not be asked about: its base's config
+    return (f"{model} (read as {entry.hub_id}: the same shapes)",
+            _checked(entry.hub_id, config_from_dict(load_config_dict(entry), entry.hub_id)))
 
 
 def _offline() -> bool:

@@ -37,7 +37,8 @@ def find_entry(name: str) -> CatalogEntry | None:
     """Match a hub id, the part after the org, or an alias, case-insensitively."""
     key = name.strip().lower()
     for entry in catalog().values():
-        names = {entry.hub_id.lower(), entry.hub_id.split("/")[-1].lower(), *(a.lower() for a in entry.aliases)}
+        names = {entry.hub_id.lower(), entry.hub_id.split("/")[-1].lower(), *(a.lower() for a in entry.aliases),
+                 *(a.split("/")[-1].lower() for a in entry.aliases if "/" in a)}
         if key in names:
             return entry
     return None
