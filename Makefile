@@ -27,7 +27,7 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/llmem plan meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --seq-len 4096 --grad-ckpt
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks
+	HF_HUB_OFFLINE=1 $(BIN)/ruff check llmem tests benchmarks tools
 	$(BIN)/lint-imports
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto --maxprocesses 4 --dist worksteal
 
@@ -35,7 +35,7 @@ test-slow: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow -n auto --maxprocesses 4
 
 lint: install
-	$(BIN)/ruff check llmem tests benchmarks
+	$(BIN)/ruff check llmem tests benchmarks tools
 	$(BIN)/lint-imports
 
 bench: install

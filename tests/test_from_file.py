@@ -386,6 +386,14 @@ def test_bad_inputs_are_one_line_naming_file_field_and_fix(tmp_path, capsys):
     assert "train_micro_batch_size_per_gpu = 4 differs from the trainer's per_device_train_batch_size = 2" in err
 
 
+def test_unknown_model_named_by_a_file(tmp_path, capsys):
+    """A model neither the catalog nor the local HF cache knows (offline): llmem's refusal, and how to override it."""
+    path = tmp_path / "axolotl.yml"
+    path.write_text("base_model: nobody/unknown-7b\nmicro_batch_size: 1\nsequence_len: 512\n")
+    err = refusal(["estimate", "--from", str(path)], capsys)
+    assert err.startswith("llmem: error: unknown model 'nobody/unknown-7b'") and "give MODEL" in err
+
+
 def test_missing_model_gpus_and_unknown_model(capsys):
     assert "give a MODEL" in refusal(["estimate"], capsys)
     err = refusal(["estimate", "--from", str(cfg("trl/examples/accelerate_configs/fsdp2.yaml"))], capsys)
@@ -393,9 +401,9 @@ def test_missing_model_gpus_and_unknown_model(capsys):
     # a DeepSpeed JSON leaves the GPU count to the launcher: answered on one node of 8 (no GPU here), said so
     out = run_json(["estimate", "tiny-llama", "--from", str(cfg("axolotl/deepspeed_configs/zero2.json"))])
     assert out["setup"]["gpus"] == 8 and any("give --gpus N" in n for n in out["from_file"]["notes"])
-    # NousResearch/Meta-Llama-3-8B is not in the catalog (offline): llmem's refusal, and how to override it
-    err = refusal(["estimate", "--from", str(cfg("axolotl/examples/llama-3/qlora.yml"))], capsys)
-    assert err.startswith("llmem: error: unknown model 'NousResearch/Meta-Llama-3-8B'") and "give MODEL" in err
+    # NousResearch/Meta-Llama-3-8B mirrors a catalog model: read offline with its config, the name says so
+    out = run_json(["estimate", "--from", str(cfg("axolotl/examples/llama-3/qlora.yml"))])
+    assert out["setup"]["model"].startswith("NousResearch/Meta-Llama-3-8B (read as meta-llama/Meta-Llama-3-8B")
 
 
 @pytest.mark.slow

@@ -11,29 +11,29 @@ MixedPrecisionPolicy: the shards are bf16."""
 
 from __future__ import annotations
 
+import json
 import re
+from functools import cache
+from importlib import resources
 
 from llmem.setup.sources.adapters import Lora, apply_lora
 from llmem.setup.sources.deepspeed import GA_NOTE
 from llmem.setup.sources.names import TORCH_CLASSES
 from llmem.setup.sources.reading import Keys, Reading
 
-# torchtune's builders -> a hub id of the same architecture (the checkpoint's name without -Instruct)
-BUILDERS = {
-    "llama3_1_8b": "meta-llama/Llama-3.1-8B", "llama3_1_70b": "meta-llama/Llama-3.1-70B",
-    "llama3_1_405b": "meta-llama/Llama-3.1-405B", "llama3_2_1b": "meta-llama/Llama-3.2-1B",
-    "llama3_2_3b": "meta-llama/Llama-3.2-3B", "llama3_8b": "meta-llama/Meta-Llama-3-8B",
-    "llama3_70b": "meta-llama/Meta-Llama-3-70B", "llama2_7b": "meta-llama/Llama-2-7b-hf",
-    "llama2_13b": "meta-llama/Llama-2-13b-hf", "llama2_70b": "meta-llama/Llama-2-70b-hf",
-    "mistral_7b": "mistralai/Mistral-7B-v0.1", "gemma2_2b": "google/gemma-2-2b", "gemma2_9b": "google/gemma-2-9b",
-    "phi3_mini": "microsoft/Phi-3-mini-4k-instruct", "qwen2_5_0_5b": "Qwen/Qwen2.5-0.5B",
-    "qwen2_5_1_5b": "Qwen/Qwen2.5-1.5B", "qwen2_5_7b": "Qwen/Qwen2.5-7B", "qwen2_5_14b": "Qwen/Qwen2.5-14B",
-    "qwen2_5_32b": "Qwen/Qwen2.5-32B", "qwen2_5_72b": "Qwen/Qwen2.5-72B",
-}
+
+# torchtune's builders as its own source defines them (tools/make_torchtune_builders.py: each builder's dimensions,
+# and the catalog model with the same ones), read once
+@cache
+def builders() -> dict[str, dict]:
+    return json.loads(resources.files(__package__).joinpath("torchtune_builders.json").read_text())["builders"]
+
+
 # torchtune's module names -> transformers' (torchtune's convert_weights mapping)
 MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 DTYPES = {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
+TORCHTUNE_VERSION = "0.6.1"     # the torchtune whose builders torchtune_builders.json holds
 TUNE_RUN = re.compile(r"^#\s*tune run\s+(?P<args>.*)$", re.MULTILINE)
 
 
@@ -53,11 +53,13 @@ def read(keys: Keys, r: Reading, text: str) -> None:
     if not component.startswith("torchtune.models."):
         raise r.error("model._component_", component, "is not a torchtune model builder",
                       "name one of torchtune.models.* (or give MODEL on the command line)")
-    if base in BUILDERS:
-        r.set("model._component_", component, "model", BUILDERS[base], f"torchtune's {base}: the same architecture")
+    row = builders().get(base)
+    if row is not None and row["hub_id"]:
+        r.set("model._component_", component, "model", row["hub_id"], f"torchtune's {base}: the same dimensions")
     else:
-        r.ignore("model._component_", component, f"torchtune's {base} has no hub id llmem knows: give MODEL on the "
-                 "command line")
+        why = "is not a builder of torchtune " + TORCHTUNE_VERSION if row is None else \
+            "has dimensions no catalog model has"
+        r.ignore("model._component_", component, f"torchtune's {base} {why}: give MODEL on the command line")
     _recipe(r, text)
     batch = r.integer("batch_size", keys.get("batch_size", 1), what="a micro-batch")
     dpo = str(keys.sub("loss").get("_component_", "")).endswith("DPOLoss")
