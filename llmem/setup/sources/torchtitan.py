@@ -12,6 +12,10 @@ torchtitan's op-level policy (--ac-policy op). pipeline_parallel_degree > 1 is l
 
 from __future__ import annotations
 
+import json
+from functools import cache
+from importlib import resources
+
 from llmem.setup.pipeline import (
     FIRST_STAGE_LESS_LAYERS,
     LAST_STAGE_LESS_LAYERS,
@@ -22,18 +26,30 @@ from llmem.setup.pipeline import (
 from llmem.setup.sources.deepspeed import GA_NOTE
 from llmem.setup.sources.reading import Keys, Reading
 
-FLAVORS = {("llama3", "8b"): "meta-llama/Llama-3.1-8B", ("llama3", "70b"): "meta-llama/Llama-3.1-70B",
-           ("llama3", "405b"): "meta-llama/Llama-3.1-405B", ("llama3", "1b"): "meta-llama/Llama-3.2-1B",
-           ("llama3", "3b"): "meta-llama/Llama-3.2-3B", ("llama2", "7b"): "meta-llama/Llama-2-7b-hf",
-           ("llama2", "13b"): "meta-llama/Llama-2-13b-hf", ("llama2", "70b"): "meta-llama/Llama-2-70b-hf"}
+TORCHTITAN_VERSION = "0.3.0"     # the torchtitan whose flavors torchtitan_flavors.json holds
+
+
+@cache
+def flavors() -> dict[tuple[str, str], dict]:
+    """(model name, flavor), lower-cased -> its row: the dimensions torchtitan's own source gives the flavor and the
+    catalog model with the same ones (tools/make_torchtitan_flavors.py), and torchtitan's llama2 (dropped in 0.3)
+    as Meta's configs."""
+    rows = json.loads(resources.files(__package__).joinpath("torchtitan_flavors.json").read_text())["flavors"]
+    table = {tuple(key.lower().split("/", 1)): row for key, row in rows.items()}
+    return table | {("llama2", size): {"hub_id": hub, "dims": {"num_hidden_layers": layers}}
+                    for size, (hub, layers) in LLAMA2_FLAVORS.items()}
+
+
+LLAMA2_FLAVORS = {"7b": ("meta-llama/Llama-2-7b-hf", 32), "13b": ("meta-llama/Llama-2-13b-hf", 40),
+                  "70b": ("meta-llama/Llama-2-70b-hf", 80)}
+# the families --export torchtitan writes (its TOML's [model] section as llama3 / llama2 take it)
+EXPORTED_MODELS = ("llama3", "llama2")
+FLAVORS = {key: row["hub_id"] for key, row in flavors().items() if key[0] in EXPORTED_MODELS and row["hub_id"]}
+# torchtitan's n_layers of each catalog model a flavor names, which its pipeline split counts
+# (_get_pipeline_metadata)
+FLAVOR_LAYERS = {row["hub_id"]: row["dims"]["num_hidden_layers"] for row in flavors().values() if row["hub_id"]}
 IMPLEMENTATIONS = {"fused": "adamw-fused", "foreach": "adamw", "for-loop": "adamw-forloop"}
 PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-# torchtitan's n_layers of each flavor (torchtitan/models/llama3/__init__.py; llama2's as Meta's), which its
-# pipeline split counts (_get_pipeline_metadata)
-FLAVOR_LAYERS = {"meta-llama/Llama-3.1-8B": 32, "meta-llama/Llama-3.1-70B": 80, "meta-llama/Llama-3.1-405B": 126,
-                 "meta-llama/Llama-3.2-1B": 16, "meta-llama/Llama-3.2-3B": 28, "meta-llama/Llama-2-7b-hf": 32,
-                 "meta-llama/Llama-2-13b-hf": 40, "meta-llama/Llama-2-70b-hf": 80}
-assert set(FLAVOR_LAYERS) == set(FLAVORS.values())
 # torch's get_schedule_class names, lower-cased (it matches case-insensitively) -> llmem's schedule rows
 TORCHTITAN_SCHEDULES = {spec.torchtitan_name.lower(): spec for spec in PIPELINE_SCHEDULES.values()}
 PIPELINE_KEYS = ("pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
@@ -91,12 +107,13 @@ def read(keys: Keys, r: Reading) -> None:
 
 def _model(r: Reading, model: Keys) -> None:
     name, flavor = str(model.get("name", "")), str(model.get("flavor", ""))
-    hub = FLAVORS.get((name.lower(), flavor.lower()))
-    if hub:
-        r.set("model.name + flavor", f"{name} {flavor}", "model", hub, "the same architecture")
+    row = flavors().get((name.lower(), flavor.lower()))
+    if row is not None and row["hub_id"]:
+        r.set("model.name + flavor", f"{name} {flavor}", "model", row["hub_id"], "the same dimensions")
     else:
-        r.ignore("model.name + flavor", f"{name} {flavor}", "no hub id llmem knows for this flavor: give MODEL on "
-                 "the command line")
+        why = f"is not a flavor of torchtitan {TORCHTITAN_VERSION}" if row is None else \
+            "has dimensions no catalog model has"
+        r.ignore("model.name + flavor", f"{name} {flavor}", f"{why}: give MODEL on the command line")
     for key in ("hf_assets_path", "tokenizer_path", "norm_type"):
         model.get(key)
 
