@@ -98,6 +98,9 @@ class Reading:
     gpus: int | None = None             # stated by the file
     gpus_per_node: int | None = None
     zero_stage: int | None = None       # DeepSpeed's ZeRO stage, where DeepSpeed runs it
+    # the data-parallel shard degree is what the other degrees leave (torchtitan's data_parallel_shard_degree -1):
+    # a sharding method whose dp resolves to 1 runs without FSDP2
+    shard_rest: bool = False
     files: list[tuple[str, str]] = field(default_factory=list)   # referenced files read into this one
 
     @property

@@ -131,6 +131,7 @@ def _parallelism(r: Reading, p: Keys, experimental: Keys, prefix: str) -> None:
     # torchtitan shards with FSDP2 when data_parallel_shard_degree > 1 (-1: the rest), replicates alone (DDP's
     # replicate()) when only data_parallel_replicate_degree is > 1; TP on its own mesh dimension
     sharded = shard != 1
+    r.shard_rest = shard == -1
     r.method = ("fsdp+tp" if sharded else "tp") if tp > 1 else ("fsdp" if sharded else
                                                                 "ddp" if replicate > 1 else "single")
     r.note_used(f"{prefix}data_parallel_shard_degree", shard, "no FSDP2" if not sharded else "FSDP2 over " +
