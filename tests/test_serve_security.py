@@ -323,3 +323,20 @@ def test_sigterm_stops_the_server_promptly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("params", [
+    {"model": "someone/custom-model", "trust_remote_code": "1"},
+    {"from": [_from("train.yaml", "model_name_or_path: someone/custom-model\nstage: sft\nfinetuning_type: full\n"
+                                  "trust_remote_code: true\n")]},                 # LLaMA-Factory's key
+])
+def test_no_models_own_code_is_run(client, params):
+    """trust_remote_code (given, or set by an uploaded file) would import a hub repository's Python: refused for a
+    model outside the catalog; a catalog model never runs its repository's code, so it is answered."""
+    r = client.post("/api/estimate", json=params)
+    assert r.status_code == 400
+    assert _error(r) == "trust_remote_code: this server runs no model's own code (someone/custom-model is not in " \
+                        "llmem's catalog); upload the model's config.json instead, or run llmem estimate on your " \
+                        "machine"
+    r = client.post("/api/estimate", json={"model": "gpt2", "trust_remote_code": "1", "seq_len": "64"})
+    assert r.status_code == 200, r.text

@@ -254,6 +254,17 @@ def _hub_id(model: str) -> bool:
     return len(parts) <= 2 and all(p and p not in (".", "..") for p in parts)
 
 
+def _check_remote_code(setup: TrainingSetup) -> None:
+    """A hub model's own code (trust_remote_code: transformers imports the repository's configuration module) is
+    never run by the server: the catalog's models, the tiny ones and uploaded configs need none."""
+    from llmem.model.catalog import find_entry
+
+    model = setup.model
+    if setup.trust_remote_code and not (_path_like(model) or model.lower().startswith("tiny-") or find_entry(model)):
+        raise LlmemError(f"trust_remote_code: this server runs no model's own code ({model[:80]} is not in llmem's "
+                         "catalog); upload the model's config.json instead, or run llmem estimate on your machine")
+
+
 class _RaisingParser(argparse.ArgumentParser):
     """A parser whose usage errors are raised as LlmemError (a server must not exit)."""
 
@@ -355,6 +366,7 @@ class Query:
                 setup, source = setup_and_source(args)
             if source is not None:
                 self._check_read(source)
+        _check_remote_code(setup)
         return args, setup, source
 
     def _unread(self, source: SourceRecord) -> tuple[Path, ...]:
