@@ -192,6 +192,16 @@ def test_a_training_config_and_its_deepspeed_json_answer_as_setup_from_file(serv
     assert page.text_content("#from-table tr[data-kind=used][data-key='zero_optimization.stage'] td:nth-child(3)") \
         == "zero_optimization.stage = 3"                   # the JSON's stage: it was found where the YAML names it
     assert "from=llama3_full_sft.yaml%3A" in page.url and "from=ds_z3_config.json%3A" in page.url
+    # the form shows what the file set (the fields not given on the page), marked, and leaves them out of the query
+    read = setup_from_file(config, model="tiny-llama", gpus=2, seq_len=128)
+    shown = {u.field: u.value for u in read.record.used if u.field and u.field not in ("model", "gpus", "seq_len")}
+    assert shown, read.record.used
+    marked = page.eval_on_selector_all(".field.from-file", "rs => rs.map(r => r.dataset.field)")
+    assert set(marked) == set(shown)
+    for name in marked:
+        value = page.eval_on_selector(f"#f-{name}", "e => e.type === 'checkbox' ? String(e.checked) : e.value")
+        assert value == (str(shown[name]).lower() if isinstance(shown[name], bool) else str(shown[name])), name
+        assert f"&{name}=" not in page.url and f"?{name}=" not in page.url, name
     assert not errors, errors
     page.close()
 
