@@ -253,3 +253,20 @@ def test_the_page_fits_a_phone_and_a_desktop_screen(served, browser, tmp_path, w
     assert page.evaluate(NO_OVERFLOW)
     assert not errors, errors
     page.close()
+
+
+def test_quick_edits_make_one_query(served, browser):
+    """Six edits in quick succession post one estimate (the form waits for the edits to pause), for the last
+    value."""
+    page = browser.new_page()
+    page.goto(served + "?model=tiny-llama&seq_len=64")
+    page.wait_for_function(ANSWERED, timeout=60_000)
+    posted: list[str] = []
+    page.on("request", lambda r: posted.append(r.post_data or "") if r.url.endswith("/api/estimate") else None)
+    for seq_len in (70, 71, 72, 73, 74, 75):
+        page.fill("#f-seq_len", str(seq_len))
+        page.press("#f-seq_len", "Tab")                # the field's change event
+    page.wait_for_function("document.getElementById('command').textContent.includes('--seq-len 75') && " + ANSWERED,
+                           timeout=60_000)
+    assert [json.loads(p)["seq_len"] for p in posted] == ["75"]
+    page.close()
