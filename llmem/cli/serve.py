@@ -87,7 +87,8 @@ def make_app(uploads: Path | None = None, options: ServeOptions = ServeOptions()
     the requests' folders while they run; `hosts` is the address served (None: only the allow_hosts names)."""
     uploads = Path(os.path.realpath(uploads or tempfile.mkdtemp(prefix="llmem-serve-")))
     uploads.mkdir(parents=True, exist_ok=True)
-    empty = Path(tempfile.mkdtemp(prefix="llmem-serve-cwd-"))
+    # the workers' working folder: empty, so that no relative name answers to a file (in this process: the tests')
+    empty = Path(tempfile.mkdtemp(prefix="llmem-serve-cwd-")) if options.workers > 0 else Path.cwd()
     place = Place(uploads, empty, LocalPaths(tuple(Path(os.path.realpath(r)) for r in options.allow_local_paths),
                                              Path.cwd()))
     if options.workers > 0:
@@ -143,7 +144,8 @@ def make_app(uploads: Path | None = None, options: ServeOptions = ServeOptions()
         for lane in set(lanes.values()):
             lane.close()
         threads.shutdown(wait=False, cancel_futures=True)
-        shutil.rmtree(empty, ignore_errors=True)
+        if options.workers > 0:
+            shutil.rmtree(empty, ignore_errors=True)
 
     app.state.lanes, app.state.close, app.state.uploads = lanes, close, uploads
     return Guard(app, hosts or Hosts("127.0.0.1", 0, tuple(h.lower() for h in options.allow_hosts)))
