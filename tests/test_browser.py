@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: a
 
 import llmem  # noqa: E402
 from llmem.cli import main  # noqa: E402
-from llmem.cli.serve import bind, make_app, server, url_of  # noqa: E402
+from llmem.cli.serve import ServeOptions, bind, hosts_of, make_app, server, url_of  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
@@ -41,7 +41,8 @@ ANSWERED = "document.getElementById('status').dataset.state === 'done'"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     sock = bind("127.0.0.1", 0)
-    srv = server(make_app(tmp_path_factory.mktemp("uploads")), sock)
+    options = ServeOptions(workers=0)             # in this process: the worker processes are test_serve_security's
+    srv = server(make_app(tmp_path_factory.mktemp("uploads"), options, hosts_of(sock, options)), sock)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -191,5 +192,81 @@ def test_a_training_config_and_its_deepspeed_json_answer_as_setup_from_file(serv
     assert page.text_content("#from-table tr[data-kind=used][data-key='zero_optimization.stage'] td:nth-child(3)") \
         == "zero_optimization.stage = 3"                   # the JSON's stage: it was found where the YAML names it
     assert "from=llama3_full_sft.yaml%3A" in page.url and "from=ds_z3_config.json%3A" in page.url
+    # the form shows what the file set (the fields not given on the page), marked, and leaves them out of the query
+    read = setup_from_file(config, model="tiny-llama", gpus=2, seq_len=128)
+    shown = {u.field: u.value for u in read.record.used if u.field and u.field not in ("model", "gpus", "seq_len")}
+    assert shown, read.record.used
+    marked = page.eval_on_selector_all(".field.from-file", "rs => rs.map(r => r.dataset.field)")
+    assert set(marked) == set(shown)
+    for name in marked:
+        value = page.eval_on_selector(f"#f-{name}", "e => e.type === 'checkbox' ? String(e.checked) : e.value")
+        assert value == (str(shown[name]).lower() if isinstance(shown[name], bool) else str(shown[name])), name
+        assert f"&{name}=" not in page.url and f"?{name}=" not in page.url, name
     assert not errors, errors
+    page.close()
+
+
+NO_OVERFLOW = "document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+
+
+@pytest.mark.parametrize("width, height", [(390, 844), (1280, 900)])
+def test_the_page_fits_a_phone_and_a_desktop_screen(served, browser, tmp_path, width, height):
+    """No sideways scrolling at a phone's 390 px or a laptop's 1280 px, before and after an estimate with its plan
+    and an uploaded config.json (wide tables scroll inside their card); a refusal after an answer clears that answer
+    and marks the field it names. Screenshots go to $LLMEM_SCREENSHOTS (a folder) when set (docs/screens/make.sh)."""
+    shots = Path(os.environ.get("LLMEM_SCREENSHOTS") or tmp_path)
+    page = browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(served)
+    page.wait_for_function("document.getElementById('status').dataset.state === 'idle'", timeout=60_000)
+    assert page.evaluate(NO_OVERFLOW)
+    page.screenshot(path=str(shots / f"serve-{width}-initial.png"), full_page=True)
+
+    page.fill("#f-model", "gpt2")
+    page.fill("#f-gpus", "2")
+    page.fill("#f-seq_len", "128")
+    page.click("#run")
+    page.wait_for_function(ANSWERED + " && document.querySelectorAll('#plan-table tr[data-label]').length >= 3",
+                           timeout=120_000)
+    assert page.evaluate(NO_OVERFLOW), page.evaluate("document.documentElement.scrollWidth")
+    # the plan's table is wider than a phone: it scrolls inside its card, the page does not
+    page.screenshot(path=str(shots / f"serve-{width}-plan.png"), full_page=True)
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256,
+                                  "max_position_embeddings": 512}))
+    page.set_input_files("#upload", str(config))
+    page.wait_for_function("document.getElementById('command').textContent.startsWith('llmem estimate config.json') "
+                           "&& " + ANSWERED, timeout=60_000)
+    assert page.evaluate(NO_OVERFLOW)
+    page.screenshot(path=str(shots / f"serve-{width}-upload.png"), full_page=True)
+
+    page.fill("#f-batch_size", "0")                  # refused: the old answer goes, the field is marked
+    page.click("#run")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=60_000)
+    assert page.text_content("#error") == "--batch-size must lie in [1, 1,048,576], got 0"
+    assert page.get_attribute("#peak_reserved", "data-bytes") is None
+    assert page.text_content("#peak_reserved .value") == "–" and page.locator("#plan-table").count() == 0
+    assert "invalid" in page.get_attribute("[data-field=batch_size]", "class")
+    assert page.evaluate(NO_OVERFLOW)
+    assert not errors, errors
+    page.close()
+
+
+def test_quick_edits_make_one_query(served, browser):
+    """Six edits in quick succession post one estimate (the form waits for the edits to pause), for the last
+    value."""
+    page = browser.new_page()
+    page.goto(served + "?model=tiny-llama&seq_len=64")
+    page.wait_for_function(ANSWERED, timeout=60_000)
+    posted: list[str] = []
+    page.on("request", lambda r: posted.append(r.post_data or "") if r.url.endswith("/api/estimate") else None)
+    for seq_len in (70, 71, 72, 73, 74, 75):
+        page.fill("#f-seq_len", str(seq_len))
+        page.press("#f-seq_len", "Tab")                # the field's change event
+    page.wait_for_function("document.getElementById('command').textContent.includes('--seq-len 75') && " + ANSWERED,
+                           timeout=60_000)
+    assert [json.loads(p)["seq_len"] for p in posted] == ["75"]
     page.close()

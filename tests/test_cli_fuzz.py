@@ -128,7 +128,7 @@ def _rows(setups, against, device=None, on_row=None):
     return rows
 
 
-def _bound(host: str, port: int) -> None:
+def _bound(host: str, port: int, options=None) -> None:
     """`llmem serve`'s stand-in: its checks and the listening socket, closed again instead of serving."""
     from llmem.cli.serve import bind
 

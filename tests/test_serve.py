@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 import llmem  # noqa: E402
 from llmem.cli import build_parser, main  # noqa: E402
 from llmem.cli.options import setup_flags, setup_from_args  # noqa: E402
-from llmem.cli.serve import bind, make_app  # noqa: E402
+from llmem.cli.serve import ServeOptions, bind, make_app  # noqa: E402
 from llmem.errors import LlmemError  # noqa: E402
 from llmem.planner.options import PlanOptions  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
@@ -34,9 +34,13 @@ from llmem.setup.training import option_fields, user_setup  # noqa: E402
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
 
 
+# the work in this process (tests patch the library; the worker processes: tests/test_serve_security.py)
+INLINE = ServeOptions(workers=0, allow_hosts=("testserver",))
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    return TestClient(make_app(tmp_path_factory.mktemp("uploads")))
+    return TestClient(make_app(tmp_path_factory.mktemp("uploads"), INLINE))
 
 
 def _plain(obj) -> dict:
@@ -69,7 +73,7 @@ def _cli_json(command: str, capsys) -> dict:
 
 
 def test_estimate_is_the_librarys_and_its_command_line_gives_the_same(client, capsys):
-    r = client.get("/api/estimate", params={"model": "gpt2", "gpus": "2", "method": "ddp", "batch_size": "2",
+    r = client.post("/api/estimate", json={"model": "gpt2", "gpus": "2", "method": "ddp", "batch_size": "2",
                                             "seq_len": "256", "lora_rank": "8", "lora_targets": "c_attn",
                                             "grad_ckpt": "1"})
     assert r.status_code == 200, r.text
@@ -85,7 +89,7 @@ def test_estimate_is_the_librarys_and_its_command_line_gives_the_same(client, ca
 
 
 def test_sweep_points_are_estimates_at_those_sizes(client):
-    r = client.get("/api/sweep/batch_size", params={"model": "tiny-llama", "seq_len": "128", "points": "1,3,8"})
+    r = client.post("/api/sweep/batch_size", json={"model": "tiny-llama", "seq_len": "128", "points": "1,3,8"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["axis"] == "batch_size" and body["value"] == 1
@@ -97,21 +101,21 @@ def test_sweep_points_are_estimates_at_those_sizes(client):
 
 
 def test_sweep_default_points_include_the_querys_own_and_mark_what_cannot_run(client):
-    body = client.get("/api/sweep/batch_size", params={"model": "tiny-llama", "seq_len": "128",
+    body = client.post("/api/sweep/batch_size", json={"model": "tiny-llama", "seq_len": "128",
                                                        "batch_size": "3"}).json()
     values = [p["value"] for p in body["points"]]
     assert 3 in values and 1 in values and values == sorted(values)
     # a point past llmem's 2**28 tokens per micro-batch is refused alone, with the reason
-    body = client.get("/api/sweep/batch_size", params={"model": "tiny-llama", "seq_len": str(2**24),
+    body = client.post("/api/sweep/batch_size", json={"model": "tiny-llama", "seq_len": str(2**24),
                                                        "points": "32"}).json()
     assert body["points"] == [{"value": 32, "error": "--batch-size x --seq-len is 536,870,912 tokens per "
                                                      "micro-batch; llmem takes at most 268,435,456 (2**28)"}]
-    assert client.get("/api/sweep/heads", params={"model": "tiny-llama"}).status_code == 400
-    assert client.get("/api/sweep/seq_len", params={"model": "tiny-llama", "points": "0"}).status_code == 400
+    assert client.post("/api/sweep/heads", json={"model": "tiny-llama"}).status_code == 400
+    assert client.post("/api/sweep/seq_len", json={"model": "tiny-llama", "points": "0"}).status_code == 400
 
 
 def test_plan_is_the_librarys_over_every_method(client):
-    r = client.get("/api/plan", params={"model": "tiny-llama", "seq_len": "128", "gpus": "2", "method": "ddp",
+    r = client.post("/api/plan", json={"model": "tiny-llama", "seq_len": "128", "gpus": "2", "method": "ddp",
                                         "batch_size": "4"})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -126,7 +130,7 @@ def test_an_uploaded_config_is_estimated_and_named_as_the_users_file(client, tmp
     config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
               "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 512}
     encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode().rstrip("=")
-    r = client.get("/api/estimate", params={"model": "my-config.json", "config": encoded, "seq_len": "64"})
+    r = client.post("/api/estimate", json={"model": "my-config.json", "config": encoded, "seq_len": "64"})
     assert r.status_code == 200, r.text
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -143,7 +147,7 @@ def test_a_training_config_is_read_as_setup_from_file_reads_it(client, capsys, m
     still overrides the file, as a flag given does. The answer is llmem.estimate of setup_from_file's set-up; the
     command line shown, run beside the user's file, gives it too."""
     path = _config("torchtune/recipes/configs/llama3_2/3B_full_single_device.yaml")
-    r = client.get("/api/estimate", params={"from": _upload(path), "batch_size": "1"})
+    r = client.post("/api/estimate", json={"from": _upload(path), "batch_size": "1"})
     assert r.status_code == 200, r.text
     body = r.json()
     read = setup_from_file(path, batch_size=1)
@@ -173,7 +177,7 @@ def test_a_config_and_the_deepspeed_json_it_names_upload_together(client, config
     params = {"from": [_upload(path), _upload(ds)], "model": "tiny-llama", "gpus": "2", "seq_len": "256"}
     read = setup_from_file(path, model="tiny-llama", gpus=2, seq_len=256)
     assert read.record.states_method and read.setup.gpus == 2        # the JSON's ZeRO stage, as llmem models it
-    body = client.get("/api/estimate", params=params).json()
+    body = client.post("/api/estimate", json=params).json()
     assert body["result"] == _plain(llmem.estimate(read.setup).to_dict()), body
     assert body["command"] == f"llmem estimate tiny-llama --gpus 2 --seq-len 256 --from {path.name}"
     assert [f["format"] for f in body["from_file"]["files"]] == [config.split("/")[0], "deepspeed"]
@@ -182,10 +186,10 @@ def test_a_config_and_the_deepspeed_json_it_names_upload_together(client, config
     assert body["from_file"]["files"][1]["path"] == ref and Path(read.record.files[1][0]).name == Path(ref).name
     fields_set = [(u["file"], u["key"], u["field"], u["value"]) for u in _plain(read.record.to_dict())["used"]]
     assert [(u["file"], u["key"], u["field"], u["value"]) for u in body["from_file"]["used"]] == fields_set
-    sweep = client.get("/api/sweep/batch_size", params=params | {"points": "3"}).json()
+    sweep = client.post("/api/sweep/batch_size", json=params | {"points": "3"}).json()
     assert sweep["points"][0]["peak_reserved_bytes"] == \
         llmem.estimate(replace(read.setup, batch_size=3)).peak_reserved_bytes
-    plan = client.get("/api/plan", params=params).json()
+    plan = client.post("/api/plan", json=params).json()
     # the files name the method (a ZeRO stage): `llmem plan --from` plans that method only
     options = PlanOptions(methods=(read.setup.method,))
     assert plan["plan"] == _plain(llmem.plan(read.setup, plan_options=options).to_dict())
@@ -199,7 +203,7 @@ def test_uploads_no_file_reads_by_reference_are_each_a_from_file(client, tmp_pat
     ds = _config("axolotl/deepspeed_configs/zero1.json")
     trainer = tmp_path / "train.yaml"
     trainer.write_text("model_name_or_path: tiny-llama\noutput_dir: zero1.json\nper_device_train_batch_size: 2\n")
-    body = client.get("/api/estimate", params={"from": [_upload(trainer), _upload(ds)], "gpus": "2"}).json()
+    body = client.post("/api/estimate", json={"from": [_upload(trainer), _upload(ds)], "gpus": "2"}).json()
     read = setup_from_file([trainer, ds], gpus=2)
     assert read.setup.batch_size == 2 and read.record.states_method
     assert body["result"] == _plain(llmem.estimate(read.setup).to_dict()), body
@@ -224,7 +228,7 @@ def test_uploads_no_file_reads_by_reference_are_each_a_from_file(client, tmp_pat
     ({"model": "x.json", "config": base64.urlsafe_b64encode(b"[1, 2]").decode()}, "not a JSON object"),
 ])
 def test_a_refusal_is_http_400_with_one_line(client, params, words):
-    r = client.get("/api/estimate", params=params)
+    r = client.post("/api/estimate", json=params)
     assert r.status_code == 400
     error = r.json()["error"]
     assert words in error and "\n" not in error and "Traceback" not in error
@@ -249,7 +253,7 @@ def _yaml(text: str, name: str = "train.yaml") -> str:
 ])
 def test_a_bad_training_config_is_refused_in_one_line_naming_the_users_file(client, uploads, words):
     for endpoint in ("/api/estimate", "/api/sweep/seq_len", "/api/plan"):
-        r = client.get(endpoint, params={"from": uploads})
+        r = client.post(endpoint, json={"from": uploads})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert words in error and "\n" not in error and "llmem-serve" not in error and "from-" not in error, error
@@ -258,7 +262,7 @@ def test_a_bad_training_config_is_refused_in_one_line_naming_the_users_file(clie
 def test_a_reference_outside_the_upload_is_refused(client):
     """An absolute path to a file on the server's disk: the page's answer comes from the link's files only."""
     on_disk = _config("axolotl/deepspeed_configs/zero1.json")
-    r = client.get("/api/estimate", params={"from": _yaml(f"base_model: gpt2\ndeepspeed: {on_disk}\n"),
+    r = client.post("/api/estimate", json={"from": _yaml(f"base_model: gpt2\ndeepspeed: {on_disk}\n"),
                                             "gpus": "2"})
     assert r.status_code == 400
     assert r.json()["error"] == f"{on_disk} is not among the uploaded files: choose it too, with the config that " \
@@ -270,8 +274,8 @@ def test_an_unexpected_failure_is_one_line_too(tmp_path, monkeypatch):
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(llmem, "estimate", broken)
-    r = TestClient(make_app(tmp_path), raise_server_exceptions=False).get("/api/estimate",
-                                                                          params={"model": "tiny-llama"})
+    r = TestClient(make_app(tmp_path, INLINE), raise_server_exceptions=False).post(
+        "/api/estimate", json={"model": "tiny-llama"})
     assert r.status_code == 500
     assert r.json() == {"error": "internal error: RuntimeError: boom second line (the server's log has the "
                                  "traceback)"}
@@ -298,7 +302,7 @@ def test_the_page_is_served_whole_and_fetches_nothing_from_elsewhere(client):
     r = client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     html = r.text
-    assert "<script>" in html and "/api/estimate?" in html and "/api/plan?" in html
+    assert "<script>" in html and "/api/estimate" in html and "/api/plan" in html
     # offline: no script, style, font or image from another host
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["']?(https?:)?//""", html)
 

@@ -26,6 +26,8 @@ for w in 80 120; do
 done
 # the web page (llmem serve) in headless Chromium, as tests/test_browser.py drives it
 LLMEM_SCREENSHOT=docs/screens/serve.png .venv/bin/python -m pytest -q tests/test_browser.py -k query_url
+# ... and at a phone's 390 px and a laptop's 1280 px: the first page, a plan, an uploaded config.json
+LLMEM_SCREENSHOTS=docs/screens .venv/bin/python -m pytest -q tests/test_browser.py -k fits_a_phone
 if [ "${1:-}" = validate ]; then
   for w in 80 120; do
     rm -f docs/screens/validate-$w.txt

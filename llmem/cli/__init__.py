@@ -123,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="IP address to listen on (0.0.0.0: every interface), or "
                    "localhost")
     p.add_argument("--port", type=int, default=8000, metavar="N", help="port to listen on (0: any free one)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="also answer requests for "
+                   "this Host name (a reverse proxy's); by default only the address served (repeat for several)")
+    p.add_argument("--allow-local-paths", nargs="+", default=[], metavar="ROOT", help="let a query name files "
+                   "below these folders (MODEL, --peft-config); by default no path on the server is read")
+    p.add_argument("--workers", type=int, default=2, metavar="N", help="worker processes for estimates and sweeps "
+                   "(plans have their own, --plan-workers)")
+    p.add_argument("--plan-workers", type=int, default=1, metavar="N", help="worker processes for plans")
+    p.add_argument("--estimate-timeout", type=float, default=10.0, metavar="S", help="an estimate's or a sweep's "
+                   "time limit in seconds, after which it is stopped")
+    p.add_argument("--plan-timeout", type=float, default=60.0, metavar="S", help="a plan's time limit in seconds")
     return parser
 
 

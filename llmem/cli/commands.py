@@ -297,7 +297,13 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from llmem.cli.serve import serve
+    from llmem.cli.serve import ServeOptions, serve
 
-    serve(args.host, args.port)
+    if args.workers < 1 or args.plan_workers < 1 or args.estimate_timeout <= 0 or args.plan_timeout <= 0:
+        raise LlmemError("--workers and --plan-workers take 1 or more, --estimate-timeout and --plan-timeout a "
+                         "positive number of seconds")
+    serve(args.host, args.port, ServeOptions(
+        allow_hosts=tuple(args.allow_host), allow_local_paths=tuple(args.allow_local_paths),
+        workers=args.workers, plan_workers=args.plan_workers, estimate_timeout_s=args.estimate_timeout,
+        plan_timeout_s=args.plan_timeout))
     return 0

@@ -1,13 +1,19 @@
 """Loading a training config (YAML, JSON or TOML, told from the content when the extension does not say) and finding
 the files it references (a DeepSpeed JSON): beside the referencing file, then in each folder above it (a framework's
 examples name their configs from the repository root: axolotl's `deepspeed: deepspeed_configs/zero3.json`), then in
-the working folder."""
+the working folder. A caller may confine the reads to some folders (`confined_to`: llmem serve reads only the
+files a request uploaded): a path outside them is refused before anything is read, so that the refusal says nothing
+of the file."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,45 @@ else:                                   # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 CONFIG_MAX_BYTES = 4 << 20       # training configs are a few KiB
+# Training configs nest a few levels (a DeepSpeed JSON's zero_optimization.offload_param.device: 3); the parsers
+# recurse once per level (json, tomllib, PyYAML's composer), so a deeper document would end in a RecursionError
+MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """The folders reads are confined to, and the refusal of a path outside them ({path}: the path as given)."""
+    roots: tuple[Path, ...]
+    refusal: str
+
+    def allows(self, path: Path) -> bool:
+        """`path` lies below a root, told from the names alone (nothing on disk is looked at)."""
+        absolute = os.path.normpath(os.path.join(os.getcwd(), os.path.expanduser(str(path))))
+        return any(absolute == str(r) or absolute.startswith(str(r).rstrip(os.sep) + os.sep) for r in self.roots)
+
+
+_CONFINEMENT: ContextVar[Confinement | None] = ContextVar("llmem_read_confinement", default=None)
+
+
+@contextmanager
+def confined_to(roots: tuple[Path, ...], refusal: str) -> Iterator[None]:
+    """Within the block, load() and find_reference() read only below `roots` (absolute, normalised folders)."""
+    token = _CONFINEMENT.set(Confinement(tuple(Path(os.path.normpath(r)) for r in roots), refusal))
+    try:
+        yield
+    finally:
+        _CONFINEMENT.reset(token)
+
+
+def _check_confined(path: str | os.PathLike) -> None:
+    confinement = _CONFINEMENT.get()
+    if confinement is not None and not confinement.allows(Path(path)):
+        raise LlmemError(confinement.refusal.format(path=path))
 
 
 def load(path: str | os.PathLike) -> tuple[Path, dict]:
     """The file's mapping (LlmemError naming the file when it cannot be read or parsed, or is not a mapping)."""
+    _check_confined(path)
     p = Path(os.path.expanduser(str(path)))
     try:
         if p.is_dir():
@@ -49,7 +90,34 @@ def load(path: str | os.PathLike) -> tuple[Path, dict]:
 
 def parse(p: Path, text: str) -> Any:
     """JSON, TOML or YAML by the extension, else by the content (JSON first: it is YAML too, but its errors read
-    better as JSON's)."""
+    better as JSON's); a document nested deeper than MAX_DEPTH is refused."""
+    try:
+        data = _parse(p, text)
+    except RecursionError:
+        data = None
+    else:
+        if depth(data) <= MAX_DEPTH:
+            return data
+    raise LlmemError(f"{p}: nested more than {MAX_DEPTH} levels deep, which no training config is; give the "
+                     "config file")
+
+
+def depth(data: Any) -> int:
+    """How many mappings and lists deep `data` nests (a scalar: 0), walked without recursion; each mapping or list
+    walked once (YAML aliases share one)."""
+    deepest, seen, todo = 0, set(), [(data, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (dict, list)) and id(item) not in seen:
+            seen.add(id(item))
+            deepest = max(deepest, level)
+            if deepest > MAX_DEPTH:
+                return deepest
+            todo += [(v, level + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def _parse(p: Path, text: str) -> Any:
     ext = p.suffix.lower()
     if ext == ".toml" or (ext not in (".json", ".yaml", ".yml") and _looks_toml(text)):
         try:
@@ -85,6 +153,11 @@ def find_reference(ref: str, referrer: Path, key: str) -> Path:
         candidates = [target]
     else:
         candidates = [folder / target for folder in referrer.resolve().parents] + [Path.cwd() / target]
+    confinement = _CONFINEMENT.get()
+    if confinement is not None:           # the folders outside are not looked in: a refusal tells nothing of them
+        candidates = [c for c in candidates if confinement.allows(c)]
+        if not candidates:
+            raise LlmemError(confinement.refusal.format(path=ref))
     for c in candidates:
         if c.is_file():
             return c
