@@ -125,7 +125,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     overridden = tuple(sorted(k for k, v in overrides.items() if k in values and values[k] != v))
     values.update(overrides)
     _check_gpus(main, values, multi, used, notes)
-    _nothing_left_to_shard(main, values, used)
+    _nothing_left_to_shard(main, values, used, overrides)
     _offload_not_expressed(values, used, ignored)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
@@ -226,7 +226,7 @@ def _check_gpus(r: Reading, values: dict, multi: str, used: list[Used], notes: l
                      f"estimated on {where}; give --gpus N for yours")
 
 
-def _nothing_left_to_shard(r: Reading, values: dict, used: list[Used]) -> None:
+def _nothing_left_to_shard(r: Reading, values: dict, used: list[Used], overrides: dict) -> None:
     """torchtitan's data_parallel_shard_degree -1 takes the GPUs TP, PP and CP leave; none left (dp 1), FSDP2 is
     not applied (ParallelDims: dp_shard_enabled False) and the layout is TP alone."""
     tp, others = values.get("tp") or 1, (values.get("pp") or 1) * (values.get("cp") or 1)
@@ -235,6 +235,10 @@ def _nothing_left_to_shard(r: Reading, values: dict, used: list[Used]) -> None:
         used.append(Used(r.file, "data_parallel_shard_degree", -1, "method", "tp",
                          f"no GPU left to shard over ({values['gpus']} GPUs = tp {tp}"
                          + (f" x pp / cp {others}" if others > 1 else "") + "): TP alone"))
+        if r.no_fsdp_precision and "precision" not in overrides:     # no FSDP2, no mixed precision
+            values["precision"] = r.no_fsdp_precision
+            used.append(Used(r.file, "training.dtype", r.no_fsdp_precision, "precision", r.no_fsdp_precision,
+                             "TP without FSDP2 trains in it (maybe_enable_amp: no autocast)"))
 
 
 def local_gpu_count() -> int:

@@ -101,6 +101,7 @@ class Reading:
     # the data-parallel shard degree is what the other degrees leave (torchtitan's data_parallel_shard_degree -1):
     # a sharding method whose dp resolves to 1 runs without FSDP2
     shard_rest: bool = False
+    no_fsdp_precision: str | None = None    # the precision it trains in where no FSDP2 applies (torchtitan's)
     files: list[tuple[str, str]] = field(default_factory=list)   # referenced files read into this one
 
     @property

@@ -277,9 +277,10 @@ def _stages_per_rank(r: Reading, s: Keys, pp: int, spec: PipelineScheduleSpec) -
 
 def _precision(r: Reading, training: Keys) -> None:
     """FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce) over
-    fp32 parameters."""
-    if r.method in ("single", "tp") and r.values.get("pp", 1) > 1:     # no FSDP2 (TP x PP too)
-        _pure_pipeline_precision(r, training)
+    fp32 parameters; without FSDP2 under TP or PP, training.dtype (maybe_enable_amp)."""
+    r.no_fsdp_precision = _training_dtype(training)
+    if r.method == "tp" or (r.method == "single" and r.values.get("pp", 1) > 1):     # no FSDP2 (TP x PP too)
+        _no_fsdp_precision(r, training)
         return
     raw = training.get("mixed_precision_param", "bfloat16")
     compute = r.choice("training.mixed_precision_param", raw, PRECISION)
@@ -291,17 +292,23 @@ def _precision(r: Reading, training: Keys) -> None:
         r.ignore("training.mixed_precision_reduce", reduce, "llmem's *-mixed reduces in fp32")
 
 
-def _pure_pipeline_precision(r: Reading, training: Keys) -> None:
-    """Pure PP: no fully_shard, and torchtitan autocasts under DDP or one GPU alone (maybe_enable_amp; 0.3's
-    TrainingConfig.mixed_precision_param docstring), so mixed_precision_param takes no effect: the model trains in
-    training.dtype (float32 by default; trainer.py's set_default_dtype), fp32 or pure bf16."""
+def _training_dtype(training: Keys) -> str:
+    raw = training.data.get("dtype", "float32")
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(str(raw), "fp32")
+
+
+def _no_fsdp_precision(r: Reading, training: Keys) -> None:
+    """TP or PP without FSDP2: torchtitan autocasts under DDP or one GPU alone (maybe_enable_amp: "Mixed precision
+    training with TP or PP is only supported when FSDP/HSDP/CP is enabled"; 0.3's TrainingConfig.
+    mixed_precision_param docstring), so mixed_precision_param takes no effect: the model trains in training.dtype
+    (float32 by default; trainer.py's set_default_dtype), fp32 or pure bf16."""
     raw = training.get("dtype", "float32")
     dtype = r.choice("training.dtype", raw, {"bfloat16": "bf16", "float32": "fp32"})
     r.note_used("training.dtype" + ("" if "dtype" in training else " (default)"), raw,
-                "pure pipeline parallelism trains in it (no FSDP2 mixed precision, no autocast)")
+                "TP or PP without FSDP2 trains in it (no FSDP2 mixed precision, no autocast)")
     if "mixed_precision_param" in training:
         r.note_used("training.mixed_precision_param", training.get("mixed_precision_param"),
-                    "no effect without FSDP2 under pipeline parallelism")
+                    "no effect without FSDP2 under TP or PP")
     training.get("mixed_precision_reduce")
     r.dtype(compute=dtype, weights=dtype, masters=False)
 
