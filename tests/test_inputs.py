@@ -32,6 +32,7 @@ REFUSED = {
     "not_utf8.json": "not UTF-8",
     "not_json.json": "line 1",
     "empty.json": "Expecting value",
+    "nested_thousands_deep.json": "nested thousands of levels deep",   # json's decoder would recurse out
     "top_level_list.json": "model_type",
     "top_level_null.json": "holds null, not a JSON object",
     "top_level_number.json": "holds 7, not a JSON object",

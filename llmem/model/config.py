@@ -82,6 +82,9 @@ def _read_config(path: Path) -> dict:
         raw, _ = PretrainedConfig.get_config_dict(str(file))
     except (OSError, TypeError):      # TypeError: a JSON scalar (`null`), which its `"model_type" in` check rejects
         raise LlmemError(_why_unreadable(file)) from None
+    except RecursionError:            # json's decoder recursing through a document nested thousands deep
+        raise LlmemError(f"{file} is nested thousands of levels deep, which no config.json is: point MODEL at the "
+                         "model's config.json") from None
     return raw
 
 
