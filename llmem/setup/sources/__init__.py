@@ -67,7 +67,33 @@ EXPECTED = ("an axolotl, LLaMA-Factory, TRL / TrainingArguments, torchtune or ac
             "torchtitan TOML")
 
 
+@dataclass(frozen=True)
+class UnreadSchema:
+    """A framework's config llmem has no reader for, told by keys only its schema has: refused by name rather
+    than read with another framework's defaults (most of these also carry TrainingArguments' keys)."""
+    name: str
+    any_of: tuple[str, ...]          # one of these keys marks it
+    all_of: tuple[str, ...] = ()     # ... together with all of these
+
+    def matches(self, data: dict) -> bool:
+        return any(k in data for k in self.any_of) and all(k in data for k in self.all_of)
+
+
+UNREAD_SCHEMAS = (
+    # ms-swift's BaseArguments.tuner_type (4.x; train_type in 3.x) and RLHFArguments.rlhf_type
+    UnreadSchema("an ms-swift config", ("tuner_type", "train_type", "rlhf_type")),
+    # LLaMA-Factory's v1 schema (llamafactory/v1/config): ModelArguments.model / template, its plugin configs
+    UnreadSchema("a LLaMA-Factory v1 config", ("dist_config", "peft_config", "optim_config", "train_dataset"),
+                 ("model", "template")),
+)
+
+
 def detect_format(path: Path, data: dict) -> str:
+    for schema in UNREAD_SCHEMAS:
+        if schema.matches(data):
+            raise LlmemError(f"{path}: {schema.name}, which llmem does not read (answering it with another "
+                             "framework's defaults would misread it): give the set-up with flags (llmem estimate "
+                             "MODEL --lora-rank ... --gpus ...)")
     for reader in READERS.values():
         if reader.detect(data):
             return reader.name

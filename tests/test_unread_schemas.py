@@ -1,0 +1,50 @@
+"""Configs of frameworks llmem has no reader for are refused by name, never read with another framework's defaults:
+an ms-swift YAML (BaseArguments.tuner_type / 3.x's train_type, RLHFArguments.rlhf_type) carries TrainingArguments'
+keys and was taken for a TRL config with its own keys ignored; LLaMA-Factory's v1 schema (model, template and
+plugin configs) likewise."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmem.errors import LlmemError
+from llmem.setup.sources import setup_from_file
+
+SWIFT = """model: Qwen/Qwen2.5-7B-Instruct
+{mark}: {value}
+dataset: AI-ModelScope/alpaca-gpt4-data-en
+torch_dtype: bfloat16
+per_device_train_batch_size: 1
+max_length: 2048
+output_dir: output
+"""
+LF_V1 = """model: Qwen/Qwen3-4B
+template: qwen3
+train_dataset: data.yaml
+micro_batch_size: 1
+cutoff_len: 2048
+peft_config:
+  name: lora
+"""
+
+
+@pytest.mark.parametrize("mark, value", [("tuner_type", "lora"), ("train_type", "full"), ("rlhf_type", "dpo")])
+def test_ms_swift_is_refused_by_name(tmp_path, mark, value):
+    path = tmp_path / "sft.yaml"
+    path.write_text(SWIFT.format(mark=mark, value=value))
+    with pytest.raises(LlmemError, match="an ms-swift config, which llmem does not read"):
+        setup_from_file(path, model="Qwen/Qwen2.5-7B")
+
+
+def test_llamafactory_v1_is_refused_by_name(tmp_path):
+    path = tmp_path / "v1.yaml"
+    path.write_text(LF_V1)
+    with pytest.raises(LlmemError, match="a LLaMA-Factory v1 config"):
+        setup_from_file(path, model="Qwen/Qwen2.5-7B")
+
+
+def test_a_trl_config_with_a_model_key_is_still_read(tmp_path):
+    """`model` alone (no template, no plugin configs) does not make a file LLaMA-Factory v1's."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: Qwen/Qwen2.5-7B\nper_device_train_batch_size: 2\nmax_length: 1024\n")
+    assert setup_from_file(path).setup.batch_size == 2
