@@ -34,50 +34,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmem.errors import LlmemError
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
 from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.schedule import StepFacts, StepSchedule
 from llmem.estimator.schedule.state import ForwardLive
 from llmem.memory.activations.profile import ActivationProfile, activation_profile
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
-from llmem.model.resolved import ResolvedSetup
+from llmem.model.resolved import ResolvedSetup, check_pipeline_modelled
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
 from llmem.setup.pipeline import StageSplit, pipeline_schedule, rank_actions, rank_splits, stages_per_rank
-
-# the set-up options a pipeline stage's estimate does not model (refused with one line each)
-UNMODELLED = (
-    ("peft", "adapters (--lora-rank / --peft-config)"),
-    ("fsdp_cpu_offload", "--offload-param"),
-    ("offload_optimizer", "--offload-optimizer"),
-    ("optimizer_in_backward", "--optimizer-in-backward"),
-    ("offload_activations", "--offload-activations"),
-    ("fused_ce", "--fused-ce"),
-    ("packing", "--packing"),
-)
-
-
-def check_modelled(r: ResolvedSetup) -> None:
-    """The pipeline set-ups the estimate models: pure PP (without autocast), FSDP2 (HSDP) x PP, TP x PP or FSDP2 x
-    TP x PP of a full fine-tune; a looped schedule (several stages per rank) without FSDP2."""
-    setup = r.setup
-    spec = pipeline_schedule(setup.pp_schedule)
-    if not spec.modelled:
-        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe, 1f1b or "
-                         "interleaved-1f1b")
-    for name, flag in UNMODELLED:
-        if getattr(setup, name):
-            raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
-    if setup.objective_spec.runs_trainer or setup.quant_spec.quantised or setup.ckpt_every > 1 \
-            or setup.ac_policy != "full":
-        raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
-                         "every layer only: drop the other options")
-    if r.regime.autocast:
-        raise LlmemError(f"--pp with --method {setup.method} under --precision {setup.precision}: autocast over the whole "
-                         "schedule step is not modelled; use --precision bf16 or fp32")
-    if r.anatomy.tie_word_embeddings:
-        raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
-
 
 # the pipeline ranks' sub-models of one plan's searches (one object per rank, so the schedules built for one rank
 # share their parameters' facts: llmem.estimator.param_facts)
@@ -320,7 +285,7 @@ def splits_of(r: ResolvedSetup, rank: int) -> tuple[StageSplit, ...]:
 
 def stage_replays(r: ResolvedSetup) -> list[Replay]:
     """Each pipeline rank's stage schedule through the allocator model."""
-    check_modelled(r)
+    check_pipeline_modelled(r)
     return [replay(stage_whole(r, rank), expandable_segments=r.setup.expandable_segments) for rank in range(r.setup.pp)]
 
 
@@ -379,7 +344,7 @@ def pipeline_allocated_floor(r: ResolvedSetup, over_bytes: int | None = None) ->
     `over_bytes`: a floor over it is then the live bytes where the build stopped, itself over).
     Over the device's capacity, that rank's step runs out of memory at this micro-batch (its allocated peak alone
     is over: llmem.memory.capacity's case 2)."""
-    check_modelled(r)
+    check_pipeline_modelled(r)
     floor = 0
     for rank in FLOOR_RANKS:
         builder = stage_builder(r, rank % r.setup.pp)

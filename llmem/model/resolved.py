@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
@@ -16,7 +17,7 @@ from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, resolve_layout
 from llmem.setup.methods import METHODS, TP_NONE, MethodSpec, canonical_method
 from llmem.setup.optimizers import OptimizerSpec
-from llmem.setup.pipeline import check_pipeline
+from llmem.setup.pipeline import check_pipeline, pipeline_schedule
 from llmem.setup.precision import Regime, regime_for
 from llmem.setup.record import SetupRecord
 from llmem.setup.support import ModelSupport, check_support
@@ -87,6 +88,40 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
         layout = replace(layout, ep=setup.ep)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
+
+
+# the set-up options a pipeline stage's estimate and trace do not model (refused with one line each)
+UNMODELLED = (
+    ("peft", "adapters (--lora-rank / --peft-config)"),
+    ("fsdp_cpu_offload", "--offload-param"),
+    ("offload_optimizer", "--offload-optimizer"),
+    ("optimizer_in_backward", "--optimizer-in-backward"),
+    ("offload_activations", "--offload-activations"),
+    ("fused_ce", "--fused-ce"),
+    ("packing", "--packing"),
+)
+
+
+def check_pipeline_modelled(r: ResolvedSetup) -> None:
+    """The pipeline set-ups the estimate models and the trace runs: pure PP (without autocast), FSDP2 (HSDP) x PP,
+    TP x PP or FSDP2 x TP x PP of a full fine-tune; a looped schedule (several stages per rank) without FSDP2."""
+    setup = r.setup
+    spec = pipeline_schedule(setup.pp_schedule)
+    if not spec.modelled:
+        raise LlmemError(f"--pp-schedule {setup.pp_schedule} is not modelled yet: use gpipe, 1f1b or "
+                         "interleaved-1f1b")
+    for name, flag in UNMODELLED:
+        if getattr(setup, name):
+            raise LlmemError(f"--pp with {flag} is not modelled: drop one of them")
+    if setup.objective_spec.runs_trainer or setup.quant_spec.quantised or setup.ckpt_every > 1 \
+            or setup.ac_policy != "full":
+        raise LlmemError("--pp is modelled for the sft objective, an unquantised base and full checkpointing of "
+                         "every layer only: drop the other options")
+    if r.regime.autocast:
+        raise LlmemError(f"--pp with --method {setup.method} under --precision {setup.precision}: autocast over the whole "
+                         "schedule step is not modelled; use --precision bf16 or fp32")
+    if r.anatomy.tie_word_embeddings:
+        raise LlmemError("--pp with tied input and output embeddings (on the first and last stage) is not modelled")
 
 
 def engine_cast(setup: TrainingSetup) -> TrainingSetup:

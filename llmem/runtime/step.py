@@ -31,7 +31,7 @@ from torch import nn
 
 from llmem.errors import LlmemError
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
-from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.model.resolved import ResolvedSetup, check_pipeline_modelled, resolve
 from llmem.runtime.build import (
     apply_peft,
     causal_lm,
@@ -356,6 +356,15 @@ def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOff
     return ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
 
 
+def runnable(setup: TrainingSetup) -> ResolvedSetup:
+    """The set-up resolved and checked as the estimate checks it (layout, support, the pipeline set-ups it models),
+    before anything is built: what the estimate refuses, the step refuses in the same line."""
+    resolved = resolve(setup)
+    if resolved.layout.pp > 1:
+        check_pipeline_modelled(resolved)
+    return resolved
+
+
 @contextlib.contextmanager
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
@@ -372,7 +381,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     hooks = hooks or StepHooks()
     device = torch.device(device)
     say = progress or (lambda msg: None)
-    resolved = resolve(setup)      # the layout, the support check: as every engine resolves them
+    resolved = runnable(setup)
     if setup.pp > 1 and not fake:
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
