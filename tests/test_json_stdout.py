@@ -76,6 +76,18 @@ def test_deepspeeds_chatter_goes_to_stderr():
     assert "begin bf16_optimizer" in run.stderr and "MA " in run.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    pytest.param(["--method", "single", "--precision", "bf16", "--optimizer", "sgd"], id="single"),
+    pytest.param(["--method", "ds-zero1", "--gpus", "2", "--objective", "dpo"], id="ds-zero1-dpo"),
+])
+def test_measure_json_stdout_is_one_document(flags):
+    """measure on the CPU (real tensors, 25-45 s here): the same one document, DeepSpeed's lines on stderr."""
+    run = _cli(["measure", "tiny-llama", *flags, "--device", "cpu", "--seq-len", "32", "--iterations", "1", "--json"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _one_document(run.stdout)["engine"] == "measure"
+
+
 @pytest.mark.parametrize("command", ["estimate", "plan"])
 @pytest.mark.parametrize("kind, name, flags", _cases(), ids=lambda v: v if isinstance(v, str) else "")
 def test_estimate_and_plan_json_stdout_is_one_document(command, kind, name, flags, capfd):
