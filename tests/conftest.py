@@ -33,3 +33,25 @@ def small_llama(tmp_path_factory):
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2000, "max_position_embeddings": 512,
         "tie_word_embeddings": False}))
     return str(path)
+
+
+def pytest_report_header(config) -> str:
+    from published_configs import CONFIGS, SKIP_REASON, present
+
+    return f"published configs: {CONFIGS}" if present() else f"published configs: MISSING: {SKIP_REASON}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Every skip counted by its reason at the end of the run, in yellow: a plain clone (no ../shared) or a missing
+    optional package skips tests, and the run says which and how to run them instead of a bare "N skipped"."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return
+    terminalreporter.section(f"{sum(reasons.values())} tests skipped", sep="=", yellow=True, bold=True)
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{count:4d} x {reason}", yellow=True)

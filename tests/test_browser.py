@@ -26,12 +26,12 @@ sync_api = pytest.importorskip("playwright.sync_api",
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: apt-get install chromium (Debian's "
                                                          "package; .ci/run installs it)")
 
+from published_configs import CONFIGS, SKIP_REASON, present  # noqa: E402
+
 import llmem  # noqa: E402
 from llmem.cli import main  # noqa: E402
 from llmem.cli.serve import ServeOptions, bind, hosts_of, make_app, server, url_of  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
 
 COUNTERS = {"peak_allocated": "peak_allocated_bytes", "peak_reserved": "peak_reserved_bytes",
             "device_used": "device_used_bytes"}
@@ -170,8 +170,8 @@ def test_an_uploaded_config_answers_and_its_link_reopens_it(served, browser, tmp
 def test_a_training_config_and_its_deepspeed_json_answer_as_setup_from_file(served, browser):
     """Both files chosen at once in the training-config input: the answer is the library's for setup_from_file of
     the files in place, the fields set on the page override the file's, the page lists what the files set."""
-    if not CONFIGS.is_dir():
-        pytest.skip("../shared/data/configs is not beside the checkout")
+    if not present():
+        pytest.skip(SKIP_REASON)
     config = CONFIGS / "llamafactory/examples/train_full/llama3_full_sft.yaml"
     ds = CONFIGS / "llamafactory/examples/deepspeed/ds_z3_config.json"
     expected = llmem.estimate(setup_from_file(config, model="tiny-llama", gpus=2, seq_len=128).setup)

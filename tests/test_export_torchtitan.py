@@ -79,3 +79,63 @@ def test_selective_checkpointing_is_written_as_torchtitan_names_it(tmp_path, kw,
     toml, back, _ = _export(tmp_path, setup, ("fsdp",))
     assert toml["activation_checkpoint"] == ac
     assert (back.ac_policy, back.ckpt_every, back.grad_ckpt) == (setup.ac_policy, setup.ckpt_every, True)
+
+
+# torchtitan 0.3.0, read from its wheel: the presets of torchtitan/models/llama3/config_registry.py, the subcommands
+# of torchtitan/distributed/activation_checkpoint.py's ActivationCheckpointingConfig (tyro.conf.subcommand names under
+# Trainer.Config's field activation_checkpoint), and TrainingConfig.disable_cuda_graphs (config/configs.py). The lines
+# written for ten plans (8B and 70B; full, none and op checkpointing; fsdp, zero2, tp, HSDP, offload, PP) were also
+# parsed with torchtitan 0.3.0's own ConfigManager.parse_args (tyro) to the planned FullAC / SelectiveAC / None, batch,
+# degrees and offload.
+TORCHTITAN_03_PRESETS = {"llama3_8b", "llama3_70b", "llama3_405b", "llama3_debugmodel"}
+TORCHTITAN_03_AC = {"activation-checkpoint:selective", "activation-checkpoint:full",
+                    "activation-checkpoint:memory-budget", "activation-checkpoint:none"}
+TORCHTITAN_03_FLAGS = {f"--{sec}.{key}" for sec in ("optimizer", "training", "parallelism")
+                       for key in TORCHTITAN_FIELDS[sec]} | {"--training.disable_cuda_graphs"}
+
+
+def _line_03(sections: dict) -> list[str]:
+    from llmem.planner.export_torchtitan import torchtitan_03_command
+
+    return torchtitan_03_command("torchrun -m torchtitan.train", sections).split()
+
+
+def _sections(flavor: str, ac: dict) -> dict:
+    return {"model": {"name": "llama3", "flavor": flavor}, "optimizer": {"name": "AdamW", "implementation": "fused"},
+            "training": {"local_batch_size": 2, "seq_len": 4096}, "parallelism": {"data_parallel_shard_degree": 8},
+            "activation_checkpoint": ac}
+
+
+@pytest.mark.parametrize("ac, subcommand", [
+    ({"mode": "full"}, "activation-checkpoint:full"),
+    ({"mode": "none"}, "activation-checkpoint:none"),       # llama3_8b's preset would checkpoint selectively
+    ({"mode": "selective", "selective_ac_option": "op"}, "activation-checkpoint:selective"),
+])
+def test_torchtitan_03_command_names_the_planned_checkpointing(ac, subcommand):
+    words = _line_03(_sections("70B", ac))
+    assert words[words.index("--config") + 1] == "llama3_70b" and words[-1] == subcommand
+    flags = [w for w in words[words.index("--config") + 2:] if w.startswith("--")]
+    assert set(flags) <= TORCHTITAN_03_FLAGS and "--training.disable_cuda_graphs" in flags
+    assert [w for w in words if w.startswith("activation-checkpoint:")] == [subcommand]
+    assert subcommand in TORCHTITAN_03_AC
+
+
+@pytest.mark.parametrize("flavor, ac, why", [
+    ("8B", {"mode": "selective", "selective_ac_option": "2"}, "no every-2-layers option"),
+    ("1B", {"mode": "full"}, "presets of llama3 8B, 70B and 405B only, not llama3 1B"),
+])
+def test_torchtitan_03_command_says_why_it_cannot(flavor, ac, why):
+    line = " ".join(_line_03(_sections(flavor, ac)))
+    assert line.startswith("cannot run this plan: ") and why in line and "\n" not in line
+
+
+def test_written_header_gives_03_the_planned_full_checkpointing(tmp_path):
+    """An 8B plan with --grad-ckpt: the 0.3 line runs llama3_8b (whose preset checkpoints selectively) with full AC."""
+    setup = TrainingSetup(model="meta-llama/Llama-3.1-8B", gpus=8, seq_len=4096, grad_ckpt=True)
+    p = plan(setup, PlanOptions(methods=("fsdp",)))
+    path = tmp_path / "train.toml"
+    write_export(p, "torchtitan", str(path))
+    line = next(x for x in path.read_text().splitlines() if x.startswith("# torchtitan 0.3+:"))
+    words = line.split()
+    assert words[words.index("--config") + 1] == "llama3_8b" and words[-1] == "activation-checkpoint:full"
+    assert words[words.index("--training.local_batch_size") + 1] == str(p.recommended.time.micro_batch_size)

@@ -231,3 +231,29 @@ def test_interleaved_bubble_by_hand():
     assert PIPELINE_SCHEDULES["interleaved-1f1b"].bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
     assert PIPELINE_SCHEDULES["interleaved-1f1b"].bubble_fraction(4, 8, 4) == pytest.approx(3 / 35)
     assert PIPELINE_SCHEDULES["1f1b"].bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("command", ["estimate", "trace", "measure"])
+@pytest.mark.parametrize("argv", [
+    # GPT-2 ties wte and lm_head (on the first and the last stage); its decoder is `h`, not `layers`
+    ["gpt2", "--pp", "2", "--gpus", "2", "--method", "single", "--precision", "bf16", "--seq-len", "64"],
+    # tiny-qwen3 ties them too, under TP x PP (the trace failed in each rank's thread)
+    ["tiny-qwen3", "--method", "tp", "--gpus", "4", "--pp", "2", "--precision", "bf16", "--seq-len", "64"],
+    # autocast over a whole schedule step
+    ["tiny-llama", "--pp", "2", "--gpus", "2", "--method", "single", "--precision", "bf16-mixed", "--seq-len", "64"],
+], ids=["gpt2-tied", "qwen3-tp-tied", "llama-autocast"])
+def test_trace_and_measure_refuse_what_the_estimate_refuses(command, argv, capsys, monkeypatch):
+    """A pipeline set-up the estimate does not model is refused by trace and measure in the estimate's line, exit 2,
+    before any model is built."""
+    import llmem.runtime.step
+    from llmem.cli import main
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the refusal")
+
+    monkeypatch.setattr(llmem.runtime.step, "_meta_model", built)
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llmem: error: --pp with "), err
+    words = "autocast over the whole schedule step" if "bf16-mixed" in argv else "tied input and output embeddings"
+    assert words in err

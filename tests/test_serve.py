@@ -21,6 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from published_configs import CONFIGS, SKIP_REASON, present  # noqa: E402
 
 import llmem  # noqa: E402
 from llmem.cli import build_parser, main  # noqa: E402
@@ -30,9 +31,6 @@ from llmem.errors import LlmemError  # noqa: E402
 from llmem.planner.options import PlanOptions  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
 from llmem.setup.training import option_fields, user_setup  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"     # INDEX.md: read in place
-
 
 # the work in this process (tests patch the library; the worker processes: tests/test_serve_security.py)
 INLINE = ServeOptions(workers=0, allow_hosts=("testserver",))
@@ -55,8 +53,8 @@ def _upload(path: Path, name: str | None = None, raw: bytes | None = None) -> st
 
 
 def _config(rel: str) -> Path:
-    if not CONFIGS.is_dir():
-        pytest.skip("../shared/data/configs is not beside the checkout")
+    if not present():
+        pytest.skip(SKIP_REASON)
     return CONFIGS / rel
 
 

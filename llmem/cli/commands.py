@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from llmem.cli.options import file_model, plan_options_from_args, setup_and_source
 from llmem.cli.paths import check_device, check_output_path, check_plot_path
-from llmem.cli.progress import LazyProgress
+from llmem.cli.progress import LazyProgress, RowProgress
+from llmem.cli.streams import stdout_to_stderr
 from llmem.errors import LlmemError
 from llmem.planner.options import EXPORT_KINDS
 from llmem.setup.gpus import GPU_CATALOG
@@ -57,7 +58,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.m_base and args.engine != "paper":
         raise LlmemError("--m-base applies to --engine paper only: drop it, or add --engine paper")
     setup, source = setup_and_source(args)
-    with file_model(source):
+    with file_model(source), stdout_to_stderr():
         result = estimate(setup, engine=args.engine, m_base=args.m_base or None)
     _emit(args, result, source)
     return int(args.check and not result.fits)     # --check: 1 when it does not fit (a refusal exits 2)
@@ -72,10 +73,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _check_iterations(args)
     if args.plot is not None:
         check_plot_path("--plot", args.plot)
-    # torch's runtime (seconds) imported after the refusals, which answer at once
-    from llmem.runtime.trace import trace
+    # torch's runtime (seconds) imported after the refusals, which answer at once; what DeepSpeed and the other
+    # libraries print while the step runs goes to stderr (llmem.cli.streams)
+    with file_model(source), stdout_to_stderr():
+        from llmem.runtime.trace import trace
 
-    with file_model(source):
         if args.json:
             result = trace(setup, iterations=args.iterations)
         else:
@@ -94,13 +96,14 @@ def cmd_measure(args: argparse.Namespace) -> int:
     setup, source = setup_and_source(args)
     _check_iterations(args)
     device = _measure_device(args.device)
-    from llmem.runtime.measure import measure
+    with stdout_to_stderr():
+        from llmem.runtime.measure import measure
 
-    if args.json:
-        result = measure(setup, device=device, iterations=args.iterations)
-    else:
-        with Console(stderr=True).status("measuring"):
+        if args.json:
             result = measure(setup, device=device, iterations=args.iterations)
+        else:
+            with Console(stderr=True).status("measuring"):
+                result = measure(setup, device=device, iterations=args.iterations)
     _emit(args, result, source)
     return 0
 
@@ -133,10 +136,9 @@ def _shard(text: str | None) -> tuple[int, int] | None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import Progress
 
     from llmem.cli.plots import plot_validation
-    from llmem.cli.tables import validation_table
+    from llmem.cli.tables import setup_label, validation_table
     from llmem.validate.compare import compared_counters, failed_rows, shard_of, validate
     from llmem.validate.matrices import MATRICES
 
@@ -155,11 +157,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     counters = compared_counters(args.against)
     shard = _shard(args.shard)
     total = len(shard_of(MATRICES[args.matrix], shard))
-    console = Console(stderr=args.json)
-    with Progress(console=console, transient=True, disable=args.json) as progress:
-        task = progress.add_task(f"{args.against} x {args.matrix}", total=total)
+    with RowProgress(f"validate {args.against} x {args.matrix}", total) as progress, stdout_to_stderr():
         rows, summary = validate(args.against, args.matrix, args.max_error, args.device,
-                                 on_row=lambda r: progress.advance(task), shard=shard)
+                                 on_row=lambda r: progress.advance(setup_label(r.setup, compact=True)), shard=shard)
     if args.out is not None:
         _written("--out", args.out, lambda: _write_json(args.out, summary))
     if args.plot is not None:
@@ -167,6 +167,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
+        console = Console()
         console.print(validation_table(rows, args.against, args.matrix, counters, args.max_error))
         failed = len(failed_rows(rows, counters, args.max_error))
         console.print(f"worst error {summary['worst_error_pct']:.2f}% (limit {args.max_error}%): "
@@ -213,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path("--plot", args.plot)
     progress = LazyProgress(enabled=not args.json)
     try:
-        with file_model(source):
+        with file_model(source), stdout_to_stderr():
             p = plan(setup, options, progress=progress)
     finally:
         progress.close()

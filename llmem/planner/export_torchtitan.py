@@ -1,7 +1,14 @@
 """`llmem plan --export torchtitan PATH`: a torchtitan train-config TOML for the planned layout, batch and
 checkpointing, in the [parallelism] schema (torchtitan 0.1-0.2's `--job.config_file`; llmem's `--from` reads it
 back to the same set-up). torchtitan 0.3 replaced the TOMLs by Python presets (`--module llama3 --config
-llama3_70b`) with command-line overrides of the same fields: the file's header gives that command line too.
+llama3_70b`) with command-line overrides of the same fields (tyro, torchtitan/config/manager.py): the file's header
+gives that command line too, or says in one line why 0.3 cannot run the plan. In 0.3 the activation checkpointing
+is a tyro subcommand of Trainer.Config's `activation_checkpoint` union (torchtitan/distributed/
+activation_checkpoint.py ActivationCheckpointingConfig: selective, full, memory-budget or none), and each preset
+picks one (llama3_8b selective, llama3_70b / 405b full): the command line names the planned one. 0.3's
+`selective` is per-op (its SelectiveAC: the compute-intensive ops' outputs saved, every second matmul
+recomputed), llmem's --ac-policy op; it has no every-k-layers option, and presets of llama3 8B, 70B and 405B only
+(Trainer.Config's model_spec is not a command-line field).
 
 What torchtitan runs and the plan must match: FSDP2 over data_parallel_shard_degree (HSDP with
 data_parallel_replicate_degree), DDP-style replication alone when the shard degree is 1, TP with SequenceParallel
@@ -56,6 +63,14 @@ def _check(p, e) -> None:
     if lay.spec.has_tp and not (setup.sequence_parallel and setup.loss_parallel):
         raise LlmemError("--export torchtitan: torchtitan's TP applies SequenceParallel and loss parallel, which "
                          "this plan did not estimate: plan with --sequence-parallel --loss-parallel")
+
+
+# torchtitan 0.3's presets (torchtitan/models/llama3/config_registry.py) and activation checkpointing subcommands,
+# by the 0.1-0.2 [activation_checkpoint] section written for the same plan (mode, selective_ac_option)
+TORCHTITAN_03_PRESETS = {("llama3", "8B"): "llama3_8b", ("llama3", "70B"): "llama3_70b",
+                         ("llama3", "405B"): "llama3_405b"}
+TORCHTITAN_03_AC = {("none", None): "activation-checkpoint:none", ("full", None): "activation-checkpoint:full",
+                    ("selective", "op"): "activation-checkpoint:selective"}
 
 
 def _activation_checkpoint(setup, grad_ckpt: bool) -> dict:
@@ -125,22 +140,34 @@ def _overrides(sections: dict[str, dict]) -> str:
     return " ".join(out)
 
 
+def torchtitan_03_command(launch: str, sections: dict[str, dict]) -> str:
+    """The torchtitan 0.3 command line that runs the plan, or why 0.3 cannot (one line)."""
+    name, flavor = sections["model"]["name"], sections["model"]["flavor"]
+    preset = TORCHTITAN_03_PRESETS.get((name, flavor))
+    if preset is None:
+        return (f"cannot run this plan: 0.3 has presets of llama3 8B, 70B and 405B only, not {name} {flavor} "
+                "(its model is not a command-line field); use 0.1-0.2 with this file")
+    ac = sections["activation_checkpoint"]
+    subcommand = TORCHTITAN_03_AC.get((ac["mode"], ac.get("selective_ac_option")))
+    if subcommand is None:
+        return (f"cannot run this plan: 0.3's activation checkpointing is full, selective (per op), memory-budget "
+                f"or none, with no every-{ac['selective_ac_option']}-layers option; use 0.1-0.2 with this file")
+    # 0.3 captures the forward and backward in a CUDA graph unless told not to (TrainingConfig.disable_cuda_graphs;
+    # it refuses the capture under PP): llmem plans the eager step, whose allocations the graph's pool would not follow
+    return f"{launch} --module {name} --config {preset} {_overrides(sections)} --training.disable_cuda_graphs {subcommand}"
+
+
 def export_torchtitan(p, e) -> str:
     sections = torchtitan_sections(p, e)
     lay = e.layout
     per_node = min(lay.world_size, e.gpus_per_node or lay.gpus_per_node)
     launch = f"torchrun --nproc_per_node {per_node} --nnodes {lay.nodes} -m torchtitan.train"
-    name, flavor = sections["model"]["name"], sections["model"]["flavor"]
     header = [
         f"# llmem plan for {e.model}: {lay.label} on {lay.world_size} GPU(s), {lay.nodes} node(s); per-GPU "
         f"micro-batch {e.micro_batch_size}, gradient accumulation {e.accumulation_steps}, seq {e.seq_len}",
         f"# torchtitan 0.1-0.2: {launch} --job.config_file THIS_FILE",
+        f"# torchtitan 0.3+:   {torchtitan_03_command(launch, sections)}",
     ]
-    if name == "llama3":                                       # 0.3 has presets of llama3, not of llama2
-        header += [f"# torchtitan 0.3+:   {launch} --module {name} --config {name}_{flavor.lower()} "
-                   f"{_overrides(sections)}",
-                   "#   (0.3's presets choose their activation checkpointing: set it to "
-                   f"{sections['activation_checkpoint']['mode']} as planned)"]
     if lay.nodes > 1:
         header.append("# multi-node: add --node_rank, --rdzv_endpoint (or your launcher's equivalents) per node")
     body = []
