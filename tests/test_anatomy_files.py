@@ -180,3 +180,13 @@ def test_peft_and_folder_models_once_cached_import_no_torch(tmp_path, monkeypatc
         assert rc == 0, err
         assert imported == [], args
         assert out == expected, args
+
+
+def test_a_refusal_needs_no_model(tmp_path):
+    model = str(_small_llama(tmp_path / "m"))                 # a folder never built: its anatomy is not on disk
+    for flags, message in ((["--gpus", "0"], "--gpus must be >= 1, got 0"),
+                           (["--gpu", "Z80"], "Z80"),
+                           (["--gpus", "3", "--method", "tp", "--tp", "2"], "--tp 2")):
+        rc, out, err, imported = _cli(["estimate", model, *flags], tmp_path / "cache")
+        assert rc == 2 and message in err and err.startswith("llmem: error: "), err
+        assert imported == [], flags
