@@ -1,6 +1,6 @@
 """llmem's one cache folder on disk: $LLMEM_CACHE_DIR, else $XDG_CACHE_HOME/llmem, else ~/.cache/llmem. Learned
 activations (llmem.memory.activations.learned) and the peft configs `--from FILE` writes (llmem.setup.sources) keep
-their files in sub-folders of it."""
+their files in sub-folders of it, and so do the built anatomies (llmem.model.anatomy_cache)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,17 @@ def cache_root() -> Path:
     if root:
         return Path(os.path.expanduser(root))
     return Path(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache")) / "llmem"
+
+
+def installed_versions(*names: str) -> dict[str, str]:
+    """The installed versions of packages ("" when one is not installed), read from their metadata without
+    importing them: what a cached result built by their code is keyed by."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = ""
+    return out

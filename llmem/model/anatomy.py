@@ -6,11 +6,16 @@ dimensions that activations depend on. Nothing is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from functools import cached_property, lru_cache
 from math import prod
 
-from llmem.model.config import build_meta_model, resolve_config
+from llmem.model import anatomy_cache as disk
+from llmem.model.anatomy_cache import ANATOMY_FORMAT
+from llmem.model.config import build_meta_model, config_source, resolve_config
+from llmem.model.exact_json import same, tagged, untagged
 from llmem.model.families import decoder_layers, dimensions, family_of
 
 
@@ -196,11 +201,94 @@ def inventory(model, name: str) -> ModelAnatomy:
         config=cfg.to_dict(), decoder_layer_class=type(layers[1][0]).__name__ if layers else "", **dims)
 
 
+# ---------------------------------------------------------------------------------- the anatomy as a file (no torch)
+_PARAM_FIELDS = tuple(f.name for f in fields(ParamInfo))
+_SCALAR_FIELDS = tuple(f.name for f in fields(ModelAnatomy) if f.name not in ("params", "config", "peft"))
+
+
+def anatomy_text(anatomy: ModelAnatomy, made_with: dict[str, str]) -> str:
+    """The anatomy as JSON text (what the catalog ships and the disk cache keeps): the header, the config and each
+    parameter ([name, shape, dtype, module kind, layer index, tied to, trainable]) on lines of their own, reviewable
+    in a diff. `made_with`: what it was built from (the config's digest, the code's versions)."""
+    head = {"format": ANATOMY_FORMAT, "made_with": made_with,
+            **{name: tagged(getattr(anatomy, name)) for name in _SCALAR_FIELDS},
+            "peft": None if anatomy.peft is None else {f.name: tagged(getattr(anatomy.peft, f.name))
+                                                       for f in fields(PeftInfo)}}
+    compact = {"separators": (",", ":")}
+    rows = [json.dumps([getattr(p, name) for name in _PARAM_FIELDS], **compact) for p in anatomy.params]
+    return "\n".join([json.dumps(head, **compact)[:-1] + ",",
+                      f'"config":{json.dumps(tagged(anatomy.config), **compact)},', '"params":[',
+                      ",\n".join(rows), "]}"]) + "\n"
+
+
+def anatomy_from_text(text: str, made_with: dict[str, str] | None = None) -> ModelAnatomy:
+    """The anatomy a text written by anatomy_text holds (ValueError, KeyError or TypeError when it holds none, or
+    when its `made_with` lacks an item of `made_with`)."""
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("format") != ANATOMY_FORMAT:
+        raise ValueError(f"not an anatomy of format {ANATOMY_FORMAT}")
+    if made_with and any(data["made_with"].get(k) != v for k, v in made_with.items()):
+        raise ValueError("made from another config")
+    params = tuple(ParamInfo(**(dict(zip(_PARAM_FIELDS, row, strict=True)) | {"shape": tuple(row[1])}))
+                   for row in data["params"])
+    peft = data["peft"]
+    return ModelAnatomy(**{name: untagged(data[name]) for name in _SCALAR_FIELDS}, params=params,
+                        config=untagged(data["config"]),
+                        peft=None if peft is None else PeftInfo(**{k: untagged(v) for k, v in peft.items()}))
+
+
+def read_anatomy(text: str | None, made_with: dict[str, str] | None = None) -> ModelAnatomy | None:
+    """anatomy_from_text, or None for a missing or corrupt text."""
+    if text is None:
+        return None
+    try:
+        return anatomy_from_text(text, made_with)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def exact_round_trip(anatomy: ModelAnatomy, text: str) -> bool:
+    """Whether `text` gives back `anatomy` field for field, the config's types included."""
+    back = read_anatomy(text)
+    return back is not None and all(same(getattr(anatomy, f.name), getattr(back, f.name))
+                                    for f in fields(ModelAnatomy))
+
+
+def read_or_build(model: str, trust_remote_code: bool, build: Callable[[], ModelAnatomy], shipped: bool = True,
+                  **variant: object) -> ModelAnatomy:
+    """MODEL's anatomy as `variant` says: the catalog's shipped file (`shipped`: the plain causal LM) or the disk
+    cache's when there is one (llmem.model.anatomy_cache), else `build()`, kept for the next process. A model's own
+    code (trust_remote_code) is always built: its config does not pin it."""
+    use = disk.anatomy_cache_on() and not trust_remote_code
+    source = config_source(model) if use else None
+    if source is not None:
+        found = (read_anatomy(disk.shipped_text(source), {"config_sha256": disk.config_digest(source[1])})
+                 if shipped and source[2] is not None else None)
+        found = found or read_anatomy(disk.cached_text(disk.anatomy_key(source, **variant)))
+        if found is not None:
+            return found
+    anatomy = build()
+    source = config_source(model) if use else None       # a hub model's config is in the HF cache by now
+    if source is not None and source[0] == anatomy.name:
+        try:
+            text = anatomy_text(anatomy, disk.code_versions())
+        except (TypeError, ValueError):                  # a config value JSON cannot hold: not kept
+            return anatomy
+        if exact_round_trip(anatomy, text):
+            disk.keep_text(disk.anatomy_key(source, **variant), text)
+    return anatomy
+
+
 @lru_cache(maxsize=64)
 def load_anatomy(model: str, trust_remote_code: bool = False, scalar_head: bool = False) -> ModelAnatomy:
-    """MODEL string -> its anatomy (cached: anatomies are immutable); scalar_head: as a reward model (num_labels=1)."""
-    name, cfg = resolve_config(model, trust_remote_code)
-    return inventory(build_meta_model(cfg, trust_remote_code, scalar_head), name)
+    """MODEL string -> its anatomy (cached: anatomies are immutable); scalar_head: as a reward model (num_labels=1).
+    Read from a file when one holds it (read_or_build: no torch), else built from the real class."""
+
+    def build() -> ModelAnatomy:
+        name, cfg = resolve_config(model, trust_remote_code)
+        return inventory(build_meta_model(cfg, trust_remote_code, scalar_head), name)
+
+    return read_or_build(model, trust_remote_code, build, shipped=not scalar_head, scalar_head=scalar_head)
 
 
 def setup_anatomy(setup) -> ModelAnatomy:

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 from llmem.errors import LlmemError, first_line
-from llmem.model.catalog import find_entry, load_config_dict, tiny_config_dict
+from llmem.model.catalog import catalog_file, find_entry, load_config_dict, tiny_config_dict
 from llmem.model.catalog.variants import variant_entry
 from llmem.model.families import check_dimensions, check_raw_sizes
 
@@ -120,6 +120,43 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     # a mirror or chat-tuned variant of a catalog model the hub could not be asked about: its base's config
     return (f"{model} (read as {entry.hub_id}: the same shapes)",
             _checked(entry.hub_id, config_from_dict(load_config_dict(entry), entry.hub_id)))
+
+
+def config_source(model: str) -> tuple[str, bytes, str | None] | None:
+    """MODEL's display name, the bytes of the config file it resolves to and, for a bundled model, that file's name
+    (its shipped anatomy's), found as resolve_config finds them but without transformers: what the anatomy's disk
+    cache is keyed by. None when only transformers can tell (a hub id not in the local HF cache, a bad path)."""
+    entry = find_entry(model)
+    if entry is not None:
+        return entry.hub_id, catalog_file("configs", entry.config_file), entry.config_file
+    if model.lower().startswith("tiny-") and tiny_config_dict(model) is not None:
+        return model.lower(), catalog_file("tiny", f"{model.strip().lower()}.json"), f"{model.strip().lower()}.json"
+    try:
+        path = _local_path(model) if model.strip() else None
+        if path is not None:
+            file = path / "config.json" if path.is_dir() else path
+            size_bytes = file.stat().st_size if file.is_file() else CONFIG_MAX_BYTES + 1
+            return (str(path), file.read_bytes(), None) if size_bytes <= CONFIG_MAX_BYTES else None
+        if _looks_like_path(model):
+            return None
+        snapshot = _hf_cache_config(model)
+        return (model, snapshot.read_bytes(), None) if snapshot is not None else None
+    except (LlmemError, OSError):
+        return None
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    """The config.json of a hub id's main revision in the local HF cache (huggingface_hub's layout: models--org--name,
+    refs/main naming the snapshot), or None."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"),
+        "hub")
+    repo = Path(os.path.expanduser(hub)) / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if repo_id.count("/") > 1 or ".." in repo_id or not ref.is_file():
+        return None
+    file = repo / "snapshots" / ref.read_text().strip() / "config.json"
+    return file if file.is_file() else None
 
 
 def _offline() -> bool:

@@ -4,6 +4,7 @@ anatomy is read back from what peft made."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -12,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llmem.errors import LlmemError, first_line
-from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory
+from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory, read_or_build
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -187,9 +188,19 @@ def _peft_name(name: str) -> str:
 @lru_cache(maxsize=32)
 def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: bool = True) -> ModelAnatomy:
     """The anatomy of the peft model peft builds from this config on the meta device (cached per model, config
-    text and `upcast`, peft's autocast_adapter_dtype: the planner estimates many set-ups of one model). The base is
-    cast to bf16 first, so the dtypes peft gives the trained parameters are those of a low-precision base
-    (LOW_DTYPE's rule)."""
+    text and `upcast`, peft's autocast_adapter_dtype: the planner estimates many set-ups of one model; kept on disk
+    too, llmem.model.anatomy_cache, so that another process reads it without torch)."""
+
+    def build() -> ModelAnatomy:
+        return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
+
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast,
+                         peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
+
+
+def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: bool) -> ModelAnatomy:
+    """peft_anatomy built: the base is cast to bf16 first, so the dtypes peft gives the trained parameters are those
+    of a low-precision base (LOW_DTYPE's rule)."""
     import torch
 
     name, cfg = resolve_config(model, trust_remote_code)

@@ -73,6 +73,8 @@ def setup_for(base: TrainingSetup, layout: Layout, batch_size: int) -> TrainingS
 def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> ResolvedSetup:
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
     and the support check of its options under the method (LlmemError names the first problem)."""
+    if anatomy is None:
+        check_without_model(setup)
     base = anatomy or setup_anatomy(setup)
     setup = engine_cast(setup)
     trained = trained_anatomy(base, setup)
@@ -87,6 +89,15 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
         layout = replace(layout, ep=setup.ep)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
+
+
+def check_without_model(setup: TrainingSetup) -> None:
+    """What the GPU and the layout refuse whatever the model (a GPU not in the catalog, --gpus 0, a tp that does not
+    divide the GPUs), checked before the model is loaded: a refusal answers without importing torch or transformers
+    for a model that must be built. The heads are checked in `resolve` (resolve_layout skips them at 0)."""
+    resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
+    resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0, setup.dp_replicate, setup.pp,
+                   setup.cp)
 
 
 def engine_cast(setup: TrainingSetup) -> TrainingSetup:

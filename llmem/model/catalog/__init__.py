@@ -57,3 +57,8 @@ def tiny_config_dict(name: str) -> dict | None:
 
 def load_config_dict(entry: CatalogEntry) -> dict:
     return json.loads(resources.files(__package__).joinpath("configs", entry.config_file).read_text())
+
+
+def catalog_file(folder: str, name: str) -> bytes:
+    """A bundled file's bytes (configs/, tiny/, anatomies/)."""
+    return resources.files(__package__).joinpath(folder, name).read_bytes()
