@@ -138,13 +138,17 @@ def test_llamafactory_qlora_and_dpo():
     """llama3_lora_sft_bnb_npu.yaml: quantization_bit 4 (bnb), double_quantization false, lora_rank 8, lora_alpha
     unset = 16, lora_target all, cutoff 2048, pdtbs 1, bf16; checkpointing on (disable_gradient_checkpointing
     False), transformers' default optim adamw_torch_fused; LLaMA-Factory never upcasts a kbit base.
-    llama3_lora_dpo.yaml: DPO's chosen and rejected rows are one batch of 2 x pdtbs."""
+    llama3_lora_dpo.yaml: stage dpo, pref_loss sigmoid: TRL's DPO step (LLaMA-Factory's CustomDPOTrainer) of
+    pdtbs 1 pair, cutoff_len 2048 its max_length; its own forward's whole fp32 logits make the answer approximate."""
     s = setup_from_file(cfg("llamafactory/examples/train_qlora/llama3_lora_sft_bnb_npu.yaml")).setup
     assert (s.quant_base, s.double_quant, s.kbit_upcast) == ("nf4", False, False)
     assert (s.lora_rank, s.lora_alpha, s.lora_targets, s.lora_dropout) == (8, 16, "all-linear", 0.0)
     assert (s.seq_len, s.batch_size, s.grad_ckpt, s.optimizer, s.precision) == (2048, 1, True, "adamw-fused",
                                                                                   "bf16-mixed")
-    assert setup_from_file(cfg("llamafactory/examples/train_lora/llama3_lora_dpo.yaml")).setup.batch_size == 2
+    dpo = setup_from_file(cfg("llamafactory/examples/train_lora/llama3_lora_dpo.yaml"))
+    assert (dpo.setup.objective, dpo.setup.loss_type, dpo.setup.batch_size, dpo.setup.max_length) == \
+        ("dpo", "sigmoid", 1, 2048)
+    assert not dpo.record.exact and [i.key for i in dpo.record.approximations] == ["stage"]
 
 
 def test_trl_cli_config_takes_sftconfig_defaults():

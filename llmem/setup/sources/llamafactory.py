@@ -18,7 +18,14 @@ from llmem.setup.sources.reading import Keys, Reading
 
 MARKS = ("stage", "finetuning_type", "cutoff_len", "template", "lora_target", "quantization_bit")
 FLASH = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash", "fa3": "flash"}
-PAIRED_STAGES = {"dpo": 2, "rm": 2, "kto": 1}
+PAIRED_STAGES = {"rm": 2}      # the stages read as a step of their rows (the reward model: not a trainer llmem models)
+# LLaMA-Factory's preference stages (hparams/finetuning_args.py, 0.9.5) -> llmem's objective by pref_loss: stage dpo
+# runs its CustomDPOTrainer (TRL's DPOTrainer; orpo and simpo drop the reference, use_ref_model), stage kto its
+# CustomKTOTrainer (TRL's KTOTrainer); sigmoid, hinge and ipo are TRL's DPO loss types
+PREF_LOSSES = {"sigmoid": ("dpo", "sigmoid"), "hinge": ("dpo", "hinge"), "ipo": ("dpo", "ipo"),
+               "orpo": ("orpo", None), "simpo": ("simpo", None)}
+OWN_FORWARD = ("LLaMA-Factory's own concatenated_forward keeps the whole fp32 logits (model(...).logits.to("
+               "torch.float32)), where TRL's trainer, modelled, takes the log-probs chunk by chunk")
 
 
 def detect(data: dict) -> bool:
@@ -32,14 +39,7 @@ def read(keys: Keys, r: Reading) -> None:
         r.set("trust_remote_code", True, "trust_remote_code", True)
     stage = str(keys.get("stage", "sft")).lower()
     batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 8), what="a micro-batch")
-    factor = PAIRED_STAGES.get(stage, 1)
-    r.set("per_device_train_batch_size", batch, "batch_size", factor * batch,
-          f"stage {stage}: chosen and rejected rows run as one batch of {factor}x" if factor > 1 else "")
-    if stage in ("sft", "pt") and "stage" in keys:
-        r.note_used("stage", stage, "supervised fine-tuning" if stage == "sft" else "pre-training")
-    if stage in ("dpo", "kto", "ppo", "rm"):
-        r.ignore("stage", stage, "the reference / reward model's forward and the loss' own tensors are not modelled"
-                 + ("; the reward model's value head stands as the lm_head" if stage in ("rm", "ppo") else ""))
+    _stage(r, keys, stage, batch)
     cutoff = keys.get("cutoff_len", 2048)
     r.set("cutoff_len" if "cutoff_len" in keys else "cutoff_len (default)", cutoff, "seq_len",
           r.integer("cutoff_len", cutoff, what="a sequence length"))
@@ -87,6 +87,35 @@ def read(keys: Keys, r: Reading) -> None:
         if keys.get(key):
             r.ignore(key, keys.get(key), why)
     r.not_read(keys)
+
+
+def _stage(r: Reading, keys: Keys, stage: str, batch: int) -> None:
+    """The trainer the stage runs: supervised (sft, pt), TRL's preference trainers as LLaMA-Factory subclasses them
+    (dpo by pref_loss, kto), or a step of the doubled batch for the reward model (rm) and PPO, not modelled."""
+    if stage in ("dpo", "kto"):
+        loss = str(keys.get("pref_loss", "sigmoid")).lower() if stage == "dpo" else "kto"
+        objective, loss_type = PREF_LOSSES.get(loss, ("kto", None)) if stage == "dpo" else ("kto", None)
+        if stage == "dpo" and loss not in PREF_LOSSES:
+            raise r.error("pref_loss", loss, f"is not a loss llmem models ({', '.join(PREF_LOSSES)})",
+                          "estimate another pref_loss")
+        r.set("stage", stage, "objective", objective, f"LLaMA-Factory's Custom{stage.upper()}Trainer"
+              + (f", pref_loss {loss}" if stage == "dpo" else ""))
+        if loss_type:
+            r.set("pref_loss", loss, "loss_type", loss_type)
+        r.set("per_device_train_batch_size", batch, "batch_size", batch,
+              "pairs: chosen and rejected rows run as one batch of 2x" if objective != "kto" else "")
+        r.set("cutoff_len", keys.get("cutoff_len", 2048), "max_length", r.integer("cutoff_len", keys.get(
+              "cutoff_len", 2048)), "LLaMA-Factory truncates each sequence to it")
+        r.ignore("stage", stage, OWN_FORWARD)
+        return
+    factor = PAIRED_STAGES.get(stage, 1)
+    r.set("per_device_train_batch_size", batch, "batch_size", factor * batch,
+          f"stage {stage}: chosen and rejected rows run as one batch of {factor}x" if factor > 1 else "")
+    if stage in ("sft", "pt") and "stage" in keys:
+        r.note_used("stage", stage, "supervised fine-tuning" if stage == "sft" else "pre-training")
+    if stage in ("ppo", "rm"):
+        r.ignore("stage", stage, "the reward model's value head and PPO's models are not modelled: the step of the "
+                 "policy stands in, the value head as the lm_head")
 
 
 def _dtypes(r: Reading, keys: Keys) -> None:
