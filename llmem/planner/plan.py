@@ -136,7 +136,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     candidates = [search.found[i] for i in sorted(search.found)]   # in the layouts' order: rank_by_time breaks ties
     notes += search_notes(setup, candidates, search.pruned, search.skipped)
     if not candidates:
-        raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
+        raise LlmemError(no_layout_message(search.failures))
     best, recommendation, reason = recommend(candidates, options.ranking)
     layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
     suggestions = what_would_fit(ctx, setup, layouts, candidates, progress, total_steps)
@@ -166,6 +166,7 @@ class LayoutSearch:
     skipped: list[str] = field(default_factory=list)           # screened layouts the set-up cannot run
     pruned: list[str] = field(default_factory=list)            # screened layouts proved unable to win
     deferred: list[tuple[int, Layout]] = field(default_factory=list)   # out of memory by their bound
+    failures: dict[str, list[Layout]] = field(default_factory=dict)   # each refusal's reason: the layouts it refused
 
     def run(self) -> None:
         ctx, setup = self.ctx, self.setup
@@ -194,6 +195,7 @@ class LayoutSearch:
         except LlmemError as exc:
             (self.skipped if i in self.bounds and not _fixed(setup) else self.notes).append(
                 f"{layout.label} skipped: {exc}")
+            self.failures.setdefault(str(exc), []).append(layout)
             return
         if layout.label not in self.vllm_choices:    # choose_utilization timed it at its utilization
             attach_time(ctx, c, setup)
@@ -254,6 +256,21 @@ def search_notes(setup: TrainingSetup, candidates: list[CandidatePlan], pruned: 
         notes.append(f"{len(skipped)} pipeline / context- / expert-parallel / HSDP layout(s) this set-up cannot run: "
                      + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))
     return notes
+
+
+def no_layout_message(failures: dict[str, list[Layout]]) -> str:
+    """Why no layout could be estimated, the reason first: the one every layout was refused for, then which; else
+    each reason with its layouts, those of the plain dp x tp layouts first (the scale-out ones' refusals are
+    theirs), then the most common (the first met on ties)."""
+    def labels(layouts: list[Layout]) -> str:
+        return ", ".join(lay.label for lay in layouts)
+
+    if len(failures) == 1:
+        (reason, layouts), = failures.items()
+        return f"{reason} (no layout could be estimated: {labels(layouts)})"
+    (first, lays), *rest = sorted(failures.items(), key=lambda x: (all(screened(lay) for lay in x[1]), -len(x[1])))
+    return (f"{first} ({labels(lays)}); no other layout could be estimated either: "
+            + "; ".join(f"{reason} ({labels(others)})" for reason, others in rest))
 
 
 def recommend(candidates: list[CandidatePlan], ranking: str) -> tuple[CandidatePlan | None, str, str]:
