@@ -43,7 +43,7 @@ def _answer(c) -> tuple | None:
                                    c.memory.device_used_bytes)
 
 
-@pytest.mark.parametrize("mem", ["1100MiB", "1340MiB", "1600MiB", "2000MiB"])
+@pytest.mark.parametrize("mem", ["1100MiB", "1340MiB", "1600MiB", "2000MiB", "3000MiB"])
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_pruned_search_answers_as_the_exhaustive_one(mem, grad_ckpt):
     setup = _setup(mem, grad_ckpt)
@@ -82,3 +82,22 @@ def test_more_gpus_suggestion_unchanged_by_the_pruning():
     layouts = candidate_layouts(2, None, 8, 8)
     assert more_gpus_suggestions(_context(setup), setup, layouts) == \
         more_gpus_suggestions(_context(setup, prune=False), setup, layouts)
+
+
+def test_a_layout_that_cannot_win_is_not_batch_searched(monkeypatch):
+    """At 1600 MiB FSDP2 fits first; zero2, whose quick batch bound would let it beat FSDP2, would do so only at
+    batches proved out of memory: it is not batch-searched (the exhaustive run searches it), the answer the same."""
+    import llmem.planner.search as search
+
+    setup = _setup("1600MiB", False)
+    searched: list[str] = []
+    real = search.search_candidate
+    monkeypatch.setattr(search, "search_candidate", lambda s, lay, *a, **k: searched.append(lay.label)
+                        or real(s, lay, *a, **k))
+    best, _ = best_fitting(_context(setup), setup, LAYOUTS)
+    pruned = list(searched)
+    searched.clear()
+    every, _ = best_fitting(_context(setup, prune=False), setup, LAYOUTS)
+    assert _answer(best) == _answer(every)
+    assert best.layout.label == "fsdp (4)"
+    assert "zero2 (4)" in searched and "zero2 (4)" not in pruned, (pruned, searched)

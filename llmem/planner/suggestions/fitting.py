@@ -4,6 +4,7 @@ cannot change the answer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from llmem.errors import LlmemError
@@ -13,6 +14,7 @@ from llmem.planner.search import (
     CandidatePlan,
     PlanContext,
     attach_time,
+    cannot_win,
     layout_setup,
     rank_by_time,
     time_at_max_batch,
@@ -99,6 +101,7 @@ def best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], 
               for i, lay in enumerate(screened)}
     found: dict[int, CandidatePlan] = {}
     best: CandidatePlan | None = None
+    best_at = -1                     # its place among the screened layouts
     nearest = float("inf")
     # the likely fastest first, so the rest are soon ruled out; then those out of memory, nearest first: by the
     # bound, then (each bound's layouts, drafted only when one of them may be searched) by the draft's floor
@@ -115,6 +118,9 @@ def best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], 
                 continue             # out of memory, and needs more than the nearest one searched: not the closest
             if pruning and (best is not None or not closest_wanted) and _out_at_smallest(ctx, setup, layout):
                 continue             # fits no batch: neither the answer nor, with one found (or unasked), the closest
+            if pruning and best is not None and not (offload or adapter_params) and cannot_win(
+                    ctx, setup, layout, _beats(best, i < best_at)):
+                continue             # every batch at which it would be the answer is out of memory (a few estimates)
             try:
                 c = ctx.search(setup, layout)
             except LlmemError:
@@ -123,10 +129,17 @@ def best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], 
             attach_time(ctx, c, setup, adapter_params)
             found[i] = c
             nearest = min(nearest, c.memory.device_used_bytes)
-            if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s):
-                best = c
+            if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s
+                                                  or c.time.tokens_per_s == best.time.tokens_per_s and i < best_at):
+                best, best_at = c, i
     plans = [found[i] for i in sorted(found)]       # in the layouts' order: rank_by_time breaks ties by it
     return rank_by_time(plans), plans
+
+
+def _beats(best: CandidatePlan, earlier: bool) -> Callable[[float], bool]:
+    """Whether a layout at these tokens/s would be the answer instead of `best` (rank_by_time: more tokens/s, or as
+    many and earlier in the layouts' order)."""
+    return lambda tps: tps > best.time.tokens_per_s or (earlier and tps == best.time.tokens_per_s)
 
 
 def _out_at_smallest(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> bool:
