@@ -85,3 +85,20 @@ def test_plan_error_puts_the_plain_layouts_reason_before_the_scale_out_ones(caps
     assert err.startswith("llmem: error: --reshard-after-forward 8 must divide FSDP2's 8 shard ranks")
     assert "choose 2 or 4 (fsdp (8)); no other layout could be estimated either: " in err
     assert err.index("choose 2 or 4") < err.index("with --pp")
+
+
+def test_reasons_that_differ_only_in_the_refused_method_are_one():
+    """A DeepSpeed-only option refused on every method: one reason naming each method once, then the layouts;
+    ds-zero2, fsdp+tp and --tp inside a reason are not taken for the method's name."""
+    from llmem.planner.plan import no_layout_message
+    from llmem.setup.layout import candidate_layouts
+
+    lays = {lay.label: lay for lay in candidate_layouts(4, None, 8, 8)}
+    why = "--overlap-comm is a DeepSpeed ZeRO setting: use --method ds-zero1, ds-zero2 or ds-zero3 (got {})"
+    failures = {why.format(lay.method): [lay] for lay in lays.values()}
+    assert no_layout_message(failures) == (
+        why.format("ddp, fsdp, zero2, tp, fsdp+tp")
+        + " (no layout could be estimated: ddp (4), fsdp (4), zero2 (4), tp (4), fsdp+tp (2dp x 2tp))")
+    tp_only = {"--tp 4 needs heads divisible by 4: choose --tp 2 (tp)": [lays["tp (4)"]],
+               "--tp 4 needs heads divisible by 4: choose --tp 2 (fsdp+tp)": [lays["fsdp+tp (2dp x 2tp)"]]}
+    assert no_layout_message(tp_only).startswith("--tp 4 needs heads divisible by 4: choose --tp 2 (tp, fsdp+tp) (")

@@ -34,6 +34,7 @@ For a model, a GPU type and count, a sequence length and the training options, t
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -259,18 +260,35 @@ def search_notes(setup: TrainingSetup, candidates: list[CandidatePlan], pruned: 
 
 
 def no_layout_message(failures: dict[str, list[Layout]]) -> str:
-    """Why no layout could be estimated, the reason first: the one every layout was refused for, then which; else
-    each reason with its layouts, those of the plain dp x tp layouts first (the scale-out ones' refusals are
-    theirs), then the most common (the first met on ties)."""
+    """Why no layout could be estimated, the reason first: the one every layout was refused for (reasons that differ
+    only in naming the layout's own method are one, naming them all), then which layouts; else each reason with its
+    layouts, those of the plain dp x tp layouts first (the scale-out ones' refusals are theirs), then the most
+    common (the first met on ties)."""
+    grouped: dict[str, list[Layout]] = {}
+    for reason, layouts in failures.items():
+        for lay in layouts:
+            grouped.setdefault(_method_named(reason, lay.method, METHOD_SLOT), []).append(lay)
+
+    def said(reason: str, layouts: list[Layout]) -> str:
+        return reason.replace(METHOD_SLOT, ", ".join(dict.fromkeys(lay.method for lay in layouts)))
+
     def labels(layouts: list[Layout]) -> str:
         return ", ".join(lay.label for lay in layouts)
 
-    if len(failures) == 1:
-        (reason, layouts), = failures.items()
-        return f"{reason} (no layout could be estimated: {labels(layouts)})"
-    (first, lays), *rest = sorted(failures.items(), key=lambda x: (all(screened(lay) for lay in x[1]), -len(x[1])))
-    return (f"{first} ({labels(lays)}); no other layout could be estimated either: "
-            + "; ".join(f"{reason} ({labels(others)})" for reason, others in rest))
+    if len(grouped) == 1:
+        (reason, layouts), = grouped.items()
+        return f"{said(reason, layouts)} (no layout could be estimated: {labels(layouts)})"
+    (first, lays), *rest = sorted(grouped.items(), key=lambda x: (all(screened(lay) for lay in x[1]), -len(x[1])))
+    return (f"{said(first, lays)} ({labels(lays)}); no other layout could be estimated either: "
+            + "; ".join(f"{said(reason, others)} ({labels(others)})" for reason, others in rest))
+
+
+METHOD_SLOT = "\x00method\x00"     # where a refusal names the refused layout's own method
+
+
+def _method_named(reason: str, method: str, slot: str) -> str:
+    """`reason` with `method` where it stands as a name of its own (not inside ds-zero2, fsdp+tp, --tp) as `slot`."""
+    return re.sub(rf"(?<![\w+-]){re.escape(method)}(?![\w+-])", slot, reason)
 
 
 def recommend(candidates: list[CandidatePlan], ranking: str) -> tuple[CandidatePlan | None, str, str]:
