@@ -14,7 +14,6 @@ from llmem.cli.streams import stdout_to_stderr
 from llmem.errors import LlmemError
 from llmem.planner.options import EXPORT_KINDS
 from llmem.setup.gpus import GPU_CATALOG
-from llmem.setup.methods import METHODS
 from llmem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -184,18 +183,16 @@ EXPORT_FILE_EXAMPLES = {"accelerate": "accelerate.yaml", "torchrun": "launch.sh"
                         "torchtitan": "train.toml", "trl": "trl_config.yaml"}
 
 
-def _check_export(args: argparse.Namespace, setup) -> None:
-    """What --export refuses that the set-up alone decides, before the plan runs."""
-    from llmem.planner.export import check_exportable
+def _check_export(args: argparse.Namespace, setup, methods: tuple[str, ...] | None) -> None:
+    """What --export refuses that the set-up and the searched `methods` alone decide, before the plan runs."""
+    from llmem.planner.export import check_exportable, check_methods_exportable
 
     kind, path = args.export
     if kind not in EXPORT_KINDS:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
     check_output_path(f"--export {kind}", path, EXPORT_FILE_EXAMPLES.get(kind, "launch.cfg"))
     check_exportable(setup, f"--export {kind}", kind)
-    if kind == "deepspeed" and args.setup_method and METHODS[setup.method].deepspeed_stage is None:
-        raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {setup.method} (its AutoTP "
-                         "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")
+    check_methods_exportable(setup, kind, methods)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -209,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = plan_options_from_args(args, setup, source)
     export = args.export
     if export:
-        _check_export(args, setup)
+        _check_export(args, setup, options.methods)
     if args.plot is not None:
         check_plot_path("--plot", args.plot)
     progress = LazyProgress(enabled=not args.json)

@@ -11,7 +11,8 @@ from typing import TextIO
 
 
 class LazyProgress:
-    """A rich progress bar that appears only once the plan has taken more than `delay_s`."""
+    """A rich progress bar on stderr (stdout keeps only the answer) that appears only once the plan has taken more
+    than `delay_s`."""
 
     def __init__(self, enabled: bool, delay_s: float = 1.0) -> None:
         self.enabled, self.delay_s, self.start = enabled, delay_s, time.monotonic()

@@ -95,6 +95,32 @@ def check_exportable(setup: TrainingSetup, flag: str = "--export", kind: str | N
                          "--export, or export without these options")
 
 
+def check_methods_exportable(setup: TrainingSetup, kind: str, methods: tuple[str, ...] | None) -> None:
+    """Refuse, before any plan, an export `kind` that would refuse every plan of the searched `methods` (--method
+    given: every layout, and every offload suggestion, the plan can export runs that method); and the launch style
+    a kind cannot write (--sequence-parallel / --loss-parallel, decided by the set-up alone)."""
+    tp_style(setup, kind)
+    for name in methods or ():
+        spec = METHODS[name]
+        if kind == "deepspeed" and spec.deepspeed_stage is None:
+            raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {name} (its AutoTP "
+                             "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")
+        if kind in TORCH_EXPORTS and spec.zero_stage is not None:
+            raise LlmemError(f"--export {kind}: --method {name} runs DeepSpeed's engine: --export deepspeed writes "
+                             f"its config; {kind} launches PyTorch's own methods")
+        # trl_config's refusal: TRL's config launches DDP or one GPU only
+        if kind == "trl" and (spec.zero_stage is not None or not (spec.gradient_buckets or setup.gpus == 1)):
+            raise LlmemError(f"--export trl writes TRL's config with a DDP or one-GPU launch, not --method {name}: "
+                             "plan with --method ddp (or export accelerate)")
+
+
+def tp_style(setup: TrainingSetup, kind: str) -> None:
+    """Refuse --sequence-parallel / --loss-parallel for a kind whose launch applies plain tensor parallelism."""
+    if kind not in TP_STYLE_EXPORTS and (setup.sequence_parallel or setup.loss_parallel):
+        raise LlmemError(f"--export {kind} launches plain tensor parallelism, not the planned --sequence-parallel / "
+                         f"--loss-parallel: export {', '.join(TP_STYLE_EXPORTS)}, or plan without them")
+
+
 OFFLOAD_SUGGESTIONS = ("offload_param", "offload_optimizer")    # what an export of a plan that fits nowhere can use
 
 
@@ -328,9 +354,7 @@ def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
     writer = EXPORTERS.get(kind)
     if writer is None:
         raise LlmemError(f"unknown export {kind!r}: choose {', '.join(EXPORT_KINDS)}")
-    if kind not in TP_STYLE_EXPORTS and (p.setup.sequence_parallel or p.setup.loss_parallel):
-        raise LlmemError(f"--export {kind} launches plain tensor parallelism, not the planned --sequence-parallel / "
-                         f"--loss-parallel: export {', '.join(TP_STYLE_EXPORTS)}, or plan without them")
+    tp_style(p.setup, kind)
     e = export_plan(p, kind)
     if (e.layout.pp > 1 or e.layout.cp > 1 or e.layout.ep > 1) and kind != "torchtitan":  # pp / cp / ep planned
         raise LlmemError(f"the plan runs {e.layout.label}, which only --export torchtitan writes (its "

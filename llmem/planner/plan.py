@@ -34,6 +34,7 @@ For a model, a GPU type and count, a sequence length and the training options, t
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -136,7 +137,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     candidates = [search.found[i] for i in sorted(search.found)]   # in the layouts' order: rank_by_time breaks ties
     notes += search_notes(setup, candidates, search.pruned, search.skipped)
     if not candidates:
-        raise LlmemError("no candidate layout could be estimated: " + "; ".join(notes[-3:]))
+        raise LlmemError(no_layout_message(search.failures))
     best, recommendation, reason = recommend(candidates, options.ranking)
     layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
     suggestions = what_would_fit(ctx, setup, layouts, candidates, progress, total_steps)
@@ -166,6 +167,7 @@ class LayoutSearch:
     skipped: list[str] = field(default_factory=list)           # screened layouts the set-up cannot run
     pruned: list[str] = field(default_factory=list)            # screened layouts proved unable to win
     deferred: list[tuple[int, Layout]] = field(default_factory=list)   # out of memory by their bound
+    failures: dict[str, list[Layout]] = field(default_factory=dict)   # each refusal's reason: the layouts it refused
 
     def run(self) -> None:
         ctx, setup = self.ctx, self.setup
@@ -194,6 +196,7 @@ class LayoutSearch:
         except LlmemError as exc:
             (self.skipped if i in self.bounds and not _fixed(setup) else self.notes).append(
                 f"{layout.label} skipped: {exc}")
+            self.failures.setdefault(str(exc), []).append(layout)
             return
         if layout.label not in self.vllm_choices:    # choose_utilization timed it at its utilization
             attach_time(ctx, c, setup)
@@ -254,6 +257,38 @@ def search_notes(setup: TrainingSetup, candidates: list[CandidatePlan], pruned: 
         notes.append(f"{len(skipped)} pipeline / context- / expert-parallel / HSDP layout(s) this set-up cannot run: "
                      + skipped[0] + (" (and the like)" if len(skipped) > 1 else ""))
     return notes
+
+
+def no_layout_message(failures: dict[str, list[Layout]]) -> str:
+    """Why no layout could be estimated, the reason first: the one every layout was refused for (reasons that differ
+    only in naming the layout's own method are one, naming them all), then which layouts; else each reason with its
+    layouts, those of the plain dp x tp layouts first (the scale-out ones' refusals are theirs), then the most
+    common (the first met on ties)."""
+    grouped: dict[str, list[Layout]] = {}
+    for reason, layouts in failures.items():
+        for lay in layouts:
+            grouped.setdefault(_method_named(reason, lay.method, METHOD_SLOT), []).append(lay)
+
+    def said(reason: str, layouts: list[Layout]) -> str:
+        return reason.replace(METHOD_SLOT, ", ".join(dict.fromkeys(lay.method for lay in layouts)))
+
+    def labels(layouts: list[Layout]) -> str:
+        return ", ".join(lay.label for lay in layouts)
+
+    if len(grouped) == 1:
+        (reason, layouts), = grouped.items()
+        return f"{said(reason, layouts)} (no layout could be estimated: {labels(layouts)})"
+    (first, lays), *rest = sorted(grouped.items(), key=lambda x: (all(screened(lay) for lay in x[1]), -len(x[1])))
+    return (f"{said(first, lays)} ({labels(lays)}); no other layout could be estimated either: "
+            + "; ".join(f"{said(reason, others)} ({labels(others)})" for reason, others in rest))
+
+
+METHOD_SLOT = "\x00method\x00"     # where a refusal names the refused layout's own method
+
+
+def _method_named(reason: str, method: str, slot: str) -> str:
+    """`reason` with `method` where it stands as a name of its own (not inside ds-zero2, fsdp+tp, --tp) as `slot`."""
+    return re.sub(rf"(?<![\w+-]){re.escape(method)}(?![\w+-])", slot, reason)
 
 
 def recommend(candidates: list[CandidatePlan], ranking: str) -> tuple[CandidatePlan | None, str, str]:

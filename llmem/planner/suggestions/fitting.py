@@ -4,12 +4,21 @@ cannot change the answer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from llmem.errors import LlmemError
 from llmem.model.resolved import setup_for
 from llmem.planner.engines import fits_within
-from llmem.planner.search import CandidatePlan, PlanContext, attach_time, rank_by_time, time_at_max_batch
+from llmem.planner.search import (
+    CandidatePlan,
+    PlanContext,
+    attach_time,
+    cannot_win,
+    layout_setup,
+    rank_by_time,
+    time_at_max_batch,
+)
 from llmem.search import max_batch_size
 from llmem.setup.layout import Layout, candidate_layouts
 from llmem.setup.methods import MethodSpec
@@ -76,42 +85,74 @@ def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layou
 
 
 def best_fitting(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout], adapter_params: int = 0,
-                  offload: bool = False, closest: int = CLOSEST_LAYOUTS
-                  ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
+                 offload: bool = False, closest: int = CLOSEST_LAYOUTS, *, closest_wanted: bool = True
+                 ) -> tuple[CandidatePlan | None, list[CandidatePlan]]:
     """The fastest fitting plan of `setup` over every layout in `layouts` that can run it (screened by the quick
-    bound, then batch-searched with full estimates), and every plan searched. With ctx.prune, a layout is not
+    bound, then batch-searched with full estimates), and the plans searched. With ctx.prune, a layout is not
     searched once a bound proves it cannot change the answer: its tokens/s at its quick batch bound is below the
     fastest found, or (nothing fitting yet) its draft is out of memory and needs more than the nearest searched;
-    the answer and the closest plan are those of searching every screened layout."""
+    the answer and the closest plan are those of searching every screened layout. A layout whose draft is out of
+    memory at its smallest batch (the batch search's own verdict: it fits none) is not estimated once one fits,
+    nor at all where the caller reads only the answer (`closest_wanted` False): the plans then lack it."""
     screened = screened_layouts(ctx, setup, layouts, closest)
-    order = list(enumerate(screened))
-    uppers = {i: float("inf") for i, _ in order}
-    floors: dict[int, float | None] = {i: None for i, _ in order}
-    if ctx.prune and ctx.engine.has_quick and len(screened) > 1:
-        uppers = {i: _tokens_per_s_bound(ctx, setup, lay, adapter_params, offload) for i, lay in order}
-        floors = {i: _out_of_memory_floor(ctx, setup, lay) for i, lay in order}
-        # the likely fastest first, so the rest are soon ruled out; then those out of memory, nearest first
-        order.sort(key=lambda x: (-uppers[x[0]], floors[x[0]] if floors[x[0]] is not None else -1.0))
+    pruning = ctx.prune and ctx.engine.has_quick
+    ordered = pruning and len(screened) > 1
+    uppers = {i: _tokens_per_s_bound(ctx, setup, lay, adapter_params, offload) if ordered else float("inf")
+              for i, lay in enumerate(screened)}
     found: dict[int, CandidatePlan] = {}
     best: CandidatePlan | None = None
+    best_at = -1                     # its place among the screened layouts
     nearest = float("inf")
-    for i, layout in order:
-        if best is not None and uppers[i] < best.time.tokens_per_s:
-            continue                 # its tokens/s at its quick batch bound already falls short: it cannot win
-        if best is None and floors[i] is not None and floors[i] > nearest:
-            continue                 # out of memory, and needs more than the nearest one searched: not the closest
-        try:
-            c = ctx.search(setup, layout)
-        except LlmemError:
-            continue
-        c.offload_optimizer = offload
-        attach_time(ctx, c, setup, adapter_params)
-        found[i] = c
-        nearest = min(nearest, c.memory.device_used_bytes)
-        if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s):
-            best = c
+    # the likely fastest first, so the rest are soon ruled out; then those out of memory, nearest first: by the
+    # bound, then (each bound's layouts, drafted only when one of them may be searched) by the draft's floor
+    for upper in sorted(set(uppers.values()), reverse=True):
+        if best is not None and upper < best.time.tokens_per_s:
+            continue                 # their tokens/s at their quick batch bound already falls short: none can win
+        group = [(i, lay) for i, lay in enumerate(screened) if uppers[i] == upper]
+        floors = {i: _out_of_memory_floor(ctx, setup, lay) if ordered else None for i, lay in group}
+        group.sort(key=lambda x: floors[x[0]] if floors[x[0]] is not None else -1.0)
+        for i, layout in group:
+            if best is not None and upper < best.time.tokens_per_s:
+                continue
+            if best is None and floors[i] is not None and floors[i] > nearest:
+                continue             # out of memory, and needs more than the nearest one searched: not the closest
+            if pruning and (best is not None or not closest_wanted) and _out_at_smallest(ctx, setup, layout):
+                continue             # fits no batch: neither the answer nor, with one found (or unasked), the closest
+            if pruning and best is not None and not (offload or adapter_params) and cannot_win(
+                    ctx, setup, layout, _beats(best, i < best_at)):
+                continue             # every batch at which it would be the answer is out of memory (a few estimates)
+            try:
+                c = ctx.search(setup, layout)
+            except LlmemError:
+                continue
+            c.offload_optimizer = offload
+            attach_time(ctx, c, setup, adapter_params)
+            found[i] = c
+            nearest = min(nearest, c.memory.device_used_bytes)
+            if c.fits and c.time is not None and (best is None or c.time.tokens_per_s > best.time.tokens_per_s
+                                                  or c.time.tokens_per_s == best.time.tokens_per_s and i < best_at):
+                best, best_at = c, i
     plans = [found[i] for i in sorted(found)]       # in the layouts' order: rank_by_time breaks ties by it
     return rank_by_time(plans), plans
+
+
+def _beats(best: CandidatePlan, earlier: bool) -> Callable[[float], bool]:
+    """Whether a layout at these tokens/s would be the answer instead of `best` (rank_by_time: more tokens/s, or as
+    many and earlier in the layouts' order)."""
+    return lambda tps: tps > best.time.tokens_per_s or (earlier and tps == best.time.tokens_per_s)
+
+
+def _out_at_smallest(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> bool:
+    """Whether the batch search of `layout` answers 0 from its draft alone (search_candidate: the draft at the
+    smallest batch out of memory, which it is only when its exact allocated peak is); False where the search
+    decides otherwise (a pipeline) or the draft cannot be made."""
+    if layout.pp > 1:
+        return False
+    try:
+        d = ctx.engine.draft(layout_setup(setup, layout, setup_batch_multiple(setup, layout.world_size)))
+    except LlmemError:
+        return False
+    return not fits_within(d, ctx.limit)
 
 
 def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> float | None:

@@ -26,7 +26,7 @@ def _fewest_gpus(ctx: PlanContext, setup: TrainingSetup, methods: tuple[str, ...
         except LlmemError:
             continue
         more = applied(setup, gpus=n)
-        best = best_fitting(ctx, more, layouts)[0] if more is not None else None
+        best = best_fitting(ctx, more, layouts, closest_wanted=False)[0] if more is not None else None
         if best is not None:
             return best
     return None
