@@ -62,14 +62,17 @@ def read(keys: Keys, r: Reading, text: str) -> None:
         r.ignore("model._component_", component, f"torchtune's {base} {why}: give MODEL on the command line")
     _recipe(r, text)
     batch = r.integer("batch_size", keys.get("batch_size", 1), what="a micro-batch")
-    dpo = str(keys.sub("loss").get("_component_", "")).endswith("DPOLoss")
-    r.set("batch_size", keys.get("batch_size", 1), "batch_size", 2 * batch if dpo else batch,
-          "DPOLoss: chosen and rejected rows run as one batch of 2x" if dpo else "")
+    loss_type = _preference_loss(str(keys.sub("loss").get("_component_", "")))
+    r.set("batch_size", keys.get("batch_size", 1), "batch_size", batch,
+          "pairs: chosen and rejected rows run as one batch of 2x" if loss_type else "")
     tokenizer = keys.sub("tokenizer")
     seq = tokenizer.get("max_seq_len")
     if seq is not None:
         r.set("tokenizer.max_seq_len", seq, "seq_len", r.integer("tokenizer.max_seq_len", seq,
                                                                    what="a sequence length"))
+        if loss_type:
+            r.set("tokenizer.max_seq_len", seq, "max_length", r.integer("tokenizer.max_seq_len", seq),
+                  "each sequence's truncation")
     else:
         r.ignore("tokenizer.max_seq_len", None, "no limit: the data's longest sample decides (llmem's --seq-len)")
     for key in ("_component_", "path", "prompt_template"):
@@ -166,15 +169,26 @@ def _lora(r: Reading, model: Keys, qlora: bool) -> None:
             r.ignore(f"model.{key}", model.get(key), "not modelled")
 
 
+# torchtune's preference losses (torchtune/rlhf/loss/dpo.py, 0.6.1) -> TRL's DPO loss_type of the same formula
+PREFERENCE_LOSSES = {"DPOLoss": "sigmoid", "RSOLoss": "hinge"}
+
+
+def _preference_loss(component: str) -> str | None:
+    return PREFERENCE_LOSSES.get(component.rsplit(".", 1)[-1])
+
+
 def _loss(r: Reading, loss: Keys) -> None:
     component = str(loss.get("_component_", ""))
     if component.endswith("LinearCrossEntropyLoss") or component.endswith("CEWithChunkedOutputLoss"):
         r.ignore("loss._component_", component, "torchtune's chunked output loss projects and upcasts chunk by chunk, "
                  "but keeps every chunk's fp32 log-probabilities for backward (all the logits' worth): modelled as "
                  "the unfused loss (an upper bound; --fused-ce gives the lower one)")
-    elif component.endswith("DPOLoss"):
-        r.ignore("loss._component_", component, "DPO's reference forward (the adapters disabled, no_grad) is not "
-                 "modelled")
+    elif _preference_loss(component):
+        r.set("loss._component_", component, "objective", "dpo", "torchtune's DPO recipes: the reference forward "
+              "with the adapters disabled (LoRA) or a frozen copy (full)")
+        r.set("loss._component_", component, "loss_type", _preference_loss(component))
+        r.ignore("loss._component_", component, "torchtune's recipe keeps the whole logits of both rows in the "
+                 "model's dtype (concatenated_forward), where TRL's chunked head is modelled")
     loss.get("num_output_chunks")
 
 
