@@ -73,7 +73,7 @@ def row(setup: TrainingSetup) -> str:
 def main() -> int:
     head = ("| set-up | allocated est GiB | traced GiB | error | reserved est GiB | traced GiB | error | "
             "DeepSpeed's estimator GiB | trace |\n|---|---|---|---|---|---|---|---|---|")
-    sections = [("CI matrix rows (tests/test_validate.py: every one within 2 %)",
+    sections = [("CI matrix rows (tests/validate/test_validate.py: every one within 2 %)",
                  [s for s in CI_MATRIX if s.method.startswith("ds-")]),
                 ("Where they still differ (not CI rows; see Known Limitations in llmem/estimator/deepspeed.py)", GAPS),
                 ("7B on 8 GPUs (HF's auto buckets, and DeepSpeed's defaults)", LARGE)]

@@ -7,7 +7,7 @@ is reported with the first line the engine gives (numbered once, below the table
 
     HF_HUB_OFFLINE=1 .venv/bin/python docs/make_support.py > docs/support.md      # ~1-2 min on 2 cores
 
-tests/test_support_matrix.py checks a sample of cells against a fresh estimate, and the whole page in the slow run.
+tests/setup/test_support_matrix.py checks a sample of cells against a fresh estimate, and the whole page in the slow run.
 """
 
 from __future__ import annotations

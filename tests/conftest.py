@@ -1,7 +1,7 @@
 """Every test runs with its own empty cache of learned activations (CI machines start empty; a developer's
 ~/.cache/llmem is never read or written). Learning (LLMEM_LEARN) is as users get it (auto) in the validation of the
 CI matrix, whose rows include set-ups without a hand recipe, and off (never) elsewhere unless a test sets it: there
-set-ups without a hand recipe keep their fallback activations (learning one takes seconds). tests/test_learned.py
+set-ups without a hand recipe keep their fallback activations (learning one takes seconds). tests/learn/test_learned.py
 turns learning on where it checks it."""
 
 from __future__ import annotations

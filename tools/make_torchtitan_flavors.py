@@ -7,7 +7,7 @@ maps `[model] name / flavor` without a hand list.
     python tools/make_torchtitan_flavors.py                      # downloads torchtitan's wheel from PyPI (no deps)
     python tools/make_torchtitan_flavors.py --source DIR         # an unpacked torchtitan (DIR/torchtitan/models)
 
-tests/test_torchtitan_flavors.py checks every row against the catalog, and (slow) that a fresh read equals the
+tests/setup/sources/test_torchtitan_flavors.py checks every row against the catalog, and (slow) that a fresh read equals the
 committed table."""
 
 from __future__ import annotations

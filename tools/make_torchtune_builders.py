@@ -7,7 +7,7 @@ without a hand list of names.
     python tools/make_torchtune_builders.py                       # downloads torchtune's wheel from PyPI (no deps)
     python tools/make_torchtune_builders.py --source DIR          # an unpacked torchtune (DIR/torchtune/models)
 
-tests/test_torchtune_builders.py checks every row against the catalog, and (slow) that a fresh read equals the
+tests/setup/sources/test_torchtune_builders.py checks every row against the catalog, and (slow) that a fresh read equals the
 committed table."""
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ for w in 80 120; do
   run docs/screens/plan-$w.txt $w plan meta-llama/Llama-3.1-8B --gpu A100-80GB --gpus 4 --seq-len 4096 --grad-ckpt \
       --plot docs/screens/plan.png
 done
-# the web page (llmem serve) in headless Chromium, as tests/test_browser.py drives it
-LLMEM_SCREENSHOT=docs/screens/serve.png .venv/bin/python -m pytest -q tests/test_browser.py -k query_url
+# the web page (llmem serve) in headless Chromium, as tests/cli/test_browser.py drives it
+LLMEM_SCREENSHOT=docs/screens/serve.png .venv/bin/python -m pytest -q tests/cli/test_browser.py -k query_url
 # ... and at a phone's 390 px and a laptop's 1280 px: the first page, a plan, an uploaded config.json
-LLMEM_SCREENSHOTS=docs/screens .venv/bin/python -m pytest -q tests/test_browser.py -k fits_a_phone
+LLMEM_SCREENSHOTS=docs/screens .venv/bin/python -m pytest -q tests/cli/test_browser.py -k fits_a_phone
 if [ "${1:-}" = validate ]; then
   for w in 80 120; do
     rm -f docs/screens/validate-$w.txt

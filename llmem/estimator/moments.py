@@ -4,7 +4,7 @@ under FSDP2 of a middle one, the embedding's backward, FSDP2's root post-backwar
 
 They explain the peak (`--json` "moments") and give the planner a 1 ms bound for its searches; the counters
 themselves come from the allocation schedule (llmem.estimator.schedule), which lays out the same tensors in
-order. tests/test_schedule.py checks the two agree over the CI matrix.
+order. tests/estimator/test_schedule.py checks the two agree over the CI matrix.
 """
 
 from __future__ import annotations

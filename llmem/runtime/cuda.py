@@ -24,7 +24,7 @@ from llmem.errors import LlmemError
 # The op lists of aten/src/ATen/autocast_mode.cpp for the CUDA key (torch 2.x). Only the ops whose policy differs
 # between the two keys are re-registered on AutocastCPU; ops that both keys cast the same way keep the native kernel
 # (linear, matmul, mm, bmm, addmm, baddbmm, conv*, sdpa -> lower precision; nll_loss, mse_loss, ... -> fp32).
-# tests/test_tracer.py checks the result against the real AutocastCUDA kernels run on fake 'cuda' tensors.
+# tests/runtime/test_tracer.py checks the result against the real AutocastCUDA kernels run on fake 'cuda' tensors.
 _CUDA_LOWER_PRECISION = (
     "_convolution", "convolution", "cudnn_convolution", "cudnn_convolution_transpose", "addmv", "addr", "mv",
     "einsum", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell",

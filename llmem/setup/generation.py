@@ -177,7 +177,7 @@ _NOT_GENERATING_UNDER_FSDP = (
     # accelerate 1.15's fsdp2_prepare_model carves the embedding and [lm_head] into units of their own, but its
     # _find_final_norm looks among the PeftModel's base model's children (the *ForCausalLM's), so the final norm
     # stays in the root unit; peft's generate calls the base model's forward, past the root's pre-forward hook:
-    # its sharded weight meets a plain tensor (tests/test_grpo_fsdp_peft.py runs accelerate's own prepare)
+    # its sharded weight meets a plain tensor (tests/objectives/test_grpo_fsdp_peft.py runs accelerate's own prepare)
     (lambda s: s.lora_rank and not s.use_vllm, "--lora-rank",
      "the real step fails: accelerate's FSDP2 prepare leaves a peft model's final norm in the root unit, which "
      "peft's generate bypasses (aten.mul got mixed torch.Tensor and DTensor); --use-vllm colocated is modelled"),

@@ -22,8 +22,8 @@ installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):
   scoring, training; RLOO's scoring also runs the policy (scores_policy) and keeps per-sequence sums
   (sequence_logps).
 
-The defaults are the installed trl's config classes' (tests/test_objectives.py, tests/test_pairwise.py,
-tests/test_rloo.py check them); `NOT_YET` names the objectives still to come in the refusal, `REFUSED` those refused
+The defaults are the installed trl's config classes' (tests/objectives/test_objectives.py, tests/objectives/test_pairwise.py,
+tests/objectives/test_rloo.py check them); `NOT_YET` names the objectives still to come in the refusal, `REFUSED` those refused
 with what to use instead (ppo: trl 1.16 has no PPOTrainer).
 """
 

@@ -5,7 +5,7 @@ A row says what the optimizer keeps (`states`: the device tensors it creates per
 see), what one step allocates and frees (`step_events`, replayed by the estimator's schedule), how the step walks
 the parameters (`step_scope`), where it runs (`plain_tensors_only`), what the result says about it (`notes`), and
 the flags the planner and the exports read. The trace and measure build the optimizer itself from
-`llmem.runtime.optimizers.BUILDERS`, one entry per row (tests/test_optimizers.py checks both lists agree).
+`llmem.runtime.optimizers.BUILDERS`, one entry per row (tests/estimator/test_optimizers.py checks both lists agree).
 
 Shapes are rank-local; `pb` is the bytes per element of the parameter (and of its gradient). Step counters that
 live on the host (torch's non-fused, non-capturable optimizers; Adafactor always; bitsandbytes' python int) are

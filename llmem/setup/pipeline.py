@@ -5,7 +5,7 @@ each), how many micro-batches a stage holds in flight under each, and torchtitan
 
 The schedules are torch's (torch/distributed/pipelining/schedules.py); the split is torchtitan's
 (torchtitan/distributed/pipeline_parallel.py `_generate_llm_fqn_per_model_part`, `_get_pipeline_metadata`,
-`_get_pp_rank_to_stage_indices_mapping`). Nothing here imports torch: tests/test_pipeline.py checks the counts and
+`_get_pp_rank_to_stage_indices_mapping`). Nothing here imports torch: tests/estimator/test_pipeline.py checks the counts and
 each rank's order of stage forwards and backwards (`rank_actions`) against torch's own action lists.
 """
 

@@ -1,6 +1,6 @@
 """The validation matrices: named lists of set-ups the estimator is checked on.
 
-- ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/test_validate.py).
+- ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/validate/test_validate.py).
 - large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md), and
   70B-405B scale-out rows (SCALEOUT_MATRIX: benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md).
 - gpu: for a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.

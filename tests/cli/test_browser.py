@@ -118,7 +118,7 @@ def test_the_page_answers_a_query_url_and_a_typed_model_as_the_cli_does(served, 
     assert shown == {k: v for k, v in result.components.items() if v > 0}
     for axis in ("batch_size", "seq_len"):
         assert page.locator(f"#chart-{axis} circle").count() >= 3 * 5
-    # (the plan's numbers are the library's: tests/test_serve.py; here, that the page lays them out)
+    # (the plan's numbers are the library's: tests/cli/test_serve.py; here, that the page lays them out)
     labels = page.eval_on_selector_all("#plan-table tr[data-label]", "rs => rs.map(r => r.dataset.label)")
     assert {"ddp (2)", "fsdp (2)", "zero2 (2)"} <= set(labels)
     recommended = page.get_attribute("#plan-table tr.recommended", "data-label")

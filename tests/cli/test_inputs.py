@@ -25,7 +25,7 @@ from llmem.model.config import resolve_config
 from llmem.setup.training import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_STEP_TOKENS, TrainingSetup
 from llmem.units import MAX_BYTES, parse_bytes, parse_count
 
-CORPUS = Path(__file__).parent / "data" / "malformed_configs"
+CORPUS = Path(__file__).parents[1] / "data" / "malformed_configs"
 
 # each refused file -> what its one line must name (the field, or the cause when there is no field)
 REFUSED = {
@@ -302,13 +302,13 @@ def test_first_line_joins_an_introduction_with_its_reason():
 
 
 def test_a_peft_config_name_too_long_for_the_file_system(capsys):
-    # found by tests/test_cli_fuzz.py: OSError [Errno 36] escaped from read_peft_config
+    # found by tests/cli/test_cli_fuzz.py: OSError [Errno 36] escaped from read_peft_config
     code, _out, err = run_cli(["estimate", "tiny-llama", "--peft-config", "x" * 300], capsys)
     assert_one_line_refusal(code, err, "--peft-config")
 
 
 def test_a_binary_file_as_peft_config(tmp_path, capsys):
-    # found by tests/test_cli_fuzz.py: UnicodeDecodeError escaped from read_peft_config
+    # found by tests/cli/test_cli_fuzz.py: UnicodeDecodeError escaped from read_peft_config
     binary = tmp_path / "out.pdf"
     binary.write_bytes(b"%PDF-1.4\n\xff\xfe\x00\x81binary")
     code, _out, err = run_cli(["estimate", "tiny-llama", "--peft-config", str(binary)], capsys)

@@ -18,7 +18,7 @@ import pytest
 
 from llmem.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # each method on tiny-llama (4 heads, 2 KV heads: tp 2 divides both)
 METHOD_FLAGS = {"single": ["--gpus", "1"], "ddp": ["--gpus", "2"], "fsdp": ["--gpus", "2"],

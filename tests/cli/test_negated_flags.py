@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from published_configs import CONFIGS  # noqa: E402
 
 from llmem.cli import build_parser
 from llmem.cli.options import setup_and_source
 from llmem.setup.training import option_fields
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs"
 # axolotl's Llama-3 QLoRA example: `gradient_checkpointing: true`, `sample_packing: true`, `load_in_4bit: true`
 AXOLOTL_QLORA = CONFIGS / "axolotl" / "examples" / "llama-3" / "qlora.yml"
 

@@ -26,7 +26,7 @@ from llmem.validate.compare import Row, compared_counters
 from llmem.validate.matrices import CI_MATRIX, bundled_peft_config
 
 CUT = ("…", "...")
-TINY_LLAMA = json.loads((Path(__file__).resolve().parents[1] / "llmem/model/catalog/tiny/tiny-llama.json").read_text())
+TINY_LLAMA = json.loads((Path(__file__).resolve().parents[2] / "llmem/model/catalog/tiny/tiny-llama.json").read_text())
 
 
 def _render(renderable_printer, width: int) -> str:

@@ -32,7 +32,7 @@ from llmem.planner.options import PlanOptions  # noqa: E402
 from llmem.setup.sources import setup_from_file  # noqa: E402
 from llmem.setup.training import option_fields, user_setup  # noqa: E402
 
-# the work in this process (tests patch the library; the worker processes: tests/test_serve_security.py)
+# the work in this process (tests patch the library; the worker processes: tests/cli/test_serve_security.py)
 INLINE = ServeOptions(workers=0, allow_hosts=("testserver",))
 
 

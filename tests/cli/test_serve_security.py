@@ -305,7 +305,7 @@ def test_a_plan_is_stopped_when_its_client_leaves(tmp_path):
 
 def test_sigterm_stops_the_server_promptly(tmp_path):
     """`llmem serve` with a huge plan in flight: SIGTERM ends it within seconds, exit 0."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "llmem.cli", "serve", "--port", "0", "--plan-timeout", "300"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:

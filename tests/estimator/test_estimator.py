@@ -35,7 +35,7 @@ def test_llama2_7b_fsdp8_model_states_cli_json(capsys):
     """4 (fp32 shard) + 4 (grad shard) + 8 (Adam m, v) + 4 (foreach sqrt temp) = 20 bytes per parameter / 8 GPUs.
 
     Every Llama-2-7B tensor's dim 0 (4096, 11008, 32000) divides by 8, so FSDP2 adds no padding. (In process: the
-    `python -m llmem.cli` entry point itself is tests/test_cli.py's.)
+    `python -m llmem.cli` entry point itself is tests/cli/test_cli.py's.)
     """
     from llmem.cli import main
 

@@ -126,7 +126,7 @@ def test_plan_and_paper_refuse_ep():
     from llmem.planner.options import PlanOptions
     from llmem.planner.plan import plan
 
-    # plan searches ep layouts (tests/test_plan_ep.py) under the llmem engine and the time ranking only
+    # plan searches ep layouts (tests/planner/test_plan_ep.py) under the llmem engine and the time ranking only
     with pytest.raises(LlmemError, match="--ep searches with the llmem engine"):
         plan(_ep(), PlanOptions(ranking="paper"))
     with pytest.raises(LlmemError, match="no expert parallelism"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_FLOORS = ("llmem/estimator", "llmem/memory")
 LAYOUT_FIELDS = {"method", "gpus", "gpus_per_node", "tp", "pp", "cp", "ep", "dp_replicate"}
 

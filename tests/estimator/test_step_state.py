@@ -16,7 +16,7 @@ from llmem.setup.training import TrainingSetup
 # down 512 x 1376 and two norms, the final norm
 EMBEDDING = 32000 * 512
 PARAMS = 2 * EMBEDDING + 4 * (4 * 512 * 512 + 3 * 512 * 1376 + 2 * 512) + 512
-ESTIMATOR = Path(__file__).resolve().parents[1] / "llmem" / "estimator"
+ESTIMATOR = Path(__file__).resolve().parents[2] / "llmem" / "estimator"
 
 
 def _schedule(**kw) -> StepSchedule:

@@ -20,7 +20,7 @@ from llmem.model.anatomy import load_anatomy
 from llmem.model.resolved import resolve
 from llmem.setup.training import TrainingSetup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MICRO = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
          "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -143,7 +143,7 @@ def test_learned_path_equals_the_hand_recipes(model, kw, monkeypatch):
     """Where both exist: per-layer saved bytes within 1 % (the learned layer adds SDPA's philox seeds and, on gpt2
     under LoRA, autocast's fp32 copies of LayerNorm weights, which the hand recipe leaves out), allocated peaks
     within 1 %. Reserved peaks: within 1 % except gpt2 under checkpointing, where the hand recipe is 4 % below the
-    trace and the learned one within 1 % of it (tests/test_learned.py::test_learned_path_against_the_trace)."""
+    trace and the learned one within 1 % of it (tests/learn/test_learned.py::test_learned_path_against_the_trace)."""
     setup = _setup(model, **kw)
     monkeypatch.setenv(lm.LEARN_ENV, "never")
     hand, hand_act = estimate(setup), activation_profile(resolve(setup))

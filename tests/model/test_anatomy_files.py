@@ -32,7 +32,7 @@ from llmem.model.catalog.build_anatomies import differs, shipped_names
 from llmem.model.config import config_source
 from llmem.model.peft import peft_anatomy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PEFT_IA3 = str(REPO / "llmem/model/catalog/peft/ia3-k-v-down")
 
 

@@ -14,7 +14,7 @@ from llmem.errors import LlmemError
 from llmem.setup.sections import SECTIONS, ActivationsConfig, ParallelismConfig, StepConfig
 from llmem.setup.training import FLAT_ORDER, TrainingSetup, option_fields
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_at_most_twelve_top_level_fields_each_section_a_frozen_dataclass():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.py"
 _spec = importlib.util.spec_from_file_location("published_runs", _PATH)
 published_runs = importlib.util.module_from_spec(_spec)
 sys.modules["published_runs"] = published_runs   # dataclasses look their module up

@@ -3,7 +3,7 @@ dataclasses (trl/scripts/<command>.py make_parser: ScriptArguments, the command'
 DatasetMixtureConfig); the command, not the file, names the trainer, and TrlParser leaves a key no dataclass has
 unused (set_defaults_with_config, trl/scripts/utils.py). So the trainer is told from the keys: the configs that
 have every trainer key the file sets (the fields beyond TrainingArguments', TRL_CONFIGS, the installed trl 1.16's:
-tests/test_from_file.py checks them against its dataclasses), narrowed by loss_type's value; several left is
+tests/setup/sources/test_from_file.py checks them against its dataclasses), narrowed by loss_type's value; several left is
 ambiguous (the first in TRL_CONFIGS' order is taken, said so, and `--objective` decides)."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from llmem.model.catalog import find_entry, load_config_dict
 from llmem.setup.sources import setup_from_file
 from llmem.setup.sources.torchtitan import FLAVOR_LAYERS, FLAVORS, flavors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_matched_flavor_has_its_catalog_models_dimensions():

@@ -15,7 +15,7 @@ from llmem.model.catalog import find_entry, load_config_dict
 from llmem.setup.sources import setup_from_file
 from llmem.setup.sources.torchtune import builders
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SHAPES = ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
           "intermediate_size")
 
