@@ -12,17 +12,12 @@ committed table."""
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_torchtune_builders import catalog_match  # noqa: E402  (one matching rule for both tables)
+import framework_tables  # noqa: E402  (the generators' shared parts)
 
 OUT = Path(__file__).resolve().parents[1] / "llmem" / "setup" / "sources" / "torchtitan_flavors.json"
 VERSION = "0.3.0"
@@ -82,33 +77,18 @@ def read_torchtitan(root: Path) -> dict[str, dict]:
     return table
 
 
-def with_matches(flavors: dict[str, dict]) -> dict[str, dict]:
-    return {name: {**row, "hub_id": catalog_match(row["dims"])} for name, row in flavors.items()}
 
 
-def _downloaded(folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", f"torchtitan=={VERSION}", "--no-deps", "-q", "-d",
-                    str(folder)], check=True)
-    with zipfile.ZipFile(next(folder.glob("torchtitan-*.whl"))) as z:
-        z.extractall(folder / "src")
-    return folder / "src"
+
+
+
+
+
 
 
 def table(source: Path | None = None) -> dict:
-    if source is not None:
-        return {"torchtitan": VERSION, "flavors": with_matches(read_torchtitan(source))}
-    with tempfile.TemporaryDirectory() as tmp:
-        return {"torchtitan": VERSION, "flavors": with_matches(read_torchtitan(_downloaded(Path(tmp))))}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=None, help="an unpacked torchtitan (default: download it)")
-    args = parser.parse_args()
-    OUT.write_text(json.dumps(table(args.source), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {OUT}")
-    return 0
+    return framework_tables.table("torchtitan", VERSION, "flavors", read_torchtitan, source)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(framework_tables.main(__doc__.splitlines()[0], "torchtitan", OUT, table))

@@ -12,14 +12,12 @@ committed table."""
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import framework_tables  # noqa: E402  (the generators' shared parts)
 
 OUT = Path(__file__).resolve().parents[1] / "llmem" / "setup" / "sources" / "torchtune_builders.json"
 VERSION = "0.6.1"
@@ -73,46 +71,16 @@ def read_torchtune(root: Path) -> dict[str, dict]:
     return table
 
 
-def _downloaded(folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", f"torchtune=={VERSION}", "--no-deps", "-q", "-d",
-                    str(folder)], check=True)
-    wheel = next(folder.glob("torchtune-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(folder / "src")
-    return folder / "src"
 
 
-def catalog_match(dims: dict) -> str | None:
-    """The first catalog model whose config has every dimension of `dims` (the positions table aside), preferring
-    one whose max_position_embeddings agrees too; None: no catalog model has this architecture."""
-    from llmem.model.catalog import catalog, load_config_dict
-
-    shapes = [k for k in dims if k != "max_position_embeddings"]
-    found = [e for e in catalog().values()
-             if all(load_config_dict(e).get(k) == dims[k] for k in shapes)]
-    same = [e for e in found if load_config_dict(e).get("max_position_embeddings") == dims.get("max_position_embeddings")]
-    return (same or found)[0].hub_id if found else None
 
 
-def with_matches(builders: dict[str, dict]) -> dict[str, dict]:
-    return {name: {**row, "hub_id": catalog_match(row["dims"])} for name, row in builders.items()}
+
 
 
 def table(source: Path | None = None) -> dict:
-    if source is not None:
-        return {"torchtune": VERSION, "builders": with_matches(read_torchtune(source))}
-    with tempfile.TemporaryDirectory() as tmp:
-        return {"torchtune": VERSION, "builders": with_matches(read_torchtune(_downloaded(Path(tmp))))}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=None, help="an unpacked torchtune (default: download it)")
-    args = parser.parse_args()
-    OUT.write_text(json.dumps(table(args.source), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {OUT}")
-    return 0
+    return framework_tables.table("torchtune", VERSION, "builders", read_torchtune, source)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(framework_tables.main(__doc__.splitlines()[0], "torchtune", OUT, table))
