@@ -60,6 +60,10 @@ SWEEPS: dict[str, tuple[tuple[int, ...], int]] = {
     "seq_len": ((256, 512, 1024, 2048, 4096, 8192, 16384, 32768), MAX_SEQ_LEN),
 }
 MAX_SWEEP_POINTS = 16
+# the page's bounds beyond any published model (405B: 126 decoder layers; DeepSeek-V3 61), so that no request builds
+# a model only a plan of hours could search: the command line has none
+MAX_PAGE_LAYERS = 512
+MAX_PAGE_GPUS = 16384
 # `llmem plan` on the page compares every method: the query's method and micro-batch are left to the search
 PLAN_DROPS = ("method", "batch_size")
 TRUE, FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no", "")
@@ -105,6 +109,17 @@ def _shown_value(opt) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ uploads
+
+
+def _check_page_bounds(config: dict) -> None:
+    """An uploaded config.json past the page's bounds (its decoder layers, under any name transformers' configs
+    use for them): one line, the command line named for it."""
+    from llmem.model.families import LAYERS_FIELDS
+
+    layers = [config.get(k) for k in LAYERS_FIELDS if isinstance(config.get(k), int)]
+    if layers and max(layers) > MAX_PAGE_LAYERS:
+        raise LlmemError(f"the uploaded config has {max(layers):,} decoder layers; the page answers models of at "
+                         f"most {MAX_PAGE_LAYERS} (every published one): run `llmem estimate` on the command line")
 
 
 def _decoded(encoded: str, what: str) -> bytes:
@@ -327,6 +342,7 @@ class Query:
         if deep or not isinstance(data, dict):
             what = "nested too deeply" if deep else "not a JSON object"
             raise LlmemError(f"the uploaded file is {what}: upload the model's config.json")
+        _check_page_bounds(data)
         path = self.uploads / "config" / "config.json"
         _write(path, raw)
         return str(path)
@@ -345,6 +361,9 @@ class Query:
                 out[f.name] = text.lower() in TRUE
             elif text or opt.kind == "switches":
                 out[f.name] = text or f.default
+        if str(out.get("gpus", "")).isdigit() and int(out["gpus"]) > MAX_PAGE_GPUS:
+            raise LlmemError(f"gpus={out['gpus']}: the page plans at most {MAX_PAGE_GPUS:,} GPUs; run `llmem plan` on "
+                             "the command line")
         return out
 
     def args(self, command: str, drop: tuple[str, ...] = ()) -> argparse.Namespace:

@@ -340,3 +340,17 @@ def test_no_models_own_code_is_run(client, params):
                         "machine"
     r = client.post("/api/estimate", json={"model": "gpt2", "trust_remote_code": "1", "seq_len": "64"})
     assert r.status_code == 200, r.text
+
+
+def test_the_pages_bounds_on_layers_and_gpus(client, uploads):
+    """Past any published model (405B: 126 layers) and any plan a page should run: one line, the command line named;
+    at the bound, answered. The bound reads every name transformers' configs give the layer count."""
+    for key in ("num_hidden_layers", "n_layer"):
+        huge = {"model_type": "llama", key: 2048, "hidden_size": 64, "num_attention_heads": 4}
+        r = client.post("/api/estimate", json={"model": "x.json", "config": _config(huge)})
+        assert r.status_code == 400 and _error(r).startswith("the uploaded config has 2,048 decoder layers")
+    r = client.post("/api/estimate", json={"model": "tiny-llama", "gpus": "16385", "method": "fsdp"})
+    assert r.status_code == 400 and "at most 16,384 GPUs" in _error(r)
+    r = client.post("/api/estimate", json={"model": "tiny-llama", "gpus": "2", "method": "fsdp", "seq_len": "64"})
+    assert r.status_code == 200
+    assert _leftovers(uploads) == []
