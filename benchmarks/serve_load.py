@@ -1,5 +1,5 @@
 """A bounded load on `llmem serve` over loopback, with a slow plan in flight: the server started as a user starts it
-(`python -m llmem.cli serve --port 0`), warmed by one estimate, then a 2048-layer model's plan posted (it runs to
+(`python -m llmem.cli serve --port 0`), warmed by one estimate, then a 512-layer model's plan posted (it runs to
 the plan's time limit) and, while it runs, estimates at a fixed concurrency: first `--distinct` different set-ups
 (each computed by a worker), then `--requests` requests drawn from them (answered from the cache), then each of
 the first again, one at a time (a single cached answer's latency). Prints each
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-HUGE = {"model_type": "llama", "num_hidden_layers": 2048, "hidden_size": 8192, "num_attention_heads": 64,
+HUGE = {"model_type": "llama", "num_hidden_layers": 512, "hidden_size": 8192, "num_attention_heads": 64,
         "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 8192}
 
 

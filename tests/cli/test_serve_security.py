@@ -31,8 +31,8 @@ from llmem.cli.serve_guard import Hosts  # noqa: E402
 from llmem.cli.serve_query import MAX_REQUEST_BYTES  # noqa: E402
 
 INLINE = ServeOptions(workers=0, allow_hosts=("testserver",))
-# a 2048-layer Llama 70B: its plan searches far past any limit set here (minutes); its estimate takes ~1 s
-HUGE = {"model_type": "llama", "num_hidden_layers": 2048, "hidden_size": 8192, "num_attention_heads": 64,
+# a 512-layer Llama 70B (the page's bound on layers): its plan searches far past any limit set here (minutes)
+HUGE = {"model_type": "llama", "num_hidden_layers": 512, "hidden_size": 8192, "num_attention_heads": 64,
         "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 8192}
 TINY = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 512}
