@@ -16,6 +16,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.deepspeed import AUTO, bucket_buffers, reference_engine_note, zero_config
 from llmem.setup.expert_parallel import ep_note
+from llmem.setup.gpus import AUTO_GPU
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import REF_COPY, objective_notes, objective_spec, reference_mode
 from llmem.setup.training import TrainingSetup
@@ -114,6 +115,8 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     RAM per GPU under --offload-optimizer."""
     setup, anatomy = r.setup, r.anatomy
     notes = setup.optimizer_spec.notes("estimate", setup.optimizer_in_backward)
+    if setup.gpu.lower() == AUTO_GPU:      # the local GPU's free memory as the capacity (llmem.setup.gpus.auto_gpu)
+        notes.append(r.gpu.memory_source)
     if r.layout.ep > 1:    # torchtitan's expert parallelism (llmem.setup.expert_parallel)
         notes.append(ep_note(r.layout.ep, r.layout.expert_shard_degree, setup.ep_imbalance, "estimate"))
     if post_forward_ranks(r):    # FSDP2's reshard_after_forward=N (llmem.estimator.post_forward)

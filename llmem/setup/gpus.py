@@ -108,9 +108,15 @@ _ALIASES = {
 }
 
 
+AUTO_GPU = "auto"    # --gpu auto: this machine's GPU, sized by the memory free on it now
+
+
 def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
                 cuda_context: str | int | None = None) -> GpuSpec:
-    """Catalog look-up, case-insensitive, with `--gpu-memory` / `--cuda-context` overrides."""
+    """Catalog look-up, case-insensitive, with `--gpu-memory` / `--cuda-context` overrides; `auto`: this machine's
+    GPU with the least memory free (llmem.setup.local_gpus)."""
+    if name.lower() == AUTO_GPU and memory is None:
+        return _with_context(auto_gpu(), cuda_context)
     key = {k.upper(): k for k in GPU_CATALOG}.get(name.upper())
     key = key or _ALIASES.get(name) or {k.upper(): v for k, v in _ALIASES.items()}.get(name.upper())
     if key is None:
@@ -120,15 +126,35 @@ def resolve_gpu(name: str = "A100-80GB", memory: str | int | None = None,
                        cublas_workspace_bytes=_WS_PRE_HOPPER, bf16_tflops=312.0, link_gbps=300.0)
     else:
         base = GPU_CATALOG[key]
-    changes = {}
     if memory is not None:
-        changes["memory_bytes"] = parse_bytes(memory)
-        changes["memory_source"] = "--gpu-memory"
-    if cuda_context is not None:
-        changes["cuda_context_bytes"] = 0 if str(cuda_context) in ("0", "0B") else parse_bytes(cuda_context)
-    if changes:
-        base = replace(base, **changes)
-    return base
+        base = replace(base, memory_bytes=parse_bytes(memory), memory_source="--gpu-memory")
+    return _with_context(base, cuda_context)
+
+
+def _with_context(gpu: GpuSpec, cuda_context: str | int | None) -> GpuSpec:
+    if cuda_context is None:
+        return gpu
+    return replace(gpu, cuda_context_bytes=0 if str(cuda_context) in ("0", "0B") else parse_bytes(cuda_context))
+
+
+def auto_gpu() -> GpuSpec:
+    """The local GPU with the least memory free now (the one a step on every GPU meets first), as its catalog entry
+    (by name and total memory) with the free memory as its capacity: the CUDA context and the step must fit in what
+    is free."""
+    from llmem.setup.local_gpus import local_gpus
+
+    gpus = local_gpus()
+    if not gpus:
+        raise LlmemError("--gpu auto: no NVIDIA GPU here (nvidia-smi lists none): name one (`llmem gpus`) or give "
+                         "--gpu-memory")
+    local = min(gpus, key=lambda g: (g.free_bytes, g.index))
+    entry = catalog_gpu_for(local.name, local.total_bytes)
+    base = GPU_CATALOG[entry] if entry else GpuSpec(name=local.name, memory_bytes=0, cuda_context_bytes=420 * MIB,
+                                                     cublas_workspace_bytes=_WS_PRE_HOPPER, bf16_tflops=312.0,
+                                                     link_gbps=300.0)
+    return replace(base, memory_bytes=local.free_bytes,
+                   memory_source=f"--gpu auto: GPU {local.index} ({local.name}) has {local.free_bytes / GIB:.2f} of "
+                                 f"{local.total_bytes / GIB:.2f} GiB free now; fits is decided against the free memory")
 
 
 def catalog_gpu_for(device_name: str, total_bytes: int) -> str | None:

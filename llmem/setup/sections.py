@@ -82,7 +82,8 @@ class ParallelismConfig:
 @dataclass(frozen=True, kw_only=True)
 class HardwareConfig:
     """The GPU the step runs on and how its caching allocator is configured."""
-    gpu: str = option("A100-80GB", "GPU type (see `llmem gpus`; default A100-80GB)", LAYOUT)
+    gpu: str = option("A100-80GB", "GPU type (see `llmem gpus`; default A100-80GB); auto: this machine's GPU, fits "
+                      "decided against the memory free on it now", LAYOUT)
     gpu_memory: str | None = option(None, "GPU memory, e.g. 80GiB (overrides the catalog)", LAYOUT)
     cuda_context: str | None = option(None, "CUDA context size, e.g. 500MiB (overrides the assumption)", LAYOUT)
     expandable_segments: bool = option(False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments", LAYOUT, kind="switch")

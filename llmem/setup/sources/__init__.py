@@ -19,6 +19,7 @@ from llmem.errors import LlmemError
 from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import DEFAULT_GPUS_PER_NODE
+from llmem.setup.local_gpus import local_gpus
 from llmem.setup.methods import METHODS, canonical_method
 from llmem.setup.quant_bases import quant_base_spec
 from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
@@ -268,18 +269,8 @@ def _nothing_left_to_shard(r: Reading, values: dict, used: list[Used], overrides
 
 
 def local_gpu_count() -> int:
-    """The NVIDIA GPUs this machine's driver lists (`nvidia-smi -L`; 0 without a driver), without importing torch."""
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    """The NVIDIA GPUs this machine's driver lists (0 without one), without importing torch."""
+    return len(local_gpus())
 
 
 def _marked(used: list[Used], overrides: dict[str, Any]) -> list[Used]:

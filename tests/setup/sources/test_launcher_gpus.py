@@ -45,14 +45,9 @@ def test_the_command_line_count_wins(config, monkeypatch):
     assert read.setup.gpus == 2 and not [u for u in read.record.used if u.key == "(launcher)"]
 
 
-def test_local_gpu_count_reads_nvidia_smi(monkeypatch):
-    """Two `GPU n:` lines of `nvidia-smi -L` are two GPUs; no nvidia-smi on the PATH: none."""
-    import shutil
-    import subprocess
+def test_local_gpu_count_is_the_drivers_list(monkeypatch):
+    import llmem.setup.local_gpus as local
 
-    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)\n"
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, ""))
+    monkeypatch.setattr(sources, "local_gpus", lambda: local.parse_query("0, NVIDIA H100 80GB HBM3, 81559, 81000\n"
+                                                                          "1, NVIDIA H100 80GB HBM3, 81559, 80000\n"))
     assert sources.local_gpu_count() == 2
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert sources.local_gpu_count() == 0
