@@ -26,7 +26,9 @@ from llmem.setup.sources.hf import (
 from llmem.setup.sources.reading import Keys, Reading
 from llmem.setup.sources.trl_trainers import TRAINER_KEYS, fit, not_modelled
 
-TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", "packing", "padding_free", "use_peft", "lora_r",
+# SFTConfig's sequence cap before TRL renamed it max_length (TRL 0.20): a file written for that TRL still caps there
+OLD_MAX_LENGTH = "max_seq_length"
+TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", OLD_MAX_LENGTH, "packing", "padding_free", "use_peft", "lora_r",
              "dataset_text_field", "completion_only_loss", "num_generations", "beta", "max_prompt_length",
              "max_completion_length", "model_init_kwargs")
 PAIRED = ("dpo", "orpo", "simpo", "reward")     # per_device_train_batch_size counts pairs
@@ -106,7 +108,9 @@ def _objective(r: Reading, keys: Keys) -> str:
         note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
     r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
     for key in found.strays(keys.data):
-        r.ignore(key, keys.get(key), f"not a {config.name} field: TRL's parser leaves it unused", approximates=False)
+        if key != OLD_MAX_LENGTH:       # older TRL's cap: read by trl_sequence
+            r.ignore(key, keys.get(key), f"not a {config.name} field: TRL's parser leaves it unused",
+                     approximates=False)
     return config.objective
 
 
@@ -162,13 +166,18 @@ def trl_sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
               "the prompt: " + ("max_prompt_length (older TRL's; trl 1.16 does not truncate prompts)"
                                 if "max_prompt_length" in keys else "512 tokens assumed (trl 1.16 does not truncate "
                                 "prompts): give --seq-len for yours"))
-    elif "max_length" in keys or trl:
-        if objective_spec(objective).runs_trainer and objective not in GENERATING and "max_length" in keys:
-            r.set("max_length", keys.get("max_length"), "max_length", r.integer("max_length", keys.get("max_length")),
-                  f"TRL's truncation; --seq-len {keys.get('max_length')}, each sequence's length after it")
-        raw = keys.get("max_length", 1024)
-        r.set("max_length" if "max_length" in keys else "max_length (TRL's default)", raw, "seq_len",
-              r.integer("max_length", raw, what="a sequence length"))
+    elif "max_length" in keys or OLD_MAX_LENGTH in keys or trl:
+        key = "max_length" if "max_length" in keys or OLD_MAX_LENGTH not in keys else OLD_MAX_LENGTH
+        if objective_spec(objective).runs_trainer and objective not in GENERATING and key in keys:
+            r.set(key, keys.get(key), "max_length", r.integer(key, keys.get(key)),
+                  f"TRL's truncation; --seq-len {keys.get(key)}, each sequence's length after it")
+        raw = keys.get(key, 1024)
+        note = "older TRL's SFTConfig spelling of max_length (renamed in TRL 0.20)" if key == OLD_MAX_LENGTH else ""
+        if key != OLD_MAX_LENGTH and OLD_MAX_LENGTH in keys:
+            r.ignore(OLD_MAX_LENGTH, keys.get(OLD_MAX_LENGTH), "older TRL's spelling of max_length, which the file "
+                     "also gives: max_length is the cap", approximates=False)
+        r.set(key if key in keys else "max_length (TRL's default)", raw, "seq_len",
+              r.integer(key, raw, what="a sequence length"), note)
     for key in ("packing", "padding_free"):
         if key in keys and r.boolean(key, keys.get(key)):
             r.set(key, True, "packing", True, "position_ids restart per sample" if key == "padding_free" else "")
