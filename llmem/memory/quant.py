@@ -67,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.model.adapter_params import is_adapter_param
 from llmem.model.sharding import MATMUL_KINDS
 from llmem.setup.precision import F32
 from llmem.setup.quant_bases import QUANTISED, quant_base_spec
@@ -295,7 +296,7 @@ def is_quantised(p, quant_base: str) -> bool:
             or p.module_kind not in MATMUL_KINDS:
         return False
     module = p.name.rsplit(".", 1)[0]
-    return ".lora_" not in p.name and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"
+    return not is_adapter_param(p.name) and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"
 
 
 def storage_bytes(p, quant_base: str, args: QuantArgs, shards: int = 1) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from llmem.model.adapter_params import is_adapter_param
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
@@ -108,13 +109,10 @@ def engine_cast(setup: TrainingSetup) -> TrainingSetup:
     return setup
 
 
-HEAD_ADAPTER_MARKS = (".lora_", ".ia3_")   # peft's LoRA / IA3 parameters (modules_to_save copies are not adapters)
-
-
 def model_support(anatomy: ModelAnatomy) -> ModelSupport:
     """What `anatomy` (the trained one) can run, from its transformers class's flags and its family's row."""
     head = next((p.name.split(".", 1)[0] for p in anatomy.params
-                 if p.name.startswith("lm_head.") and any(m in p.name for m in HEAD_ADAPTER_MARKS)), None)
+                 if p.name.startswith("lm_head.") and is_adapter_param(p.name)), None)
     return ModelSupport(anatomy.architecture, anatomy.model_type, anatomy.supports_sdpa, anatomy.supports_flash_attn,
                         tp_refusal_of(anatomy.model_type), head,
                         tuple(tp_style_refusal(anatomy.model_type).items()),
