@@ -21,8 +21,8 @@ names the objective and its settings (`trl_fields`). The callback never stops th
 optimizer llmem does not model, a set-up it refuses) is a warning and an `llmem/estimate_error` log key.
 
 Known limitations: the set-up is what llmem can express of the live objects (`live_setup` raises a one-line
-LlmemError for an optimizer it does not model, which the callback logs); the distributed layout is the world size
-only (method and GPU as `overrides`); the sequence length is the first batch's (a run with variable
+LlmemError for an optimizer it does not model, which the callback logs); the distributed layout is what the Trainer's arguments say
+(`trainer_layout`: DeepSpeed's stage, FSDP's resharding, the world size; TP and the GPU type as `overrides`); the sequence length is the first batch's (a run with variable
 lengths is compared at that length); on the CPU the kernels are the CPU's (its SDPA differs from CUDA's), so the
 CPU comparison checks the bookkeeping, not CUDA's saved tensors; a multi-GPU run is compared on its rank.
 """
@@ -277,7 +277,7 @@ class LlmemCallback(_trainer_callback_base()):
         """The comparison at the recorded shape: a TRL trainer's objective and its settings read off its config
         (`args`, e.g. a DPOConfig), the micro-batch its per-device batch size."""
         autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        fields = {**trl_fields(args), **self.overrides}
+        fields = {**trainer_layout(args), **trl_fields(args), **self.overrides}
         batch = getattr(args, "per_device_train_batch_size", None) if fields.get("objective") else None
         return check(model, optimizer, batch_size=batch or self.shape[0], seq_len=self.shape[1], measured=measured,
                      autocast_dtype=autocast, threshold_pct=self.threshold_pct, device=str(args.device), **fields)
@@ -307,6 +307,21 @@ def _run_first(callback: Any) -> None:
             holder.remove(callback)
             holder.insert(0, callback)
             return
+
+
+def trainer_layout(args: Any) -> dict[str, Any]:
+    """The method and GPU count a Trainer runs, read off its TrainingArguments after their __post_init__: DeepSpeed's
+    ZeRO stage from the config the Trainer holds (hf_deepspeed_config), FSDP from fsdp / fsdp_config (resharding
+    after forward: fsdp; not: zero2), DDP over several processes; {} for one process alone."""
+    world = int(getattr(args, "world_size", 1) or 1)
+    deepspeed = getattr(args, "hf_deepspeed_config", None) if getattr(args, "deepspeed", None) else None
+    if deepspeed is not None:
+        stage = int(deepspeed.config.get("zero_optimization", {}).get("stage", 0) or 0)
+        return {"method": f"ds-zero{stage}" if stage in (1, 2, 3) else "ddp", "gpus": world}
+    if getattr(args, "fsdp", None):
+        resharded = (getattr(args, "fsdp_config", None) or {}).get("reshard_after_forward", True)
+        return {"method": "fsdp" if resharded else "zero2", "gpus": world}
+    return {"method": "ddp", "gpus": world} if world > 1 else {}
 
 
 def trl_fields(args: Any) -> dict[str, Any]:

@@ -166,3 +166,28 @@ def test_the_live_gpu_is_the_catalog_entry_of_its_name_and_memory(device, total,
     from llmem.setup.gpus import catalog_gpu_for
 
     assert catalog_gpu_for(device, total) == entry
+
+
+@pytest.mark.parametrize("fsdp, method", [("full_shard auto_wrap", "fsdp"), ("shard_grad_op auto_wrap", "zero2")])
+def test_the_trainers_fsdp_is_read_off_its_arguments(fsdp, method):
+    """TrainingArguments' __post_init__ turns fsdp="full_shard" / "shard_grad_op" into fsdp_config's
+    reshard_after_forward True / False: FSDP2's fsdp and zero2."""
+    from llmem.validate.live import trainer_layout
+
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, fsdp=fsdp)
+    assert trainer_layout(args) == {"method": method, "gpus": 1}
+
+
+def test_the_trainers_deepspeed_stage_and_world_size():
+    """The ZeRO stage of the config the Trainer holds (hf_deepspeed_config.config), over its world size; one plain
+    process names no layout (the set-up's defaults stand)."""
+    from types import SimpleNamespace
+
+    from llmem.validate.live import trainer_layout
+
+    zero3 = SimpleNamespace(config={"zero_optimization": {"stage": 3}})
+    args = SimpleNamespace(world_size=8, deepspeed="ds.json", hf_deepspeed_config=zero3, fsdp=None)
+    assert trainer_layout(args) == {"method": "ds-zero3", "gpus": 8}
+    assert trainer_layout(SimpleNamespace(world_size=4, deepspeed=None, fsdp=None)) == {"method": "ddp", "gpus": 4}
+    plain = transformers.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    assert trainer_layout(plain) == {}
