@@ -199,7 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from llmem.cli.plots import plot_plan
-    from llmem.cli.tables import print_json, print_plan, print_source
+    from llmem.cli.tables import print_approximate, print_json, print_plan, print_source
     from llmem.planner.plan import plan
 
     setup, source = setup_and_source(args)
@@ -236,6 +236,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_json(out)
     else:
         console = Console()
+        if source is not None:
+            print_approximate(source, console)
         print_plan(p, console)
         if source is not None:
             print_source(source, console)

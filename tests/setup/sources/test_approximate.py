@@ -42,3 +42,11 @@ def test_the_table_says_approximate_first(tmp_path, capsys):
     assert first.startswith("approximate:") and "torch_compile" in first
     assert main(["estimate", "tiny-llama", "--from", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["from_file"]["exact"] is False
+
+
+def test_the_plan_says_approximate_first_too(tmp_path, capsys):
+    path = tmp_path / "sft.yaml"
+    path.write_text(TRL + "torch_compile: true\n")
+    assert main(["plan", "tiny-llama", "--from", str(path), "--gpus", "2", "--seq-len", "64"]) == 0
+    first = capsys.readouterr().out.lstrip().splitlines()[0]
+    assert first.startswith("approximate:") and "torch_compile" in first
