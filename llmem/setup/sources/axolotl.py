@@ -22,7 +22,7 @@ from llmem.setup.sources.hf import (
     read_optimizer,
 )
 from llmem.setup.sources.reading import Keys, Reading
-from llmem.setup.sources.trl import GENERATING, PAIRED, objective_keys, trl_sequence
+from llmem.setup.sources.trl import GENERATING, batch_note, objective_keys, trl_sequence
 
 # axolotl's RLType (utils/schemas/enums.py, axolotl 0.19) -> (llmem's objective, the TRL trainer its builder runs,
 # the loss_type it sets): core/builders/rl.py _get_trainer_cls / _build_training_arguments; ipo is DPO with
@@ -94,9 +94,7 @@ def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
         r.set("rl", rl, "objective", objective, f"axolotl runs TRL's {trainer}")
     else:
         r.set("reward_model", True, "objective", objective)
-    paired = objective in PAIRED
-    r.set("micro_batch_size", batch, "batch_size", batch, "pairs: chosen and rejected rows run as one batch of 2x"
-          if paired else "")
+    r.set("micro_batch_size", batch, "batch_size", batch, batch_note(objective))
     dpo_losses = keys.get("dpo_loss_type") if rl == "dpo" else None
     if loss_type or dpo_losses:
         r.set("dpo_loss_type" if dpo_losses else "rl", dpo_losses or rl, "loss_type",

@@ -15,6 +15,7 @@ from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.hf import LIGER_CE_NOTE, LIGER_REST_WHY, read_optimizer, trainer_distributed
 from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.trl import batch_note
 
 MARKS = ("stage", "finetuning_type", "cutoff_len", "template", "lora_target", "quantization_bit")
 FLASH = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash", "fa3": "flash"}
@@ -93,17 +94,17 @@ def _stage(r: Reading, keys: Keys, stage: str, batch: int) -> None:
     """The trainer the stage runs: supervised (sft, pt), TRL's preference trainers as LLaMA-Factory subclasses them
     (dpo by pref_loss, kto), or a step of the doubled batch for the reward model (rm) and PPO, not modelled."""
     if stage in ("dpo", "kto"):
-        loss = str(keys.get("pref_loss", "sigmoid")).lower() if stage == "dpo" else "kto"
-        objective, loss_type = PREF_LOSSES.get(loss, ("kto", None)) if stage == "dpo" else ("kto", None)
-        if stage == "dpo" and loss not in PREF_LOSSES:
-            raise r.error("pref_loss", loss, f"is not a loss llmem models ({', '.join(PREF_LOSSES)})",
-                          "estimate another pref_loss")
-        r.set("stage", stage, "objective", objective, f"LLaMA-Factory's Custom{stage.upper()}Trainer"
-              + (f", pref_loss {loss}" if stage == "dpo" else ""))
+        objective, loss_type, trainer = "kto", None, "LLaMA-Factory's CustomKTOTrainer"
+        if stage == "dpo":
+            loss = str(keys.get("pref_loss", "sigmoid")).lower()
+            if loss not in PREF_LOSSES:
+                raise r.error("pref_loss", loss, f"is not a loss llmem models ({', '.join(PREF_LOSSES)})",
+                              "estimate another pref_loss")
+            (objective, loss_type), trainer = PREF_LOSSES[loss], f"LLaMA-Factory's CustomDPOTrainer, pref_loss {loss}"
+        r.set("stage", stage, "objective", objective, trainer)
         if loss_type:
             r.set("pref_loss", loss, "loss_type", loss_type)
-        r.set("per_device_train_batch_size", batch, "batch_size", batch,
-              "pairs: chosen and rejected rows run as one batch of 2x" if objective != "kto" else "")
+        r.set("per_device_train_batch_size", batch, "batch_size", batch, batch_note(objective))
         r.set("cutoff_len", keys.get("cutoff_len", 2048), "max_length", r.integer("cutoff_len", keys.get(
               "cutoff_len", 2048)), "LLaMA-Factory truncates each sequence to it")
         r.ignore("stage", stage, OWN_FORWARD)

@@ -292,9 +292,12 @@ def _precision(r: Reading, training: Keys) -> None:
         r.ignore("training.mixed_precision_reduce", reduce, "llmem's *-mixed reduces in fp32")
 
 
+# training.dtype, the dtype torchtitan builds and trains the model in where no FSDP2 mixed precision applies
+TRAINING_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
 def _training_dtype(training: Keys) -> str:
-    raw = training.data.get("dtype", "float32")
-    return {"bfloat16": "bf16", "float32": "fp32"}.get(str(raw), "fp32")
+    return TRAINING_DTYPES.get(str(training.data.get("dtype", "float32")), "fp32")
 
 
 def _no_fsdp_precision(r: Reading, training: Keys) -> None:
@@ -303,7 +306,7 @@ def _no_fsdp_precision(r: Reading, training: Keys) -> None:
     mixed_precision_param docstring), so mixed_precision_param takes no effect: the model trains in training.dtype
     (float32 by default; trainer.py's set_default_dtype), fp32 or pure bf16."""
     raw = training.get("dtype", "float32")
-    dtype = r.choice("training.dtype", raw, {"bfloat16": "bf16", "float32": "fp32"})
+    dtype = r.choice("training.dtype", raw, TRAINING_DTYPES)
     r.note_used("training.dtype" + ("" if "dtype" in training else " (default)"), raw,
                 "TP or PP without FSDP2 trains in it (no FSDP2 mixed precision, no autocast)")
     if "mixed_precision_param" in training:

@@ -20,6 +20,7 @@ from llmem.setup.sources.adapters import Lora, apply_lora
 from llmem.setup.sources.deepspeed import GA_NOTE
 from llmem.setup.sources.names import TORCH_CLASSES
 from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.trl import batch_note
 
 
 # torchtune's builders as its own source defines them (tools/make_torchtune_builders.py: each builder's dimensions,
@@ -63,8 +64,7 @@ def read(keys: Keys, r: Reading, text: str) -> None:
     _recipe(r, text)
     batch = r.integer("batch_size", keys.get("batch_size", 1), what="a micro-batch")
     loss_type = _preference_loss(str(keys.sub("loss").get("_component_", "")))
-    r.set("batch_size", keys.get("batch_size", 1), "batch_size", batch,
-          "pairs: chosen and rejected rows run as one batch of 2x" if loss_type else "")
+    r.set("batch_size", keys.get("batch_size", 1), "batch_size", batch, batch_note("dpo" if loss_type else "sft"))
     tokenizer = keys.sub("tokenizer")
     seq = tokenizer.get("max_seq_len")
     if seq is not None:
@@ -183,10 +183,10 @@ def _loss(r: Reading, loss: Keys) -> None:
         r.ignore("loss._component_", component, "torchtune's chunked output loss projects and upcasts chunk by chunk, "
                  "but keeps every chunk's fp32 log-probabilities for backward (all the logits' worth): modelled as "
                  "the unfused loss (an upper bound; --fused-ce gives the lower one)")
-    elif _preference_loss(component):
+    elif loss_type := _preference_loss(component):
         r.set("loss._component_", component, "objective", "dpo", "torchtune's DPO recipes: the reference forward "
               "with the adapters disabled (LoRA) or a frozen copy (full)")
-        r.set("loss._component_", component, "loss_type", _preference_loss(component))
+        r.set("loss._component_", component, "loss_type", loss_type)
         r.ignore("loss._component_", component, "torchtune's recipe keeps the whole logits of both rows in the "
                  "model's dtype (concatenated_forward), where TRL's chunked head is modelled")
     loss.get("num_output_chunks")

@@ -28,8 +28,8 @@ from llmem.setup.sources.trl_trainers import TRAINER_KEYS, fit, not_modelled
 
 # SFTConfig's sequence cap before TRL renamed it max_length (TRL 0.20): a file written for that TRL still caps there
 OLD_MAX_LENGTH = "max_seq_length"
-TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", OLD_MAX_LENGTH, "packing", "padding_free", "use_peft", "lora_r",
-             "dataset_text_field", "completion_only_loss", "num_generations", "beta", "max_prompt_length",
+TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", OLD_MAX_LENGTH, "packing", "padding_free",
+             "use_peft", "lora_r", "dataset_text_field", "completion_only_loss", "num_generations", "beta", "max_prompt_length",
              "max_completion_length", "model_init_kwargs")
 PAIRED = ("dpo", "orpo", "simpo", "reward")     # per_device_train_batch_size counts pairs
 REFERENCED = ("dpo", "kto")                   # precompute_ref_log_probs is theirs
@@ -52,9 +52,8 @@ def read(keys: Keys, r: Reading) -> None:
         r.set("model_name_or_path", keys.get("model_name_or_path"), "model", str(keys.get("model_name_or_path")))
     objective = _objective(r, keys) if trl else "sft"
     batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 8), what="a micro-batch")
-    paired = objective in PAIRED
     r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"), batch,
-          "batch_size", batch, "pairs: chosen and rejected rows run as one batch of 2x" if paired else "")
+          "batch_size", batch, batch_note(objective))
     objective_keys(r, keys, objective)
     trl_sequence(r, keys, trl, objective)
     if "gradient_accumulation_steps" in keys:
@@ -85,6 +84,12 @@ def read(keys: Keys, r: Reading) -> None:
         if keys.get(key):
             r.ignore(key, keys.get(key), why)
     r.not_read(keys)
+
+
+def batch_note(objective: str) -> str:
+    """What the micro-batch counts under `objective`, for the record: pairs where chosen and rejected run as one batch
+    (every framework's preference trainers alike), else nothing to say."""
+    return "pairs: chosen and rejected rows run as one batch of 2x" if objective in PAIRED else ""
 
 
 def _objective(r: Reading, keys: Keys) -> str:
