@@ -33,15 +33,21 @@ def catalog() -> dict[str, CatalogEntry]:
     }
 
 
+@cache
+def _by_name() -> dict[str, CatalogEntry]:
+    """Every name an entry answers to, lower-cased: its hub id, the part after the org, its aliases and theirs (the
+    first entry in file order keeps a name two could share)."""
+    index: dict[str, CatalogEntry] = {}
+    for entry in catalog().values():
+        for name in (entry.hub_id, *entry.aliases):
+            index.setdefault(name.lower(), entry)
+            index.setdefault(name.split("/")[-1].lower(), entry)
+    return index
+
+
 def find_entry(name: str) -> CatalogEntry | None:
     """Match a hub id, the part after the org, or an alias, case-insensitively."""
-    key = name.strip().lower()
-    for entry in catalog().values():
-        names = {entry.hub_id.lower(), entry.hub_id.split("/")[-1].lower(), *(a.lower() for a in entry.aliases),
-                 *(a.split("/")[-1].lower() for a in entry.aliases if "/" in a)}
-        if key in names:
-            return entry
-    return None
+    return _by_name().get(name.strip().lower())
 
 
 def tiny_config_dict(name: str) -> dict | None:
@@ -56,7 +62,7 @@ def tiny_config_dict(name: str) -> dict | None:
 
 
 def load_config_dict(entry: CatalogEntry) -> dict:
-    return json.loads(resources.files(__package__).joinpath("configs", entry.config_file).read_text())
+    return json.loads(catalog_file("configs", entry.config_file))
 
 
 def catalog_file(folder: str, name: str) -> bytes:
