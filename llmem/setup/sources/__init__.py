@@ -245,7 +245,7 @@ def _check_gpus(r: Reading, values: dict, multi: str, used: list[Used], notes: l
         values["method"] = multi if (gpus or 1) > 1 else "single"
     spec = METHODS[canonical_method(values["method"])]
     if not spec.one_gpu and gpus is None:
-        local = local_gpu_count()
+        local = len(local_gpus())
         values["gpus"] = local if local > 1 else DEFAULT_GPUS_PER_NODE
         where = f"this machine's {local} GPUs" if local > 1 else f"one node of {DEFAULT_GPUS_PER_NODE} GPUs"
         used.append(Used(r.file, "(launcher)", "not in the file", "gpus", values["gpus"], where))
@@ -267,10 +267,6 @@ def _nothing_left_to_shard(r: Reading, values: dict, used: list[Used], overrides
             used.append(Used(r.file, "training.dtype", r.no_fsdp_precision, "precision", r.no_fsdp_precision,
                              "TP without FSDP2 trains in it (maybe_enable_amp: no autocast)"))
 
-
-def local_gpu_count() -> int:
-    """The NVIDIA GPUs this machine's driver lists (0 without one), without importing torch."""
-    return len(local_gpus())
 
 
 def _marked(used: list[Used], overrides: dict[str, Any]) -> list[Used]:

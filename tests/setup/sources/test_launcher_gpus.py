@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 import llmem.setup.sources as sources
+from llmem.setup.local_gpus import parse_query
 from llmem.setup.sources import setup_from_file
+
+H100 = "{i}, NVIDIA H100 80GB HBM3, 81559, 81000\n"     # one line of `nvidia-smi --query-gpu=...` (MiB)
+
+
+def _driver_lists(monkeypatch, n: int) -> None:
+    """This machine's driver lists `n` GPUs (llmem.setup.local_gpus, which the reader asks)."""
+    monkeypatch.setattr(sources, "local_gpus", lambda: parse_query("".join(H100.format(i=i) for i in range(n))))
 
 FSDP_TRL = """model_name_or_path: meta-llama/Llama-3.1-8B
 per_device_train_batch_size: 1
@@ -26,7 +34,7 @@ def config(tmp_path):
 
 
 def test_no_gpu_here_answers_one_node_of_eight(config, monkeypatch):
-    monkeypatch.setattr(sources, "local_gpu_count", lambda: 0)
+    _driver_lists(monkeypatch, 0)
     read = setup_from_file(config)
     assert (read.setup.method, read.setup.gpus) == ("fsdp", 8)
     launcher = [u for u in read.record.used if u.key == "(launcher)"]
@@ -34,20 +42,14 @@ def test_no_gpu_here_answers_one_node_of_eight(config, monkeypatch):
     assert any("give --gpus N" in n for n in read.record.notes)
 
 
-def test_this_machines_gpus_when_it_has_several(config, monkeypatch):
-    monkeypatch.setattr(sources, "local_gpu_count", lambda: 4)
-    assert setup_from_file(config).setup.gpus == 4
+@pytest.mark.parametrize("listed", [2, 4])
+def test_this_machines_gpus_when_it_has_several(config, monkeypatch, listed):
+    _driver_lists(monkeypatch, listed)
+    assert setup_from_file(config).setup.gpus == listed
 
 
 def test_the_command_line_count_wins(config, monkeypatch):
-    monkeypatch.setattr(sources, "local_gpu_count", lambda: 4)
+    _driver_lists(monkeypatch, 4)
     read = setup_from_file(config, gpus=2)
     assert read.setup.gpus == 2 and not [u for u in read.record.used if u.key == "(launcher)"]
 
-
-def test_local_gpu_count_is_the_drivers_list(monkeypatch):
-    import llmem.setup.local_gpus as local
-
-    monkeypatch.setattr(sources, "local_gpus", lambda: local.parse_query("0, NVIDIA H100 80GB HBM3, 81559, 81000\n"
-                                                                          "1, NVIDIA H100 80GB HBM3, 81559, 80000\n"))
-    assert sources.local_gpu_count() == 2
