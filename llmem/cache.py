@@ -5,6 +5,7 @@ their files in sub-folders of it, and so do the built anatomies (llmem.model.ana
 from __future__ import annotations
 
 import os
+from functools import cache
 from pathlib import Path
 
 CACHE_ENV = "LLMEM_CACHE_DIR"
@@ -15,6 +16,16 @@ def cache_root() -> Path:
     if root:
         return Path(os.path.expanduser(root))
     return Path(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache")) / "llmem"
+
+
+def code_versions() -> dict[str, str]:
+    """The versions of the code a cached result is built by (torch, transformers, peft): read once per process."""
+    return dict(_code_versions())
+
+
+@cache
+def _code_versions() -> tuple[tuple[str, str], ...]:
+    return tuple(installed_versions("torch", "transformers", "peft").items())
 
 
 def installed_versions(*names: str) -> dict[str, str]:

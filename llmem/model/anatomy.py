@@ -268,7 +268,8 @@ def read_or_build(model: str, trust_remote_code: bool, build: Callable[[], Model
         if found is not None:
             return found
     anatomy = build()
-    source = config_source(model) if use else None       # a hub model's config is in the HF cache by now
+    if use and source is None:                           # a hub model's config is in the HF cache by now
+        source = config_source(model)
     if source is not None and source[0] == anatomy.name:
         try:
             text = anatomy_text(anatomy, disk.code_versions())

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from llmem.cache import cache_root, installed_versions
+from llmem.cache import cache_root, code_versions
 from llmem.model.catalog import catalog_file
 
 ANATOMY_FORMAT = 1                            # bump when the files' layout changes: older cache files are not read
@@ -29,11 +29,6 @@ def anatomy_cache_on() -> bool:
 
 def config_digest(config_bytes: bytes) -> str:
     return hashlib.sha256(config_bytes).hexdigest()
-
-
-def code_versions() -> dict[str, str]:
-    """The versions of the code an anatomy is built by."""
-    return installed_versions("torch", "transformers", "peft")
 
 
 def shipped_text(source: Source) -> str | None:

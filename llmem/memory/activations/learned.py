@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from llmem.cache import CACHE_ENV, cache_root, installed_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
+from llmem.cache import CACHE_ENV, cache_root, code_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
 from llmem.memory.activations.blocks import Block, LayerRecipe
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
@@ -189,10 +189,6 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------------------------------- the key and the cache
-def code_versions() -> dict[str, str]:
-    """The versions of the code the copy runs (read from the installed metadata: no import)."""
-    return installed_versions("torch", "transformers", "peft")
-
 
 _KEYS: dict[tuple, tuple[object, object, dict]] = {}
 
