@@ -5,6 +5,11 @@ class LlmemError(ValueError):
     """Bad input or an impossible request. The message names the problem and what to do."""
 
 
+class UnknownModel(LlmemError):
+    """A MODEL no catalog, local file or hub lookup could find (its refusals read "unknown model ..."): what a
+    fallback to another name of the same model (llmem.model.catalog.variants) or a --from file's hint answers."""
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message (its type's name when the message is empty): what a one-line
     LlmemError quotes of an error raised by transformers, peft or torch. A first line that only introduces the next

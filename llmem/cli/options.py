@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
-from llmem.errors import LlmemError
+from llmem.errors import LlmemError, UnknownModel
 from llmem.planner.options import EXPORT_FILES, PlanOptions
 from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, objective_spec
 from llmem.setup.sources import SourceRecord, setup_from_file
@@ -136,7 +136,7 @@ def file_model(source: SourceRecord | None):
         yield
     except LlmemError as exc:
         named = [u for u in source.used if u.field == "model"] if source is not None else []
-        if not named or "model" in source.overridden or not str(exc).startswith("unknown model"):
+        if not named or "model" in source.overridden or not isinstance(exc, UnknownModel):
             raise
         raise LlmemError(f"{exc}; {named[-1].file}'s {named[-1].key} names it: give MODEL before --from to use a "
                          "catalog model of the same architecture (e.g. llmem estimate meta-llama/Llama-3.1-8B --from "

@@ -19,7 +19,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from llmem.errors import LlmemError, first_line
+from llmem.errors import LlmemError, UnknownModel, first_line
 from llmem.model.catalog import catalog_file, find_entry, load_config_dict, tiny_config_dict
 from llmem.model.catalog.variants import variant_entry
 from llmem.model.families import check_dimensions, check_raw_sizes
@@ -113,8 +113,8 @@ def resolve_config(model: str, trust_remote_code: bool = False):
                          "catalog name (`llmem models`)")
     try:
         return model, _checked(model, _hub_config(model, trust_remote_code))
-    except LlmemError as exc:
-        entry = variant_entry(model) if str(exc).startswith("unknown model") else None
+    except UnknownModel:
+        entry = variant_entry(model)
         if entry is None:
             raise
     # a mirror or chat-tuned variant of a catalog model the hub could not be asked about: its base's config
@@ -199,8 +199,8 @@ def _hub_config(model: str, trust_remote_code: bool):
     try:
         validate_repo_id(model)
     except HFValidationError:
-        raise LlmemError(f"unknown model {_shown(model)}: not in the catalog (see `llmem models`), not a local config "
-                         "file or folder, and not a hub id (org/name: letters, digits, '-', '_', '.', at most 96 "
+        raise UnknownModel(f"unknown model {_shown(model)}: not in the catalog (see `llmem models`), not a local "
+                           "config file or folder, and not a hub id (org/name: letters, digits, '-', '_', '.', at most 96 "
                          "characters)") from None
     offline = _offline()
     reachable = not offline and hub_reachable()
@@ -212,10 +212,11 @@ def _hub_config(model: str, trust_remote_code: bool):
     except OSError as exc:  # transformers' and huggingface_hub's lookup errors (HTTP errors are OSErrors too)
         unknown = f"unknown model {_shown(model)}: not in the catalog (see `llmem models`), not a local config"
         if offline:
-            raise LlmemError(f"{unknown}, and not in the local HF cache (HF_HUB_OFFLINE is set)") from None
+            raise UnknownModel(f"{unknown}, and not in the local HF cache (HF_HUB_OFFLINE is set)") from None
         if not reachable:
-            raise LlmemError(f"{unknown}, not in the HF cache, and the hub cannot be reached: {_OFFLINE_HINT}") from None
-        raise LlmemError(f"{unknown}, and the hub lookup failed ({first_line(exc, 160)})") from None
+            raise UnknownModel(f"{unknown}, not in the HF cache, and the hub cannot be reached: {_OFFLINE_HINT}") \
+                from None
+        raise UnknownModel(f"{unknown}, and the hub lookup failed ({first_line(exc, 160)})") from None
     except Exception as exc:  # the config was found and transformers rejects it
         raise LlmemError(f"config of {_shown(model)}: {first_line(exc)}") from None
 
