@@ -113,11 +113,12 @@ def make_app(uploads: Path | None = None, options: ServeOptions = ServeOptions()
 
     async def run(request: Request, endpoint: str, axis: str = "") -> Response:
         work = work_from_body(endpoint, await _body(request), axis)
-        answer = cache.get(work.key())
+        key = work.key()          # a digest of the whole body, uploads included: made once
+        answer = cache.get(key)
         if answer is None:
             lane = "plan" if endpoint == "plan" else "estimate"
             answer = await _answered(request, lanes[lane], work, limits[lane], threads)
-            cache.put(work.key(), answer)
+            cache.put(key, answer)
         return Response(answer.body, status_code=answer.status, media_type="application/json")
 
     @app.get("/", response_class=HTMLResponse)

@@ -43,10 +43,6 @@ class Place:
     paths: LocalPaths
 
 
-def _answer_in(work: Work, place: Place, folder: Path) -> Answer:
-    return perform(work, folder, place.paths)
-
-
 def _worker_main(conn: Connection, place: Place) -> None:
     """A worker: answers the jobs sent on `conn` until it closes (or the parent process is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the server's to handle: it kills the workers
@@ -63,7 +59,7 @@ def _worker_main(conn: Connection, place: Place) -> None:
             work, folder = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(_answer_in(work, place, folder))
+        conn.send(perform(work, folder, place.paths))
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -181,7 +177,7 @@ class InlineLane:
         folder = Path(tempfile.mkdtemp(prefix="req-", dir=self.place.uploads))
         try:
             with self.lock:
-                return _answer_in(work, self.place, folder)
+                return perform(work, folder, self.place.paths)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

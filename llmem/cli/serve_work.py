@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ def work_from_body(endpoint: str, body: Any, axis: str = "") -> Work:
 class Answer:
     status: int
     body: bytes
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 def refusal(status: int, text: str) -> Answer:

@@ -356,13 +356,6 @@ def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOff
     return ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
 
 
-def runnable(setup: TrainingSetup) -> ResolvedSetup:
-    """The set-up resolved and checked as the estimate checks it (layout, the support tables with the model's facts:
-    llmem.setup.support, the pipeline's row included), before anything is built: what the estimate refuses, the
-    step refuses in the same line."""
-    return resolve(setup)
-
-
 @contextlib.contextmanager
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
@@ -379,7 +372,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     hooks = hooks or StepHooks()
     device = torch.device(device)
     say = progress or (lambda msg: None)
-    resolved = runnable(setup)
+    # resolved and checked as the estimate checks it (the support tables with the model's facts, the pipeline's row
+    # included), before anything is built: what the estimate refuses, the step refuses in the same line
+    resolved = resolve(setup)
     if setup.pp > 1 and not fake:
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
