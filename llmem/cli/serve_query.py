@@ -14,7 +14,6 @@ import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -78,7 +77,7 @@ def _option(f):
 
 def form_schema() -> dict:
     """What the page builds its form from: every TrainingSetup field with an Option, in field order."""
-    from llmem.model.catalog import catalog
+    from llmem.model.catalog import catalog, tiny_names
 
     items = []
     for f in option_fields():
@@ -95,9 +94,7 @@ def form_schema() -> dict:
             "switches": [[flag, value, text] for flag, value, text in opt.switches],
         })
     models = [name for e in catalog().values() for name in (e.hub_id, *e.aliases)]
-    tiny = sorted(p.name[:-5] for p in resources.files("llmem.model.catalog").joinpath("tiny").iterdir()
-                  if p.name.endswith(".json"))
-    return {"fields": items, "groups": [[k, t] for k, t in GROUP_TITLES.items()], "models": tiny + models,
+    return {"fields": items, "groups": [[k, t] for k, t in GROUP_TITLES.items()], "models": tiny_names() + models,
             "sweeps": {axis: list(points) for axis, (points, _) in SWEEPS.items()}, "config_key": CONFIG_KEY,
             "from_key": FROM_KEY, "from_max_bytes": MAX_TRAINING_CONFIG_BYTES}
 
@@ -379,8 +376,9 @@ class Query:
         with self.named():
             args = self.args(command, drop)
             setup, source = setup_and_source(args)
-            if source is not None and self._unread(source):      # a name in a value that is no reference: --from
-                self.from_paths = (*self.from_paths, *self._unread(source))
+            unread = self._unread(source) if source is not None else ()
+            if unread:                                           # a name in a value that is no reference: --from
+                self.from_paths = (*self.from_paths, *unread)
                 args = self.args(command, drop)
                 setup, source = setup_and_source(args)
             if source is not None:

@@ -50,6 +50,12 @@ def find_entry(name: str) -> CatalogEntry | None:
     return _by_name().get(name.strip().lower())
 
 
+def tiny_names() -> list[str]:
+    """The bundled small shapes (tiny/*.json), by name, sorted."""
+    return sorted(p.name.removesuffix(".json") for p in resources.files(__package__).joinpath("tiny").iterdir()
+                  if p.name.endswith(".json"))
+
+
 def tiny_config_dict(name: str) -> dict | None:
     """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom; tiny-pythia, tiny-phi,
     tiny-qwen3 and the MoE tiny-qwen3-moe, tiny-gpt-oss, tiny-deepseek-v3 (8 experts, top-2): families without a hand

@@ -15,15 +15,13 @@ from importlib import resources
 from llmem.cache import installed_versions
 from llmem.model.anatomy import ModelAnatomy, anatomy_text, exact_round_trip, inventory, read_anatomy
 from llmem.model.anatomy_cache import SHIPPED_FOLDER, config_digest, shipped_text
-from llmem.model.catalog import catalog
+from llmem.model.catalog import catalog, tiny_names
 from llmem.model.config import build_meta_model, config_source, resolve_config
 
 
 def shipped_names() -> list[str]:
     """Every bundled model a file is shipped for: the catalog's hub ids, then the tiny shapes."""
-    tiny = sorted(p.name.removesuffix(".json") for p in resources.files("llmem.model.catalog").joinpath("tiny")
-                  .iterdir() if p.name.endswith(".json"))
-    return [*catalog(), *tiny]
+    return [*catalog(), *tiny_names()]
 
 
 def fresh_anatomy(model: str) -> tuple[ModelAnatomy, str, str]:
