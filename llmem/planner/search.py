@@ -122,6 +122,15 @@ def boundary_guess(allocated: Callable[[int], int], quick: Callable[[int], int],
     return min(cap, max(1, 1 + int((target_bytes - a1) * (b - 1) // (ab - a1))))
 
 
+def smallest_draft(base: TrainingSetup, layout: Layout, engine: MemoryEngine) -> MemoryResult | None:
+    """The draft at `layout`'s smallest micro-batch, whose being out of memory makes a batch search answer 0 (its
+    allocated peak is exact, linear in depth, and reserved >= allocated); None for a pipeline, whose search runs full
+    estimates only (the draft does not model its stages)."""
+    if layout.pp > 1:
+        return None
+    return engine.draft(layout_setup(base, layout, setup_batch_multiple(base, layout.world_size)))
+
+
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
                      cap: int = BATCH_CAP) -> CandidatePlan:
     """Largest micro-batch of `layout` whose device-used memory stays within `limit`, and the memory there.
@@ -151,7 +160,7 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
         return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
     # out of memory for sure: the draft's allocated peak is exact (linear in depth) and reserved >= allocated; its
     # reserved is not (fragmentation extrapolated from shallow replays), so the memory shown is a full estimate
-    d1 = engine.draft(layout_setup(base, layout, unit))
+    d1 = smallest_draft(base, layout, engine)
     if not fits_within(d1, limit):      # a draft is out of memory only when its allocated peak is
         return CandidatePlan(layout, 0, at(1), limit)
     context = d1.components.get("cuda_context", 0)

@@ -15,8 +15,8 @@ from llmem.planner.search import (
     PlanContext,
     attach_time,
     cannot_win,
-    layout_setup,
     rank_by_time,
+    smallest_draft,
     time_at_max_batch,
 )
 from llmem.search import max_batch_size
@@ -146,13 +146,11 @@ def _out_at_smallest(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> 
     """Whether the batch search of `layout` answers 0 from its draft alone (search_candidate: the draft at the
     smallest batch out of memory, which it is only when its exact allocated peak is); False where the search
     decides otherwise (a pipeline) or the draft cannot be made."""
-    if layout.pp > 1:
-        return False
     try:
-        d = ctx.engine.draft(layout_setup(setup, layout, setup_batch_multiple(setup, layout.world_size)))
+        d = smallest_draft(setup, layout, ctx.engine)
     except LlmemError:
         return False
-    return not fits_within(d, ctx.limit)
+    return d is not None and not fits_within(d, ctx.limit)
 
 
 def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> float | None:
