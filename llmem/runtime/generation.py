@@ -223,6 +223,7 @@ def generate_completions(step, run: TrainerRun) -> None:
             stack.enter_context(stop_at_length(setup.seq_len))
             stack.enter_context(peers_finish_together())
             stack.enter_context(GenerateScalars())
+            stack.enter_context(full_length_padding_mask())    # the prompts all full length: no padding mask
         stack.enter_context(policy_checkpointing_paused(step.model))
         with step.hooks.category("gathered_weights"):   # DeepSpeed: TRL's unwrap_model_for_generation, ZeRO-3's
             model = stack.enter_context(step.unwrap_for_generation())                # gather (llmem.runtime.deepspeed)

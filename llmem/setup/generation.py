@@ -61,7 +61,7 @@ GENERATION_DEFAULTS = {
 # (trl/models/utils.py prepare_fsdp)
 TRL_METHODS = ("single", "ddp", "fsdp", "zero2")
 GENERATION_METHODS = TRL_METHODS
-GENERATION_ATTENTIONS = ("sdpa", "eager")
+GENERATION_ATTENTIONS = ("sdpa", "eager", "flash")
 
 # TrainingSetup fields of the generation objectives: (field, unset value, flag)
 GENERATION_FIELDS = (("num_generations", None, "--num-generations"),

@@ -249,6 +249,12 @@ CI_MATRIX: list[TrainingSetup] = [
     # phase runs the policy under no_grad (old-policy log-probs) before the reference; ~2 s of trace
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="rloo",
        max_completion_length=4),
+    # ... with flash attention (nearly every TRL recipe's attn_implementation): the prompts and completions full
+    # length, so transformers passes the kernel no mask, in generate as in the training forward
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="grpo",
+       num_generations=4, max_completion_length=4, attn="flash"),
+    _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="rloo",
+       max_completion_length=4, attn="flash"),
     # vLLM under FSDP2 (not run: the trace runs TRL's own weight sync, llmem.runtime.generation.sync_weights):
     # colocated with LoRA, peft's merge_adapter on the sharded DTensors, each full_tensor handed over one at a time,
     # the unmerge; server mode, vLLM's packed broadcast (one chunk of every full tensor + its torch.cat copy on a

@@ -135,8 +135,6 @@ def test_adapters_off_has_no_copy():
     ({"prompt_len": 256}, "--prompt-len"),
     ({"fused_ce": True}, "--fused-ce"),
     ({"method": "ds-zero3", "gpus": 2, "precompute_ref_log_probs": True}, "under DeepSpeed"),
-    ({"objective": "grpo", "attn": "flash", "precision": "bf16-mixed", "batch_size": 8, "seq_len": 1024},
-     "with --attn flash"),
     ({"objective": "ppo"}, "the installed trl 1.16 has no PPOTrainer"),
     ({"objective": "kto", "batch_size": 1}, "--batch-size >= 2"),
     ({"objective": "kto", "batch_size": 3}, "even --batch-size"),
