@@ -84,10 +84,8 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
         with quiet():
             peft_model = apply_peft_config(model, text, setup.adapter_dtype == "fp32")
     else:
-        targets = (setup.lora_targets if setup.lora_targets == LORA_ALL_LINEAR
-                   else lora_target_names(setup.lora_targets))
         config = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                            target_modules=targets, task_type="CAUSAL_LM")
+                            target_modules=_peft_targets(model, setup.lora_targets), task_type="CAUSAL_LM")
         with quiet():
             try:
                 peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
@@ -104,6 +102,22 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
                     module._parameters[name] = cast[id(p)]
     return peft_model
 
+
+
+def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
+    """--lora-targets as peft's target_modules: all-linear alone is peft's own shorthand; beside other names (e.g.
+    all-linear,lm_head) peft would read it as a module name, so it is expanded by peft's own rule
+    (_maybe_include_all_linear_layers: every Linear / Conv1D but the output layer) and the others added."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    names = lora_target_names(targets)
+    if LORA_ALL_LINEAR not in names:
+        return set(names)
+    if names == [LORA_ALL_LINEAR]:
+        return LORA_ALL_LINEAR
+    expanded = _maybe_include_all_linear_layers(LoraConfig(target_modules=LORA_ALL_LINEAR), model).target_modules
+    return set(expanded) | (set(names) - {LORA_ALL_LINEAR})
 
 def low_dtype(setup) -> torch.dtype | None:
     """The set-up's low-precision dtype (None under fp32)."""

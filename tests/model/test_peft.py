@@ -104,6 +104,24 @@ def test_trainable_set_matches_the_traced_peft_model(tmp_path):
     assert {p.name: p.numel for p in a.params if p.trainable} == traced
 
 
+
+@pytest.mark.parametrize("targets", ["all-linear,q_proj", "all-linear,lm_head", "q_proj,v_proj"])
+def test_traced_targets_are_the_estimates(targets):
+    """peft takes all-linear only as the whole target_modules string: beside other names the trace expands it
+    (peft's own rule), so the model it runs trains what the estimate's anatomy trains (a list holding
+    "all-linear" would have matched no module and left only the other names adapted)."""
+    from llmem.runtime.build import apply_peft, meta_model_for
+
+    setup = _setup("tiny-llama", precision="bf16-mixed", lora_rank=4, lora_targets=targets)
+    model = apply_peft(meta_model_for(setup), setup)
+    traced = {n.replace("base_model.model.", "", 1): p.numel() for n, p in model.named_parameters()
+              if p.requires_grad}
+    a = trained_anatomy(load_anatomy(setup.model), setup)
+    assert {p.name: p.numel for p in a.params if p.trainable} == traced
+    layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in traced}
+    assert len(layers) == (8 if "lm_head" in targets else 7 if "all-linear" in targets else 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the adapters' dtype (peft's autocast_adapter_dtype)
 
