@@ -405,6 +405,7 @@ class TorchaoStateFormat:
     (8 bits: the parameter's shape, uint8 or float8_e4m3fn; 4 bits: two per byte, flattened), one fp32 scale per
     block, and for the 8-bit and 4-bit formats a qmap, torch.tensor(qmap_list, float32) made for every state tensor
     (not shared). The signed map is exp_avg's, the unsigned one exp_avg_sq's."""
+    torchao_class: str                  # torchao.optim's class
     block_size: int
     code_bits: int
     codes_dtype: str = "uint8"          # torch's name of the codes' dtype
@@ -424,13 +425,13 @@ class TorchaoStateFormat:
 # linspace(0, 1, 17)[1:], 16 entries each; OptimStateFp8: no qmap. block_size: AdamW8bit / AdamWFp8 256, AdamW4bit
 # 128; transformers' adamw_torch_4bit passes block_size=256 (trainer_optimizer._get_torchao_optimizer)
 TORCHAO_FORMATS: dict[str, TorchaoStateFormat] = {
-    "torchao-adamw-8bit": TorchaoStateFormat(block_size=256, code_bits=8, signed_qmap_entries=256,
+    "torchao-adamw-8bit": TorchaoStateFormat("AdamW8bit", block_size=256, code_bits=8, signed_qmap_entries=256,
                                              unsigned_qmap_entries=256),
-    "torchao-adamw-4bit": TorchaoStateFormat(block_size=128, code_bits=4, signed_qmap_entries=16,
+    "torchao-adamw-4bit": TorchaoStateFormat("AdamW4bit", block_size=128, code_bits=4, signed_qmap_entries=16,
                                              unsigned_qmap_entries=16),
-    "torchao-adamw-4bit-b256": TorchaoStateFormat(block_size=256, code_bits=4, signed_qmap_entries=16,
-                                                  unsigned_qmap_entries=16),
-    "torchao-adamw-fp8": TorchaoStateFormat(block_size=256, code_bits=8, codes_dtype="float8_e4m3fn"),
+    "torchao-adamw-4bit-b256": TorchaoStateFormat("AdamW4bit", block_size=256, code_bits=4,
+                                                  signed_qmap_entries=16, unsigned_qmap_entries=16),
+    "torchao-adamw-fp8": TorchaoStateFormat("AdamWFp8", block_size=256, code_bits=8, codes_dtype="float8_e4m3fn"),
 }
 # what inductor's CPU code for single_param_adam allocates per parameter of n elements (torch 2.13, read with
 # TORCH_LOGS=output_code): 8-bit two [n] fp32 buffers (the new exp_avg / exp_avg_sq before quantisation) and two

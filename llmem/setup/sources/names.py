@@ -68,6 +68,9 @@ TORCH_CLASSES: dict[str, NameRow] = {
     "torchao.prototype.low_bit_optim.AdamW8bit": NameRow("torchao-adamw-8bit", "torchao's former path"),
     "torchao.prototype.low_bit_optim.AdamW4bit": NameRow("torchao-adamw-4bit", "torchao's former path (block 128)"),
     "torchao.prototype.low_bit_optim.AdamWFp8": NameRow("torchao-adamw-fp8", "torchao's former path"),
+    "torchao.optim.CPUOffloadOptimizer": NameRow(None, f"{_NOT_MODELLED}: torchao CPUOffloadOptimizer (host states "
+                                                 "and step for parameters of >= 4096 elements, gradients copied "
+                                                 "to the host in their hooks)"),
 }
 
 # attn_implementation values -> llmem's --attn
