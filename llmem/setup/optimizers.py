@@ -433,6 +433,14 @@ TORCHAO_FORMATS: dict[str, TorchaoStateFormat] = {
                                                   signed_qmap_entries=16, unsigned_qmap_entries=16),
     "torchao-adamw-fp8": TorchaoStateFormat("AdamWFp8", block_size=256, code_bits=8, codes_dtype="float8_e4m3fn"),
 }
+
+
+def torchao_row(torchao_class: str, block_size: int) -> str | None:
+    """The row of torchao's optimizer class `torchao_class` built with `block_size`; None when llmem has none."""
+    return next((name for name, fmt in TORCHAO_FORMATS.items()
+                 if fmt.torchao_class == torchao_class and fmt.block_size == block_size), None)
+
+
 # what inductor's CPU code for single_param_adam allocates per parameter of n elements (torch 2.13, read with
 # TORCH_LOGS=output_code): 8-bit two [n] fp32 buffers (the new exp_avg / exp_avg_sq before quantisation) and two
 # [n / 256] fp32; 4-bit also the unpacked codes ([n] uint8 twice) and [n] int64 indices twice; fp8 only the scales

@@ -42,7 +42,7 @@ from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
 from llmem.result import MemoryResult
 from llmem.setup.gpus import catalog_gpu_for
-from llmem.setup.optimizers import TORCHAO_FORMATS
+from llmem.setup.optimizers import torchao_row
 from llmem.setup.sources.names import HF_ATTENTIONS
 from llmem.setup.training import TrainingSetup, user_setup
 
@@ -67,9 +67,8 @@ def _optimizer_name(optimizer: Any, on_cuda: bool) -> str:
     if cls == "SGD":
         return "sgd-momentum" if group.get("momentum") else "sgd"
     if type(opt).__module__.startswith("torchao."):      # torchao's AdamW8bit shares bitsandbytes' class name
-        rows = [name for name, fmt in TORCHAO_FORMATS.items()
-                if fmt.torchao_class == cls and fmt.block_size == getattr(opt, "block_size", None)]
-        names = {cls: rows[0]} if rows else {}
+        row = torchao_row(cls, getattr(opt, "block_size", 0))
+        names = {cls: row} if row else {}
     else:
         names = {"Adafactor": "adafactor", "AdamW8bit": "adamw-8bit", "PagedAdamW8bit": "paged-adamw-8bit",
                  "PagedAdamW": "paged-adamw-32bit", "PagedAdamW32bit": "paged-adamw-32bit", "Lion": "lion",

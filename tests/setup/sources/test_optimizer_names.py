@@ -13,7 +13,7 @@ from published_configs import CONFIGS, SKIP_REASON, present
 from llmem.setup.sources import setup_from_file
 
 TORCHTUNE = ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\noptimizer:\n  _component_: {name}\n"
-             "  lr: 1e-5\nbatch_size: 1\n")
+             "  lr: 1e-5\n{extra}batch_size: 1\n")
 
 
 def _read(tmp_path, text: str) -> str:
@@ -52,10 +52,24 @@ def test_axolotl_optimizer(tmp_path, optimizer, row):
     ("bitsandbytes.optim.PagedAdamW32bit", "paged-adamw-32bit"),
 ])
 def test_torchtune_component(tmp_path, component, row):
-    assert _read(tmp_path, TORCHTUNE.format(name=component)) == row
+    assert _read(tmp_path, TORCHTUNE.format(name=component, extra="")) == row
 
 
 @pytest.mark.skipif(not present(), reason=SKIP_REASON)
 def test_published_axolotl_qlora_keeps_its_paged_32bit_adamw():
     """axolotl's examples/llama-3/qlora.yml says `optimizer: paged_adamw_32bit`."""
     assert setup_from_file(CONFIGS / "axolotl/examples/llama-3/qlora.yml").setup.optimizer == "paged-adamw-32bit"
+
+
+@pytest.mark.parametrize("block, row", [(256, "torchao-adamw-4bit-b256"), (128, "torchao-adamw-4bit")])
+def test_torchtune_torchao_block_size(tmp_path, block, row):
+    text = TORCHTUNE.format(name="torchao.optim.AdamW4bit", extra=f"  block_size: {block}\n")
+    assert _read(tmp_path, text) == row
+
+
+def test_torchtune_torchao_block_size_without_a_row_is_named(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(TORCHTUNE.format(name="torchao.optim.AdamW8bit", extra="  block_size: 64\n"))
+    fs = setup_from_file(f)
+    assert fs.setup.optimizer == "torchao-adamw-8bit"
+    assert any(i.key == "optimizer.block_size" for i in fs.record.ignored)
