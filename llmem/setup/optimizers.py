@@ -441,10 +441,17 @@ def torchao_row(torchao_class: str, block_size: int) -> str | None:
                  if fmt.torchao_class == torchao_class and fmt.block_size == block_size), None)
 
 
-# what inductor's CPU code for single_param_adam allocates per parameter of n elements (torch 2.13, read with
-# TORCH_LOGS=output_code): 8-bit two [n] fp32 buffers (the new exp_avg / exp_avg_sq before quantisation) and two
-# [n / 256] fp32; 4-bit also the unpacked codes ([n] uint8 twice) and [n] int64 indices twice; fp8 only the scales
-_UNSEEN_BYTES_PER_ELEMENT = {8: "8", 4: "26"}
+# what inductor's CPU code for single_param_adam holds per parameter of n elements (torch 2.13, read with
+# TORCH_LOGS=output_code on torchao 0.18's optimizers); its CUDA code cannot be generated without a GPU
+_INDUCTOR_CPU_BUFFERS = {
+    "torchao-adamw-8bit": "two [n] fp32 buffers (the new exp_avg / exp_avg_sq before quantisation) and two [n / 256] "
+                          "fp32: about 8 bytes per element",
+    "torchao-adamw-4bit": "the unpacked codes ([n] uint8, twice), two [n] fp32, two [n] int64 indices and two "
+                          "[n / 128] fp32: about 26 bytes per element",
+    "torchao-adamw-4bit-b256": "the unpacked codes ([n] uint8, twice), two [n] fp32, two [n] int64 indices and two "
+                               "[n / 256] fp32: about 26 bytes per element",
+    "torchao-adamw-fp8": "two [n / 256] fp32 scales: about 1/32 byte per element",
+}
 
 
 def _torchao_states(fmt: TorchaoStateFormat) -> Callable[[Shape, int], list[int]]:
@@ -463,12 +470,10 @@ def _torchao_notes(name: str, fmt: TorchaoStateFormat) -> tuple[tuple[str, ...],
     layout = (f"{name}: torchao 0.18's states: for a parameter of >= {TORCHAO_MIN_QUANT_SIZE} elements and a "
               f"multiple of {fmt.block_size}, exp_avg and exp_avg_sq as {codes} codes, one fp32 scale per "
               f"{fmt.block_size} elements{qmap}; other parameters keep both states in their own dtype")
-    unseen = ("a [n / 256] fp32 scale per state" if fmt.signed_qmap_entries == 0
-              else f"up to {_UNSEEN_BYTES_PER_ELEMENT[fmt.code_bits]} bytes per element")
     step = (f"{name}: the step (torch.compile of torchao's single_param_adam, one kernel per parameter) is modelled "
             "as updating the states and the parameter in place with no temporaries; inductor's CUDA buffers cannot "
-            f"be generated here: its CPU code for the same graph holds {unseen} of the parameter being stepped, "
-            "and its autotuner clones the kernel's arguments at the first step")
+            "be generated here: its CPU code for the same graph holds, for the parameter being stepped (n elements), "
+            f"{_INDUCTOR_CPU_BUFFERS[name]}; its autotuner also clones the kernel's arguments at the first step")
     emulated = (f"{name}: torchao's compiled step cannot run on fake tensors: an llmem emulation allocates exactly "
                 "torchao's state tensors and updates the parameter in place")
     sharded = (f"{name} on FSDP2's shards: torchao wraps each state in a DTensor of the parameter's placements, made "
