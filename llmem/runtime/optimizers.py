@@ -22,6 +22,16 @@ CUDA, and the ones torch does not ship or whose kernels cannot run on fake tenso
   Paged (PagedAdamW8bit): state buffers of >= 1e5 elements come from cudaMallocManaged (F.get_paged), which the
   caching allocator never sees; they are made on the meta device here (no allocator event) and their bytes are
   reported in `outside_allocator_bytes`.
+  PagedAdamW (32-bit): the same emulation with optim_bits=32: fp32 state1/state2 for every parameter, paged when
+  >= 1e5 elements, no quantisation maps.
+- `EmulatedTorchaoAdamW`: the memory of torchao's AdamW8bit / AdamW4bit / AdamWFp8 (torchao 0.18.0, optim/adam.py
+  _AdamBase): per parameter, at its first step, exp_avg then exp_avg_sq, each the tensors of its subclass's
+  `zeros` (codes, fp32 scale per block, its own fp32 qmap: llmem.setup.optimizers.TorchaoStateFormat) when the
+  local tensor (a DTensor's shard) has >= 4096 elements and a multiple of the block size, else zeros_like of the
+  local tensor; the step counter and the learning rate are CPU tensors. The update is torch.compile of
+  single_param_adam, one fused kernel per parameter, which cannot run on fake tensors: here the parameter is
+  updated in place (plain SGD numerics) and nothing else is allocated; inductor's own buffers are not modelled
+  (the row's notes bound them).
 - `InBackwardOptimizer`: --optimizer-in-backward, one optimizer per parameter stepped in its post-accumulate-grad
   hook.
 """
@@ -42,6 +52,8 @@ from llmem.setup.optimizers import (
     BNB_PAGED_MIN_NUMEL,
     BNB_QMAP_ENTRIES,
     OPTIMIZERS,
+    TORCHAO_FORMATS,
+    TorchaoStateFormat,
     bnb_blocks,
 )
 
@@ -99,10 +111,11 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
     """bitsandbytes' AdamW8bit (paged=False) or PagedAdamW8bit (paged=True), memory-exact, see the module doc."""
 
     def __init__(self, params, lr: float = 1e-3, paged: bool = False,
-                 min_8bit_size: int = BNB_MIN_8BIT_SIZE) -> None:
+                 min_8bit_size: int = BNB_MIN_8BIT_SIZE, optim_bits: int = 8) -> None:
         super().__init__(params, {"lr": lr})
         self.paged = paged
         self.min_8bit_size = min_8bit_size
+        self.optim_bits = optim_bits
         self.qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
         self.outside_allocator_bytes = 0      # paged (cudaMallocManaged) state bytes
 
@@ -119,7 +132,7 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
         state["step"] = 0
-        if p.numel() < self.min_8bit_size:
+        if self.optim_bits == 32 or p.numel() < self.min_8bit_size:
             state["state1"] = self._buffer(p, torch.float32)
             state["state2"] = self._buffer(p, torch.float32)
             return
@@ -146,6 +159,53 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
                 self.state[p]["step"] += 1
                 p.add_(p.grad, alpha=-group["lr"])   # in place, like the fused kernel: no temporaries
         return loss
+
+
+Builder = Callable[[nn.Module, list[dict], float], "torch.optim.Optimizer | MuonWithAdamW"]
+
+
+class EmulatedTorchaoAdamW(torch.optim.Optimizer):
+    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 (`fmt`: the row's state format), memory-exact for the states, see
+    the module doc."""
+
+    def __init__(self, params, fmt: TorchaoStateFormat, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+        self.fmt = fmt
+
+    def _new_buffer(self, local: torch.Tensor, name: str, qmap_entries: int) -> dict[str, torch.Tensor]:
+        """_AdamBase._new_buffer on the local tensor: the subclass's codes, scale and qmap (in that order), or
+        zeros_like; one state-dict entry per device tensor (the trace labels them optimizer states)."""
+        n, fmt = local.numel(), self.fmt
+        if not fmt.quantised(n):
+            return {name: torch.zeros_like(local)}
+        shape = (n // 2,) if fmt.code_bits == 4 else local.shape     # OptimState4bit: flattened, two per byte
+        out = {f"{name}.codes": torch.zeros(shape, dtype=getattr(torch, fmt.codes_dtype), device=local.device),
+               f"{name}.scale": torch.zeros(n // fmt.block_size, dtype=torch.float32, device=local.device)}
+        if qmap_entries:
+            out[f"{name}.qmap"] = torch.zeros(qmap_entries, dtype=torch.float32, device=local.device)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local = p.to_local() if hasattr(p, "to_local") else p
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0              # torch.tensor(0.0): a CPU tensor
+                    state.update(self._new_buffer(local, "exp_avg", self.fmt.signed_qmap_entries))
+                    state.update(self._new_buffer(local, "exp_avg_sq", self.fmt.unsigned_qmap_entries))
+                state["step"] += 1
+                local.add_(grad, alpha=-group["lr"])   # in place, like the compiled kernel's p.copy_
+        return loss
+
+
+def _torchao(name: str) -> Builder:
+    return lambda model, groups, lr: EmulatedTorchaoAdamW(groups, TORCHAO_FORMATS[name], lr=lr)
 
 
 class _Adafactor(torch.optim.Adafactor):
@@ -211,7 +271,6 @@ class MuonWithAdamW:
             opt.zero_grad(set_to_none=set_to_none)
 
 
-Builder = Callable[[nn.Module, list[dict], float], "torch.optim.Optimizer | MuonWithAdamW"]
 BUILDERS: dict[str, Builder] = {
     "adamw": lambda model, groups, lr: torch.optim.AdamW(groups, lr=lr, foreach=True),
     "adamw-fused": lambda model, groups, lr: torch.optim.AdamW(groups, lr=lr, fused=True),
@@ -223,6 +282,8 @@ BUILDERS: dict[str, Builder] = {
     "muon": MuonWithAdamW,
     "adamw-8bit": lambda model, groups, lr: EmulatedAdamW8bit(groups, lr=lr, paged=False),
     "paged-adamw-8bit": lambda model, groups, lr: EmulatedAdamW8bit(groups, lr=lr, paged=True),
+    "paged-adamw-32bit": lambda model, groups, lr: EmulatedAdamW8bit(groups, lr=lr, paged=True, optim_bits=32),
+    **{name: _torchao(name) for name in TORCHAO_FORMATS},
 }
 
 

@@ -8,8 +8,8 @@ the flags the planner and the exports read. The trace and measure build the opti
 `llmem.runtime.optimizers.BUILDERS`, one entry per row (tests/estimator/test_optimizers.py checks both lists agree).
 
 Shapes are rank-local; `pb` is the bytes per element of the parameter (and of its gradient). Step counters that
-live on the host (torch's non-fused, non-capturable optimizers; Adafactor always; bitsandbytes' python int) are
-not device memory.
+live on the host (torch's non-fused, non-capturable optimizers; Adafactor always; bitsandbytes' python int;
+torchao's CPU float tensor) are not device memory.
 
 Adding an optimizer: a row here, a builder entry in llmem/runtime/optimizers.py, a CI row in
 llmem/validate/matrices.py and a hand-worked test of its state and step bytes (docs/architecture.md).
@@ -80,7 +80,7 @@ class OptimizerSpec:
     host_step_counters: bool = True      # step counts are host scalars (a fused kernel keeps them on the device)
     plain_tensors_only: str = ""         # why it cannot run on DTensor shards ({name}, {method}); "" if it can
     adam: bool = False                   # an Adam(W): the paper models it, the exports carry it
-    eight_bit: bool = False              # bitsandbytes' 8-bit states
+    low_bit: bool = False                # states quantised to 8 bits or fewer (bitsandbytes, torchao)
     paged: bool = False                  # bitsandbytes' paged (cudaMallocManaged) states
     estimate_notes: tuple[str, ...] = ()
     step_notes: tuple[str, ...] = ()     # trace and measure (the real step)
@@ -321,12 +321,15 @@ def _muon_part_of(param) -> int:
 
 # ------------------------------------------------------------------------------------------------ bitsandbytes
 
-def _bnb_states(paged: bool) -> Callable[[Shape, int], list[int]]:
+def _bnb_states(paged: bool, bits: int) -> Callable[[Shape, int], list[int]]:
+    """Optimizer2State.init_state: fp32 state1/state2 for optim_bits=32 or parameters under min_8bit_size, else
+    uint8 state1/state2 and fp32 absmax1/absmax2; get_state_buffer pages (cudaMallocManaged) state1/state2 of
+    >= 1e5 elements of a paged optimizer, 32-bit ones included."""
     def states(shape: Shape, pb: int) -> list[int]:
         n = prod(shape)
-        if n < BNB_MIN_8BIT_SIZE:
-            return [n * F32, n * F32]                  # 32-bit state1, state2 (fp32 whatever the parameter dtype)
         managed = paged and n >= BNB_PAGED_MIN_NUMEL
+        if bits == 32 or n < BNB_MIN_8BIT_SIZE:
+            return [] if managed else [n * F32, n * F32]   # 32-bit state1, state2 (fp32 whatever the param dtype)
         kept = [] if managed else [n, n]               # uint8 state1, state2 (paged: cudaMallocManaged)
         return kept + [bnb_blocks(n) * F32, bnb_blocks(n) * F32]   # fp32 absmax1, absmax2
     return states
@@ -347,6 +350,12 @@ def _bnb_paged_states(shape: Shape) -> int:
     return 2 * n if n >= max(BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL) else 0
 
 
+def _bnb_paged_32bit_states(shape: Shape) -> int:
+    """PagedAdamW (optim_bits=32): fp32 state1/state2 of >= 1e5 elements in managed memory, as _bnb_paged_states."""
+    n = prod(shape)
+    return 2 * n * F32 if n >= BNB_PAGED_MIN_NUMEL else 0
+
+
 _BNB_PLAIN = ("{name} is modelled with single and ddp only (bitsandbytes' kernels take plain CUDA tensors, not "
               "FSDP2/TP DTensor shards); got {method}")
 _BNB_LAYOUT = ("blockwise uint8 state1/state2 + fp32 absmax per 256 elements, fp32 states for parameters under 4096 "
@@ -355,7 +364,7 @@ _BNB_ESTIMATE = ("bitsandbytes' state layout, modelled analytically (its CUDA ke
                  "trace uses an emulation with the same state tensors)")
 _BNB_STEP = ("bitsandbytes' CUDA kernels cannot run on fake tensors (nor is bitsandbytes a dependency): an llmem "
              "emulation allocates exactly bnb's state tensors and updates in place (fused kernel: no temporaries)")
-_PAGED_NOTE = ("paged-adamw-8bit: states of >= 1e5 elements are CUDA managed memory (cudaMallocManaged): not in "
+_PAGED_NOTE = ("{name}: states of >= 1e5 elements are CUDA managed memory (cudaMallocManaged): not in "
                "peak_allocated/peak_reserved (PyTorch's counters never see them) but in device_used (component "
                "managed_memory) while there is room: the driver evicts their pages to the host when the device is full, so "
                "they do not count against fitting")
@@ -366,16 +375,122 @@ IN_BACKWARD_NOTE = ("optimizer in backward: one optimizer per parameter stepped 
 _LION_NOTE = "lion: llmem.runtime.optimizers.Lion (the lion-pytorch update with foreach kernels)"
 
 
-def _bnb_row(name: str, summary: str, paged: bool) -> OptimizerSpec:
-    notes = [f"{name}: {_BNB_ESTIMATE}; {_BNB_LAYOUT}"], [f"{name}: {_BNB_STEP}; {_BNB_LAYOUT}"]
+_BNB_32BIT_LAYOUT = ("fp32 state1/state2 of the parameter's shape (optim_bits=32: no quantisation maps, no "
+                     "absmax)")
+
+
+def _bnb_row(name: str, summary: str, paged: bool, bits: int = 8) -> OptimizerSpec:
+    layout = _BNB_LAYOUT if bits == 8 else _BNB_32BIT_LAYOUT
+    notes = [f"{name}: {_BNB_ESTIMATE}; {layout}"], [f"{name}: {_BNB_STEP}; {layout}"]
     if paged:
-        notes[0].append(_PAGED_NOTE)
-        notes[1].append(_PAGED_NOTE)
-    return OptimizerSpec(name=name, summary=summary, states=_bnb_states(paged), step_events=_no_events,
-                         step_scope=NO_TEMPORARIES, shared_state_bytes=_bnb_qmaps,
-                         outside_allocator_bytes=_bnb_paged_states if paged else _nothing_outside,
-                         plain_tensors_only=_BNB_PLAIN, eight_bit=True, paged=paged,
-                         estimate_notes=tuple(notes[0]), step_notes=tuple(notes[1]))
+        notes[0].append(_PAGED_NOTE.format(name=name))
+        notes[1].append(_PAGED_NOTE.format(name=name))
+    outside = _nothing_outside if not paged else _bnb_paged_states if bits == 8 else _bnb_paged_32bit_states
+    return OptimizerSpec(name=name, summary=summary, states=_bnb_states(paged, bits), step_events=_no_events,
+                         step_scope=NO_TEMPORARIES, shared_state_bytes=_bnb_qmaps if bits == 8 else _no_shared,
+                         outside_allocator_bytes=outside, plain_tensors_only=_BNB_PLAIN, low_bit=bits == 8,
+                         paged=paged, estimate_notes=tuple(notes[0]), step_notes=tuple(notes[1]))
+
+
+# ------------------------------------------------------------------------------------------------ torchao
+
+# torchao/optim/adam.py (torchao 0.18.0): _AdamBase._new_buffer quantises a state when the parameter's local tensor
+# (the DTensor shard's to_local()) has >= 4096 elements and a multiple of block_size; else torch.zeros_like(local_p)
+TORCHAO_MIN_QUANT_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class TorchaoStateFormat:
+    """A torchao quantised state, as its subclass's `zeros` makes it (torchao 0.18.0, optim/subclass_*.py): codes
+    (8 bits: the parameter's shape, uint8 or float8_e4m3fn; 4 bits: two per byte, flattened), one fp32 scale per
+    block, and for the 8-bit and 4-bit formats a qmap, torch.tensor(qmap_list, float32) made for every state tensor
+    (not shared). The signed map is exp_avg's, the unsigned one exp_avg_sq's."""
+    torchao_class: str                  # torchao.optim's class
+    block_size: int
+    code_bits: int
+    codes_dtype: str = "uint8"          # torch's name of the codes' dtype
+    signed_qmap_entries: int = 0
+    unsigned_qmap_entries: int = 0
+
+    def quantised(self, numel: int) -> bool:
+        return numel >= TORCHAO_MIN_QUANT_SIZE and numel % self.block_size == 0
+
+    def state_bytes(self, numel: int, qmap_entries: int) -> list[int]:
+        """One state's tensors, in creation order: codes, scale, qmap."""
+        out = [numel * self.code_bits // 8, numel // self.block_size * F32]
+        return out + [qmap_entries * F32] if qmap_entries else out
+
+
+# OptimState8bit: create_dynamic_map(signed) has 2**8 entries; OptimState4bit: create_dynamic_map(True, 3, 4) and
+# linspace(0, 1, 17)[1:], 16 entries each; OptimStateFp8: no qmap. block_size: AdamW8bit / AdamWFp8 256, AdamW4bit
+# 128; transformers' adamw_torch_4bit passes block_size=256 (trainer_optimizer._get_torchao_optimizer)
+TORCHAO_FORMATS: dict[str, TorchaoStateFormat] = {
+    "torchao-adamw-8bit": TorchaoStateFormat("AdamW8bit", block_size=256, code_bits=8, signed_qmap_entries=256,
+                                             unsigned_qmap_entries=256),
+    "torchao-adamw-4bit": TorchaoStateFormat("AdamW4bit", block_size=128, code_bits=4, signed_qmap_entries=16,
+                                             unsigned_qmap_entries=16),
+    "torchao-adamw-4bit-b256": TorchaoStateFormat("AdamW4bit", block_size=256, code_bits=4,
+                                                  signed_qmap_entries=16, unsigned_qmap_entries=16),
+    "torchao-adamw-fp8": TorchaoStateFormat("AdamWFp8", block_size=256, code_bits=8, codes_dtype="float8_e4m3fn"),
+}
+
+
+def torchao_row(torchao_class: str, block_size: int) -> str | None:
+    """The row of torchao's optimizer class `torchao_class` built with `block_size`; None when llmem has none."""
+    return next((name for name, fmt in TORCHAO_FORMATS.items()
+                 if fmt.torchao_class == torchao_class and fmt.block_size == block_size), None)
+
+
+# what inductor's CPU code for single_param_adam holds per parameter of n elements (torch 2.13, read with
+# TORCH_LOGS=output_code on torchao 0.18's optimizers); its CUDA code cannot be generated without a GPU
+_INDUCTOR_CPU_BUFFERS = {
+    "torchao-adamw-8bit": "two [n] fp32 buffers (the new exp_avg / exp_avg_sq before quantisation) and two [n / 256] "
+                          "fp32: about 8 bytes per element",
+    "torchao-adamw-4bit": "the unpacked codes ([n] uint8, twice), two [n] fp32, two [n] int64 indices and two "
+                          "[n / 128] fp32: about 26 bytes per element",
+    "torchao-adamw-4bit-b256": "the unpacked codes ([n] uint8, twice), two [n] fp32, two [n] int64 indices and two "
+                               "[n / 256] fp32: about 26 bytes per element",
+    "torchao-adamw-fp8": "two [n / 256] fp32 scales: about 1/32 byte per element",
+}
+
+
+def _torchao_states(fmt: TorchaoStateFormat) -> Callable[[Shape, int], list[int]]:
+    def states(shape: Shape, pb: int) -> list[int]:
+        n = prod(shape)
+        if not fmt.quantised(n):
+            return [n * pb, n * pb]                     # torch.zeros_like(local_p): the parameter's dtype
+        return fmt.state_bytes(n, fmt.signed_qmap_entries) + fmt.state_bytes(n, fmt.unsigned_qmap_entries)
+    return states
+
+
+def _torchao_notes(name: str, fmt: TorchaoStateFormat) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(estimate notes, step notes, sharded note) of a torchao row."""
+    codes = f"{fmt.code_bits}-bit {fmt.codes_dtype}"
+    qmap = f" and its own {fmt.signed_qmap_entries}-entry fp32 qmap" if fmt.signed_qmap_entries else ""
+    layout = (f"{name}: torchao 0.18's states: for a parameter of >= {TORCHAO_MIN_QUANT_SIZE} elements and a "
+              f"multiple of {fmt.block_size}, exp_avg and exp_avg_sq as {codes} codes, one fp32 scale per "
+              f"{fmt.block_size} elements{qmap}; other parameters keep both states in their own dtype")
+    step = (f"{name}: the step (torch.compile of torchao's single_param_adam, one kernel per parameter) is modelled "
+            "as updating the states and the parameter in place with no temporaries; inductor's CUDA buffers cannot "
+            "be generated here: its CPU code for the same graph holds, for the parameter being stepped (n elements), "
+            f"{_INDUCTOR_CPU_BUFFERS[name]}; its autotuner also clones the kernel's arguments at the first step")
+    emulated = (f"{name}: torchao's compiled step cannot run on fake tensors: an llmem emulation allocates exactly "
+                "torchao's state tensors and updates the parameter in place")
+    sharded = (f"{name} on FSDP2's shards: torchao wraps each state in a DTensor of the parameter's placements, made "
+               f"from the local shard: the {TORCHAO_MIN_QUANT_SIZE}-element and block-size tests are on the shard")
+    return (layout, step), (layout, step, emulated), sharded
+
+
+_TORCHAO_TP = ("{name} with {method}: torchao's low-bit states on tensor-parallel DTensor shards are not modelled; use "
+               "single, ddp, fsdp or zero2")
+
+
+def _torchao_row(name: str, summary: str) -> OptimizerSpec:
+    fmt = TORCHAO_FORMATS[name]
+    estimate_notes, step_notes, sharded = _torchao_notes(name, fmt)
+    return OptimizerSpec(name=name, summary=summary, states=_torchao_states(fmt), step_events=_no_events,
+                         step_scope=NO_TEMPORARIES, tp_refusal=_TORCHAO_TP, low_bit=True,
+                         estimate_notes=estimate_notes, step_notes=step_notes, sharded_notes=(sharded,))
 
 
 _ADAMW = OptimizerSpec(name="adamw", summary="torch AdamW, foreach (the CUDA default)", states=_adam_states,
@@ -418,6 +533,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {o.name: o for o in (
                   estimate_notes=(_MUON_NOTE,), step_notes=(_MUON_NOTE,), sharded_notes=(_MUON_SHARDED_NOTE,)),
     _bnb_row("adamw-8bit", "bitsandbytes AdamW8bit", paged=False),
     _bnb_row("paged-adamw-8bit", "bitsandbytes PagedAdamW8bit", paged=True),
+    _bnb_row("paged-adamw-32bit", "bitsandbytes PagedAdamW (32-bit states in managed memory)", paged=True, bits=32),
+    _torchao_row("torchao-adamw-8bit", "torchao AdamW8bit (block 256)"),
+    _torchao_row("torchao-adamw-4bit", "torchao AdamW4bit (block 128, torchao's default)"),
+    _torchao_row("torchao-adamw-4bit-b256", "torchao AdamW4bit(block_size=256), as transformers' adamw_torch_4bit"),
+    _torchao_row("torchao-adamw-fp8", "torchao AdamWFp8 (block 256)"),
 )}
 EIGHT_BIT_ALTERNATIVE = "adamw-8bit"   # the planner's 8-bit saver for an Adam(W)
 

@@ -170,7 +170,7 @@ DEEPSPEED = FeatureSupport("DeepSpeed (ds-zero1/2/3)", lambda c: c.method.zero_s
                       "not modelled; use single, ddp, fsdp or zero2"),
     Refusal("optimizers other than elementwise torch ones",
             lambda c: bool(c.setup.optimizer_spec.parts or c.setup.optimizer_spec.plain_tensors_only
-                           or c.setup.optimizer_spec.eight_bit),
+                           or c.setup.optimizer_spec.low_bit),
             lambda c: f"--optimizer {c.setup.optimizer_spec.name} with {c.method.name}: the ZeRO optimizer steps one "
                       "flat fp32 partition, which llmem models for elementwise torch optimizers only (adamw, "
                       "adamw-fused, adamw-forloop, sgd, sgd-momentum, lion)"),

@@ -42,6 +42,7 @@ from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
 from llmem.result import MemoryResult
 from llmem.setup.gpus import catalog_gpu_for
+from llmem.setup.optimizers import torchao_row
 from llmem.setup.sources.names import HF_ATTENTIONS
 from llmem.setup.training import TrainingSetup, user_setup
 
@@ -65,12 +66,18 @@ def _optimizer_name(optimizer: Any, on_cuda: bool) -> str:
         return "adamw" if foreach or (foreach is None and on_cuda) else "adamw-forloop"
     if cls == "SGD":
         return "sgd-momentum" if group.get("momentum") else "sgd"
-    names = {"Adafactor": "adafactor", "AdamW8bit": "adamw-8bit", "PagedAdamW8bit": "paged-adamw-8bit",
-             "Lion": "lion", "Muon": "muon"}
+    if type(opt).__module__.startswith("torchao."):      # torchao's AdamW8bit shares bitsandbytes' class name
+        row = torchao_row(cls, getattr(opt, "block_size", 0))
+        names = {cls: row} if row else {}
+    else:
+        names = {"Adafactor": "adafactor", "AdamW8bit": "adamw-8bit", "PagedAdamW8bit": "paged-adamw-8bit",
+                 "PagedAdamW": "paged-adamw-32bit", "PagedAdamW32bit": "paged-adamw-32bit", "Lion": "lion",
+                 "Muon": "muon"}
     if cls in names:
         return names[cls]
     raise LlmemError(f"optimizer {type(opt).__module__}.{cls} is not one llmem models: the check needs one of "
-                     "AdamW/Adam, SGD, Adafactor, Lion, Muon, bitsandbytes AdamW8bit / PagedAdamW8bit")
+                     "AdamW/Adam, SGD, Adafactor, Lion, Muon, bitsandbytes AdamW8bit / PagedAdamW8bit / PagedAdamW, "
+                     "torchao AdamW8bit / AdamW4bit (blocks of 128 or 256) / AdamWFp8")
 
 
 def _precision(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str:

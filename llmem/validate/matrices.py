@@ -28,7 +28,8 @@ def bundled_peft_config(name: str) -> str:
 
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
 # all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, Muon, bitsandbytes'
-# 8-bit AdamW (paged and not), optimizer in backward; SDPA and eager.
+# 8-bit AdamW (paged and not) and paged 32-bit AdamW, torchao's 8-bit / 4-bit / fp8 AdamW, optimizer in backward;
+# SDPA and eager.
 CI_MATRIX: list[TrainingSetup] = [
     _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
     _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
@@ -69,6 +70,15 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
     _s("tiny-qwen2", "ddp", 2, precision="bf16-mixed", optimizer="adamw-8bit", batch_size=1, seq_len=64),
     _s("tiny-llama", precision="bf16-mixed", optimizer="paged-adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="paged-adamw-32bit", batch_size=1, seq_len=64),
+    # torchao's low-bit AdamW (emulated in the trace: torchao's state tensors, in-place update), one GPU and FSDP2
+    _s("tiny-llama", precision="bf16-mixed", optimizer="torchao-adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="torchao-adamw-8bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16", optimizer="torchao-adamw-4bit", batch_size=1, seq_len=64),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="torchao-adamw-4bit", batch_size=1, seq_len=64),
+    _s("tiny-qwen2", precision="bf16-mixed", optimizer="torchao-adamw-4bit-b256", batch_size=1, seq_len=64),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="torchao-adamw-fp8", batch_size=1, seq_len=64),
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", optimizer="torchao-adamw-fp8", batch_size=1, seq_len=64),
     _s("tiny-llama", precision="bf16-mixed", optimizer_in_backward=True, batch_size=1, seq_len=64),
     _s("gpt2", precision="fp32", optimizer="adafactor", optimizer_in_backward=True, batch_size=1, seq_len=64),
     # torch.optim.Muon over the decoder layers' matrices, AdamW over the rest (one registry row, one builder)

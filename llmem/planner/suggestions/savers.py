@@ -39,11 +39,11 @@ def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> lis
         out.append(Saver("fused_ce", (("fused_ce", True),), "--fused-ce",
                          "no [tokens, vocab] fp32 logits, same FLOPs"))
     optimizer = setup.optimizer_spec
-    if optimizer.adam and not optimizer.eight_bit and not setup.offload_optimizer:
+    if optimizer.adam and not optimizer.low_bit and not setup.offload_optimizer:
         out.append(Saver("optimizer_8bit", (("optimizer", EIGHT_BIT_ALTERNATIVE),),
                          f"--optimizer {EIGHT_BIT_ALTERNATIVE}",
                          "bitsandbytes' 8-bit Adam states, 2 instead of 8 bytes per parameter"))
-    if not setup.optimizer_in_backward and not optimizer.eight_bit:
+    if not setup.optimizer_in_backward and not optimizer.low_bit:
         out.append(Saver("optimizer_in_backward", (("optimizer_in_backward", True),), "--optimizer-in-backward",
                          "each gradient freed after its own update; no gradient accumulation"))
     if not setup.grad_ckpt:

@@ -23,23 +23,24 @@ HF_OPTIMIZERS: dict[str, NameRow] = {
     "adamw_bnb_8bit": NameRow("adamw-8bit", "bitsandbytes AdamW8bit"),
     "adamw_8bit": NameRow("adamw-8bit", "transformers' alias of adamw_bnb_8bit"),
     "paged_adamw_8bit": NameRow("paged-adamw-8bit", "bitsandbytes PagedAdamW8bit"),
-    "adamw_torch_8bit": NameRow("adamw-8bit", "torchao AdamW8bit, modelled by bitsandbytes' AdamW8bit (both keep "
-                                "1-byte states with per-block scales)"),
-    "ao_adamw_8bit": NameRow("adamw-8bit", "torchao AdamW8bit, modelled by bitsandbytes' AdamW8bit (both keep 1-byte "
-                             "states with per-block scales)"),
+    # transformers' _get_torchao_optimizer: AdamW8bit / AdamW4bit with block_size=256 (optim_args' default)
+    "adamw_torch_8bit": NameRow("torchao-adamw-8bit", "torchao AdamW8bit(block_size=256)"),
+    "adamw_torch_4bit": NameRow("torchao-adamw-4bit-b256", "torchao AdamW4bit(block_size=256), as transformers "
+                                "builds it"),
+    # axolotl's own names (utils/schemas/enums.py CustomSupportedOptimizers): torchao's classes, default block sizes
+    "ao_adamw_8bit": NameRow("torchao-adamw-8bit", "axolotl's name for torchao AdamW8bit"),
+    "ao_adamw_4bit": NameRow("torchao-adamw-4bit", "axolotl's name for torchao AdamW4bit (block 128)"),
+    "ao_adamw_fp8": NameRow("torchao-adamw-fp8", "axolotl's name for torchao AdamWFp8"),
     "adafactor": NameRow("adafactor", "transformers' Adafactor, modelled by torch.optim.Adafactor (the same factored "
                          "second moments, no first moment)"),
     "sgd": NameRow("sgd", "torch.optim.SGD (momentum 0)"),
     "lion_32bit": NameRow("lion", "bitsandbytes Lion (one fp32 state), modelled by lion-pytorch's update"),
     "muon": NameRow("muon", "axolotl's Muon, modelled by torch.optim.Muon for the hidden matrices with AdamW"),
-    "paged_adamw_32bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes PagedAdamW keeps 32-bit states in CUDA "
-                                 "managed memory, outside PyTorch's counters"),
+    "paged_adamw_32bit": NameRow("paged-adamw-32bit", "bitsandbytes PagedAdamW (fp32 states in CUDA managed "
+                                 "memory)"),
     "paged_lion_32bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes PagedLion (managed memory)"),
     "lion_8bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes Lion8bit"),
     "paged_lion_8bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes PagedLion8bit"),
-    "adamw_torch_4bit": NameRow(None, f"{_NOT_MODELLED}: torchao AdamW4bit"),
-    "ao_adamw_4bit": NameRow(None, f"{_NOT_MODELLED}: torchao AdamW4bit"),
-    "ao_adamw_fp8": NameRow(None, f"{_NOT_MODELLED}: torchao AdamWFp8"),
     "adamw_anyprecision": NameRow(None, f"{_NOT_MODELLED}: torchdistx AnyPrecisionAdamW"),
     "ademamix": NameRow(None, f"{_NOT_MODELLED}: AdEMAMix keeps three states"),
     "ademamix_8bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes AdEMAMix8bit"),
@@ -58,11 +59,18 @@ TORCH_CLASSES: dict[str, NameRow] = {
     "torch.optim.Muon": NameRow("muon"),
     "bitsandbytes.optim.AdamW8bit": NameRow("adamw-8bit"),
     "bitsandbytes.optim.PagedAdamW8bit": NameRow("paged-adamw-8bit"),
-    "torchao.optim.AdamW8bit": NameRow("adamw-8bit", "torchao AdamW8bit, modelled by bitsandbytes' AdamW8bit"),
-    "bitsandbytes.optim.PagedAdamW": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes PagedAdamW (managed memory)"),
-    "bitsandbytes.optim.PagedAdamW32bit": NameRow(None, f"{_NOT_MODELLED}: bitsandbytes PagedAdamW (managed "
-                                                  "memory)"),
-    "torchao.optim.AdamW4bit": NameRow(None, f"{_NOT_MODELLED}: torchao AdamW4bit"),
+    "bitsandbytes.optim.PagedAdamW": NameRow("paged-adamw-32bit", "bitsandbytes PagedAdamW (optim_bits=32)"),
+    "bitsandbytes.optim.PagedAdamW32bit": NameRow("paged-adamw-32bit"),
+    # torchtune's `_component_`: torchao's classes with their default block sizes (torchao 0.18 optim/adam.py)
+    "torchao.optim.AdamW8bit": NameRow("torchao-adamw-8bit"),
+    "torchao.optim.AdamW4bit": NameRow("torchao-adamw-4bit", "torchao AdamW4bit (block 128)"),
+    "torchao.optim.AdamWFp8": NameRow("torchao-adamw-fp8"),
+    "torchao.prototype.low_bit_optim.AdamW8bit": NameRow("torchao-adamw-8bit", "torchao's former path"),
+    "torchao.prototype.low_bit_optim.AdamW4bit": NameRow("torchao-adamw-4bit", "torchao's former path (block 128)"),
+    "torchao.prototype.low_bit_optim.AdamWFp8": NameRow("torchao-adamw-fp8", "torchao's former path"),
+    "torchao.optim.CPUOffloadOptimizer": NameRow(None, f"{_NOT_MODELLED}: torchao CPUOffloadOptimizer (host states "
+                                                 "and step for parameters of >= 4096 elements, gradients copied "
+                                                 "to the host in their hooks)"),
 }
 
 # attn_implementation values -> llmem's --attn

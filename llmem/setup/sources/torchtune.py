@@ -16,6 +16,7 @@ import re
 from functools import cache
 from importlib import resources
 
+from llmem.setup.optimizers import TORCHAO_FORMATS, torchao_row
 from llmem.setup.sources.adapters import Lora, apply_lora
 from llmem.setup.sources.deepspeed import GA_NOTE
 from llmem.setup.sources.names import TORCH_CLASSES
@@ -141,6 +142,13 @@ def _optimizer(r: Reading, keys: Keys) -> None:
         name = "adamw-fused"
     if name == "sgd" and opt.get("momentum", 0):
         name = "sgd-momentum"
+    block = opt.get("block_size") if name in TORCHAO_FORMATS else None
+    if block is not None:       # torchao's optimizers take block_size (AdamW8bit / AdamWFp8 256, AdamW4bit 128)
+        sized = torchao_row(TORCHAO_FORMATS[name].torchao_class, int(block))
+        if sized is None:
+            r.ignore("optimizer.block_size", block, f"llmem models {component} with the block sizes of its rows "
+                     f"only: {TORCHAO_FORMATS[name].block_size} stands in")
+        name = sized or name
     r.set("optimizer._component_" + (" + fused" if fused else ""), component, "optimizer", name, row.note)
 
 

@@ -276,7 +276,7 @@ def _same(from_args: list[str], flags: str, model: str = "tiny-llama") -> None:
 def test_estimate_from_axolotl_equals_its_flags():
     _same([str(cfg("axolotl/examples/llama-3/qlora.yml"))],
           "--batch-size 2 --packing --precision bf16-mixed --grad-ckpt --attn flash --lora-rank 32 --lora-alpha 16 "
-          "--lora-dropout 0.05 --lora-targets all-linear --qlora")
+          "--lora-dropout 0.05 --lora-targets all-linear --qlora --optimizer paged-adamw-32bit")
 
 
 def test_estimate_from_axolotl_modules_to_save_equals_a_hand_written_peft_config(tmp_path):
