@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 from llmem.errors import LlmemError, UnknownModel, first_line
-from llmem.model.catalog import catalog_file, find_entry, load_config_dict, tiny_config_dict
+from llmem.model.catalog import catalog_file, find_entry, load_config_dict, tiny_config_dict, tiny_file
 from llmem.model.catalog.variants import variant_entry
 from llmem.model.families import check_dimensions, check_raw_sizes
 
@@ -71,13 +71,7 @@ def _read_config(path: Path) -> dict:
     """A config file's (or a model folder's config.json) dict, read by transformers' loader."""
     from transformers import PretrainedConfig
 
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise LlmemError(f"folder {path} has no config.json: point MODEL at a model folder or a config file")
-    size_bytes = file.stat().st_size
-    if size_bytes > CONFIG_MAX_BYTES:
-        raise LlmemError(f"{file} is {size_bytes / 1024**2:.0f} MiB, not a config.json (at most "
-                         f"{CONFIG_MAX_BYTES // 1024**2} MiB): point MODEL at the model's config.json")
+    file = _config_file(path)
     try:
         raw, _ = PretrainedConfig.get_config_dict(str(file))
     except (OSError, TypeError):      # TypeError: a JSON scalar (`null`), which its `"model_type" in` check rejects
@@ -86,6 +80,19 @@ def _read_config(path: Path) -> dict:
         raise LlmemError(f"{file} is nested thousands of levels deep, which no config.json is: point MODEL at the "
                          "model's config.json") from None
     return raw
+
+
+def _config_file(path: Path) -> Path:
+    """The config file a local MODEL names: the file itself or a folder's config.json, at most CONFIG_MAX_BYTES
+    (LlmemError naming the fix otherwise)."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise LlmemError(f"folder {path} has no config.json: point MODEL at a model folder or a config file")
+    size_bytes = file.stat().st_size
+    if size_bytes > CONFIG_MAX_BYTES:
+        raise LlmemError(f"{file} is {size_bytes / 1024**2:.0f} MiB, not a config.json (at most "
+                         f"{CONFIG_MAX_BYTES // 1024**2} MiB): point MODEL at the model's config.json")
+    return file
 
 
 def _checked(where: str, cfg):
@@ -129,14 +136,13 @@ def config_source(model: str) -> tuple[str, bytes, str | None] | None:
     entry = find_entry(model)
     if entry is not None:
         return entry.hub_id, catalog_file("configs", entry.config_file), entry.config_file
-    if model.lower().startswith("tiny-") and tiny_config_dict(model) is not None:
-        return model.lower(), catalog_file("tiny", f"{model.strip().lower()}.json"), f"{model.strip().lower()}.json"
+    tiny = tiny_file(model) if model.lower().startswith("tiny-") else None
+    if tiny is not None:
+        return model.lower(), catalog_file("tiny", tiny), tiny
     try:
         path = _local_path(model) if model.strip() else None
         if path is not None:
-            file = path / "config.json" if path.is_dir() else path
-            size_bytes = file.stat().st_size if file.is_file() else CONFIG_MAX_BYTES + 1
-            return (str(path), file.read_bytes(), None) if size_bytes <= CONFIG_MAX_BYTES else None
+            return str(path), _config_file(path).read_bytes(), None
         if _looks_like_path(model):
             return None
         snapshot = _hf_cache_config(model)

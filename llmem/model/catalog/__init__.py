@@ -56,15 +56,20 @@ def tiny_names() -> list[str]:
                   if p.name.endswith(".json"))
 
 
+def tiny_file(name: str) -> str | None:
+    """The bundled file (in tiny/) of a small shape's name, or None: a name, never a path out of tiny/."""
+    key = name.strip().lower()
+    if not re.fullmatch(r"tiny-[a-z0-9_-]+", key):
+        return None
+    return f"{key}.json" if resources.files(__package__).joinpath("tiny", f"{key}.json").is_file() else None
+
+
 def tiny_config_dict(name: str) -> dict | None:
     """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom; tiny-pythia, tiny-phi,
     tiny-qwen3 and the MoE tiny-qwen3-moe, tiny-gpt-oss, tiny-deepseek-v3 (8 experts, top-2): families without a hand
     recipe, whose activations are learned) for fast validation."""
-    key = name.strip().lower()
-    if not re.fullmatch(r"tiny-[a-z0-9_-]+", key):     # a name, never a path out of tiny/
-        return None
-    path = resources.files(__package__).joinpath("tiny", f"{key}.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+    file = tiny_file(name)
+    return json.loads(catalog_file("tiny", file)) if file is not None else None
 
 
 def load_config_dict(entry: CatalogEntry) -> dict:
