@@ -12,7 +12,7 @@ import json
 import os
 import shlex
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -32,7 +32,7 @@ from llmem.setup.methods import METHODS
 from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.sources import SourceRecord
-from llmem.setup.sources.files import MAX_DEPTH, depth, parse
+from llmem.setup.sources.files import MAX_DEPTH, confined_to, depth, parse
 from llmem.setup.training import (
     ADAPTER_DTYPES,
     MAX_BATCH_SIZE,
@@ -46,6 +46,8 @@ MAX_CONFIG_BYTES = 1 << 20            # a config.json is a few KiB; anything nea
 FROM_KEY = "from"                     # each uploaded training config: NAME:BASE64URL, the key repeated per file
 MAX_TRAINING_CONFIG_BYTES = 32 << 10   # training configs are a few KiB (the published ones: at most 4 KiB)
 MAX_TRAINING_CONFIGS = 8              # a training config, the accelerate config it is launched with, their JSONs
+OUTSIDE_UPLOAD = ("{path} is not among the uploaded files: choose it too, with the config that names it (the page "
+                  "reads only the files it is given)")
 MAX_REFERENCE_UPS = 4                 # a reference may climb this many folders ('../ds.json') inside the upload
 # A request's body carries the uploads: room for every one at its limit (base64 adds a third), so that the app's own
 # one-line refusal names the file that is too big
@@ -373,7 +375,7 @@ class Query:
                                                                       SourceRecord | None]:
         """The parsed query, its set-up and, under `from`, how the files were read (the fields given override
         theirs, as the command line's flags do)."""
-        with self.named():
+        with self.named(), self._reads_uploads_only():
             args = self.args(command, drop)
             setup, source = setup_and_source(args)
             unread = self._unread(source) if source is not None else ()
@@ -381,8 +383,6 @@ class Query:
                 self.from_paths = (*self.from_paths, *unread)
                 args = self.args(command, drop)
                 setup, source = setup_and_source(args)
-            if source is not None:
-                self._check_read(source)
         _check_remote_code(setup)
         return args, setup, source
 
@@ -391,13 +391,10 @@ class Query:
         return tuple(p for p in self.training.referenced if str(p) not in read
                      and not any(Path(r).name == p.name for r in read))
 
-    def _check_read(self, source: SourceRecord) -> None:
-        """What the files made llmem read lies in the upload: the answer is the link's, not the server's disk's."""
-        inside = str(self.training.folder) + os.sep
-        for path, _ in source.files:
-            if not os.path.normpath(path).startswith(inside):
-                raise LlmemError(f"{self.shown(path)} is not among the uploaded files: choose it too, with the config "
-                                 "that names it (the page reads only the files it is given)")
+    def _reads_uploads_only(self):
+        """What the files make llmem read lies in the upload (files.confined_to: the training configs' folder), so
+        the answer is the link's, not the server's disk's."""
+        return confined_to((self.training.folder,), OUTSIDE_UPLOAD) if self.training is not None else nullcontext()
 
     def command(self, command: str, setup: TrainingSetup, source: SourceRecord | None = None,
                 drop: tuple[str, ...] = ()) -> str:

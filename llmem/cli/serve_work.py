@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from llmem.cli.options import file_model, plan_options_from_args
-from llmem.cli.serve_query import FROM_KEY, PLAN_DROPS, LocalPaths, Query, sweep_points
+from llmem.cli.serve_query import FROM_KEY, OUTSIDE_UPLOAD, PLAN_DROPS, LocalPaths, Query, sweep_points
 from llmem.errors import LlmemError
 from llmem.setup.sources.files import confined_to
 
 log = logging.getLogger("llmem.serve")
 
 ENDPOINTS = ("estimate", "sweep", "plan")
-OUTSIDE_UPLOAD = ("{path} is not among the uploaded files: choose it too, with the config that names it (the page "
-                  "reads only the files it is given)")
 
 
 @dataclass(frozen=True)
