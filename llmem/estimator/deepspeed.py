@@ -154,6 +154,8 @@ class DeepSpeedSchedule(StepSchedule):
         sch.phase = "setup:setup"
         if self.objective is not None:    # TRL's trainer __init__ prepares its reference before train() the policy
             self.objective.reference_weights()
+        for b in self.facts.params.buffers:     # module.bfloat16() / half() casts the buffers too; ZeRO leaves them whole
+            alloc(b.numel * mb, "weights")
         if self.stage == 3:
             self.partitioned_weights()
         else:

@@ -33,6 +33,7 @@ KEPT_SET_UPS = 64
 @dataclass(frozen=True)
 class ParamFacts:
     kept: list[ParamInfo]                          # the parameters of the first `layers` layers and the root's
+    buffers: list[ParamInfo]                       # an adapter's buffers there (ModelAnatomy.buffers)
     trainable: list[ParamInfo]
     by_layer: dict[int | None, list[ParamInfo]]    # decoder layer (None: embeddings, final norm, lm_head) -> params
     element_bytes: dict[str, int]                  # per trained parameter: its gradient's and states' element bytes
@@ -75,7 +76,8 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
         layer_blocks[i] = groups
     quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
     return ParamFacts(
-        kept=kept, trainable=trainable, by_layer=by_layer,
+        kept=kept, buffers=[b for b in anatomy.buffers if b.layer_index is None or b.layer_index < layers],
+        trainable=trainable, by_layer=by_layer,
         element_bytes={p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable},
         shard_numel={p.name: local_numel(p, layout) for p in kept},
         tp_local={p.name: tp_local_numel(p, layout) for p in kept},

@@ -204,6 +204,7 @@ def zero_model_states(r: ResolvedSetup) -> ModelStates:
                                  8 * max(pieces, default=0))
     buckets = bucket_buffers(zero) * zero.reduce_bucket_size * mb
     flattened = min(sum(numels), zero.reduce_bucket_size) * mb
+    weights += sum(b.numel for b in r.anatomy.buffers) * mb    # an adapter's buffers, cast with the module, whole
     return ModelStates(weights, grads, states, step, buckets, 0, 0, 0, flattened, 0, 0, gathered, 0, 0, 0)
 
 
@@ -231,7 +232,8 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     trainable = [p for p in params if p.trainable]
     local = {p.name: local_numel(p, layout) for p in params}
     pb = {p.name: element_bytes(p, setup) for p in trainable}    # a gradient in its parameter's dtype
-    weights = sum(param_storage_bytes(p, setup, local[p.name], layout) for p in params)
+    weights = sum(param_storage_bytes(p, setup, local[p.name], layout) for p in params) \
+        + sum(b.own_bytes for b in r.anatomy.buffers)          # an adapter's buffers: whole on every rank
     grads = sum(local[p.name] * pb[p.name] for p in trainable)
     opt_states, opt_temp, opt_outside = _optimizer_bytes(r, trainable)
     ddp_buckets = grads if r.method.gradient_buckets else 0   # gradient_as_bucket_view=False: a second copy

@@ -18,6 +18,10 @@ from llmem.model.config import build_meta_model, config_source, resolve_config
 from llmem.model.exact_json import same, tagged, untagged
 from llmem.model.families import decoder_layers, dimensions, family_of
 
+# torch's element sizes by dtype name (torch.dtype.itemsize), for tensors kept in their own dtype
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -32,6 +36,11 @@ class ParamInfo:
     @property
     def numel(self) -> int:
         return prod(self.shape)
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the tensor in its own dtype (a buffer's, kept as its module made it)."""
+        return self.numel * DTYPE_BYTES[self.dtype]
 
     @property
     def in_features(self) -> int:
@@ -77,6 +86,10 @@ class ModelAnatomy:
     decoder_layer_class: str = ""          # class name of one decoder layer (FSDP's wrapping unit)
     max_positions: int | None = None       # config's max_position_embeddings (None: not stated)
     varied_layers: tuple[str, ...] = ()    # sizes that differ between layers (gemma4, dots3, gemma3n): the largest read
+    # tensors an adapter registers as buffers (OSF's frozen SVD factors), as frozen ParamInfo rows: on the device
+    # beside the weights and never sharded (FSDP2 and ZeRO shard parameters only); the base model's own buffers
+    # (rotary inv_freq) are below what the estimate counts and are not listed
+    buffers: tuple[ParamInfo, ...] = ()
 
     @cached_property
     def total_params(self) -> int:
@@ -163,6 +176,24 @@ def _layer_index(name: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def added_buffers(model, before: set[int]) -> tuple[ParamInfo, ...]:
+    """The buffers of `model` (the built model, peft's layers in it) that are not among `before` (ids of the buffers
+    it had before the adapter was applied), as frozen ParamInfo rows: what an adapter registers (OSF's SVD
+    factors)."""
+    layers = decoder_layers(model)
+    prefix = (layers[0] if layers else "") + "."
+    out: list[ParamInfo] = []
+    for module_name, module in model.named_modules():
+        for bname, b in module.named_buffers(recurse=False):
+            if b is None or id(b) in before:
+                continue
+            before.add(id(b))
+            full = f"{module_name}.{bname}" if module_name else bname
+            out.append(ParamInfo(full, tuple(b.shape), str(b.dtype).replace("torch.", ""), type(module).__name__,
+                                 _layer_index(full, prefix), None, False))
+    return tuple(out)
+
+
 def _first_names(model) -> dict[int, str]:
     """id(parameter) -> the first name it is reachable by (tied parameters have more)."""
     seen: dict[int, str] = {}
@@ -203,7 +234,8 @@ def inventory(model, name: str) -> ModelAnatomy:
 
 # ---------------------------------------------------------------------------------- the anatomy as a file (no torch)
 _PARAM_FIELDS = tuple(f.name for f in fields(ParamInfo))
-_SCALAR_FIELDS = tuple(f.name for f in fields(ModelAnatomy) if f.name not in ("params", "config", "peft"))
+_SCALAR_FIELDS = tuple(f.name for f in fields(ModelAnatomy)
+                       if f.name not in ("params", "config", "peft", "buffers"))
 
 
 def anatomy_text(anatomy: ModelAnatomy, made_with: dict[str, str]) -> str:
@@ -215,10 +247,13 @@ def anatomy_text(anatomy: ModelAnatomy, made_with: dict[str, str]) -> str:
             "peft": None if anatomy.peft is None else {f.name: tagged(getattr(anatomy.peft, f.name))
                                                        for f in fields(PeftInfo)}}
     compact = {"separators": (",", ":")}
-    rows = [json.dumps([getattr(p, name) for name in _PARAM_FIELDS], **compact) for p in anatomy.params]
+    def rows(params: tuple[ParamInfo, ...]) -> str:
+        return ",\n".join(json.dumps([getattr(p, name) for name in _PARAM_FIELDS], **compact) for p in params)
+
+    buffers = ['"buffers":[', rows(anatomy.buffers), "],"] if anatomy.buffers else []   # only where an adapter has any
     return "\n".join([json.dumps(head, **compact)[:-1] + ",",
-                      f'"config":{json.dumps(tagged(anatomy.config), **compact)},', '"params":[',
-                      ",\n".join(rows), "]}"]) + "\n"
+                      f'"config":{json.dumps(tagged(anatomy.config), **compact)},', *buffers, '"params":[',
+                      rows(anatomy.params), "]}"]) + "\n"
 
 
 def anatomy_from_text(text: str, made_with: dict[str, str] | None = None) -> ModelAnatomy:
@@ -229,11 +264,13 @@ def anatomy_from_text(text: str, made_with: dict[str, str] | None = None) -> Mod
         raise ValueError(f"not an anatomy of format {ANATOMY_FORMAT}")
     if made_with and any(data["made_with"].get(k) != v for k, v in made_with.items()):
         raise ValueError("made from another config")
-    params = tuple(ParamInfo(**(dict(zip(_PARAM_FIELDS, row, strict=True)) | {"shape": tuple(row[1])}))
-                   for row in data["params"])
+    def rows(key: str) -> tuple[ParamInfo, ...]:
+        return tuple(ParamInfo(**(dict(zip(_PARAM_FIELDS, row, strict=True)) | {"shape": tuple(row[1])}))
+                     for row in data.get(key, ()))
+
     peft = data["peft"]
-    return ModelAnatomy(**{name: untagged(data[name]) for name in _SCALAR_FIELDS}, params=params,
-                        config=untagged(data["config"]),
+    return ModelAnatomy(**{name: untagged(data[name]) for name in _SCALAR_FIELDS}, params=rows("params"),
+                        buffers=rows("buffers"), config=untagged(data["config"]),
                         peft=None if peft is None else PeftInfo(**{k: untagged(v) for k, v in peft.items()}))
 
 

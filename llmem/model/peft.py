@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llmem.errors import LlmemError, first_line
-from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, inventory, read_or_build
+from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, added_buffers, inventory, read_or_build
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
@@ -194,7 +194,8 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
     def build() -> ModelAnatomy:
         return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
 
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast,
+    # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -205,9 +206,11 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
 
     name, cfg = resolve_config(model, trust_remote_code)
     base_model = build_meta_model(cfg, trust_remote_code).to(torch.bfloat16)
+    own_buffers = {id(b) for b in base_model.buffers()}
     peft_model = apply_peft_config(base_model, config_text, upcast)
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
+    buffers = tuple(replace(b, name=_peft_name(b.name)) for b in added_buffers(base, own_buffers))
     grad: dict[str, bool] = {}
     seen: set[int] = set()
     for module_name, module in base.named_modules():
@@ -243,4 +246,4 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
                     num_virtual_tokens=int(getattr(config, "num_virtual_tokens", 0) or 0)
                     if peft_type == "PROMPT_TUNING" else 0, exact=exact, notes=tuple(notes))
     return replace(anatomy, params=tuple(params), tied_names=tuple(_peft_name(n) for n in anatomy.tied_names),
-                   peft=info)
+                   peft=info, buffers=buffers)

@@ -184,9 +184,8 @@ def real_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> tu
     adapters on the host before moving them to the base layer's device (meta here), also under the trace's fake
     tensors; a measure on the CPU holds the whole model, its gradients and the step's logits there too."""
     base = {p.name for p in resolved.base.params}
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}
     added = [p for p in resolved.anatomy.params if p.name not in base]
-    adapters = sum(p.numel * size.get(p.dtype, 4) for p in added)
+    adapters = sum(p.own_bytes for p in added)
     if fake or device_type != "cpu":
         return adapters, "peft's adapters, initialised on the host"
     setup = resolved.setup

@@ -149,9 +149,10 @@ CI_MATRIX: list[TrainingSetup] = [
        lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", optimizer="adamw-fused", grad_ckpt=True,
        batch_size=2, seq_len=256),
     # activations learned from the real code (llmem.learn) where no hand recipe exists: peft types without
-    # an exact model (OFT, DeLoRA, C3A, MiSS, HiRA, RoAd) and families without a recipe (Qwen3, Phi, GPT-NeoX / Pythia)
+    # an exact model (OFT, DeLoRA, C3A, MiSS, HiRA, OSF and its buffers, RoAd) and families without a recipe (Qwen3, Phi,
+    # GPT-NeoX / Pythia)
     *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
-      for name in ("oft-r32-q-v", "delora-r32-q-v", "c3a-q-v", "miss-r64-q-v", "hira-r32-q-v")),
+      for name in ("oft-r32-q-v", "delora-r32-q-v", "c3a-q-v", "miss-r64-q-v", "hira-r32-q-v", "osf-q-v")),
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("road2-q-v")),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, grad_ckpt=True,
        peft_config=bundled_peft_config("oft-r32-q-v")),

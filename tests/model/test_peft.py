@@ -377,3 +377,40 @@ def test_dora_on_a_quantised_base_is_estimated_with_a_note_and_refused_in_trace(
     assert any("DoRA on a quantised base" in n for n in estimate(setup).notes)
     with pytest.raises(LlmemError, match="DoRA on a bitsandbytes-quantised base"):
         trace(setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an adapter's buffers (OSF's frozen SVD factors)
+
+OSF = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "llmem/model/catalog/peft/osf-q-v")
+# tiny-llama's q_proj and v_proj are [512, 512]; OSF's effective_rank defaults to min(512, 512) // 2 = 256 and keeps
+# the initial factors U_low_init [512, 256], S_low_init [256], V_low_init [256, 512] as fp32 buffers (both factors
+# square: no U_high / V_high): 262,400 elements per module, 2 modules in each of 4 layers
+OSF_BUFFER_NUMEL = 8 * (512 * 256 + 256 + 256 * 512)
+
+
+def test_osf_buffers_read_from_peft():
+    a = trained_anatomy(load_anatomy("tiny-llama"), _setup("tiny-llama", peft_config=OSF))
+    assert sum(b.numel for b in a.buffers) == OSF_BUFFER_NUMEL
+    assert {b.dtype for b in a.buffers} == {"float32"} and not any(b.trainable for b in a.buffers)
+    assert {b.layer_index for b in a.buffers} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("method, gpus, element_bytes", [("single", 1, 4), ("fsdp", 2, 4), ("ds-zero2", 2, 2)])
+def test_osf_buffers_are_whole_weights_on_every_rank(method, gpus, element_bytes):
+    """Buffers are neither sharded by FSDP2 nor partitioned by ZeRO; DeepSpeed's module.bfloat16() casts them."""
+    from dataclasses import replace
+
+    from llmem.estimator.states import model_states
+
+    r = resolve(_setup("tiny-llama", precision="bf16-mixed", peft_config=OSF, method=method, gpus=gpus))
+    without = replace(r, anatomy=replace(r.anatomy, buffers=()))
+    assert model_states(r).weights - model_states(without).weights == OSF_BUFFER_NUMEL * element_bytes
+
+
+def test_anatomy_text_keeps_the_buffers():
+    from llmem.model.anatomy import anatomy_text, exact_round_trip
+
+    a = trained_anatomy(load_anatomy("tiny-llama"), _setup("tiny-llama", peft_config=OSF))
+    assert a.buffers and exact_round_trip(a, anatomy_text(a, {}))
+    assert '"buffers"' not in anatomy_text(load_anatomy("tiny-llama"), {})     # shipped files unchanged

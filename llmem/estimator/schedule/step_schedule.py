@@ -87,6 +87,8 @@ class StepSchedule:
                     sch.alloc(n, "weights")
             elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
                 sch.alloc(f.params.shard_numel[p.name] * element_bytes(p, f.setup), "weights")
+        for b in f.params.buffers:                  # an adapter's buffers: whole on every rank, in their own dtype
+            sch.alloc(b.own_bytes, "weights")
         if f.layout.spec.gradient_buckets:
             self.ddp_buckets()
 
