@@ -564,6 +564,7 @@ def test_export_plan_uses_offload_when_nothing_else_fits():
     assert off["step_time_s"] > 0
     e = export_plan(p)
     assert e.offload_optimizer and e.layout.method == "single" and e.micro_batch_size == off["max_batch_size"]
+    assert any(e.layout is lay for lay in p.what_if_layouts)      # the layout the suggestion was searched on
     cfg = json.loads(export_deepspeed(e))
     assert cfg["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
 
