@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     calls = {"n": 0, "verdicts": 0}
     real_full, real_step_verdict = engines.LlmemEngine.full, engines.step_verdict
 
-    def counting(self, setup):
+    def counting(self, setup, layout=None):
         calls["n"] += 1
-        return real_full(self, setup)
+        return real_full(self, setup, layout)
 
     def counting_verdicts(r, limit_bytes):
         calls["verdicts"] += 1

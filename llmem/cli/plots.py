@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from llmem.cli.tables import setup_label, wrap_phrases
-from llmem.model.resolved import setup_for
+from llmem.planner.search import layout_setup
 from llmem.result import MemoryResult
 from llmem.units import GIB
 
@@ -147,7 +147,7 @@ def plan_figure(p: Plan, points: int = 40) -> Figure:
     for i, c in enumerate(p.candidates):
         running, ys = 0.0, []
         for b in xs:
-            running = max(running, _needed_bytes(p.engine.full(setup_for(p.setup, c.layout, b))) / GIB)
+            running = max(running, _needed_bytes(p.engine.full(layout_setup(p.setup, c.layout, b), c.layout)) / GIB)
             ys.append(running)
         peak = max([peak] + [y for y in ys if y <= capacity * 1.2])
         # earlier layouts drawn wider, so that curves lying on each other (fsdp and zero2 often do) stay visible

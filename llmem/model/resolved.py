@@ -1,6 +1,7 @@
 """The set-up resolved once against its model: the trained anatomy, the GPU, the layout (with its method's row) and
-the dtype regime, checked for support. Every engine starts from one; the planner derives the variants it searches
-from one (`with_shape`, `with_layout`) without resolving again."""
+the dtype regime, checked for support. Every engine starts from one; the planner hands `resolve` the layout it
+resolved for each candidate (its values written into the set-up once, `TrainingSetup.with_layout`), which is not
+resolved again, and derives the shapes it searches from one (`with_shape`) without resolving again."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
 from llmem.setup.expert_parallel import check_ep_model
 from llmem.setup.gpus import GpuSpec, resolve_gpu
-from llmem.setup.layout import Layout, resolve_layout
-from llmem.setup.methods import METHODS, TP_NONE, MethodSpec, canonical_method
+from llmem.setup.layout import Layout, check_heads, resolve_layout
+from llmem.setup.methods import METHODS, MethodSpec, canonical_method
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.pipeline import check_pipeline
 from llmem.setup.precision import Regime, regime_for
@@ -52,44 +53,42 @@ class ResolvedSetup:
                         seq_len=self.setup.seq_len if seq_len is None else seq_len)
         return ResolvedSetup(setup, self.anatomy, self.base, self.gpu, self.layout)
 
-    def with_layout(self, layout: Layout, batch_size: int | None = None) -> ResolvedSetup:
-        """The same set-up under another layout of the same model and GPU (support checked for it)."""
-        setup = setup_for(self.setup, layout, self.setup.batch_size if batch_size is None else batch_size)
-        check_support(setup, layout.spec, model_support(self.anatomy))
-        return ResolvedSetup(setup, self.anatomy, self.base, self.gpu, layout)
-
     def record(self) -> SetupRecord:
         return setup_record(self.setup, self.anatomy, self.layout, self.gpu)
 
 
-def setup_for(base: TrainingSetup, layout: Layout, batch_size: int) -> TrainingSetup:
-    """`base` run with `layout` at micro-batch `batch_size` (the fields a layout decides; --sequence-parallel and
-    --loss-parallel on its tensor-parallel layouts only)."""
-    tp = layout.spec.tensor_parallel != TP_NONE
-    return replace(base, method=layout.method, gpus=layout.world_size, tp=layout.tp if tp else None,
-                   batch_size=batch_size, dp_replicate=layout.replicas,
-                   sequence_parallel=base.sequence_parallel and tp, loss_parallel=base.loss_parallel and tp)
-
-
-def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None) -> ResolvedSetup:
+def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None,
+            layout: Layout | None = None) -> ResolvedSetup:
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
-    and the support check of its options under the method (LlmemError names the first problem)."""
+    and the support check of its options under the method (LlmemError names the first problem). `layout`: the
+    layout the caller resolved already (the planner's candidates, llmem.setup.layout.candidate_layouts, whose
+    values `setup` holds: TrainingSetup.with_layout), taken as it is; its model's checks (heads, pipeline stages,
+    experts) and the support check made on it. None: resolved from the set-up's fields."""
     if anatomy is None:
         check_without_model(setup)
     base = anatomy or setup_anatomy(setup)
     setup = engine_cast(setup)
     trained = trained_anatomy(base, setup)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
-    layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
-                            trained.num_heads, trained.num_kv_heads, setup.dp_replicate, setup.pp, setup.cp)
+    if layout is None:
+        layout = fields_layout(setup, trained)
+    else:       # resolved without the trained model's heads where the planner's engine was the paper's
+        check_heads(layout.tp, trained.num_heads, trained.num_kv_heads)
     check_pipeline(setup.pp, setup.pp_schedule, setup.microbatches, setup.batch_size, trained.num_layers,
                    setup.pp_virtual_stages)
-    if setup.ep > 1:        # torchtitan's EP: the experts Shard(0) over ep of the FSDP2 ranks (llmem.setup.expert_parallel)
+    if layout.ep > 1:   # torchtitan's EP: the experts Shard(0) over ep of the FSDP2 ranks (llmem.setup.expert_parallel)
         facts = moe_facts(trained)
-        check_ep_model(setup.ep, facts.experts if facts else None, layout.shard_degree)
-        layout = replace(layout, ep=setup.ep)
+        check_ep_model(layout.ep, facts.experts if facts else None, layout.shard_degree)
     check_support(setup, layout.spec, model_support(trained))
     return ResolvedSetup(setup, trained, base, gpu, layout)
+
+
+def fields_layout(setup: TrainingSetup, trained: ModelAnatomy) -> Layout:
+    """The layout a set-up's own fields ask for (the command line's, the API's), its tp checked against the
+    trained model's heads: --ep's degree set once the rest is resolved (resolve checks it against the experts)."""
+    layout = resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node,
+                            trained.num_heads, trained.num_kv_heads, setup.dp_replicate, setup.pp, setup.cp)
+    return replace(layout, ep=setup.ep) if setup.ep > 1 else layout
 
 
 def check_without_model(setup: TrainingSetup) -> None:
@@ -124,8 +123,7 @@ def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gp
     """The record of `setup` as it runs: `anatomy` (the trained one) under `layout` on `gpu`. Models without an
     SDPA implementation in transformers run eager attention. The adapters are read from the trained anatomy (what
     peft builds), not from the options: their kind, rank and the modules they adapt."""
-    resolved = replace(setup, model=anatomy.name, method=layout.method, tp=layout.tp, gpus=layout.world_size,
-                       gpus_per_node=layout.gpus_per_node, gpu=gpu.name,
+    resolved = replace(setup, model=anatomy.name, parallelism=setup.parallelism.recorded(layout), gpu=gpu.name,
                        attn=setup.attn if anatomy.supports_sdpa else setup.attention_spec.without_sdpa)
     kind, rank, targets, virtual = _adapters(anatomy, setup)
     return SetupRecord(resolved, anatomy.model_type, anatomy.total_params, anatomy.trainable_params, layout.dp,

@@ -67,9 +67,10 @@ def m_base_for(setup: TrainingSetup | None, gpu: GpuSpec, m_base_bytes: int | No
     return default_m_base(gpu)
 
 
-def paper_layout(setup: TrainingSetup) -> Layout:
+def paper_layout(setup: TrainingSetup, layout: Layout | None = None) -> Layout:
     """The paper's 1D TP splits each weight's last dimension (not heads): no head-divisibility check. The paper
-    models one model's fine-tuning step under Colossal-AI's methods: not DeepSpeed's engine, not TRL's objectives."""
+    models one model's fine-tuning step under Colossal-AI's methods: not DeepSpeed's engine, not TRL's objectives.
+    `layout`: the one the planner resolved for the set-up (heads unchecked, as here), taken as it is."""
     if METHODS[canonical_method(setup.method)].zero_stage is not None:
         raise LlmemError(f"--engine paper with {setup.method}: the paper's methods are Colossal-AI's (its ADP is "
                          "ZeRO-3-style); DeepSpeed's engine is the llmem engine's: drop --engine paper")
@@ -78,17 +79,16 @@ def paper_layout(setup: TrainingSetup) -> Layout:
                          "fine-tuning loss; drop --engine paper")
     if setup.pp > 1:
         raise LlmemError("--engine paper with --pp: the paper has no pipeline parallelism; drop --engine paper")
-    return resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
+    return layout or resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
 
 
-def _setup_terms(setup: TrainingSetup, anatomy: ModelAnatomy, m_base: int, bs: int) -> PaperTerms:
-    layout = paper_layout(setup)
+def _setup_terms(setup: TrainingSetup, anatomy: ModelAnatomy, m_base: int, bs: int, layout: Layout) -> PaperTerms:
     return paper_terms(anatomy, layout.method, layout.world_size, bs, setup.seq_len, m_base, layout.tp)
 
 
 def paper_estimate(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
-                   m_base_bytes: int | None = None) -> MemoryResult:
-    """LLMem's per-GPU peak for `setup` as a MemoryResult (engine "paper")."""
+                   m_base_bytes: int | None = None, layout: Layout | None = None) -> MemoryResult:
+    """LLMem's per-GPU peak for `setup` as a MemoryResult (engine "paper"); `layout`: the planner's (paper_layout)."""
     if setup.ep > 1:
         raise LlmemError("the paper engine (LLMem's equations) has no expert parallelism: drop --ep or use "
                          "--engine llmem / trace")
@@ -96,7 +96,8 @@ def paper_estimate(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
         raise LlmemError("the paper engine (LLMem's equations) has no context parallelism: drop --cp or use "
                          "--engine llmem / trace")
     m_base = m_base_for(setup, gpu, m_base_bytes)
-    t = _setup_terms(setup, anatomy, m_base, setup.batch_size)
+    layout = paper_layout(setup, layout)
+    t = _setup_terms(setup, anatomy, m_base, setup.batch_size, layout)
     components = dict.fromkeys(COMPONENTS, 0)
     components["weights"] = t.weights
     components["optimizer_states"] = t.m_os
@@ -119,7 +120,7 @@ def paper_estimate(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec,
     peak = t.peak
     return MemoryResult(engine="paper", peak_allocated_bytes=peak, peak_reserved_bytes=peak, device_used_bytes=peak,
                         gpu_memory_bytes=gpu.memory_bytes, components=components,
-                        setup=setup_record(setup, trained_anatomy(anatomy, setup), paper_layout(setup), gpu),
+                        setup=setup_record(setup, trained_anatomy(anatomy, setup), layout, gpu),
                         peak_phase="", notes=notes)
 
 
@@ -166,7 +167,7 @@ def paper_peak(setup: TrainingSetup, anatomy: ModelAnatomy, gpu: GpuSpec, bs: in
     """m_peak (bytes) of `setup` at batch size `bs`, optionally for another llmem/paper method on setup.gpus GPUs."""
     m_base = m_base_for(setup, gpu, m_base_bytes)
     if method is None:
-        return _setup_terms(setup, anatomy, m_base, bs).peak
+        return _setup_terms(setup, anatomy, m_base, bs, paper_layout(setup)).peak
     return paper_terms(anatomy, method, setup.gpus, bs, setup.seq_len, m_base, setup.tp).peak
 
 

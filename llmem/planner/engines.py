@@ -9,6 +9,10 @@ answers a search may use before it confirms with the full one.
   the live tensors alone are over it). Every answer is kept per set-up (a plan's what-ifs meet the same set-up more
   than once).
 - `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
+
+Every answer takes the set-up and, from the planner, the `Layout` it resolved for it (the set-up's parallelism
+section written from it: TrainingSetup.with_layout), which the engine hands down as it is (resolve's `layout`,
+paper_estimate's) instead of resolving the layout again from the set-up's fields; None: resolved from them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.paper.engine import paper_estimate
 from llmem.result import MemoryResult
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
+from llmem.setup.layout import Layout
 from llmem.setup.training import TrainingSetup
 
 
@@ -64,26 +69,26 @@ class MemoryEngine:
         # fits: within limit_bytes of device memory (the planner's GPU memory less its headroom; None: all of it)
         self.anatomy, self.gpu, self.limit_bytes = anatomy, gpu, limit_bytes
 
-    def full(self, setup: TrainingSetup) -> MemoryResult:
+    def full(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
         raise NotImplementedError
 
-    def draft(self, setup: TrainingSetup) -> MemoryResult:
-        return self.full(setup)
+    def draft(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
+        return self.full(setup, layout)
 
-    def quick(self, setup: TrainingSetup) -> int:
+    def quick(self, setup: TrainingSetup, layout: Layout | None = None) -> int:
         raise NotImplementedError(f"the {self.name} engine has no quick bound")
 
-    def verdict(self, setup: TrainingSetup, limit: int) -> Fit:
-        return verdict_of(self.full(setup), limit)
+    def verdict(self, setup: TrainingSetup, limit: int, layout: Layout | None = None) -> Fit:
+        return verdict_of(self.full(setup, layout), limit)
 
-    def fits(self, setup: TrainingSetup, limit: int) -> bool:
-        return self.verdict(setup, limit) is Fit.FITS
+    def fits(self, setup: TrainingSetup, limit: int, layout: Layout | None = None) -> bool:
+        return self.verdict(setup, limit, layout) is Fit.FITS
 
-    def pipeline_floor(self, setup: TrainingSetup) -> int:
+    def pipeline_floor(self, setup: TrainingSetup, layout: Layout | None = None) -> int:
         raise NotImplementedError(f"the {self.name} engine has no pipeline bound")
 
-    def __call__(self, setup: TrainingSetup) -> MemoryResult:
-        return self.full(setup)
+    def __call__(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
+        return self.full(setup, layout)
 
 
 class LlmemEngine(MemoryEngine):
@@ -99,61 +104,63 @@ class LlmemEngine(MemoryEngine):
         # the last fitting verdict's schedule and replay, which the full estimate a search confirms it with reuses
         self._last_fit: tuple[TrainingSetup, StepVerdict] | None = None
 
-    def _kept(self, kind: str, setup: TrainingSetup, work: Callable[[ResolvedSetup, ModelStates], object]):
-        key = (kind, setup)
+    def _kept(self, kind: str, setup: TrainingSetup, layout: Layout | None,
+              work: Callable[[ResolvedSetup, ModelStates], object]):
+        key = (kind, setup)     # the set-up holds its layout's values: the layout adds nothing to the key
         if key not in self._answers:
-            self._answers[key] = work(*self.prepared(setup))
+            self._answers[key] = work(*self.prepared(setup, layout))
         return self._answers[key]
 
-    def prepared(self, setup: TrainingSetup) -> tuple[ResolvedSetup, ModelStates]:
+    def prepared(self, setup: TrainingSetup, layout: Layout | None = None) -> tuple[ResolvedSetup, ModelStates]:
         """The set-up resolved at its shape, and its model states (resolved and computed once per set-up)."""
         key = setup.shape_free
         got = self._prepared.get(key)
         if got is None:
-            r = self.resolved(setup)
+            r = self.resolved(setup, layout)
             got = self._prepared[key] = (r, model_states(r))
         r, states = got
         return r.with_shape(setup.batch_size, setup.seq_len), states
 
-    def resolved(self, setup: TrainingSetup) -> ResolvedSetup:
-        """The set-up resolved at its shape (resolved once per set-up; no model states: the pipeline floor's)."""
+    def resolved(self, setup: TrainingSetup, layout: Layout | None = None) -> ResolvedSetup:
+        """The set-up resolved at its shape (resolved once per set-up, under `layout` where the planner gives it;
+        no model states: the pipeline floor's)."""
         key = setup.shape_free
         if key not in self._resolved:
-            self._resolved[key] = resolve(setup, self.anatomy, self.gpu)
+            self._resolved[key] = resolve(setup, self.anatomy, self.gpu, layout)
         return self._resolved[key].with_shape(setup.batch_size, setup.seq_len)
 
-    def full(self, setup: TrainingSetup) -> MemoryResult:
+    def full(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
         last = self._last_fit
         known = last[1] if last is not None and last[0] == setup else None
         if known is not None:
             self._last_fit = None       # its schedule and replay are the step's size: held only until used
-        return self._kept("full", setup, lambda r, states: estimate_resolved(r, states=states, verdict=known,
-                                                                             limit_bytes=self.limit_bytes))
+        return self._kept("full", setup, layout, lambda r, states: estimate_resolved(
+            r, states=states, verdict=known, limit_bytes=self.limit_bytes))
 
-    def draft(self, setup: TrainingSetup) -> MemoryResult:
-        return self._kept("draft", setup, lambda r, states: estimate_resolved(r, draft=True, states=states,
-                                                                              limit_bytes=self.limit_bytes))
+    def draft(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
+        return self._kept("draft", setup, layout, lambda r, states: estimate_resolved(
+            r, draft=True, states=states, limit_bytes=self.limit_bytes))
 
-    def quick(self, setup: TrainingSetup) -> int:
-        return self._kept("quick", setup, quick_peak_allocated)
+    def quick(self, setup: TrainingSetup, layout: Layout | None = None) -> int:
+        return self._kept("quick", setup, layout, quick_peak_allocated)
 
-    def verdict(self, setup: TrainingSetup, limit: int) -> Fit:
+    def verdict(self, setup: TrainingSetup, limit: int, layout: Layout | None = None) -> Fit:
         """The full estimate's fit at `limit`: read off the full answer where it is kept and was decided at this
         limit, else step_verdict (no numbers, one replay at most), else the full estimate."""
         if ("full", setup) in self._answers and limit == self.limit_bytes:
             return verdict_of(self._answers[("full", setup)], limit)
         key = ("verdict", setup, limit)
         if key not in self._answers:
-            got = step_verdict(self.resolved(setup), limit)
+            got = step_verdict(self.resolved(setup, layout), limit)
             if got is None:
-                self._answers[key] = verdict_of(self.full(setup), limit)
+                self._answers[key] = verdict_of(self.full(setup, layout), limit)
             else:
                 self._answers[key] = got.fit
                 if got.fit is Fit.FITS and limit == self.limit_bytes:
                     self._last_fit = (setup, got)
         return self._answers[key]
 
-    def pipeline_floor(self, setup: TrainingSetup) -> int:
+    def pipeline_floor(self, setup: TrainingSetup, layout: Layout | None = None) -> int:
         """Under --pp, a lower bound on the device-used memory of the pipeline's largest stage (no allocator
         replay: llmem.estimator.pipeline.pipeline_allocated_floor, and the CUDA context): over the limit, a stage
         runs out of memory."""
@@ -162,7 +169,7 @@ class LlmemEngine(MemoryEngine):
 
         key = ("pipeline_floor", setup)
         if key not in self._answers:
-            r = self.resolved(setup)
+            r = self.resolved(setup, layout)
             learn_if_needed(r)
             context = outside_allocator_bytes(r.gpu, r.layout.world_size)
             over = None if self.limit_bytes is None else self.limit_bytes - context    # decided there: stop
@@ -178,8 +185,8 @@ class PaperEngine(MemoryEngine):
         super().__init__(anatomy, gpu, limit_bytes)
         self.m_base_bytes = m_base_bytes
 
-    def full(self, setup: TrainingSetup) -> MemoryResult:
-        return paper_estimate(setup, self.anatomy, self.gpu, m_base_bytes=self.m_base_bytes)
+    def full(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
+        return paper_estimate(setup, self.anatomy, self.gpu, m_base_bytes=self.m_base_bytes, layout=layout)
 
 
 def memory_engine(name: str, anatomy: ModelAnatomy, gpu: GpuSpec, m_base_bytes: int | None = None,

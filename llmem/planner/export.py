@@ -23,7 +23,7 @@ from llmem.planner.options import EXPORT_KINDS
 from llmem.planner.plan import Plan
 from llmem.planner.timing import accumulation_for
 from llmem.setup.deepspeed import ZeroConfig, zero_config
-from llmem.setup.layout import Layout, resolve_layout
+from llmem.setup.layout import Layout
 from llmem.setup.methods import METHODS
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.sections import ActivationsConfig
@@ -148,8 +148,7 @@ def export_plan(p: Plan, kind: str | None = None) -> ExportPlan:
     grad_ckpt = p.setup.grad_ckpt
     if c is None:
         sug = offload_suggestion(p)
-        layout = resolve_layout(sug["method"], sug["gpus"], sug["tp"] if METHODS[sug["method"]].has_tp else None,
-                                p.setup.gpus_per_node, 0, 0, sug.get("replicas", 1))
+        layout = next(lay for lay in p.what_if_layouts if lay.label == sug["label"])    # the one it was searched on
         micro, steps = accumulation_for(p.options.global_batch, sug["max_batch_size"], layout.dp)
         offload, offload_param = sug["kind"] == "offload_optimizer", sug["kind"] == "offload_param"
         grad_ckpt = grad_ckpt or bool(sug.get("changes", {}).get("grad_ckpt"))

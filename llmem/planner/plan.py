@@ -89,6 +89,7 @@ class Plan:
     engine: MemoryEngine | None = field(repr=False, default=None)
     dataset_time_s: float | None = None
     generation: dict | None = None       # a generation objective's answer: layout, phases, vLLM (generation_plan)
+    what_if_layouts: list[Layout] = field(repr=False, default_factory=list)   # the suggestions' (searched on these)
 
     @property
     def limit_bytes(self) -> int:
@@ -141,7 +142,8 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     best, recommendation, reason = recommend(candidates, options.ranking)
     layouts = [lay for lay in layouts if lay.pp == lay.cp == lay.ep == 1]     # the what-ifs run on dp x tp layouts
     suggestions = what_would_fit(ctx, setup, layouts, candidates, progress, total_steps)
-    result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine)
+    result = Plan(setup, anatomy, gpu, options, candidates, best, recommendation, reason, suggestions, notes, engine,
+                  what_if_layouts=layouts)
     result.generation = plan_generation(ctx, setup, layouts, best, suggestions, search.vllm_choices)
     if best is not None and best.time is not None and options.dataset_tokens:
         result.dataset_time_s = options.dataset_tokens / best.time.tokens_per_s

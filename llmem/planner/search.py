@@ -12,7 +12,7 @@ from llmem.errors import LlmemError
 from llmem.memory.capacity import Fit
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.peft import trained_anatomy
-from llmem.model.resolved import assemble, setup_for
+from llmem.model.resolved import assemble
 from llmem.paper.algorithm1 import method_eval
 from llmem.planner.engines import MemoryEngine, fits_within, out_of_memory_above
 from llmem.planner.options import PlanOptions
@@ -84,20 +84,11 @@ def pipeline_microbatches(base: TrainingSetup, layout: Layout) -> int:
 
 
 def layout_setup(base: TrainingSetup, layout: Layout, micro: int) -> TrainingSetup:
-    """`base` run with `layout` at micro-batch `micro` (setup_for's fields, and the layout's pp and cp); under
-    --pp the step is the schedule's m micro-batches of `micro` samples each (batch_size micro x m); under --ep the
-    layout's degree, set once its method and world are (expert_parallel's checks need both)."""
-    if base.ep > 1 or layout.ep > 1:
-        plain = layout_setup(replace(base, ep=1, ep_imbalance=1.0), replace(layout, ep=1), micro)
-        return replace(plain, ep=layout.ep, ep_imbalance=base.ep_imbalance) if layout.ep > 1 else plain
-    if layout.pp == layout.cp == base.pp == base.cp == 1:
-        return setup_for(base, layout, micro)
+    """`base` run with `layout` at micro-batch `micro`: the layout's values written into its parallelism section
+    once (TrainingSetup.with_layout); under --pp the step is the schedule's m micro-batches of `micro` samples each
+    (batch_size micro x m). The engines are handed the layout itself beside it, never resolving it again."""
     m = pipeline_microbatches(base, layout)
-    plain = setup_for(replace(base, pp=1, cp=1, pp_microbatches=None, pp_virtual_stages=None), layout, micro)
-    if layout.pp == 1:
-        return replace(plain, cp=layout.cp)
-    return replace(plain, pp=layout.pp, cp=layout.cp, batch_size=micro * m, pp_microbatches=m,
-                   pp_virtual_stages=base.pp_virtual_stages)
+    return base.with_layout(layout, micro * m, m)
 
 
 # the share of the allocator's capacity a step's allocated peak reaches where it stops fitting is fragmentation's
@@ -128,7 +119,7 @@ def smallest_draft(base: TrainingSetup, layout: Layout, engine: MemoryEngine) ->
     estimates only (the draft does not model its stages)."""
     if layout.pp > 1:
         return None
-    return engine.draft(layout_setup(base, layout, setup_batch_multiple(base, layout.world_size)))
+    return engine.draft(layout_setup(base, layout, setup_batch_multiple(base, layout.world_size)), layout)
 
 
 def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, limit: int,
@@ -145,9 +136,12 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
     unit = setup_batch_multiple(base, layout.world_size)
     cache: dict[int, MemoryResult] = {}
 
+    def run(x: int) -> TrainingSetup:       # the set-up at x units, the engines handed its layout beside it
+        return layout_setup(base, layout, x * unit)
+
     def at(x: int) -> MemoryResult:
         if x not in cache:
-            cache[x] = engine.full(layout_setup(base, layout, x * unit))
+            cache[x] = engine.full(run(x), layout)
         return cache[x]
 
     def fits(x: int) -> bool:
@@ -165,9 +159,9 @@ def search_candidate(base: TrainingSetup, layout: Layout, engine: MemoryEngine, 
         return CandidatePlan(layout, 0, at(1), limit)
     context = d1.components.get("cuda_context", 0)
     target = int((limit - context) * FIT_SHARE)
-    guess = boundary_guess(lambda x: engine.draft(layout_setup(base, layout, x * unit)).peak_allocated_bytes,
-                           lambda x: engine.quick(layout_setup(base, layout, x * unit)), target, cap)
-    best = refine_max(lambda x: engine.fits(layout_setup(base, layout, x * unit), limit), guess, cap)
+    guess = boundary_guess(lambda x: engine.draft(run(x), layout).peak_allocated_bytes,
+                           lambda x: engine.quick(run(x), layout), target, cap)
+    best = refine_max(lambda x: engine.fits(run(x), limit, layout), guess, cap)
     while best > 0 and not fits(best):      # the verdict is the full estimate's own: confirmed, not corrected
         best -= 1
     return CandidatePlan(layout, best * unit, at(max(best, 1)), limit)
@@ -217,10 +211,10 @@ def attach_time(ctx: PlanContext, c: CandidatePlan, setup: TrainingSetup, adapte
         return
     c.time = time_at_max_batch(ctx, setup, c.layout, c.max_batch_size, adapter_params, c.offload_optimizer)
     micro, unit = c.time.micro_batch_size, setup_batch_multiple(setup, c.layout.world_size)
-    if micro >= c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, micro), ctx.limit):
+    if micro >= c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, micro), ctx.limit, c.layout):
         return
     up = next(m for m in range(micro + unit, c.max_batch_size + 1, unit)
-              if m == c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, m), ctx.limit))
+              if m == c.max_batch_size or ctx.engine.fits(layout_setup(setup, c.layout, m), ctx.limit, c.layout))
     c.time = time_at_max_batch(ctx, setup, c.layout, up, adapter_params, c.offload_optimizer, at_least=up)
     c.notes.append(f"micro-batch {micro} runs out of memory where {c.max_batch_size} fits (fragmentation: a marginal "
                    f"fit), so {up}, with {c.time.accumulation_steps} accumulation step(s)")
@@ -294,7 +288,7 @@ def batch_upper_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout,
     bound = ctx.limit * (1 + slack)
 
     def quick(b: int) -> int:
-        return ctx.engine.quick(layout_setup(twin_setup, twin, b * unit))
+        return ctx.engine.quick(layout_setup(twin_setup, twin, b * unit), twin)
 
     cap = max(cap // unit, 1)
     if quick(1) > bound:
@@ -314,7 +308,7 @@ def pipeline_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout,
     unit = setup_batch_multiple(setup, layout.world_size)
 
     def within(b: int) -> bool:
-        return ctx.engine.pipeline_floor(layout_setup(setup, layout, b * unit)) <= ctx.limit
+        return ctx.engine.pipeline_floor(layout_setup(setup, layout, b * unit), layout) <= ctx.limit
 
     return unit * refine_max(within, 1, max(cap // unit, 1))
 
@@ -361,10 +355,10 @@ def out_of_memory_from(ctx: PlanContext, setup: TrainingSetup, layout: Layout, s
     def at(x: int) -> TrainingSetup:
         return layout_setup(setup, layout, x * unit)
 
-    if span[-1] < top and not any(out_of_memory_above(ctx.engine.draft(at(x))) for x in span):
+    if span[-1] < top and not any(out_of_memory_above(ctx.engine.draft(at(x), layout)) for x in span):
         return False
     for x in span:
-        verdict = ctx.engine.verdict(at(x), ctx.limit)
+        verdict = ctx.engine.verdict(at(x), ctx.limit, layout)
         if verdict is Fit.OVER_CAPACITY:
             return True
         if verdict is Fit.FITS:     # the search may answer x (or more)

@@ -228,10 +228,16 @@ def _resolve_layout(method: str, gpus: int, tp: int | None, per_node: int | None
         if layout.tp > node or node % layout.tp:
             raise LlmemError(f"--tp {layout.tp} does not fit inside a node of {node} GPUs:"
                              " tensor parallelism must stay on NVLink; choose a tp that divides --gpus-per-node")
-        if num_heads % layout.tp or num_kv_heads % layout.tp:
-            raise LlmemError(f"--tp {layout.tp} does not divide the model's attention heads ({num_heads} query, "
-                             f"{num_kv_heads} key/value): choose a tp that divides both")
+        check_heads(layout.tp, num_heads, num_kv_heads)
     return layout
+
+
+def check_heads(tp: int, num_heads: int, num_kv_heads: int) -> None:
+    """Megatron-style TP splits attention by heads: tp divides the query and the key/value heads (0 and 0: not
+    checked, the paper's 1D TP splits weights)."""
+    if num_heads % tp or num_kv_heads % tp:
+        raise LlmemError(f"--tp {tp} does not divide the model's attention heads ({num_heads} query, "
+                         f"{num_kv_heads} key/value): choose a tp that divides both")
 
 
 def candidate_layouts(gpus: int, per_node: int | None, num_heads: int, num_kv_heads: int,

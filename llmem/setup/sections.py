@@ -6,7 +6,8 @@ built from their fields, and the `--from` readers fill them. A field is document
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from llmem.setup.flags import (
     ACTIVATIONS,
@@ -24,6 +25,9 @@ from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.pipeline import PIPELINE_SCHEDULES
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.quant_bases import QUANT_SWITCHES
+
+if TYPE_CHECKING:
+    from llmem.setup.layout import Layout
 
 # AdaptersConfig.adapter_dtype: what peft's get_peft_model(autocast_adapter_dtype=True) (its default, TRL's and
 # axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
@@ -78,6 +82,30 @@ class ParallelismConfig:
                                                "resharded after forward to N ranks (keeps 1/N of it, all-gathered "
                                                "over N in backward); N divides the shard ranks, 1 < N < dp_shard "
                                                "(default: fsdp's True)", LAYOUT, type=int, metavar="N")
+
+    @classmethod
+    def from_layout(cls, layout: Layout, given: ParallelismConfig, microbatches: int = 1) -> ParallelismConfig:
+        """The section a set-up runs `layout` with, the rest of `given` kept: the layout's method, world and degrees
+        (tp None where the method has no tensor parallelism), --sequence-parallel / --loss-parallel on its
+        tensor-parallel layouts only, under a pipeline `microbatches` per step and the given virtual stages, under
+        expert parallelism the given routing imbalance. The layout is resolved once (llmem.setup.layout) and its
+        values written into a set-up here only: the planner hands the layout itself down
+        (llmem.model.resolved.resolve's `layout`), as torchtitan resolves its ParallelismConfig once into
+        ParallelDims."""
+        tp = layout.spec.has_tp
+        piped = layout.pp > 1
+        return replace(given, method=layout.method, gpus=layout.world_size, tp=layout.tp if tp else None,
+                       dp_replicate=layout.replicas, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                       pp_microbatches=microbatches if piped else None,
+                       pp_virtual_stages=given.pp_virtual_stages if piped else None,
+                       ep_imbalance=given.ep_imbalance if layout.ep > 1 else 1.0,
+                       sequence_parallel=given.sequence_parallel and tp, loss_parallel=given.loss_parallel and tp)
+
+    def recorded(self, layout: Layout) -> ParallelismConfig:
+        """The section as a result's record shows it (the `setup` of every --json): the layout's method and world,
+        its tensor-parallel degree (1 without tensor parallelism) and the node size it runs with."""
+        return replace(self, method=layout.method, gpus=layout.world_size, tp=layout.tp,
+                       gpus_per_node=layout.gpus_per_node)
 
 @dataclass(frozen=True, kw_only=True)
 class HardwareConfig:

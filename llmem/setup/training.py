@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmem.errors import LlmemError
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
@@ -57,6 +57,9 @@ from llmem.setup.sections import (  # noqa: F401 - re-exported
     StepConfig,
     TrainerConfig,
 )
+
+if TYPE_CHECKING:
+    from llmem.setup.layout import Layout
 
 # Bounds of one micro-batch: far past any real run (the largest contexts are ~10M tokens), and small enough that a
 # step's tensors stay below 2**64 bytes (CUDA's size_t) on real models; the allocator model refuses the rest
@@ -184,6 +187,13 @@ class TrainingSetup:
             check_schedule_method(self.pp_schedule, canonical_method(self.method))
         if self.pp == 1 and self.pp_microbatches is not None:
             raise LlmemError("--pp-microbatches splits the batch over pipeline stages: add --pp N (> 1)")
+
+    def with_layout(self, layout: Layout, batch_size: int, microbatches: int = 1) -> TrainingSetup:
+        """This set-up run under `layout` (resolved once, llmem.setup.layout) at `batch_size` samples per step and,
+        under a pipeline, `microbatches` per step: its parallelism section the layout's own
+        (ParallelismConfig.from_layout), the rest as given."""
+        return replace(self, parallelism=ParallelismConfig.from_layout(layout, self.parallelism, microbatches),
+                       batch_size=batch_size)
 
     @property
     def shape_free(self) -> tuple:

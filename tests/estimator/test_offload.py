@@ -106,7 +106,7 @@ def test_host_copies_and_step_in_the_time_model_by_hand():
     gradients once; the host's AdamW steps 8.8 G parameters. At batch 1 x 4096 the copies hide behind compute
     except the root unit's, exposed with its gather, so the step grows by that and the host's step."""
     from llmem.model.anatomy import load_anatomy
-    from llmem.model.resolved import assemble, setup_for
+    from llmem.model.resolved import assemble
     from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, host_copies, step_time
     from llmem.setup.gpus import resolve_gpu
     from llmem.setup.layout import resolve_layout
@@ -114,8 +114,8 @@ def test_host_copies_and_step_in_the_time_model_by_hand():
     anatomy, gpu = load_anatomy("meta-llama/Llama-3.1-70B"), resolve_gpu("A100-80GB")
     layout = resolve_layout("fsdp", 8, None, None, 0, 0)
     base = TrainingSetup(model="meta-llama/Llama-3.1-70B", method="fsdp", gpus=8, gpu="A100-80GB", seq_len=4096)
-    plain = assemble(setup_for(base, layout, 1), anatomy, gpu, layout)
-    offloaded = assemble(setup_for(TrainingSetup(**{**base.to_dict(), "offload_param": True}), layout, 1),
+    plain = assemble(base.with_layout(layout, 1), anatomy, gpu, layout)
+    offloaded = assemble(TrainingSetup(**{**base.to_dict(), "offload_param": True}).with_layout(layout, 1),
                          anatomy, gpu, layout)
     shard = 70_553_706_496 / 8
     c = host_copies(offloaded)

@@ -106,7 +106,7 @@ class HoleEngine(MemoryEngine):
         super().__init__(load_anatomy("tiny-llama"), resolve_gpu(GPU), 2000 * MIB)
         self.holes = holes
 
-    def full(self, setup):
+    def full(self, setup, layout=None):
         from llmem.result import MemoryResult, OutOfMemory
 
         b, used = setup.batch_size, setup.batch_size * 100 * MIB

@@ -14,7 +14,7 @@ import pytest
 
 from llmem.errors import LlmemError
 from llmem.memory.activations.profile import activation_profile
-from llmem.model.resolved import resolve, setup_for
+from llmem.model.resolved import resolve
 from llmem.planner.timing import COLLECTIVE_LATENCY_S, comm_sizes, step_time
 from llmem.setup.layout import resolve_layout
 from llmem.setup.training import TrainingSetup
@@ -103,8 +103,8 @@ def test_time_model_sequence_and_loss_parallel():
 
 def test_the_plan_keeps_the_styles_on_tensor_parallel_layouts_only():
     base = _tp(method="fsdp", gpus=4, sequence_parallel=True, loss_parallel=True)
-    fsdp = setup_for(base, resolve_layout("fsdp", 4, None, None, 8, 8), 1)
-    two_d = setup_for(base, resolve_layout("fsdp+tp", 4, 2, None, 8, 8), 1)
+    fsdp = base.with_layout(resolve_layout("fsdp", 4, None, None, 8, 8), 1)
+    two_d = base.with_layout(resolve_layout("fsdp+tp", 4, 2, None, 8, 8), 1)
     assert not fsdp.sequence_parallel and not fsdp.loss_parallel
     assert two_d.sequence_parallel and two_d.loss_parallel
     resolve(fsdp), resolve(two_d)     # both run

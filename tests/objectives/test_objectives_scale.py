@@ -26,7 +26,7 @@ class LinearEngine:
     def __init__(self) -> None:
         self.batches: list[int] = []
 
-    def full(self, setup: TrainingSetup):
+    def full(self, setup: TrainingSetup, layout=None):
         self.batches.append(setup.batch_size)
         return types.SimpleNamespace(capacity_bytes=0, device_used_bytes=(10 + setup.batch_size) * GIB)
 

@@ -11,7 +11,6 @@ import pytest
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import load_anatomy
-from llmem.model.resolved import setup_for
 from llmem.planner.engines import LlmemEngine, fits_within
 from llmem.planner.options import PlanOptions
 from llmem.planner.plan import plan
@@ -129,7 +128,7 @@ def _brute_force(p, setup: TrainingSetup, methods=None, offload=False):
         if not _accepted(setup, layout.spec):
             continue
         try:
-            at = [engine.full(setup_for(setup, layout, b)) for b in range(1, CAP + 1)]
+            at = [engine.full(setup.with_layout(layout, b)) for b in range(1, CAP + 1)]
         except LlmemError:
             continue
         n = next((i for i, m in enumerate(at) if not fits_within(m, limit)), CAP)   # fits at 1..n
@@ -233,7 +232,7 @@ def test_the_tight_case_is_a_real_choice(tight_plan):
     engine = LlmemEngine(tight_plan.anatomy, tight_plan.gpu, limit)
     s = replace(TIGHT, grad_ckpt=True)
     fitting = [lay.label for lay in candidate_layouts(4, None, 8, 8)
-               if fits_within(engine.full(setup_for(s, lay, 1)), limit)]
+               if fits_within(engine.full(s.with_layout(lay, 1)), limit)]
     assert len(fitting) >= 2, fitting
     sug = next(x for x in tight_plan.suggestions if x["kind"] == "combined")
     assert sug["alternatives"] and all(a["flags"] != sug["flags"] for a in sug["alternatives"])

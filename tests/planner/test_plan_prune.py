@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 
 from llmem.model.anatomy import load_anatomy
-from llmem.model.resolved import setup_for
 from llmem.planner.engines import LlmemEngine, fits_within
 from llmem.planner.options import PlanOptions
 from llmem.planner.search import PlanContext, limit_bytes
@@ -62,10 +61,10 @@ def test_a_layout_that_fits_no_batch_is_not_estimated_when_only_the_answer_is_re
     setup = _setup("1340MiB", True)
     ctx = _context(setup)
     ddp = next(lay for lay in LAYOUTS if lay.method == "ddp")
-    assert not fits_within(ctx.engine.draft(setup_for(setup, ddp, 1)), ctx.limit)
+    assert not fits_within(ctx.engine.draft(setup.with_layout(ddp, 1)), ctx.limit)
     full = []
     real = LlmemEngine.full
-    monkeypatch.setattr(LlmemEngine, "full", lambda self, s: full.append(s.method) or real(self, s))
+    monkeypatch.setattr(LlmemEngine, "full", lambda self, s, lay=None: full.append(s.method) or real(self, s, lay))
     best, plans = best_fitting(ctx, setup, LAYOUTS, closest_wanted=False)
     assert (best.layout.label, best.max_batch_size) == ("fsdp (4)", 1)
     assert "ddp" not in full and all(c.layout.method != "ddp" for c in plans)

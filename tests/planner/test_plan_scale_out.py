@@ -184,11 +184,11 @@ class PatternEngine(MemoryEngine):
         return MemoryResult("llmem", used, used, used, LIMIT, {}, capacity_bytes=LIMIT, oom=oom,
                             by_fragmentation=kind == "frag")
 
-    def full(self, setup):
+    def full(self, setup, layout=None):
         self.fulls.append(setup.batch_size)
         return self._result(setup.batch_size, False)
 
-    def draft(self, setup):
+    def draft(self, setup, layout=None):
         self.drafts.append(setup.batch_size)
         return self._result(setup.batch_size, True)
 

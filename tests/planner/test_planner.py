@@ -12,7 +12,7 @@ import pytest
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import load_anatomy
-from llmem.model.resolved import assemble, setup_for
+from llmem.model.resolved import assemble
 from llmem.paper.algorithm1 import CPU_OFFLOADING
 from llmem.planner.engines import fits_within, memory_engine
 from llmem.planner.export import ExportPlan, export_accelerate, export_deepspeed, export_plan, export_torchrun
@@ -81,7 +81,7 @@ def test_refine_max_probes_at_doubling_offsets_from_the_guess(threshold, guess, 
 def _linear_scan(mem, base, layout, limit, cap=4096):
     best = 0
     for b in range(1, cap + 1):
-        if not fits_within(mem(setup_for(base, layout, b)), limit):
+        if not fits_within(mem(base.with_layout(layout, b)), limit):
             break
         best = b
     return best
@@ -107,8 +107,8 @@ def test_search_finds_a_fit_boundary_no_lower_than_brute_force(model, gpu, gpus,
     found = search_candidate(base, layout, mem, limit)
     b = found.max_batch_size
     assert b >= _linear_scan(mem, base, layout, limit) > 0
-    assert fits_within(mem(setup_for(base, layout, b)), limit)
-    assert not fits_within(mem(setup_for(base, layout, b + 1)), limit)
+    assert fits_within(mem(base.with_layout(layout, b)), limit)
+    assert not fits_within(mem(base.with_layout(layout, b + 1)), limit)
     assert found.memory.device_used_bytes <= limit
 
 
@@ -344,8 +344,8 @@ def test_rtx4090_llama8b_4k_names_the_lora_and_qlora_settings_that_fit():
         assert f"batch {sug['max_batch_size']}" in sug["text"] and sug["flags"] in sug["text"]
         chosen = replace(setup, **sug["changes"])
         # the largest batch, checked against the full estimator: it fits, one more does not
-        assert mem(setup_for(chosen, layout, sug["max_batch_size"])).device_used_bytes <= p.limit_bytes
-        assert mem(setup_for(chosen, layout, sug["max_batch_size"] + 1)).device_used_bytes > p.limit_bytes
+        assert mem(chosen.with_layout(layout, sug["max_batch_size"])).device_used_bytes <= p.limit_bytes
+        assert mem(chosen.with_layout(layout, sug["max_batch_size"] + 1)).device_used_bytes > p.limit_bytes
         fitting = [x for x in sug["settings"] if x["fits"]]
         assert fitting and all(x["max_batch_size"] >= 1 for x in fitting)
     assert "--qlora" in kinds["qlora"]["flags"] and kinds["qlora"]["changes"]["quant_base"] == "nf4"
@@ -444,8 +444,8 @@ def test_seq_len_suggestion_is_the_longest_that_fits():
     lay = p.candidates[0].layout
     n = s["seq_len"]
     assert 0 < n < 131072
-    assert mem(setup_for(replace(setup, seq_len=n), lay, 1)).device_used_bytes <= p.limit_bytes
-    assert mem(setup_for(replace(setup, seq_len=n + 1), lay, 1)).device_used_bytes > p.limit_bytes
+    assert mem(replace(setup, seq_len=n).with_layout(lay, 1)).device_used_bytes <= p.limit_bytes
+    assert mem(replace(setup, seq_len=n + 1).with_layout(lay, 1)).device_used_bytes > p.limit_bytes
 
 
 def test_lora_adapter_count_and_memory():
@@ -564,6 +564,7 @@ def test_export_plan_uses_offload_when_nothing_else_fits():
     assert off["step_time_s"] > 0
     e = export_plan(p)
     assert e.offload_optimizer and e.layout.method == "single" and e.micro_batch_size == off["max_batch_size"]
+    assert any(e.layout is lay for lay in p.what_if_layouts)      # the layout the suggestion was searched on
     cfg = json.loads(export_deepspeed(e))
     assert cfg["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
 

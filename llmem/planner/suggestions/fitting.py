@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from llmem.errors import LlmemError
-from llmem.model.resolved import setup_for
 from llmem.planner.engines import fits_within
 from llmem.planner.search import (
     CandidatePlan,
     PlanContext,
     attach_time,
     cannot_win,
+    layout_setup,
     rank_by_time,
     smallest_draft,
     time_at_max_batch,
@@ -74,8 +74,8 @@ def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layou
     scored: list[tuple[int, int, Layout]] = []
     for i, lay in enumerate(runnable):
         try:
-            scored.append((ctx.engine.quick(setup_for(setup, lay, setup_batch_multiple(setup, lay.world_size))), i,
-                           lay))
+            unit = setup_batch_multiple(setup, lay.world_size)
+            scored.append((ctx.engine.quick(layout_setup(setup, lay, unit), lay), i, lay))
         except LlmemError:          # the model refuses it (e.g. no tensor-parallel plan): not a layout for it
             continue
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -159,7 +159,7 @@ def _out_of_memory_floor(ctx: PlanContext, setup: TrainingSetup, layout: Layout)
     that allocated peak (the full estimate's reserved is never below its allocated: llmem.estimator.events
     extrapolate); None where the draft does not rule batch 1 out (or cannot be made)."""
     try:
-        d = ctx.engine.draft(setup_for(setup, layout, setup_batch_multiple(setup, layout.world_size)))
+        d = ctx.engine.draft(layout_setup(setup, layout, setup_batch_multiple(setup, layout.world_size)), layout)
     except LlmemError:
         return None
     if fits_within(d, ctx.limit) or d.capped_reserved_bytes is not None:
@@ -186,5 +186,5 @@ def quick_batch_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) ->
     slack (the bound never lay above 1.16x the allocated peak, and a batch that fits keeps that within the
     limit)."""
     bound = ctx.limit * (1 + QUICK_SLACK)
-    return max_batch_size(lambda b: ctx.engine.quick(setup_for(setup, layout, b)) <= bound,
+    return max_batch_size(lambda b: ctx.engine.quick(layout_setup(setup, layout, b), layout) <= bound,
                           ctx.options.batch_cap)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmem.estimator.states import cpu_offload_host_bytes, offloaded_optimizer_host_bytes
-from llmem.model.resolved import assemble, setup_for
-from llmem.planner.search import CandidatePlan, PlanContext, timed
+from llmem.model.resolved import assemble
+from llmem.planner.search import CandidatePlan, PlanContext, layout_setup, timed
 from llmem.planner.suggestions.fitting import (
     applied,
     best_fitting,
@@ -30,7 +30,7 @@ def offload_optimizer_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts
     offloaded_opt = applied(setup, offload_optimizer=True)
     best, plans = best_fitting(ctx, offloaded_opt, layouts, offload=True) if offloaded_opt else (None, [])
     pick = best or closest_plan(plans)
-    ram = offloaded_optimizer_host_bytes(assemble(setup_for(
+    ram = offloaded_optimizer_host_bytes(assemble(layout_setup(
         setup, pick.layout, setup_batch_multiple(setup, pick.layout.world_size)), ctx.anatomy, ctx.gpu,
         pick.layout)) if pick else 0
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
@@ -111,9 +111,9 @@ def offload_param_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: li
         plans += searched
     flags = " ".join(["--offload-param", *(flag for _, _, flag in chosen)])
     pick = best or closest_plan(plans)
-    host = cpu_offload_host_bytes(assemble(setup_for(base, pick.layout, setup_batch_multiple(base, pick.layout.world_size)),
-                                           ctx.anatomy, ctx.gpu, pick.layout)) \
-        if pick else None
+    host = cpu_offload_host_bytes(assemble(
+        layout_setup(base, pick.layout, setup_batch_multiple(base, pick.layout.world_size)), ctx.anatomy, ctx.gpu,
+        pick.layout)) if pick else None
     per_node = gpus_per_node(setup.gpus, setup.gpus_per_node)
     ram = host.total if host else 0
     cost = time_cost_pct(ctx, best, setup)

@@ -4,8 +4,7 @@ set-up as given."""
 from __future__ import annotations
 
 from llmem.errors import LlmemError
-from llmem.model.resolved import setup_for
-from llmem.planner.search import CandidatePlan, PlanContext, frozen_base_trainable_params, timed
+from llmem.planner.search import CandidatePlan, PlanContext, frozen_base_trainable_params, layout_setup, timed
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -59,7 +58,7 @@ def time_cost_pct(ctx: PlanContext, c: CandidatePlan | None, base: TrainingSetup
     micro = c.time.micro_batch_size
     try:
         ref = timed(ctx, base, c.layout, micro, c.time.accumulation_steps,
-                    frozen_base_trainable_params(setup_for(base, c.layout, micro), ctx.anatomy))
+                    frozen_base_trainable_params(layout_setup(base, c.layout, micro), ctx.anatomy))
     except LlmemError:      # the set-up as given cannot run that micro-batch (GRPO's num_generations multiple)
         return None
     return 100.0 * (ref.tokens_per_s / c.time.tokens_per_s - 1.0)

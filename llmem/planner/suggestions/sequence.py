@@ -7,8 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from llmem.errors import LlmemError
-from llmem.model.resolved import setup_for
-from llmem.planner.search import PlanContext, attach_time
+from llmem.planner.search import PlanContext, attach_time, layout_setup
 from llmem.planner.suggestions.fitting import QUICK_SLACK, screened_layouts
 from llmem.planner.suggestions.record import suggestion_dict
 from llmem.search import calibrated_max, max_batch_size
@@ -26,7 +25,8 @@ def _quick_seq_bound(ctx: PlanContext, setup: TrainingSetup, layout: Layout) -> 
     bound = ctx.limit * (1 + QUICK_SLACK)
     unit = setup_batch_multiple(setup, layout.world_size)
     try:
-        return max_batch_size(lambda n: ctx.engine.quick(setup_for(at(n), layout, unit)) <= bound, longest - 1)
+        return max_batch_size(lambda n: ctx.engine.quick(layout_setup(at(n), layout, unit), layout) <= bound,
+                              longest - 1)
     except LlmemError:
         return longest
 
@@ -54,13 +54,13 @@ def shorter_sequence_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts:
         unit = setup_batch_multiple(setup, layout.world_size)
 
         def fits_n(n: int, layout=layout, unit=unit) -> bool:
-            return engine.draft(setup_for(at(n), layout, unit)).device_used_bytes <= limit
+            return engine.draft(layout_setup(at(n), layout, unit), layout).device_used_bytes <= limit
 
         def used(n: int, layout=layout, unit=unit) -> int:
-            return engine.full(setup_for(at(n), layout, unit)).device_used_bytes
+            return engine.full(layout_setup(at(n), layout, unit), layout).device_used_bytes
 
         def quick_used(n: int, layout=layout, unit=unit) -> int:
-            return engine.quick(setup_for(at(n), layout, unit))
+            return engine.quick(layout_setup(at(n), layout, unit), layout)
         try:
             if longest <= 1:
                 n = 0
