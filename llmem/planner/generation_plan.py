@@ -80,19 +80,11 @@ def searches_utilization(setup: TrainingSetup) -> bool:
     return vllm_mode(setup) == "colocate" and setup.vllm_gpu_memory_utilization is None
 
 
-def _unscaled(layout: Layout) -> Layout:
-    """`layout` on the same world without its pipeline, context- and expert-parallel degrees (dp x tp): the set-up
-    vLLM's pool is sized on and the utilizations' tokens/s bounds are screened with; a scale-out layout's own refusal
-    is met by each utilization's batch search instead (and told as theirs)."""
-    return replace(layout, dp=layout.world_size // layout.tp, pp=1, cp=1, ep=1)
-
-
 def _pool_try(ctx: PlanContext, s: TrainingSetup, layout: Layout, batch: int = 0) -> tuple[int, int] | str:
     """(KV blocks, concurrent sequences of --seq-len) of the pool at micro-batch `batch` (TRL's max_num_seqs; 0:
     the smallest), or vLLM's refusal."""
     try:
-        pool = colocated_pool(assemble(layout_setup(s, _unscaled(layout),
-                                                    batch or setup_batch_multiple(s, layout.world_size)),
+        pool = colocated_pool(assemble(layout_setup(s, layout, batch or setup_batch_multiple(s, layout.world_size)),
                                        ctx.anatomy, ctx.gpu, layout))
     except LlmemError as exc:
         return str(exc)
@@ -106,7 +98,7 @@ def choose_utilization(ctx: PlanContext, setup: TrainingSetup, layout: Layout
     utilizations vLLM starts at are batch-searched in the order of an upper bound on their tokens/s
     (`_tokens_per_s_bound`), and one whose bound cannot beat the fastest found is not searched (`pruned`): the
     answer is that of searching every one."""
-    layout_setup(setup, _unscaled(layout), setup_batch_multiple(setup, layout.world_size))   # its own refusal first
+    layout_setup(setup, layout, setup_batch_multiple(setup, layout.world_size))   # the layout's own refusal first
     tries: dict[float, VllmTry] = {}
     bounds: dict[float, float] = {}
     for u in UTILIZATIONS:
@@ -158,10 +150,9 @@ def _tokens_per_s_bound(ctx: PlanContext, s: TrainingSetup, layout: Layout) -> f
         return float("inf")
     try:
         unit = setup_batch_multiple(s, layout.world_size)
-        flat = _unscaled(layout)
-        pool = colocated_pool(assemble(layout_setup(s, flat, unit), ctx.anatomy, ctx.gpu, layout))
+        pool = colocated_pool(assemble(layout_setup(s, layout, unit), ctx.anatomy, ctx.gpu, layout))
         room = (ctx.limit - (pool.resident_in_training_bytes if pool else 0)) * (1 + QUICK_BOUND_SLACK)
-        units = max_batch_size(lambda b: ctx.engine.quick(layout_setup(s, flat, b * unit), flat) <= room,
+        units = max_batch_size(lambda b: ctx.engine.quick(layout_setup(s, layout, b * unit), layout) <= room,
                                max(ctx.options.batch_cap // unit, 1))
         if not units:
             return 0.0

@@ -192,3 +192,16 @@ def test_pruned_utilization_search_is_the_exhaustive_one(monkeypatch):
     assert any(t.pruned for t in pruned.tries) and not any(t.pruned for t in every.tries)
     assert (pruned.utilization, c.max_batch_size, c.time.tokens_per_s) == \
         (every.utilization, d.max_batch_size, d.time.tokens_per_s)
+
+
+def test_a_colocated_plan_tells_a_layouts_own_refusal_as_it_is():
+    # GRPO with vLLM colocated on 2 GPUs: fsdp dp 1 x cp 2 is refused for the objective (context parallelism under
+    # TRL's trainers), as the same plan without vLLM refuses it: not as vLLM failing to start at every utilization
+    kw = dict(model="tiny-llama", method="fsdp", gpus=2, precision="bf16-mixed", optimizer="sgd", batch_size=2,
+              seq_len=16, objective="grpo", num_generations=2, max_completion_length=4, lora_rank=8)
+    colocated = plan(TrainingSetup(**kw, use_vllm=True), PlanOptions(batch_cap=4))
+    plain = plan(TrainingSetup(**{**kw, "lora_rank": 0}), PlanOptions(batch_cap=4))   # (peft's generate: no LoRA)
+    cp = "fsdp (dp 1 x cp 2) skipped: --cp with --objective grpo: context parallelism under TRL's trainers"
+    assert any(n.startswith(cp) for n in colocated.notes)
+    assert any(cp in n for n in plain.notes)
+    assert not any("vLLM colocated would not start" in n and "--cp" in n for n in colocated.notes)
