@@ -24,7 +24,7 @@ from llmem.planner.plan import Plan
 from llmem.planner.timing import accumulation_for
 from llmem.setup.deepspeed import ZeroConfig, zero_config
 from llmem.setup.layout import Layout
-from llmem.setup.methods import METHODS
+from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.sections import ActivationsConfig
 from llmem.setup.training import TrainingSetup
@@ -101,17 +101,24 @@ def check_methods_exportable(setup: TrainingSetup, kind: str, methods: tuple[str
     a kind cannot write (--sequence-parallel / --loss-parallel, decided by the set-up alone)."""
     tp_style(setup, kind)
     for name in methods or ():
-        spec = METHODS[name]
-        if kind == "deepspeed" and spec.deepspeed_stage is None:
-            raise LlmemError(f"--export deepspeed: DeepSpeed has no equivalent of --method {name} (its AutoTP "
-                             "works with ZeRO stages 0-2 only); export accelerate or torchrun for this plan")
-        if kind in TORCH_EXPORTS and spec.zero_stage is not None:
-            raise LlmemError(f"--export {kind}: --method {name} runs DeepSpeed's engine: --export deepspeed writes "
-                             f"its config; {kind} launches PyTorch's own methods")
-        # trl_config's refusal: TRL's config launches DDP or one GPU only
-        if kind == "trl" and (spec.zero_stage is not None or not (spec.gradient_buckets or setup.gpus == 1)):
-            raise LlmemError(f"--export trl writes TRL's config with a DDP or one-GPU launch, not --method {name}: "
-                             "plan with --method ddp (or export accelerate)")
+        why = method_refusal(kind, METHODS[name], setup.gpus)
+        if why is not None:
+            raise LlmemError(why)
+
+
+def method_refusal(kind: str, spec: MethodSpec, world_size: int) -> str | None:
+    """Why an export `kind` cannot launch the method `spec` on `world_size` GPUs (None: it can): the one rule the
+    check before a plan (the --method given, --gpus) and the writers after it (the plan's layout) both read."""
+    if kind == "deepspeed" and spec.zero_stage is None and spec.deepspeed_stage is None:
+        return (f"--export deepspeed: DeepSpeed has no equivalent of --method {spec.name} (its AutoTP works with ZeRO "
+                "stages 0-2 only); export accelerate or torchrun for this plan")
+    if kind in TORCH_EXPORTS and spec.zero_stage is not None:
+        return (f"--export {kind}: --method {spec.name} runs DeepSpeed's engine: --export deepspeed writes its "
+                f"config; {kind} launches PyTorch's own methods")
+    if kind == "trl" and (spec.zero_stage is not None or not (spec.gradient_buckets or world_size == 1)):
+        return (f"--export trl writes TRL's config with a DDP or one-GPU launch, not --method {spec.name}: plan "
+                "with --method ddp (or export accelerate)")
+    return None
 
 
 def tp_style(setup: TrainingSetup, kind: str) -> None:
@@ -288,9 +295,9 @@ def export_deepspeed(e: ExportPlan) -> str:
     stage = lay.spec.deepspeed_stage
     if e.zero is not None:
         return json.dumps(deepspeed_json(e, e.zero.to_json()), indent=2) + "\n"
-    if stage is None:
-        raise LlmemError("DeepSpeed's AutoTP works with ZeRO stages 0-2 only, not ZeRO-3 (fsdp+tp): export "
-                         "accelerate or torchrun for this plan")
+    why = method_refusal("deepspeed", lay.spec, lay.world_size)
+    if why is not None:
+        raise LlmemError(why)
     zero: dict = {"stage": stage}
     if stage >= 2:
         zero.update({"overlap_comm": True, "contiguous_gradients": True})
@@ -359,9 +366,9 @@ def write_export(p: Plan, kind: str, path: str) -> ExportPlan:
         raise LlmemError(f"the plan runs {e.layout.label}, which only --export torchtitan writes (its "
                          f"pipeline_parallel_degree / context_parallel_degree / expert_parallel_degree): export "
                          "torchtitan")
-    if e.zero is not None and kind in TORCH_EXPORTS:
-        raise LlmemError(f"the plan runs DeepSpeed's engine ({e.layout.method}): --export deepspeed writes its "
-                         f"config; {kind} launches PyTorch's own methods")
+    why = method_refusal(kind, e.layout.spec, e.layout.world_size)
+    if why is not None:
+        raise LlmemError(why)
     files = writer(p, e, path)          # refusals before any file is opened
     notes = (EXPORT_NOTES[kind](e),) if kind in EXPORT_NOTES and e.zero is None else ()
     notes += tuple(f"the accelerate config beside it: {name} (its accelerate_config)" for name in files if name != path)

@@ -44,9 +44,6 @@ def _flavor(model: str, layout) -> tuple[str, str]:
 
 def _check(p, e) -> None:
     lay, setup = e.layout, p.setup
-    if lay.spec.zero_stage is not None:
-        raise LlmemError(f"--export torchtitan: the plan runs DeepSpeed's engine ({lay.method}); torchtitan runs "
-                         "FSDP2: export deepspeed")
     if e.precision not in TORCHTITAN_PARAM_DTYPES:
         raise LlmemError(f"--export torchtitan: torchtitan trains bf16-mixed (MixedPrecisionPolicy) or fp32, not "
                          f"{e.precision}: plan with --precision bf16-mixed")

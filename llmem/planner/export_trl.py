@@ -53,9 +53,6 @@ def trl_config(p: Plan, e) -> dict:
     setup = p.setup
     check_trl_exportable(setup)
     spec = objective_spec(setup.objective)
-    if e.zero is not None or not (e.layout.spec.gradient_buckets or e.layout.world_size == 1):
-        raise LlmemError(f"--export trl writes TRL's config with a DDP or one-GPU launch; the plan runs "
-                         f"{e.layout.label}: export accelerate for it")
     bf16, fp16, dtype = TRL_PRECISION[e.precision]
     cfg: dict = {"model_name_or_path": e.model, "attn_implementation": setup.attn,
                  "per_device_train_batch_size": e.micro_batch_size,

@@ -40,6 +40,8 @@ def _one_line_error(capsys) -> str:
     (["--gpus", "2", "--method", "ds-zero3", "--export", "accelerate", "a.yaml"],
      "--method ds-zero3 runs DeepSpeed's engine"),
     (["--gpus", "2", "--method", "ds-zero1", "--export", "torchrun", "run.sh"], "runs DeepSpeed's engine"),
+    (["--gpus", "2", "--method", "ds-zero2", "--export", "torchtitan", "t.toml"],
+     "--export torchtitan: --method ds-zero2 runs DeepSpeed's engine"),
     (["--gpus", "4", "--method", "fsdp+tp", "--export", "deepspeed", "ds.json"],
      "DeepSpeed has no equivalent of --method fsdp+tp"),
     (["--gpus", "4", "--method", "fsdp+tp", "--tp", "2", "--sequence-parallel", "--export", "accelerate", "a.yaml"],
@@ -102,3 +104,4 @@ def test_reasons_that_differ_only_in_the_refused_method_are_one():
     tp_only = {"--tp 4 needs heads divisible by 4: choose --tp 2 (tp)": [lays["tp (4)"]],
                "--tp 4 needs heads divisible by 4: choose --tp 2 (fsdp+tp)": [lays["fsdp+tp (2dp x 2tp)"]]}
     assert no_layout_message(tp_only).startswith("--tp 4 needs heads divisible by 4: choose --tp 2 (tp, fsdp+tp) (")
+
