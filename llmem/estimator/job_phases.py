@@ -30,12 +30,14 @@ states stay on the GPU throughout, gradients freed by zero_grad(set_to_none=True
   its shards of the model, then of the optimizer, to the host for DCP to write.
 - `deepspeed_save_checkpoint`: the engine's save_checkpoint: each rank torch.saves its fp32 flat partitions (ZeRO-1/2
   one flat buffer per group; ZeRO-3 one per sub-group of sub_group_size), one storage copied to the host at a time.
-- `zero12_full_state_dict`: HF's get_state_dict for ZeRO-1/2: the replicated 16-bit weights cloned to rank 0's host
-  (clone_tensors_for_torch_save), then the engine's checkpoint.
+- `zero12_full_state_dict`: accelerate's get_state_dict for ZeRO-1/2, run on every rank by HF Trainer's save_model:
+  the replicated 16-bit weights cloned to each rank's host (clone_tensors_for_torch_save), then the engine's
+  checkpoint.
 - `zero3_consolidated_16bit_state_dict`: _zero3_consolidated_16bit_state_dict: each module's own parameters gathered
   in turn, rank 0 copying them to its host, then the engine's checkpoint.
 - `peft_adapter_save`: peft's save_pretrained (get_peft_model_state_dict: the adapter weights); under ZeRO-3 HF's
-  Trainer consolidates with exclude_frozen_parameters=True, which still gathers every module in turn.
+  Trainer consolidates with exclude_frozen_parameters=True, which still gathers every module in turn; under ZeRO-1/2
+  it takes accelerate's get_state_dict (the whole module cloned on every rank) before peft keeps the adapters.
 
 Known limitations: the phases are analytic, from the frameworks' code as read (transformers 5.25, accelerate 1.16,
 torch 2.13, DeepSpeed 0.19, peft 0.21), not replayed through the allocator model nor traced on fake tensors;
@@ -46,7 +48,7 @@ cache), the Python process and the libraries, and host memory the step already h
 FSDP2's CPUOffloadPolicy shards except where loading puts them there) come on top. Only the policy is counted under
 the preference and generation objectives (a reference model and vLLM load beside it). Tensor, pipeline, context and
 expert parallelism and a quantised base have no phases (llmem.setup.job_phases). peft's merge_and_unload is not
-modelled.
+modelled, nor FSDP2's full state dict on a single process (accelerate then keeps it on the GPU, not offloaded).
 """
 
 from __future__ import annotations
@@ -172,9 +174,10 @@ def deepspeed_save_checkpoint(b: PhaseBytes) -> tuple[int, int]:
 
 
 def zero12_full_state_dict(b: PhaseBytes) -> tuple[int, int]:
-    """clone_tensors_for_torch_save of the replicated 16-bit module on rank 0's host, then save_checkpoint."""
+    """accelerate's get_state_dict, which HF Trainer's save_model runs on every rank: clone_tensors_for_torch_save
+    of the replicated 16-bit module to each rank's host; then save_checkpoint."""
     device, checkpoint = deepspeed_save_checkpoint(b)
-    return device, max(b.model_16bit_bytes, checkpoint)
+    return device, max(b.ranks_per_node * b.model_16bit_bytes, checkpoint)
 
 
 def zero3_consolidated_16bit_state_dict(b: PhaseBytes) -> tuple[int, int]:
@@ -186,13 +189,13 @@ def zero3_consolidated_16bit_state_dict(b: PhaseBytes) -> tuple[int, int]:
 
 def peft_adapter_save(b: PhaseBytes, family: str) -> tuple[int, int]:
     """peft's save_pretrained of the adapters, then the optimizer (torch.save; DeepSpeed: save_checkpoint). Under
-    ZeRO-3 the consolidation gathers every module in turn and keeps the trained ones."""
+    ZeRO-3 HF Trainer's consolidation (exclude_frozen_parameters) gathers every module in turn and keeps the
+    trained ones; under ZeRO-1/2 its get_state_dict clones the whole 16-bit module to every rank's host first."""
     if family == DS_ZERO3:
         device, checkpoint = deepspeed_save_checkpoint(b)
         return device + b.largest_module_16bit_bytes, max(b.trained_16bit_bytes, checkpoint)
     if family == DS_ZERO12:
-        device, checkpoint = deepspeed_save_checkpoint(b)
-        return device, max(b.trained_bytes, checkpoint)
+        return zero12_full_state_dict(b)
     return b.resident_bytes, max(b.trained_bytes, b.largest_state_bytes)
 
 

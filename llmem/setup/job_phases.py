@@ -52,8 +52,9 @@ LOAD_PATHS: dict[str, PhaseRow] = {r.name: r for r in (
 
 SAVE_KINDS: dict[str, PhaseRow] = {r.name: r for r in (
     PhaseRow("full", (REPLICATED, FSDP2, DS_ZERO12), (REPLICATED, DS_ZERO12), (),
-             "the whole model's state dict on rank 0's host (FSDP2: FULL_STATE_DICT, each parameter all-gathered in "
-             "turn; ZeRO-1/2: the replicated 16-bit weights cloned) and the optimizer saved beside it"),
+             "the whole model's state dict on the host, rank 0's (FSDP2: FULL_STATE_DICT, each parameter "
+             "all-gathered in turn) or every rank's (ZeRO-1/2: the replicated 16-bit weights cloned), and the "
+             "optimizer saved beside it"),
     PhaseRow("sharded", (FSDP2, DS_ZERO12, DS_ZERO3), (FSDP2, DS_ZERO3), (FSDP2,),
              "each rank saves its own shards (FSDP2: SHARDED_STATE_DICT copied to the host, accelerate's default; "
              "DeepSpeed: the engine's save_checkpoint)"),

@@ -78,6 +78,13 @@ def test_zero3_saving_sharded_and_16bit_gather():
     assert gather["host_bytes"] == max(P * 2, GPUS * FP32_SHARD)
 
 
+def test_zero2_full_save_clones_the_16bit_model_on_every_rank():
+    """HF Trainer's save_model runs accelerate's get_state_dict on every rank: under ZeRO-1/2 each clones the
+    replicated bf16 weights to its host (8 x 90.8 MB), more than each rank's fp32 flat partition (P x 4 / 8)."""
+    save = phases(method="ds-zero2")["save"]
+    assert save["kind"] == "full" and save["host_bytes"] == GPUS * P * 2 == 726_736_896
+
+
 def test_adapters_save_their_weights_only():
     """LoRA r=8 on q_proj, v_proj: A (8 x 512) and B (512 x 8) per target, fp32 (peft's autocast_adapter_dtype)."""
     adapters = LAYERS * 2 * (8 * H + H * 8)
