@@ -129,7 +129,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         result.notes.append(pipeline_note(r, top))
     if pool is not None:
         result.notes.append(vllm_note(r, pool))
-    result.job_phases = job_phases(r, ms)
+    result.job_phases = [] if draft else job_phases(r, ms)    # a search's drafts: the step only
     if result.job_phases:
         result.job_notes = job_notes(result.job_phases, rep.peak_allocated_bytes, limit - context)
     return result

@@ -62,7 +62,7 @@ from llmem.estimator.states import ModelStates
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.result import JobPhase
-from llmem.setup.deepspeed import partition_numel, sub_group_numels, zero_config
+from llmem.setup.deepspeed import param_partition_numel, partition_numel, sub_group_numels, zero_config
 from llmem.setup.job_phases import DS_ZERO3, DS_ZERO12, FSDP2, REPLICATED, load_path, phase_family, save_kind
 from llmem.setup.precision import F32
 from llmem.units import format_bytes
@@ -235,7 +235,7 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
         largest_param_bytes=max(stored, default=0), largest_unit_bytes=max(units.values(), default=0),
         largest_module_16bit_bytes=max(modules.values(), default=0),
         fsdp_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)),
-        zero3_partition_16bit_bytes=sum(ceil(p.numel / shard_ranks) for p in params) * b16,
+        zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
         optimizer_bytes=sum(map(sum, states)),
         optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), element_bytes(p, s)))
                                   for p, n in zip(params, shard_numel, strict=True) if p.trainable),
@@ -254,7 +254,7 @@ def _zero_flat_bytes(r: ResolvedSetup, numels: list[int], dp: int) -> int:
     part = partition_numel(numels, stage, dp)
     if stage == 3:
         sub_group = zero_config(r.setup, stage, r.anatomy.hidden_size).sub_group_size
-        part = max(sub_group_numels([-(-n // dp) for n in numels], sub_group), default=0)
+        part = max(sub_group_numels([param_partition_numel(n, dp) for n in numels], sub_group), default=0)
     return part * F32
 
 
@@ -281,8 +281,8 @@ def job_notes(phases: list[JobPhase], step_allocated_bytes: int, allocator_bytes
     for p in phases:
         if p.device_bytes > allocator_bytes:
             notes.append(f"{p.name} ({p.kind}) needs {format_bytes(p.device_bytes)} per GPU, more than the "
-                         f"{format_bytes(allocator_bytes)} the allocator may use: it runs out of memory before "
-                         "the step does")
+                         f"{format_bytes(allocator_bytes)} the allocator may use: the job runs out of memory there, "
+                         "whatever the step's fit")
         elif p.device_bytes > step_allocated_bytes:
             notes.append(f"{p.name} ({p.kind}) peaks above the step: {format_bytes(p.device_bytes)} against "
                          f"{format_bytes(step_allocated_bytes)} per GPU")
