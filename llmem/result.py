@@ -87,6 +87,21 @@ class PhaseMemory:
                 "components": dict(self.components), "is_peak": self.is_peak}
 
 
+@dataclass(frozen=True)
+class JobPhase:
+    """A phase of the job around its step (llmem.estimator.job_phases): loading the model or saving a checkpoint,
+    the path it takes (`kind`), its peak of tensor bytes on one GPU and of CPU RAM on one node, and what it runs."""
+    name: str                  # "load", "save"
+    kind: str                  # the loading path / saving kind (llmem.setup.job_phases)
+    device_bytes: int
+    host_bytes: int
+    what: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "what": self.what}
+
+
 # The phases of a step with phases as the report groups them: GRPO's weight sync to vLLM (under FSDP2), generation
 # and scoring, then its training (forward, backward, optimizer step)
 PHASE_GROUPS = {"weight_sync": "weight_sync", "generation": "generation", "scoring": "scoring",
@@ -135,6 +150,9 @@ class MemoryResult:
     by_fragmentation: bool = False            # fits / OOM decided by the cached segments' layout: marginal
     phases: list[PhaseMemory] = field(default_factory=list)   # a step with phases (GRPO): each phase's peak
     stages: list[dict] = field(default_factory=list)   # --pp: each pipeline stage's peaks ({stage, ..._bytes})
+    # the job's loading and saving phases (estimate only; in the JSON only when there are some)
+    job_phases: list[JobPhase] = field(default_factory=list)
+    job_notes: list[str] = field(default_factory=list)
 
     @property
     def reserved_on_device_bytes(self) -> int:
@@ -157,6 +175,9 @@ class MemoryResult:
                 out["oom"] = value.to_dict() if value is not None else None
             elif f.name == "phases":
                 out["phases"] = [p.to_dict() for p in value]
+            elif f.name in ("job_phases", "job_notes"):
+                if value:
+                    out[f.name] = [p.to_dict() for p in value] if f.name == "job_phases" else list(value)
             elif not (f.name == "timeline" and value is None):
                 out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
         out["fits"] = self.fits

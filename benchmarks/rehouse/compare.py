@@ -24,7 +24,9 @@ The JSON is what `--json` prints (`to_dict()` of the result), with the one field
 taken out: the trace's own wall time in its last note ("trace: N allocator events, X.X s" keeps N).
 
 `diff` reports, per engine, how many cases are byte-identical, and lists every difference (the JSON path and both
-values). `--setup-from-estimate` marks the `setup` object of trace, paper and measure results as expected to equal
+values). A key present only after (a key added, none removed or changed, the others in their order) is not a
+difference: such cases count as identical but for added keys, and those keys are named; `--strict` counts them as
+differences. `--setup-from-estimate` marks the `setup` object of trace, paper and measure results as expected to equal
 the llmem estimate's `setup` of the same row before the change (the typed set-up every engine now fills one way)
 rather than their own earlier, engine-specific dicts.
 """
@@ -185,11 +187,20 @@ def _portable(value):
     return value
 
 
+ADDED = ": (absent) -> "
+
+
+def _added_only(found: list[str]) -> bool:
+    """Every difference is a key present only after (what an added field or result key gives)."""
+    return bool(found) and all(ADDED in f for f in found)
+
+
 def _only_timeline(found: list[str]) -> bool:
     return bool(found) and all(f.startswith(".timeline[") for f in found)
 
 
-def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | None = None) -> int:
+def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | None = None,
+         strict: bool = False) -> int:
     lines = [f"# estimate / paper / trace / plan JSON: {before} (before) against {after} (after)", ""]
     if noise is not None:
         lines += [f"A trace's timeline (its allocator events, downsampled) is not the same from run to run of the same "
@@ -204,6 +215,7 @@ def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | Non
         same = 0
         problems: list[str] = []
         noisy: list[str] = []
+        added: dict[str, int] = {}
         for name in names:
             old_text = (before / engine / name).read_text()
             new_path = after / engine / name
@@ -224,6 +236,12 @@ def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | Non
             if not found:
                 same += 1
                 continue
+            if not strict and _added_only(found):
+                same += 1
+                for f in found:
+                    key = re.sub(r"\[\d+\]", "[]", f.split(ADDED)[0])
+                    added[key] = added.get(key, 0) + 1
+                continue
             if noise is not None and engine == "trace" and _only_timeline(found) and (noise / engine / name).is_file():
                 again: list[str] = []
                 _walk(_portable(json.loads(old_text)), _portable(json.loads((noise / engine / name).read_text())),
@@ -237,6 +255,9 @@ def diff(before: Path, after: Path, setup_from_estimate: bool, noise: Path | Non
             " (the `setup` object compared with the estimate's)" if setup_from_estimate and engine in
             ("trace", "paper") else "") + (f"; {len(noisy)} differ in their timeline only, as two runs before do"
                                            if noisy else ""))
+        if added:
+            lines.append("identical but for keys added after: " + ", ".join(f"`{k}` ({n} cases)"
+                                                                           for k, n in sorted(added.items())))
         if new_only:
             lines.append(f"(new after, nothing to compare with: {', '.join(n[:-5] for n in new_only)})")
         lines += problems + [""]
@@ -255,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("after", type=Path)
     c.add_argument("--setup-from-estimate", action="store_true")
     c.add_argument("--noise", type=Path, default=None, help="a second dump of the before checkout (traces)")
+    c.add_argument("--strict", action="store_true", help="keys added after count as differences")
     args = ap.parse_args(argv)
     if args.cmd == "dump":
         return dump(args.folder, set(args.only.split(",")))
-    return diff(args.before, args.after, args.setup_from_estimate, args.noise)
+    return diff(args.before, args.after, args.setup_from_estimate, args.noise, args.strict)
 
 
 if __name__ == "__main__":

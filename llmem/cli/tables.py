@@ -151,6 +151,20 @@ def phases_table(result: MemoryResult) -> Table:
     return table
 
 
+def job_phases_table(result: MemoryResult) -> Table:
+    """The job's phases beside its step: loading, the step, saving, each one's peak on one GPU and on one node's
+    host (the step's host: offloaded states, in its notes)."""
+    table = Table()
+    for name, justify in (("job phase", "left"), ("path", "left"), ("per GPU", "right"), ("host per node", "right")):
+        table.add_column(name, justify=justify, no_wrap=name != "path")
+    rows = [(p.name, p.kind, p.device_bytes, format_bytes(p.host_bytes)) for p in result.job_phases]
+    rows.insert(1, ("step", "peak_allocated", result.peak_allocated_bytes, ""))
+    top = max(r[2] for r in rows)
+    for name, kind, device, host in rows:
+        table.add_row(f"[bold]{name} (peak)[/]" if device == top else name, kind, format_bytes(device), host)
+    return table
+
+
 def print_memory(result: MemoryResult, console: Console | None = None) -> None:
     console = console or Console()
     console.print(Title(memory_title(result)))
@@ -162,7 +176,9 @@ def print_memory(result: MemoryResult, console: Console | None = None) -> None:
     oom = getattr(result, "oom", None)
     if oom is not None:
         console.print(f"[red]out of memory:[/] {escape(oom.describe())}")
-    for note in result.notes:
+    if getattr(result, "job_phases", None):
+        console.print(job_phases_table(result))
+    for note in result.notes + list(getattr(result, "job_notes", [])):
         console.print(f"[yellow]note:[/] {escape(note)}")
 
 

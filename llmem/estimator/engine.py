@@ -21,6 +21,7 @@ from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
+from llmem.estimator.job_phases import job_notes, job_phases
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
@@ -128,6 +129,9 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         result.notes.append(pipeline_note(r, top))
     if pool is not None:
         result.notes.append(vllm_note(r, pool))
+    result.job_phases = [] if draft else job_phases(r, ms)    # a search's drafts: the step only
+    if result.job_phases:
+        result.job_notes = job_notes(result.job_phases, rep.peak_allocated_bytes, limit - context)
     return result
 
 

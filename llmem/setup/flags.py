@@ -15,6 +15,7 @@ MAX_COUNT = 1 << 48            # a DeepSpeed size in elements: 2**48 bf16 elemen
 # Option.group: the sections of --help
 LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL, DEEPSPEED = "layout", "step", "optimizer", "activations", \
     "adapters", "model", "deepspeed"
+JOB = "job"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from llmem.setup.flags import (
     ACTIVATIONS,
     ADAPTERS,
     DEEPSPEED,
+    JOB,
     LAYOUT,
     OPTIMIZER,
     STEP,
@@ -20,6 +21,7 @@ from llmem.setup.flags import (
     count_or_auto,
     option,
 )
+from llmem.setup.job_phases import DEFAULT, LOAD_PATHS, SAVE_KINDS
 from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, OBJECTIVE_GROUP, OBJECTIVES, REF_DTYPES
 from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.pipeline import PIPELINE_SCHEDULES
@@ -253,6 +255,16 @@ class GenerationConfig:
                                                "the model's max_position_embeddings, as vLLM infers it)",
                                                OBJECTIVE_GROUP, type=int)
 
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """The phases of the job around the step (llmem.setup.job_phases): how the model is loaded and how a
+    checkpoint is saved; their peaks are worked out beside the step's (llmem.estimator.job_phases)."""
+    load_path: str = option(DEFAULT, f"how the model is loaded: {DEFAULT} (HF Trainer's path for the method), "
+                            + ", ".join(f"{r.name} ({r.summary})" for r in LOAD_PATHS.values()), JOB, metavar="LOADING")
+    save_kind: str = option(DEFAULT, f"how a checkpoint is saved: {DEFAULT} (HF Trainer + accelerate's for the "
+                            "method), " + ", ".join(f"{r.name} ({r.summary})" for r in SAVE_KINDS.values()), JOB,
+                            metavar="KIND")
+
 
 # TrainingSetup holds one of each, under these names (the order of its fields)
 SECTIONS: dict[str, type] = {
@@ -265,4 +277,5 @@ SECTIONS: dict[str, type] = {
     "deepspeed": DeepSpeedConfig,
     "trainer": TrainerConfig,
     "generation": GenerationConfig,
+    "job": JobConfig,
 }

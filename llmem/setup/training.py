@@ -37,6 +37,7 @@ from llmem.setup.flags import (  # noqa: F401 - re-exported: the flags' names as
     count_or_auto,
     option,
 )
+from llmem.setup.job_phases import check_job_phases
 from llmem.setup.methods import canonical_method, method_spec
 from llmem.setup.objectives import ObjectiveSpec, check_objective, objective_spec
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec
@@ -52,6 +53,7 @@ from llmem.setup.sections import (  # noqa: F401 - re-exported
     DeepSpeedConfig,
     GenerationConfig,
     HardwareConfig,
+    JobConfig,
     OptimizerConfig,
     ParallelismConfig,
     StepConfig,
@@ -85,11 +87,17 @@ def user_setup(**fields: Any) -> TrainingSetup:
     return TrainingSetup(**fields)
 
 
+# Fields added after the `setup` JSON's keys were fixed: last in FLAT_ORDER, and after the set-up record's own keys in
+# the JSON (llmem.setup.record), so that every key an earlier llmem printed keeps its place
+LATER_FIELDS = ("load_path", "save_kind")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
-FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward')
+FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
 # flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
+# the defaults of LATER_FIELDS: a set-up prints them only where it differs (TrainingSetup.__repr__)
+LATER_DEFAULTS: dict[str, Any] = {f.name: f.default for section in SECTIONS.values() for f in fields(section)
+                                  if f.name in LATER_FIELDS}
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -109,6 +117,7 @@ class TrainingSetup:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    job: JobConfig = field(default_factory=JobConfig)
 
     def __init__(self, model: str, *positional: Any, **given: Any) -> None:
         """Sections given whole (`parallelism=ParallelismConfig(...)`), fields by their flat names (`gpus=8`), or
@@ -135,8 +144,10 @@ class TrainingSetup:
         self.__post_init__()
 
     def __repr__(self) -> str:
-        """The flat form, as the set-up has always printed (its fields by their flat names)."""
-        return f"TrainingSetup({', '.join(f'{name}={getattr(self, name)!r}' for name in FLAT_ORDER)})"
+        """The flat form, as the set-up has always printed (its fields by their flat names; one of LATER_FIELDS only
+        where it is not at its default, so that a set-up without it prints as it did before it existed)."""
+        shown = [n for n in FLAT_ORDER if n not in LATER_DEFAULTS or getattr(self, n) != LATER_DEFAULTS[n]]
+        return f"TrainingSetup({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
     def _set(self, name: str, value: Any) -> None:
         """Validation's own normalisation of a field (a count parsed, a flag implied), in its section."""
@@ -174,6 +185,7 @@ class TrainingSetup:
         self._check_pipeline()
         check_context_parallel(self)
         check_expert_parallel(self)
+        check_job_phases(self)
 
     def _check_pipeline(self) -> None:
         """--pp: the schedule and micro-batches torch accepts, on the methods a stage runs under (the layer count is
