@@ -247,8 +247,11 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
         sources["lora_targets"] = ("lora_target_modules (peft's default for the model type)", None)
     r.note_used("use_peft", True, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
     apply_lora(r, lora, sources)
-    for key in ("lora_task_type", "use_rslora", "lora_target_parameters"):
+    for key in ("lora_task_type", "use_rslora"):
         keys.get(key)
+    if keys.get("lora_target_parameters"):
+        r.ignore("lora_target_parameters", keys.get("lora_target_parameters"), "LoRA on parameters (peft's "
+                 "ParamWrapper, MoE expert weights) is not modelled: those adapters are left out")
 
 
 def _vllm(r: Reading, keys: Keys) -> None:
