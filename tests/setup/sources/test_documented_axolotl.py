@@ -63,6 +63,11 @@ CASES = {
                        "lora_alpha": 32, "lora_targets": "all-linear"}, None, set()),
     "reward-full.yml": ({**ONE_GPU, "objective": "reward", "batch_size": 1, "seq_len": 8192, "max_length": 8192,
                          "optimizer": "adamw-8bit", "lora_rank": 0}, None, set()),
+    # QLoRA under FSDP2: axolotl skips prepare_model_for_kbit_training (no upcast); GPUs left to the launcher
+    "qlora-fsdp2.yml": ({"model": MODEL, "method": "fsdp", "gpus": 8, "batch_size": 1, "seq_len": 2048,
+                         "optimizer": "adamw-fused", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+                         "lora_targets": "all-linear", "quant_base": "nf4", "kbit_upcast": False,
+                         "offload_param": False, "precision": "bf16-mixed"}, None, set()),
     # DeepSpeed ZeRO-2 with the optimizer on the CPU, GPUs left to the launcher (one node of 8 assumed)
     "sft-ds-zero2.yml": ({"model": MODEL, "method": "ds-zero2", "gpus": 8, "batch_size": 2, "seq_len": 2048,
                           "optimizer": "adamw", "offload_optimizer": True, "precision": "bf16-mixed"}, None,
