@@ -107,8 +107,14 @@ def _objective(r: Reading, keys: Keys) -> str:
     if not found.evidence:
         note = "no key only a trainer's config has: SFTConfig assumed (trl sft); --objective decides"
     elif found.ambiguous:
-        note = (f"ambiguous: {', '.join(c.name for c in found.configs)} all take these keys; {config.name} assumed "
-                "(the trl command decides): --objective decides")
+        names = ", ".join(c.name for c in found.configs)
+        note = (f"ambiguous: {names} all take these keys; {config.name} assumed (the trl command decides): "
+                "--objective decides")
+        if config.objective != "sft":   # a key SFTConfig lacks: some other trainer's, which one is not known
+            # their steps differ (a reference model, paired rows, generation): not the file's run for sure until
+            # --objective names it
+            r.ignore("(trainer)", names, f"the keys fit {names}, whose steps differ: {config.name}'s is estimated; "
+                     "give --objective for the trl command you run", settled_by="objective")
     else:
         note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
     r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
