@@ -97,3 +97,14 @@ def test_lora_on_parameters_is_not_read_silently(tmp_path):
     extra = "lora_target_parameters: [mlp.experts.gate_up_proj]\n"
     path.write_text((DATA / "trl" / "sft-lora.yaml").read_text() + extra)
     assert approximate(setup_from_file(path)) == {"lora_target_parameters"}
+
+
+def test_keys_several_trainers_take_make_the_answer_approximate_until_objective_names_one():
+    """An alignment-handbook ORPO recipe has only keys DPOConfig, KTOConfig, ORPOConfig and CPOConfig share: DPO (the
+    first) is estimated and the answer says it may not be the file's run; --objective orpo settles it."""
+    fs = read("trl", "orpo-handbook.yaml")
+    check(fs, {"objective": "dpo", "batch_size": 1, "seq_len": 2048, "optimizer": "adamw-8bit"})
+    assert approximate(fs) == {"(trainer)"}
+    fs = read("trl", "orpo-handbook.yaml", objective="orpo")
+    check(fs, {"objective": "orpo", "batch_size": 1, "seq_len": 2048, "max_length": 2048})
+    assert approximate(fs) == set()
