@@ -133,7 +133,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     for r in readings:
         values.update(r.values)
         used += r.used
-        ignored += r.ignored
+        ignored += [i for i in r.ignored if i.settled_by not in overrides]
         notes += [n for n in r.notes if n not in notes]
         files += [(str(r.path), r.format)] + r.files
         d = _merge(d, r.dtypes)

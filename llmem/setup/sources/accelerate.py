@@ -105,12 +105,13 @@ def _deepspeed(r: Reading, keys: Keys, ds: Keys, processes: int, compute: str) -
                          "offloads parameters at ZeRO stage 3 only (offload_param: valid only with stage 3)")
         if accum is not None:
             r.note_used("deepspeed_config.gradient_accumulation_steps", accum, GA_NOTE)
-    for key, why in (("zero3_init_flag", "deepspeed.zero.Init: load time only"),
-                     ("zero3_save_16bit_model", "checkpoint saving only"),
-                     ("deepspeed_multinode_launcher", "the launcher: no memory effect"),
-                     ("seq_parallel_communication_data_type", "sequence parallelism is not modelled")):
+    for key, why, approximates in (("zero3_init_flag", "deepspeed.zero.Init: load time only", False),
+                                   ("zero3_save_16bit_model", "checkpoint saving only", False),
+                                   ("deepspeed_multinode_launcher", "the launcher: no memory effect", False),
+                                   ("seq_parallel_communication_data_type", "sequence parallelism is not modelled",
+                                    True)):
         if key in ds:
-            r.ignore(f"deepspeed_config.{key}", ds.get(key), why)
+            r.ignore(f"deepspeed_config.{key}", ds.get(key), why, approximates=approximates)
 
 
 def _parallelism(r: Reading, pc: Keys) -> None:

@@ -1,8 +1,10 @@
-"""Adapters on the set-up floor's config readers: LoRA / QLoRA as the frameworks write it, into the set-up.
+"""Adapters on the set-up floor's config readers: LoRA / QLoRA / DoRA / OFT as the frameworks write it, into the
+set-up.
 
 LoRA / QLoRA as the frameworks describe it, into --lora-rank and friends, or, where only peft can express it
-(modules_to_save: full trained copies of embed_tokens / lm_head; DoRA), into an adapter_config.json that llmem
-writes to its cache folder and reads back through --peft-config, so that peft itself builds the adapters."""
+(modules_to_save: full trained copies of embed_tokens / lm_head; DoRA; per-layer ranks or layer subsets; OFT),
+into an adapter_config.json that llmem writes to its cache folder and reads back through --peft-config, so that
+peft itself builds the adapters."""
 
 from __future__ import annotations
 
@@ -27,6 +29,19 @@ class Lora:
     targets: str                           # "q_proj,v_proj" or all-linear
     modules_to_save: tuple[str, ...] = ()
     use_dora: bool = False
+    # further LoraConfig fields the file sets (layers_to_transform, rank_pattern, ...): only peft expresses them
+    peft_fields: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Oft:
+    """peft's OFTConfig as a framework builds it: block-diagonal orthogonal adapters, `rank` blocks or blocks of
+    `block_size` (exactly one of them non-zero)."""
+    rank: int
+    block_size: int
+    dropout: float                         # module_dropout: whole blocks dropped
+    targets: str
+    modules_to_save: tuple[str, ...] = ()
 
 
 def targets_text(raw) -> str:
@@ -46,7 +61,7 @@ def apply_lora(r: Reading, lora: Lora, sources: dict[str, tuple[str, Any]]) -> N
     its value); a name without one is the framework's default."""
     flags = (("lora_rank", lora.rank), ("lora_alpha", int(lora.alpha)), ("lora_targets", lora.targets),
              ("lora_dropout", lora.dropout))
-    if not lora.modules_to_save and not lora.use_dora:
+    if not lora.modules_to_save and not lora.use_dora and not lora.peft_fields:
         for name, value in flags:
             key, raw = sources.get(name, (f"{name} (default)", value))
             r.set(key, raw, name, value)
@@ -54,16 +69,34 @@ def apply_lora(r: Reading, lora: Lora, sources: dict[str, tuple[str, Any]]) -> N
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "use_dora": lora.use_dora, "bias": "none",
               "target_modules": lora.targets if lora.targets == LORA_ALL_LINEAR else lora.targets.split(","),
-              "modules_to_save": list(lora.modules_to_save) or None}
+              "modules_to_save": list(lora.modules_to_save) or None} | dict(lora.peft_fields)
     path = write_peft_config(config)
     why = " and ".join(filter(None, ["modules_to_save (full trained copies of " + ", ".join(lora.modules_to_save)
-                                     + ")" if lora.modules_to_save else "", "DoRA" if lora.use_dora else ""]))
+                                     + ")" if lora.modules_to_save else "", "DoRA" if lora.use_dora else "",
+                                     ", ".join(name for name, _ in lora.peft_fields)]))
     for name, value in flags:
         key, raw = sources.get(name, (f"{name} (default)", value))
         r.note_used(key, raw, f"{name} {value} in the peft config")
-    key, raw = sources.get("modules_to_save") or sources.get("use_dora") or ("adapter", "lora")
+    extra = [n for n, _ in lora.peft_fields]
+    key, raw = (sources.get("modules_to_save") or sources.get("use_dora") or
+                next((sources[n] for n in extra if n in sources), None) or ("adapter", "lora"))
     r.set(key, raw, "peft_config", str(path), f"{why}: only peft expresses them, so llmem wrote their "
           "adapter_config.json for --peft-config")
+
+
+def apply_oft(r: Reading, oft: Oft, key: str, raw: Any, sources: dict[str, tuple[str, Any]]) -> None:
+    """OFT adapters into `r`: peft's OFTConfig written for peft to build (llmem has no OFT flags), the answer's
+    activations learned from peft's own OFT layers. `sources`: OFTConfig's field -> (the file's key, its value)."""
+    config = {"peft_type": "OFT", "task_type": "CAUSAL_LM", "r": oft.rank, "oft_block_size": oft.block_size,
+              "module_dropout": oft.dropout, "bias": "none",
+              "target_modules": oft.targets if oft.targets == LORA_ALL_LINEAR else oft.targets.split(","),
+              "modules_to_save": list(oft.modules_to_save) or None}
+    path = write_peft_config(config)
+    for name in ("r", "oft_block_size", "module_dropout", "target_modules", "modules_to_save"):
+        if name in sources:
+            r.note_used(*sources[name], f"{name} {config[name]} in the peft config")
+    r.set(key, raw, "peft_config", str(path), "OFT: peft's OFTConfig, which llmem wrote as an adapter_config.json "
+          "for --peft-config")
 
 
 def cache_folder() -> Path:

@@ -1,6 +1,7 @@
 """axolotl's YAML (axolotl 0.19's schema, utils/schemas/): the model, micro_batch_size, sequence_len, sample_packing,
 bf16 / fp16 ("auto": bf16 where the GPU has it, utils/config resolve_dtype), the optimizer, checkpointing and
-activation offloading, LoRA / QLoRA (load_in_4bit / load_in_8bit), attention, Liger and Cut Cross-Entropy, FSDP,
+activation offloading, LoRA / QLoRA (load_in_4bit / load_in_8bit; peft_use_dora: DoRA / QDoRA; the per-layer
+peft keys as a peft config), attention, Liger and Cut Cross-Entropy, FSDP,
 DeepSpeed, and Ray's worker count.
 
 Precision: axolotl loads the model in bf16 under bf16 (cfg.torch_dtype) and HF Trainer autocasts over it, so a full
@@ -32,6 +33,16 @@ AXOLOTL_RL = {"dpo": ("dpo", "DPOTrainer", None), "ipo": ("dpo", "DPOTrainer", "
               "orpo": ("orpo", "ORPOTrainer", None), "kto": ("kto", "KTOTrainer", None),
               "simpo": ("simpo", "CPOTrainer", None), "grpo": ("grpo", "GRPOTrainer", None),
               "reward": ("reward", "RewardTrainer", None)}
+# axolotl's LoraConfig keys (utils/schemas/peft.py) that loaders/adapter.py passes to peft's LoraConfig under these
+# names: only peft expresses them (an uneven set of adapted layers, per-module ranks)
+PEFT_FIELDS = {"peft_layers_to_transform": "layers_to_transform", "peft_layers_pattern": "layers_pattern",
+               "lora_rank_pattern": "rank_pattern", "lora_alpha_pattern": "alpha_pattern"}
+# ... and those llmem does not model, with why
+PEFT_UNMODELLED = {
+    "lora_target_parameters": "LoRA on parameters (peft's ParamWrapper, MoE expert weights) is not modelled",
+    "peft_trainable_token_indices": "trainable token rows of embed_tokens (peft's TrainableTokens) are not modelled",
+    "peft_layer_replication": "replicated decoder layers (peft's layer_replication) are not modelled",
+}
 CCE_PLUGIN = "cut_cross_entropy"
 LIGER_PLUGIN = "liger"
 
@@ -80,6 +91,9 @@ def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
     """axolotl's `rl:` (or `reward_model:`) as the TRL trainer its builder runs, with the settings it passes
     (core/builders/rl.py, core/trainers/dpo and grpo); no `rl:`: supervised fine-tuning."""
     rl = str(keys.get("rl", "")).lower()
+    if keys.get("process_reward_model"):
+        raise r.error("process_reward_model", True, "runs TRL's PRMTrainer (a token-classification process reward "
+                      "model), which llmem does not model", "estimate another trainer's config")
     if keys.get("reward_model"):
         rl = "reward"
         r.note_used("reward_model", True, "TRL's RewardTrainer (axolotl's AxolotlRewardTrainer)")
@@ -220,14 +234,21 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
     linear = bool(keys.get("lora_target_linear"))
     targets = "all-linear" if linear else targets_text(keys.get("lora_target_modules", "q_proj,v_proj"))
     save = tuple(str(m) for m in keys.get("lora_modules_to_save", []) or [])
+    dora = bool(keys.get("peft_use_dora", False))
+    fields = tuple((name, keys.get(key)) for key, name in PEFT_FIELDS.items() if key in keys)
     lora = Lora(rank, float(keys.get("lora_alpha", rank)), r.fraction("lora_dropout", keys.get("lora_dropout", 0.0)),
-                targets, save, bool(keys.get("peft_use_dora", False)))
+                targets, save, dora, fields)
     sources = {name: (key, keys.get(key)) for name, key in (
         ("lora_rank", "lora_r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout"),
         ("lora_targets", "lora_target_linear" if linear else "lora_target_modules"),
         ("modules_to_save", "lora_modules_to_save"), ("use_dora", "peft_use_dora")) if key in keys}
-    r.note_used("adapter", adapter, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
+    sources |= {name: (key, keys.get(key)) for key, name in PEFT_FIELDS.items() if key in keys}
+    r.note_used("adapter", adapter, ("DoRA" if dora else "LoRA") + " adapters" + (" on a quantised base (QDoRA)"
+                if dora and quantised else " on a quantised base" if quantised else ""))
     apply_lora(r, lora, sources)
+    for key, why in PEFT_UNMODELLED.items():
+        if keys.get(key):
+            r.ignore(key, keys.get(key), why)
     if keys.get("peft_autocast_adapter_dtype") is False:
         r.set("peft_autocast_adapter_dtype", False, "adapter_dtype", "base", "adapters in the base's dtype")
         r.dtype(adapters="base")

@@ -60,6 +60,8 @@ BUFFER_FIELDS = {
 # the BUFFER_IGNORED keys with no effect on memory as DeepSpeed runs them (the others set what llmem models at the
 # default, an approximation where the file departs from it)
 BUFFER_NO_EFFECT = ("allgather_bucket_size", "reduce_scatter", "allgather_partitions", "round_robin_gradients")
+# ... and the value llmem models for the others (DeepSpeedZeroConfig's default): a file that gives it is read exactly
+BUFFER_MODELLED_VALUE = {"contiguous_gradients": True}
 BUFFER_IGNORED = {
     "allgather_bucket_size": "no buffer of its size: the post-step all-gather writes into the flat buffer "
                              "(all_gather_into_tensor, deepspeed/runtime/utils.py)",
@@ -70,6 +72,8 @@ BUFFER_IGNORED = {
     "stage3_model_persistence_threshold": "modelled as DeepSpeed's default (no cap on persistent parameters)",
     "model_persistence_threshold": "modelled as DeepSpeed's default (no cap on persistent parameters)",
 }
+# the top-level keys read and not modelled that change memory (the others listed beside them have no GPU effect)
+APPROXIMATING_TOP_KEYS = ("compile", "gradient_clipping")
 # DeepSpeed's optimizer block (deepspeed/runtime/engine.py _configure_basic_optimizer)
 DS_OPTIMIZERS = {
     "adamw": NameRow("adamw-fused", "DeepSpeed's FusedAdam (multi-tensor CUDA kernel, no step temporaries), modelled by "
@@ -223,7 +227,7 @@ def read_deepspeed(r: Reading, config: dict, file: str, trainer: TrainerValues |
                       ("zero_force_ds_cpu_optimizer", "which optimizer class runs on the CPU: no GPU memory"),
                       ("zero_allow_untested_optimizer", "a permission, no memory effect")):
         if name in keys:
-            r.ignore(name, keys.get(name), why, file=file)
+            r.ignore(name, keys.get(name), why, file=file, approximates=name in APPROXIMATING_TOP_KEYS)
     for name in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"):
         zero.get(name)
     for name in ("scheduler", "steps_per_print", "wall_clock_breakdown", "comms_config", "monitor_config",
@@ -254,8 +258,9 @@ def _read_buffers(r: Reading, zero: Keys, file: str, stage: int) -> None:
               f"auto = {rule[0]} (as HF fills it)" if raw == AUTO and rule else "", file=file)
     for key, why in BUFFER_IGNORED.items():
         if key in zero:
+            modelled = key in BUFFER_MODELLED_VALUE and zero.get(key) == BUFFER_MODELLED_VALUE[key]
             r.ignore(f"zero_optimization.{key}", zero.get(key), why, file=file,
-                     approximates=key not in BUFFER_NO_EFFECT)
+                     approximates=key not in BUFFER_NO_EFFECT and not modelled)
 
 
 def _read_dtypes(r: Reading, keys: Keys, file: str, filled: dict) -> None:

@@ -82,7 +82,7 @@ def read_fsdp_config(r: Reading, cfg: Keys, strategy: str | None = None, version
     for name, why in NO_EFFECT.items():
         k = _name(cfg, name)
         if k in cfg:
-            r.ignore(cfg.name(k), cfg.get(k), why, approximates=name != "min_num_params")
+            r.ignore(cfg.name(k), cfg.get(k), why, approximates=name == "min_num_params")
     for name in ("activation_cpu_offload", "offload_policy"):
         k = _name(cfg, name)
         if k in cfg:

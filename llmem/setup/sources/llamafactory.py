@@ -1,5 +1,6 @@
 """LLaMA-Factory's YAML (0.9.5, src/llamafactory/hparams/): model_name_or_path, stage, finetuning_type, LoRA
-(lora_rank 8, lora_alpha None = 2 x rank, lora_target "all" = every linear but the output layer), quantization_bit
+(lora_rank 8, lora_alpha None = 2 x rank, lora_target "all" = every linear but the output layer; use_dora: DoRA),
+OFT (peft's OFTConfig, model/adapter.py), use_muon, quantization_bit
 (bitsandbytes, double quantisation on by default), cutoff_len (2048), packing (None: on for stage pt only),
 flash_attn, enable_liger_kernel, disable_gradient_checkpointing (checkpointing is on unless disabled), pure_bf16, and
 the TrainingArguments it passes on (batch, optim, bf16 / fp16, deepspeed).
@@ -11,7 +12,7 @@ the adapters in the base's dtype. It never runs prepare_model_for_kbit_training 
 
 from __future__ import annotations
 
-from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
+from llmem.setup.sources.adapters import Lora, Oft, apply_lora, apply_oft, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.hf import LIGER_CE_NOTE, LIGER_REST_WHY, read_optimizer, trainer_distributed
 from llmem.setup.sources.reading import Keys, Reading
@@ -55,6 +56,11 @@ def read(keys: Keys, r: Reading) -> None:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
                    keys.get("optim", "adamw_torch_fused"))
+    if "use_muon" in keys and r.boolean("use_muon", keys.get("use_muon")):
+        # train/trainer_utils.py _create_muon_optimizer: Muon for the 2-D matrices but embeddings and lm_head,
+        # AdamW for the rest (its third_party Muon, one momentum buffer per matrix)
+        r.set("use_muon", True, "optimizer", "muon", "LLaMA-Factory's Muon, modelled by torch.optim.Muon for the "
+              "hidden matrices with AdamW for the rest")
     disabled = keys.get("disable_gradient_checkpointing", False)
     r.set("disable_gradient_checkpointing" + ("" if "disable_gradient_checkpointing" in keys else " (default)"),
           disabled, "grad_ckpt", not r.boolean("disable_gradient_checkpointing", disabled))
@@ -81,6 +87,11 @@ def read(keys: Keys, r: Reading) -> None:
                      ("use_galore", "GaLore's projected optimizer states are not modelled"),
                      ("use_apollo", "APOLLO's optimizer states are not modelled"),
                      ("use_badam", "BAdam's block-wise training is not modelled"),
+                     ("use_adam_mini", "Adam-mini's optimizer states are not modelled"),
+                     ("use_llama_pro", "LLaMA Pro's expanded blocks (trainable copies of some layers) are not "
+                      "modelled"),
+                     ("use_mca", "Megatron-Core training (mcore_adapter) is not modelled"),
+                     ("use_kt", "KTransformers' CPU / GPU offloaded kernels are not modelled"),
                      ("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
                      ("use_unsloth", "unsloth's kernels are not modelled"),
                      ("shift_attn", "LongLoRA's shifted attention is not modelled"),
@@ -168,6 +179,9 @@ def _finetuning(r: Reading, keys: Keys, stage: str, quantised: bool) -> None:
         r.ignore("finetuning_type", kind, "freeze tuning (the last freeze_trainable_layers layers trained) is not "
                  "expressible: full fine-tuning stands in (an upper bound)")
         return
+    if kind == "oft":
+        _oft(r, keys, quantised)
+        return
     if kind != "lora":
         r.ignore("finetuning_type", kind, f"{kind} adapters are not modelled: full fine-tuning stands in")
         return
@@ -183,7 +197,35 @@ def _finetuning(r: Reading, keys: Keys, stage: str, quantised: bool) -> None:
         if key in keys}
     if "lora_alpha" not in keys:
         sources["lora_alpha"] = ("lora_alpha (default: 2 x lora_rank)", None)
-    r.note_used("finetuning_type", kind, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
-    apply_lora(r, Lora(rank, float(alpha), dropout, targets, save, bool(keys.get("use_dora", False))), sources)
+    dora = bool(keys.get("use_dora", False))
+    r.note_used("finetuning_type", kind, ("DoRA" if dora else "LoRA") + " adapters" + (" on a quantised base (QDoRA)"
+                if dora and quantised else " on a quantised base" if quantised else ""))
+    apply_lora(r, Lora(rank, float(alpha), dropout, targets, save, dora), sources)
     for key in ("use_rslora", "pissa_init", "pissa_convert", "create_new_adapter", "adapter_name_or_path"):
+        keys.get(key)
+
+
+def _oft(r: Reading, keys: Keys, quantised: bool) -> None:
+    """finetuning_type oft (OFTArguments, model/adapter.py _setup_lora_tuning): peft's OFTConfig with r oft_rank
+    (0), oft_block_size (32), module_dropout (0.0) and modules_to_save additional_target; its target_modules are
+    lora_target's ("all": every linear but the output layer), as 0.9.5 builds them (oft_target is parsed, not
+    passed)."""
+    rank = r.integer("oft_rank", keys.get("oft_rank", 0), low=0, what="an OFT rank")
+    block = r.integer("oft_block_size", keys.get("oft_block_size", 32), low=0, what="an OFT block size")
+    if (rank == 0) == (block == 0):
+        raise r.error("oft_rank", rank, f"and oft_block_size = {block} give peft's OFTConfig both or neither",
+                      "set exactly one of them (LLaMA-Factory's default: oft_block_size 32, oft_rank 0)")
+    extra = keys.get("additional_target")
+    oft = Oft(rank, block, r.fraction("module_dropout", keys.get("module_dropout", 0.0)),
+              targets_text(keys.get("lora_target", "all")), tuple(targets_text(extra).split(",")) if extra else ())
+    sources = {name: (key, keys.get(key)) for name, key in (
+        ("r", "oft_rank"), ("oft_block_size", "oft_block_size"), ("module_dropout", "module_dropout"),
+        ("target_modules", "lora_target"), ("modules_to_save", "additional_target")) if key in keys}
+    sources.setdefault("target_modules", ("lora_target (default: all)", "all"))
+    if "oft_target" in keys:
+        r.ignore("oft_target", keys.get("oft_target"), "LLaMA-Factory 0.9.5 passes lora_target as OFT's "
+                 "target_modules (oft_target is parsed, not used)", approximates=False)
+    apply_oft(r, oft, "finetuning_type", "oft", sources)
+    r.note_used("finetuning_type", "oft", "OFT adapters" + (" on a quantised base" if quantised else ""))
+    for key in ("create_new_adapter", "adapter_name_or_path"):
         keys.get(key)

@@ -117,10 +117,11 @@ class Reading:
         """A key read that changes no llmem field (gradient accumulation, the sharding's own facts)."""
         self.used.append(Used(file or self.file, key, raw, "", None, note))
 
-    def ignore(self, key: str, raw: Any, why: str, file: str | None = None, approximates: bool = True) -> None:
+    def ignore(self, key: str, raw: Any, why: str, file: str | None = None, approximates: bool = True,
+               settled_by: str = "") -> None:
         """A key llmem does not express; approximates False: it has no effect on memory (the answer stays the
-        file's run)."""
-        self.ignored.append(Ignored(file or self.file, key, raw, why, approximates))
+        file's run); settled_by: the field whose command-line flag settles it (the entry then dropped)."""
+        self.ignored.append(Ignored(file or self.file, key, raw, why, approximates, settled_by))
 
     def dtype(self, **changes: Any) -> None:
         self.dtypes = replace(self.dtypes, **changes)

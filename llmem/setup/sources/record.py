@@ -41,6 +41,7 @@ class Ignored:
     raw: Any
     why: str
     approximates: bool = True     # it changes memory and is not modelled: the answer is not the file's run
+    settled_by: str = ""          # the TrainingSetup field that, given on the command line, settles it
 
     def text(self) -> str:
         return f"{self.key} = {_short(self.raw)}: {self.why}"

@@ -1,8 +1,10 @@
 """torchtune's recipe YAML (torchtune's recipes/configs/): the model builder (`model._component_`), its LoRA keys
-(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, lora_rank / alpha / dropout; the qlora_ builders: a
-torchao NF4 base), tokenizer.max_seq_len, dataset.packed, batch_size, dtype, the optimizer component,
-optimizer_in_bwd, activation checkpointing and offloading, and the recipe the file's `tune run` line names (a
-*_distributed recipe shards with FSDP2, --nproc_per_node GPUs).
+(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, lora_rank / alpha / dropout; use_dora: DoRA; the
+qlora_ builders or quantize_base: a torchao NF4 base, QDoRA with use_dora), tokenizer.max_seq_len,
+dataset.packed, batch_size, dtype, the optimizer component, optimizer_in_bwd, activation checkpointing and
+offloading, and the recipe the file's `tune run` line names (a *_distributed recipe shards with FSDP2,
+--nproc_per_node GPUs). The recipes whose step llmem does not model
+(knowledge distillation, PPO, GRPO) and those that do not train (evaluation, generation, quantisation) are refused.
 
 Precision: torchtune builds the model in `dtype` and trains it there (training.get_dtype): dtype bf16 is llmem's
 pure bf16, and its LoRA modules are built in that dtype too (--adapter-dtype base). The NF4 base (torchao's
@@ -39,13 +41,27 @@ TORCHTUNE_VERSION = "0.6.1"     # the torchtune whose builders torchtune_builder
 TUNE_RUN = re.compile(r"^#\s*tune run\s+(?P<args>.*)$", re.MULTILINE)
 
 
+# torchtune 0.6.1's recipes whose step llmem does not model, told by a top-level key only their configs have
+# (recipes/knowledge_distillation_*.py, ppo_full_finetune_single_device.py, dev/grpo_full_finetune_distributed.py):
+# refused by name rather than read as the supervised step of their policy / student
+UNMODELLED_RECIPES = {
+    "teacher_model": "knowledge_distillation (a teacher model's forward and the KD loss in every step)",
+    "policy_model": "ppo_full_finetune (policy, reference, reward and value models with generation)",
+    "grpo_samples": "dev/grpo_full_finetune_distributed (generation and a reference model in every step)",
+}
+
+# torchtune 0.6.1's recipes that do not train (recipes/eleuther_eval.py, generate.py, quantize.py, dev/generate_v2*)
+NOT_TRAINING = ("eleuther_eval", "generate", "quantize", "dev/generate_v2", "dev/generate_v2_distributed")
+
+
 def detect(data: dict) -> bool:
-    model = data.get("model")
+    model = data.get("model", data.get("policy_model"))
     return isinstance(model, dict) and "_component_" in model
 
 
 def read(keys: Keys, r: Reading, text: str) -> None:
     r.multi_gpu_method = "fsdp"
+    _refuse_unmodelled(r, keys)
     model = keys.sub("model")
     component = str(model.get("_component_"))
     builder = component.rsplit(".", 1)[-1]
@@ -107,6 +123,15 @@ def read(keys: Keys, r: Reading, text: str) -> None:
     r.not_read(keys)
 
 
+def _refuse_unmodelled(r: Reading, keys: Keys) -> None:
+    for key, recipe in UNMODELLED_RECIPES.items():
+        if key in keys:
+            raw = keys.get(key)
+            raise r.error(key, raw.get("_component_", "...") if isinstance(raw, dict) else raw,
+                          f"marks torchtune's {recipe}, a recipe llmem does not model",
+                          "give the set-up with flags (llmem estimate MODEL --lora-rank ... --objective ...)")
+
+
 def _recipe(r: Reading, text: str) -> None:
     """The file's documented launch line, `tune run [--nproc_per_node N] RECIPE --config NAME`."""
     match = TUNE_RUN.search(text)
@@ -115,6 +140,9 @@ def _recipe(r: Reading, text: str) -> None:
     words = match.group("args").split()
     recipe = next((w for w in words if not w.startswith("-") and not w.isdigit()), "")
     nproc = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--nproc_per_node"), None)
+    if recipe in NOT_TRAINING:
+        raise r.error("# tune run", recipe, "is a torchtune recipe that does not train (evaluation, generation or "
+                      "quantisation): nothing to estimate", "give a fine-tuning recipe's config")
     if recipe.endswith("_distributed") or "distributed" in recipe:
         r.method = "fsdp"
         gpus = r.integer("# tune run --nproc_per_node", nproc, what="a process count") if nproc else None
@@ -160,21 +188,25 @@ def _lora(r: Reading, model: Keys, qlora: bool) -> None:
     if model.get("apply_lora_to_output", False):
         names.append("lm_head")
     rank = r.integer("model.lora_rank", model.get("lora_rank", 8), what="a LoRA rank")
+    dora = "use_dora" in model and r.boolean("model.use_dora", model.get("use_dora"))
     lora = Lora(rank, float(model.get("lora_alpha", 16)), r.fraction("model.lora_dropout",
                                                                       model.get("lora_dropout", 0.0)),
-                ",".join(names))
+                ",".join(names), use_dora=dora)
     sources = {"lora_rank": ("model.lora_rank", model.get("lora_rank")),
                "lora_alpha": ("model.lora_alpha", model.get("lora_alpha")),
                "lora_dropout": ("model.lora_dropout", model.get("lora_dropout")),
                "lora_targets": ("model.lora_attn_modules + apply_lora_to_mlp / _output",
                                 f"{attn}, mlp {model.get('apply_lora_to_mlp', False)}, output "
                                 f"{model.get('apply_lora_to_output', False)}")}
+    if dora:        # DoRALinear: peft's DoRA layer's forward (the x_eye weight norm, detached; a magnitude vector)
+        sources["use_dora"] = ("model.use_dora", True)
     apply_lora(r, lora, sources)
-    if qlora:
-        r.set("model._component_", "qlora_*", "quant_base", "torchao-nf4", "torchao NF4Tensor base (to_nf4)")
-    for key in ("use_dora", "quantize_base"):
-        if model.get(key):
-            r.ignore(f"model.{key}", model.get(key), "not modelled")
+    # the qlora_* builders are the lora_* ones with quantize_base=True (models/*/_model_builders.py)
+    quantize = "quantize_base" in model and r.boolean("model.quantize_base", model.get("quantize_base"))
+    if qlora or quantize:
+        key, raw = ("model.quantize_base", True) if quantize else ("model._component_", "qlora_*")
+        r.set(key, raw, "quant_base", "torchao-nf4", "torchao NF4Tensor base (to_nf4)" +
+              (": QDoRA" if dora else ""))
 
 
 # torchtune's preference losses (torchtune/rlhf/loss/dpo.py, 0.6.1) -> TRL's DPO loss_type of the same formula
@@ -222,6 +254,11 @@ def _distributed(r: Reading, keys: Keys) -> None:
     keys.sub("tensor_parallel_plan")
     if keys.get("compile"):
         r.ignore("compile", True, "torch.compile is not modelled (its fusions change what is saved)")
+    if "quantizer" in keys:     # qat_distributed / qat_lora_finetune_distributed
+        r.ignore("quantizer._component_", keys.sub("quantizer").get("_component_"), "quantization-aware training "
+                 "(torchao's fake-quantised weights and activations in every forward) is not modelled: the "
+                 "unquantised step stands in")
+        keys.sub("quantizer").get("groupsize")
     for key in ("device", "seed", "shuffle", "epochs", "max_steps_per_epoch", "output_dir", "resume_from_checkpoint",
                 "log_every_n_steps", "log_peak_memory_stats", "log_level", "clip_grad_norm", "batch_size_val",
                 "run_val_every_n_steps", "save_adapter_weights_only", "low_cpu_ram"):

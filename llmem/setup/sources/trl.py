@@ -107,8 +107,14 @@ def _objective(r: Reading, keys: Keys) -> str:
     if not found.evidence:
         note = "no key only a trainer's config has: SFTConfig assumed (trl sft); --objective decides"
     elif found.ambiguous:
-        note = (f"ambiguous: {', '.join(c.name for c in found.configs)} all take these keys; {config.name} assumed "
-                "(the trl command decides): --objective decides")
+        names = ", ".join(c.name for c in found.configs)
+        note = (f"ambiguous: {names} all take these keys; {config.name} assumed (the trl command decides): "
+                "--objective decides")
+        if config.objective != "sft":   # a key SFTConfig lacks: some other trainer's, which one is not known
+            # their steps differ (a reference model, paired rows, generation): not the file's run for sure until
+            # --objective names it
+            r.ignore("(trainer)", names, f"the keys fit {names}, whose steps differ: {config.name}'s is estimated; "
+                     "give --objective for the trl command you run", settled_by="objective")
     else:
         note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
     r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
@@ -247,8 +253,11 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
         sources["lora_targets"] = ("lora_target_modules (peft's default for the model type)", None)
     r.note_used("use_peft", True, "LoRA adapters on a quantised base" if quantised else "LoRA adapters")
     apply_lora(r, lora, sources)
-    for key in ("lora_task_type", "use_rslora", "lora_target_parameters"):
+    for key in ("lora_task_type", "use_rslora"):
         keys.get(key)
+    if keys.get("lora_target_parameters"):
+        r.ignore("lora_target_parameters", keys.get("lora_target_parameters"), "LoRA on parameters (peft's "
+                 "ParamWrapper, MoE expert weights) is not modelled: those adapters are left out")
 
 
 def _vllm(r: Reading, keys: Keys) -> None:

@@ -48,7 +48,7 @@ def test_the_table_is_the_installed_trls():
     from trl.experimental.orpo import ORPOConfig
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     classes = {c.__name__: c for c in (trl.SFTConfig, trl.DPOConfig, trl.KTOConfig, trl.RewardConfig, trl.GRPOConfig,
-                                       trl.RLOOConfig, ORPOConfig, CPOConfig)}
+                                       trl.RLOOConfig, ORPOConfig, CPOConfig, trl.DistillationConfig)}
     for row in TRL_CONFIGS:
         assert set(row.fields) == {f.name for f in dataclasses.fields(classes[row.name])} - base, row.name
 
