@@ -18,6 +18,7 @@ from typing import Any
 from llmem.errors import LlmemError
 from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
+from llmem.setup.job_phases import LOAD_PATHS, SAVE_KINDS, phase_family
 from llmem.setup.layout import DEFAULT_GPUS_PER_NODE
 from llmem.setup.local_gpus import local_gpus
 from llmem.setup.methods import METHODS, canonical_method
@@ -154,6 +155,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     _check_gpus(main, values, multi, used, notes)
     _nothing_left_to_shard(main, values, used, overrides)
     _offload_not_expressed(values, used, ignored)
+    _phases_not_expressed(values, used, ignored, overrides)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
                          f"(llmem estimate MODEL --from {main.path})")
@@ -200,6 +202,32 @@ def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> Non
         used.remove(u)
         ignored.append(Ignored(u.file, u.key, u.raw, why + ": estimated with the parameters on the GPU (an upper "
                                                            "bound)"))
+
+
+def _phases_not_expressed(values: dict, used: list[Used], ignored: list, overrides: dict[str, Any]) -> None:
+    """A file's loading or saving choice (--load-path, --save-kind) where the set-up has no such phase (tensor
+    parallelism, a quantised base, ...; llmem.setup.job_phases) or its method takes another: kept as a key with no
+    effect on the step (the phase then not shown, or HF's default), not a refused set-up."""
+    chosen = {f: values.pop(f) for f in ("load_path", "save_kind") if f in values and f not in overrides}
+    if not chosen or "model" not in values:
+        values.update(chosen)
+        return
+    try:
+        setup = user_setup(**values)
+    except LlmemError:
+        values.update(chosen)      # the set-up's own refusal comes later, with them
+        return
+    family = phase_family(setup)
+    for field, value in chosen.items():
+        row = (LOAD_PATHS if field == "load_path" else SAVE_KINDS)[value]
+        if family in row.families and (setup.peft or not row.peft_only):
+            values[field] = value
+            continue
+        for u in [u for u in used if u.field == field]:
+            used.remove(u)
+            ignored.append(Ignored(u.file, u.key, u.raw, f"the job's {field.split('_')[0]}ing phase is not modelled "
+                                   f"for this set-up ({setup.method}, its --{field.replace('_', '-')} {value}): the "
+                                   "step's memory is unchanged", approximates=False))
 
 
 def _merge(a: Dtypes, b: Dtypes) -> Dtypes:

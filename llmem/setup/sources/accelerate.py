@@ -105,12 +105,21 @@ def _deepspeed(r: Reading, keys: Keys, ds: Keys, processes: int, compute: str) -
                          "offloads parameters at ZeRO stage 3 only (offload_param: valid only with stage 3)")
         if accum is not None:
             r.note_used("deepspeed_config.gradient_accumulation_steps", accum, GA_NOTE)
+    if r.zero_stage == 3:           # the job's phases (llmem.setup.job_phases): ZeRO-3's loading and saving
+        if "zero3_init_flag" in ds:
+            on = r.boolean("deepspeed_config.zero3_init_flag", ds.get("zero3_init_flag"))
+            r.set("deepspeed_config.zero3_init_flag", ds.get("zero3_init_flag"), "load_path",
+                  "zero-init" if on else "cpu", "" if on else "zero.Init off: every rank loads the whole model")
+        if "zero3_save_16bit_model" in ds:
+            on = r.boolean("deepspeed_config.zero3_save_16bit_model", ds.get("zero3_save_16bit_model"))
+            r.set("deepspeed_config.zero3_save_16bit_model", ds.get("zero3_save_16bit_model"), "save_kind",
+                  "gather-16bit" if on else "sharded")
     for key, why, approximates in (("zero3_init_flag", "deepspeed.zero.Init: load time only", False),
                                    ("zero3_save_16bit_model", "checkpoint saving only", False),
                                    ("deepspeed_multinode_launcher", "the launcher: no memory effect", False),
                                    ("seq_parallel_communication_data_type", "sequence parallelism is not modelled",
                                     True)):
-        if key in ds:
+        if key in ds and not (r.zero_stage == 3 and key.startswith("zero3_")):
             r.ignore(f"deepspeed_config.{key}", ds.get(key), why, approximates=approximates)
 
 

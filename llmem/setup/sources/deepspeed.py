@@ -229,6 +229,9 @@ def read_deepspeed(r: Reading, config: dict, file: str, trainer: TrainerValues |
         if name in keys:
             r.ignore(name, keys.get(name), why, file=file, approximates=name in APPROXIMATING_TOP_KEYS)
     for name in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"):
+        if name in zero and stage == 3 and zero.get(name) != "auto":   # the job's saving phase; a no-op below 3
+            on = r.boolean(zero.name(name), zero.get(name))   # ("auto": accelerate's zero3_save_16bit_model fills it)
+            r.set(zero.name(name), zero.get(name), "save_kind", "gather-16bit" if on else "sharded", file=file)
         zero.get(name)
     for name in ("scheduler", "steps_per_print", "wall_clock_breakdown", "comms_config", "monitor_config",
                  "_comment"):

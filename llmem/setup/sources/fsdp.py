@@ -15,11 +15,9 @@ FSDP1_NOTE = "FSDP1 (a FlatParameter per wrapped unit) is modelled by FSDP2's fu
 OFFLOAD_PARAMS_NOTE = "FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host"
 # keys of the step's memory llmem models the same way whatever they say, or that act at load / save time only
 NO_EFFECT = {
-    "cpu_ram_efficient_loading": "load time only (rank 0 loads, the others receive the weights)",
     "sync_module_states": "load time only (rank 0's weights broadcast)",
     "use_orig_params": "FSDP1's parameter views: no effect on the step's memory as llmem models it",
-    "state_dict_type": "checkpoint saving only",
-    "final_state_dict_type": "checkpoint saving only",
+    "final_state_dict_type": "the state dict of the final save only",
     "backward_prefetch": "FSDP1's prefetch of the next unit; modelled as FSDP2's default prefetching",
     "forward_prefetch": "FSDP1's prefetch of the next unit; modelled as FSDP2's default prefetching",
     "limit_all_gathers": "FSDP1's rate limiter; modelled as FSDP2's default prefetching",
@@ -79,6 +77,8 @@ def read_fsdp_config(r: Reading, cfg: Keys, strategy: str | None = None, version
     if k in cfg:
         r.ignore(cfg.name(k), cfg.get(k), "FSDP's precision follows the trainer's bf16 / fp16 (llmem's *-mixed: "
                  "bf16 gathers, fp32 reductions)", approximates=False)
+    if method in ("fsdp", "zero2"):      # the job's phases (llmem.setup.job_phases): FSDP2's loading and saving
+        _read_phases(r, cfg)
     for name, why in NO_EFFECT.items():
         k = _name(cfg, name)
         if k in cfg:
@@ -87,6 +87,24 @@ def read_fsdp_config(r: Reading, cfg: Keys, strategy: str | None = None, version
         k = _name(cfg, name)
         if k in cfg:
             r.ignore(cfg.name(k), cfg.get(k), "not modelled")
+
+
+# accelerate's fsdp_state_dict_type -> llmem's --save-kind (FSDP1's LOCAL_STATE_DICT: each rank its own shards too)
+SAVE_KINDS = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded", "LOCAL_STATE_DICT": "sharded"}
+
+
+def _read_phases(r: Reading, cfg: Keys) -> None:
+    """cpu_ram_efficient_loading (accelerate's one host copy per node) -> --load-path cpu-ram-efficient;
+    state_dict_type -> --save-kind."""
+    k = _name(cfg, "cpu_ram_efficient_loading")
+    if k in cfg:
+        on = r.boolean(cfg.name(k), cfg.get(k))
+        r.set(cfg.name(k), cfg.get(k), "load_path", "cpu-ram-efficient" if on else "cpu",
+              "rank 0 loads, the others receive each parameter" if on else "every rank loads the model")
+    k = _name(cfg, "state_dict_type")
+    if k in cfg:
+        kind = r.choice(cfg.name(k), cfg.get(k), SAVE_KINDS, "choose FULL_STATE_DICT or SHARDED_STATE_DICT")
+        r.set(cfg.name(k), cfg.get(k), "save_kind", kind)
 
 
 def strategy_from_options(r: Reading, key: str, raw) -> str | None:

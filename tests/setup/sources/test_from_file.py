@@ -327,14 +327,16 @@ def test_estimate_from_torchtitan_equals_its_flags():
 
 
 def test_estimate_from_accelerate_equals_its_flags():
-    _same([str(cfg("trl/examples/accelerate_configs/fsdp2.yaml"))], "--method fsdp --gpus 8 --precision bf16-mixed")
+    # fsdp_cpu_ram_efficient_loading: true, fsdp_state_dict_type: FULL_STATE_DICT
+    _same([str(cfg("trl/examples/accelerate_configs/fsdp2.yaml"))], "--method fsdp --gpus 8 --precision bf16-mixed "
+          "--load-path cpu-ram-efficient --save-kind full")
 
 
 def test_estimate_from_deepspeed_equals_its_flags():
     _same([str(cfg("axolotl/deepspeed_configs/zero3_bf16_cpuoffload_all.json")), "--gpus", "4"],
           "--method ds-zero3 --gpus 4 --precision bf16-mixed --offload-optimizer --offload-param --overlap-comm "
           "--sub-group-size 0 --reduce-bucket-size auto --prefetch-bucket-size auto --param-persistence-threshold auto "
-          "--max-live-parameters 0 --max-reuse-distance 0")
+          "--max-live-parameters 0 --max-reuse-distance 0 --save-kind gather-16bit")   # gather_16bit_weights...: true
 
 
 def test_plan_from_file_restricts_to_the_files_method():
