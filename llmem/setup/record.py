@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.setup.training import TrainingSetup
+from llmem.setup.training import LATER_FIELDS, TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class SetupRecord:
 
     def to_dict(self) -> dict:
         out = self.setup.to_dict()
+        later = {name: out.pop(name) for name in LATER_FIELDS}     # after the keys an earlier llmem printed
         out.update(model_type=self.model_type, total_params=self.total_params,
                    trainable_params=self.trainable_params, dp=self.dp, nodes=self.nodes,
                    gpu_memory_bytes=self.gpu_memory_bytes, cuda_context_bytes=self.cuda_context_bytes,
@@ -44,6 +45,7 @@ class SetupRecord:
                    adapter_rank=self.adapter_rank or None, adapter_targets=list(self.adapter_targets),
                    virtual_tokens=self.virtual_tokens, attn_requested=self.attn_requested or self.setup.attn,
                    attn_kernel=self.setup.attn, description=self.describe())
+        out.update(later)
         return out
 
     # ------------------------------------------------------------------ in words
@@ -105,6 +107,8 @@ class SetupRecord:
                          + (f" ({s.ac_policy} policy)" if s.ac_policy != "full" else ""))
         if s.fused_ce:
             parts.append("fused CE")
+        if s.logits_dtype != "fp32":
+            parts.append(f"loss on {s.logits_dtype}-dtype logits")
         if s.offload_activations:
             parts.append("activations offloaded to CPU")
         if s.packing:

@@ -133,6 +133,20 @@ FUSED_CE = FeatureSupport("--fused-ce", lambda c: c.setup.fused_ce, (
             "loss"),
 ))
 
+# --logits-dtype model: transformers' causal-LM loss without its fp32 upcast (llmem.runtime.losses)
+LOGITS_DTYPE = FeatureSupport("--logits-dtype model", lambda c: c.setup.logits_dtype != "fp32", (
+    Refusal("--fused-ce", lambda c: c.setup.fused_ce,
+            "--logits-dtype model with --fused-ce: the fused loss makes no [tokens, vocab] logits (each chunk is "
+            "upcast to fp32); drop one of them"),
+    Refusal("--loss-parallel", lambda c: c.setup.loss_parallel,
+            "--logits-dtype model with --loss-parallel is not modelled: drop one of them"),
+    Refusal("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+            lambda c: f"--logits-dtype model with --objective {c.setup.objective} is not modelled: TRL's trainer "
+                      "computes its own log-probs; drop --logits-dtype"),
+    Refusal("--pp", lambda c: c.setup.pp > 1,
+            "--logits-dtype model with --pp is not modelled: drop one of them"),
+))
+
 
 def _selective_line(c: Case) -> str:
     return (f"--ac-policy {c.setup.ac_policy} with {{}} is not modelled: use it on a full fine-tune under single, "
@@ -300,7 +314,7 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE,
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE,
     RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
 
 
