@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.liger import LIGER_FAMILIES, liger_kernels
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
 from llmem.setup.precision import regime_for
@@ -145,6 +146,23 @@ LOGITS_DTYPE = FeatureSupport("--logits-dtype model", lambda c: c.setup.logits_d
                       "computes its own log-probs; drop --logits-dtype"),
     Refusal("--pp", lambda c: c.setup.pp > 1,
             "--logits-dtype model with --pp is not modelled: drop one of them"),
+))
+
+# --liger: Liger-Kernel's RMSNorm and SwiGLU Functions (llmem.setup.liger), on the families Liger patches
+LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), (
+    Refusal("model families without a Liger patch", lambda c: c.model is not None
+            and c.model.model_type not in LIGER_FAMILIES,
+            lambda c: f"--liger on {c.model.model_type}: llmem models Liger's patch for "
+                      f"{', '.join(LIGER_FAMILIES)} only; drop --liger"),
+    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
+            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
+            "--liger with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
+            "single, ddp, fsdp or zero2"),
+    Refusal("adapters, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
+            lambda c: c.setup.peft or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
+            or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
+            "--liger is modelled on a full fine-tune (sft, full or no checkpointing, activations on the device): "
+            "drop the adapters / quantised base / --ac-policy / --offload-activations / --objective"),
 ))
 
 
@@ -314,8 +332,8 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE,
-    RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, SELECTIVE_AC, DEEPSPEED,
+    QUANTISED_BASE, RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
 
 
 def support_refusal(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> str | None:

@@ -25,6 +25,7 @@ from llmem.memory.activations.blocks import (
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
 from llmem.memory.activations.learned import learned_recipe
+from llmem.memory.activations.liger import with_liger
 from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
 from llmem.memory.activations.quantised import (
     adapter_regime,
@@ -43,6 +44,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.liger import liger_kernels
 from llmem.setup.precision import F32, Regime
 from llmem.setup.training import TrainingSetup
 
@@ -231,6 +233,10 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                          "host too and is copied back for its recompute; the rotary cos/sin and masks bound to the "
                          "recompute, and a frozen embedding's output (a leaf its AccumulateGrad node holds), stay "
                          "on the device" if setup.grad_ckpt else ""))
+    if setup.liger != "none":
+        notes.append(f"--liger {setup.liger}: Liger-Kernel's autograd Functions over HF's modules, in PyTorch with "
+                     "Liger's saved tensors (RMSNorm: its input and fp32 RSTD; SwiGLU: gate and up, recomputed "
+                     "in backward, whose gradients overwrite them)")
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
@@ -281,6 +287,9 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
     if r.layout.cp > 1:          # torch's ring attention (llmem.memory.activations.context_parallel)
         recipe = with_ring_attention(recipe, d, regime, r.layout.cp)
+    kernels = liger_kernels(setup.liger)
+    if kernels:                  # Liger-Kernel's RMSNorm / SwiGLU (llmem.memory.activations.liger)
+        recipe = with_liger(recipe, kernels, d, regime)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
     if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)

@@ -1,0 +1,104 @@
+"""Liger-Kernel's RMSNorm and SwiGLU (liger_kernel 0.8, ops/rms_norm.py and ops/swiglu.py) in pure PyTorch, with the
+tensors their autograd Functions save and allocate (llmem.setup.liger), installed over the HF modules Liger's
+monkey_patch replaces (the family's row names them), as Liger's LigerRMSNorm and LigerSwiGLUMLP forwards do.
+
+Where Liger's Triton kernels work a row at a time in registers, these run over chunks of ROWS rows (their fp32
+temporaries, at most ROWS x width x 4 bytes a few times over, are the only tensors Liger does not make)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmem.errors import LlmemError
+from llmem.memory.activations.liger import DW_PARTIAL_ROWS
+from llmem.setup.liger import LIGER_FAMILIES
+
+ROWS = 64     # rows per chunk of the emulation's arithmetic
+
+
+def _chunks(n: int):
+    return ((s, min(s + ROWS, n)) for s in range(0, n, ROWS))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """LigerRMSNormFunction, casting_mode "llama": y = w * (x * rstd).to(x.dtype), rstd in fp32; saves X and RSTD."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        for s, e in _chunks(x2.shape[0]):
+            xc = x2[s:e].float()
+            rstd[s:e] = torch.rsqrt(xc.pow(2).mean(-1) + eps)
+            y[s:e] = w * (xc * rstd[s:e, None]).to(x.dtype)
+        ctx.save_for_backward(x, w, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w, rstd = ctx.saved_tensors
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        partial = torch.zeros(DW_PARTIAL_ROWS, x2.shape[1], dtype=torch.float32, device=x.device) \
+            if ctx.needs_input_grad[1] else None
+        for s, e in _chunks(x2.shape[0]):        # dX written over dY (in_place=True)
+            xhat = x2[s:e].float() * rstd[s:e, None]
+            g = dy2[s:e].float() * w.float()
+            if partial is not None:
+                partial[0] += (dy2[s:e].float() * xhat.to(x.dtype).float()).sum(0)
+            dy2[s:e] = (rstd[s:e, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(dy.dtype)
+        dw = partial.sum(0).to(w.dtype) if partial is not None else None
+        return dy2.view(dy.shape), dw, None
+
+
+class SiLUMulFunction(torch.autograd.Function):
+    """LigerSiLUMulFunction: c = silu(a) * b (silu in fp32); saves a and b; backward writes da, db over them."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor):
+        c = torch.empty_like(a)
+        a2, b2, c2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), c.view(-1, a.shape[-1])
+        for s, e in _chunks(a2.shape[0]):
+            c2[s:e] = (F.silu(a2[s:e].float()) * b2[s:e].float()).to(c.dtype)
+        ctx.save_for_backward(a, b)
+        return c
+
+    @staticmethod
+    def backward(ctx, dc: torch.Tensor):
+        a, b = ctx.saved_tensors
+        a2, b2, dc2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dc.reshape(-1, dc.shape[-1])
+        for s, e in _chunks(a2.shape[0]):
+            af, bf, g = a2[s:e].float(), b2[s:e].float(), dc2[s:e].float()
+            sig = torch.sigmoid(af)
+            silu = af * sig
+            a2[s:e] = (g * bf * (sig * (1 + af * (1 - sig)))).to(a.dtype)
+            b2[s:e] = (g * silu).to(b.dtype)
+        return a, b
+
+
+def install_liger(model: nn.Module, kernels: tuple[str, ...]) -> None:
+    """Liger's apply_liger_kernel_to_<family>(model=...) for rms_norm / swiglu: the forward of every instance of the
+    family's RMSNorm and MLP classes replaced (on the instance, as install_fused_ce does)."""
+    config = getattr(model, "config", None)
+    family = LIGER_FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        raise LlmemError(f"--liger: no Liger patch for {getattr(config, 'model_type', type(model).__name__)}")
+    for module in model.modules():
+        name = type(module).__name__
+        if "rms_norm" in kernels and name == family.norm_class:
+            module.forward = _norm_forward(module)
+        elif "swiglu" in kernels and name == family.mlp_class:
+            module.forward = _mlp_forward(module)
+
+
+def _norm_forward(norm: nn.Module):
+    """LigerRMSNorm.forward: the Function on the module's weight and eps."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    return lambda x: RMSNormFunction.apply(x, norm.weight, eps)
+
+
+def _mlp_forward(mlp: nn.Module):
+    """LigerSwiGLUMLP.forward: down_proj(SiLUMul(gate_proj(x), up_proj(x)))."""
+    return lambda x: mlp.down_proj(SiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
