@@ -7,6 +7,10 @@ temporaries, at most ROWS x width x 4 bytes a few times over, are the only tenso
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +80,56 @@ class SiLUMulFunction(torch.autograd.Function):
             a2[s:e] = (g * bf * (sig * (1 + af * (1 - sig)))).to(a.dtype)
             b2[s:e] = (g * silu).to(b.dtype)
         return a, b
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [b, s, heads, d] rotated in place, HF's x * cos + rotate_half(x) * sin (cos, sin [b or 1, s, d]), in
+    chunks of ROWS positions."""
+    half = x.shape[-1] // 2
+    for s, e in _chunks(x.shape[1]):
+        xc = x[:, s:e].float()
+        c, sn = cos[:, s:e, None, :].float(), sin[:, s:e, None, :].float()
+        rotated = torch.cat((-xc[..., half:], xc[..., :half]), dim=-1)
+        x[:, s:e] = (xc * c + rotated * sn).to(x.dtype)
+
+
+class RopeFunction(torch.autograd.Function):
+    """LigerRopeFunction: q, k [b, heads, s, d] rotated in place in their [b, s, heads, d] storage; saves cos, sin;
+    backward rotates dq, dk in place by -sin."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        cos, sin = (cos, sin) if cos.ndim == 3 else (cos[None], sin[None])
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        _rotate(q, cos, sin)
+        _rotate(k, cos, sin)
+        ctx.save_for_backward(cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dq, dk = dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous()
+        _rotate(dq, cos, -sin)
+        _rotate(dk, cos, -sin)
+        return dq.transpose(1, 2), dk.transpose(1, 2), None, None
+
+
+def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """liger_kernel.transformers.rope.liger_rotary_pos_emb: HF's apply_rotary_pos_emb signature."""
+    return RopeFunction.apply(q, k, cos, sin)
+
+
+@contextlib.contextmanager
+def liger_rope(model_type: str) -> Iterator[None]:
+    """Liger's rope patch (modeling_<family>.apply_rotary_pos_emb = liger_rotary_pos_emb), restored on exit."""
+    module = importlib.import_module(LIGER_FAMILIES[model_type].modeling)
+    original = module.apply_rotary_pos_emb
+    module.apply_rotary_pos_emb = liger_rotary_pos_emb
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = original
 
 
 def install_liger(model: nn.Module, kernels: tuple[str, ...]) -> None:

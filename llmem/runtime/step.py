@@ -408,8 +408,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if setup.logits_dtype == "model":
             install_model_dtype_loss(model)
         if liger_kernels(setup.liger):       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
-            from llmem.runtime.liger import install_liger
+            from llmem.runtime.liger import install_liger, liger_rope
             install_liger(causal_lm(model), liger_kernels(setup.liger))
+            if "rope" in liger_kernels(setup.liger):
+                stack.enter_context(liger_rope(resolved.anatomy.model_type))
 
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,

@@ -6,9 +6,13 @@ A kernel's row says what its autograd Function keeps and allocates, as Liger's c
   [rows] (no fp32 copy, no normalised tensor); its output is in X's dtype; backward writes dX over dY (in_place)
   and sums an fp32 [sm_count, hidden] dW partial;
 - swiglu: LigerSiLUMulFunction (ops/swiglu.py) saves gate_proj's and up_proj's outputs a and b (silu(a) and the
-  product are not kept: recomputed), and backward writes da, db over a and b.
-`use_liger_kernel=True` (transformers' Trainer) also turns on rope and fused_linear_cross_entropy: the latter is
---fused-ce; rope (LigerRopeFunction, q and k rotated in place) is not modelled yet, and refused.
+  product are not kept: recomputed), and backward writes da, db over a and b;
+- rope: LigerRopeFunction (ops/rope.py) rotates q and k in place (q_proj's and k_proj's outputs, contiguous once
+  transposed back) and saves cos and sin only; backward rotates dq, dk in place. HF's apply_rotary_pos_emb makes new
+  q, k (and their temporaries) but keeps nothing either: attention keeps the rotated q, k in both, so the saved
+  tensors are the same and only the rotation's transients go.
+`use_liger_kernel=True` (transformers' Trainer) turns on rope, rms_norm, swiglu and fused_linear_cross_entropy: the
+last is --fused-ce.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class LigerKernel:
 LIGER_KERNELS: dict[str, LigerKernel] = {k.name: k for k in (
     LigerKernel("rms_norm", True),
     LigerKernel("swiglu", True),
-    LigerKernel("rope", False, "LigerRopeFunction's in-place rotation is not modelled yet: leave rope out"),
+    LigerKernel("rope", True),
     LigerKernel("fused_linear_cross_entropy", False, "use --fused-ce (llmem's fused linear cross-entropy, Liger's "
                                                      "algorithm)"),
     LigerKernel("cross_entropy", False, "Liger's cross-entropy without the lm_head is not modelled: leave it out"),
@@ -43,12 +47,16 @@ class LigerFamily:
     patch: str                  # Liger's monkey_patch function
     norm_class: str
     mlp_class: str
+    modeling: str               # the transformers module whose apply_rotary_pos_emb Liger's rope replaces
 
 
 LIGER_FAMILIES: dict[str, LigerFamily] = {f.model_type: f for f in (
-    LigerFamily("llama", "apply_liger_kernel_to_llama", "LlamaRMSNorm", "LlamaMLP"),
-    LigerFamily("mistral", "apply_liger_kernel_to_mistral", "MistralRMSNorm", "MistralMLP"),
-    LigerFamily("qwen2", "apply_liger_kernel_to_qwen2", "Qwen2RMSNorm", "Qwen2MLP"),
+    LigerFamily("llama", "apply_liger_kernel_to_llama", "LlamaRMSNorm", "LlamaMLP",
+                "transformers.models.llama.modeling_llama"),
+    LigerFamily("mistral", "apply_liger_kernel_to_mistral", "MistralRMSNorm", "MistralMLP",
+                "transformers.models.mistral.modeling_mistral"),
+    LigerFamily("qwen2", "apply_liger_kernel_to_qwen2", "Qwen2RMSNorm", "Qwen2MLP",
+                "transformers.models.qwen2.modeling_qwen2"),
 )}
 
 

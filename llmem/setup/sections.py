@@ -128,8 +128,9 @@ class ActivationsConfig:
                             ACTIVATIONS, kind="switch")
     packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
     # Liger-Kernel's autograd Functions over HF's modules (llmem.setup.liger)
-    liger: str = option("none", "Liger-Kernel's kernels over HF's modules, comma-separated: rms_norm, swiglu "
-                        "(LigerRMSNorm, LigerSwiGLUMLP; llama, mistral, qwen2; default none)", ACTIVATIONS,
+    liger: str = option("none", "Liger-Kernel's kernels over HF's modules, comma-separated: rms_norm, swiglu, rope "
+                        "(llama, mistral, qwen2; its fused_linear_cross_entropy is --fused-ce; default none)",
+                        ACTIVATIONS,
                         metavar="KERNELS")
     logits_dtype: str = option("fp32", "the loss's logits: fp32 (transformers' upcast before cross-entropy) or model "
                                "(cross-entropy on the lm_head's output in the model's dtype; under autocast its "

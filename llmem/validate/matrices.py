@@ -115,10 +115,10 @@ CI_MATRIX: list[TrainingSetup] = [
     # the loss on the lm_head's output as it is (--logits-dtype model): bf16, and bf16 under autocast
     _s("tiny-llama", precision="bf16", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
-    # Liger-Kernel's RMSNorm and SwiGLU Functions (--liger), one GPU and FSDP2, with and without checkpointing
-    _s("tiny-llama", precision="bf16", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),
+    # Liger-Kernel's RMSNorm, SwiGLU and RoPE Functions (--liger), one GPU and FSDP2, with and without checkpointing
+    _s("tiny-llama", precision="bf16", optimizer="sgd", liger="rms_norm,swiglu,rope", batch_size=2, seq_len=256),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),
-    _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", liger="rms_norm,swiglu", grad_ckpt=True, batch_size=2,
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", liger="rms_norm,swiglu,rope", grad_ckpt=True, batch_size=2,
        seq_len=256),
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),

@@ -10,7 +10,7 @@ from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
 from llmem.memory.activations.profile import activation_profile
 from llmem.model.resolved import resolve
-from llmem.runtime.liger import RMSNormFunction, SiLUMulFunction
+from llmem.runtime.liger import RMSNormFunction, RopeFunction, SiLUMulFunction
 from llmem.runtime.trace import trace
 from llmem.setup.training import TrainingSetup
 
@@ -46,7 +46,7 @@ def test_swiglu_keeps_gate_and_up_not_the_activation():
 
 
 @pytest.mark.parametrize("kw", [
-    {"model": "tiny-llama", "precision": "bf16", "liger": "rms_norm,swiglu"},
+    {"model": "tiny-llama", "precision": "bf16", "liger": "rms_norm,swiglu,rope"},
     {"model": "tiny-qwen2", "precision": "bf16-mixed", "liger": "rms_norm,swiglu"},
 ])
 def test_estimate_matches_the_trace_within_two_percent(kw):
@@ -76,6 +76,29 @@ def test_the_functions_compute_what_hf_computes():
     got = SiLUMulFunction.apply(a2 * 1, b2 * 1)      # non-leaf inputs: backward writes the gradients over them
     ha, hb = torch.autograd.grad(got, (a2, b2), dy.clone())
     assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-5) for u, v in ((got, want), (ha, ga), (hb, gb)))
+
+
+def test_rope_rotates_in_place_as_hf_does():
+    """HF's apply_rotary_pos_emb (q * cos + rotate_half(q) * sin), forward and backward; Liger's writes the result
+    over q's own [b, s, heads, d] storage."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    b, s, heads, d = 2, 5, 3, 8
+    q0, k0 = torch.randn(b, s, heads, d, dtype=torch.float64), torch.randn(b, s, heads, d, dtype=torch.float64)
+    angles = torch.randn(1, s, d // 2, dtype=torch.float64)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    dq, dk = torch.randn(b, heads, s, d, dtype=torch.float64), torch.randn(b, heads, s, d, dtype=torch.float64)
+    q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    want = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    gq, gk = torch.autograd.grad(want, (q, k), (dq, dk))
+    q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    qs, ks = q * 1, k * 1                               # q_proj's / k_proj's outputs, as views [b, heads, s, d]
+    got = RopeFunction.apply(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+    assert got[0].data_ptr() == qs.data_ptr()           # in place
+    hq, hk = torch.autograd.grad(got, (q, k), (dq.clone(), dk.clone()))
+    assert all(torch.allclose(u, v, rtol=1e-5, atol=1e-5) for u, v in
+               ((got[0], want[0]), (got[1], want[1]), (hq, gq), (hk, gk)))
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -236,7 +236,8 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
     if setup.liger != "none":
         notes.append(f"--liger {setup.liger}: Liger-Kernel's autograd Functions over HF's modules, in PyTorch with "
                      "Liger's saved tensors (RMSNorm: its input and fp32 RSTD; SwiGLU: gate and up, recomputed "
-                     "in backward, whose gradients overwrite them)")
+                     "in backward, whose gradients overwrite them; RoPE: q and k rotated in place, the same saved "
+                     "tensors as HF's)")
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
