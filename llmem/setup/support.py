@@ -350,6 +350,12 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
         raise LlmemError(why)
 
 
+def liger_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup`'s --liger kernels with the rest of it, the model aside (None: it does, or
+    no kernel is on)."""
+    return LIGER.refusal(Case(setup, method))
+
+
 def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
     """Why llmem does not model `setup` under DeepSpeed's engine (None: it does, or `method` is not DeepSpeed's)."""
     return DEEPSPEED.refusal(Case(setup, method))
