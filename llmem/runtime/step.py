@@ -75,7 +75,7 @@ from llmem.runtime.patches import (
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.context_parallel import local_seq_len
 from llmem.setup.layout import Layout
-from llmem.setup.liger import liger_kernels
+from llmem.setup.liger import applied_kernels
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -407,10 +407,11 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             install_fused_ce(model)
         if setup.logits_dtype == "model":
             install_model_dtype_loss(model)
-        if liger_kernels(setup.liger):       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
+        kernels = applied_kernels(setup.liger, resolved.anatomy.model_type)
+        if kernels:       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
             from llmem.runtime.liger import install_liger, liger_rope
-            install_liger(causal_lm(model), liger_kernels(setup.liger))
-            if "rope" in liger_kernels(setup.liger):
+            install_liger(causal_lm(model), kernels)
+            if "rope" in kernels:
                 stack.enter_context(liger_rope(resolved.anatomy.model_type))
 
         say("materialising the model")

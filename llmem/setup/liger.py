@@ -60,8 +60,18 @@ LIGER_FAMILIES: dict[str, LigerFamily] = {f.model_type: f for f in (
 )}
 
 
+# --liger auto: what transformers' Trainer(use_liger_kernel=True) applies, apply_liger_kernel_to_<model>()'s
+# defaults besides fused_linear_cross_entropy (--fused-ce); on a model type without a Liger patch the Trainer
+# applies nothing (_apply_liger_kernel_to_instance logs and goes on)
+AUTO = "auto"
+LIGER_DEFAULTS = ("rms_norm", "swiglu", "rope")
+
+
 def liger_kernels(text: str) -> tuple[str, ...]:
-    """--liger's value as kernel names ("none": no kernel), each one Liger ships and llmem models."""
+    """--liger's value as kernel names ("none": no kernel; "auto": LIGER_DEFAULTS, where the family is modelled:
+    applied_kernels), each one Liger ships and llmem models."""
+    if text.strip() == AUTO:
+        return LIGER_DEFAULTS
     names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
     for n in names:
         if n not in LIGER_KERNELS:
@@ -69,3 +79,12 @@ def liger_kernels(text: str) -> tuple[str, ...]:
         if not LIGER_KERNELS[n].modelled:
             raise LlmemError(f"--liger {n} is not modelled: {LIGER_KERNELS[n].why_not}")
     return names
+
+
+def applied_kernels(text: str, model_type: str) -> tuple[str, ...]:
+    """The kernels --liger puts on a model of `model_type`: the named ones (refused on a family llmem does not
+    model, llmem.setup.support), or under "auto" Liger's defaults where llmem models the family's patch, none
+    elsewhere (HF's modules, a note says so)."""
+    if text.strip() == AUTO and model_type not in LIGER_FAMILIES:
+        return ()
+    return liger_kernels(text)

@@ -129,7 +129,8 @@ class ActivationsConfig:
     packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
     # Liger-Kernel's autograd Functions over HF's modules (llmem.setup.liger)
     liger: str = option("none", "Liger-Kernel's kernels over HF's modules, comma-separated: rms_norm, swiglu, rope "
-                        "(llama, mistral, qwen2; its fused_linear_cross_entropy is --fused-ce; default none)",
+                        "(llama, mistral, qwen2), or auto (rms_norm, swiglu and rope where llmem models the family's patch, "
+                        "as use_liger_kernel applies them); its fused_linear_cross_entropy is --fused-ce (default none)",
                         ACTIVATIONS,
                         metavar="KERNELS")
     logits_dtype: str = option("fp32", "the loss's logits: fp32 (transformers' upcast before cross-entropy) or model "

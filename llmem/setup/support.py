@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
-from llmem.setup.liger import LIGER_FAMILIES, liger_kernels
+from llmem.setup.liger import AUTO, LIGER_FAMILIES, liger_kernels
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
 from llmem.setup.precision import regime_for
@@ -150,10 +150,11 @@ LOGITS_DTYPE = FeatureSupport("--logits-dtype model", lambda c: c.setup.logits_d
 
 # --liger: Liger-Kernel's RMSNorm and SwiGLU Functions (llmem.setup.liger), on the families Liger patches
 LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), (
-    Refusal("model families without a Liger patch", lambda c: c.model is not None
+    Refusal("model families without a Liger patch", lambda c: c.model is not None and c.setup.liger != AUTO
             and c.model.model_type not in LIGER_FAMILIES,
             lambda c: f"--liger on {c.model.model_type}: llmem models Liger's patch for "
-                      f"{', '.join(LIGER_FAMILIES)} only; drop --liger"),
+                      f"{', '.join(LIGER_FAMILIES)} only; drop --liger (--liger none with --from), or --liger "
+                      "auto for Liger's patch where llmem models it"),
     Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
             or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
             "--liger with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "

@@ -110,3 +110,13 @@ def test_rope_rotates_in_place_as_hf_does():
 def test_what_is_not_modelled_is_refused_in_one_line(kw, words):
     with pytest.raises(LlmemError, match=words):
         estimate(_setup(**kw))
+
+
+def test_auto_applies_the_defaults_where_modelled_and_nothing_elsewhere():
+    """--liger auto (use_liger_kernel's): rms_norm, swiglu, rope on a family whose patch llmem models; on GPT-2
+    (no Liger patch: transformers' Trainer applies nothing) HF's modules, not a refusal."""
+    llama = activation_profile(resolve(_setup(liger="auto")))
+    named = activation_profile(resolve(_setup(liger="rms_norm,swiglu,rope")))
+    assert llama.per_layer_saved == named.per_layer_saved < activation_profile(resolve(_setup())).per_layer_saved
+    gpt2 = activation_profile(resolve(_setup(model="gpt2", liger="auto")))
+    assert gpt2.per_layer_saved == activation_profile(resolve(_setup(model="gpt2"))).per_layer_saved

@@ -20,7 +20,7 @@ def test_use_liger_kernel_turns_on_what_the_trainer_applies(tmp_path):
     """transformers' Trainer calls apply_liger_kernel_to_<model>(): rope, rms_norm, swiglu and the fused linear
     cross-entropy on by default."""
     got = _read(tmp_path, FULL + "use_liger_kernel: true\n")
-    assert got.setup.liger == "rms_norm,swiglu,rope" and got.setup.fused_ce
+    assert got.setup.liger == "auto" and got.setup.fused_ce
 
 
 def test_liger_kernel_config_turns_kernels_off(tmp_path):
@@ -34,7 +34,7 @@ def test_llamafactory_enable_liger_kernel(tmp_path):
     text = ("model_name_or_path: Qwen/Qwen2.5-0.5B\nstage: sft\nfinetuning_type: full\nper_device_train_batch_size: "
             "2\ncutoff_len: 512\nbf16: true\nenable_liger_kernel: true\n")
     got = _read(tmp_path, text)
-    assert got.setup.liger == "rms_norm,swiglu,rope" and got.setup.fused_ce
+    assert got.setup.liger == "auto" and got.setup.fused_ce
 
 
 def test_axolotl_plugin_keys_each_turn_on_their_kernel(tmp_path):

@@ -44,7 +44,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
-from llmem.setup.liger import liger_kernels
+from llmem.setup.liger import AUTO, applied_kernels
 from llmem.setup.precision import F32, Regime
 from llmem.setup.training import TrainingSetup
 
@@ -237,7 +237,8 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
         notes.append(f"--liger {setup.liger}: Liger-Kernel's autograd Functions over HF's modules, in PyTorch with "
                      "Liger's saved tensors (RMSNorm: its input and fp32 RSTD; SwiGLU: gate and up, recomputed "
                      "in backward, whose gradients overwrite them; RoPE: q and k rotated in place, the same saved "
-                     "tensors as HF's)")
+                     "tensors as HF's)" + ("; auto: rms_norm, swiglu and rope where llmem models the family's "
+                                            "patch, HF's modules elsewhere" if setup.liger == AUTO else ""))
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
@@ -288,7 +289,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
     if r.layout.cp > 1:          # torch's ring attention (llmem.memory.activations.context_parallel)
         recipe = with_ring_attention(recipe, d, regime, r.layout.cp)
-    kernels = liger_kernels(setup.liger)
+    kernels = applied_kernels(setup.liger, anatomy.model_type)
     if kernels:                  # Liger-Kernel's RMSNorm / SwiGLU (llmem.memory.activations.liger)
         recipe = with_liger(recipe, kernels, d, regime)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)

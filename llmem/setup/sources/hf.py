@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llmem.setup.liger import AUTO, LIGER_DEFAULTS, liger_kernels
 from llmem.setup.sources.deepspeed import TrainerValues, read_deepspeed
 from llmem.setup.sources.files import find_reference, load
 from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
@@ -16,17 +17,20 @@ from llmem.setup.sources.reading import Keys, Reading
 
 LIGER_CE_NOTE = "Liger's fused linear cross-entropy (no full logits)"
 LIGER_NOTE = "Liger's {kernels} Functions over HF's modules (llmem.setup.liger)"
-# what apply_liger_kernel_to_<model> turns on by default besides fused_linear_cross_entropy (--fused-ce)
-LIGER_DEFAULTS = ("rms_norm", "swiglu", "rope")
+AUTO_NOTE = ("apply_liger_kernel_to_<model>'s rms_norm, swiglu and rope where llmem models the family's patch "
+             "(llmem.setup.liger)")
 
 
 def set_liger(r: Reading, key: str, raw: Any, kernels: list[str]) -> None:
     """--liger from a config's Liger switches (each kernel once, in LIGER_DEFAULTS' order)."""
     chosen = [k for k in LIGER_DEFAULTS if k in kernels]
     if chosen:
-        known = [k for k in (r.values.get("liger") or "none").split(",") if k != "none"]
+        known = liger_kernels(r.values.get("liger") or "none")
         merged = [k for k in LIGER_DEFAULTS if k in chosen or k in known]
-        r.set(key, raw, "liger", ",".join(merged), LIGER_NOTE.format(kernels=", ".join(chosen)))
+        if tuple(merged) == LIGER_DEFAULTS:     # what the Trainer applies: on the families whose patch llmem models
+            r.set(key, raw, "liger", AUTO, AUTO_NOTE)
+        else:
+            r.set(key, raw, "liger", ",".join(merged), LIGER_NOTE.format(kernels=", ".join(chosen)))
 
 
 def read_optimizer(r: Reading, key: str, raw: Any) -> None:

@@ -11,11 +11,11 @@ the adapters in the base's dtype. It never runs prepare_model_for_kbit_training 
 
 from __future__ import annotations
 
+from llmem.setup.liger import LIGER_DEFAULTS
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.hf import (
     LIGER_CE_NOTE,
-    LIGER_DEFAULTS,
     read_optimizer,
     set_liger,
     trainer_distributed,
