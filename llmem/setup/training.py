@@ -92,6 +92,9 @@ SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSe
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
 # flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
+# the defaults of LATER_FIELDS: a set-up prints them only where it differs (TrainingSetup.__repr__)
+LATER_DEFAULTS: dict[str, Any] = {f.name: f.default for section in SECTIONS.values() for f in fields(section)
+                                  if f.name in LATER_FIELDS}
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -137,8 +140,10 @@ class TrainingSetup:
         self.__post_init__()
 
     def __repr__(self) -> str:
-        """The flat form, as the set-up has always printed (its fields by their flat names)."""
-        return f"TrainingSetup({', '.join(f'{name}={getattr(self, name)!r}' for name in FLAT_ORDER)})"
+        """The flat form, as the set-up has always printed (its fields by their flat names; one of LATER_FIELDS only
+        where it is not at its default, so that a set-up without it prints as it did before it existed)."""
+        shown = [n for n in FLAT_ORDER if n not in LATER_DEFAULTS or getattr(self, n) != LATER_DEFAULTS[n]]
+        return f"TrainingSetup({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
     def _set(self, name: str, value: Any) -> None:
         """Validation's own normalisation of a field (a count parsed, a flag implied), in its section."""

@@ -83,6 +83,9 @@ def test_repr_and_dict_keep_the_flat_form():
                               "batch_size=1, seq_len=2048, precision='bf16-mixed', optimizer='adamw', ")
     assert list(s.to_dict()) == list(FLAT_ORDER)
     assert s.shape_free == replace(s, batch_size=3, seq_len=64).shape_free
+    # a field added later prints only off its default, so an earlier set-up's repr (a digest's input) stays
+    assert repr(s).endswith("reshard_after_forward=None)")
+    assert repr(replace(s, liger="rope")).endswith("reshard_after_forward=None, liger='rope')")
 
 
 def test_the_json_keeps_the_keys_it_had_before_the_sections():
