@@ -1,6 +1,7 @@
-"""Liger-Kernel's RMSNorm and SwiGLU (liger_kernel 0.8, ops/rms_norm.py and ops/swiglu.py) in pure PyTorch, with the
-tensors their autograd Functions save and allocate (llmem.setup.liger), installed over the HF modules Liger's
-monkey_patch replaces (the family's row names them), as Liger's LigerRMSNorm and LigerSwiGLUMLP forwards do.
+"""Liger-Kernel's RMSNorm, SwiGLU and RoPE (liger_kernel 0.8, ops/rms_norm.py, ops/swiglu.py, ops/rope.py) in pure
+PyTorch, with the tensors their autograd Functions save and allocate (llmem.setup.liger), installed as Liger's
+monkey_patch does: over the family's RMSNorm and MLP instances (its row names the classes), as LigerRMSNorm's and
+LigerSwiGLUMLP's forwards, and for rope over the modeling module's apply_rotary_pos_emb (restored on exit).
 
 Where Liger's Triton kernels work a row at a time in registers, these run over chunks of ROWS rows (their fp32
 temporaries, at most ROWS x width x 4 bytes a few times over, are the only tensors Liger does not make)."""
