@@ -159,11 +159,12 @@ LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), 
             or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
             "--liger with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
             "single, ddp, fsdp or zero2"),
-    Refusal("adapters, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
-            lambda c: c.setup.peft or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
+    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
+            lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
             or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
-            "--liger is modelled on a full fine-tune (sft, full or no checkpointing, activations on the device): "
-            "drop the adapters / quantised base / --ac-policy / --offload-activations / --objective"),
+            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft, full or no "
+            "checkpointing, activations on the device): drop the --peft-config / quantised base / --ac-policy / "
+            "--offload-activations / --objective"),
 ))
 
 

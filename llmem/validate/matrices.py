@@ -120,6 +120,8 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),
     _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", liger="rms_norm,swiglu,rope", grad_ckpt=True, batch_size=2,
        seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", liger="auto", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),

@@ -45,6 +45,17 @@ def test_swiglu_keeps_gate_and_up_not_the_activation():
     assert act.tensors == (2 * T * INTER,) * 3
 
 
+def test_under_lora_the_frozen_norms_keep_what_liger_saves_regardless():
+    """LoRA (norm weights frozen): HF's RMSNorm keeps only what the input gradient needs, the fp32 copy and rsqrt
+    (4 B per element); Liger's Function saves X (2 B) and RSTD whatever needs a gradient: 2 B fewer per element and
+    norm; the MLP as without adapters (gate and up are the LoRA sums)."""
+    kw = {"lora_rank": 8, "lora_targets": "all-linear"}
+    hf = activation_profile(resolve(_setup(**kw)))
+    liger = activation_profile(resolve(_setup(liger="rms_norm,swiglu", **kw)))
+    assert hf.per_layer_saved - liger.per_layer_saved == 2 * 2 * T * H + 2 * T * INTER
+    assert hf.head_saved - liger.head_saved == 2 * T * H
+
+
 @pytest.mark.parametrize("kw", [
     {"model": "tiny-llama", "precision": "bf16", "liger": "rms_norm,swiglu,rope"},
     {"model": "tiny-qwen2", "precision": "bf16-mixed", "liger": "rms_norm,swiglu"},
@@ -103,7 +114,7 @@ def test_rope_rotates_in_place_as_hf_does():
 
 @pytest.mark.parametrize("kw, words", [
     ({"model": "gpt2", "liger": "rms_norm"}, "--liger on gpt2"),
-    ({"liger": "rms_norm", "lora_rank": 8}, "--liger is modelled on a full fine-tune"),
+    ({"liger": "rms_norm", "lora_rank": 8, "quant_base": "nf4"}, "--liger is modelled on a full fine-tune or LoRA"),
     ({"liger": "fused_linear_cross_entropy"}, "use --fused-ce"),
     ({"liger": "layer_norm"}, "unknown Liger kernel"),
 ])

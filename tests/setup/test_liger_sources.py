@@ -42,10 +42,16 @@ def test_axolotl_plugin_keys_each_turn_on_their_kernel(tmp_path):
     assert got.setup.liger == "rms_norm,swiglu" and not got.setup.fused_ce
 
 
-def test_liger_with_adapters_stays_ignored_not_refused(tmp_path):
-    """--liger is modelled on full fine-tunes: a LoRA run's Liger keys are ignored (HF's modules stand in), the
-    fused cross-entropy still read."""
+def test_liger_with_lora_is_read(tmp_path):
     got = _read(tmp_path, AXOLOTL + "adapter: lora\nlora_r: 16\nlora_target_linear: true\nliger_rope: true\n"
                 "liger_rms_norm: true\nliger_fused_linear_cross_entropy: true\n")
-    assert got.setup.liger == "none" and got.setup.fused_ce and got.setup.lora_rank == 16
+    assert got.setup.liger == "rms_norm,rope" and got.setup.fused_ce and got.setup.lora_rank == 16
+
+
+def test_liger_with_a_quantised_base_stays_ignored_not_refused(tmp_path):
+    """--liger is not modelled over a quantised base: a QLoRA run's Liger keys are ignored (HF's modules stand
+    in), the fused cross-entropy still read."""
+    got = _read(tmp_path, AXOLOTL + "adapter: qlora\nload_in_4bit: true\nlora_r: 16\nlora_target_linear: true\n"
+                "liger_rope: true\nliger_rms_norm: true\nliger_fused_linear_cross_entropy: true\n")
+    assert got.setup.liger == "none" and got.setup.fused_ce and got.setup.quant_base == "nf4"
     assert {i.key for i in got.record.ignored} >= {"liger_rope", "liger_rms_norm"}
