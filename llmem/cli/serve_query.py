@@ -35,6 +35,7 @@ from llmem.setup.sources import SourceRecord
 from llmem.setup.sources.files import MAX_DEPTH, confined_to, depth, parse
 from llmem.setup.training import (
     ADAPTER_DTYPES,
+    LOGITS_DTYPES,
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
     TrainingSetup,
@@ -54,7 +55,7 @@ MAX_REFERENCE_UPS = 4                 # a reference may climb this many folders 
 MAX_REQUEST_BYTES = 4 << 20
 # The registries a field's value is one of (the page offers a list); a field without one gets a text box
 CHOICES: dict[str, Any] = {"method": METHODS, "precision": PRECISIONS, "optimizer": OPTIMIZERS, "attn": ATTENTIONS,
-                           "gpu": GPU_CATALOG, "adapter_dtype": ADAPTER_DTYPES}
+                           "gpu": GPU_CATALOG, "adapter_dtype": ADAPTER_DTYPES, "logits_dtype": LOGITS_DTYPES}
 # The sweeps' default points: powers of two around the usual sizes (the query's own value is added)
 SWEEPS: dict[str, tuple[tuple[int, ...], int]] = {
     "batch_size": ((1, 2, 4, 8, 16, 32, 64), MAX_BATCH_SIZE),

@@ -424,7 +424,9 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
         words.append(s.attn)
     words += [w for w, on in (("fused-ce", s.fused_ce), ("offload-act", s.offload_activations),
                               ("offload-opt", s.offload_optimizer), ("packing", s.packing),
-                              ("expandable", s.expandable_segments)) if on]
+                              ("expandable", s.expandable_segments),
+                              (f"logits-{s.logits_dtype}", s.logits_dtype != "fp32"),
+                              (f"liger:{s.liger}", s.liger != "none")) if on]
     return " ".join(words)
 
 

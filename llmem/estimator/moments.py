@@ -20,7 +20,6 @@ from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_embedding, local_numel, tp_local_numel
-from llmem.setup.precision import F32
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
         "activations": saved_layers + act.mask_bytes,
         "logits_and_loss": _forward_loss_bytes(r, act),
     })]
-    # 2. loss backward: three fp32 [tokens, vocab] tensors; the graph still holds the weight copies it saved
+    # 2. loss backward: three [tokens, vocab] tensors in the loss's dtype; the graph still holds the weight copies it saved
     kept_copies = head_copy + h.full_layers * h.layer_copies
     moments.append(Moment("backward", {
         **h.static,
@@ -217,10 +216,13 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
 
 
 def _forward_loss_bytes(r: ResolvedSetup, act: ActivationProfile) -> int:
-    """1. end of forward, inside the loss: logits, their fp32 upcast, the log-softmax output; autocast's cache."""
+    """1. end of forward, inside the loss: logits, their upcast (fp32 unless --logits-dtype model), the log-softmax
+    output; autocast's cache."""
     anatomy, setup, regime = r.anatomy, r.setup, r.regime
     tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
-    fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * F32 if regime.mm != F32 else 0) + tokens_vocab * F32
+    ld = act.loss_bytes              # the upcast and log-softmax: fp32, or the logits' dtype (--logits-dtype model)
+    fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * ld if regime.mm != ld else 0) + tokens_vocab * ld \
+        + tokens_vocab * act.nll_cast
     if setup.loss_parallel:          # the vocab-sharded logits, x - max and its exp (loss_parallel()'s log-softmax)
         fwd_loss = loss_parallel_forward_bytes(dims_for(anatomy, setup, r.layout.tp), regime.mm)
     if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk

@@ -148,7 +148,9 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
                                                            setup.ckpt_every > 1),
         ("--fused-ce", setup.fused_ce), ("--offload-activations", setup.offload_activations),
         ("--packing", setup.packing), ("--sequence-parallel", setup.sequence_parallel),
-        ("--loss-parallel", setup.loss_parallel)) if on]
+        ("--loss-parallel", setup.loss_parallel),
+        (f"--logits-dtype {setup.logits_dtype}", setup.logits_dtype != "fp32"),
+        (f"--liger {setup.liger}", setup.liger != "none")) if on]
     if ignored:
         notes.append(f"{', '.join(ignored)} ignored: the paper's equations model full fine-tuning of every "
                      "parameter with its whole logits (use the llmem engine for these)")

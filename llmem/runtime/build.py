@@ -269,6 +269,15 @@ def install_fused_ce(model: nn.Module) -> None:
     lm.forward = lm_forward
 
 
+def install_model_dtype_loss(model: nn.Module) -> None:
+    """--logits-dtype model: the causal LM's loss_function becomes transformers' ForCausalLMLoss without its
+    logits.float() (llmem.runtime.losses.causal_lm_loss_in_model_dtype); set on the instance, which the model's
+    forward and the pipeline's loss_fn both read."""
+    from llmem.runtime.losses import causal_lm_loss_in_model_dtype
+
+    causal_lm(model).loss_function = causal_lm_loss_in_model_dtype
+
+
 PACKED_SAMPLES = 2   # --packing: samples per row in the traced step (the mask's size does not depend on it)
 
 

@@ -102,3 +102,19 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     with torch.autocast(device_type, enabled=False):
         return FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                              shifted_labels(labels), compute_dtype)
+
+
+def causal_lm_loss_in_model_dtype(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                                  num_items_in_batch: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+                                  shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (loss/loss_utils.py) without its `logits = logits.float()`: cross_entropy on the
+    logits in the dtype the lm_head produced them (--logits-dtype model), as a trainer computing its own loss on bf16
+    logits does. Under autocast, log_softmax and nll_loss still run in fp32 (its CUDA policy)."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device),
+                                             ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        loss = loss / num_items_in_batch
+    return loss

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from llmem.errors import LlmemError
+from llmem.memory.activations.loss import loss_logits_bytes
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.runtime.build import (
@@ -39,6 +40,7 @@ from llmem.runtime.build import (
     enable_checkpointing,
     init_real_weights,
     install_fused_ce,
+    install_model_dtype_loss,
     low_dtype,
     materialize,
     materialize_prompt_tokens,
@@ -73,6 +75,7 @@ from llmem.runtime.patches import (
 from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 from llmem.setup.context_parallel import local_seq_len
 from llmem.setup.layout import Layout
+from llmem.setup.liger import applied_kernels
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -197,8 +200,9 @@ def real_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> tu
                  storage_bytes(p, setup.quant_base, args) if is_quantised(p, setup.quant_base) else p.numel * frozen
                  for p in resolved.anatomy.params)
     grads = sum(p.numel * trained for p in resolved.anatomy.params if p.trainable)
-    # the loss's logits, [batch, seq, vocab] in fp32 at least once (none under --fused-ce)
-    logits = 0 if setup.fused_ce else setup.batch_size * setup.seq_len * resolved.anatomy.vocab_size * 4
+    # the loss's logits, [batch, seq, vocab] in the loss's dtype at least once (none under --fused-ce)
+    logits = 0 if setup.fused_ce else \
+        setup.batch_size * setup.seq_len * resolved.anatomy.vocab_size * loss_logits_bytes(setup, resolved.regime)
     method = resolved.method
     shards = resolved.layout.world_size if method.shards_model_states or method.has_tp else 1   # local shards only
     return max(adapters, int(params + grads) // shards + logits), "the model's weights and gradients and the logits"
@@ -400,6 +404,14 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             enable_checkpointing(model, setup.ckpt_every, setup.ac_policy)
         if setup.fused_ce:
             install_fused_ce(model)
+        if setup.logits_dtype == "model":
+            install_model_dtype_loss(model)
+        kernels = applied_kernels(setup.liger, resolved.anatomy.model_type)
+        if kernels:       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
+            from llmem.runtime.liger import install_liger, liger_rope
+            install_liger(causal_lm(model), kernels)
+            if "rope" in kernels:
+                stack.enter_context(liger_rope(resolved.anatomy.model_type))
 
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,

@@ -107,6 +107,10 @@ class SetupRecord:
                          + (f" ({s.ac_policy} policy)" if s.ac_policy != "full" else ""))
         if s.fused_ce:
             parts.append("fused CE")
+        if s.logits_dtype != "fp32":
+            parts.append(f"loss on {s.logits_dtype}-dtype logits")
+        if s.liger != "none":
+            parts.append(f"Liger {s.liger.replace(',', ', ')}")
         if s.offload_activations:
             parts.append("activations offloaded to CPU")
         if s.packing:

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 # axolotl's) does - fp16/bf16 adapter weights upcast to fp32 - or the adapters in the base model's dtype
 # (autocast_adapter_dtype=False; torchtune's LoRA modules, built in the model's dtype)
 ADAPTER_DTYPES = ("fp32", "base")
+# ActivationsConfig.logits_dtype: the dtype the causal-LM loss reads its logits in - fp32 (transformers'
+# ForCausalLMLoss upcasts them, logits.float()) or the model's (cross_entropy on the lm_head's output as it is, as a
+# trainer computing its own loss on bf16 logits does)
+LOGITS_DTYPES = ("fp32", "model")
 LORA_ALL_LINEAR = "all-linear"
 
 
@@ -153,6 +157,15 @@ class ActivationsConfig:
     fused_ce: bool = option(False, "fused linear cross-entropy in chunks of tokens (no full fp32 logits)",
                             ACTIVATIONS, kind="switch")
     packing: bool = option(False, "samples packed into rows (position_ids restart)", ACTIVATIONS, kind="switch")
+    # Liger-Kernel's autograd Functions over HF's modules (llmem.setup.liger)
+    liger: str = option("none", "Liger-Kernel's kernels over HF's modules, comma-separated: rms_norm, swiglu, rope "
+                        "(llama, mistral, qwen2), or auto (rms_norm, swiglu and rope where llmem models the family's patch, "
+                        "as use_liger_kernel applies them); its fused_linear_cross_entropy is --fused-ce (default none)",
+                        ACTIVATIONS,
+                        metavar="KERNELS")
+    logits_dtype: str = option("fp32", "the loss's logits: fp32 (transformers' upcast before cross-entropy) or model "
+                               "(cross-entropy on the lm_head's output in the model's dtype; under autocast its "
+                               "log-softmax still runs in fp32; default fp32)", ACTIVATIONS)
 
 @dataclass(frozen=True, kw_only=True)
 class AdaptersConfig:

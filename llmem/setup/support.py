@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.liger import AUTO, LIGER_FAMILIES, liger_kernels
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
 from llmem.setup.precision import regime_for
@@ -131,6 +132,39 @@ FUSED_CE = FeatureSupport("--fused-ce", lambda c: c.setup.fused_ce, (
     Refusal("tensor parallelism", lambda c: c.method.has_tp,
             "--fused-ce with tensor parallelism is not modelled: the vocab-parallel lm_head needs a vocab-parallel "
             "loss"),
+))
+
+# --logits-dtype model: transformers' causal-LM loss without its fp32 upcast (llmem.runtime.losses)
+LOGITS_DTYPE = FeatureSupport("--logits-dtype model", lambda c: c.setup.logits_dtype != "fp32", (
+    Refusal("--fused-ce", lambda c: c.setup.fused_ce,
+            "--logits-dtype model with --fused-ce: the fused loss makes no [tokens, vocab] logits (each chunk is "
+            "upcast to fp32); drop one of them"),
+    Refusal("--loss-parallel", lambda c: c.setup.loss_parallel,
+            "--logits-dtype model with --loss-parallel is not modelled: drop one of them"),
+    Refusal("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+            lambda c: f"--logits-dtype model with --objective {c.setup.objective} is not modelled: TRL's trainer "
+                      "computes its own log-probs; drop --logits-dtype"),
+    Refusal("--pp", lambda c: c.setup.pp > 1,
+            "--logits-dtype model with --pp is not modelled: drop one of them"),
+))
+
+# --liger: Liger-Kernel's RMSNorm and SwiGLU Functions (llmem.setup.liger), on the families Liger patches
+LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), (
+    Refusal("model families without a Liger patch", lambda c: c.model is not None and c.setup.liger != AUTO
+            and c.model.model_type not in LIGER_FAMILIES,
+            lambda c: f"--liger on {c.model.model_type}: llmem models Liger's patch for "
+                      f"{', '.join(LIGER_FAMILIES)} only; drop --liger (--liger none with --from), or --liger "
+                      "auto for Liger's patch where llmem models it"),
+    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
+            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
+            "--liger with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
+            "single, ddp, fsdp or zero2"),
+    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
+            lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
+            or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
+            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft, full or no "
+            "checkpointing, activations on the device): drop the --peft-config / quantised base / --ac-policy / "
+            "--offload-activations / --objective"),
 ))
 
 
@@ -300,8 +334,8 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE,
-    RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, SELECTIVE_AC, DEEPSPEED,
+    QUANTISED_BASE, RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
 
 
 def support_refusal(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> str | None:
@@ -316,6 +350,12 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
     why = support_refusal(setup, method, model)
     if why is not None:
         raise LlmemError(why)
+
+
+def liger_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup`'s --liger kernels with the rest of it, the model aside (None: it does, or
+    no kernel is on)."""
+    return LIGER.refusal(Case(setup, method))
 
 
 def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:

@@ -122,6 +122,16 @@ CI_MATRIX: list[TrainingSetup] = [
        seq_len=256),
     _s("facebook/opt-125m", precision="bf16", fused_ce=True, grad_ckpt=True, ckpt_every=2, batch_size=2,
        seq_len=256),
+    # the loss on the lm_head's output as it is (--logits-dtype model): bf16, and bf16 under autocast
+    _s("tiny-llama", precision="bf16", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
+    # Liger-Kernel's RMSNorm, SwiGLU and RoPE Functions (--liger), one GPU and FSDP2, with and without checkpointing
+    _s("tiny-llama", precision="bf16", optimizer="sgd", liger="rms_norm,swiglu,rope", batch_size=2, seq_len=256),
+    _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", liger="rms_norm,swiglu,rope", grad_ckpt=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-llama", precision="bf16-mixed", liger="auto", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
@@ -484,6 +494,8 @@ def label(s: TrainingSetup) -> str:
         + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
         + ([f"ac-{s.ac_policy}"] if s.ac_policy != "full" else []) \
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
+        + ([f"logits-{s.logits_dtype}"] if s.logits_dtype != "fp32" else []) \
+        + ([f"liger:{s.liger}"] if s.liger != "none" else []) \
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
         + (["offload-opt"] if s.offload_optimizer else []) \
         + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \

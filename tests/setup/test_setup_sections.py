@@ -27,7 +27,7 @@ def test_at_most_twelve_top_level_fields_each_section_a_frozen_dataclass():
 
 def test_every_field_lives_in_one_place_and_carries_its_option():
     names = [f.name for section in SECTIONS.values() for f in fields(section)] + ["model", "trust_remote_code"]
-    assert len(names) == len(set(names)) == 67
+    assert len(names) == len(set(names)) == 69
     assert sorted(names) == sorted(FLAT_ORDER)
     assert all("option" in f.metadata for f in option_fields())
     # no flat name hides a section or one of TrainingSetup's own properties
@@ -83,6 +83,9 @@ def test_repr_and_dict_keep_the_flat_form():
                               "batch_size=1, seq_len=2048, precision='bf16-mixed', optimizer='adamw', ")
     assert list(s.to_dict()) == list(FLAT_ORDER)
     assert s.shape_free == replace(s, batch_size=3, seq_len=64).shape_free
+    # a field added later prints only off its default, so an earlier set-up's repr (a digest's input) stays
+    assert repr(s).endswith("reshard_after_forward=None)")
+    assert repr(replace(s, liger="rope")).endswith("reshard_after_forward=None, liger='rope')")
 
 
 def test_the_json_keeps_the_keys_it_had_before_the_sections():

@@ -100,9 +100,12 @@ class HeadEvents:
             sch.free(local)
         else:
             fwd.logits = alloc(tv * regime.mm, "logits_and_loss")
-        upcast = alloc(tv * F32, "logits_and_loss") if regime.mm != F32 else -1
-        fwd.log_softmax = alloc(tv * F32, "logits_and_loss")
+        ld = act.loss_bytes      # fp32 (HF's logits.float()), or the logits' own dtype (--logits-dtype model)
+        upcast = alloc(tv * ld, "logits_and_loss") if regime.mm != ld else -1
+        fwd.log_softmax = alloc(tv * ld, "logits_and_loss")
         sch.free(upcast)
+        # autocast's fp32 cast of a low-precision log-softmax for nll_loss, which keeps it
+        fwd.nll_cast = alloc(tv * act.nll_cast, "logits_and_loss") if act.nll_cast else -1
 
     def loss_parallel_forward(self) -> None:
         """--loss-parallel: HF's logits.float() of the [tokens, vocab/tp] shard, then loss_parallel()'s _log_softmax
@@ -139,7 +142,7 @@ class HeadEvents:
         return cast
 
     def loss_backward(self) -> int:
-        """The loss's backward: three fp32 [tokens, vocab] tensors, the gradient cast to the logits' dtype; with TP
+        """The loss's backward: three [tokens, vocab] tensors in the loss's dtype (fp32 unless --logits-dtype model), the gradient cast to the logits' dtype; with TP
         sliced back to the vocab shard (none for the fused loss: it hands over what it kept). Returns its key."""
         f, sch, alloc = self.f, self.sch, self.sch.alloc
         regime, tv = f.regime, f.tv
@@ -148,11 +151,17 @@ class HeadEvents:
         elif f.setup.loss_parallel:   # the gradient of the local vocab shard (no slicing)
             cast_grad = self.loss_parallel_backward()
         else:
-            nll_grad = alloc(tv * F32, "logits_and_loss")
-            ls_grad = alloc(tv * F32, "logits_and_loss")
+            ld, fwd = f.act.loss_bytes, self.state.forward
+            nll_grad = alloc(tv * (f.act.nll_cast or ld), "logits_and_loss")
+            if f.act.nll_cast:      # NllLossBackward's fp32 gradient, then ToCopyBackward's cast to the log-softmax's
+                sch.free(fwd.nll_cast)
+                cast = alloc(tv * ld, "logits_and_loss")
+                sch.free(nll_grad)
+                nll_grad = cast
+            ls_grad = alloc(tv * ld, "logits_and_loss")
             sch.free(self.state.forward.log_softmax)
             sch.free(nll_grad)
-            if regime.mm != F32:
+            if regime.mm != ld:
                 cast_grad = alloc(tv * regime.mm, "logits_and_loss")
                 sch.free(ls_grad)
             else:

@@ -62,6 +62,7 @@ class ForwardLive:
     fused_grads: tuple[int, int] = (-1, -1)                   # --fused-ce: grad_input and grad_weight kept
     logits: int = -1
     log_softmax: int = -1
+    nll_cast: int = -1                                        # --logits-dtype model under autocast: nll_loss's fp32 input
     output: int = -1          # a pipeline stage's output (llmem.estimator.pipeline)
 
 

@@ -109,17 +109,20 @@ def block_owner(blocks: tuple[Block, ...], param_name: str) -> int:
     return next((i for i, b in enumerate(blocks) if any(k in inner for k in b.params)), len(blocks) - 1)
 
 
-def loss_peak_bytes(d: Dims) -> int:
+def loss_peak_bytes(d: Dims, loss_bytes: int = F32, nll_cast: int = 0) -> int:
     """HF's ForCausalLMLoss: logits.float() -> cross_entropy = log_softmax + nll_loss.
 
-    At the nll_loss backward three fp32 [tokens, vocab] tensors are live at once: the saved log-softmax output,
+    At the nll_loss backward three [tokens, vocab] tensors in the loss's dtype (fp32, or the model's under
+    --logits-dtype model: `loss_bytes`) are live at once: the saved log-softmax output,
     nll_loss's gradient (zeros + scatter) and log_softmax's input gradient. The logits themselves are dropped with
     the model output before backward (as HF Trainer does), so they do not add here. Logits are full-vocab under
     tensor parallelism (the lm_head output is gathered), except under --loss-parallel (loss_parallel_peak_bytes).
     """
     if d.vocab_shards > 1:
         return loss_parallel_peak_bytes(d)
-    return 3 * F32 * d.t * d.vocab
+    if nll_cast:     # the log-softmax, autocast's fp32 cast of it nll_loss keeps, nll_loss's fp32 gradient
+        return (loss_bytes + 2 * nll_cast) * d.t * d.vocab
+    return 3 * loss_bytes * d.t * d.vocab
 
 
 def local_vocab(d: Dims) -> int:

@@ -13,6 +13,20 @@ from llmem.setup.precision import F32, Regime
 from llmem.setup.training import TrainingSetup
 
 
+def loss_logits_bytes(setup: TrainingSetup, r: Regime) -> int:
+    """Bytes per element of the logits the cross-entropy reads, and so of its log-softmax and of their gradients:
+    fp32 under transformers' ForCausalLMLoss (logits.float()), the lm_head's output dtype under --logits-dtype
+    model. Also under autocast: cross_entropy_loss calls log_softmax(x, dim, dtype=x.dtype), and autocast's
+    fp32_set_opt_dtype policy leaves an explicit dtype as it is."""
+    return F32 if setup.logits_dtype == "fp32" else r.mm
+
+
+def nll_cast_bytes(setup: TrainingSetup, r: Regime) -> int:
+    """Bytes per element of autocast's fp32 cast of a low-precision log-softmax for nll_loss (on CUDA's fp32 list),
+    which NllLossBackward keeps: --logits-dtype model under autocast; 0 otherwise."""
+    return F32 if r.autocast and loss_logits_bytes(setup, r) != F32 else 0
+
+
 @dataclass(frozen=True)
 class FusedCE:
     """llmem.runtime.losses' fused linear cross-entropy (Liger's algorithm): what it allocates, in bytes per element.

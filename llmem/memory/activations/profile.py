@@ -25,7 +25,8 @@ from llmem.memory.activations.blocks import (
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
 from llmem.memory.activations.learned import learned_recipe
-from llmem.memory.activations.loss import FusedCE, fused_ce_for
+from llmem.memory.activations.liger import with_liger
+from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
 from llmem.memory.activations.quantised import (
     adapter_regime,
     fp32_behind_quant,
@@ -43,7 +44,8 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
-from llmem.setup.precision import Regime
+from llmem.setup.liger import AUTO, applied_kernels
+from llmem.setup.precision import F32, Regime
 from llmem.setup.training import TrainingSetup
 
 
@@ -77,6 +79,8 @@ class ActivationProfile:
                                # lm_head keeps none)
     # --ac-policy op: the op outputs each checkpointed layer's storage keeps (in checkpoint_saved); None: full
     selective: SelectiveLayer | None = None
+    loss_bytes: int = F32      # the loss's logits, log-softmax and gradients: bytes per element (loss_logits_bytes)
+    nll_cast: int = 0          # autocast's fp32 cast of a low-precision log-softmax, kept by nll_loss (nll_cast_bytes)
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -229,6 +233,16 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                          "host too and is copied back for its recompute; the rotary cos/sin and masks bound to the "
                          "recompute, and a frozen embedding's output (a leaf its AccumulateGrad node holds), stay "
                          "on the device" if setup.grad_ckpt else ""))
+    if setup.liger != "none":
+        notes.append(f"--liger {setup.liger}: Liger-Kernel's autograd Functions over HF's modules, in PyTorch with "
+                     "Liger's saved tensors (RMSNorm: its input and fp32 RSTD; SwiGLU: gate and up, recomputed "
+                     "in backward, whose gradients overwrite them; RoPE: q and k rotated in place, the same saved "
+                     "tensors as HF's)" + ("; auto: rms_norm, swiglu and rope where llmem models the family's "
+                                            "patch, HF's modules elsewhere" if setup.liger == AUTO else ""))
+    if setup.logits_dtype != "fp32":
+        notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
+                     "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
+                     "it)")
     if setup.packing:
         notes.append("--packing: position ids restart per packed sample; " + setup.attention_spec.packing_note)
     if setup.grad_ckpt and setup.ckpt_every > 1:
@@ -275,6 +289,9 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
     if r.layout.cp > 1:          # torch's ring attention (llmem.memory.activations.context_parallel)
         recipe = with_ring_attention(recipe, d, regime, r.layout.cp)
+    kernels = applied_kernels(setup.liger, anatomy.model_type)
+    if kernels:                  # Liger-Kernel's RMSNorm / SwiGLU (llmem.memory.activations.liger)
+        recipe = with_liger(recipe, kernels, d, regime)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
     if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)
@@ -298,8 +315,9 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
     selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned is not None) if selective else None
+    loss_bytes, nll_cast = loss_logits_bytes(setup, regime), nll_cast_bytes(setup, regime)
     return ActivationProfile(
-        selective=selective,
+        selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
         lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) for p in anatomy.params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
@@ -310,7 +328,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
         embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
-                   loss_peak_bytes(d) + (d.t * d.vocab * regime.mm if config_value(
+                   loss_peak_bytes(d, loss_bytes, nll_cast) + (d.t * d.vocab * regime.mm if config_value(
                        anatomy, "final_logit_softcapping", default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,

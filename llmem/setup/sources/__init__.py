@@ -28,7 +28,7 @@ from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, r
 from llmem.setup.sources.files import load
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import check_support, deepspeed_refusal
+from llmem.setup.support import check_support, deepspeed_refusal, liger_refusal
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
@@ -162,6 +162,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     used = _marked(used, overrides)
     try:
         setup = _stand_in(user_setup(**values), values, overrides, notes)
+        setup = _liger_not_expressed(setup, used, ignored, overrides)
         check_support(setup, METHODS[setup.method])
     except LlmemError as exc:
         why = "".join(f" ({n})" for n in notes if n.startswith("DeepSpeed"))
@@ -182,6 +183,20 @@ def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str,
     notes.append(STANDIN_NOTE.format(standin=STANDINS[setup.method], method=setup.method, why=why))
     kept = {k: v for k, v in values.items() if k not in ZERO_FIELDS}    # DeepSpeed's knobs: not the stand-in's
     return user_setup(**{**kept, "method": STANDINS[setup.method]})
+
+
+def _liger_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
+                         overrides: dict[str, Any]) -> TrainingSetup:
+    """A file's Liger kernels where llmem's --liger is not modelled with the rest of its set-up (adapters, a
+    quantised base, DeepSpeed, ...): kept as ignored keys (HF's modules stand in, as before --liger), not a refused
+    set-up; a --liger given on the command line stays (and is refused)."""
+    why = liger_refusal(setup, METHODS[setup.method])
+    if why is None or "liger" in overrides:
+        return setup
+    for u in [u for u in used if u.field == "liger"]:
+        used.remove(u)
+        ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: HF's modules stand in for Liger's"))
+    return replace(setup, liger="none")
 
 
 def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:

@@ -17,10 +17,10 @@ from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.fsdp import read_fsdp_config
 from llmem.setup.sources.hf import (
     LIGER_CE_NOTE,
-    LIGER_REST_WHY,
     read_attention,
     read_deepspeed_ref,
     read_optimizer,
+    set_liger,
 )
 from llmem.setup.sources.reading import Keys, Reading
 from llmem.setup.sources.trl import GENERATING, batch_note, objective_keys, trl_sequence
@@ -190,9 +190,13 @@ def _kernels(r: Reading, keys: Keys) -> None:
     plugins = [str(p) for p in keys.get("plugins", []) or []]
     if keys.get("liger_fused_linear_cross_entropy"):
         r.set("liger_fused_linear_cross_entropy", True, "fused_ce", True, LIGER_CE_NOTE)
-    for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm", "liger_cross_entropy"):
+    # axolotl's LigerPlugin: liger_rope, liger_rms_norm, liger_glu_activation (SwiGLU on Llama-like models)
+    for key, kernel in (("liger_rope", "rope"), ("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "swiglu")):
         if keys.get(key):
-            r.ignore(key, True, LIGER_REST_WHY)
+            set_liger(r, key, True, [kernel])
+    for key in ("liger_layer_norm", "liger_cross_entropy"):
+        if keys.get(key):
+            r.ignore(key, True, "a Liger kernel llmem does not model: HF's op stands in")
     cce = any(CCE_PLUGIN in p.lower().replace("crossentropy", "cross_entropy") for p in plugins)
     if cce and keys.get("cut_cross_entropy", True):
         r.set("plugins", "CutCrossEntropyPlugin", "fused_ce", True, "Cut Cross-Entropy, modelled by the fused linear "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llmem.setup.liger import AUTO, LIGER_DEFAULTS, liger_kernels
 from llmem.setup.sources.deepspeed import TrainerValues, read_deepspeed
 from llmem.setup.sources.files import find_reference, load
 from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
@@ -15,8 +16,21 @@ from llmem.setup.sources.names import HF_ATTENTIONS, HF_OPTIMIZERS
 from llmem.setup.sources.reading import Keys, Reading
 
 LIGER_CE_NOTE = "Liger's fused linear cross-entropy (no full logits)"
-LIGER_REST_WHY = ("Liger's RMSNorm / RoPE / SwiGLU kernels save slightly different tensors: modelled as the unfused "
-                  "ops")
+LIGER_NOTE = "Liger's {kernels} Functions over HF's modules (llmem.setup.liger)"
+AUTO_NOTE = ("apply_liger_kernel_to_<model>'s rms_norm, swiglu and rope where llmem models the family's patch "
+             "(llmem.setup.liger)")
+
+
+def set_liger(r: Reading, key: str, raw: Any, kernels: list[str]) -> None:
+    """--liger from a config's Liger switches (each kernel once, in LIGER_DEFAULTS' order)."""
+    chosen = [k for k in LIGER_DEFAULTS if k in kernels]
+    if chosen:
+        known = liger_kernels(r.values.get("liger") or "none")
+        merged = [k for k in LIGER_DEFAULTS if k in chosen or k in known]
+        if tuple(merged) == LIGER_DEFAULTS:     # what the Trainer applies: on the families whose patch llmem models
+            r.set(key, raw, "liger", AUTO, AUTO_NOTE)
+        else:
+            r.set(key, raw, "liger", ",".join(merged), LIGER_NOTE.format(kernels=", ".join(chosen)))
 
 
 def read_optimizer(r: Reading, key: str, raw: Any) -> None:
@@ -75,9 +89,13 @@ def read_liger(r: Reading, keys: Keys) -> None:
         keys.get("liger_kernel_config")
         return
     config = keys.get("liger_kernel_config") or {}
-    fused = bool(config.get("fused_linear_cross_entropy", True)) if isinstance(config, dict) else True
+    config = config if isinstance(config, dict) else {}
+    fused = bool(config.get("fused_linear_cross_entropy", True))
     r.set("use_liger_kernel", True, "fused_ce", fused, LIGER_CE_NOTE if fused else "fused_linear_cross_entropy off")
-    r.ignore("use_liger_kernel", True, LIGER_REST_WHY)
+    set_liger(r, "use_liger_kernel", True, [k for k in LIGER_DEFAULTS if config.get(k, True)])
+    for name, on in config.items():
+        if name not in (*LIGER_DEFAULTS, "fused_linear_cross_entropy") and on:
+            r.ignore(f"liger_kernel_config.{name}", on, "a Liger kernel llmem does not model: HF's op stands in")
 
 
 def trainer_distributed(r: Reading, keys: Keys, trainer: TrainerValues) -> None:

@@ -12,9 +12,15 @@ the adapters in the base's dtype. It never runs prepare_model_for_kbit_training 
 
 from __future__ import annotations
 
+from llmem.setup.liger import LIGER_DEFAULTS
 from llmem.setup.sources.adapters import Lora, Oft, apply_lora, apply_oft, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
-from llmem.setup.sources.hf import LIGER_CE_NOTE, LIGER_REST_WHY, read_optimizer, trainer_distributed
+from llmem.setup.sources.hf import (
+    LIGER_CE_NOTE,
+    read_optimizer,
+    set_liger,
+    trainer_distributed,
+)
 from llmem.setup.sources.reading import Keys, Reading
 from llmem.setup.sources.trl import batch_note
 
@@ -73,7 +79,7 @@ def read(keys: Keys, r: Reading) -> None:
         r.set("flash_attn", flash, "attn", attn)
     if keys.get("enable_liger_kernel"):
         r.set("enable_liger_kernel", True, "fused_ce", True, LIGER_CE_NOTE)
-        r.ignore("enable_liger_kernel", True, LIGER_REST_WHY)
+        set_liger(r, "enable_liger_kernel", True, list(LIGER_DEFAULTS))
     _dtypes(r, keys)
     quantised = _quantisation(r, keys)
     _finetuning(r, keys, stage, quantised)
