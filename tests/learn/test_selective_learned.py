@@ -50,7 +50,8 @@ def test_biased_linears_run_addmm():
     """tiny-phi: every linear has a bias, so at::linear runs addmm (not on the save list): the layer keeps SDPA's
     outputs only (sm90 cuDNN, 8 heads of 64: 512 x 512 x 2 B, logsumexp 2 x 8 x 256 x 4 B, its philox seed and
     offset, one int64 each)."""
-    _, act = _act("tiny-phi")
+    r, act = _act("tiny-phi")
+    assert lm.learned_for(r).selective.described == "self_attn (aten::_scaled_dot_product_cudnn_attention)"
     assert act.selective_kept_bytes == 524_288 + 16_384 + 16
     assert act.selective_held_bytes == 0
 

@@ -68,6 +68,12 @@ class LearnedSelective:
     extra: tuple[tuple[int, Poly, bool], ...]
     saved: tuple[str, ...]                       # "module within the layer: op" of each saved output, forward order
 
+    @property
+    def described(self) -> str:
+        """The saved outputs in forward order, one per op call site ("self_attn.q_proj (mm), self_attn (aten::...)")."""
+        sites = dict.fromkeys(f"{m} ({op})" for m, _, op in (x.partition(": ") for x in self.saved))
+        return ", ".join(sites) or "no op on the save list"
+
     def at(self, b: int, s: int) -> SelectiveLayer:
         return SelectiveLayer(self.stored, tuple((j, poly_at(p, b, s), read) for j, p, read in self.extra),
                               self.saved)
@@ -107,7 +113,9 @@ class LearnedActivations:
         pts = ", ".join(f"{b}x{s}" for b, s in self.points)
         return (f"activations learned from the real code on a {self.depth}-layer copy at points {pts} (batch x "
                 f"tokens; sizes fitted in {', '.join(TERMS)}), decoder layer {self.read_layer} read as every layer's; "
-                f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s")
+                f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s" + (
+                    f"; under --ac-policy op it keeps the outputs of {self.selective.described}"
+                    if self.selective is not None else ""))
 
     # ------------------------------------------------------------------------------------------ JSON (the disk cache)
     def to_json(self) -> dict:
