@@ -27,5 +27,5 @@ step must allocate alike, one for one (else the learning is refused with the rea
 (llmem.memory.activations.learned) in memory and on disk.
 
 The modules: shallow_copy (the entry point: learned_activations), one_point (one run of the copy), fit (the exact
-fit), layer_blocks (reading the layer), points (what they share).
+fit), layer_blocks (reading the layer), selective_read (what --ac-policy op keeps of it), points (what they share).
 """

@@ -18,6 +18,7 @@ from llmem.learn.points import (
     layer_of,
     unit_of,
 )
+from llmem.learn.selective_read import read_selective
 from llmem.memory.activations.learned import LearnedActivations, LearnedBlock, as_floats
 
 
@@ -37,8 +38,10 @@ class _Tensor:
 
 
 
-def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float) -> LearnedActivations:
-    """The learned layer, head, embedding and shared tensors from one point's events and the fitted sizes."""
+def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float, selective: bool = False
+               ) -> LearnedActivations:
+    """The learned layer, head, embedding and shared tensors from one point's events and the fitted sizes (with
+    `selective`, what --ac-policy op keeps of the layer: llmem.learn.selective_read)."""
     tensors, order = _lifetimes(rd, sizes)
     layer = ("layer", READ_LAYER)
     before = ("layer", READ_LAYER - 1)
@@ -87,7 +90,8 @@ def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float) -> 
         (shared if batchless or "rotary" in t.module else embed).append(t.size)
     return LearnedActivations(learned_blocks, tuple(map(as_floats, embed)), tuple(map(as_floats, head)),
                               tuple(map(as_floats, shared)), LEARN_DEPTH,
-                              tuple(points), round(seconds, 2), READ_LAYER)
+                              tuple(points), round(seconds, 2), READ_LAYER,
+                              read_selective(rd, tensors, blocks_seq) if selective else None)
 
 
 def _schedule_cast(t: _Tensor, rd: Reading) -> bool:

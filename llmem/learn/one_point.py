@@ -14,6 +14,7 @@ from llmem.learn.points import BACKWARD, FORWARD, READ_LAYER, LearnError, Readin
 from llmem.model.families import decoder_layers
 from llmem.model.sharding import MATMUL_KINDS
 from llmem.runtime.ledger import Ledger, TracingFakeMode, tracking
+from llmem.runtime.selective_ac import OP_SAC_SAVE_LIST
 from llmem.runtime.step import StepHooks, prepared_step
 
 
@@ -31,12 +32,31 @@ def quiet_fake_tensor_log():
 
 
 NODE_TAG = "llmem_module"
+_MM = torch.ops.aten.mm.default
 
 
 class ModuleLedger(Ledger):
     """The trace's ledger, unrounded, with backward allocations given the module whose forward made the autograd node
     running (the module tracker's own backward names go stale: its post-backward hooks wait on positional inputs,
-    and transformers calls attention and decoder layers with keyword arguments only)."""
+    and transformers calls attention and decoder layers with keyword arguments only). The outputs of the ops
+    torchtitan's selective checkpointing may save (llmem.runtime.selective_ac) are tagged with their op
+    (`saved_ops`: key -> "mm" for aten.mm, the op's name for the others)."""
+
+    def __init__(self) -> None:
+        super().__init__(workspace_bytes=0, round_to=1)
+        self.saved_ops: dict[int, str] = {}
+        self._op: str | None = None
+
+    def before_op(self, func, args) -> str | None:
+        self._op = ("mm" if func is _MM else func.name()) if func in OP_SAC_SAVE_LIST else None
+        return super().before_op(func, args)
+
+    def track_outputs(self, out) -> None:
+        op, self._op = self._op, None       # the op's own outputs only (not storages tracked later)
+        first = self.next_key
+        super().track_outputs(out)
+        if op is not None:
+            self.saved_ops.update(dict.fromkeys(range(first, self.next_key), op))
 
     def module_now(self) -> int:
         if self.phase == BACKWARD:
@@ -79,7 +99,7 @@ class NodeModules(TorchFunctionMode):
 
 def run_point(setup) -> Reading:
     """One training step of `setup` on fake tensors, its allocations recorded unrounded."""
-    ledger = ModuleLedger(workspace_bytes=0, round_to=1)
+    ledger = ModuleLedger()
     fake_mode = TracingFakeMode()
     roles: list = []
     info: dict = {}
@@ -117,7 +137,8 @@ def run_point(setup) -> Reading:
         raise LearnError(f"the real step does not run on fake tensors ({type(exc).__name__}: "
                          f"{first_line(exc, 160)})") from None
     events = until_read_layer_done(without_loss(ledger, info["layers_path"], info["outer"]), info["layers_path"])
-    return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"])
+    return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"],
+                   ledger.saved_ops)
 
 
 def without_loss(ledger: Ledger, layers_path: str, outer: tuple[str, ...]) -> list[tuple]:

@@ -3,7 +3,7 @@ step, and a size's exact coefficients (Exact)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from llmem.errors import LlmemError
@@ -34,6 +34,7 @@ class Reading:
     casts: dict[str, tuple[int, ...]]                    # nn.Linear module (relative) -> its autocast copies' bytes
     outer: tuple[str, ...]                               # the causal LM's path and its ancestors (loss ops)
     leaves: tuple[str, ...] = ()                         # parameterless leaf modules of a layer (activations)
+    saved_ops: dict[int, str] = field(default_factory=dict)   # key -> the op on torchtitan's SAC save list made it
 
     @property
     def cut_units(self) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from llmem.memory.activations.learned import LearnedActivations, cached, learnin
 from llmem.model.families import LAYERS_FIELDS, family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.runtime.expert_parallel import learning_ep
+from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.generation import plain_setup
 from llmem.setup.objectives import objective_spec
 from llmem.setup.sections import DeepSpeedConfig, ParallelismConfig
@@ -53,7 +54,8 @@ def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] = POINTS) -> Lea
                 readings.append(run_point(learning_setup(r, str(path), b, s)))
             check_alike(readings, points)
     sizes = fit_sizes(readings, points)
-    return read_layer(readings[0], sizes, points, time.perf_counter() - t0)
+    return read_layer(readings[0], sizes, points, time.perf_counter() - t0,
+                      selective=AC_POLICIES[r.setup.ac_policy].selective)
 
 
 def shallow_config(config: dict, depth: int) -> dict:

@@ -251,6 +251,13 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
     _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    # ... on learned layers (llmem.learn.selective_read: the op that made each tensor read with the layer): Qwen3
+    # (q_proj's output normed on: stored beside the layer's tensors), Phi (biased linears run addmm: SDPA's outputs
+    # only), a Qwen3-MoE layer (the router's mm; the experts' grouped_mm is not on the save list)
+    _s("tiny-qwen3", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    _s("tiny-qwen3", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    _s("tiny-phi", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
+    _s("tiny-qwen3-moe", precision="bf16-mixed", optimizer="sgd", ac_policy="op", batch_size=2, seq_len=256),
     # TRL's GRPOTrainer with transformers' generate (--objective grpo; llmem.estimator.generation against generate
     # and TRL's _compute_loss traced, llmem.runtime.generation): generation, scoring, training; beta 0 (no
     # reference), LoRA with beta 0.04 (the reference is the policy with its adapters off), DDP with beta 0.04 (a

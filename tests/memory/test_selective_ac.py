@@ -163,7 +163,7 @@ def test_setup_refusals(kw, words):
     (dict(model="tiny-llama", method="tp", gpus=2), "tensor parallelism"),
     (dict(model="tiny-llama", attn="eager"), "--attn eager"),
     (dict(model="gpt2"), "Llama, Mistral and Qwen2"),
-    (dict(model="tiny-qwen3"), "hand activation recipe"),
+    (dict(model="tiny-qwen3"), "learned from the real code"),     # LLMEM_LEARN=never here
     (dict(model="tiny-llama", offload_activations=True), "--offload-activations"),
 ])
 def test_what_is_not_modelled_is_refused(kw, words):

@@ -48,11 +48,14 @@ class BlockEvents:
         self.f, self.sch, self.live = facts, sch, state
         self.plans: dict[int, BlockOps] = {}      # block_plan per block (by identity)
 
-    def forward(self, b: Block) -> list[int]:
-        """The block's kept tensors, with its forward temporaries allocated and freed among them."""
+    def forward(self, b: Block, given: dict[int, int] | None = None) -> list[int]:
+        """The block's kept tensors, with its forward temporaries allocated and freed among them. `given`: kept
+        tensors (by index) that exist already (selective checkpointing's stored outputs, handed back to the
+        recompute), with their keys."""
         alloc = self.sch.alloc
+        given = given or {}
         if not b.temps:
-            return [alloc(n, "activations") for n in b.tensors]
+            return [given[k] if k in given else alloc(n, "activations") for k, n in enumerate(b.tensors)]
         plan = self.plans.get(id(b))
         if plan is None:
             plan = self.plans[id(b)] = block_plan(b)
@@ -60,7 +63,7 @@ class BlockEvents:
         temps: dict[int, int] = {}
         for op, n, k in plan:
             if op == 0:
-                keys.append(alloc(n, "activations"))
+                keys.append(given[len(keys)] if len(keys) in given else alloc(n, "activations"))
             elif op == 1:
                 temps[k] = alloc(n, "activations")
             else:

@@ -140,12 +140,12 @@ class LayerEvents:
             self.sch.free_all(per_block[j - 1])
 
     def selective_recompute(self, i: int, j: int) -> list[int]:
-        """--ac-policy op, block j of layer i's recompute: the stored tensors are handed back (not made again); the
-        stored outputs the recompute reads die once read (the rest at the layer's backward end)."""
+        """--ac-policy op, block j of layer i's recompute: the stored tensors are handed back (not made again), the
+        others made with the block's temporaries among them; the stored outputs the recompute reads die once read
+        (the rest at the layer's backward end)."""
         b, fwd = self.f.act.blocks[j], self.state.forward
         stored = fwd.sac_keys[i]
-        keys = [stored.pop((j, k)) if (j, k) in stored else self.sch.alloc(n, "activations")
-                for k, n in enumerate(b.tensors)]
+        keys = self.blocks.forward(b, {k: stored.pop((jj, k)) for jj, k in list(stored) if jj == j})
         read = [e for e in fwd.sac_extra[i] if e[0] == j and e[2]]
         self.sch.free_all([k for _, k, _ in read])
         fwd.sac_extra[i] = [e for e in fwd.sac_extra[i] if e not in read]

@@ -20,9 +20,11 @@ from pathlib import Path
 
 from llmem.cache import CACHE_ENV, cache_root, code_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
 from llmem.memory.activations.blocks import Block, LayerRecipe
+from llmem.memory.activations.selective import SelectiveLayer, hand_selective_refusal
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
+from llmem.setup.checkpointing import AC_POLICIES
 
 LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
 LEARN_ENV = "LLMEM_LEARN"          # auto (default): where no hand recipe exists; always; never
@@ -56,6 +58,38 @@ class LearnedBlock:
 
 
 @dataclass(frozen=True)
+class LearnedSelective:
+    """What torchtitan's op-level selective checkpointing (--ac-policy op, llmem.memory.activations.selective) keeps
+    of the learned layer: the outputs of the ops on its save list (every other aten.mm of the layer's forward, the
+    SDPA kernel's), placed where the learned layer has them. An output the layer keeps for backward anyway is
+    `stored` (block, kept tensor index); one its forward frees is an `extra` (block made in, its size, whether the
+    recompute reads it: made before the layer's last kept tensor, where torch's early stop ends the recompute)."""
+    stored: tuple[tuple[int, int], ...]
+    extra: tuple[tuple[int, Poly, bool], ...]
+    saved: tuple[str, ...]                       # "module within the layer: op" of each saved output, forward order
+
+    @property
+    def described(self) -> str:
+        """The saved outputs in forward order, one per op call site ("self_attn.q_proj (mm), self_attn (aten::...)")."""
+        sites = dict.fromkeys(f"{m} ({op})" for m, _, op in (x.partition(": ") for x in self.saved))
+        return ", ".join(sites) or "no op on the save list"
+
+    def at(self, b: int, s: int) -> SelectiveLayer:
+        return SelectiveLayer(self.stored, tuple((j, poly_at(p, b, s), read) for j, p, read in self.extra),
+                              self.saved)
+
+    def to_json(self) -> dict:
+        return {"stored": [list(x) for x in self.stored], "saved": list(self.saved),
+                "extra": [[j, _encode(p), read] for j, p, read in self.extra]}
+
+    @staticmethod
+    def from_json(d: dict) -> LearnedSelective:
+        return LearnedSelective(tuple((int(j), int(k)) for j, k in d["stored"]),
+                                tuple((int(j), _decode(p), bool(read)) for j, p, read in d["extra"]),
+                                tuple(d["saved"]))
+
+
+@dataclass(frozen=True)
 class LearnedActivations:
     """A decoder layer and what is kept outside the layers, learned from the real code (see llmem.learn)."""
     blocks: tuple[LearnedBlock, ...]
@@ -66,6 +100,7 @@ class LearnedActivations:
     points: tuple[tuple[int, int], ...]   # (batch, seq_len) points it was run at
     seconds: float                   # what learning took (the copy's steps and the fit)
     read_layer: int = 1              # the layer read (the others' differences are checked against it)
+    selective: LearnedSelective | None = None   # learned for --ac-policy op only
 
     def recipe(self, b: int, s: int) -> LayerRecipe:
         """The layer recipe at micro-batch b and seq_len s (the set-up's tokens per sample, before any virtual
@@ -78,7 +113,9 @@ class LearnedActivations:
         pts = ", ".join(f"{b}x{s}" for b, s in self.points)
         return (f"activations learned from the real code on a {self.depth}-layer copy at points {pts} (batch x "
                 f"tokens; sizes fitted in {', '.join(TERMS)}), decoder layer {self.read_layer} read as every layer's; "
-                f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s")
+                f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s" + (
+                    f"; under --ac-policy op it keeps the outputs of {self.selective.described}"
+                    if self.selective is not None else ""))
 
     # ------------------------------------------------------------------------------------------ JSON (the disk cache)
     def to_json(self) -> dict:
@@ -88,7 +125,8 @@ class LearnedActivations:
                             "transients": [enc(p) for p in b.transients]} for b in self.blocks],
                 "embed": [enc(p) for p in self.embed], "head": [enc(p) for p in self.head],
                 "shared": [enc(p) for p in self.shared], "depth": self.depth,
-                "points": [list(p) for p in self.points], "seconds": self.seconds, "read_layer": self.read_layer}
+                "points": [list(p) for p in self.points], "seconds": self.seconds, "read_layer": self.read_layer,
+                **({"selective": self.selective.to_json()} if self.selective is not None else {})}
 
     @staticmethod
     def from_json(d: dict) -> LearnedActivations:
@@ -99,7 +137,8 @@ class LearnedActivations:
         return LearnedActivations(blocks, tuple(dec(p) for p in d["embed"]), tuple(dec(p) for p in d["head"]),
                                   tuple(dec(p) for p in d["shared"]), int(d["depth"]),
                                   tuple((int(b), int(s)) for b, s in d["points"]), float(d["seconds"]),
-                                  int(d.get("read_layer", 1)))
+                                  int(d.get("read_layer", 1)),
+                                  LearnedSelective.from_json(d["selective"]) if "selective" in d else None)
 
 
 def _encode(p: Poly) -> list[str]:
@@ -171,13 +210,14 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
         return False, ""
     anatomy, setup = r.anatomy, r.setup
     inexact_peft = anatomy.peft is not None and not anatomy.peft.exact
-    wanted = mode == "always" or family_of(anatomy.model_type).recipe is None or inexact_peft
+    # --ac-policy op where the hand recipes' model of it does not reach (fused projections, post norms, ...):
+    # which op made each tensor is learned with the layer
+    selective_unmodelled = AC_POLICIES[setup.ac_policy].selective and hand_selective_refusal(anatomy) is not None
+    wanted = mode == "always" or family_of(anatomy.model_type).recipe is None or inexact_peft or selective_unmodelled
     if not wanted:
         return False, ""
     if r.layout.tp > 1:
         return False, "tensor parallelism (the copy runs on one GPU; its heads would not split the same way)"
-    if setup.ac_policy != "full":
-        return False, f"--ac-policy {setup.ac_policy} (its stored op outputs are the hand recipes' only)"
     if setup.quant_spec.quantised:
         return False, ("a quantised base (the schedule lays out bitsandbytes' transients itself; the emulated "
                        "kernels' buffers are not told apart from the layer's tensors yet)")
@@ -200,7 +240,7 @@ def learning_key(r: ResolvedSetup) -> dict:
     setup = r.setup
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
-            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance)
+            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy)
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -226,7 +266,9 @@ def _learning_key(r: ResolvedSetup) -> dict:
             "adapter_dtype": setup.adapter_dtype, "attn": setup.attn, "packing": setup.packing,
             "compute_capability": list(r.gpu.compute_capability) if r.gpu.compute_capability else None,
             # --ep: the rank's local experts and received rows (llmem.runtime.expert_parallel)
-            **({"ep": r.layout.ep, "ep_imbalance": setup.ep_imbalance} if r.layout.ep > 1 else {})}
+            **({"ep": r.layout.ep, "ep_imbalance": setup.ep_imbalance} if r.layout.ep > 1 else {}),
+            # --ac-policy op: the layer is learned with the op that made each tensor (a file of its own)
+            **({"ac_policy": setup.ac_policy} if AC_POLICIES[setup.ac_policy].selective else {})}
 
 
 _CONFIG_IGNORED = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
@@ -311,6 +353,15 @@ def learned_for(r: ResolvedSetup) -> LearnedActivations | None:
     """The learned activations this set-up uses: learned already (memory or disk) and needed; else None."""
     need, _ = learning_need(r)
     return cached(learning_key(r)) if need else None
+
+
+def learned_selective(r: ResolvedSetup) -> SelectiveLayer | None:
+    """--ac-policy op on learned activations: what the layer keeps under the policy at the set-up's micro-batch
+    shape, or None (not learned, or learned without it)."""
+    learned = learned_for(r)
+    if learned is None or learned.selective is None:
+        return None
+    return learned.selective.at(r.setup.batch_size, r.setup.seq_len)
 
 
 def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmem.errors import LlmemError
 from llmem.memory.activations.adapters import (
     adapters_read_input,
     adapters_upcast,
@@ -24,7 +23,7 @@ from llmem.memory.activations.blocks import (
     packed_mask_bytes,
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
-from llmem.memory.activations.learned import learned_recipe
+from llmem.memory.activations.learned import learned_recipe, learned_selective, learning_failure
 from llmem.memory.activations.liger import with_liger
 from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
 from llmem.memory.activations.quantised import (
@@ -36,7 +35,7 @@ from llmem.memory.activations.quantised import (
     with_int8_inputs,
 )
 from llmem.memory.activations.recipes import recipe_for
-from llmem.memory.activations.selective import SelectiveLayer, selective_layer, selective_refusal
+from llmem.memory.activations.selective import SelectiveLayer, selective_layer
 from llmem.memory.quant import quant_layout
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
@@ -283,8 +282,6 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     d = dims_for(anatomy, setup, r.layout.tp)
     attn = effective_attention(anatomy, setup)
     selective = AC_POLICIES[setup.ac_policy].selective
-    if selective and not has_recipe(anatomy):      # refused before any learning (llmem.memory.activations.selective)
-        raise LlmemError(selective_refusal(anatomy, attn, learned=True))
     learned = learned_recipe(r)    # activations learned from the real code (no hand recipe for this set-up)
     recipe = learned or recipe_for(anatomy)(anatomy, d, regime, attn)
     if r.layout.cp > 1:          # torch's ring attention (llmem.memory.activations.context_parallel)
@@ -314,7 +311,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
         if behind_fp32 and (not setup.grad_ckpt or setup.ckpt_every > 1):   # fp32 inputs only LLM.int8 keeps
             recipe = with_int8_inputs(anatomy, recipe, d.t, regime)
-    selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned is not None) if selective else None
+    selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned_selective(r),
+                                learning_failure(r) or "") if selective else None
     loss_bytes, nll_cast = loss_logits_bytes(setup, regime), nll_cast_bytes(setup, regime)
     return ActivationProfile(
         selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,

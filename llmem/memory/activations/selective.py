@@ -18,8 +18,9 @@ not made again, an extra one dies as soon as the recompute has read it, and the 
 (`early_stop`) once the layer's last saved tensor is packed - at the last linear's input - so the last linear's
 stored output is never read and lives until the layer's backward ends.
 
-Modelled for the llama_like recipe (Llama, Mistral, Qwen2: separate projections, a dense gated MLP) under SDPA or
-flash attention; the rest is refused with one line (`selective_layer`).
+Worked here from the llama_like recipe (Llama, Mistral, Qwen2: separate projections, a dense gated MLP); for the
+other families it is learned with the layer (llmem.learn.selective_read: which op made each tensor, the same rule
+applied), under SDPA or flash attention; the rest is refused with one line (`selective_layer`).
 """
 
 from __future__ import annotations
@@ -62,27 +63,38 @@ def saved_matmuls(anatomy: ModelAnatomy) -> tuple[str, ...]:
     return tuple(name for n, name in enumerate(plain, start=1) if n % 2 == 1)
 
 
-def selective_refusal(anatomy: ModelAnatomy, attn: AttentionSpec, learned: bool) -> str | None:
-    """Why the estimate cannot model op-level SAC on this model (None: it can)."""
+def hand_selective_refusal(anatomy: ModelAnatomy) -> str | None:
+    """Why the hand recipes' model of the policy does not reach this family's layer (None: it does)."""
     spec = family_of(anatomy.model_type)
-    if learned or spec.recipe is None:
-        return (f"--ac-policy op needs a hand activation recipe: {anatomy.model_type}'s activations are learned "
-                "from the real code, whose op outputs llmem does not track; use --grad-ckpt")
     if spec.recipe != "llama_like" or spec.fused_projections or spec.experts or spec.post_norms:
         return (f"--ac-policy op is modelled for Llama, Mistral and Qwen2 layers, not {anatomy.model_type}; use "
                 "--grad-ckpt")
-    if attn.keeps_scores:
-        return (f"--ac-policy op is modelled under SDPA / flash attention; {anatomy.architecture} runs eager "
-                "attention; use --grad-ckpt")
     return None
 
 
+def selective_refusal(anatomy: ModelAnatomy, attn: AttentionSpec, learned: bool, why_not_learned: str = "") -> str | None:
+    """Why the estimate cannot model op-level SAC on this model (None: it can). `learned`: the layer, and what the
+    policy keeps of it, are learned from the real code (llmem.memory.activations.learned.LearnedSelective)."""
+    if attn.keeps_scores:
+        return (f"--ac-policy op is modelled under SDPA / flash attention; {anatomy.architecture} runs eager "
+                "attention; use --grad-ckpt")
+    if learned:
+        return None
+    if family_of(anatomy.model_type).recipe is None or why_not_learned:
+        return (f"--ac-policy op on {anatomy.model_type} needs what its layers keep learned from the real code, "
+                f"which was not done ({why_not_learned or 'LLMEM_LEARN=never'}); use --grad-ckpt")
+    return hand_selective_refusal(anatomy)
+
+
 def selective_layer(anatomy: ModelAnatomy, blocks: tuple[Block, ...], d: Dims, r: Regime, attn: AttentionSpec,
-                    learned: bool = False) -> SelectiveLayer:
-    """The layer's stored outputs under torchtitan's op-level policy (see the module docstring)."""
-    why = selective_refusal(anatomy, attn, learned)
+                    learned: SelectiveLayer | None = None, why_not_learned: str = "") -> SelectiveLayer:
+    """The layer's stored outputs under torchtitan's op-level policy (see the module docstring): the learned ones
+    where the layer is learned, else worked from the hand recipe's blocks."""
+    why = selective_refusal(anatomy, attn, learned is not None, why_not_learned)
     if why:
         raise LlmemError(why)
+    if learned is not None:
+        return learned
     outputs = {name: (j, k) for j, b in enumerate(blocks) for name, k in b.outputs}
     layer_linears = [p for p in anatomy.params if p.layer_index == 0 and p.module_kind in MATMUL_KINDS
                      and p.name.endswith(".weight")]
