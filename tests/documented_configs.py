@@ -35,3 +35,15 @@ def approximate(fs: FileSetup) -> set[str]:
     """The keys that make the answer approximate (empty: the file's run as read)."""
     assert fs.record.exact == (not fs.record.approximations)
     return {i.key for i in fs.record.approximations}
+
+
+def check_case(fs: FileSetup, fields: dict[str, Any], peft_fields: dict[str, Any] | None,
+               approx: set[str] = frozenset()) -> None:
+    """One documented pair as read: the set-up's fields, the peft config written (None: no adapters through peft)
+    and the keys that make the answer approximate."""
+    check(fs, fields)
+    if peft_fields is None:
+        assert fs.setup.peft_config is None
+    else:
+        assert peft(fs) == peft_fields
+    assert approximate(fs) == set(approx)

@@ -39,7 +39,7 @@ CUDA, and the ones torch does not ship or whose kernels cannot run on fake tenso
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -66,6 +66,14 @@ def _closure_loss(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, torch.Tensor]]:
+    """(group, parameter) for every parameter with a gradient, in the optimizer's order (a step's loop)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p
 
 
 class Lion(torch.optim.Optimizer):
@@ -150,14 +158,11 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:
-                    self._init_state(p)
-                self.state[p]["step"] += 1
-                p.add_(p.grad, alpha=-group["lr"])   # in place, like the fused kernel: no temporaries
+        for group, p in _stepped(self):
+            if not self.state[p]:
+                self._init_state(p)
+            self.state[p]["step"] += 1
+            p.add_(p.grad, alpha=-group["lr"])   # in place, like the fused kernel: no temporaries
         return loss
 
 
@@ -188,19 +193,16 @@ class EmulatedTorchaoAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                local = p.to_local() if hasattr(p, "to_local") else p
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0              # torch.tensor(0.0): a CPU tensor
-                    state.update(self._new_buffer(local, "exp_avg", self.fmt.signed_qmap_entries))
-                    state.update(self._new_buffer(local, "exp_avg_sq", self.fmt.unsigned_qmap_entries))
-                state["step"] += 1
-                local.add_(grad, alpha=-group["lr"])   # in place, like the compiled kernel's p.copy_
+        for group, p in _stepped(self):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            state = self.state[p]
+            if not state:
+                state["step"] = 0              # torch.tensor(0.0): a CPU tensor
+                state.update(self._new_buffer(local, "exp_avg", self.fmt.signed_qmap_entries))
+                state.update(self._new_buffer(local, "exp_avg_sq", self.fmt.unsigned_qmap_entries))
+            state["step"] += 1
+            local.add_(grad, alpha=-group["lr"])   # in place, like the compiled kernel's p.copy_
         return loss
 
 

@@ -8,7 +8,7 @@ lora_dropout 0.0, bnb_4bit_use_double_quant true (loaders' BitsAndBytesConfig), 
 from __future__ import annotations
 
 import pytest
-from documented_configs import DATA, approximate, check, peft, read
+from documented_configs import DATA, approximate, check_case, read
 
 from llmem.errors import LlmemError
 from llmem.setup.sources import setup_from_file
@@ -77,14 +77,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_documented_pair_reads_as_written(name):
-    fields, peft_fields, approx = CASES[name]
-    fs = read("axolotl", name)
-    check(fs, fields)
-    if peft_fields is None:
-        assert fs.setup.peft_config is None
-    else:
-        assert peft(fs) == peft_fields
-    assert approximate(fs) == approx
+    check_case(read("axolotl", name), *CASES[name])
 
 
 @pytest.mark.parametrize("name, refusal", [

@@ -9,7 +9,7 @@ gradient checkpointing on, optim adamw_torch_fused (transformers'), oft_block_si
 from __future__ import annotations
 
 import pytest
-from documented_configs import approximate, check, peft, read
+from documented_configs import check_case, read
 
 from llmem.errors import LlmemError
 
@@ -74,14 +74,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_documented_pair_reads_as_written(name):
-    fields, peft_fields, approx = CASES[name]
-    fs = read("llamafactory", name)
-    check(fs, fields)
-    if peft_fields is None:
-        assert fs.setup.peft_config is None
-    else:
-        assert peft(fs) == peft_fields
-    assert approximate(fs) == approx
+    check_case(read("llamafactory", name), *CASES[name])
 
 
 def test_a_pref_loss_llmem_does_not_model_is_refused_in_one_line():

@@ -10,7 +10,7 @@ FSDP2 over the `tune run --nproc_per_node` GPUs of the file's launch comment. Mo
 from __future__ import annotations
 
 import pytest
-from documented_configs import approximate, check, peft, read
+from documented_configs import check_case, read
 
 from llmem.errors import LlmemError
 
@@ -71,14 +71,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_documented_recipe_reads_as_written(name):
-    fields, peft_fields, approx = CASES[name]
-    fs = read("torchtune", name)
-    check(fs, fields)
-    if peft_fields is None:
-        assert fs.setup.peft_config is None
-    else:
-        assert peft(fs) == peft_fields
-    assert approximate(fs) == approx
+    check_case(read("torchtune", name), *CASES[name])
 
 
 @pytest.mark.parametrize("name, refusal", [

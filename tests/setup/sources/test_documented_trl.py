@@ -11,7 +11,7 @@ max_completion_length."""
 from __future__ import annotations
 
 import pytest
-from documented_configs import DATA, approximate, check, peft, read
+from documented_configs import DATA, approximate, check, check_case, read
 
 from llmem.errors import LlmemError
 from llmem.setup.sources import setup_from_file
@@ -65,14 +65,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_documented_pair_reads_as_written(name):
-    fields, peft_fields = CASES[name]
-    fs = read("trl", name)
-    check(fs, fields)
-    if peft_fields is None:
-        assert fs.setup.peft_config is None
-    else:
-        assert peft(fs) == peft_fields
-    assert approximate(fs) == set()
+    check_case(read("trl", name), *CASES[name])
 
 
 def test_training_arguments_alone():
