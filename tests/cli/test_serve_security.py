@@ -317,7 +317,8 @@ def test_sigterm_stops_the_server_promptly(tmp_path):
         time.sleep(1.0)
         proc.terminate()
         start = time.monotonic()
-        assert proc.wait(15) == 0
+        rc = proc.wait(15)
+        assert rc == 0, proc.stderr.read()[-2000:]      # the server's own account when it did not stop cleanly
         assert time.monotonic() - start < 10
     finally:
         if proc.poll() is None:
