@@ -137,10 +137,15 @@ def check_generation(setup) -> None:
     if g < 2:
         raise LlmemError(f"--num-generations must be >= 2 (the advantages compare a prompt's completions), got {g}")
     world = setup.gpus
+    # TRL 1.16's GRPOConfig / RLOOConfig check generation_batch_size = per-device batch x processes x
+    # steps_per_generation (which defaults to gradient_accumulation_steps); llmem models a generation per step
+    # (steps_per_generation 1: the buffered generation batch of several steps is not modelled)
     if (setup.batch_size * world) % g:
         raise LlmemError(f"--num-generations {g} must divide the global batch (--gpus {world} x --batch-size "
-                         f"{setup.batch_size} = {setup.batch_size * world} completions), as {d.config_class} requires: "
-                         f"use a --batch-size that makes it a multiple of {g}, or another --num-generations")
+                         f"{setup.batch_size} = {setup.batch_size * world} completions) in a step that generates "
+                         f"its own batch, as {d.config_class} requires with steps_per_generation 1 (llmem does not "
+                         f"model a generation batch buffered over several steps): use a --batch-size or --gpus "
+                         f"that makes it a multiple of {g}, or another --num-generations")
     c = completion_length(setup)
     if c < 1:
         raise LlmemError(f"--max-completion-length must be >= 1, got {c}")
