@@ -268,6 +268,29 @@ RESHARD_AFTER_FORWARD = FeatureSupport("--reshard-after-forward N", lambda c: c.
 ))
 
 
+def _head_lora_gap(c: Case) -> str | None:
+    """What a set-up with LoRA on the lm_head has that its modelled form (llmem.estimator.schedule.head's
+    lora_forward / lora_backward) does not; None: it is that form."""
+    s = c.setup
+    gaps = (
+        (s.peft_config is not None, "--peft-config (give it as --lora-rank and --lora-targets)"),
+        ({t.strip() for t in s.lora_targets.split(",") if t.strip()} == {"lm_head"},
+         "no adapter before it (the decoder then keeps no activations, which is not modelled: add the layers' modules)"),
+        (s.mixed, f"--precision {s.precision} (autocast casts the adapter's input and weights)"),
+        (s.precision_spec.low_precision and s.adapter_dtype != "base",
+         "fp32 adapters on a low-precision base (peft's default: use --adapter-dtype base)"),
+        (s.lora_dropout > 0, f"--lora-dropout {s.lora_dropout}"),
+        (c.method.zero_stage is not None or c.method.has_tp, f"--method {s.method}"),
+        (s.fused_ce, "--fused-ce (the fused loss reads the base weight alone)"),
+        (s.objective_spec.runs_trainer, f"--objective {s.objective} (TRL's own head)"),
+        (s.quant_spec.quantised, "a quantised base"),
+        (s.offload_activations or s.optimizer_in_backward or s.pp > 1 or s.cp > 1 or s.ep > 1
+         or s.liger != "none" or s.logits_dtype != "fp32",
+         "offloaded activations, the optimizer in backward, pp / cp / ep, Liger or --logits-dtype"),
+    )
+    return next((why for gap, why in gaps if gap), None)
+
+
 def _no_flash(c: Case) -> bool:
     return c.setup.attention_spec.flash_kernel and not c.model.supports_flash_attn
 
@@ -289,11 +312,11 @@ MODEL = FeatureSupport("a model (its family row, its transformers class)", lambd
             lambda c: f"--attn flash: transformers has no flash attention for {c.model.architecture} "
                       "(_supports_flash_attn is False); use --attn "
                       f"{'sdpa or eager' if c.model.supports_sdpa else 'eager'}"),
-    Refusal("adapters on the output layer", lambda c: bool(c.model.adapted_head),
-            lambda c: f"adapters on the output layer {c.model.adapted_head!r} are not modelled: peft can wrap it "
-                      "(a lora.Linear adding a [tokens, vocab] output to the logits, which --fused-ce would skip), "
-                      "but llmem's logits and loss model has no adapter there; target the decoder layers' modules "
-                      "(peft's all-linear leaves the output layer out too)"),
+    Refusal("adapters on the output layer", lambda c: bool(c.model.adapted_head) and _head_lora_gap(c) is not None,
+            lambda c: f"LoRA on the output layer {c.model.adapted_head!r} with {_head_lora_gap(c)} is not modelled "
+                      "(it is with the adapters in the logits' dtype: fp32, or bf16 / fp16 with --adapter-dtype base "
+                      "as torchtune's LoRALinear; without dropout, on the causal LM's own loss under single, ddp, "
+                      "fsdp or zero2): change that, or target the decoder layers' modules only"),
 ))
 
 # the set-up options a pipeline stage's estimate does not model (one line each)

@@ -13,6 +13,7 @@ from llmem.estimator.events import Schedule
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState
 from llmem.memory.activations.loss import FusedCE
+from llmem.model.adapter_params import LORA_A, LORA_B, adapter_part, is_adapter_param
 from llmem.model.anatomy import ParamInfo
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
 from llmem.setup.precision import F32
@@ -59,6 +60,11 @@ def fused_ce_forward(sch: Schedule, f: FusedCE, batch: int, seq: int) -> tuple[i
     return grad_input, grad_weight
 
 
+def head_lora_rank(f) -> int:
+    """The rank of LoRA on the lm_head (0: none), read off its lora_A [r, hidden]."""
+    return next((p.shape[0] for p in f.root if is_lm_head(p) and adapter_part(p.name) == LORA_A), 0)
+
+
 class HeadEvents:
     """The final norm, lm_head and loss: forward and backward."""
 
@@ -100,12 +106,58 @@ class HeadEvents:
             sch.free(local)
         else:
             fwd.logits = alloc(tv * regime.mm, "logits_and_loss")
+        if head_lora_rank(f):
+            self.lora_forward()
         ld = act.loss_bytes      # fp32 (HF's logits.float()), or the logits' own dtype (--logits-dtype model)
         upcast = alloc(tv * ld, "logits_and_loss") if regime.mm != ld else -1
         fwd.log_softmax = alloc(tv * ld, "logits_and_loss")
         sch.free(upcast)
         # autocast's fp32 cast of a low-precision log-softmax for nll_loss, which keeps it
         fwd.nll_cast = alloc(tv * act.nll_cast, "logits_and_loss") if act.nll_cast else -1
+
+    def lora_forward(self) -> None:
+        """LoRA on the lm_head (peft's lora.Linear, torchtune's LoRALinear; the adapters in the logits' dtype, no
+        dropout: llmem.setup.support's row): `result = base(x)`, then `result + lora_B(lora_A(x)) * scaling`:
+        lora_A's output [t, r] kept for lora_B's weight gradient, lora_B's output and its scaled copy [t, vocab]
+        (the first freed once scaled), their sum the new logits (the scaled copy and the base output freed)."""
+        f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
+        mm = f.regime.mm
+        fwd.head_lora_out = alloc(f.t * head_lora_rank(f) * mm, "activations")
+        lora_b = alloc(f.tv * mm, "logits_and_loss")
+        scaled = alloc(f.tv * mm, "logits_and_loss")
+        sch.free(lora_b)
+        total = alloc(f.tv * mm, "logits_and_loss")
+        sch.free(scaled)
+        sch.free(fwd.logits)
+        fwd.logits = total
+
+    def lora_backward(self, head_params: list[ParamInfo], cast_grad: int) -> int:
+        """The lm_head's LoRA in backward, before the base linear's input gradient: the scaled gradient [t, vocab]
+        (mul's backward), lora_B's weight gradient and lora_A's output gradient [t, r], then lora_A's weight
+        gradient and its input gradient [t, hidden]; the base linear's input gradient is added to it (a new
+        tensor). Returns the key of the summed input gradient."""
+        f, sch, alloc, step, fwd = self.f, self.sch, self.sch.alloc, self.step, self.state.forward
+        mm, th = f.regime.mm, f.t * f.hidden_size * f.regime.mm
+        lora = {adapter_part(p.name): p for p in head_params if is_lm_head(p) and is_adapter_param(p.name)}
+        scaled = alloc(f.tv * mm, "logits_and_loss")
+        step.make_grad(lora[LORA_B], root_unit=True)
+        grad_a = alloc(f.t * head_lora_rank(f) * mm, "activations")
+        sch.free(scaled)
+        sch.free(fwd.head_lora_out)
+        step.make_grad(lora[LORA_A], root_unit=True)
+        grad_x_lora = alloc(th, "activations")
+        sch.free(grad_a)
+        sch.free_all(fwd.head_keys)           # lora_A's input, the lm_head's input: read by now
+        grad_x_base = alloc(th, "activations")
+        sch.free(cast_grad)
+        grad_in = alloc(th, "activations")
+        sch.free(grad_x_lora)
+        sch.free(grad_x_base)
+        for p in head_params:
+            if p not in lora.values():
+                step.make_grad(p, root_unit=True)
+        sch.free_all(fwd.head_copy)
+        return grad_in
 
     def loss_parallel_forward(self) -> None:
         """--loss-parallel: HF's logits.float() of the [tokens, vocab/tp] shard, then loss_parallel()'s _log_softmax
@@ -191,6 +243,8 @@ class HeadEvents:
                 else:
                     step.make_grad(p, root_unit=True)
             self.release_head(cast_grad)
+        elif head_lora_rank(f):
+            grad_in = self.lora_backward(head_params, cast_grad)
         else:
             grad_in = alloc(f.t * f.hidden_size * f.regime.mm, "activations")
             if f.in_backward and not f.fsdp:
