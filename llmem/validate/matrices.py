@@ -153,12 +153,13 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("dora-r8-all-linear")),
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=256, lora_rank=64, lora_targets="all-linear",
        lora_dropout=0.1),
-    # LoRA on the lm_head too, the adapters in the model's dtype (torchtune's apply_lora_to_output): lora_B's
-    # [tokens, vocab] output, its scaled copy and their sum beside the logits, and their gradients
+    # LoRA on the lm_head too, the adapters in the model's dtype (torchtune's apply_lora_to_output) or peft's fp32
+    # ones: lora_B's [tokens, vocab] output, its scaled copy and their sum beside the logits, and their gradients
     _s("tiny-llama", precision="bf16", adapter_dtype="base", batch_size=2, seq_len=512, lora_rank=8,
        lora_targets="all-linear,lm_head"),
     _s("tiny-mistral", "fsdp", 2, precision="bf16", adapter_dtype="base", batch_size=2, seq_len=512, lora_rank=8,
        lora_targets="all-linear,lm_head"),
+    _s("tiny-llama", precision="bf16", batch_size=2, seq_len=512, lora_rank=8, lora_targets="all-linear,lm_head"),
     _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, lora_rank=16, lora_targets="all-linear",
        adapter_dtype="base"),
     _s("tiny-llama", precision="bf16", adapter_dtype="base", lora_rank=8, lora_alpha=16,

@@ -17,8 +17,8 @@ A_OUT = 1024 * 8 * 2
 
 
 def _events(**kw):
-    s = TrainingSetup("tiny-llama", precision="bf16", adapter_dtype="base", batch_size=2, seq_len=512, lora_rank=8,
-                      gpu="H100-80GB", **kw)
+    s = TrainingSetup("tiny-llama", **{"precision": "bf16", "adapter_dtype": "base", "batch_size": 2, "seq_len": 512,
+                                       "lora_rank": 8, "gpu": "H100-80GB", **kw})
     r, act = rank_step(resolve(s))
     sch = step_schedule(r, act).build()
     head = next(i for i, where in sch.marks if where == "lm_head and loss")
@@ -40,7 +40,7 @@ def test_the_forward_sums_the_adapters_output_into_new_logits():
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"lora_targets": "all-linear,lm_head", "adapter_dtype": "fp32"}, "fp32 adapters on a low-precision base"),
+    ({"lora_targets": "all-linear,lm_head", "precision": "bf16-mixed"}, "--precision bf16-mixed"),
     ({"lora_targets": "lm_head"}, "no adapter before it"),
     ({"lora_targets": "all-linear,lm_head", "lora_dropout": 0.05}, "--lora-dropout 0.05"),
     ({"lora_targets": "all-linear,lm_head", "fused_ce": True}, "--fused-ce"),
@@ -48,4 +48,19 @@ def test_the_forward_sums_the_adapters_output_into_new_logits():
 def test_what_is_not_modelled_is_refused_in_one_line(kw, words):
     kw = {"adapter_dtype": "base", **kw}
     with pytest.raises(LlmemError, match="LoRA on the output layer 'lm_head' with " + words.replace("(", r"\(")):
-        resolve(TrainingSetup("tiny-llama", precision="bf16", batch_size=2, seq_len=64, lora_rank=8, **kw))
+        resolve(TrainingSetup("tiny-llama", **{"precision": "bf16", "batch_size": 2, "seq_len": 64, "lora_rank": 8,
+                                               **kw}))
+
+
+def test_peft_fp32_adapters_compute_in_fp32_and_cast_back():
+    """peft's default on a bf16 base: the input copied to fp32 (kept by lora_A, 1,024 x 512 x 4 = 2,097,152 B;
+    the lm_head's own bf16 input no longer kept), lora_A's fp32 output (32,768 B), lora_B's output, its scaled copy
+    and the sum in fp32 (131,072,000 B each), the sum cast back to bf16; in backward the logits' gradient cast up,
+    a bf16 copy for the base branch and the fp32 scaled gradient."""
+    made = [n for sign, n in _events(lora_targets="all-linear,lm_head", adapter_dtype="fp32") if sign > 0]
+    base = [n for sign, n in _events(lora_targets="all-linear,lm_head") if sign > 0]
+    assert made.count(2 * TV_BF16) - base.count(2 * TV_BF16) == 3 + 2     # forward 3, backward 2 (fp32 [t, vocab])
+    assert made.count(1024 * 512 * 4) == base.count(1024 * 512 * 4) + 2    # the input's copy, lora_A's input gradient
+    assert made.count(2 * A_OUT) - base.count(2 * A_OUT) == 2                # lora_A's output and its gradient, fp32
+    # the bf16 adapters' two [t, r] bf16 (16,384 B) gone; lora_A's weight gradient [8, 512] is fp32 now: 16,384 B
+    assert made.count(A_OUT) - base.count(A_OUT) == -2 + 1

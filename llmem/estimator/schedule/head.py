@@ -65,6 +65,12 @@ def head_lora_rank(f) -> int:
     return next((p.shape[0] for p in f.root if is_lm_head(p) and adapter_part(p.name) == LORA_A), 0)
 
 
+def head_lora_bytes(f) -> int:
+    """The element bytes LoRA on the lm_head computes in: its parameters' (fp32 adapters on a bf16 base, peft's
+    default, or the base's dtype)."""
+    return next(f.params.element_bytes[p.name] for p in f.root if is_lm_head(p) and adapter_part(p.name) == LORA_A)
+
+
 class HeadEvents:
     """The final norm, lm_head and loss: forward and backward."""
 
@@ -116,41 +122,62 @@ class HeadEvents:
         fwd.nll_cast = alloc(tv * act.nll_cast, "logits_and_loss") if act.nll_cast else -1
 
     def lora_forward(self) -> None:
-        """LoRA on the lm_head (peft's lora.Linear, torchtune's LoRALinear; the adapters in the logits' dtype, no
-        dropout: llmem.setup.support's row): `result = base(x)`, then `result + lora_B(lora_A(x)) * scaling`:
-        lora_A's output [t, r] kept for lora_B's weight gradient, lora_B's output and its scaled copy [t, vocab]
-        (the first freed once scaled), their sum the new logits (the scaled copy and the base output freed)."""
+        """LoRA on the lm_head (peft's lora.Linear, torchtune's LoRALinear; no dropout: llmem.setup.support's row):
+        `result = base(x)`, `x = _cast_input_dtype(x, adapter dtype)`, `result + lora_B(lora_A(x)) * scaling`, cast
+        back to the logits' dtype. lora_A's output [t, r] kept for lora_B's weight gradient; lora_B's output and its
+        scaled copy [t, vocab] (the first freed once scaled), their sum the new logits (the scaled copy and the base
+        output freed). With fp32 adapters on a bf16 / fp16 base (peft's default) lora_A keeps peft's fp32 copy of
+        the input, the adapter computes in fp32 and the fp32 sum is cast back (then freed)."""
         f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
-        mm = f.regime.mm
-        fwd.head_lora_out = alloc(f.t * head_lora_rank(f) * mm, "activations")
-        lora_b = alloc(f.tv * mm, "logits_and_loss")
-        scaled = alloc(f.tv * mm, "logits_and_loss")
+        mm, ab = f.regime.mm, head_lora_bytes(f)
+        fwd.head_lora_out = [alloc(f.t * f.hidden_size * ab, "activations")] if ab != mm else []   # peft's copy
+        fwd.head_lora_out.append(alloc(f.t * head_lora_rank(f) * ab, "activations"))
+        lora_b = alloc(f.tv * ab, "logits_and_loss")
+        scaled = alloc(f.tv * ab, "logits_and_loss")
         sch.free(lora_b)
-        total = alloc(f.tv * mm, "logits_and_loss")
+        total = alloc(f.tv * ab, "logits_and_loss")
         sch.free(scaled)
         sch.free(fwd.logits)
         fwd.logits = total
+        if ab != mm:                      # result.to(torch_result_dtype)
+            fwd.logits = alloc(f.tv * mm, "logits_and_loss")
+            sch.free(total)
 
     def lora_backward(self, head_params: list[ParamInfo], cast_grad: int) -> int:
         """The lm_head's LoRA in backward, before the base linear's input gradient: the scaled gradient [t, vocab]
         (mul's backward), lora_B's weight gradient and lora_A's output gradient [t, r], then lora_A's weight
         gradient and its input gradient [t, hidden]; the base linear's input gradient is added to it (a new
-        tensor). Returns the key of the summed input gradient."""
+        tensor). fp32 adapters: the logits' gradient cast up first (the cast-back's backward), and cast down again
+        for the base branch; lora_A's fp32 input gradient cast down before the sum. Returns the key of the summed
+        input gradient."""
         f, sch, alloc, step, fwd = self.f, self.sch, self.sch.alloc, self.step, self.state.forward
-        mm, th = f.regime.mm, f.t * f.hidden_size * f.regime.mm
+        mm, ab, th = f.regime.mm, head_lora_bytes(f), f.t * f.hidden_size
         lora = {adapter_part(p.name): p for p in head_params if is_lm_head(p) and is_adapter_param(p.name)}
-        scaled = alloc(f.tv * mm, "logits_and_loss")
+        base_grad = cast_grad
+        if ab != mm:
+            wide = alloc(f.tv * ab, "logits_and_loss")          # ToCopyBackward: the gradient in fp32
+            sch.free(cast_grad)
+            base_grad = alloc(f.tv * mm, "logits_and_loss")     # AddBackward, for the bf16 base output
+            scaled = alloc(f.tv * ab, "logits_and_loss")
+            sch.free(wide)
+        else:
+            scaled = alloc(f.tv * mm, "logits_and_loss")
         step.make_grad(lora[LORA_B], root_unit=True)
-        grad_a = alloc(f.t * head_lora_rank(f) * mm, "activations")
+        grad_a = alloc(f.t * head_lora_rank(f) * ab, "activations")
         sch.free(scaled)
-        sch.free(fwd.head_lora_out)
+        sch.free(fwd.head_lora_out.pop())
         step.make_grad(lora[LORA_A], root_unit=True)
-        grad_x_lora = alloc(th, "activations")
+        grad_x_lora = alloc(th * ab, "activations")
         sch.free(grad_a)
+        sch.free_all(fwd.head_lora_out)       # peft's fp32 copy of the input (lora_A's), read by now
         sch.free_all(fwd.head_keys)           # lora_A's input, the lm_head's input: read by now
-        grad_x_base = alloc(th, "activations")
-        sch.free(cast_grad)
-        grad_in = alloc(th, "activations")
+        if ab != mm:                          # _cast_input_dtype's backward: the gradient cast down
+            down = alloc(th * mm, "activations")
+            sch.free(grad_x_lora)
+            grad_x_lora = down
+        grad_x_base = alloc(th * mm, "activations")
+        sch.free(base_grad)
+        grad_in = alloc(th * mm, "activations")
         sch.free(grad_x_lora)
         sch.free(grad_x_base)
         for p in head_params:

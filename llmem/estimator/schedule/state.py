@@ -59,7 +59,7 @@ class ForwardLive:
     head_keys: list[int] = field(default_factory=list)
     head_offloaded: list[int] = field(default_factory=list)   # sizes of the head's tensors on the host
     head_copy: list[int] = field(default_factory=list)        # autocast's copies of the head's weights
-    head_lora_out: int = -1                                     # LoRA on the lm_head: lora_A's output, kept
+    head_lora_out: list[int] = field(default_factory=list)    # LoRA on the lm_head: its input's copy, lora_A's output
     fused_grads: tuple[int, int] = (-1, -1)                   # --fused-ce: grad_input and grad_weight kept
     logits: int = -1
     log_softmax: int = -1

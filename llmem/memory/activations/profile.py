@@ -37,6 +37,7 @@ from llmem.memory.activations.quantised import (
 from llmem.memory.activations.recipes import recipe_for
 from llmem.memory.activations.selective import SelectiveLayer, selective_layer
 from llmem.memory.quant import quant_layout
+from llmem.model.adapter_params import is_adapter_param
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
@@ -317,7 +318,10 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     return ActivationProfile(
         selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
-        lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) for p in anatomy.params),
+        # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not with fp32
+        # adapters on a bf16 base: lora_A keeps peft's fp32 copy instead, llmem.estimator.schedule.head)
+        lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) and not (upcast and is_adapter_param(p.name))
+                                           for p in anatomy.params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
