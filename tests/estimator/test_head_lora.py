@@ -40,7 +40,8 @@ def test_the_forward_sums_the_adapters_output_into_new_logits():
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"lora_targets": "all-linear,lm_head", "precision": "bf16-mixed"}, "--precision bf16-mixed"),
+    ({"lora_targets": "all-linear,lm_head", "method": "ds-zero2", "gpus": 2, "precision": "bf16-mixed"},
+     "--method ds-zero2"),
     ({"lora_targets": "lm_head"}, "no adapter before it"),
     ({"lora_targets": "all-linear,lm_head", "lora_dropout": 0.05}, "--lora-dropout 0.05"),
     ({"lora_targets": "all-linear,lm_head", "fused_ce": True}, "--fused-ce"),
@@ -64,3 +65,15 @@ def test_peft_fp32_adapters_compute_in_fp32_and_cast_back():
     assert made.count(2 * A_OUT) - base.count(2 * A_OUT) == 2                # lora_A's output and its gradient, fp32
     # the bf16 adapters' two [t, r] bf16 (16,384 B) gone; lora_A's weight gradient [8, 512] is fp32 now: 16,384 B
     assert made.count(A_OUT) - base.count(A_OUT) == -2 + 1
+
+
+def test_under_autocast_lora_a_keeps_autocasts_cast_of_peft_copy():
+    """bf16-mixed: peft copies the bf16 input to fp32 (2,097,152 B, freed when the module returns), autocast casts
+    that copy back to bf16 for lora_A, which keeps it (1,048,576 B), and the adapter runs in bf16: lora_B's output,
+    its scaled copy and the sum are bf16 [t, vocab] (65,536,000 B each)."""
+    made = [n for sign, n in _events(lora_targets="all-linear,lm_head", precision="bf16-mixed", adapter_dtype="fp32")
+            if sign > 0]
+    base = [n for sign, n in _events(lora_targets="all-linear", precision="bf16-mixed", adapter_dtype="fp32")
+            if sign > 0]
+    assert made.count(TV_BF16) - base.count(TV_BF16) == 3 + 1     # forward 3, backward the scaled gradient
+    assert made.count(1024 * 512 * 4) - base.count(1024 * 512 * 4) == 2   # the fp32 copy; the cast-up gradient

@@ -66,9 +66,11 @@ def head_lora_rank(f) -> int:
 
 
 def head_lora_bytes(f) -> int:
-    """The element bytes LoRA on the lm_head computes in: its parameters' (fp32 adapters on a bf16 base, peft's
-    default, or the base's dtype)."""
-    return next(f.params.element_bytes[p.name] for p in f.root if is_lm_head(p) and adapter_part(p.name) == LORA_A)
+    """The element bytes LoRA on the lm_head computes in outside autocast: its parameters' (fp32 adapters on a bf16
+    base, peft's default, or the base's dtype), or FSDP2's MixedPrecisionPolicy's where it casts them on the
+    all-gather."""
+    p = next(p for p in f.root if is_lm_head(p) and adapter_part(p.name) == LORA_A)
+    return f.gather_bytes if f.fsdp and f.params.cast_in.get(p.name) else f.params.element_bytes[p.name]
 
 
 class HeadEvents:
@@ -129,8 +131,14 @@ class HeadEvents:
         output freed). With fp32 adapters on a bf16 / fp16 base (peft's default) lora_A keeps peft's fp32 copy of
         the input, the adapter computes in fp32 and the fp32 sum is cast back (then freed)."""
         f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
-        mm, ab = f.regime.mm, head_lora_bytes(f)
-        fwd.head_lora_out = [alloc(f.t * f.hidden_size * ab, "activations")] if ab != mm else []   # peft's copy
+        mm, ab, th = f.regime.mm, head_lora_bytes(f), f.t * f.hidden_size
+        copy = -1
+        if f.regime.autocast:   # peft's fp32 copy of the (bf16) input, autocast's cast of it that lora_A keeps
+            copy = alloc(th * F32, "activations")
+            fwd.head_lora_out = [alloc(th * mm, "activations")]
+            ab = mm                                 # lora_A and lora_B run in autocast's dtype
+        else:
+            fwd.head_lora_out = [alloc(th * ab, "activations")] if ab != mm else []   # peft's fp32 copy, kept
         fwd.head_lora_out.append(alloc(f.t * head_lora_rank(f) * ab, "activations"))
         lora_b = alloc(f.tv * ab, "logits_and_loss")
         scaled = alloc(f.tv * ab, "logits_and_loss")
@@ -142,6 +150,7 @@ class HeadEvents:
         if ab != mm:                      # result.to(torch_result_dtype)
             fwd.logits = alloc(f.tv * mm, "logits_and_loss")
             sch.free(total)
+        sch.free(copy)                    # (autocast) the module's forward returns
 
     def lora_backward(self, head_params: list[ParamInfo], cast_grad: int) -> int:
         """The lm_head's LoRA in backward, before the base linear's input gradient: the scaled gradient [t, vocab]
@@ -151,7 +160,9 @@ class HeadEvents:
         for the base branch; lora_A's fp32 input gradient cast down before the sum. Returns the key of the summed
         input gradient."""
         f, sch, alloc, step, fwd = self.f, self.sch, self.sch.alloc, self.step, self.state.forward
-        mm, ab, th = f.regime.mm, head_lora_bytes(f), f.t * f.hidden_size
+        autocast = f.regime.autocast
+        mm, th = f.regime.mm, f.t * f.hidden_size
+        ab = mm if autocast else head_lora_bytes(f)
         lora = {adapter_part(p.name): p for p in head_params if is_lm_head(p) and is_adapter_param(p.name)}
         base_grad = cast_grad
         if ab != mm:
@@ -171,7 +182,11 @@ class HeadEvents:
         sch.free(grad_a)
         sch.free_all(fwd.head_lora_out)       # peft's fp32 copy of the input (lora_A's), read by now
         sch.free_all(fwd.head_keys)           # lora_A's input, the lm_head's input: read by now
-        if ab != mm:                          # _cast_input_dtype's backward: the gradient cast down
+        if autocast:                          # autocast's cast back up to peft's fp32 copy, then down again
+            up = alloc(th * F32, "activations")
+            sch.free(grad_x_lora)
+            grad_x_lora = up
+        if ab != mm or autocast:              # _cast_input_dtype's backward: the gradient cast down
             down = alloc(th * mm, "activations")
             sch.free(grad_x_lora)
             grad_x_lora = down

@@ -318,10 +318,12 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     return ActivationProfile(
         selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
-        # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not with fp32
-        # adapters on a bf16 base: lora_A keeps peft's fp32 copy instead, llmem.estimator.schedule.head)
-        lm_head_kept=fused is None and any(p.trainable and is_lm_head(p) and not (upcast and is_adapter_param(p.name))
-                                           for p in anatomy.params),
+        # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not under autocast
+        # or with fp32 adapters on a bf16 base: lora_A keeps its own copy, llmem.estimator.schedule.head)
+        lm_head_kept=fused is None and any(
+            p.trainable and is_lm_head(p) and (not is_adapter_param(p.name) or adapters_read_input(anatomy, adapted,
+                                                                                                  upcast))
+            for p in anatomy.params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
