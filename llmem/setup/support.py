@@ -276,7 +276,6 @@ def _head_lora_gap(c: Case) -> str | None:
         (s.peft_config is not None, "--peft-config (give it as --lora-rank and --lora-targets)"),
         ({t.strip() for t in s.lora_targets.split(",") if t.strip()} == {"lm_head"},
          "no adapter before it (the decoder then keeps no activations, which is not modelled: add the layers' modules)"),
-        (s.lora_dropout > 0, f"--lora-dropout {s.lora_dropout}"),
         (c.method.zero_stage is not None or c.method.has_tp, f"--method {s.method}"),
         (s.fused_ce, "--fused-ce (the fused loss reads the base weight alone)"),
         (s.objective_spec.runs_trainer, f"--objective {s.objective} (TRL's own head)"),
@@ -312,8 +311,8 @@ MODEL = FeatureSupport("a model (its family row, its transformers class)", lambd
     Refusal("adapters on the output layer", lambda c: bool(c.model.adapted_head) and _head_lora_gap(c) is not None,
             lambda c: f"LoRA on the output layer {c.model.adapted_head!r} with {_head_lora_gap(c)} is not modelled "
                       "(it is in every precision, peft's fp32 adapters or the base's dtype as torchtune's "
-                      "LoRALinear, without dropout, on the causal LM's own loss under single, ddp, fsdp or zero2): "
-                      "change that, or target the decoder layers' modules only"),
+                      "LoRALinear, with or without dropout, on the causal LM's own loss under single, ddp, fsdp or "
+                      "zero2): change that, or target the decoder layers' modules only"),
 ))
 
 # the set-up options a pipeline stage's estimate does not model (one line each)

@@ -43,7 +43,7 @@ def test_the_forward_sums_the_adapters_output_into_new_logits():
     ({"lora_targets": "all-linear,lm_head", "method": "ds-zero2", "gpus": 2, "precision": "bf16-mixed"},
      "--method ds-zero2"),
     ({"lora_targets": "lm_head"}, "no adapter before it"),
-    ({"lora_targets": "all-linear,lm_head", "lora_dropout": 0.05}, "--lora-dropout 0.05"),
+    ({"lora_targets": "all-linear,lm_head", "objective": "dpo", "seq_len": 128}, "--objective dpo"),
     ({"lora_targets": "all-linear,lm_head", "fused_ce": True}, "--fused-ce"),
 ])
 def test_what_is_not_modelled_is_refused_in_one_line(kw, words):
@@ -77,3 +77,11 @@ def test_under_autocast_lora_a_keeps_autocasts_cast_of_peft_copy():
             if sign > 0]
     assert made.count(TV_BF16) - base.count(TV_BF16) == 3 + 1     # forward 3, backward the scaled gradient
     assert made.count(1024 * 512 * 4) - base.count(1024 * 512 * 4) == 2   # the fp32 copy; the cast-up gradient
+
+
+def test_dropout_keeps_its_output_and_mask_for_lora_a():
+    """--lora-dropout: lora_A reads the dropout's output (bf16 [t, hidden], 1,048,576 B) and the dropout keeps its
+    bool mask (524,288 B) instead of lora_A reading the lm_head's input; its backward multiplies by the mask."""
+    made = [n for sign, n in _events(lora_targets="all-linear,lm_head", lora_dropout=0.1) if sign > 0]
+    base = [n for sign, n in _events(lora_targets="all-linear", lora_dropout=0.1) if sign > 0]
+    assert made.count(1024 * 512) - base.count(1024 * 512) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from llmem.estimator.events import Schedule
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState
+from llmem.memory.activations.blocks import MASK as MASK_BYTES
 from llmem.memory.activations.loss import FusedCE
 from llmem.model.adapter_params import LORA_A, LORA_B, adapter_part, is_adapter_param
 from llmem.model.anatomy import ParamInfo
@@ -132,13 +133,25 @@ class HeadEvents:
         the input, the adapter computes in fp32 and the fp32 sum is cast back (then freed)."""
         f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
         mm, ab, th = f.regime.mm, head_lora_bytes(f), f.t * f.hidden_size
-        copy = -1
+        dropout = f.setup.lora_dropout > 0
+        copy = drop = -1
         if f.regime.autocast:   # peft's fp32 copy of the (bf16) input, autocast's cast of it that lora_A keeps
             copy = alloc(th * F32, "activations")
-            fwd.head_lora_out = [alloc(th * mm, "activations")]
+            if dropout:         # the fp32 dropout output (until autocast casts it) and its bool mask, kept
+                drop = alloc(th * F32, "activations")
+                fwd.head_lora_out = [alloc(th * MASK_BYTES, "activations")]
+            else:
+                fwd.head_lora_out = []
+            fwd.head_lora_out.append(alloc(th * mm, "activations"))
+            sch.free(drop)
             ab = mm                                 # lora_A and lora_B run in autocast's dtype
         else:
-            fwd.head_lora_out = [alloc(th * ab, "activations")] if ab != mm else []   # peft's fp32 copy, kept
+            if ab != mm:        # peft's fp32 copy: kept by lora_A, or (dropout) until the module returns
+                copy = alloc(th * ab, "activations")
+            fwd.head_lora_out = [alloc(th * ab, "activations"), alloc(th * MASK_BYTES, "activations")] \
+                if dropout else []                  # the dropout's output and its bool mask, kept
+            if ab != mm and not dropout:
+                fwd.head_lora_out, copy = [copy], -1
         fwd.head_lora_out.append(alloc(f.t * head_lora_rank(f) * ab, "activations"))
         lora_b = alloc(f.tv * ab, "logits_and_loss")
         scaled = alloc(f.tv * ab, "logits_and_loss")
@@ -150,7 +163,7 @@ class HeadEvents:
         if ab != mm:                      # result.to(torch_result_dtype)
             fwd.logits = alloc(f.tv * mm, "logits_and_loss")
             sch.free(total)
-        sch.free(copy)                    # (autocast) the module's forward returns
+        sch.free(copy)                    # peft's fp32 copy, where lora_A does not keep it: the module returns
 
     def lora_backward(self, head_params: list[ParamInfo], cast_grad: int) -> int:
         """The lm_head's LoRA in backward, before the base linear's input gradient: the scaled gradient [t, vocab]
@@ -180,12 +193,18 @@ class HeadEvents:
         step.make_grad(lora[LORA_A], root_unit=True)
         grad_x_lora = alloc(th * ab, "activations")
         sch.free(grad_a)
-        sch.free_all(fwd.head_lora_out)       # peft's fp32 copy of the input (lora_A's), read by now
-        sch.free_all(fwd.head_keys)           # lora_A's input, the lm_head's input: read by now
+        mask = fwd.head_lora_out.pop(-2) if f.setup.lora_dropout > 0 else -1
+        sch.free_all(fwd.head_lora_out)       # lora_A's input (a copy, or the dropout's output), read by now
+        sch.free_all(fwd.head_keys)           # the lm_head's input, where lora_A reads it: read by now
         if autocast:                          # autocast's cast back up to peft's fp32 copy, then down again
             up = alloc(th * F32, "activations")
             sch.free(grad_x_lora)
             grad_x_lora = up
+        if mask >= 0:                         # the dropout's backward: the gradient times the mask
+            masked = alloc(th * (F32 if autocast else ab), "activations")
+            sch.free(grad_x_lora)
+            sch.free(mask)
+            grad_x_lora = masked
         if ab != mm or autocast:              # _cast_input_dtype's backward: the gradient cast down
             down = alloc(th * mm, "activations")
             sch.free(grad_x_lora)
