@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from sac_recording import recording_policy
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate, rank_step
@@ -78,18 +79,8 @@ def test_kept_bytes_match_what_torch_stores(tmp_path, monkeypatch):
     stored: list[int] = []
     real_policy = sac.op_sac_policy
 
-    def recording(meta):
-        policy = real_policy(meta)
-
-        def decide(ctx, func, *args, **kwargs):
-            out = policy(ctx, func, *args, **kwargs)
-            if out == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                outs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
-                stored.extend(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
-            return out
-        return decide
-
-    monkeypatch.setattr(sac, "op_sac_policy", recording)
+    monkeypatch.setattr(sac, "op_sac_policy",
+                        recording_policy(real_policy, stored, lambda t: t.untyped_storage().nbytes()))
     config = AutoConfig.from_pretrained(str(tmp_path))
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from sac_recording import recording_policy
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
@@ -85,19 +86,8 @@ def test_kept_bytes_match_what_torch_stores(tmp_path, monkeypatch):
     stored: list[int] = []
     real_policy = sac.op_sac_policy
 
-    def recording(meta):
-        policy = real_policy(meta)
-
-        def decide(ctx, func, *args, **kwargs):
-            out = policy(ctx, func, *args, **kwargs)
-            if out == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE:
-                outs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
-                stored.extend(t.numel() * t.element_size() for t in outs
-                              if isinstance(t, torch.Tensor) and t.numel() > 2)
-            return out
-        return decide
-
-    monkeypatch.setattr(sac, "op_sac_policy", recording)
+    monkeypatch.setattr(sac, "op_sac_policy", recording_policy(
+        real_policy, stored, lambda t: t.numel() * t.element_size() if t.numel() > 2 else None))
     config = LlamaConfig(**json.loads(open(path).read()))
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
