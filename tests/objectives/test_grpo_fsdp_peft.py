@@ -47,16 +47,9 @@ def test_the_broadcast_peak_by_hand():
 
 
 def _phase_events(setup: TrainingSetup, phase: str) -> list[tuple[int, int, int, str]]:
-    from llmem.estimator.schedule import StepSchedule
-    from llmem.memory.activations.profile import activation_profile
-    from llmem.model.resolved import resolve
+    from schedules import phase_events
 
-    r = resolve(setup)
-    s = StepSchedule(r, activation_profile(r))
-    s.build()
-    starts = [*s.sch.phase_starts, (len(s.sch.events), "")]
-    a, b = next((a, b) for (a, p), (b, _) in zip(starts, starts[1:], strict=False) if p == phase)
-    return [(sign, n, stream, comp) for sign, _k, n, stream, comp in s.sch.events[a:b]]
+    return [(sign, n, stream, comp) for sign, _k, n, stream, comp in phase_events(setup, phase)]
 
 
 def _peak(events) -> int:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from schedules import built_schedule as schedule
 
 from llmem.cli import main
 from llmem.errors import LlmemError
 from llmem.estimator.schedule import StepSchedule
-from llmem.memory.activations.profile import activation_profile
 from llmem.model.resolved import resolve
 from llmem.setup.objectives import (
     DPO_LOSS_TYPES,
@@ -33,13 +33,6 @@ TINY_LLAMA_PARAMS = 2 * 32000 * 512 + 4 * (4 * 512 * 512 + 3 * 512 * 1376 + 2 * 
 def dpo(**kw) -> TrainingSetup:
     return TrainingSetup(**{"model": "tiny-llama", "gpu": "H100-80GB", "objective": "dpo", "batch_size": 2,
                             "seq_len": 256, **kw})
-
-
-def schedule(setup: TrainingSetup) -> StepSchedule:
-    r = resolve(setup)
-    s = StepSchedule(r, activation_profile(r))
-    s.build()
-    return s
 
 
 def between(s: StepSchedule, start: str, end: str | None) -> list[tuple[int, int]]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from schedules import built_schedule as _schedule
 
 from llmem.errors import LlmemError
 from llmem.estimator.events import ALL_GATHER
 from llmem.estimator.objectives import REF_ALL_GATHER
 from llmem.estimator.schedule import StepSchedule
-from llmem.memory.activations.profile import activation_profile
 from llmem.model.resolved import resolve
 from llmem.setup.training import TrainingSetup
 
@@ -25,13 +25,6 @@ def _setup(objective: str = "dpo", method: str = "fsdp", **kw) -> TrainingSetup:
     return TrainingSetup(**{"model": "tiny-llama", "gpu": "H100-80GB", "objective": objective, "method": method,
                             "gpus": 2, "precision": "bf16-mixed", "optimizer": "sgd", "batch_size": 2,
                             "seq_len": 128, **kw})
-
-
-def _schedule(setup: TrainingSetup) -> StepSchedule:
-    r = resolve(setup)
-    s = StepSchedule(r, activation_profile(r))
-    s.build()
-    return s
 
 
 def _allocs(s: StepSchedule, stream: int, phase: str | None = None) -> list[int]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from schedules import phase_events
 
 from llmem.errors import LlmemError
-from llmem.estimator.schedule import StepSchedule
-from llmem.memory.activations.profile import activation_profile
 from llmem.model.resolved import resolve
 from llmem.setup.training import TrainingSetup
 
@@ -31,12 +30,7 @@ def _setup(method: str = "fsdp", **kw) -> TrainingSetup:
 
 
 def _sync_events(setup: TrainingSetup, phase: str = "it1:weight_sync") -> list[tuple[int, int, str]]:
-    r = resolve(setup)
-    s = StepSchedule(r, activation_profile(r))
-    s.build()
-    starts = [*s.sch.phase_starts, (len(s.sch.events), "")]
-    a, b = next((a, b) for (a, p), (b, _) in zip(starts, starts[1:], strict=False) if p == phase)
-    return [(sign, n, comp) for sign, _k, n, _st, comp in s.sch.events[a:b]]
+    return [(sign, n, comp) for sign, _k, n, _st, comp in phase_events(setup, phase)]
 
 
 @pytest.mark.parametrize("method", ["fsdp", "zero2"])
