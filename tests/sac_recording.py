@@ -22,3 +22,25 @@ def recording_policy(real_policy: Callable, stored: list[int], size: Callable[[t
             return out
         return decide
     return recording
+
+
+def stored_under_op_sac(monkeypatch, config, size: Callable[[torch.Tensor], int | None]) -> list[int]:
+    """What torch's selective checkpoint stores of a bf16 model of `config` (SDPA as CUDA's sm90 picks it) under
+    llmem's op-level policy, in one forward and backward on fake tensors of 2 x 32 tokens."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    import llmem.runtime.selective_ac as sac
+    from llmem.runtime.build import enable_checkpointing
+    from llmem.runtime.cuda import cuda_like_sdpa
+
+    stored: list[int] = []
+    monkeypatch.setattr(sac, "op_sac_policy", recording_policy(sac.op_sac_policy, stored, size))
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.train()
+    enable_checkpointing(model, 1, "op")
+    with cuda_like_sdpa((9, 0)), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        ids = mode.from_tensor(torch.randint(0, 256, (2, 32)))
+        model(input_ids=ids, labels=ids).loss.backward()
+    return stored

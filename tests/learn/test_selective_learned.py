@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from sac_recording import recording_policy
+from sac_recording import stored_under_op_sac
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate, rank_step
@@ -67,28 +66,12 @@ def test_kept_bytes_match_what_torch_stores(tmp_path, monkeypatch):
     """The real thing: a 2-layer Qwen3 runs forward and backward in bf16 on fake tensors under transformers'
     checkpointing with llmem's context_fn and CUDA's SDPA kernel choice (sm90: cuDNN, no GQA); the outputs torch's
     selective checkpoint stores add up to what the learned layers keep under the policy."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import llmem.runtime.selective_ac as sac
-    from llmem.runtime.build import enable_checkpointing
-    from llmem.runtime.cuda import cuda_like_sdpa
+    from transformers import AutoConfig
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MICRO_QWEN3))
-    stored: list[int] = []
-    real_policy = sac.op_sac_policy
-
-    monkeypatch.setattr(sac, "op_sac_policy",
-                        recording_policy(real_policy, stored, lambda t: t.untyped_storage().nbytes()))
-    config = AutoConfig.from_pretrained(str(tmp_path))
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.train()
-    enable_checkpointing(model, 1, "op")
-    with cuda_like_sdpa((9, 0)), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        ids = mode.from_tensor(torch.randint(0, 256, (2, 32)))
-        model(input_ids=ids, labels=ids).loss.backward()
+    stored = stored_under_op_sac(monkeypatch, AutoConfig.from_pretrained(str(tmp_path)),
+                                 lambda t: t.untyped_storage().nbytes())
     _, act = _act(str(path), precision="bf16", batch_size=2, seq_len=32)
     # q 64 tokens x 64 (an extra), v 64 x 64, gate 64 x 160, down 64 x 64 (bf16); SDPA's out 64 x 64, logsumexp
     # 2 x 4 x 32 fp32 and its philox seed and offset (one int64 each)

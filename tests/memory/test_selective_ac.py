@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from sac_recording import recording_policy
+from sac_recording import stored_under_op_sac
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
@@ -75,27 +75,11 @@ def test_kept_bytes_match_what_torch_stores(tmp_path, monkeypatch):
     tensors under transformers' checkpointing with llmem's context_fn and CUDA's SDPA kernel choice (sm90: flash,
     as GQA rules out cuDNN); the tensors torch's selective checkpoint stores (MUST_SAVE outputs, RNG scalars aside)
     add up to the estimate's kept bytes, and the backward runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import llmem.runtime.selective_ac as sac
-    from llmem.runtime.build import enable_checkpointing
-    from llmem.runtime.cuda import cuda_like_sdpa
+    from transformers import LlamaConfig
 
     path = _tiny_config(tmp_path)
-    stored: list[int] = []
-    real_policy = sac.op_sac_policy
-
-    monkeypatch.setattr(sac, "op_sac_policy", recording_policy(
-        real_policy, stored, lambda t: t.numel() * t.element_size() if t.numel() > 2 else None))
-    config = LlamaConfig(**json.loads(open(path).read()))
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.train()
-    enable_checkpointing(model, 1, "op")
-    with cuda_like_sdpa((9, 0)), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        ids = mode.from_tensor(torch.randint(0, 256, (2, 32)))
-        model(input_ids=ids, labels=ids).loss.backward()
+    stored = stored_under_op_sac(monkeypatch, LlamaConfig(**json.loads(open(path).read())),
+                                 lambda t: t.numel() * t.element_size() if t.numel() > 2 else None)
     r = resolve(TrainingSetup(model=path, gpu="H100-80GB", precision="bf16", ac_policy="op", batch_size=2,
                               seq_len=32))
     act = activation_profile(r)
