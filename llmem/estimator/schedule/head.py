@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from llmem.estimator.events import Schedule
 from llmem.estimator.schedule.hooks import StepHooks
-from llmem.estimator.schedule.state import StepState
+from llmem.estimator.schedule.state import HeadLoraLive, StepState
 from llmem.memory.activations.blocks import MASK as MASK_BYTES
 from llmem.memory.activations.loss import FusedCE
 from llmem.model.adapter_params import LORA_A, LORA_B, adapter_part, is_adapter_param
@@ -125,34 +125,28 @@ class HeadEvents:
         fwd.nll_cast = alloc(tv * act.nll_cast, "logits_and_loss") if act.nll_cast else -1
 
     def lora_forward(self) -> None:
-        """LoRA on the lm_head (peft's lora.Linear, torchtune's LoRALinear; no dropout: llmem.setup.support's row):
-        `result = base(x)`, `x = _cast_input_dtype(x, adapter dtype)`, `result + lora_B(lora_A(x)) * scaling`, cast
-        back to the logits' dtype. lora_A's output [t, r] kept for lora_B's weight gradient; lora_B's output and its
-        scaled copy [t, vocab] (the first freed once scaled), their sum the new logits (the scaled copy and the base
-        output freed). With fp32 adapters on a bf16 / fp16 base (peft's default) lora_A keeps peft's fp32 copy of
-        the input, the adapter computes in fp32 and the fp32 sum is cast back (then freed)."""
+        """LoRA on the lm_head (peft's lora.Linear, torchtune's LoRALinear; llmem.setup.support's row says which
+        set-ups): `result = base(x)`, `x = _cast_input_dtype(x, adapter dtype)`, then `result +
+        lora_B(lora_A(dropout(x))) * scaling`, cast back to the logits' dtype. peft's copy of the input in the
+        adapters' dtype (fp32 adapters on a bf16 / fp16 base, peft's default; under autocast too) is what lora_A
+        keeps, unless dropout makes its output (and a bool mask, kept) lora_A's input, or autocast casts it again
+        for lora_A (the cast kept; the fp32 copy and dropout output freed); the copy lora_A does not keep dies when
+        the module returns. lora_A's output [t, r] kept for lora_B's weight gradient; lora_B's output and its scaled
+        copy [t, vocab] (the first freed once scaled), their sum the new logits (the scaled copy and the base output
+        freed), cast back where the adapters are fp32."""
         f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
-        mm, ab, th = f.regime.mm, head_lora_bytes(f), f.t * f.hidden_size
-        dropout = f.setup.lora_dropout > 0
-        copy = drop = -1
-        if f.regime.autocast:   # peft's fp32 copy of the (bf16) input, autocast's cast of it that lora_A keeps
-            copy = alloc(th * F32, "activations")
-            if dropout:         # the fp32 dropout output (until autocast casts it) and its bool mask, kept
-                drop = alloc(th * F32, "activations")
-                fwd.head_lora_out = [alloc(th * MASK_BYTES, "activations")]
-            else:
-                fwd.head_lora_out = []
-            fwd.head_lora_out.append(alloc(th * mm, "activations"))
+        autocast, mm, th = f.regime.autocast, f.regime.mm, f.t * f.hidden_size
+        ab = F32 if autocast else head_lora_bytes(f)       # _cast_input_dtype's dtype
+        kept = fwd.head_lora = HeadLoraLive()
+        copy = alloc(th * ab, "activations") if ab != mm else -1
+        drop = alloc(th * ab, "activations") if f.setup.lora_dropout > 0 else -1
+        kept.mask = alloc(th * MASK_BYTES, "activations") if drop >= 0 else -1
+        if autocast:                                   # autocast's cast for lora_A; the adapter runs in bf16
+            kept.input, ab = alloc(th * mm, "activations"), mm
             sch.free(drop)
-            ab = mm                                 # lora_A and lora_B run in autocast's dtype
         else:
-            if ab != mm:        # peft's fp32 copy: kept by lora_A, or (dropout) until the module returns
-                copy = alloc(th * ab, "activations")
-            fwd.head_lora_out = [alloc(th * ab, "activations"), alloc(th * MASK_BYTES, "activations")] \
-                if dropout else []                  # the dropout's output and its bool mask, kept
-            if ab != mm and not dropout:
-                fwd.head_lora_out, copy = [copy], -1
-        fwd.head_lora_out.append(alloc(f.t * head_lora_rank(f) * ab, "activations"))
+            kept.input = drop if drop >= 0 else copy
+        kept.out = alloc(f.t * head_lora_rank(f) * ab, "activations")
         lora_b = alloc(f.tv * ab, "logits_and_loss")
         scaled = alloc(f.tv * ab, "logits_and_loss")
         sch.free(lora_b)
@@ -163,19 +157,20 @@ class HeadEvents:
         if ab != mm:                      # result.to(torch_result_dtype)
             fwd.logits = alloc(f.tv * mm, "logits_and_loss")
             sch.free(total)
-        sch.free(copy)                    # peft's fp32 copy, where lora_A does not keep it: the module returns
+        if kept.input != copy:            # peft's copy lora_A does not keep: the module returns
+            sch.free(copy)
 
     def lora_backward(self, head_params: list[ParamInfo], cast_grad: int) -> int:
         """The lm_head's LoRA in backward, before the base linear's input gradient: the scaled gradient [t, vocab]
         (mul's backward), lora_B's weight gradient and lora_A's output gradient [t, r], then lora_A's weight
-        gradient and its input gradient [t, hidden]; the base linear's input gradient is added to it (a new
-        tensor). fp32 adapters: the logits' gradient cast up first (the cast-back's backward), and cast down again
-        for the base branch; lora_A's fp32 input gradient cast down before the sum. Returns the key of the summed
-        input gradient."""
-        f, sch, alloc, step, fwd = self.f, self.sch, self.sch.alloc, self.step, self.state.forward
-        autocast = f.regime.autocast
-        mm, th = f.regime.mm, f.t * f.hidden_size
-        ab = mm if autocast else head_lora_bytes(f)
+        gradient and its input gradient [t, hidden] (under autocast cast back up to the fp32 copy's dtype; with
+        dropout times the mask; cast down to the base's dtype where the copy was made); the base linear's input
+        gradient is added to it (a new tensor). fp32 adapters: the logits' gradient cast up first (the cast-back's
+        backward), and cast down again for the base branch. Returns the key of the summed input gradient."""
+        f, sch, alloc, step, kept = self.f, self.sch, self.sch.alloc, self.step, self.state.forward.head_lora
+        autocast, mm, th = f.regime.autocast, f.regime.mm, f.t * f.hidden_size
+        copied = autocast or head_lora_bytes(f) != mm      # lora_A's input is peft's copy (or a cast of it)
+        ab = mm if autocast else head_lora_bytes(f)        # the adapter's own dtype
         lora = {adapter_part(p.name): p for p in head_params if is_lm_head(p) and is_adapter_param(p.name)}
         base_grad = cast_grad
         if ab != mm:
@@ -189,26 +184,19 @@ class HeadEvents:
         step.make_grad(lora[LORA_B], root_unit=True)
         grad_a = alloc(f.t * head_lora_rank(f) * ab, "activations")
         sch.free(scaled)
-        sch.free(fwd.head_lora_out.pop())
+        sch.free(kept.out)
         step.make_grad(lora[LORA_A], root_unit=True)
         grad_x_lora = alloc(th * ab, "activations")
         sch.free(grad_a)
-        mask = fwd.head_lora_out.pop(-2) if f.setup.lora_dropout > 0 else -1
-        sch.free_all(fwd.head_lora_out)       # lora_A's input (a copy, or the dropout's output), read by now
-        sch.free_all(fwd.head_keys)           # the lm_head's input, where lora_A reads it: read by now
-        if autocast:                          # autocast's cast back up to peft's fp32 copy, then down again
-            up = alloc(th * F32, "activations")
-            sch.free(grad_x_lora)
-            grad_x_lora = up
-        if mask >= 0:                         # the dropout's backward: the gradient times the mask
-            masked = alloc(th * (F32 if autocast else ab), "activations")
-            sch.free(grad_x_lora)
-            sch.free(mask)
-            grad_x_lora = masked
-        if ab != mm or autocast:              # _cast_input_dtype's backward: the gradient cast down
-            down = alloc(th * mm, "activations")
-            sch.free(grad_x_lora)
-            grad_x_lora = down
+        sch.free(kept.input)                  # lora_A's input, read by now
+        sch.free_all(self.state.forward.head_keys)    # the lm_head's input, where lora_A reads it
+        if autocast:                          # autocast's cast's backward: up to the fp32 copy's dtype
+            grad_x_lora = self._replaced(grad_x_lora, th * F32)
+        if kept.mask >= 0:                    # the dropout's backward: the gradient times the mask
+            grad_x_lora = self._replaced(grad_x_lora, th * (F32 if autocast else ab))
+            sch.free(kept.mask)
+        if copied:                            # _cast_input_dtype's backward: the gradient cast down
+            grad_x_lora = self._replaced(grad_x_lora, th * mm)
         grad_x_base = alloc(th * mm, "activations")
         sch.free(base_grad)
         grad_in = alloc(th * mm, "activations")
@@ -217,8 +205,14 @@ class HeadEvents:
         for p in head_params:
             if p not in lora.values():
                 step.make_grad(p, root_unit=True)
-        sch.free_all(fwd.head_copy)
+        sch.free_all(self.state.forward.head_copy)
         return grad_in
+
+    def _replaced(self, key: int, nbytes: int) -> int:
+        """A gradient op's output of `nbytes` made from the tensor `key`, which then dies: the output's key."""
+        out = self.sch.alloc(nbytes, "activations")
+        self.sch.free(key)
+        return out
 
     def loss_parallel_forward(self) -> None:
         """--loss-parallel: HF's logits.float() of the [tokens, vocab/tp] shard, then loss_parallel()'s _log_softmax

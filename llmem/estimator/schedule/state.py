@@ -43,6 +43,15 @@ class GradsLive:
 
 
 @dataclass
+class HeadLoraLive:
+    """LoRA on the lm_head: what its forward keeps for lora_A (its input, where it is not the lm_head's own: peft's
+    fp32 copy, autocast's cast of it or the dropout's output), the dropout's mask, and lora_A's output."""
+    input: int = -1
+    mask: int = -1
+    out: int = -1
+
+
+@dataclass
 class ForwardLive:
     """What one forward leaves for its backward (llmem.estimator.schedule.layers and .head)."""
     cache: list[int] = field(default_factory=list)         # autocast's cached casts of trained weights
@@ -59,7 +68,7 @@ class ForwardLive:
     head_keys: list[int] = field(default_factory=list)
     head_offloaded: list[int] = field(default_factory=list)   # sizes of the head's tensors on the host
     head_copy: list[int] = field(default_factory=list)        # autocast's copies of the head's weights
-    head_lora_out: list[int] = field(default_factory=list)    # LoRA on the lm_head: its input's copy, lora_A's output
+    head_lora: HeadLoraLive = field(default_factory=HeadLoraLive)   # LoRA on the lm_head's kept tensors
     fused_grads: tuple[int, int] = (-1, -1)                   # --fused-ce: grad_input and grad_weight kept
     logits: int = -1
     log_softmax: int = -1
