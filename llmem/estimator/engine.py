@@ -25,6 +25,7 @@ from llmem.estimator.job_phases import job_notes, job_phases
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
+from llmem.estimator.shared_replays import SharedReplays
 from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
 from llmem.memory.activations.context_parallel import rank_tokens
 from llmem.memory.activations.learned import (
@@ -61,11 +62,13 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
 
 
 def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelStates | None = None,
-                      limit_bytes: int | None = None, verdict: StepVerdict | None = None) -> MemoryResult:
+                      limit_bytes: int | None = None, verdict: StepVerdict | None = None,
+                      shared: SharedReplays | None = None) -> MemoryResult:
     """The estimate of a resolved set-up; `states`: its model states when the caller has them (they do not depend
     on the micro-batch shape). `fits` is decided on a device of `limit_bytes` (default: the GPU's memory) as the
     allocator decides it (llmem.memory.capacity); a draft decides it on its extrapolated peaks only. `verdict`:
-    step_verdict's at this limit, whose schedule and replay at the capacity are reused."""
+    step_verdict's at this limit, whose schedule and replay at the capacity are reused; `shared`: the replays a
+    planner's searches share (set-ups with the same schedule replayed once)."""
     record = r.record()
     r, act = rank_step(r)
     ms = states or model_states(r)
@@ -78,7 +81,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         whole = functools.cache(lambda: stage_whole(r, top))
     else:
         moments = step_moments(r, act, ms)
-        rep, whole = step_replay(r, act, draft, verdict)
+        rep, whole = step_replay(r, act, draft, verdict, shared)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
     pool = colocated_pool(r)           # GRPO --use-vllm colocate: vLLM's own pool beside the trainer
@@ -170,8 +173,8 @@ def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
     return _without_gc(decide)
 
 
-def step_replay(r: ResolvedSetup, act: ActivationProfile, draft: bool,
-                verdict: StepVerdict | None) -> tuple[Replay, Callable[[], Schedule]]:
+def step_replay(r: ResolvedSetup, act: ActivationProfile, draft: bool, verdict: StepVerdict | None,
+                shared: SharedReplays | None = None) -> tuple[Replay, Callable[[], Schedule]]:
     """The step's replay (extrapolated in depth for deep models, from shallower depths for a draft) and the builder
     of its whole-depth schedule (built once: replayed, maybe at the capacity). With a fitting `verdict` its
     schedule is that one, and its replay at the capacity is the replay where no cudaMalloc failed there (the
@@ -181,7 +184,7 @@ def step_replay(r: ResolvedSetup, act: ActivationProfile, draft: bool,
     capped = verdict.capped if verdict is not None and not draft else None
     if capped is not None and capped.num_alloc_retries == 0 and capped.oom is None:
         return capped, whole
-    return replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole), whole
+    return replayed_step(r, act, DRAFT_FROM if draft else EXTRAPOLATE_FROM, whole=whole, shared=shared), whole
 
 
 def generation_allocated(rep: Replay) -> int:
@@ -293,14 +296,18 @@ def learn_if_needed(r: ResolvedSetup) -> None:
 
 
 def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, int] = EXTRAPOLATE_FROM,
-                  *, whole: Callable[[], Schedule] | None = None) -> Replay:
+                  *, whole: Callable[[], Schedule] | None = None, shared: SharedReplays | None = None) -> Replay:
     """The step's allocation schedule through the allocator model (extrapolated in depth for deep models);
-    `whole`: the whole-depth schedule's builder when the caller keeps it."""
+    `whole`: the whole-depth schedule's builder when the caller keeps it; `shared`: replays made for set-ups with
+    the same schedule, read instead of building and replaying it again."""
     expandable = r.setup.expandable_segments
 
-    def run(layers: int | None) -> Replay:
+    def made(layers: int | None) -> Replay:
         sched = whole() if layers is None and whole is not None else step_schedule(r, act, layers).build()
         return replay(sched, expandable_segments=expandable)
+
+    def run(layers: int | None) -> Replay:
+        return made(layers) if shared is None else shared.replay(r, layers, lambda: made(layers))
 
     small, large = depths
     num_layers = r.anatomy.num_layers

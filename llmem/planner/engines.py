@@ -7,7 +7,8 @@ answers a search may use before it confirms with the full one.
   layers): its allocated peak is exact (linear in depth), its reserved is not; `verdict` is the full estimate's
   fit at a limit without its numbers (llmem.estimator.engine.step_verdict: one replay at the capacity, none where
   the live tensors alone are over it). Every answer is kept per set-up (a plan's what-ifs meet the same set-up more
-  than once).
+  than once), and every uncapped replay per schedule (llmem.estimator.shared_replays: set-ups that differ only in
+  fields no schedule reads share it).
 - `PaperEngine`: LLMem's equations; no cheaper answer than the full one.
 
 Every answer takes the set-up and, from the planner, the `Layout` it resolved for it (the set-up's parallelism
@@ -27,6 +28,7 @@ from llmem.estimator.engine import (
     quick_peak_allocated,
     step_verdict,
 )
+from llmem.estimator.shared_replays import SharedReplays
 from llmem.estimator.states import ModelStates, model_states
 from llmem.memory.capacity import Fit
 from llmem.model.anatomy import ModelAnatomy
@@ -103,6 +105,8 @@ class LlmemEngine(MemoryEngine):
         self._answers: dict[tuple, MemoryResult | int | Fit] = {}
         # the last fitting verdict's schedule and replay, which the full estimate a search confirms it with reuses
         self._last_fit: tuple[TrainingSetup, StepVerdict] | None = None
+        # set-ups that differ only in fields no schedule reads (a GRPO plan's vLLM utilizations): replayed once
+        self._replays = SharedReplays()
 
     def _kept(self, kind: str, setup: TrainingSetup, layout: Layout | None,
               work: Callable[[ResolvedSetup, ModelStates], object]):
@@ -135,11 +139,11 @@ class LlmemEngine(MemoryEngine):
         if known is not None:
             self._last_fit = None       # its schedule and replay are the step's size: held only until used
         return self._kept("full", setup, layout, lambda r, states: estimate_resolved(
-            r, states=states, verdict=known, limit_bytes=self.limit_bytes))
+            r, states=states, verdict=known, limit_bytes=self.limit_bytes, shared=self._replays))
 
     def draft(self, setup: TrainingSetup, layout: Layout | None = None) -> MemoryResult:
         return self._kept("draft", setup, layout, lambda r, states: estimate_resolved(
-            r, draft=True, states=states, limit_bytes=self.limit_bytes))
+            r, draft=True, states=states, limit_bytes=self.limit_bytes, shared=self._replays))
 
     def quick(self, setup: TrainingSetup, layout: Layout | None = None) -> int:
         return self._kept("quick", setup, layout, quick_peak_allocated)
