@@ -20,6 +20,12 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', to
 status=0
 timeout 460 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
     --out "$out.json" --plot "$out.png" || status=$?
+# torchao's float8 training (--float8, llmem.runtime.float8) where torchao is installed: the float8 matrix measured
+# (not yet run on a device: torch._scaled_mm's CUDA kernels, FSDP2's float8 all-gather on the fake process group)
+if $PY -c "import torchao.float8" 2>/dev/null; then
+    timeout 120 $PY -m llmem.cli validate --against measure --matrix float8 --device cuda --max-error 5 \
+        --out "$out.float8.json" || status=$?
+fi
 # the OOM boundary: the real step under a memory fraction, batch by batch, against the capacity-aware fit
 timeout 120 $PY benchmarks/oom_boundary.py --out "$out.oom_boundary.json" || status=$?
 # the job's loading and saving phases on one GPU (from_pretrained, save_pretrained) against llmem's analytic ones

@@ -426,7 +426,9 @@ def setup_label(s: TrainingSetup, compact: bool = False) -> str:
                               ("offload-opt", s.offload_optimizer), ("packing", s.packing),
                               ("expandable", s.expandable_segments),
                               (f"logits-{s.logits_dtype}", s.logits_dtype != "fp32"),
-                              (f"liger:{s.liger}", s.liger != "none")) if on]
+                              (f"liger:{s.liger}", s.liger != "none"),
+                              (f"float8:{s.float8}" + ("+ag" if s.float8_all_gather else ""), s.float8 != "none"))
+             if on]
     return " ".join(words)
 
 

@@ -25,6 +25,7 @@ from llmem.model.sharding import (
     param_shard_degree,
     tp_local_numel,
 )
+from llmem.setup.float8 import gathered_in_float8
 
 # the set-ups of one plan's searches (each layout's, at two depths for drafts, a pipeline's stages); the oldest goes
 KEPT_SET_UPS = 64
@@ -83,8 +84,8 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
         tp_local={p.name: tp_local_numel(p, layout) for p in kept},
         unsharded={p.name: fsdp_unit_numel([p], layout) for p in kept} if fsdp else {},
         gather_sizes={p.name: fsdp_gathered_tensors(p, setup, layout) for p in kept} if fsdp else {},
-        cast_in={p.name: setup.mixed and not quantised[p.name] and setup.stored_bytes(p.trainable) != setup.gather_bytes
-                 for p in kept},
+        cast_in={p.name: (setup.mixed and not quantised[p.name] and setup.stored_bytes(p.trainable) != setup.gather_bytes)
+                 or gathered_in_float8(setup, p) for p in kept},
         quantised=quantised,
         adapted={p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name},
         layer_blocks=layer_blocks,

@@ -35,6 +35,7 @@ from llmem.setup.deepspeed import (
     sub_group_numels,
     zero_config,
 )
+from llmem.setup.float8 import FP8, gathered_in_float8
 from llmem.setup.layout import Layout
 from llmem.setup.optimizers import OPTIMIZERS, OptimizerSpec, step_peak_bytes
 from llmem.setup.precision import F32
@@ -97,6 +98,8 @@ def fsdp_gathered_tensors(p: ParamInfo, setup: TrainingSetup, layout: Layout) ->
         return gathered_tensors(p.shape, setup.quant_base, quant_args(setup, True), layout.shard_degree,
                                 p.module_kind == "Conv1D")
     per = setup.gather_bytes if setup.mixed else element_bytes(p, setup)
+    if gathered_in_float8(setup, p):     # torchao's float8 all-gather (llmem.setup.float8)
+        per = FP8
     return (fsdp_unit_numel([p], layout) * per,)
 
 

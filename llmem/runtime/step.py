@@ -318,6 +318,9 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
     """The model's parameters allocated (fake cpu, or real on `device`) and the method applied; the runner."""
     if fake:
         materialize(model, "cpu")
+        if setup.float8_all_gather:     # torchao's float8 weights for FSDP2 (llmem.runtime.float8)
+            from llmem.runtime.float8 import rewrap_float8_weights
+            rewrap_float8_weights(model)
         materialize_prompt_tokens(model, "cpu")
         collect_after_dora(model, stack)
         return apply_method(model, layout, mesh, setup, region, fake_pg=True)
@@ -412,6 +415,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             install_liger(causal_lm(model), kernels)
             if "rope" in kernels:
                 stack.enter_context(liger_rope(resolved.anatomy.model_type))
+
+        if setup.float8 != "none":   # torchao's Float8Linear, before FSDP2 shards it (llmem.runtime.float8)
+            from llmem.runtime.float8 import install_float8
+            install_float8(causal_lm(model), setup.float8, setup.float8_all_gather)
 
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,

@@ -111,6 +111,8 @@ class SetupRecord:
             parts.append(f"loss on {s.logits_dtype}-dtype logits")
         if s.liger != "none":
             parts.append(f"Liger {s.liger.replace(',', ', ')}")
+        if s.float8 != "none":
+            parts.append(f"float8 {s.float8}" + (" (float8 all-gather)" if s.float8_all_gather else ""))
         if s.offload_activations:
             parts.append("activations offloaded to CPU")
         if s.packing:

@@ -21,6 +21,7 @@ from llmem.setup.flags import (
     count_or_auto,
     option,
 )
+from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.job_phases import DEFAULT, LOAD_PATHS, SAVE_KINDS
 from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, OBJECTIVE_GROUP, OBJECTIVES, REF_DTYPES
 from llmem.setup.optimizers import OPTIMIZERS
@@ -128,6 +129,12 @@ class StepConfig:
     batch_size: int = option(1, "per-GPU micro-batch (default 1)", STEP, type=int)
     seq_len: int = option(2048, "tokens per sample (default 2048)", STEP, type=int)
     precision: str = option("bf16-mixed", f"{', '.join(PRECISIONS)} (default bf16-mixed)", STEP)
+    # torchao's float8 training (llmem.setup.float8): convert_to_float8_training's Float8Linear, by recipe
+    float8: str = option("none", f"torchao's float8 training, Float8Linear's recipe: none, "
+                         f"{', '.join(FLOAT8_RECIPES)} (torchtitan's model.converters = [\"float8\"]; bf16 weights "
+                         "or FSDP2's bf16 gather; default none)", STEP, metavar="RECIPE")
+    float8_all_gather: bool = option(False, "--float8 tensorwise under fsdp: FSDP2 all-gathers the converted weights "
+                                     "in float8 (enable_fsdp_float8_all_gather)", STEP, kind="switch")
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:

@@ -168,6 +168,33 @@ LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), 
 ))
 
 
+def _float8_compute(c: Case) -> bool:
+    """Float8Linear's high-precision side is bf16 weights outside autocast: --precision bf16, or FSDP2's bf16 gather."""
+    return c.setup.precision_spec.compute_dtype == "bfloat16" and not regime_for(c.setup, c.method).autocast
+
+
+# --float8: torchao's Float8Linear (llmem.setup.float8) on a full fine-tune with bf16 weights
+FLOAT8 = FeatureSupport("--float8", lambda c: c.setup.float8 != "none", (
+    Refusal("fp32 / fp16 and autocast (*-mixed outside FSDP2)", lambda c: not _float8_compute(c),
+            lambda c: f"--float8 with --precision {c.setup.precision} under --method {c.setup.method} is not "
+                      "modelled: Float8Linear is modelled over bf16 weights; use --precision bf16 (or bf16-mixed "
+                      "under fsdp)"),
+    Refusal("--float8-all-gather outside FSDP2", lambda c: c.setup.float8_all_gather and not (
+        c.method.shards_model_states and c.method.zero_stage is None),
+            "--float8-all-gather needs FSDP2 (--method fsdp or zero2): drop it"),
+    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
+            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
+            "--float8 with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
+            "single, ddp, fsdp or zero2"),
+    Refusal("adapters, a quantised base, Liger, selective checkpointing, offloaded activations, TRL's objectives",
+            lambda c: c.setup.peft or c.setup.quant_spec.quantised or c.setup.liger != "none"
+            or c.setup.ac_policy != "full" or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
+            "--float8 is modelled on a full fine-tune (sft, full or no checkpointing, activations on the device, "
+            "no Liger): drop the adapters / quantised base / --liger / --ac-policy / --offload-activations / "
+            "--objective"),
+))
+
+
 def _selective_line(c: Case) -> str:
     return (f"--ac-policy {c.setup.ac_policy} with {{}} is not modelled: use it on a full fine-tune under single, "
             "ddp, fsdp or zero2 with SDPA or flash attention, or use --grad-ckpt")
@@ -353,7 +380,7 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, SELECTIVE_AC, DEEPSPEED,
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, SELECTIVE_AC, DEEPSPEED,
     QUANTISED_BASE, RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
 
 
@@ -375,6 +402,11 @@ def liger_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
     """Why llmem does not model `setup`'s --liger kernels with the rest of it, the model aside (None: it does, or
     no kernel is on)."""
     return LIGER.refusal(Case(setup, method))
+
+
+def float8_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup`'s --float8 with the rest of it (None: it does, or float8 is off)."""
+    return FLOAT8.refusal(Case(setup, method))
 
 
 def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:

@@ -493,7 +493,21 @@ GPU_MATRIX += [
     ]
 ]
 
-MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX}
+# torchao's float8 training (--float8), traced with torchao's own Float8Linear (pip install 'llmem[float8]'): each
+# recipe on one GPU (the MLP's casts above the loss: the fused CE), FSDP2 with and without the float8 all-gather
+FLOAT8_MATRIX: list[TrainingSetup] = [
+    _s("tiny-llama", precision="bf16", optimizer="sgd", batch_size=2, seq_len=256, float8="tensorwise"),
+    *(_s("tiny-llama", precision="bf16", optimizer="sgd", batch_size=2, seq_len=512, fused_ce=True, float8=recipe)
+      for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp")),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=512, fused_ce=True,
+       float8="tensorwise", float8_all_gather=True),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=512, float8="tensorwise",
+       float8_all_gather=True),
+    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=512, float8="rowwise"),
+]
+
+MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
+            "float8": FLOAT8_MATRIX}
 
 
 def label(s: TrainingSetup) -> str:
@@ -514,6 +528,7 @@ def label(s: TrainingSetup) -> str:
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
         + ([f"logits-{s.logits_dtype}"] if s.logits_dtype != "fp32" else []) \
         + ([f"liger:{s.liger}"] if s.liger != "none" else []) \
+        + ([f"float8:{s.float8}" + ("+ag" if s.float8_all_gather else "")] if s.float8 != "none" else []) \
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
         + (["offload-opt"] if s.offload_optimizer else []) \
         + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \

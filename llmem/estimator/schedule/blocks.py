@@ -72,13 +72,16 @@ class BlockEvents:
 
     def play(self, events) -> list[int]:
         """A quantised linear's transient events (llmem.memory.quant); returns the keys they leave allocated."""
-        keys: dict[int, int] = {}
+        return list(self.play_tagged(events, {}).values())
+
+    def play_tagged(self, events, keys: dict[int, int]) -> dict[int, int]:
+        """Events after others that left `keys` (tag -> key) allocated; what is left, by tag."""
         for sign, tag, n in events:
             if sign > 0:
                 keys[tag] = self.sch.alloc(n, "activations")
             else:
                 self.sch.free(keys.pop(tag))
-        return list(keys.values())
+        return keys
 
     def dequantise(self, params: list[ParamInfo], backward: bool, block: Block | None = None) -> None:
         """Forward: each quantised linear's transients, one after the other, then (bitsandbytes nf4) its output in
@@ -127,7 +130,11 @@ class BlockEvents:
         rearranged copy: DTensor's redistribute Replicate/Partial -> Shard(1)), each its own allocation, so it is laid
         out as pieces of at most [t, h] in the compute dtype (allocated together: the same bytes at once)."""
         alloc, n = self.sch.alloc, b.transient
+        before, after = b.back_casts        # Float8Linear's casts around it (llmem.memory.activations.float8)
+        left = self.play_tagged(before, {})
         piece = self.f.t * self.f.hidden_size * self.f.regime.mm if self.f.setup.sequence_parallel else n
         if piece <= 0 or n <= piece:
-            return [alloc(n, "activations")]
-        return [alloc(min(piece, n - k), "activations") for k in range(0, n, piece)]
+            keys = [alloc(n, "activations")]
+        else:
+            keys = [alloc(min(piece, n - k), "activations") for k in range(0, n, piece)]
+        return keys + list(self.play_tagged(after, left).values())

@@ -80,6 +80,9 @@ class Block:
     # tensors that are a linear's output as it is (module name, index in tensors): a peft adapter on that linear
     # makes this tensor itself (its sum), so with_adapters moves it to the adapter, where it is made
     outputs: tuple[tuple[str, int], ...] = ()
+    # torchao's Float8Linear casts in backward, as (+1/-1, tag, bytes) events (llmem.memory.activations.float8):
+    # those before the block's transient is made, those after it
+    back_casts: tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]] = ((), ())
 
     @property
     def saved(self) -> int:

@@ -23,6 +23,7 @@ from llmem.memory.activations.blocks import (
     packed_mask_bytes,
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
+from llmem.memory.activations.float8 import with_float8
 from llmem.memory.activations.learned import learned_recipe, learned_selective, learning_failure
 from llmem.memory.activations.liger import with_liger
 from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
@@ -44,6 +45,7 @@ from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.liger import AUTO, applied_kernels
 from llmem.setup.precision import F32, Regime
 from llmem.setup.training import TrainingSetup
@@ -239,6 +241,12 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                      "in backward, whose gradients overwrite them; RoPE: q and k rotated in place, the same saved "
                      "tensors as HF's)" + ("; auto: rms_norm, swiglu and rope where llmem models the family's "
                                             "patch, HF's modules elsewhere" if setup.liger == AUTO else ""))
+    if setup.float8 != "none":
+        notes.append(f"--float8 {setup.float8}: torchao's Float8Linear in eager mode on every decoder linear (not "
+                     "the lm_head): the bf16 input kept as nn.Linear keeps it, each operand cast anew for each "
+                     "matmul (an fp32 scaled copy and its clamp before the float8 tensor)" + (
+                         "; FSDP2 gathers the converted weights in float8" if setup.float8_all_gather else "")
+                     + "; torch.compile, which fuses the casts, is not modelled")
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
@@ -290,6 +298,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     kernels = applied_kernels(setup.liger, anatomy.model_type)
     if kernels:                  # Liger-Kernel's RMSNorm / SwiGLU (llmem.memory.activations.liger)
         recipe = with_liger(recipe, kernels, d, regime)
+    if setup.float8 != "none":   # torchao's Float8Linear casts (llmem.memory.activations.float8)
+        recipe = with_float8(recipe, anatomy, d, FLOAT8_RECIPES[setup.float8], weight_cast=not setup.float8_all_gather)
     behind_fp32 = fp32_behind_quant(setup.quant_base, regime)
     if behind_fp32:
         recipe = with_fp32_mlp(recipe, d)

@@ -28,7 +28,7 @@ from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, r
 from llmem.setup.sources.files import load
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import check_support, deepspeed_refusal, liger_refusal
+from llmem.setup.support import check_support, deepspeed_refusal, float8_refusal, liger_refusal
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
@@ -163,6 +163,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     try:
         setup = _stand_in(user_setup(**values), values, overrides, notes)
         setup = _liger_not_expressed(setup, used, ignored, overrides)
+        setup = _float8_not_expressed(setup, used, ignored, overrides)
         check_support(setup, METHODS[setup.method])
     except LlmemError as exc:
         why = "".join(f" ({n})" for n in notes if n.startswith("DeepSpeed"))
@@ -197,6 +198,20 @@ def _liger_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
         used.remove(u)
         ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: HF's modules stand in for Liger's"))
     return replace(setup, liger="none")
+
+
+def _float8_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
+                          overrides: dict[str, Any]) -> TrainingSetup:
+    """A file's float8 training where llmem's --float8 is not modelled with the rest of its set-up (tensor
+    parallelism, autocast, adapters, ...): kept as ignored keys (bf16 linears stand in), not a refused set-up; a
+    --float8 given on the command line stays (and is refused)."""
+    why = float8_refusal(setup, METHODS[setup.method])
+    if why is None or "float8" in overrides or "float8_all_gather" in overrides:
+        return setup
+    for u in [u for u in used if u.field in ("float8", "float8_all_gather")]:
+        used.remove(u)
+        ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: bf16 linears stand in for Float8Linear"))
+    return replace(setup, float8="none", float8_all_gather=False)
 
 
 def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:

@@ -36,8 +36,11 @@ def read(keys: Keys, r: Reading) -> None:
     compute = r.choice("mixed_precision", mixed, MIXED)
     r.note_used("mixed_precision", mixed, "autocast" if compute != "fp32" else "fp32")
     if mixed == "fp8":
-        r.ignore("mixed_precision", "fp8", "fp8 training (Transformer Engine / MS-AMP / torchao) is not modelled: "
-                 "bf16 autocast stands in")
+        # torchao's backend (accelerate.utils.ao.convert_model_to_fp8_ao) converts every nn.Linear but the model's
+        # first and last, under bf16 autocast (native_amp): llmem's --float8 is modelled over bf16 weights only
+        r.ignore("mixed_precision", "fp8", "fp8 training is not modelled here (Transformer Engine / MS-AMP; "
+                 "torchao's Float8Linear runs under bf16 autocast and leaves the first linear in bf16, which "
+                 "--float8 does not express): bf16 autocast stands in")
     r.dtype(compute=compute, weights="fp32")
     if kind == "NO":
         r.method, r.gpus = "single", 1

@@ -16,6 +16,7 @@ import json
 from functools import cache
 from importlib import resources
 
+from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.pipeline import (
     FIRST_STAGE_LESS_LAYERS,
     LAST_STAGE_LESS_LAYERS,
@@ -92,10 +93,7 @@ def read(keys: Keys, r: Reading) -> None:
         r.ignore("compile.enable", True, "torch.compile is not modelled (its fusions change what is saved)")
     if training.get("enable_cpu_offload"):
         r.set("training.enable_cpu_offload", True, "offload_param", True, "FSDP2's CPUOffloadPolicy")
-    converters = keys.sub("model").get("converters") or []
-    if converters or keys.sub("float8").get("enable_float8_linear"):
-        r.ignore("model.converters", converters, "float8 training (torchao's Float8Linear) is not modelled: bf16 "
-                 "stands in")
+    _float8(r, keys)
     for section in ("job", "profiling", "metrics", "checkpoint", "lr_scheduler", "validation", "quantize",
                     "float8", "comm", "memory_estimation"):
         keys.sub(section)
@@ -103,6 +101,61 @@ def read(keys: Keys, r: Reading) -> None:
                 "gc_freq"):
         training.get(key)
     r.not_read(keys)
+
+
+# model.converters naming torchao's Float8Linear: "float8" (torchtitan 0.1, its [float8] section; later TOMLs keep the
+# name with a [quantize.linear.float8] section) or "quantize.linear.float8" (0.2)
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+# filter_fqns entries llmem's filter has already: torchtitan's output projection (HF's lm_head, never converted)
+FLOAT8_FILTERED = ("output",)
+
+
+def _float8(r: Reading, keys: Keys) -> None:
+    """torchtitan's Float8LinearConverter (components/quantization/float8.py, 0.2): recipe_name unset is torchao's
+    default tensorwise config, with enable_fsdp_float8_all_gather where FSDP2 shards (dp_shard_enabled); a
+    recipe_name is Float8LinearConfig.from_recipe_name (torchtitan asserts no float8 all-gather with it); its filter
+    skips any linear whose fqn contains a filter_fqns entry or whose dims are not multiples of 16."""
+    model = keys.sub("model")
+    converters = model.get("converters") or []
+    converters = [converters] if isinstance(converters, str) else list(converters)
+    named = [c for c in converters if c in FLOAT8_CONVERTERS]
+    others = [c for c in converters if c not in FLOAT8_CONVERTERS]
+    if others:
+        r.ignore("model.converters", others, "these converters (MX formats, ...) are not modelled: bf16 linears "
+                 "stand in")
+    config = keys.sub("quantize").sub("linear").sub("float8")    # the section moved before the converter's name
+    config = config if config.data else keys.sub("float8")
+    if not named and not config.get("enable_float8_linear"):
+        return
+    recipe = config.get("recipe_name")
+    r.set("model.converters", named or "[float8] enable_float8_linear", "float8",
+          r.choice(config.name("recipe_name"), recipe, tuple(FLOAT8_RECIPES)) if recipe else "tensorwise",
+          "torchao's Float8Linear" + ("" if recipe else " (no recipe_name: torchao's tensorwise default)"))
+    gather = config.get("enable_fsdp_float8_all_gather", False)
+    if gather and recipe is None and r.method in ("fsdp", "fsdp+tp", "zero2"):
+        r.set(config.name("enable_fsdp_float8_all_gather"), gather, "float8_all_gather", True,
+              "FSDP2 all-gathers the float8 weights")
+    elif gather:
+        r.ignore(config.name("enable_fsdp_float8_all_gather"), gather, "torchtitan applies it only to tensorwise "
+                 "scaling under FSDP2", approximates=False)
+    if config.get("precompute_float8_dynamic_scale_for_fsdp"):
+        r.note_used(config.name("precompute_float8_dynamic_scale_for_fsdp"), True, "one fp32 scale per weight "
+                    "after the optimizer step: bytes llmem leaves out")
+    _float8_filter(r, config)
+    config.get("emulate")
+
+
+def _float8_filter(r: Reading, config: Keys) -> None:
+    """filter_fqns as llmem's filter reads it (llmem.setup.float8.converted): the output projection is never
+    converted; other entries are not expressed."""
+    fqns = list(config.get("filter_fqns") or [])
+    if not any(f in fqns for f in FLOAT8_FILTERED):
+        r.ignore(config.name("filter_fqns"), fqns, "the output projection converted to float8 (no \"output\" in "
+                 "filter_fqns) is not modelled: llmem keeps it in bf16")
+    rest = [f for f in fqns if f not in FLOAT8_FILTERED]
+    if rest:
+        r.ignore(config.name("filter_fqns"), rest, "these linears left in bf16 are not expressed: llmem converts "
+                 "every decoder linear whose dims are multiples of 16")
 
 
 def _model(r: Reading, model: Keys) -> None:

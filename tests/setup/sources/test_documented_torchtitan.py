@@ -1,7 +1,7 @@
 """torchtitan's train-config TOML (both schemas): torchtitan documents one objective (causal-LM pre-training, full
 parameters; its LoRA converter came with the Python presets that replaced the TOMLs), so a config of each layout
 and setting family it documents (FSDP2 over data_parallel_shard_degree, FSDP2 x TP, selective AC by block or op,
-full AC, the optimizer's implementation, float8 converters and compile, DistMuon) is read with the `--from` reader
+full AC, the optimizer's implementation, float8 converters (recipes, float8 all-gather) and compile, DistMuon) is read with the `--from` reader
 and checked field by field against the file (tests/setup/sources/data/torchtitan). torchtitan's defaults: AdamW
 implementation "fused", mixed_precision_param bfloat16 under FSDP2 (bf16-mixed), TP sequence-parallel with the loss
 parallel unless disable_loss_parallel."""
@@ -25,9 +25,17 @@ CASES = {
     "old-schema-selective.toml": ({"model": LLAMA3_8B, "method": "fsdp", "gpus": 4, "batch_size": 2,
                                    "seq_len": 4096, "grad_ckpt": True, "ckpt_every": 2,
                                    "optimizer": "adamw-fused"}, set()),
-    # float8 linears and torch.compile are not modelled: bf16 without compile stands in, said so
+    # float8 linears without a [float8] section: torchao's tensorwise default, the output projection converted too
+    # (no filter_fqns), which llmem does not express; torch.compile is not modelled: said so
     "float8-compile.toml": ({"model": LLAMA3_8B, "method": "fsdp", "gpus": 8, "batch_size": 1, "seq_len": 8192,
-                             "grad_ckpt": False}, {"model.converters", "compile.enable"}),
+                             "grad_ckpt": False, "float8": "tensorwise", "float8_all_gather": False},
+                            {"float8.filter_fqns", "compile.enable"}),
+    # torchtitan's llama3 TOMLs' float8 section: tensorwise with the float8 all-gather under FSDP2
+    "float8-all-gather.toml": ({"model": LLAMA3_8B, "method": "fsdp", "gpus": 8, "precision": "bf16-mixed",
+                                "float8": "tensorwise", "float8_all_gather": True}, set()),
+    # a recipe by name (Float8LinearConfig.from_recipe_name), the 0.2 converter name and section
+    "float8-rowwise.toml": ({"model": LLAMA3_8B, "method": "fsdp", "gpus": 4, "float8": "rowwise",
+                             "float8_all_gather": False}, set()),
     # DistMuon (FlexShard's) is not in llmem's optimizer registry: AdamW stands in, said so
     "muon.toml": ({"model": LLAMA3_8B, "method": "fsdp", "gpus": 8, "batch_size": 1, "seq_len": 4096,
                    "grad_ckpt": True}, {"optimizer.name"}),
