@@ -14,7 +14,7 @@ from typing import Any
 from llmem.errors import LlmemError, UnknownModel
 from llmem.planner.options import EXPORT_FILES, PlanOptions
 from llmem.setup.flags import JOB
-from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, objective_spec
+from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, fixed_steps_per_generation, objective_spec
 from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
     ACTIVATIONS,
@@ -188,7 +188,8 @@ def setup_and_source(args: argparse.Namespace) -> tuple[TrainingSetup, SourceRec
     spec = objective_spec(values.get("objective") or "sft")
     if "batch_size" not in given:       # the default micro-batch: the objective's smallest (KTO's 2, GRPO's)
         values["batch_size"] = max(values.get("batch_size") or 1,
-                                   batch_multiple(spec.name, values.get("gpus") or 1, values.get("num_generations")))
+                                   batch_multiple(spec.name, values.get("gpus") or 1, values.get("num_generations"),
+                                                  fixed_steps_per_generation(values)))
         if (values.get("pp") or 1) > 1:  # --pp: a micro-batch of 1 per pipeline micro-batch, as many as torch needs
             values["batch_size"] = max(values["batch_size"], values.get("pp_microbatches") or values["pp"])
     limit = values.get("max_length") or spec.max_length

@@ -1,7 +1,10 @@
 """Generation objectives on the estimator floor: generate and the scoring phases as events.
 
 A generation objective's events in the step's schedule (--objective grpo): GRPOTrainer with transformers'
-generate, as llmem.runtime.generation traces it. Each iteration has three phases before the optimizer step:
+generate, as llmem.runtime.generation traces it. Each iteration is a step that generates (TRL's steps 0 and
+steps_per_generation; the steps between train on slices of the buffered batch, holding what a training phase holds)
+and has three phases before the optimizer step. B below is the generation batch's rows, --batch-size x
+steps_per_generation (GRPOConfig's; `generation_rows`); the scoring's forwards and the training run --batch-size rows:
 
 - generation: the prompts [B, P] int64 (ids and mask) on the device; `generate` of the unwrapped policy under
   no_grad: a prefill forward over the P prompt tokens, then C - 1 decode forwards of one token (C =
@@ -16,12 +19,17 @@ generate, as llmem.runtime.generation traces it. Each iteration has three phases
   TRL's unwrap_model_for_generation gathers the whole policy around it (llmem.estimator.deepspeed
   gather_for_generation).
 - scoring: the re-padded batch (prompt ids and mask [B, P], completion ids and mask [B, C] int64, kept through the
-  step), their concatenation [B, S] int64 x 2 and, when beta > 0, the reference's no-grad forward through its fused
-  head (the copy's, or the policy's with its adapters disabled; the labels [B, S] int64), its per-token log-probs
-  [B, C] fp32 (kept); the advantages [B] fp32; the previous step's batch dies. RLOO (ObjectiveSpec.scores_policy,
-  sequence_logps) first runs the policy itself under no_grad (old_per_token_logps; autocast caches its trained
-  fp32 weights' casts until the forward returns), keeps only the per-sequence sums old_logps [B] fp32, and frees
-  the per-token log-probs and its KL penalty's [B, C] tensors when the scoring returns.
+  steps it serves: `_buffered_inputs`, whose --batch-size slices are views), their concatenation [B, S] int64 x 2
+  and, when beta > 0, the reference's no-grad forwards through its fused head (the copy's, or the policy's with its
+  adapters disabled) in chunks of --batch-size (`_get_per_token_logps_and_entropies`' batch_size: per chunk the
+  labels [b, S] int64 and the chunk's per-token log-probs [b, C] fp32, then their torch.cat [B, C], kept); the
+  advantages [B] fp32; the previous generation batch dies. RLOO (ObjectiveSpec.scores_policy, sequence_logps) first
+  runs the policy itself under no_grad (old_per_token_logps; autocast caches its trained fp32 weights' casts until
+  the forward returns), keeps only the per-sequence sums old_logps [B] fp32, and frees the per-token log-probs and
+  its KL penalty's [B, C] tensors when the scoring returns; GRPO runs the policy too when its steps are misaligned
+  (gradient_accumulation_steps not a multiple of steps_per_generation) and keeps its per-token log-probs. The
+  permuted copy `shuffle_sequence_dict` makes of the batch (a moment between scoring and training, the batch's few
+  bytes twice) is left out.
 - weight_sync (--use-vllm under FSDP2, before the generation): TRL's sync of the policy's full tensors to vLLM
   (GenerationEvents.weight_sync: colocated one at a time, peft's merge / unmerge around the walk; in server mode
   through vLLM's packed broadcast, llmem.memory.vllm), vLLM then generating (the trainer holds the ids only).
@@ -62,8 +70,15 @@ from llmem.memory.vllm import (
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import fsdp_unit_numel
-from llmem.setup.generation import completion_length, plain_setup, prompt_length, vllm_mode, vllm_utilization
-from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, objective_spec, reference_mode
+from llmem.setup.generation import (
+    completion_length,
+    generation_rows,
+    plain_setup,
+    prompt_length,
+    vllm_mode,
+    vllm_utilization,
+)
+from llmem.setup.objectives import REF_ADAPTERS_OFF, REF_COPY, reference_mode, scores_old_policy
 from llmem.setup.precision import F32
 
 if TYPE_CHECKING:
@@ -97,10 +112,11 @@ def attention_dims(anatomy: ModelAnatomy) -> tuple[int, int]:
 
 
 def generation_kv_bytes(r: ResolvedSetup) -> int:
-    """The DynamicCache at generate's last forward: P + C - 1 tokens (the last sampled token is never fed)."""
+    """The DynamicCache at generate's last forward over the generation batch's rows: P + C - 1 tokens (the last
+    sampled token is never fed)."""
     setup = r.setup
     kv, d = attention_dims(r.anatomy)
-    return kv_cache_bytes(r.anatomy.num_layers, setup.batch_size, kv, d, setup.seq_len - 1, r.regime.mm)
+    return kv_cache_bytes(r.anatomy.num_layers, generation_rows(setup), kv, d, setup.seq_len - 1, r.regime.mm)
 
 
 class GenerationEvents(PreferenceEvents):
@@ -111,8 +127,11 @@ class GenerationEvents(PreferenceEvents):
         super().__init__(s, r)
         setup = r.setup
         self.b, self.p, self.c = setup.batch_size, prompt_length(setup), completion_length(setup)
+        self.gen_rows = generation_rows(setup)    # the generation batch: --batch-size x steps_per_generation
+        self.chunks = self.gen_rows // self.b   # its scoring chunks of --batch-size (steps_per_generation)
+        self.scores_old = scores_old_policy(setup)
         kv, d = attention_dims(r.anatomy)
-        self.kv_token_bytes = self.b * kv * d * s.facts.regime.mm      # one layer's K (or V), one token
+        self.kv_token_bytes = self.gen_rows * kv * d * s.facts.regime.mm   # one layer's K (or V), one token
         self.iteration = 0
         self.step_batch: list[int] = []
         self.loss_inputs: list[int] = []
@@ -122,7 +141,7 @@ class GenerationEvents(PreferenceEvents):
         """The decoder layer's tensors over `tokens` new tokens, checkpointing paused (unwrap_model_for_generation
         turns it off)."""
         r = self.r
-        plain = replace(plain_setup(r.setup), batch_size=self.b, seq_len=tokens, grad_ckpt=False, ckpt_every=1)
+        plain = replace(plain_setup(r.setup), batch_size=self.gen_rows, seq_len=tokens, grad_ckpt=False, ckpt_every=1)
         return activation_profile(ResolvedSetup(plain, r.anatomy, r.base, r.gpu, r.layout))
 
     # ---------------------------------------------------------------------------------------------- phases
@@ -241,7 +260,7 @@ class GenerationEvents(PreferenceEvents):
 
     def generation(self) -> None:
         sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
-        b, p = self.b, self.p
+        b, p = self.gen_rows, self.p
         if vllm_mode(self.r.setup) is not None:   # vLLM generates (its pool: colocated_pool): the prompts and the
             prompt = [alloc(b * p * INT64, "activations") for _ in range(2)]   # returned completion ids only
             sch.free_all(prompt + [alloc(b * self.c * INT64, "activations")])
@@ -279,7 +298,7 @@ class GenerationEvents(PreferenceEvents):
         regime, h = s.facts.regime, s.facts.hidden_size
         act = self.profile(tokens)
         s.unshard_forward(None, s.facts.root)        # FSDP2: the root gathered at the first forward, kept so
-        stream = alloc(self.b * tokens * h * regime.res, "activations")        # the embedding's output
+        stream = alloc(self.gen_rows * tokens * h * regime.res, "activations")        # the embedding's output
         s.ensure_workspace()                                                    # cuBLAS's, at the first matmul
         cached: list[int] = []
         for i in range(s.facts.layers):
@@ -295,61 +314,73 @@ class GenerationEvents(PreferenceEvents):
                 new = alloc(self.kv_token_bytes * total, "activations")
                 free(cache[i][kv])
                 cache[i][kv] = new
-            out = alloc(self.b * tokens * h * regime.res, "activations")
+            out = alloc(self.gen_rows * tokens * h * regime.res, "activations")
             sch.free_all(previous)
             free(stream)
             stream = out
             if s.facts.reshard:                           # ... and reshards it after (reshard_after_forward)
                 s.reshard_unit(i)
         s.release_forward_gathers()                # the root's post-forward frees the last all-gather output
-        norm = alloc(self.b * tokens * h * regime.res, "activations")
+        norm = alloc(self.gen_rows * tokens * h * regime.res, "activations")
         free(stream)
         head = self.head_param
         # the lm_head's cached cast
         if regime.autocast and head.trainable and s.facts.params.element_bytes.get(head.name) == F32:
             cached.append(alloc(s.facts.params.tp_local[head.name] * regime.mm, "gathered_weights"))
-        logits = alloc(self.b * s.facts.vocab_size * (regime.mm if regime.autocast else regime.res), "logits_and_loss")
+        logits = alloc(self.gen_rows * s.facts.vocab_size * (regime.mm if regime.autocast else regime.res),
+                       "logits_and_loss")
         free(norm)
         sch.free_all(cached)                       # the forward's autocast region ends: its cache is cleared
         return logits
 
     # ---------------------------------------------------------------------------------------------- scoring
     def scoring(self) -> None:
+        """`_generate_and_score_completions` after generate, over the generation batch's rows: the re-padded batch
+        and its concatenation, the old policy's per-token log-probs (RLOO; GRPO's misaligned steps), the
+        reference's (beta > 0), the advantages; the new batch replaces the buffered one (`_buffered_inputs`)."""
         sch, alloc, free = self.s.sch, self.s.sch.alloc, self.s.sch.free
-        b, p, c = self.b, self.p, self.c
-        new_batch = [alloc(b * n * INT64, "activations") for n in (p, p, c, c)]
-        joined = [alloc(b * self.seq * INT64, "activations") for _ in range(2)]
-        per_token: list[int] = []                # the [B, C] fp32 log-probs of each no-grad forward
-        if self.spec.scores_policy:              # RLOO: the policy's old log-probs, then their per-sequence sums
+        rows, p, c = self.gen_rows, self.p, self.c
+        new_batch = [alloc(rows * n * INT64, "activations") for n in (p, p, c, c)]
+        joined = [alloc(rows * self.seq * INT64, "activations") for _ in range(2)]
+        per_token: list[int] = []                # the [rows, C] fp32 log-probs of each no-grad forward
+        if self.scores_old:                      # the policy's old log-probs (RLOO: then their per-sequence sums)
             per_token.append(self.logps_forward(lambda: self.no_grad_forward(self.s.facts.regime, "cached",
                                                                              self.policy_head())))
-            product = alloc(b * c * F32, "activations")                  # old_per_token_logps * completion_mask
-            new_batch.append(alloc(b * F32, "activations"))             # .sum(1): old_logps
+        if self.spec.sequence_logps:
+            product = alloc(rows * c * F32, "activations")               # old_per_token_logps * completion_mask
+            new_batch.append(alloc(rows * F32, "activations"))          # .sum(1): old_logps
             free(product)
         reference = self.mode in (REF_COPY, REF_ADAPTERS_OFF)
         if reference:
             per_token.append(self.logps_forward(self.reference_forward))
         sch.free_all(joined)
-        if self.spec.scores_policy and reference:    # RLOO's KL penalty: per_token_kl, (per_token_kl * mask).sum(-1)
-            per_token.append(alloc(b * c * F32, "activations"))
-            product = alloc(b * c * F32, "activations")
-            per_token.append(alloc(b * F32, "activations"))
+        if self.spec.sequence_logps and reference:   # RLOO's KL penalty: per_token_kl, (per_token_kl * mask).sum(-1)
+            per_token.append(alloc(rows * c * F32, "activations"))
+            product = alloc(rows * c * F32, "activations")
+            per_token.append(alloc(rows * F32, "activations"))
             free(product)
-        new_batch.append(alloc(b * F32, "activations"))                  # advantages
-        if not self.spec.sequence_logps:         # GRPO keeps the reference's, and num_items_in_batch
+        new_batch.append(alloc(rows * F32, "activations"))               # advantages
+        if not self.spec.sequence_logps:         # GRPO keeps the per-token log-probs, and num_items_in_batch
             new_batch += per_token + [alloc(F32, "activations")]
-        sch.free_all(self.step_batch)            # _buffered_inputs: the previous step's batch
+        sch.free_all(self.step_batch)            # _buffered_inputs: the previous generation batch
         self.step_batch = new_batch
         if self.spec.sequence_logps:             # RLOO: the per-token tensors die as the scoring returns
             sch.free_all(per_token)
 
     def logps_forward(self, forward) -> int:
-        """`_get_per_token_logps_and_entropies` in one chunk: the labels, the model's no-grad forward through its
-        fused head, the torch.cat of the completion's per-token log-probs (returned: [B, C] fp32)."""
-        labels = self.s.sch.alloc(self.b * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
-        forward()
-        logps = self.s.sch.alloc(self.b * self.c * F32, "activations")
-        self.s.sch.free(labels)
+        """`_get_per_token_logps_and_entropies` over the generation batch in chunks of --batch-size: per chunk the
+        labels, the model's no-grad forward through its fused head, the chunk's per-token log-probs [B, C] fp32;
+        then their torch.cat [rows, C] (one chunk: the chunk's own; returned)."""
+        chunks = []
+        for _ in range(self.chunks):
+            labels = self.s.sch.alloc(self.b * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
+            forward()
+            chunks.append(self.s.sch.alloc(self.b * self.c * F32, "activations"))
+            self.s.sch.free(labels)
+        if len(chunks) == 1:
+            return chunks[0]
+        logps = self.s.sch.alloc(self.gen_rows * self.c * F32, "activations")           # torch.cat(all_logps)
+        self.s.sch.free_all(chunks)
         return logps
 
 
@@ -410,7 +441,7 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
                                                                      "communication_buffers", "cuda_workspaces")}
     casts = sum(q.numel for q in r.anatomy.params if q.trainable and element_bytes(q, setup) == F32
                 and q.module_kind in ("Linear", "Conv1D")) * r.regime.mm if r.regime.autocast else 0
-    logits = 3 * setup.batch_size * r.anatomy.vocab_size * F32
+    logits = 3 * generation_rows(setup) * r.anatomy.vocab_size * F32
     # FSDP2: the policy's root kept gathered, and a layer with its all-gather output (zero2: every layer)
     policy_units = root + (layers if not r.method.reshard_after_forward else 2 * layer)
     if vllm_mode(setup) == "server" and r.layout.shards_model_states:    # the packed broadcast's peak
@@ -431,7 +462,7 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
             policy_units - root if mode == REF_ADAPTERS_OFF else 0
     if gathered:
         scoring["gathered_weights"] = gathered
-    if objective_spec(setup.objective).scores_policy and head.forward_peak_bytes >= scoring["logits_and_loss"]:
+    if scores_old_policy(setup) and head.forward_peak_bytes >= scoring["logits_and_loss"]:
         scoring.update(logits_and_loss=head.forward_peak_bytes,                  # RLOO's old log-probs
                        gathered_weights=casts + policy_units + kept_ref)
     if scoring["logits_and_loss"]:
@@ -443,8 +474,8 @@ def generation_moments(r: ResolvedSetup, act, ms, sft_moments) -> list:
 def colocated_pool(r: ResolvedSetup) -> VllmPool | None:
     """The colocated vLLM engine's pool on this GPU (--use-vllm, vllm_mode colocate; None otherwise), as TRL 1.16
     builds it: the base model's weights in its checkpoint dtype, max_model_len vllm_max_model_length or the model's
-    max_position_embeddings (vLLM's default), max_num_seqs = per_device_train_batch_size (vllm_tensor_parallel_size
-    1, steps_per_generation 1)."""
+    max_position_embeddings (vLLM's default), max_num_seqs = per_device_train_batch_size x steps_per_generation
+    (vllm_tensor_parallel_size 1)."""
     setup = r.setup
     if vllm_mode(setup) != "colocate":
         return None
@@ -455,7 +486,7 @@ def colocated_pool(r: ResolvedSetup) -> VllmPool | None:
                   hidden_size=r.base.hidden_size, intermediate_size=cfg.get("intermediate_size") or 4 * r.base.hidden_size,
                   vocab_size=r.base.vocab_size, dtype_bytes=dtype)
     max_len = setup.vllm_max_model_length or cfg.get("max_position_embeddings") or setup.seq_len
-    return vllm_pool(m, r.gpu.memory_bytes, vllm_utilization(setup), max_len, max_num_seqs=setup.batch_size,
+    return vllm_pool(m, r.gpu.memory_bytes, vllm_utilization(setup), max_len, max_num_seqs=generation_rows(setup),
                      sleep=setup.vllm_enable_sleep_mode)
 
 
@@ -486,7 +517,7 @@ def vllm_note(r: ResolvedSetup, pool: VllmPool) -> str:
             f"{pool.activation_peak_bytes / gib:.2f} GiB and CUDA graphs + NCCL/cuBLAS "
             f"{(pool.cuda_graph_bytes + pool.non_torch_bytes) / gib:.2f} GiB (both assumptions), KV cache "
             f"{pool.kv_cache_bytes / gib:.2f} GiB = {pool.num_blocks} blocks of {pool.block_size} tokens "
-            f"({seqs} of the {r.setup.batch_size} sequences of {r.setup.seq_len} tokens at once; vLLM queues the "
+            f"({seqs} of the {generation_rows(r.setup)} sequences of {r.setup.seq_len} tokens at once; vLLM queues the "
             f"rest); {held}" + (weight_sync_note(r) if r.layout.shards_model_states else ""))
 
 

@@ -25,7 +25,7 @@ from llmem.setup.generation import (
     vllm_mode,
     vllm_utilization,
 )
-from llmem.setup.objectives import loss_type_of, objective_spec
+from llmem.setup.objectives import fixed_steps_per_generation, loss_type_of, objective_spec
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
 
@@ -97,16 +97,21 @@ def planned_generation(p: Plan, e) -> TrainingSetup:
 
 def generation_config(setup: TrainingSetup) -> dict:
     """GRPOConfig's generation fields as planned (trl/trainer/grpo_config.py): the sizes, beta, loss_type (where
-    the config has one), steps_per_generation 1 (the planned step generates one micro-batch's completions per
-    micro-step; TRL's default, gradient_accumulation_steps, would generate them all at once), and vLLM's fields
-    under --use-vllm."""
+    the config has one), the generation batch the plan estimated (its generation_batch_size when the set-up gives
+    one, else its steps_per_generation: given, or --gradient-accumulation-steps, 1 unless given; written out, since
+    TRL's default, the exported gradient_accumulation_steps, would generate all the accumulated micro-batches' at
+    once), and vLLM's fields under --use-vllm."""
     cfg: dict = {"num_generations": num_generations(setup), "max_completion_length": completion_length(setup),
                  "beta": beta(setup)}
     defaults = GENERATION_DEFAULTS[setup.objective]
     if defaults.loss_types:              # GRPOConfig's loss_type (RLOOConfig has none)
         cfg["loss_type"] = setup.loss_type or defaults.loss_type
     cfg.update(GENERATION_TELLING_KEYS.get(setup.objective, {}))
-    cfg.update({"steps_per_generation": 1, "use_vllm": setup.use_vllm})
+    if setup.generation_batch_size is not None:
+        cfg["generation_batch_size"] = setup.generation_batch_size
+    else:
+        cfg["steps_per_generation"] = fixed_steps_per_generation(setup)
+    cfg["use_vllm"] = setup.use_vllm
     mode = vllm_mode(setup)
     if mode is not None:
         cfg["vllm_mode"] = mode

@@ -66,6 +66,7 @@ from llmem.planner.search import (
 from llmem.planner.suggestions import suggest
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.expert_parallel import check_ep_model, check_expert_parallel
+from llmem.setup.generation import with_fixed_steps
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, ModelLimits, candidate_layouts, gpus_per_node
 from llmem.setup.objectives import setup_batch_multiple
@@ -125,13 +126,14 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
          progress: Callable[[str, int, int], None] | None = None) -> Plan:
     """Plan `setup`'s model on setup.gpus GPUs of type setup.gpu (setup.method and batch_size are ignored)."""
     options = options or PlanOptions()
+    setup, steps_note = with_fixed_steps(setup)     # GRPO's generation_batch_size: its steps per generation
     anatomy = anatomy or setup_anatomy(setup)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
     layouts = plan_layouts(ctx, setup)
-    notes = plan_notes(setup, gpu, options, anatomy)
+    notes = plan_notes(setup, gpu, options, anatomy) + ([steps_note] if steps_note else [])
     total_steps = len(layouts) + 1
     search = LayoutSearch(ctx, setup, layouts, notes, progress, total_steps)
     search.run()

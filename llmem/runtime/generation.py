@@ -3,8 +3,11 @@
 The step of a TRL generation objective (--objective grpo, rloo) on the prepared model: TRL's own GRPOTrainer (or
 RLOOTrainer) code and transformers' own `generate`, on fake tensors.
 
-Each iteration runs the three phases of GRPOTrainer's `training_step` with its defaults (steps_per_generation 1,
-num_iterations 1; trl/trainer/grpo_trainer.py, the installed trl 1.16):
+Each iteration runs the three phases of a generating GRPOTrainer `training_step` (num_iterations 1;
+trl/trainer/grpo_trainer.py, the installed trl 1.16) over the generation batch, --batch-size x steps_per_generation
+rows per GPU (TRL's `_prepare_inputs`: generated and scored at once, buffered, one slice trained per step); the two
+iterations are the steps that generate (steps 0 and steps_per_generation: the steps between train on the buffer's
+other slices, holding what a training phase holds):
 - generation: `_generate_single_turn`'s transformers path: the left-padded prompts [B, P] and their attention mask
   on the device, the unwrapped policy (not DDP's wrapper; gradient checkpointing off, as
   `unwrap_model_for_generation` turns it off; under DeepSpeed TRL's own unwrap_model_for_generation on the engine,
@@ -36,6 +39,8 @@ Emulated, because fake tensors cannot run it (`generation_notes`):
 - TRL's move of the completions through the host (`.tolist()` then re-padding): the re-padded tensors are made on the
   device at their shapes (every completion full length);
 - rewards: the reward functions run on text on the host; the advantages are a [B] fp32 tensor on the device;
+- `_prepare_inputs`' shuffle_sequence_dict (a permuted copy of the batch, a moment's few bytes) is not run: the step
+  trains on the first slice of the batch as scored;
 - in the training phase, what llmem.runtime.objectives emulates for TRL's fused head (CUDA's path, known mask counts,
   full-length padding mask, metric gathers the identity).
 """
@@ -71,7 +76,15 @@ from llmem.runtime.objectives import (
     trl_fake_contexts,
 )
 from llmem.runtime.patches import collectives_waited_in_place, patched
-from llmem.setup.generation import beta, completion_length, prompt_length, vllm_mode
+from llmem.setup.generation import (
+    beta,
+    completion_length,
+    generation_rows,
+    gradient_accumulation,
+    prompt_length,
+    steps_per_generation,
+    vllm_mode,
+)
 from llmem.setup.objectives import (
     REF_ADAPTERS_OFF,
     REF_COPY,
@@ -79,6 +92,7 @@ from llmem.setup.objectives import (
     objective_notes,
     objective_spec,
     reference_mode,
+    scores_old_policy,
 )
 
 _aten = torch.ops.aten
@@ -155,7 +169,8 @@ def _trainer_for(step, ref_model):
         "model": step.model, "ref_model": ref_model,
         "accelerator": OneProcessAccelerator(next(step.model.parameters()).device, step.model, step.layout.world_size),
         "args": types.SimpleNamespace(use_bias_correction_kl=d.get("use_bias_correction_kl"), delta=d.get("delta"),
-                                      steps_per_generation=1, gradient_checkpointing_kwargs=None),
+                                      steps_per_generation=steps_per_generation(setup),
+                                      gradient_checkpointing_kwargs=None),
         "beta": beta(setup), "loss_type": loss_type_of(setup), "epsilon_low": eps,
         "epsilon_high": d["epsilon_high"] if d["epsilon_high"] is not None else eps,
         "importance_sampling_level": d.get("importance_sampling_level"),
@@ -163,7 +178,7 @@ def _trainer_for(step, ref_model):
         "off_policy_mask_threshold": d.get("off_policy_mask_threshold"), "use_vllm": False,
         "vllm_importance_sampling_correction": False, "aux_loss_enabled": False, "router_aux_loss_coef": 0.0,
         "_entropy_bonus_enabled": False, "use_adaptive_entropy": False, "entropy_coef": 0.0,
-        "max_completion_length": completion_length(setup), "current_gradient_accumulation_steps": 1,
+        "max_completion_length": completion_length(setup), "current_gradient_accumulation_steps": gradient_accumulation(setup),
         "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)},
     }
     for name, value in attrs.items():
@@ -210,10 +225,11 @@ def _ids(rows: int, cols: int, vocab: int, device) -> torch.Tensor:
 
 
 def generate_completions(step, run: TrainerRun) -> None:
-    """The generation phase: the prompts on the device, the unwrapped policy's generate under no_grad."""
+    """The generation phase: the generation batch's prompts on the device (--batch-size x steps_per_generation
+    rows), the unwrapped policy's generate under no_grad."""
     setup = step.setup
     device = step.input_ids.device
-    b, p = setup.batch_size, prompt_length(setup)
+    b, p = generation_rows(setup), prompt_length(setup)
     vocab = vocab_size(causal_lm(step.model))
     fake = is_fake_tensor(step.input_ids)
     prompt_ids = _ids(b, p, vocab, device)
@@ -239,7 +255,7 @@ def vllm_completions(step) -> None:
     """vLLM generates (not run): the trainer holds the prompts (ids, mask) and the returned completion ids only."""
     setup = step.setup
     device = step.input_ids.device
-    b, p, c = setup.batch_size, prompt_length(setup), completion_length(setup)
+    b, p, c = generation_rows(setup), prompt_length(setup), completion_length(setup)
     vocab = vocab_size(causal_lm(step.model))
     prompt_ids, prompt_mask = _ids(b, p, vocab, device), torch.ones((b, p), dtype=torch.int64, device=device)
     completion_ids = _ids(b, c, vocab, device)
@@ -319,13 +335,15 @@ def _pack_tensors(step, iterator, post_iter_func, buffer_size_bytes: int):
 
 
 def score_completions(step, run: TrainerRun) -> None:
-    """The scoring phase: the batch re-padded on the device, RLOO's old-policy per-token log-probs (the policy under
-    no_grad, and their per-sequence sums), the reference's (beta > 0), the advantages; the new batch replaces the
-    previous one. GRPO keeps the reference's per-token log-probs; RLOO (sequence_logps) its old_logps only."""
+    """The scoring phase over the generation batch (--batch-size x steps_per_generation rows): the batch re-padded on
+    the device, the old policy's per-token log-probs (RLOO every generation, GRPO when its steps are misaligned:
+    the policy under no_grad; RLOO then their per-sequence sums), the reference's (beta > 0), the advantages; the
+    new batch replaces the buffered one, the step trains on its first --batch-size slice (trl's split_tensor_dict:
+    views, so the whole batch stays). GRPO keeps the per-token log-probs; RLOO (sequence_logps) its old_logps only."""
     setup = step.setup
     spec = objective_spec(setup.objective)
     device = step.input_ids.device
-    b, p, c = setup.batch_size, prompt_length(setup), completion_length(setup)
+    b, p, c = generation_rows(setup), prompt_length(setup), completion_length(setup)
     vocab = vocab_size(causal_lm(step.model))
     batch = {"prompt_ids": _ids(b, p, vocab, device),
              "prompt_mask": torch.ones((b, p), dtype=torch.int64, device=device),
@@ -335,22 +353,36 @@ def score_completions(step, run: TrainerRun) -> None:
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     mode = reference_mode(setup)
     old = ref = None
-    if spec.scores_policy:                # RLOO: old_per_token_logps, then old_logps (masked sums)
+    if scores_old_policy(setup):          # old_per_token_logps (RLOO: then old_logps, the masked sums)
         old = _no_grad_logps(step, run, step.model, ids, mask)
+    if spec.sequence_logps:
         batch["old_logps"] = (old * batch["completion_mask"]).sum(1)
     if mode in (REF_COPY, REF_ADAPTERS_OFF):
         model = run.trainer.ref_model if mode == REF_COPY else step.model
         ref = _no_grad_logps(step, run, model, ids, mask, adapters_off=mode == REF_ADAPTERS_OFF)
     del ids, mask
-    if old is not None and ref is not None:      # RLOO's KL penalty on the rewards: first-order log ratio
+    if spec.sequence_logps and ref is not None:      # RLOO's KL penalty on the rewards: first-order log ratio
         per_token_kl = old - ref
         kl = (per_token_kl * batch["completion_mask"]).sum(-1)  # noqa: F841 - its device tensor lives to the end
-    if not spec.sequence_logps and ref is not None:
-        batch["ref_per_token_logps"] = ref
+    if not spec.sequence_logps:
+        if old is not None:
+            batch["old_per_token_logps"] = old
+        if ref is not None:
+            batch["ref_per_token_logps"] = ref
     batch["advantages"] = torch.zeros(b, dtype=torch.float32, device=device)
     if not spec.sequence_logps:
         batch["num_items_in_batch"] = torch.tensor(float(b * c), device=device)
-    run.inputs = batch                    # _buffered_inputs: the previous step's batch dies here
+    run.inputs = _first_slice(batch, steps_per_generation(setup))   # _buffered_inputs: the previous batch dies
+
+
+def _first_slice(batch: dict, steps: int) -> dict:
+    """trl's split_tensor_dict(batch, steps_per_generation)[0]: the first step's rows, views of the buffered batch
+    (one step: the batch itself)."""
+    if steps == 1:
+        return batch
+    from trl.trainer.utils import split_tensor_dict
+
+    return split_tensor_dict(batch, steps)[0]
 
 
 def _no_grad_logps(step, run: TrainerRun, model, ids, mask, adapters_off: bool = False) -> torch.Tensor:

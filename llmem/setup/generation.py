@@ -3,11 +3,14 @@
 The generation objectives' options and their check (--objective grpo): TRL's GRPOTrainer as the installed trl 1.16
 runs it with transformers' `generate` (trl/trainer/grpo_trainer.py, grpo_config.py).
 
-One step, as GRPOTrainer runs it with its defaults (steps_per_generation = gradient_accumulation_steps = 1,
-num_iterations 1): `_generate_and_score_completions` generates the batch's completions (--batch-size completions per
-GPU, TRL's per_device_train_batch_size; the sampler repeats each prompt num_generations times), scores them (the
-reference's per-token log-probs when beta > 0; no old-policy log-probs: num_iterations 1 and the steps aligned),
-then `_compute_loss` runs the policy on prompt + completion and backward. --seq-len is the whole sequence (the
+One step, as GRPOTrainer runs it (num_iterations 1): every steps_per_generation training steps (GRPOConfig's
+default: gradient_accumulation_steps, 1 unless given) `_prepare_inputs` has `_generate_and_score_completions`
+generate the generation batch's completions at once (per GPU --batch-size x steps_per_generation completions, TRL's
+per_device_train_batch_size x steps_per_generation; the RepeatSampler repeats each prompt num_generations times),
+score them in chunks of --batch-size (the reference's per-token log-probs when beta > 0; the old policy's when the
+generation and the optimizer steps are misaligned: gradient_accumulation_steps not a multiple of
+steps_per_generation), buffer the batch (`_buffered_inputs`) and serve one --batch-size slice of it per training
+step, in which `_compute_loss` runs the policy on prompt + completion and backward. --seq-len is the whole sequence (the
 left-padded prompt + --max-completion-length): trl 1.16 has no max_prompt_length (the trainer does not truncate
 prompts). Every completion runs to max_completion_length (no EOS before it): the longest step.
 
@@ -25,6 +28,7 @@ scores_policy and sequence_logps, llmem.setup.objectives).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
@@ -88,6 +92,10 @@ _NOT_WITH_GENERATION = (
     ("prompt_len", 0, "--prompt-len", "the prompt is --seq-len less --max-completion-length"),
     ("max_length", None, "--max-length", "their sequences are --seq-len: prompt + --max-completion-length"),
 )
+# The generation batch's fields (TRL's names): (field, flag)
+GENERATION_BATCH_FIELDS = (("gradient_accumulation_steps", "--gradient-accumulation-steps"),
+                           ("steps_per_generation", "--steps-per-generation"),
+                           ("generation_batch_size", "--generation-batch-size"))
 
 
 def generation_defaults(objective: str) -> GenerationDefaults | None:
@@ -110,6 +118,52 @@ def prompt_length(setup) -> int:
     return setup.seq_len - completion_length(setup)
 
 
+def gradient_accumulation(setup) -> int:
+    """TrainingArguments' gradient_accumulation_steps (its default 1)."""
+    return 1 if setup.gradient_accumulation_steps is None else setup.gradient_accumulation_steps
+
+
+def steps_per_generation(setup) -> int:
+    """The training steps one generation batch serves, as GRPOConfig's / RLOOConfig's __post_init__ derives it:
+    steps_per_generation as given, or generation_batch_size / (per_device_train_batch_size x processes), or
+    gradient_accumulation_steps."""
+    if setup.steps_per_generation is not None:
+        return setup.steps_per_generation
+    if setup.generation_batch_size is not None:
+        return setup.generation_batch_size // (setup.batch_size * setup.gpus)
+    return gradient_accumulation(setup)
+
+
+def generation_rows(setup) -> int:
+    """The completions one GPU generates and scores at once: per_device_train_batch_size x steps_per_generation
+    (the sampler's local generation batch)."""
+    return setup.batch_size * steps_per_generation(setup)
+
+
+def generation_batch_size(setup) -> int:
+    """GRPOConfig's generation_batch_size: the completions of one generation on all processes."""
+    return generation_rows(setup) * setup.gpus
+
+
+def with_fixed_steps(setup):
+    """The set-up with a given generation_batch_size as the steps_per_generation it makes at the set-up's own
+    micro-batch and GPUs (a plan varies both: the steps stay, the generation batch follows), and what was done
+    (None when there was no generation_batch_size)."""
+    if setup.generation_batch_size is None:
+        return setup, None
+    k = steps_per_generation(setup)
+    note = (f"generation_batch_size {setup.generation_batch_size} planned as steps_per_generation {k} (its value at "
+            f"--batch-size {setup.batch_size} on {setup.gpus} GPU(s)): the plan varies the micro-batch and the "
+            "layout, so the generation batch follows them")
+    return replace(setup, generation_batch_size=None, steps_per_generation=k), note
+
+
+def steps_misaligned(setup) -> bool:
+    """GRPOTrainer scores the old policy when generation does not fall on an optimizer step's start:
+    gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0 (num_iterations 1)."""
+    return gradient_accumulation(setup) % steps_per_generation(setup) != 0
+
+
 def beta(setup) -> float:
     d = GENERATION_DEFAULTS[setup.objective]
     return d.beta if setup.beta is None else setup.beta
@@ -119,7 +173,8 @@ def plain_setup(setup):
     """The set-up as one model's step (sft): the same model, precision and adapters, no objective options."""
     return replace(setup, objective="sft", loss_type=None, num_generations=None, max_completion_length=None,
                    beta=None, use_vllm=False, vllm_mode=None, vllm_gpu_memory_utilization=None,
-                   vllm_enable_sleep_mode=False, vllm_max_model_length=None)
+                   vllm_enable_sleep_mode=False, vllm_max_model_length=None, gradient_accumulation_steps=None,
+                   steps_per_generation=None, generation_batch_size=None)
 
 
 def check_generation(setup) -> None:
@@ -136,16 +191,7 @@ def check_generation(setup) -> None:
     g = num_generations(setup)
     if g < 2:
         raise LlmemError(f"--num-generations must be >= 2 (the advantages compare a prompt's completions), got {g}")
-    world = setup.gpus
-    # TRL 1.16's GRPOConfig / RLOOConfig check generation_batch_size = per-device batch x processes x
-    # steps_per_generation (which defaults to gradient_accumulation_steps); llmem models a generation per step
-    # (steps_per_generation 1: the buffered generation batch of several steps is not modelled)
-    if (setup.batch_size * world) % g:
-        raise LlmemError(f"--num-generations {g} must divide the global batch (--gpus {world} x --batch-size "
-                         f"{setup.batch_size} = {setup.batch_size * world} completions) in a step that generates "
-                         f"its own batch, as {d.config_class} requires with steps_per_generation 1 (llmem does not "
-                         f"model a generation batch buffered over several steps): use a --batch-size or --gpus "
-                         f"that makes it a multiple of {g}, or another --num-generations")
+    check_generation_batch(setup, d.config_class, g)
     c = completion_length(setup)
     if c < 1:
         raise LlmemError(f"--max-completion-length must be >= 1, got {c}")
@@ -156,6 +202,32 @@ def check_generation(setup) -> None:
     if b < 0:
         raise LlmemError(f"--beta must be >= 0 (0 drops the reference model), got {b}")
     check_trainer_layout(setup, GENERATION_METHODS, GENERATION_ATTENTIONS)
+
+
+def check_generation_batch(setup, config_class: str, g: int) -> None:
+    """TRL 1.16's GRPOConfig / RLOOConfig __post_init__ on the generation batch, its ValueErrors as one-line fixes."""
+    for field_name, flag in GENERATION_BATCH_FIELDS:
+        value = getattr(setup, field_name)
+        if value is not None and value < 1:
+            raise LlmemError(f"{flag} must be >= 1, got {value}")
+    world, b = setup.gpus, setup.batch_size
+    if setup.steps_per_generation is not None and setup.generation_batch_size is not None:
+        raise LlmemError(f"--generation-batch-size and --steps-per-generation both given ({config_class}: they "
+                         "can not be both configured at the same time): drop one")
+    if setup.generation_batch_size is not None and setup.generation_batch_size % (b * world):
+        k = -(-setup.generation_batch_size // (b * world))
+        raise LlmemError(f"--generation-batch-size {setup.generation_batch_size} must be divisible by the global "
+                         f"batch (--gpus {world} x --batch-size {b} = {b * world}), as {config_class} requires: "
+                         f"give e.g. --generation-batch-size {k * b * world}")
+    total = generation_batch_size(setup)
+    if total % g:
+        unit = math.lcm(g, b * world)
+        fix = (f"--generation-batch-size {-(-total // unit) * unit}" if setup.generation_batch_size is not None
+               else f"--steps-per-generation {unit // (b * world)}")
+        raise LlmemError(f"--num-generations {g} must divide the generation batch (--gpus {world} x --batch-size "
+                         f"{b} x steps_per_generation {steps_per_generation(setup)} = {total} completions), as "
+                         f"{config_class} requires (whole prompt groups): give {fix}, or a --batch-size or --gpus "
+                         f"that makes it a multiple of {g}, or another --num-generations")
 
 
 def refuse_unmodelled(setup, table: tuple) -> None:
@@ -255,7 +327,8 @@ def _check_vllm(setup) -> None:
 
 def check_no_generation_options(setup) -> None:
     """Objectives without a generation phase take none of its options."""
-    for field_name, unset, flag in GENERATION_FIELDS + VLLM_FIELDS:
+    batch = tuple((field_name, None, flag) for field_name, flag in GENERATION_BATCH_FIELDS)
+    for field_name, unset, flag in GENERATION_FIELDS + VLLM_FIELDS + batch:
         if getattr(setup, field_name) != unset:
             raise LlmemError(f"{flag} belongs to --objective {' or '.join(GENERATION_DEFAULTS)} (or drop {flag})")
 
@@ -270,11 +343,14 @@ def generation_notes(setup, reference: str, scores_policy: bool = False) -> list
            "copy": "a frozen copy in the policy's dtype (create_model_from_path(dtype=model.dtype)), scored under "
                    "no_grad in the scoring phase",
            "adapters-off": "the policy with its adapters disabled (peft; no copy), scored under no_grad"}[reference]
-    loss = (f"loss_type {setup.loss_type or d.loss_type}, num_iterations 1 (no old-policy log-probs)"
+    misaligned = steps_misaligned(setup) and not scores_policy     # GRPO scoring the old policy
+    old = "old-policy log-probs scored: the steps misaligned" if misaligned else "no old-policy log-probs"
+    loss = (f"loss_type {setup.loss_type or d.loss_type}, num_iterations 1 ({old})"
             if not scores_policy else "num_iterations 1; the loss on per-sequence log-prob sums (the clipped ratio "
             "to the old policy's, leave-one-out advantages; the KL to the reference is a reward penalty)")
     scoring = ("the policy's own per-token log-probs under no_grad every step, for old_logps, then the reference's"
-               if scores_policy else "the reference's per-token log-probs")
+               if scores_policy else "the policy's own per-token log-probs under no_grad, for old_per_token_logps, "
+               "then the reference's" if misaligned else "the reference's per-token log-probs")
     mode = vllm_mode(setup)
     how = "transformers' generate" if mode is None else f"vLLM (vllm_mode {mode})"
     generation = ("generation (the unwrapped policy's generate under no_grad, its DynamicCache growing to prompt + "
@@ -291,10 +367,29 @@ def generation_notes(setup, reference: str, scores_policy: bool = False) -> list
                       "packed_nccl_broadcast_producer: chunks of just over 1 GiB torch.cat'ed into one buffer on a "
                       "side stream, two in flight; the first sync also walks them once for their metadata), "
                       + generation)
+    k = steps_per_generation(setup)
+    per = f" per step, {generation_rows(setup)} per generation" if k > 1 else ""
     return [f"--objective {setup.objective}: TRL's {trainer} with {how}; {setup.batch_size} "
-            f"completions per GPU ({setup.batch_size * setup.gpus // g} prompt(s) x {g} generations across "
+            f"completions per GPU{per} ({generation_batch_size(setup) // g} prompt(s) x {g} generations across "
             f"{setup.gpus} GPU(s)), each {p} prompt tokens (left-padded) + {c} completion tokens, every completion "
             f"running to max_completion_length (no EOS before it); beta {beta(setup)}, {loss}",
             f"phases: {generation}, scoring ({scoring}), "
             "training (the policy on prompt + completion through TRL's fused LM head, backward, optimizer step)",
-            f"reference: {ref}"]
+            f"reference: {ref}"] + generation_batch_notes(setup, scores_policy)
+
+
+def generation_batch_notes(setup, scores_policy: bool = False) -> list[str]:
+    """The generation batch when it serves several training steps or GRPO scores the old policy for it (none when
+    each step generates its own)."""
+    k, misaligned = steps_per_generation(setup), steps_misaligned(setup) and not scores_policy
+    if k == 1 and not misaligned:
+        return []
+    rows, b = generation_rows(setup), setup.batch_size
+    old = (f"; gradient_accumulation_steps {gradient_accumulation(setup)} is not a multiple of it, so the scoring "
+           "also runs the policy for old_per_token_logps, kept in the batch" if misaligned else "")
+    return [f"generation batch: steps_per_generation {k} ({generation_batch_size(setup)} completions on "
+            f"{setup.gpus} GPU(s)): each GPU generates {rows} completions at once (its KV cache and sampling over "
+            f"{rows} rows), scores them in chunks of --batch-size {b} (_get_per_token_logps_and_entropies' "
+            f"batch_size) and keeps the whole batch (ids, masks, advantages, log-probs) through the next {k} "
+            f"training steps, each on one {b}-row slice; the estimate and the trace run the generating steps (the "
+            f"steps between hold what a training phase holds){old}"]

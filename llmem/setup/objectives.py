@@ -43,6 +43,7 @@ from llmem.setup.generation import (
     completion_length,
     generation_notes,
     refuse_unmodelled,
+    steps_misaligned,
 )
 from llmem.setup.generation import beta as generation_beta
 from llmem.setup.methods import method_spec
@@ -183,21 +184,38 @@ def objective_spec(name: str) -> ObjectiveSpec:
     raise LlmemError(f"unknown objective {name!r}{later}: choose one of {', '.join(OBJECTIVES)}")
 
 
-def batch_multiple(objective: str, gpus: int, generations: int | None = None) -> int:
+def batch_multiple(objective: str, gpus: int, generations: int | None = None, steps: int = 1) -> int:
     """The per-GPU micro-batch an objective's step takes in multiples of: its row's (KTO's 2: desirable and
-    undesirable halves), and under a generation objective what makes gpus x batch a multiple of num_generations
-    (GRPOConfig's check; `generations`: --num-generations, None its default)."""
+    undesirable halves), and under a generation objective what makes gpus x batch x steps_per_generation (`steps`)
+    a multiple of num_generations (GRPOConfig's check; `generations`: --num-generations, None its default)."""
     spec = objective_spec(objective)
     unit = spec.batch_multiple
     if spec.generates:
         g = GENERATION_DEFAULTS[objective].num_generations if generations is None else generations
-        unit = math.lcm(unit, g // math.gcd(g, max(1, gpus)))
+        unit = math.lcm(unit, g // math.gcd(g, max(1, gpus) * max(1, steps)))
     return unit
+
+
+def fixed_steps_per_generation(values) -> int:
+    """The steps_per_generation a set-up's (or the flags') values fix whatever the micro-batch: the given one or
+    gradient_accumulation_steps; 1 under a generation_batch_size (its steps follow the micro-batch)."""
+    get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
+    if get("generation_batch_size") is not None:
+        return 1
+    return get("steps_per_generation") or get("gradient_accumulation_steps") or 1
 
 
 def setup_batch_multiple(setup, gpus: int | None = None) -> int:
     """batch_multiple of the set-up, on `gpus` GPUs (default its own)."""
-    return batch_multiple(setup.objective, setup.gpus if gpus is None else gpus, setup.num_generations)
+    return batch_multiple(setup.objective, setup.gpus if gpus is None else gpus, setup.num_generations,
+                          fixed_steps_per_generation(setup))
+
+
+def scores_old_policy(setup) -> bool:
+    """The scoring phase runs the policy under no_grad for old_per_token_logps: RLOOTrainer every generation,
+    GRPOTrainer when its generation and optimizer steps are misaligned."""
+    spec = objective_spec(setup.objective)
+    return spec.scores_policy or (spec.generates and steps_misaligned(setup))
 
 
 def kl_sequences(setup) -> bool:

@@ -255,7 +255,8 @@ class GenerationConfig:
     # The generation objectives' options (llmem.setup.generation): GRPOConfig's names and defaults
     num_generations: int | None = option(None, "grpo / rloo: completions per prompt (GRPOConfig's default 8, "
                                          "RLOOConfig's 2); must divide "
-                                         "--gpus x --batch-size", OBJECTIVE_GROUP, type=int)
+                                         "--gpus x --batch-size x --steps-per-generation", OBJECTIVE_GROUP,
+                                         type=int)
     max_completion_length: int | None = option(None, "grpo / rloo: completion tokens (default 512, the configs'); "
                                                "--seq-len is the prompt plus these", OBJECTIVE_GROUP, type=int)
     beta: float | None = option(None, "grpo / rloo: the KL coefficient (default 0.0, GRPOConfig's: no reference "
@@ -274,6 +275,19 @@ class GenerationConfig:
     vllm_max_model_length: int | None = option(None, "grpo --use-vllm colocate: vLLM's max_model_len (default: "
                                                "the model's max_position_embeddings, as vLLM infers it)",
                                                OBJECTIVE_GROUP, type=int)
+    # The generation batch (GRPOConfig's and RLOOConfig's steps_per_generation / generation_batch_size): the
+    # completions generated and scored at once, then buffered and served one micro-batch per training step
+    gradient_accumulation_steps: int | None = option(None, "grpo / rloo: TrainingArguments' "
+                                                     "gradient_accumulation_steps (default 1): the default "
+                                                     "--steps-per-generation, and under grpo whether the old "
+                                                     "policy's log-probs are kept", OBJECTIVE_GROUP, type=int)
+    steps_per_generation: int | None = option(None, "grpo / rloo: training steps one generation batch serves "
+                                              "(default --gradient-accumulation-steps): each GPU generates and "
+                                              "scores --batch-size x this many completions at once",
+                                              OBJECTIVE_GROUP, type=int)
+    generation_batch_size: int | None = option(None, "grpo / rloo: completions generated at once on all GPUs "
+                                               "(a multiple of --gpus x --batch-size; instead of "
+                                               "--steps-per-generation)", OBJECTIVE_GROUP, type=int)
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:

@@ -337,6 +337,7 @@ def trl_fields(args: Any) -> dict[str, Any]:
     num_generations, max_completion_length, use_vllm, ...). {} for transformers' own TrainingArguments."""
     from dataclasses import fields as dataclass_fields
 
+    from llmem.setup.generation import GENERATION_BATCH_FIELDS
     from llmem.setup.objectives import OBJECTIVES
     from llmem.setup.sections import GenerationConfig, TrainerConfig
 
@@ -344,9 +345,12 @@ def trl_fields(args: Any) -> dict[str, Any]:
     spec = next((o for o in OBJECTIVES.values() if o.trainer == trainer), None)
     if spec is None:
         return {}
+    # the generation batch: TrainingArguments' accumulation on every config, GRPOConfig's two derived fields both
+    # set after __post_init__: a generating trainer's accumulation and steps_per_generation only
+    skipped = {name for name, _ in GENERATION_BATCH_FIELDS} if not spec.generates else {"generation_batch_size"}
     out: dict[str, Any] = {"objective": spec.name}
     for f in (*dataclass_fields(TrainerConfig), *dataclass_fields(GenerationConfig)):
         value = getattr(args, f.name, None)
-        if f.name != "objective" and value is not None and not isinstance(value, (list, dict)):
+        if f.name not in skipped | {"objective"} and value is not None and not isinstance(value, (list, dict)):
             out[f.name] = value
     return out

@@ -294,6 +294,20 @@ CI_MATRIX: list[TrainingSetup] = [
        num_generations=4, max_completion_length=4, attn="flash"),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", batch_size=4, seq_len=16, objective="rloo",
        max_completion_length=4, attn="flash"),
+    # The generation batch (GRPOConfig's steps_per_generation, TRL's default gradient_accumulation_steps): each GPU
+    # generates and scores --batch-size x steps_per_generation completions at once (the scoring in chunks of
+    # --batch-size), the batch buffered through the steps it serves. LoRA over 4 steps (8 rows: generation the
+    # peak); RLOO with gradient accumulation 2 (its default steps_per_generation); DDP with one completion per GPU
+    # over 2 steps (a generation batch of 4 on 2 GPUs: one prompt's group; accumulation 1, so GRPO also scores the
+    # old policy); FSDP2 with generation_batch_size 8 (2 steps); ~2-9 s of trace each
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=16, objective="grpo", num_generations=4,
+       max_completion_length=4, beta=0.04, lora_rank=16, steps_per_generation=4),
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16, objective="rloo",
+       max_completion_length=4, gradient_accumulation_steps=2),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=1, seq_len=16, objective="grpo",
+       num_generations=4, max_completion_length=4, beta=0.04, steps_per_generation=2),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=12, objective="grpo",
+       num_generations=4, max_completion_length=4, beta=0.04, generation_batch_size=8),
     # vLLM under FSDP2 (not run: the trace runs TRL's own weight sync, llmem.runtime.generation.sync_weights):
     # colocated with LoRA, peft's merge_adapter on the sharded DTensors, each full_tensor handed over one at a time,
     # the unmerge; server mode, vLLM's packed broadcast (one chunk of every full tensor + its torch.cat copy on a
@@ -542,5 +556,9 @@ def label(s: TrainingSetup) -> str:
         + ([f"reshard-after-forward={s.reshard_after_forward}"] if s.reshard_after_forward else []) \
         + ([f"gen{s.num_generations}"] if s.num_generations else []) \
         + ([f"completion{s.max_completion_length}"] if s.max_completion_length else []) \
-        + ([f"beta{s.beta:g}"] if s.beta is not None else [])
+        + ([f"beta{s.beta:g}"] if s.beta is not None else []) \
+        + [f"{tag}{getattr(s, name)}" for name, tag in (("gradient_accumulation_steps", "ga"),
+                                                         ("steps_per_generation", "spg"),
+                                                         ("generation_batch_size", "gbs"))
+           if getattr(s, name) is not None]
     return f"{s.model} {layout} {' '.join(extras)}"

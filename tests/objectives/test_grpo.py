@@ -108,7 +108,7 @@ def test_generation_is_the_answer_for_a_deep_cache():
 
 @pytest.mark.parametrize("kw, words", [
     (dict(use_vllm=True, vllm_gpu_memory_utilization=0.0), "--vllm-gpu-memory-utilization must lie in"),
-    (dict(num_generations=3), "must divide the global batch"),
+    (dict(num_generations=3), "must divide the generation batch"),
     (dict(num_generations=1, batch_size=4), "--num-generations must be >= 2"),
     (dict(max_completion_length=32), "--seq-len 32 is the prompt plus"),
     (dict(beta=-0.1), "--beta must be >= 0"),
@@ -131,7 +131,7 @@ def test_global_batch_across_gpus():
     """GRPOConfig: generation_batch_size = per_device_train_batch_size x processes must hold whole groups."""
     TrainingSetup("tiny-llama", "ddp", 2, objective="grpo", batch_size=2, seq_len=32, num_generations=4,
                   max_completion_length=8)
-    with pytest.raises(LlmemError, match="--gpus 2 x --batch-size 1 = 2 completions"):
+    with pytest.raises(LlmemError, match="--gpus 2 x --batch-size 1 x steps_per_generation 1 = 2 completions"):
         TrainingSetup("tiny-llama", "ddp", 2, objective="grpo", batch_size=1, seq_len=32, num_generations=4,
                       max_completion_length=8)
 

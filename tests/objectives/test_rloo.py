@@ -87,7 +87,7 @@ def test_rloo_config_refuses_the_same_batch():
     trl = pytest.importorskip("trl")
     with pytest.raises(ValueError, match="divisible by num_generations"):
         trl.RLOOConfig(output_dir="/tmp/llmem-rloo", per_device_train_batch_size=3, num_generations=2, use_cpu=True)
-    with pytest.raises(LlmemError, match="--num-generations 2 must divide the global batch"):
+    with pytest.raises(LlmemError, match="--num-generations 2 must divide the generation batch"):
         _rloo(batch_size=3)
 
 

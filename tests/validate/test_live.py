@@ -144,6 +144,11 @@ def test_a_trl_config_names_its_objective():
                                      per_device_train_batch_size=4, report_to=[], use_cpu=True,
                                      bf16=False))
     assert (grpo["objective"], grpo["num_generations"], grpo["max_completion_length"]) == ("grpo", 4, 64)
+    assert "gradient_accumulation_steps" not in fields     # DPO's accumulation: no generation batch to size
+    batched = trl_fields(trl.GRPOConfig(output_dir="unused", num_generations=4, per_device_train_batch_size=2,
+                                        gradient_accumulation_steps=4, report_to=[], use_cpu=True, bf16=False))
+    assert (batched["gradient_accumulation_steps"], batched["steps_per_generation"]) == (4, 4)
+    assert "generation_batch_size" not in batched          # derived by GRPOConfig: steps_per_generation says it
     assert trl_fields(transformers.TrainingArguments(output_dir="unused", report_to=[])) == {}
 
 

@@ -8,7 +8,7 @@ from llmem.planner.suggestions.fitting import applied, best_fitting
 from llmem.planner.suggestions.record import closest_plan, describe_fit, suggestion_dict
 from llmem.setup.generation import num_generations
 from llmem.setup.layout import Layout
-from llmem.setup.objectives import batch_multiple, setup_batch_multiple
+from llmem.setup.objectives import batch_multiple, fixed_steps_per_generation, setup_batch_multiple
 from llmem.setup.training import TrainingSetup
 
 
@@ -25,7 +25,8 @@ def generations_suggestion(ctx: PlanContext, setup: TrainingSetup, layouts: list
     failed_unit = min(units.values())           # the set-up's own smallest batch does not fit (nothing does)
     closest: list[CandidatePlan] = []
     for fewer in range(g - 1, 1, -1):
-        s = applied(setup, num_generations=fewer, batch_size=batch_multiple(setup.objective, setup.gpus, fewer))
+        steps = fixed_steps_per_generation(setup)
+        s = applied(setup, num_generations=fewer, batch_size=batch_multiple(setup.objective, setup.gpus, fewer, steps))
         if s is None:
             continue
         unit = min(setup_batch_multiple(s, lay.world_size) for lay in layouts)

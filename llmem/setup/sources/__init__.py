@@ -151,6 +151,10 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     if per_node is not None:
         values["gpus_per_node"] = per_node
     overridden = tuple(sorted(k for k, v in overrides.items() if k in values and values[k] != v))
+    for given, other in (("steps_per_generation", "generation_batch_size"),
+                         ("generation_batch_size", "steps_per_generation")):
+        if overrides.get(given) is not None and other not in overrides:    # TRL's two spellings: the flag's wins
+            values.pop(other, None)
     values.update(overrides)
     _check_gpus(main, values, multi, used, notes)
     _nothing_left_to_shard(main, values, used, overrides)

@@ -23,7 +23,14 @@ from llmem.setup.sources.hf import (
     set_liger,
 )
 from llmem.setup.sources.reading import Keys, Reading
-from llmem.setup.sources.trl import GENERATING, batch_note, objective_keys, trl_sequence
+from llmem.setup.sources.trl import (
+    GENERATING,
+    GENERATION_BATCH_KEYS,
+    batch_note,
+    objective_keys,
+    read_generation_batch,
+    trl_sequence,
+)
 
 # axolotl's RLType (utils/schemas/enums.py, axolotl 0.19) -> (llmem's objective, the TRL trainer its builder runs,
 # the loss_type it sets): core/builders/rl.py _get_trainer_cls / _build_training_arguments; ipo is DPO with
@@ -71,7 +78,7 @@ def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
         r.note_used("pad_to_sequence_len", keys.get("pad_to_sequence_len"), "rows of sequence_len: llmem's shape")
     for key in ("eval_sample_packing", "eval_batch_size", "eval_sequence_len", "min_sample_len"):
         keys.get(key)
-    if "gradient_accumulation_steps" in keys:
+    if "gradient_accumulation_steps" in keys and r.values.get("objective") not in GENERATING:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     keys.get("batch_size")
     optimizer = keys.get("optimizer", "adamw_torch_fused")
@@ -122,6 +129,11 @@ def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
         if "beta" not in trl and "rl_beta" in keys:
             r.set("rl_beta", keys.get("rl_beta"), "beta", float(keys.get("rl_beta")))
         trl_sequence(r, trl, True, objective)
+        # GRPOStrategy passes trl.generation_batch_size (no steps_per_generation); the accumulation is
+        # TrainingArguments' (core/trainers/grpo/__init__.py set_training_args_kwargs)
+        read_generation_batch(r, keys, {"gradient_accumulation_steps": GENERATION_BATCH_KEYS[
+            "gradient_accumulation_steps"]})
+        read_generation_batch(r, trl, {"generation_batch_size": GENERATION_BATCH_KEYS["generation_batch_size"]})
     else:                             # _set_base_training_args: max_length = sequence_len under rl / reward_model
         r.set("sequence_len", seq, "max_length", seq, "axolotl passes it as TRL's max_length")
 

@@ -55,8 +55,10 @@ def read(keys: Keys, r: Reading) -> None:
     r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"), batch,
           "batch_size", batch, batch_note(objective))
     objective_keys(r, keys, objective)
+    if objective in GENERATING:
+        read_generation_batch(r, keys, GENERATION_BATCH_KEYS)
     trl_sequence(r, keys, trl, objective)
-    if "gradient_accumulation_steps" in keys:
+    if "gradient_accumulation_steps" in keys and objective not in GENERATING:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     read_optimizer(r, "optim" if "optim" in keys else "optim (transformers' default)",
                    keys.get("optim", "adamw_torch_fused"))
@@ -166,6 +168,22 @@ def objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     for key in ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"):
         if key in keys:
             r.note_used(key, keys.get(key), "the reference's weights updated in place: no memory effect")
+
+
+# The generation batch's keys (GRPOConfig's and RLOOConfig's, TrainingArguments' accumulation): key -> (field, note)
+GENERATION_BATCH_KEYS = {
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", "GRPOConfig's default steps_per_generation"),
+    "steps_per_generation": ("steps_per_generation", "each generation batch serves this many steps"),
+    "generation_batch_size": ("generation_batch_size", "completions generated at once on all processes"),
+}
+
+
+def read_generation_batch(r: Reading, keys: Keys, table: dict[str, tuple[str, str]]) -> None:
+    """GRPO's / RLOO's generation batch, rows of `table` (key -> (field, note)); a None value is TRL's unset."""
+    for key, (name, note) in table.items():
+        raw = keys.get(key)
+        if raw is not None:
+            r.set(key, raw, name, r.integer(key, raw), note)
 
 
 def trl_sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
