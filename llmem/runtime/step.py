@@ -413,6 +413,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             if "rope" in kernels:
                 stack.enter_context(liger_rope(resolved.anatomy.model_type))
 
+        if setup.compile:    # after checkpointing, as torchtune and torchtitan compile (llmem.runtime.compile)
+            from llmem.runtime.compile import compile_layers
+            compile_layers(model, fake)
+
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,
                                       real_pg)
