@@ -24,5 +24,7 @@ timeout 460 $PY -m llmem.cli validate --against measure --matrix gpu --device cu
 timeout 120 $PY benchmarks/oom_boundary.py --out "$out.oom_boundary.json" || status=$?
 # the job's loading and saving phases on one GPU (from_pretrained, save_pretrained) against llmem's analytic ones
 timeout 180 $PY benchmarks/job_phases_gpu.py --out "$out.job_phases.json" || status=$?
+# --compile: inductor's real kernels on each decoder layer, CUDA's counters against the estimate
+timeout 240 $PY benchmarks/compile_gpu.py --out "$out.compile.json" || status=$?
 if [ -n "${OUT:-}" ]; then cp "$out".* "$OUT"/ 2>/dev/null || true; fi
 exit $status
