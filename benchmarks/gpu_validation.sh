@@ -30,5 +30,7 @@ fi
 timeout 120 $PY benchmarks/oom_boundary.py --out "$out.oom_boundary.json" || status=$?
 # the job's loading and saving phases on one GPU (from_pretrained, save_pretrained) against llmem's analytic ones
 timeout 180 $PY benchmarks/job_phases_gpu.py --out "$out.job_phases.json" || status=$?
+# --compile: inductor's real kernels on each decoder layer, CUDA's counters against the estimate
+timeout 240 $PY benchmarks/compile_gpu.py --out "$out.compile.json" || status=$?
 if [ -n "${OUT:-}" ]; then cp "$out".* "$OUT"/ 2>/dev/null || true; fi
 exit $status

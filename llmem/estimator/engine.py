@@ -264,18 +264,26 @@ def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
     refused without them."""
     r = rank_tokens(r)
     learn_if_needed(r)
-    check_ep_learned(r)
+    check_learned_required(r)
     return r, activation_profile(r)
 
 
-def check_ep_learned(r: ResolvedSetup) -> None:
-    """--ep: the all-to-all buffers and the received rows are in the activations learned from the real EP forward
-    (llmem.runtime.expert_parallel) only; without them the estimate is refused rather than read off a recipe
-    that has neither."""
-    if r.layout.ep > 1 and learned_for(r) is None:
-        why = learning_failure(r) or "learning is off (LLMEM_LEARN=never)"
-        raise LlmemError(f"--ep needs the activations learned from the real expert-parallel forward, which are not "
-                         f"available here ({why}): use LLMEM_LEARN=auto (the default) or drop --ep")
+# the options whose activations only learning has: (flag, what the learned run is), checked in order
+_LEARNED_ONLY = (
+    (lambda r: r.layout.ep > 1, "--ep", "the real expert-parallel forward"),
+    (lambda r: r.setup.compile, "--compile", "the real compile pipeline"),
+)
+
+
+def check_learned_required(r: ResolvedSetup) -> None:
+    """--ep (the all-to-all buffers and the received rows of the real EP forward, llmem.runtime.expert_parallel)
+    and --compile (what inductor's partitioner saves, llmem.runtime.compile) are in learned activations only;
+    without them the estimate is refused rather than read off a recipe that has neither."""
+    for on, flag, run in _LEARNED_ONLY:
+        if on(r) and learned_for(r) is None:
+            why = learning_failure(r) or "learning is off (LLMEM_LEARN=never)"
+            raise LlmemError(f"{flag} needs the activations learned from {run}, which are not available here "
+                             f"({why}): use LLMEM_LEARN=auto (the default) or drop {flag}")
 
 
 def learn_if_needed(r: ResolvedSetup) -> None:

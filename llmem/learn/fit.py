@@ -59,7 +59,8 @@ def check_alike(readings: list[Reading], points) -> None:
 
 def fit_sizes(readings: list[Reading], points) -> dict[int, Exact]:
     """Each allocation's bytes (by its rank among the allocations) as a polynomial in TERMS, fitted exactly through
-    the points. The points must run the same allocations in the same order."""
+    the points (one point: its bytes, a constant, valid at that shape alone). The points must run the same
+    allocations in the same order."""
     check_alike(readings, points)
     rows = [[Fraction(v) for v in _basis(b, s)] for b, s in points]
     per_point = [[size for a, _k, size, *_ in rd.events if a] for rd in readings]
@@ -69,7 +70,7 @@ def fit_sizes(readings: list[Reading], points) -> dict[int, Exact]:
     out: dict[int, Exact] = {}
     for rank, values in enumerate(zip(*per_point, strict=True)):
         if len(set(values)) == 1:
-            out[rank] = (Fraction(values[0]),) + (Fraction(0),) * (n - 1)
+            out[rank] = (Fraction(values[0]),) + (Fraction(0),) * (len(TERMS) - 1)
             continue
         coeffs = [sum(inverse_cols[j][i] * values[j] for j in range(n)) for i in range(n)]
         out[rank] = tuple(coeffs)

@@ -86,7 +86,8 @@ def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float, sel
         if t.size in pending:
             pending.remove(t.size)
             continue
-        batchless = all(c == 0 for c in (t.size[1], t.size[3], t.size[4]))
+        # no batch term (one point fits constants: the module says it)
+        batchless = len(points) > 1 and all(c == 0 for c in (t.size[1], t.size[3], t.size[4]))
         (shared if batchless or "rotary" in t.module else embed).append(t.size)
     return LearnedActivations(learned_blocks, tuple(map(as_floats, embed)), tuple(map(as_floats, head)),
                               tuple(map(as_floats, shared)), LEARN_DEPTH,

@@ -81,20 +81,42 @@ class NodeModules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():     # dynamo traces the mode: nothing of it in a compiled layer's graph
+            return out
         led = self.ledger
         if led.phase == FORWARD and led.mod_tracker is not None and torch.is_grad_enabled():
             parents = led.mod_tracker.parents
-            name = max(parents, key=len) if len(parents) > 1 else "-"
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                node = t.grad_fn if isinstance(t, torch.Tensor) else None
-                stack = [node]
-                while stack:
-                    n = stack.pop()
-                    if n is None or NODE_TAG in n.metadata:
-                        continue
-                    n.metadata[NODE_TAG] = name
-                    stack.extend(f for f, _ in n.next_functions)
+            _tag_nodes(out, max(parents, key=len) if len(parents) > 1 else "-")
         return out
+
+
+def _tag_nodes(out, name: str) -> None:
+    """Tag the autograd nodes behind `out` not tagged yet with the module `name`."""
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        stack = [t.grad_fn if isinstance(t, torch.Tensor) else None]
+        while stack:
+            n = stack.pop()
+            if n is None or NODE_TAG in n.metadata:
+                continue
+            n.metadata[NODE_TAG] = name
+            stack.extend(f for f, _ in n.next_functions)
+
+
+@contextlib.contextmanager
+def compiled_layer_nodes(ledger: Ledger):
+    """A compiled layer's graph is one autograd node that no torch call inside the mode made (dynamo calls it
+    directly; llmem.runtime.compile): tagged with the layer once its forward returns."""
+    def tag(module, args, out):
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        if ledger.phase == FORWARD and ledger.mod_tracker is not None:
+            _tag_nodes(out, ledger.mod_tracker._get_mod_name(module))   # the tracker's name for it (its FQN)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(tag)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def run_point(setup) -> Reading:
@@ -110,6 +132,8 @@ def run_point(setup) -> Reading:
             def start_tracking() -> None:
                 roles.append(outer.enter_context(tracking(ledger, fake_mode, real=False)))
                 outer.enter_context(NodeModules(ledger))
+                if setup.compile:
+                    outer.enter_context(compiled_layer_nodes(ledger))
 
             hooks = StepHooks(on_phase=lambda ph, it: roles[0].on_phase(ph, it), region=ledger.region)
             with prepared_step(setup, fake=True, fake_mode=fake_mode, hooks=hooks,

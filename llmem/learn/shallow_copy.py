@@ -15,7 +15,14 @@ from llmem.learn.fit import check_alike, fit_sizes
 from llmem.learn.layer_blocks import read_layer
 from llmem.learn.one_point import run_point
 from llmem.learn.points import LEARN_DEPTH, POINTS, LearnError, Reading
-from llmem.memory.activations.learned import LearnedActivations, cached, learning_key, learning_need, remember
+from llmem.memory.activations.learned import (
+    LearnedActivations,
+    cached,
+    compile_shape,
+    learning_key,
+    learning_need,
+    remember,
+)
 from llmem.model.families import LAYERS_FIELDS, family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.runtime.expert_parallel import learning_ep
@@ -42,8 +49,11 @@ def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
     return learned
 
 
-def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] = POINTS) -> LearnedActivations:
-    """Run the copy at `points` and fit what its layers keep (not cached: learned_activations caches)."""
+def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None = None) -> LearnedActivations:
+    """Run the copy at `points` (POINTS; under --compile the micro-batch's own shape alone) and fit what its layers
+    keep (not cached: learned_activations caches)."""
+    shape = compile_shape(r.setup)
+    points = points or ((shape,) if shape is not None else POINTS)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
         path = Path(folder) / "config.json"

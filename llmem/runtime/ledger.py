@@ -415,14 +415,29 @@ class StepRoles:
         self.ledger.relabel(list(self._states()), "optimizer_states")
 
 
-@contextlib.contextmanager
-def tracking(ledger: Ledger, fake_mode: TracingFakeMode | None, real: bool) -> Iterator[StepRoles]:
+def _eager_mod_tracker():
+    """torch's ModTracker, its module hooks left out of what dynamo traces: a compiled layer's own modules run inside
+    its graph, tracked as the layer (llmem.runtime.compile)."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
+    class EagerModTracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            if not torch.compiler.is_compiling():
+                super()._fw_pre_hook(mod, input)
+
+        def _fw_post_hook(self, mod, input, output):
+            if not torch.compiler.is_compiling():
+                super()._fw_post_hook(mod, input, output)
+
+    return EagerModTracker()
+
+
+@contextlib.contextmanager
+def tracking(ledger: Ledger, fake_mode: TracingFakeMode | None, real: bool) -> Iterator[StepRoles]:
     roles = StepRoles(ledger)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_fsdp_tracking(ledger))
-        mt = stack.enter_context(ModTracker())
+        mt = stack.enter_context(_eager_mod_tracker())
         ledger.mod_tracker = mt
         if fake_mode is not None:
             fake_mode.ledger = ledger

@@ -84,6 +84,10 @@ def measure(setup, *, device: str | torch.device | None = None, iterations: int 
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LlmemError("measure --device cuda: no CUDA GPU is visible to torch")
+    if setup.compile:
+        raise LlmemError("--compile is estimated and traced, not measured here: measure's op tracker (a "
+                         "TorchDispatchMode) cannot run inside torch.compile's graphs; on a GPU, "
+                         "benchmarks/compile_gpu.py runs the compiled step with CUDA's own counters")
     if method_spec(setup.method).zero_stage is not None:
         return _measure_deepspeed(setup, device, iterations, progress)
     try:

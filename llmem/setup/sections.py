@@ -170,6 +170,9 @@ class ActivationsConfig:
                         "as use_liger_kernel applies them); its fused_linear_cross_entropy is --fused-ce (default none)",
                         ACTIVATIONS,
                         metavar="KERNELS")
+    compile: bool = option(False, "torch.compile of each decoder layer, as torchtune's and torchtitan's compile "
+                           "flags apply it: what inductor's partitioner saves, learned from the real compile pipeline "
+                           "on fake tensors", ACTIVATIONS, kind="switch")
     logits_dtype: str = option("fp32", "the loss's logits: fp32 (transformers' upcast before cross-entropy) or model "
                                "(cross-entropy on the lm_head's output in the model's dtype; under autocast its "
                                "log-softmax still runs in fp32; default fp32)", ACTIVATIONS)

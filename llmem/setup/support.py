@@ -194,6 +194,24 @@ FLOAT8 = FeatureSupport("--float8", lambda c: c.setup.float8 != "none", (
             "--objective"),
 ))
 
+# --compile: each decoder layer compiled (llmem.runtime.compile), its activations learned with the real compile
+# pipeline on a copy run on one GPU (llmem.learn): what that copy and the compiled layer cannot stand for is refused
+COMPILE = FeatureSupport("--compile", lambda c: c.setup.compile, (
+    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
+            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
+            "--compile with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
+            "single, ddp, fsdp or zero2, or drop --compile"),
+    Refusal("a quantised base, selective checkpointing, offloaded activations, Liger, TRL's objectives",
+            lambda c: c.setup.quant_spec.quantised or AC_POLICIES[c.setup.ac_policy].selective
+            or c.setup.offload_activations or c.setup.liger != "none" or c.setup.objective_spec.runs_trainer,
+            "--compile is modelled on a full fine-tune or peft adapters of an unquantised base (sft, full or no "
+            "checkpointing, activations on the device, HF's modules): drop the quantised base / --ac-policy op / "
+            "--offload-activations / --liger / --objective, or drop --compile"),
+    Refusal("--float8", lambda c: c.setup.float8 != "none",
+            "--compile with --float8 is not modelled (inductor fuses Float8Linear's casts, which the estimate lays "
+            "out one by one): drop one of them"),
+))
+
 
 def _selective_line(c: Case) -> str:
     return (f"--ac-policy {c.setup.ac_policy} with {{}} is not modelled: use it on a full fine-tune under single, "
@@ -380,7 +398,8 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, SELECTIVE_AC, DEEPSPEED,
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, COMPILE,
+    SELECTIVE_AC, DEEPSPEED,
     QUANTISED_BASE, RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
 
 
@@ -407,6 +426,12 @@ def liger_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
 def float8_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
     """Why llmem does not model `setup`'s --float8 with the rest of it (None: it does, or float8 is off)."""
     return FLOAT8.refusal(Case(setup, method))
+
+
+def compile_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup`'s --compile with the rest of it, the model aside (None: it does, or compile
+    is off)."""
+    return COMPILE.refusal(Case(setup, method))
 
 
 def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:

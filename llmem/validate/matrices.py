@@ -133,6 +133,14 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", liger="auto", batch_size=2, seq_len=256, lora_rank=16,
        lora_targets="all-linear"),
     _s("tiny-mistral", precision="bf16-mixed", optimizer="sgd", attn="flash", batch_size=2, seq_len=256),
+    # torch.compile of each decoder layer (--compile: inductor's partitioner on fake tensors), one GPU and FSDP2,
+    # with and without checkpointing, full fine-tuning and LoRA
+    _s("tiny-llama", precision="bf16", optimizer="sgd", compile=True, batch_size=4, seq_len=512),
+    _s("tiny-qwen3", precision="bf16-mixed", optimizer="sgd", compile=True, grad_ckpt=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", compile=True, grad_ckpt=True, batch_size=2, seq_len=256),
+    _s("tiny-mistral", precision="bf16-mixed", compile=True, attn="flash", batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear"),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
     # offloading under checkpointing (torchtune's: the checkpointed layer inputs on the host until recompute)
@@ -543,6 +551,7 @@ def label(s: TrainingSetup) -> str:
         + ([f"logits-{s.logits_dtype}"] if s.logits_dtype != "fp32" else []) \
         + ([f"liger:{s.liger}"] if s.liger != "none" else []) \
         + ([f"float8:{s.float8}" + ("+ag" if s.float8_all_gather else "")] if s.float8 != "none" else []) \
+        + (["compile"] if s.compile else []) \
         + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
         + (["offload-opt"] if s.offload_optimizer else []) \
         + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \

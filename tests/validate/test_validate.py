@@ -34,6 +34,9 @@ def test_ci_matrix_covers_the_required_space():
     assert len(fused) >= 2 and any(s.grad_ckpt for s in fused) and any(s.method == "fsdp" for s in fused)
     assert any(s.offload_activations for s in CI_MATRIX)
     assert any(s.packing for s in CI_MATRIX)
+    compiled = [s for s in CI_MATRIX if s.compile]
+    assert {s.method for s in compiled} >= {"single", "fsdp"} and {s.grad_ckpt for s in compiled} == {True, False}
+    assert any(s.lora_rank for s in compiled)
     assert len(CI_MATRIX) >= 20
 
 

@@ -71,8 +71,9 @@ class StepFacts:
         return p.trainable or (self.setup.stored_bytes(False) != self.regime.mm and not self.params.quantised[p.name])
 
     def cast_weights(self, params: list[ParamInfo]) -> list[ParamInfo]:
-        """The weights whose autocast copies a block's linears keep for backward (none outside autocast)."""
-        if not self.regime.autocast:
+        """The weights whose autocast copies a block's linears keep for backward (none outside autocast, nor in a
+        compiled layer: its graph's own casts are learned with it)."""
+        if not self.regime.autocast or self.act.compiled:
             return []
         return [p for p in params if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and self.casts(p)]
 

@@ -83,10 +83,11 @@ class LayerEvents:
 
     def weight_copies(self, params: list[ParamInfo]) -> list[int]:
         """Autocast's low-precision copies of a block's matmul weights: kept by the linear for the input gradient,
-        a trained bias's cached until autocast exits, a frozen bias's cast for its one use."""
+        a trained bias's cached until autocast exits, a frozen bias's cast for its one use (none in a compiled
+        layer: its graph's casts are learned with it)."""
         sch, regime, fwd = self.sch, self.f.regime, self.state.forward
         kept = []
-        if not regime.autocast:
+        if not regime.autocast or self.f.act.compiled:
             return kept
         for p in params:
             if p.module_kind in MATMUL_KINDS and self.f.casts(p):

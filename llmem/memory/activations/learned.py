@@ -111,8 +111,10 @@ class LearnedActivations:
     @property
     def note(self) -> str:
         pts = ", ".join(f"{b}x{s}" for b, s in self.points)
+        fit = (f"sizes fitted in {', '.join(TERMS)}" if len(self.points) > 1 else
+               "--compile: at the micro-batch's own shape, whose sizes decide what the partitioner saves")
         return (f"activations learned from the real code on a {self.depth}-layer copy at points {pts} (batch x "
-                f"tokens; sizes fitted in {', '.join(TERMS)}), decoder layer {self.read_layer} read as every layer's; "
+                f"tokens; {fit}), decoder layer {self.read_layer} read as every layer's; "
                 f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s" + (
                     f"; under --ac-policy op it keeps the outputs of {self.selective.described}"
                     if self.selective is not None else ""))
@@ -213,7 +215,8 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
     # --ac-policy op where the hand recipes' model of it does not reach (fused projections, post norms, ...):
     # which op made each tensor is learned with the layer
     selective_unmodelled = AC_POLICIES[setup.ac_policy].selective and hand_selective_refusal(anatomy) is not None
-    wanted = mode == "always" or family_of(anatomy.model_type).recipe is None or inexact_peft or selective_unmodelled
+    wanted = (mode == "always" or family_of(anatomy.model_type).recipe is None or inexact_peft or selective_unmodelled
+              or setup.compile)      # what inductor's partitioner saves: learned with the real compile pipeline
     if not wanted:
         return False, ""
     if r.layout.tp > 1:
@@ -240,7 +243,7 @@ def learning_key(r: ResolvedSetup) -> dict:
     setup = r.setup
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
-            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy)
+            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy, compile_shape(setup))
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -268,7 +271,17 @@ def _learning_key(r: ResolvedSetup) -> dict:
             # --ep: the rank's local experts and received rows (llmem.runtime.expert_parallel)
             **({"ep": r.layout.ep, "ep_imbalance": setup.ep_imbalance} if r.layout.ep > 1 else {}),
             # --ac-policy op: the layer is learned with the op that made each tensor (a file of its own)
-            **({"ac_policy": setup.ac_policy} if AC_POLICIES[setup.ac_policy].selective else {})}
+            **({"ac_policy": setup.ac_policy} if AC_POLICIES[setup.ac_policy].selective else {}),
+            # --compile: the layers compiled (llmem.runtime.compile), learned at the micro-batch's own shape
+            **({"compile": list(compile_shape(setup))} if setup.compile else {})}
+
+
+def compile_shape(setup) -> tuple[int, int] | None:
+    """--compile: the (batch, seq_len) its layers are learned at, the micro-batch's own: the min-cut partitioner
+    weighs each tensor's bytes, so what a compiled layer saves can change with the shape (an autocast weight copy
+    saved at a few tokens, recomputed at many), and sizes from small points would not stand for it. None without
+    --compile (learned at llmem.learn's POINTS, fitted in TERMS)."""
+    return (setup.batch_size, setup.seq_len) if setup.compile else None
 
 
 _CONFIG_IGNORED = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}

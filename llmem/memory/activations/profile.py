@@ -83,6 +83,9 @@ class ActivationProfile:
     selective: SelectiveLayer | None = None
     loss_bytes: int = F32      # the loss's logits, log-softmax and gradients: bytes per element (loss_logits_bytes)
     nll_cast: int = 0          # autocast's fp32 cast of a low-precision log-softmax, kept by nll_loss (nll_cast_bytes)
+    # --compile: the layers' autocast weight copies are ops of their compiled graphs (saved or recomputed as the
+    # partitioner chose, learned with the layer), not autocast's cached casts the schedule makes
+    compiled: bool = False
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -247,6 +250,12 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                      "matmul (an fp32 scaled copy and its clamp before the float8 tensor)" + (
                          "; FSDP2 gathers the converted weights in float8" if setup.float8_all_gather else "")
                      + "; torch.compile, which fuses the casts, is not modelled")
+    if setup.compile:
+        notes.append("--compile: each decoder layer's forward compiled (inside its checkpoint, torchtune's order), "
+                     "what the forward saves chosen by inductor's own decompositions and min-cut partitioner, run "
+                     "on fake tensors at this micro-batch's shape; inductor's generated kernels are not: the "
+                     "partitioned graphs run op by op, so the saved tensors are exact and a layer's transients an "
+                     "upper bound (fused pointwise chains make none); the loss is not compiled")
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
@@ -346,6 +355,6 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
                        anatomy, "final_logit_softcapping", default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
-        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d),
+        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d), compiled=setup.compile,
     )
 

@@ -28,7 +28,13 @@ from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, r
 from llmem.setup.sources.files import load
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import check_support, deepspeed_refusal, float8_refusal, liger_refusal
+from llmem.setup.support import (
+    check_support,
+    compile_refusal,
+    deepspeed_refusal,
+    float8_refusal,
+    liger_refusal,
+)
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
@@ -166,8 +172,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     used = _marked(used, overrides)
     try:
         setup = _stand_in(user_setup(**values), values, overrides, notes)
-        setup = _liger_not_expressed(setup, used, ignored, overrides)
-        setup = _float8_not_expressed(setup, used, ignored, overrides)
+        setup = _kernels_not_expressed(setup, used, ignored, overrides)
         check_support(setup, METHODS[setup.method])
     except LlmemError as exc:
         why = "".join(f" ({n})" for n in notes if n.startswith("DeepSpeed"))
@@ -190,32 +195,28 @@ def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str,
     return user_setup(**{**kept, "method": STANDINS[setup.method]})
 
 
-def _liger_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
-                         overrides: dict[str, Any]) -> TrainingSetup:
-    """A file's Liger kernels where llmem's --liger is not modelled with the rest of its set-up (adapters, a
-    quantised base, DeepSpeed, ...): kept as ignored keys (HF's modules stand in, as before --liger), not a refused
-    set-up; a --liger given on the command line stays (and is refused)."""
-    why = liger_refusal(setup, METHODS[setup.method])
-    if why is None or "liger" in overrides:
-        return setup
-    for u in [u for u in used if u.field == "liger"]:
-        used.remove(u)
-        ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: HF's modules stand in for Liger's"))
-    return replace(setup, liger="none")
+def _kernels_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
+                           overrides: dict[str, Any]) -> TrainingSetup:
+    """A file's Liger kernels, float8 linears or torch.compile where llmem does not model them with the rest of its
+    set-up (adapters, a quantised base, DeepSpeed, ...): kept as ignored keys (what stands in said), not a refused
+    set-up; one given on the command line stays (and is refused)."""
+    for offs, refusal, stand_in in _KERNEL_CHOICES:
+        why = refusal(setup, METHODS[setup.method])
+        if why is None or any(f in overrides for f in offs):
+            continue
+        for u in [u for u in used if u.field in offs]:
+            used.remove(u)
+            ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: {stand_in}"))
+        setup = replace(setup, **offs)
+    return setup
 
 
-def _float8_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
-                          overrides: dict[str, Any]) -> TrainingSetup:
-    """A file's float8 training where llmem's --float8 is not modelled with the rest of its set-up (tensor
-    parallelism, autocast, adapters, ...): kept as ignored keys (bf16 linears stand in), not a refused set-up; a
-    --float8 given on the command line stays (and is refused)."""
-    why = float8_refusal(setup, METHODS[setup.method])
-    if why is None or "float8" in overrides or "float8_all_gather" in overrides:
-        return setup
-    for u in [u for u in used if u.field in ("float8", "float8_all_gather")]:
-        used.remove(u)
-        ignored.append(Ignored(u.file, u.key, u.raw, f"{why.split(':')[0]}: bf16 linears stand in for Float8Linear"))
-    return replace(setup, float8="none", float8_all_gather=False)
+# (the fields and their off values, why they are not modelled with the set-up, what stands in), in order
+_KERNEL_CHOICES = (
+    ({"liger": "none"}, liger_refusal, "HF's modules stand in for Liger's"),
+    ({"float8": "none", "float8_all_gather": False}, float8_refusal, "bf16 linears stand in for Float8Linear"),
+    ({"compile": False}, compile_refusal, "the layers run eagerly in the estimate"),
+)
 
 
 def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:

@@ -22,7 +22,7 @@ from llmem.setup.sources.hf import (
     read_optimizer,
     set_liger,
 )
-from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.reading import WHOLE_MODEL_COMPILE, Keys, Reading
 from llmem.setup.sources.trl import (
     GENERATING,
     GENERATION_BATCH_KEYS,
@@ -325,7 +325,7 @@ def _unmodelled(r: Reading, keys: Keys) -> None:
     for key, why in (
             ("unfrozen_parameters", "training only the parameters matching these patterns is not expressible: "
              "full fine-tuning stands in (an upper bound)"),
-            ("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+            ("torch_compile", WHOLE_MODEL_COMPILE),
             ("tiled_mlp", "tiled MLP (the MLP computed in sequence tiles) is not modelled: the whole MLP's "
              "activations are counted"),
             ("layer_offloading", "offload of layer parameters is not modelled"),

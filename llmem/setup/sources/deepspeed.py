@@ -222,7 +222,7 @@ def read_deepspeed(r: Reading, config: dict, file: str, trainer: TrainerValues |
     if "tensor_parallel" in keys:
         r.ignore("tensor_parallel", keys.get("tensor_parallel"), "DeepSpeed AutoTP is not modelled: estimated "
                  "without tensor parallelism", file=file)
-    for name, why in (("compile", "torch.compile is not modelled (its fusions change what is saved)"),
+    for name, why in (("compile", "DeepSpeed's compile of its engine is not modelled (nor --compile under DeepSpeed)"),
                       ("gradient_clipping", "the gradient norm's temporaries are not modelled (a few scalars)"),
                       ("zero_force_ds_cpu_optimizer", "which optimizer class runs on the CPU: no GPU memory"),
                       ("zero_allow_untested_optimizer", "a permission, no memory effect")):

@@ -21,7 +21,7 @@ from llmem.setup.sources.hf import (
     set_liger,
     trainer_distributed,
 )
-from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.reading import WHOLE_MODEL_COMPILE, Keys, Reading
 from llmem.setup.sources.trl import batch_note
 
 MARKS = ("stage", "finetuning_type", "cutoff_len", "template", "lora_target", "quantization_bit")
@@ -98,7 +98,7 @@ def read(keys: Keys, r: Reading) -> None:
                       "modelled"),
                      ("use_mca", "Megatron-Core training (mcore_adapter) is not modelled"),
                      ("use_kt", "KTransformers' CPU / GPU offloaded kernels are not modelled"),
-                     ("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+                     ("torch_compile", WHOLE_MODEL_COMPILE),
                      ("use_unsloth", "unsloth's kernels are not modelled"),
                      ("shift_attn", "LongLoRA's shifted attention is not modelled"),
                      ("mixture_of_depths", "mixture of depths is not modelled")):

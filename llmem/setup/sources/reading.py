@@ -13,6 +13,10 @@ from typing import Any
 from llmem.errors import LlmemError
 from llmem.setup.sources.record import Ignored, Used
 
+# the HF Trainer's torch_compile (TrainingArguments.torch_compile: torch.compile of the whole model)
+WHOLE_MODEL_COMPILE = ("the Trainer's torch.compile of the whole model is not modelled (llmem's --compile is "
+                       "torchtune's and torchtitan's compile of each decoder layer)")
+
 
 class Keys:
     """A config's mapping whose reads are tracked (nested mappings share the tracking), so that the keys no reader

@@ -88,9 +88,7 @@ def read(keys: Keys, r: Reading) -> None:
     _precision(r, training)
     _optimizer(r, keys.sub("optimizer"))
     _checkpointing(r, keys.sub("activation_checkpoint"))
-    compile_on = keys.sub("compile").get("enable", training.get("compile", False))
-    if compile_on:
-        r.ignore("compile.enable", True, "torch.compile is not modelled (its fusions change what is saved)")
+    _compile(r, keys.sub("compile"), training)
     if training.get("enable_cpu_offload"):
         r.set("training.enable_cpu_offload", True, "offload_param", True, "FSDP2's CPUOffloadPolicy")
     _float8(r, keys)
@@ -382,6 +380,22 @@ def _optimizer(r: Reading, opt: Keys) -> None:
                       "for-loop")
     r.set("optimizer.name + implementation", f"{name} {impl}", "optimizer", IMPLEMENTATIONS[impl],
           "" if "implementation" in opt else "torchtitan's default implementation: fused")
+
+
+def _compile(r: Reading, section: Keys, training: Keys) -> None:
+    """[compile] enable and components (torchtitan's default: the model and the loss; before it, training.compile:
+    both): the model's blocks compiled one by one (apply_compile), after activation checkpointing wraps them."""
+    if not section.get("enable", training.get("compile", False)):
+        return
+    components = section.get("components", ["model", "loss"])
+    if "model" in components:
+        order = ("; torchtitan compiles each block with its checkpoint inside the graph, llmem inside the "
+                 "checkpoint (torchtune's order): the same saved inputs, the recompute's transients may differ"
+                 if r.values.get("grad_ckpt") else "")
+        r.set("compile.enable", True, "compile", True, "each block compiled (apply_compile)" + order)
+    if "loss" in components:
+        r.ignore("compile.components", components, "the loss compiled: not modelled (it runs eagerly in the "
+                 "estimate)")
 
 
 def _checkpointing(r: Reading, ac: Keys) -> None:

@@ -252,8 +252,10 @@ def _distributed(r: Reading, keys: Keys) -> None:
         r.set("tensor_parallel_dim", tp, "tp", tp)
         r.method = "fsdp+tp"
     keys.sub("tensor_parallel_plan")
-    if keys.get("compile"):
-        r.ignore("compile", True, "torch.compile is not modelled (its fusions change what is saved)")
+    if keys.get("compile"):     # training.compile_model: each decoder layer, inside its checkpoint wrapper
+        r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)")
+        r.ignore("compile (the loss)", True, "training.compile_loss compiles the loss too: not modelled (the loss "
+                 "runs eagerly in the estimate)")
     if "quantizer" in keys:     # qat_distributed / qat_lora_finetune_distributed
         r.ignore("quantizer._component_", keys.sub("quantizer").get("_component_"), "quantization-aware training "
                  "(torchao's fake-quantised weights and activations in every forward) is not modelled: the "

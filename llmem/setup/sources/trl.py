@@ -23,7 +23,7 @@ from llmem.setup.sources.hf import (
     read_optimizer,
     trainer_distributed,
 )
-from llmem.setup.sources.reading import Keys, Reading
+from llmem.setup.sources.reading import WHOLE_MODEL_COMPILE, Keys, Reading
 from llmem.setup.sources.trl_trainers import TRAINER_KEYS, fit, not_modelled
 
 # SFTConfig's sequence cap before TRL renamed it max_length (TRL 0.20): a file written for that TRL still caps there
@@ -81,7 +81,7 @@ def read(keys: Keys, r: Reading) -> None:
         if r.zero_stage == 3 and not quantised:
             r.dtype(adapters="base")
             r.notes.append("TRL under ZeRO-3 builds the adapters in the base's dtype (autocast_adapter_dtype=False)")
-    for key, why in (("torch_compile", "torch.compile is not modelled (its fusions change what is saved)"),
+    for key, why in (("torch_compile", WHOLE_MODEL_COMPILE),
                      ("auto_find_batch_size", "the batch is the one the file states (the search halves it on OOM)")):
         if keys.get(key):
             r.ignore(key, keys.get(key), why)

@@ -31,7 +31,8 @@ def test_torch_compile_makes_it_approximate(tmp_path):
     record = _record(tmp_path, "torch_compile: true\n")
     assert not record.exact
     assert [i.key for i in record.approximations] == ["torch_compile"]
-    assert record.to_dict()["approximate_because"][0].startswith("torch_compile: torch.compile is not modelled")
+    assert record.to_dict()["approximate_because"][0].startswith(
+        "torch_compile: the Trainer's torch.compile of the whole model is not modelled")
 
 
 def test_the_table_says_approximate_first(tmp_path, capsys):

@@ -1,0 +1,91 @@
+"""--compile: what a compiled decoder layer keeps for backward, learned through the trace's machinery (the ledger's
+lifetimes of the real step on fake tensors), is what autograd itself is handed to save (saved-tensor hooks around
+the same compiled layer, an independent record); and the set-ups --compile is not modelled with are refused in one
+line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import llmem
+from llmem.errors import LlmemError
+from llmem.estimator.engine import estimate
+from llmem.learn.shallow_copy import learned_activations
+from llmem.model.resolved import resolve
+from llmem.runtime.compile import compile_layers
+from llmem.setup.training import user_setup
+
+B, S = 2, 128
+TINY_LLAMA = Path(llmem.__file__).parent / "model" / "catalog" / "tiny" / "tiny-llama.json"
+
+
+def _saved_by_autograd(compiled: bool) -> list[int]:
+    """The bytes of each storage autograd is handed to save in decoder layer 1's forward (bf16, SDPA), parameters
+    and the batch-free rotary cos / sin left out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(TINY_LLAMA.read_text())
+    cfg = AutoConfig.for_model(**{k: v for k, v in fields.items() if k != "architectures"})
+    cfg._attn_implementation = "sdpa"
+    saved: dict[int, int] = {}
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if inside[0] and id(storage) not in params and t.shape[0] != 1:
+            saved[id(storage)] = storage.nbytes()
+        return t
+
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if compiled:
+            compile_layers(model)
+        params = {id(p.untyped_storage()) for p in model.parameters()}
+        layer = model.model.layers[1]
+        layer.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, cfg.vocab_size, (B, S)))
+    return sorted(saved.values())
+
+
+def _learned_kept(compiled: bool) -> list[int]:
+    r = resolve(user_setup(model="tiny-llama", batch_size=B, seq_len=S, precision="bf16", compile=compiled))
+    recipe = learned_activations(r).recipe(B, S)
+    # CUDA's flash kernel's RNG seed and offset (8 and 16 bytes, the trace's emulation of the kernel) aside
+    return sorted(int(n) for b in recipe.blocks for n in b.tensors if n >= 1024)
+
+
+def test_a_compiled_layer_keeps_what_autograd_saves(monkeypatch):
+    monkeypatch.setenv("LLMEM_LEARN", "auto")      # the tests' default is never (tests/conftest.py)
+    kept = _learned_kept(compiled=True)
+    assert kept == _saved_by_autograd(compiled=True)
+    # the partitioner recomputes what eager autograd keeps (the MLP's activation among them): less is kept
+    assert sum(kept) < sum(_saved_by_autograd(compiled=False))
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"method": "tp", "gpus": 2}, "--compile with tensor / pipeline / context / expert parallelism or DeepSpeed"),
+    ({"method": "ds-zero2", "gpus": 2, "precision": "bf16-mixed"}, "--compile with tensor / pipeline"),
+    ({"ac_policy": "op"}, "--compile is modelled on a full fine-tune or peft adapters"),
+    ({"lora_rank": 8, "quant_base": "nf4"}, "--compile is modelled on a full fine-tune or peft adapters"),
+])
+def test_what_compile_is_not_modelled_with_is_one_line(flags, refused):
+    with pytest.raises(LlmemError) as exc:
+        estimate(user_setup(model="tiny-llama", compile=True, seq_len=64, **flags))
+    assert str(exc.value).startswith(refused) and "\n" not in str(exc.value)
+
+
+def test_compile_needs_learning(monkeypatch):
+    monkeypatch.setenv("LLMEM_LEARN", "never")
+    with pytest.raises(LlmemError, match=r"^--compile needs the activations learned from the real compile pipeline"):
+        estimate(user_setup(model="tiny-llama", compile=True, seq_len=64))

@@ -1,0 +1,82 @@
+"""torch.compile as each framework's config turns it on: torchtune's `compile: True` (training.compile_model: each
+decoder layer, and compile_loss: the loss) and torchtitan's `[compile]` (apply_compile on each block; components
+default to the model and the loss) read as --compile with the loss's compile said to be not modelled; where
+--compile is not modelled with the rest of the file's set-up, the key stays ignored (the layers run eagerly),
+not a refused file; the Trainer's whole-model `torch_compile` is not --compile."""
+
+from __future__ import annotations
+
+from documented_configs import DATA, approximate
+
+from llmem.setup.sources import setup_from_file
+
+
+def _torchtune(tmp_path, name: str, compile_line: str):
+    text = (DATA / "torchtune" / name).read_text()
+    assert "\ncompile: False" in text
+    path = tmp_path / name
+    path.write_text(text.replace("\ncompile: False", "\n" + compile_line))
+    return setup_from_file(path)
+
+
+def test_torchtune_compile_is_each_layer_compiled(tmp_path):
+    fs = _torchtune(tmp_path, "full-single-device.yaml", "compile: True")
+    assert fs.setup.compile is True
+    used = {u.key: u.field for u in fs.record.used}
+    assert used["compile"] == "compile"
+    assert "compile (the loss)" in approximate(fs)
+
+
+def test_torchtune_compile_off_stays_off(tmp_path):
+    fs = _torchtune(tmp_path, "full-single-device.yaml", "compile: False")
+    assert fs.setup.compile is False
+    assert not {k for k in approximate(fs) if k.startswith("compile")}
+
+
+def test_compile_with_a_quantised_base_is_kept_as_an_ignored_key(tmp_path):
+    fs = _torchtune(tmp_path, "qlora-single-device.yaml", "compile: True")
+    assert fs.setup.compile is False                      # the layers run eagerly in the estimate
+    ignored = {i.key: i.why for i in fs.record.ignored}
+    assert ignored["compile"].startswith("--compile is modelled on a full fine-tune or peft adapters")
+    assert "compile" in approximate(fs)
+
+
+def _titan_without_float8() -> str:
+    text = (DATA / "torchtitan" / "float8-compile.toml").read_text()
+    assert 'converters = ["float8"]\n' in text
+    return text.replace('converters = ["float8"]\n', "")
+
+
+def test_torchtitan_compile_without_the_loss(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(_titan_without_float8().replace("enable = true", 'enable = true\ncomponents = ["model"]'))
+    fs = setup_from_file(path)
+    assert fs.setup.compile is True
+    assert approximate(fs) == set()                        # the file's run as read
+
+
+def test_torchtitan_compile_of_the_loss_only_is_not_the_layers(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(_titan_without_float8().replace("enable = true", 'enable = true\ncomponents = ["loss"]'))
+    fs = setup_from_file(path)
+    assert fs.setup.compile is False
+    assert "compile.components" in approximate(fs)
+
+
+def test_torchtitan_compile_with_selective_ac_runs_eagerly_said_so(tmp_path):
+    text = (DATA / "torchtitan" / "fsdp-8b.toml").read_text()
+    assert "enable = false" in text and 'selective_ac_option = "op"' in text
+    path = tmp_path / "c.toml"
+    path.write_text(text.replace("enable = false", "enable = true"))
+    fs = setup_from_file(path)
+    assert fs.setup.compile is False and fs.setup.ac_policy == "op"
+    assert {"compile.enable", "compile.components"} <= approximate(fs)
+
+
+def test_the_trainers_whole_model_compile_is_not_layer_compile(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: meta-llama/Llama-3.1-8B\nper_device_train_batch_size: 1\n"
+                    "max_length: 512\nbf16: true\ntorch_compile: true\n")
+    fs = setup_from_file(path)
+    assert fs.setup.compile is False
+    assert approximate(fs) == {"torch_compile"}
