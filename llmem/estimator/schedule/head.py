@@ -1,10 +1,13 @@
 """The head and the loss in the step schedule: the final norm, the lm_head and HF's ForCausalLMLoss on full logits
 (their fp32 upcast and log-softmax; with TP the vocab shards all-gathered, or under --loss-parallel kept sharded),
 or llmem.runtime.losses' fused linear cross-entropy (--fused-ce); then the loss's backward and the head's
-gradients (under --optimizer-in-backward, the lm_head's hook where the matmul's node has released its inputs).
+gradients (autocast's fp32 cast of the lm_head's weight gradient, and under --optimizer-in-backward its hook, once
+the matmul's node has released its inputs).
 
 Known Limitations: the loss's per-token scalars (a few KiB) are left out; the objectives' heads (TRL's fused head,
-the pairwise losses) are their own events (llmem.estimator.objectives, .pairwise).
+the pairwise losses) are their own events (llmem.estimator.objectives, .pairwise); the lm_head's input gradient
+is made before its weight gradient (MmBackward0 makes the weight's first: a [tokens, hidden] tensor out of order);
+the final norm's backward temporaries are left out.
 """
 
 from __future__ import annotations
@@ -302,12 +305,12 @@ class HeadEvents:
             grad_in = self.lora_backward(head_params, cast_grad)
         else:
             grad_in = alloc(f.t * f.hidden_size * f.regime.mm, "activations")
-            if f.in_backward and not f.fsdp:
-                self.hooks_in_backward(head_params, cast_grad, it)
-            else:
+            if f.fsdp:      # FSDP2: the unsharded gradients in the gathered dtype, while the node's inputs live
                 for p in head_params:
                     step.make_grad(p, root_unit=True)
                 self.release_head(cast_grad)
+            else:
+                self.linear_backward(head_params, cast_grad, it)
         step.flush_steps(it)
         sch.free(grad_in)
 
@@ -318,10 +321,12 @@ class HeadEvents:
         self.sch.free_all(fwd.head_copy)
         self.sch.free_all(fwd.head_keys)
 
-    def hooks_in_backward(self, head_params: list[ParamInfo], cast_grad: int, it: int) -> None:
-        """--optimizer-in-backward at the lm_head: the matmul's node releases what it saved and its input gradient
-        before ToCopyBackward casts the weight gradient up and AccumulateGrad runs the hook (the final norm's
-        backward runs after the lm_head's hook)."""
+    def linear_backward(self, head_params: list[ParamInfo], cast_grad: int, it: int) -> None:
+        """The lm_head's matmul node (MmBackward0) makes its weight gradient (autocast's low-precision one where
+        autocast cast the weight) while the loss's gradient and what the node saved live, and releases them on
+        returning; only then does the autograd engine run ToCopyBackward, which casts the weight gradient up for
+        AccumulateGrad (under --optimizer-in-backward AccumulateGrad's hook steps the parameter there). The final
+        norm's backward runs after."""
         sch, regime, step = self.sch, self.f.regime, self.step
         head_mm = [p for p in head_params if is_lm_head(p)]
         grads = self.state.grads.grads
