@@ -148,6 +148,15 @@ LOGITS_DTYPE = FeatureSupport("--logits-dtype model", lambda c: c.setup.logits_d
             "--logits-dtype model with --pp is not modelled: drop one of them"),
 ))
 
+def _one_device_kernel(flag: str) -> Refusal:
+    """A kernel-level option (Liger, float8, compile) modelled on a plain layer's ops: not with the layers split
+    across devices (TP / PP / CP / EP) or run by DeepSpeed's engine."""
+    return Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
+                   or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
+                   f"{flag} with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: "
+                   f"use single, ddp, fsdp or zero2, or drop {flag}")
+
+
 # --liger: Liger-Kernel's RMSNorm and SwiGLU Functions (llmem.setup.liger), on the families Liger patches
 LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), (
     Refusal("model families without a Liger patch", lambda c: c.model is not None and c.setup.liger != AUTO
@@ -155,10 +164,7 @@ LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), 
             lambda c: f"--liger on {c.model.model_type}: llmem models Liger's patch for "
                       f"{', '.join(LIGER_FAMILIES)} only; drop --liger (--liger none with --from), or --liger "
                       "auto for Liger's patch where llmem models it"),
-    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
-            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
-            "--liger with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
-            "single, ddp, fsdp or zero2"),
+    _one_device_kernel("--liger"),
     Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
             lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
             or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
@@ -182,10 +188,7 @@ FLOAT8 = FeatureSupport("--float8", lambda c: c.setup.float8 != "none", (
     Refusal("--float8-all-gather outside FSDP2", lambda c: c.setup.float8_all_gather and not (
         c.method.shards_model_states and c.method.zero_stage is None),
             "--float8-all-gather needs FSDP2 (--method fsdp or zero2): drop it"),
-    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
-            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
-            "--float8 with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
-            "single, ddp, fsdp or zero2"),
+    _one_device_kernel("--float8"),
     Refusal("adapters, a quantised base, Liger, selective checkpointing, offloaded activations, TRL's objectives",
             lambda c: c.setup.peft or c.setup.quant_spec.quantised or c.setup.liger != "none"
             or c.setup.ac_policy != "full" or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
@@ -197,10 +200,7 @@ FLOAT8 = FeatureSupport("--float8", lambda c: c.setup.float8 != "none", (
 # --compile: each decoder layer compiled (llmem.runtime.compile), its activations learned with the real compile
 # pipeline on a copy run on one GPU (llmem.learn): what that copy and the compiled layer cannot stand for is refused
 COMPILE = FeatureSupport("--compile", lambda c: c.setup.compile, (
-    Refusal("tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: c.method.has_tp
-            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1 or c.method.zero_stage is not None,
-            "--compile with tensor / pipeline / context / expert parallelism or DeepSpeed is not modelled: use "
-            "single, ddp, fsdp or zero2, or drop --compile"),
+    _one_device_kernel("--compile"),
     Refusal("a quantised base, selective checkpointing, offloaded activations, Liger, TRL's objectives",
             lambda c: c.setup.quant_spec.quantised or AC_POLICIES[c.setup.ac_policy].selective
             or c.setup.offload_activations or c.setup.liger != "none" or c.setup.objective_spec.runs_trainer,

@@ -3,10 +3,10 @@ schedule reads lay out the same events, and the engine replays them once; any ot
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
+from micro_model import write_config
 
 import llmem.estimator.engine as engine
 from llmem.estimator.engine import rank_step, step_schedule
@@ -17,19 +17,13 @@ from llmem.planner.engines import LlmemEngine
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.training import TrainingSetup
 
-MICRO = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
-         "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
-         "torch_dtype": "bfloat16"}
 # a value of each SCHEDULE_FREE_FIELDS field other than the set-up's
 OTHER_VALUE = {"vllm_gpu_memory_utilization": 0.6}
 
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("micro") / "config.json"
-    path.write_text(json.dumps(MICRO))
-    return str(path)
+    return write_config(tmp_path_factory)
 
 
 def _colocated(micro: str, **kw) -> TrainingSetup:

@@ -11,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from micro_model import write_config
 
 from llmem.errors import LlmemError
 from llmem.estimator.engine import estimate
@@ -28,9 +29,7 @@ MICRO = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("micro") / "config.json"
-    path.write_text(json.dumps(MICRO))
-    return str(path)
+    return write_config(tmp_path_factory, MICRO)
 
 
 def _setup(model: str, **kw) -> TrainingSetup:

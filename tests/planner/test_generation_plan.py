@@ -5,11 +5,11 @@ chooses (checked against vLLM's pool arithmetic worked by hand), and `--export t
 from __future__ import annotations
 
 import importlib
-import json
 import math
 
 import pytest
 import yaml
+from micro_model import write_config
 
 from llmem.model.anatomy import setup_anatomy
 from llmem.planner.engines import memory_engine
@@ -26,19 +26,13 @@ from llmem.setup.methods import METHODS
 from llmem.setup.sources import setup_from_file
 from llmem.setup.training import TrainingSetup
 
-MICRO = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
-         "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
-         "torch_dtype": "bfloat16"}
 GIB, MIB = 1024**3, 1024**2
 MAX_MODEL_LEN = 1024 * 1024      # vLLM's max_model_len: its KV cache must hold one such sequence to start
 
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("micro") / "config.json"
-    path.write_text(json.dumps(MICRO))
-    return str(path)
+    return write_config(tmp_path_factory)
 
 
 def _grpo(micro: str, **kw) -> TrainingSetup:
