@@ -13,6 +13,7 @@ from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
+from llmem.model.vision_inputs import check_vision
 from llmem.setup.expert_parallel import check_ep_model
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, check_heads, resolve_layout
@@ -67,6 +68,7 @@ def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuS
     if anatomy is None:
         check_without_model(setup)
     base = anatomy or setup_anatomy(setup)
+    check_vision(setup, base)
     setup = engine_cast(setup)
     trained = trained_anatomy(base, setup)
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)

@@ -1,0 +1,79 @@
+"""A set-up's images on its model: the visual tokens each sample adds to the language model's sequence and the
+patches its vision encoder runs, as the model's processor makes them (llmem.model.images), and the checks that tie
+the vision-language flags to the model.
+
+The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
+processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
+image_grid_thw.prod() // merge_size**2 per image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.images import ImageGrid, image_grid
+from llmem.model.vision import part_params, vision_spec
+from llmem.setup.images import parse_image_size, vision_options
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """One sample's images as its model sees them."""
+    images_per_sample: int
+    requested: tuple[int, int]     # --image-size, before the processor's resize (height, width)
+    image: ImageGrid               # one image after it
+    text_tokens: int               # --seq-len
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.images_per_sample * self.image.tokens
+
+    @property
+    def language_tokens(self) -> int:
+        """The language model's sequence per sample: text and image tokens."""
+        return self.text_tokens + self.visual_tokens
+
+    @property
+    def patches(self) -> int:
+        """The vision encoder's rows per sample (pixel_values' rows)."""
+        return self.images_per_sample * self.image.patches
+
+    def describe(self) -> str:
+        img = self.image
+        return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
+                f"{img.height}x{img.width}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
+                f"visual tokens each; the language model runs {self.text_tokens:,} text + {self.visual_tokens:,} "
+                f"visual = {self.language_tokens:,} tokens per sample")
+
+
+def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs | None:
+    """The set-up's images on `anatomy` (None without images); its processor's refusals raised (one line)."""
+    spec = vision_spec(anatomy.model_type)
+    if spec is None or not setup.images_per_sample:
+        return None
+    height, width = parse_image_size(setup.image_size)
+    grid = image_grid(spec.processor, height, width, setup.max_pixels)
+    return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
+
+
+def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
+    """Vision-language flags on a text-only model are refused; on a vision-language model the images are sized by
+    its processor (its refusals raised), and its training step, not modelled yet, is refused with what is known."""
+    spec = vision_spec(anatomy.model_type)
+    given = vision_options(setup)
+    if spec is None:
+        if given:
+            raise LlmemError(f"{given[0]} is for vision-language models: {anatomy.name} ({anatomy.model_type}) takes "
+                             "text only; drop it")
+        return
+    inputs = vision_inputs(setup, anatomy)
+    parts = part_params(anatomy)
+    known = (f"vision encoder {parts['vision']:,}, projector {parts['projector']:,}, language model "
+             f"{parts['language']:,} parameters")
+    if inputs is not None:
+        known += f"; {inputs.describe()}"
+    raise LlmemError(f"the training step of a vision-language model ({anatomy.model_type}) is not modelled yet: "
+                     f"{known}")
