@@ -8,7 +8,7 @@ from its name by the row's prefixes. Adding a family: a row here, its processor 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 VISION = "vision"          # the vision encoder: patch embedding and its blocks
 PROJECTOR = "projector"    # the merger / multi-modal projector
@@ -72,3 +72,22 @@ def language_layers_suffix(model_type: str) -> str | None:
     for a text-only model (whose decoder layers are its longest ModuleList)."""
     spec = vision_spec(model_type)
     return None if spec is None else spec.language_layers.removeprefix("model.")
+
+
+# the parts each freeze switch leaves untrained (LLaMA-Factory's forbidden modules: vision_model_keys,
+# projector_key, language_model_keys), set-up field -> part
+FROZEN_PART = {"freeze_vision_tower": VISION, "freeze_projector": PROJECTOR, "freeze_language_model": LANGUAGE}
+
+
+def frozen_parts(setup) -> tuple[str, ...]:
+    """The parts a set-up's switches freeze (none on a text-only set-up)."""
+    return tuple(part for name, part in FROZEN_PART.items() if getattr(setup, name, False))
+
+
+def with_parts_frozen(anatomy, parts: tuple[str, ...]):
+    """The anatomy (ModelAnatomy) with `parts`' parameters untrained; the anatomy itself when none is frozen."""
+    spec = vision_spec(anatomy.model_type)
+    if not parts or spec is None:
+        return anatomy
+    params = tuple(replace(p, trainable=False) if part_of(spec, p.name) in parts else p for p in anatomy.params)
+    return replace(anatomy, params=params)

@@ -16,6 +16,8 @@ from llmem.model.anatomy import ModelAnatomy
 from llmem.model.images import ImageGrid, image_grid
 from llmem.model.vision import part_params, vision_spec
 from llmem.setup.images import parse_image_size, vision_options
+from llmem.setup.liger import applied_kernels
+from llmem.setup.methods import method_spec
 from llmem.setup.training import TrainingSetup
 
 
@@ -59,9 +61,10 @@ def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs |
     return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
 
 
-def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
+def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy, traced: bool = False) -> None:
     """Vision-language flags on a text-only model are refused; on a vision-language model the images are sized by
-    its processor (its refusals raised), and its training step, not modelled yet, is refused with what is known."""
+    its processor (its refusals raised). `traced`: the step runs for real (llmem trace), which checks what it wires
+    (traced_refusal); every other engine refuses the step, not modelled yet, with what is known."""
     spec = vision_spec(anatomy.model_type)
     given = vision_options(setup)
     if spec is None:
@@ -70,10 +73,38 @@ def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
                              "text only; drop it")
         return
     inputs = vision_inputs(setup, anatomy)
+    if traced:
+        refusal = traced_refusal(setup, anatomy.model_type, inputs)
+        if refusal is not None:
+            raise LlmemError(f"llmem trace of a vision-language model ({anatomy.model_type}): {refusal}")
+        return
     parts = part_params(anatomy)
     known = (f"vision encoder {parts['vision']:,}, projector {parts['projector']:,}, language model "
              f"{parts['language']:,} parameters")
     if inputs is not None:
         known += f"; {inputs.describe()}"
-    raise LlmemError(f"the training step of a vision-language model ({anatomy.model_type}) is not modelled yet: "
-                     f"{known}")
+    raise LlmemError(f"the training step of a vision-language model ({anatomy.model_type}) is not modelled yet "
+                     f"(llmem trace runs it): {known}")
+
+
+def traced_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
+    """What the traced vision-language step does not wire, in words with the fix (None: it runs). Wired: one GPU
+    without DeepSpeed, the SFT loss on samples with images, full fine-tuning (each part trained or frozen) or LoRA
+    (--lora-rank) on the language model's layers."""
+    if inputs is None:
+        return "a text-only step is not wired: give --images-per-sample N and --image-size HxW"
+    unwired = [(setup.gpus > 1, f"--gpus {setup.gpus}", "--gpus 1"),
+               (not method_spec(setup.method).one_gpu, f"--method {setup.method}", "--method single"),
+               (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
+               (setup.packing, "--packing", "drop it"),
+               (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),
+               (bool(setup.peft_config), "--peft-config", "use --lora-rank R (adapters on the language model)"),
+               (bool(applied_kernels(setup.liger, model_type)), f"--liger {setup.liger}", "drop it"),
+               (setup.offload_activations, "--offload-activations", "drop it")]
+    for bad, what, fix in unwired:
+        if bad:
+            return f"{what} is not wired for it yet: {fix}"
+    if setup.lora_rank and setup.freeze_language_model:
+        return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
+                "model): drop one")
+    return None

@@ -13,6 +13,7 @@ from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
+from llmem.model.vision import vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
 from llmem.setup.attention import AttentionSpec
@@ -112,6 +113,10 @@ def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 
     names = lora_target_names(targets)
+    if vision_spec(getattr(model.config, "model_type", "")) is not None:
+        from llmem.runtime.vision import language_lora_targets
+
+        return language_lora_targets(model, names, LORA_ALL_LINEAR)
     if LORA_ALL_LINEAR not in names:
         return set(names)
     if names == [LORA_ALL_LINEAR]:
