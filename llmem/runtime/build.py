@@ -92,16 +92,23 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
                 peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
             except ValueError as exc:
                 raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
+    cast_frozen(peft_model, setup)
+    return peft_model
+
+
+def cast_frozen(model: nn.Module, setup) -> None:
+    """Under *-mixed, the frozen parameters in the compute dtype (the trained ones stay fp32 masters): the frozen
+    base as fine-tuning scripts load it (torch_dtype), peft's or a frozen part's (LLaMA-Factory upcasts only the
+    trained parameters to fp32)."""
     low = low_dtype(setup)
     if setup.mixed and low is not None:
         cast: dict[int, nn.Parameter] = {}      # by identity, so tied weights stay one tensor
-        for module in peft_model.modules():
+        for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and not p.requires_grad and p.is_floating_point():
                     if id(p) not in cast:
                         cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
                     module._parameters[name] = cast[id(p)]
-    return peft_model
 
 
 

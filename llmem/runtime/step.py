@@ -33,8 +33,10 @@ from llmem.errors import LlmemError
 from llmem.memory.activations.loss import loss_logits_bytes
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.model.vision import frozen_parts
 from llmem.runtime.build import (
     apply_peft,
+    cast_frozen,
     causal_lm,
     collect_after_dora,
     enable_checkpointing,
@@ -238,6 +240,11 @@ def _meta_model(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, pp_ra
         quantize_base(model, setup, fake=fake)
     if setup.peft:
         model = apply_peft(model, setup)
+    if frozen_parts(setup):           # a vision-language model's frozen parts (llmem.runtime.vision)
+        from llmem.runtime.vision import freeze_parts
+
+        freeze_parts(causal_lm(model), setup)
+        cast_frozen(model, setup)
     if setup.quant_spec.quantised:
         wrap_quant_adapters(model, setup)
     return model, split, low
@@ -445,10 +452,6 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,
                                       real_pg)
-        if images is not None:      # a vision-language model: its frozen parts (llmem.runtime.vision)
-            from llmem.runtime.vision import freeze_parts
-
-            freeze_parts(causal_lm(model), setup)
         optimizer = _optimizer(model, setup, hooks, fake)
         ids, positions, extra = _step_inputs(model, setup, layout, device, fake, images)
         offload = _activation_offload(model, setup)

@@ -157,3 +157,16 @@ def test_patches_are_restored():
     assert qwen.get_vision_window_index is vision_utils.get_vision_window_index
     assert qwen.get_vision_attention_seqlens is vision_utils.get_vision_attention_seqlens
     assert not TracingFakeMode().allow_non_fake_inputs
+
+
+@pytest.mark.parametrize(("fields", "fp32", "bf16"), [
+    ({}, VISION + MERGER + LANGUAGE, 0),
+    ({"freeze_vision_tower": True}, MERGER + LANGUAGE, VISION),
+    ({"freeze_language_model": True}, VISION + MERGER, LANGUAGE),
+])
+def test_frozen_parts_are_held_in_the_compute_dtype_under_mixed_precision(fields, fp32, bf16):
+    """LLaMA-Factory loads the model in bf16 and upcasts only the trained parameters to fp32 masters."""
+    _, details = trace_with_details(_setup(precision="bf16-mixed", **fields), iterations=1)
+    weights = details.category_max["weights"]
+    # each parameter and rotary buffer a block of its own: at most 512 bytes of rounding each (110 tensors)
+    assert 4 * fp32 + 2 * bf16 <= weights < 4 * fp32 + 2 * bf16 + 512 * 110
