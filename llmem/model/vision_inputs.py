@@ -104,6 +104,9 @@ def traced_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs |
     for bad, what, fix in unwired:
         if bad:
             return f"{what} is not wired for it yet: {fix}"
+    if inputs.text_tokens < 2 * inputs.images_per_sample + 1:
+        return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
+                f"tokens and a text token: give --seq-len >= {2 * inputs.images_per_sample + 1}")
     if setup.lora_rank and setup.freeze_language_model:
         return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
                 "model): drop one")

@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from llmem.errors import LlmemError
 from llmem.model.vision import frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
 from llmem.runtime.patches import patched
@@ -70,10 +69,7 @@ class VisionBatch:
 def _token_ids(cfg, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
     """Random text ids (none a special token) with each image's tokens placed after the first text token, as the
     chat template writes them: <|vision_start|>, the image token repeated the image's visual tokens, <|vision_end|>
-    (start and end count among the text tokens)."""
-    if inputs.text_tokens < 2 * inputs.images_per_sample + 1:
-        raise LlmemError(f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and "
-                         f"end tokens and a text token: give --seq-len >= {2 * inputs.images_per_sample + 1}")
+    (start and end count among the text tokens: llmem.model.vision_inputs.traced_refusal checks they fit)."""
     special = torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
                             cfg.vision_end_token_id])
     ids = torch.randint(0, cfg.get_text_config().vocab_size, (batch_size, inputs.language_tokens))

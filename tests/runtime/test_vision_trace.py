@@ -123,7 +123,10 @@ def test_trace_trains_what_the_switches_leave_and_keeps_what_autograd_keeps(case
 
 def test_several_images_per_sample_and_samples():
     setup = _setup(images_per_sample=2, image_size="224x112", batch_size=2, seq_len=40)
-    _, details = trace_with_details(setup, cuda_kernels=False)
+    result, details = trace_with_details(setup, cuda_kernels=False)
+    # 224x112 is already a multiple of 28: 16 x 8 patches, 32 visual tokens an image, 64 a sample
+    assert any("16x8 patches (128) and 32 visual tokens each; the language model runs 40 text + 64 visual = 104"
+               in note for note in result.notes)
     expected = _real_kept_bytes((), False, 224, 112, 40, batch=2, images=2)
     assert abs(_live_before_backward(details.ledger) - expected) <= 4096
 
@@ -133,6 +136,7 @@ def test_several_images_per_sample_and_samples():
     ({"gpus": 2, "method": "ddp"}, "--gpus 2 is not wired"),
     ({"lora_rank": 8, "freeze_language_model": True}, "leaves nothing to train"),
     ({"packing": True}, "--packing is not wired"),
+    ({"images_per_sample": 2, "seq_len": 4}, "give --seq-len >= 5"),
 ])
 def test_what_is_not_wired_is_refused_in_one_line(fields, words):
     with pytest.raises(LlmemError) as err:
