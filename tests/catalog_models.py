@@ -8,14 +8,27 @@ from __future__ import annotations
 import pytest
 
 from llmem.model.catalog import catalog, load_config_dict
+from llmem.model.vision import vision_spec
+
+# a vision-language model's training step is refused until its vision encoder is modelled (llmem.model.vision_inputs)
+_VLM_SKIP = pytest.mark.skip(reason="a vision-language model's step is refused until it is modelled")
+
+
+def text_models() -> list:
+    """The catalog's text-only hub ids (its vision-language ones aside)."""
+    return [e.hub_id for e in catalog().values() if vision_spec(load_config_dict(e).get("model_type", "")) is None]
 
 
 def catalog_params() -> list:
-    """Each catalog hub id as a pytest.param, marked slow unless it is the first of its model_type."""
+    """Each catalog hub id as a pytest.param, marked slow unless it is the first of its model_type (a vision-language
+    one skipped, its step being refused)."""
     seen: set[str] = set()
     params = []
     for entry in catalog().values():
         family = load_config_dict(entry).get("model_type", "")
+        if vision_spec(family) is not None:
+            params.append(pytest.param(entry.hub_id, marks=_VLM_SKIP))
+            continue
         first = family not in seen
         seen.add(family)
         params.append(pytest.param(entry.hub_id, marks=() if first else pytest.mark.slow))

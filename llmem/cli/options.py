@@ -13,7 +13,7 @@ from typing import Any
 
 from llmem.errors import LlmemError, UnknownModel
 from llmem.planner.options import EXPORT_FILES, PlanOptions
-from llmem.setup.flags import JOB
+from llmem.setup.flags import IMAGES, JOB
 from llmem.setup.objectives import OBJECTIVE_GROUP, batch_multiple, fixed_steps_per_generation, objective_spec
 from llmem.setup.sources import SourceRecord, setup_from_file
 from llmem.setup.training import (
@@ -33,7 +33,8 @@ from llmem.setup.training import (
 
 GROUP_TITLES = {MODEL: "model", LAYOUT: "layout", STEP: "step", OPTIMIZER: "optimizer", ACTIVATIONS: "activations",
                 ADAPTERS: "adapters", DEEPSPEED: "DeepSpeed ZeRO (ds-zero1/2/3)",
-                OBJECTIVE_GROUP: "objective (TRL's trainers)", JOB: "job phases (loading, saving)"}
+                OBJECTIVE_GROUP: "objective (TRL's trainers)", JOB: "job phases (loading, saving)",
+                IMAGES: "images (vision-language models)"}
 
 
 def _option(f) -> Option | None:

@@ -23,6 +23,7 @@ from llmem.errors import LlmemError, UnknownModel, first_line
 from llmem.model.catalog import catalog_file, find_entry, load_config_dict, tiny_config_dict, tiny_file
 from llmem.model.catalog.variants import variant_entry
 from llmem.model.families import check_dimensions, check_raw_sizes
+from llmem.model.vision import vision_spec
 
 CONFIG_MAX_BYTES = 16 * 1024**2      # real config.json files are a few KiB; a bigger file is weights, not a config
 HUB_PROBE_TIMEOUT_S = 3.0            # one try to reach the hub before a lookup that would retry for ~25 s
@@ -274,10 +275,15 @@ def build_meta_model(cfg, trust_remote_code: bool = False, scalar_head: bool = F
     model TRL's RewardTrainer loads (AutoModelForSequenceClassification, num_labels=1: the score Linear [1, hidden]
     in place of the lm_head)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     cfg = training_config(cfg)
-    auto = AutoModelForCausalLM
+    # a vision-language model (llmem.model.vision) is built whole: its vision encoder, projector and language model
+    auto = AutoModelForImageTextToText if vision_spec(cfg.model_type) is not None else AutoModelForCausalLM
     if scalar_head:
         cfg.num_labels = 1
         auto = AutoModelForSequenceClassification

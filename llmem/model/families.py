@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
+from llmem.model.vision import language_layers_suffix
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,11 +160,15 @@ def tp_plan_of(model_type: str) -> TensorParallelPlan:
 
 def decoder_layers(model) -> tuple[str, object] | None:
     """(name, module) of the ModuleList holding the decoder layers: the longest ModuleList (the first of equal
-    length), or None when the model has none."""
+    length), or None when the model has none. A vision-language model's are its language model's (its vision
+    encoder's block list can be longer: Qwen2.5-VL-7B's 32 blocks beside 28 decoder layers)."""
     import torch
 
+    suffix = language_layers_suffix(getattr(getattr(model, "config", None), "model_type", ""))
     best, best_len = None, 0
     for name, module in model.named_modules():
+        if suffix is not None and not name.endswith(suffix):
+            continue
         if isinstance(module, torch.nn.ModuleList) and len(module) > best_len:
             best, best_len = (name, module), len(module)
     return best

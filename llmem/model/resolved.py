@@ -13,6 +13,8 @@ from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
+from llmem.model.vision import frozen_parts, with_parts_frozen
+from llmem.model.vision_inputs import check_vision
 from llmem.setup.expert_parallel import check_ep_model
 from llmem.setup.gpus import GpuSpec, resolve_gpu
 from llmem.setup.layout import Layout, check_heads, resolve_layout
@@ -58,17 +60,19 @@ class ResolvedSetup:
 
 
 def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None,
-            layout: Layout | None = None) -> ResolvedSetup:
+            layout: Layout | None = None, traced: bool = False) -> ResolvedSetup:
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
     and the support check of its options under the method (LlmemError names the first problem). `layout`: the
     layout the caller resolved already (the planner's candidates, llmem.setup.layout.candidate_layouts, whose
     values `setup` holds: TrainingSetup.with_layout), taken as it is; its model's checks (heads, pipeline stages,
-    experts) and the support check made on it. None: resolved from the set-up's fields."""
+    experts) and the support check made on it. None: resolved from the set-up's fields. `traced`: the step runs
+    for real (llmem trace), which takes a vision-language model's step where it is wired (the others refuse it)."""
     if anatomy is None:
         check_without_model(setup)
     base = anatomy or setup_anatomy(setup)
+    check_vision(setup, base, traced)
     setup = engine_cast(setup)
-    trained = trained_anatomy(base, setup)
+    trained = with_parts_frozen(trained_anatomy(base, setup), frozen_parts(setup))
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     if layout is None:
         layout = fields_layout(setup, trained)

@@ -13,6 +13,7 @@ from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
+from llmem.model.vision import vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
 from llmem.setup.attention import AttentionSpec
@@ -91,16 +92,23 @@ def apply_peft(model: nn.Module, setup) -> nn.Module:
                 peft_model = get_peft_model(model, config, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
             except ValueError as exc:
                 raise LlmemError(f"LoRA targets {setup.lora_targets!r}: {exc}") from None
+    cast_frozen(peft_model, setup)
+    return peft_model
+
+
+def cast_frozen(model: nn.Module, setup) -> None:
+    """Under *-mixed, the frozen parameters in the compute dtype (the trained ones stay fp32 masters): the frozen
+    base as fine-tuning scripts load it (torch_dtype), peft's or a frozen part's (LLaMA-Factory upcasts only the
+    trained parameters to fp32)."""
     low = low_dtype(setup)
     if setup.mixed and low is not None:
         cast: dict[int, nn.Parameter] = {}      # by identity, so tied weights stay one tensor
-        for module in peft_model.modules():
+        for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and not p.requires_grad and p.is_floating_point():
                     if id(p) not in cast:
                         cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
                     module._parameters[name] = cast[id(p)]
-    return peft_model
 
 
 
@@ -112,6 +120,10 @@ def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 
     names = lora_target_names(targets)
+    if vision_spec(getattr(model.config, "model_type", "")) is not None:
+        from llmem.runtime.vision import language_lora_targets
+
+        return language_lora_targets(model, names, LORA_ALL_LINEAR)
     if LORA_ALL_LINEAR not in names:
         return set(names)
     if names == [LORA_ALL_LINEAR]:

@@ -401,7 +401,8 @@ class StepRoles:
             cats = {}
             led.start_step(params + buffers + [step.input_ids], cats)
             led.relabel(params + buffers, "weights")
-            led.relabel([step.input_ids], "activations")
+            inputs = [v for v in step.extra_inputs.values() if isinstance(v, torch.Tensor)]  # a VLM's images
+            led.relabel([step.input_ids, *inputs], "activations")
         if phase in STEP_FIRST_PHASES and it > 0:
             led.relabel(list(self._states()), "optimizer_states")
         if phase == "optimizer_step":

@@ -33,8 +33,10 @@ from llmem.errors import LlmemError
 from llmem.memory.activations.loss import loss_logits_bytes
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
+from llmem.model.vision import frozen_parts
 from llmem.runtime.build import (
     apply_peft,
+    cast_frozen,
     causal_lm,
     collect_after_dora,
     enable_checkpointing,
@@ -106,6 +108,7 @@ class TrainingStep:
     offload: ActivationOffload | None = None
     position_ids: torch.Tensor | None = None   # --packing: positions restart at each packed sample
     pipeline: Any = None        # --pp: the stage and its schedule (llmem.runtime.pipeline.PipelineRunner)
+    extra_inputs: dict = field(default_factory=dict)   # a vision-language model's images, grid and 3-D positions
 
     @property
     def layout(self) -> Layout:
@@ -144,6 +147,7 @@ class TrainingStep:
         offload = self.offload
         with ctx, (offload.forward() if offload is not None else contextlib.nullcontext()):
             extra = {} if self.position_ids is None else {"position_ids": self.position_ids}
+            extra.update(self.extra_inputs)
             loss = self.runner(input_ids=ids, labels=ids, **extra).loss   # the output (and its logits) dies here
         if self.autocast_policy is not None:
             self.autocast_policy.cache.clear()
@@ -236,6 +240,11 @@ def _meta_model(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, pp_ra
         quantize_base(model, setup, fake=fake)
     if setup.peft:
         model = apply_peft(model, setup)
+    if frozen_parts(setup):           # a vision-language model's frozen parts (llmem.runtime.vision)
+        from llmem.runtime.vision import freeze_parts
+
+        freeze_parts(causal_lm(model), setup)
+        cast_frozen(model, setup)
     if setup.quant_spec.quantised:
         wrap_quant_adapters(model, setup)
     return model, split, low
@@ -355,6 +364,32 @@ def _inputs(model: nn.Module, setup: TrainingSetup, layout: Layout, device: torc
     return ids, positions
 
 
+def _step_inputs(model: nn.Module, setup: TrainingSetup, layout: Layout, device: torch.device, fake: bool, images):
+    """(token ids, packed position ids, the forward's other inputs): a vision-language model's from its batch."""
+    if images is None:
+        return *_inputs(model, setup, layout, device, fake), {}
+    from llmem.runtime.vision import model_inputs
+
+    ids, extra = model_inputs(images)
+    return ids, None, extra
+
+
+def _vision_batch(stack: contextlib.ExitStack, model: nn.Module, setup: TrainingSetup, resolved: ResolvedSetup,
+                  fake_mode):
+    """A vision-language model's micro-batch (real ids, grid, 3-D positions: llmem.runtime.vision), built before
+    the fake mode with its index values answered inside it; None for a text model."""
+    from llmem.model.vision_inputs import vision_inputs
+
+    inputs = vision_inputs(setup, resolved.base)
+    if inputs is None or fake_mode is None:
+        return None
+    from llmem.runtime.vision import known_vision_values, vision_batch
+
+    batch = vision_batch(causal_lm(model), setup.batch_size, inputs)
+    stack.enter_context(known_vision_values(causal_lm(model), batch, fake_mode))
+    return batch
+
+
 def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOffload | None:
     if not setup.offload_activations:
         return None
@@ -380,7 +415,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     say = progress or (lambda msg: None)
     # resolved and checked as the estimate checks it (the support tables with the model's facts, the pipeline's row
     # included), before anything is built: what the estimate refuses, the step refuses in the same line
-    resolved = resolve(setup)
+    resolved = resolve(setup, traced=fake)
     if setup.pp > 1 and not fake:
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
@@ -399,6 +434,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             real_pg = _enter_process_group(stack, layout, fake, on_cuda, pp_rank)
         policy = _enter_kernels(stack, setup, resolved, fake, on_cuda, cuda_kernels, autocast_dtype)
         mesh = _enter_parallelism(stack, model, setup, layout, spec, device, fake, sharded, real_pg)
+        images = _vision_batch(stack, model, setup, resolved, fake_mode)
         _enter_fake_mode(stack, setup, fake, fake_mode)
         if before_model is not None:
             before_model()
@@ -427,10 +463,10 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,
                                       real_pg)
         optimizer = _optimizer(model, setup, hooks, fake)
-        ids, positions = _inputs(model, setup, layout, device, fake)
+        ids, positions, extra = _step_inputs(model, setup, layout, device, fake, images)
         offload = _activation_offload(model, setup)
         step = TrainingStep(setup, model, runner, optimizer, ids, resolved, "cpu" if fake else device.type,
-                            autocast_dtype, hooks, policy, offload, positions)
+                            autocast_dtype, hooks, policy, offload, positions, extra_inputs=extra)
         if split is not None:
             from llmem.runtime.pipeline import PipelineRunner
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
+from llmem.model.vision_inputs import vision_inputs
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.pipeline import fresh_sharding_cache
@@ -107,6 +108,9 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes += routing_notes(anatomy, ep=resolved.layout.ep)
+    images = vision_inputs(setup, resolved.base)     # a vision-language model's images (llmem.runtime.vision)
+    if images is not None:
+        notes.append(images.describe())
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)

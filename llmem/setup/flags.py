@@ -16,6 +16,7 @@ MAX_COUNT = 1 << 48            # a DeepSpeed size in elements: 2**48 bf16 elemen
 LAYOUT, STEP, OPTIMIZER, ACTIVATIONS, ADAPTERS, MODEL, DEEPSPEED = "layout", "step", "optimizer", "activations", \
     "adapters", "model", "deepspeed"
 JOB = "job"
+IMAGES = "images"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from llmem.setup.flags import (
     ACTIVATIONS,
     ADAPTERS,
     DEEPSPEED,
+    IMAGES,
     JOB,
     LAYOUT,
     OPTIMIZER,
@@ -135,6 +136,14 @@ class StepConfig:
                          "or FSDP2's bf16 gather; default none)", STEP, metavar="RECIPE")
     float8_all_gather: bool = option(False, "--float8 tensorwise under fsdp: FSDP2 all-gathers the converted weights "
                                      "in float8 (enable_fsdp_float8_all_gather)", STEP, kind="switch")
+    # a vision-language model's images (llmem.model.vision_inputs): the language model runs seq_len text tokens and
+    # their visual tokens, as the model's processor resizes and patches them
+    images_per_sample: int = option(0, "images in each sample (vision-language models; default 0)", IMAGES, type=int,
+                                    metavar="N")
+    image_size: str | None = option(None, "the images' height x width in pixels before the processor resizes them, "
+                                    "e.g. 1024x768", IMAGES, metavar="HxW")
+    max_pixels: int | None = option(None, "the processor's max_pixels (default: the model's shipped "
+                                    "preprocessor_config.json)", IMAGES, type=int)
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
@@ -198,6 +207,14 @@ class AdaptersConfig:
                                kind="negate", flag="--no-kbit-upcast")
     double_quant: bool = option(True, "--qlora without double quantisation (fp32 absmax per 64-block)", ADAPTERS,
                                 kind="negate", flag="--no-double-quant", requires=("quant_base", "nf4"))
+    # a vision-language model's parts left frozen (LLaMA-Factory's freeze_vision_tower /
+    # freeze_multi_modal_projector / freeze_language_model; llmem.model.vision names the parts)
+    freeze_vision_tower: bool = option(False, "vision encoder frozen (LLaMA-Factory's freeze_vision_tower)", IMAGES,
+                                       kind="switch")
+    freeze_projector: bool = option(False, "projector / merger frozen (LLaMA-Factory's "
+                                    "freeze_multi_modal_projector)", IMAGES, kind="switch")
+    freeze_language_model: bool = option(False, "language model frozen (LLaMA-Factory's freeze_language_model)",
+                                         IMAGES, kind="switch")
 
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedConfig:

@@ -38,6 +38,7 @@ from llmem.setup.flags import (  # noqa: F401 - re-exported: the flags' names as
     option,
 )
 from llmem.setup.float8 import check_float8
+from llmem.setup.images import check_images
 from llmem.setup.job_phases import check_job_phases
 from llmem.setup.liger import liger_kernels
 from llmem.setup.methods import canonical_method, method_spec
@@ -93,7 +94,9 @@ def user_setup(**fields: Any) -> TrainingSetup:
 # Fields added after the `setup` JSON's keys were fixed: last in FLAT_ORDER, and after the set-up record's own keys in
 # the JSON (llmem.setup.record), so that every key an earlier llmem printed keeps its place
 LATER_FIELDS = ("load_path", "save_kind", "logits_dtype", "liger", "float8", "float8_all_gather",
-                "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile")
+                "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile",
+                "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
+                "freeze_language_model")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
@@ -194,6 +197,7 @@ class TrainingSetup:
         check_context_parallel(self)
         check_expert_parallel(self)
         check_job_phases(self)
+        check_images(self)
 
     def _check_pipeline(self) -> None:
         """--pp: the schedule and micro-batches torch accepts, on the methods a stage runs under (the layer count is

@@ -67,7 +67,7 @@ def tiny_file(name: str) -> str | None:
 def tiny_config_dict(name: str) -> dict | None:
     """Small shapes of real families (tiny-llama, tiny-mistral, tiny-qwen2, tiny-bloom; tiny-pythia, tiny-phi,
     tiny-qwen3 and the MoE tiny-qwen3-moe, tiny-gpt-oss, tiny-deepseek-v3 (8 experts, top-2): families without a hand
-    recipe, whose activations are learned) for fast validation."""
+    recipe, whose activations are learned; the vision-language tiny-qwen2_5_vl) for fast validation."""
     file = tiny_file(name)
     return json.loads(catalog_file("tiny", file)) if file is not None else None
 

@@ -1,0 +1,110 @@
+"""Images as a vision-language model's processor turns them into inputs: the resized size, the patch grid the vision
+encoder sees (image_grid_thw, pixel_values' rows) and the visual tokens the language model sees.
+
+One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
+the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
+arithmetic is the installed transformers' own (tests/model/test_images.py checks it against the processor's output):
+transformers' processor module imports torch and torchvision, which an estimate does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+
+from llmem.errors import LlmemError
+from llmem.model.catalog import catalog_file
+
+MAX_ASPECT_RATIO = 200        # smart_resize raises ValueError beyond it ("absolute aspect ratio must be smaller than 200")
+
+
+@dataclass(frozen=True)
+class ImageProcessorSpec:
+    """A processor family: its class (as transformers names it) and the shipped preprocessor_config.json."""
+    name: str
+    image_processor_type: str
+    config_file: str          # in catalog/processors/
+
+
+PROCESSORS: dict[str, ImageProcessorSpec] = {
+    # Qwen2-VL's processor, which Qwen2.5-VL ships (its preprocessor_config.json: Qwen2VLImageProcessor)
+    "qwen2_vl": ImageProcessorSpec("qwen2_vl", "Qwen2VLImageProcessor", "Qwen--Qwen2.5-VL-7B-Instruct.json"),
+}
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """What the processor resizes and cuts with: its pixel bounds and patch sizes."""
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+    @property
+    def factor(self) -> int:
+        """Both resized sides are multiples of it: one merged token covers merge_size x merge_size patches."""
+        return self.patch_size * self.merge_size
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """One image as the processor hands it to the model."""
+    height: int               # resized, pixels
+    width: int
+    grid_t: int               # image_grid_thw's row: temporal, height and width in patches
+    grid_h: int
+    grid_w: int
+    merge_size: int
+    patch_values: int         # pixel_values' row width: 3 channels x temporal_patch_size x patch_size^2
+
+    @property
+    def patches(self) -> int:
+        """The vision encoder's sequence for this image (pixel_values' rows)."""
+        return self.grid_t * self.grid_h * self.grid_w
+
+    @property
+    def tokens(self) -> int:
+        """The image's placeholder tokens in the language model's input: the merger joins merge_size^2 patches."""
+        return self.patches // (self.merge_size * self.merge_size)
+
+
+@cache
+def processor_settings(name: str) -> ProcessorSettings:
+    """The shipped preprocessor_config.json's pixel bounds and patch sizes of a processor row."""
+    raw = json.loads(catalog_file("processors", PROCESSORS[name].config_file))
+    return ProcessorSettings(raw["min_pixels"], raw["max_pixels"], raw["patch_size"], raw["temporal_patch_size"],
+                             raw["merge_size"])
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' qwen2_vl smart_resize: both sides multiples of `factor`, the area within [min_pixels,
+    max_pixels], the aspect ratio kept as closely as that allows. An aspect ratio over 200 is refused (one line)."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise LlmemError(f"--image-size {height}x{width}: the processor refuses an aspect ratio over "
+                         f"{MAX_ASPECT_RATIO} (transformers' smart_resize); give a less elongated image")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(processor: str, height: int, width: int, max_pixels: int | None = None,
+               min_pixels: int | None = None) -> ImageGrid:
+    """One image of `height` x `width` pixels as processor row `processor` gives it (max_pixels / min_pixels: the
+    processor's bounds overridden, as its max_pixels / min_pixels keywords do; None: the shipped config's)."""
+    s = processor_settings(processor)
+    h, w = smart_resize(height, width, s.factor, s.min_pixels if min_pixels is None else min_pixels,
+                        s.max_pixels if max_pixels is None else max_pixels)
+    # an image is one temporal patch: the processor repeats the frame temporal_patch_size times
+    return ImageGrid(h, w, 1, h // s.patch_size, w // s.patch_size, s.merge_size,
+                     3 * s.temporal_patch_size * s.patch_size * s.patch_size)

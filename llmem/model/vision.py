@@ -1,0 +1,93 @@
+"""Vision-language models: one row per transformers `model_type` llmem builds as a VLM, naming its three parts.
+
+A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
+patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width) and a language
+model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
+from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+VISION = "vision"          # the vision encoder: patch embedding and its blocks
+PROJECTOR = "projector"    # the merger / multi-modal projector
+LANGUAGE = "language"      # the language model: embeddings, decoder layers, final norm, lm_head
+PARTS = (VISION, PROJECTOR, LANGUAGE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionLanguageSpec:
+    """Where a VLM class keeps each part (parameter-name prefixes of the built model)."""
+    architecture: str            # the transformers class AutoModelForImageTextToText builds
+    vision: str                  # the vision encoder's module (its patch embedding, blocks and rotary)
+    vision_blocks: str           # the encoder's ModuleList of blocks
+    projector: str               # the projector's module (inside the vision module for Qwen)
+    language_layers: str         # the language model's decoder layers (the anatomy's decoder layers)
+    processor: str               # the image processor's row (llmem.model.images.PROCESSORS)
+    image_token: str = "image_token_id"    # the config field holding the image placeholder token's id
+
+
+VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
+    # transformers 5's Qwen2_5_VLForConditionalGeneration: model.visual (Qwen2_5_VisionTransformerPretrainedModel:
+    # patch_embed, blocks, merger) and model.language_model (Qwen2_5_VLTextModel), lm_head beside them
+    "qwen2_5_vl": VisionLanguageSpec(architecture="Qwen2_5_VLForConditionalGeneration", vision="model.visual",
+                                     vision_blocks="model.visual.blocks", projector="model.visual.merger",
+                                     language_layers="model.language_model.layers", processor="qwen2_vl"),
+}
+
+
+def vision_spec(model_type: str) -> VisionLanguageSpec | None:
+    """The VLM row of a model type, or None for a text-only model."""
+    return VISION_LANGUAGE.get(model_type)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def part_of(spec: VisionLanguageSpec, name: str) -> str:
+    """The part a parameter (by its name in the built model, peft's `base_model.model.` prefix dropped) belongs to."""
+    name = name.removeprefix("base_model.model.")
+    if _under(name, spec.projector):
+        return PROJECTOR
+    if _under(name, spec.vision):
+        return VISION
+    return LANGUAGE
+
+
+def part_params(anatomy) -> dict[str, int]:
+    """Parameters of each part of a VLM anatomy (ModelAnatomy), by part name; {} for a text-only model."""
+    spec = vision_spec(anatomy.model_type)
+    if spec is None:
+        return {}
+    counts = dict.fromkeys(PARTS, 0)
+    for p in anatomy.params:
+        counts[part_of(spec, p.name)] += p.numel
+    return counts
+
+
+def language_layers_suffix(model_type: str) -> str | None:
+    """The end of the language model's layer list's module name (peft's wrapper puts prefixes before it), or None
+    for a text-only model (whose decoder layers are its longest ModuleList)."""
+    spec = vision_spec(model_type)
+    return None if spec is None else spec.language_layers.removeprefix("model.")
+
+
+# the parts each freeze switch leaves untrained (LLaMA-Factory's forbidden modules: vision_model_keys,
+# projector_key, language_model_keys), set-up field -> part
+FROZEN_PART = {"freeze_vision_tower": VISION, "freeze_projector": PROJECTOR, "freeze_language_model": LANGUAGE}
+
+
+def frozen_parts(setup) -> tuple[str, ...]:
+    """The parts a set-up's switches freeze (none on a text-only set-up)."""
+    return tuple(part for name, part in FROZEN_PART.items() if getattr(setup, name, False))
+
+
+def with_parts_frozen(anatomy, parts: tuple[str, ...]):
+    """The anatomy (ModelAnatomy) with `parts`' parameters untrained; the anatomy itself when none is frozen."""
+    spec = vision_spec(anatomy.model_type)
+    if not parts or spec is None:
+        return anatomy
+    params = tuple(replace(p, trainable=False) if part_of(spec, p.name) in parts else p for p in anatomy.params)
+    return replace(anatomy, params=params)

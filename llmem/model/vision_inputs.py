@@ -1,0 +1,113 @@
+"""A set-up's images on its model: the visual tokens each sample adds to the language model's sequence and the
+patches its vision encoder runs, as the model's processor makes them (llmem.model.images), and the checks that tie
+the vision-language flags to the model.
+
+The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
+processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
+image_grid_thw.prod() // merge_size**2 per image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmem.errors import LlmemError
+from llmem.model.anatomy import ModelAnatomy
+from llmem.model.images import ImageGrid, image_grid
+from llmem.model.vision import part_params, vision_spec
+from llmem.setup.images import parse_image_size, vision_options
+from llmem.setup.liger import applied_kernels
+from llmem.setup.methods import method_spec
+from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """One sample's images as its model sees them."""
+    images_per_sample: int
+    requested: tuple[int, int]     # --image-size, before the processor's resize (height, width)
+    image: ImageGrid               # one image after it
+    text_tokens: int               # --seq-len
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.images_per_sample * self.image.tokens
+
+    @property
+    def language_tokens(self) -> int:
+        """The language model's sequence per sample: text and image tokens."""
+        return self.text_tokens + self.visual_tokens
+
+    @property
+    def patches(self) -> int:
+        """The vision encoder's rows per sample (pixel_values' rows)."""
+        return self.images_per_sample * self.image.patches
+
+    def describe(self) -> str:
+        img = self.image
+        return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
+                f"{img.height}x{img.width}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
+                f"visual tokens each; the language model runs {self.text_tokens:,} text + {self.visual_tokens:,} "
+                f"visual = {self.language_tokens:,} tokens per sample")
+
+
+def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs | None:
+    """The set-up's images on `anatomy` (None without images); its processor's refusals raised (one line)."""
+    spec = vision_spec(anatomy.model_type)
+    if spec is None or not setup.images_per_sample:
+        return None
+    height, width = parse_image_size(setup.image_size)
+    grid = image_grid(spec.processor, height, width, setup.max_pixels)
+    return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
+
+
+def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy, traced: bool = False) -> None:
+    """Vision-language flags on a text-only model are refused; on a vision-language model the images are sized by
+    its processor (its refusals raised). `traced`: the step runs for real (llmem trace), which checks what it wires
+    (traced_refusal); every other engine refuses the step, not modelled yet, with what is known."""
+    spec = vision_spec(anatomy.model_type)
+    given = vision_options(setup)
+    if spec is None:
+        if given:
+            raise LlmemError(f"{given[0]} is for vision-language models: {anatomy.name} ({anatomy.model_type}) takes "
+                             "text only; drop it")
+        return
+    inputs = vision_inputs(setup, anatomy)
+    if traced:
+        refusal = traced_refusal(setup, anatomy.model_type, inputs)
+        if refusal is not None:
+            raise LlmemError(f"llmem trace of a vision-language model ({anatomy.model_type}): {refusal}")
+        return
+    parts = part_params(anatomy)
+    known = (f"vision encoder {parts['vision']:,}, projector {parts['projector']:,}, language model "
+             f"{parts['language']:,} parameters")
+    if inputs is not None:
+        known += f"; {inputs.describe()}"
+    raise LlmemError(f"the training step of a vision-language model ({anatomy.model_type}) is not modelled yet "
+                     f"(llmem trace runs it): {known}")
+
+
+def traced_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
+    """What the traced vision-language step does not wire, in words with the fix (None: it runs). Wired: one GPU
+    without DeepSpeed, the SFT loss on samples with images, full fine-tuning (each part trained or frozen) or LoRA
+    (--lora-rank) on the language model's layers."""
+    if inputs is None:
+        return "a text-only step is not wired: give --images-per-sample N and --image-size HxW"
+    unwired = [(setup.gpus > 1, f"--gpus {setup.gpus}", "--gpus 1"),
+               (not method_spec(setup.method).one_gpu, f"--method {setup.method}", "--method single"),
+               (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
+               (setup.packing, "--packing", "drop it"),
+               (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),
+               (bool(setup.peft_config), "--peft-config", "use --lora-rank R (adapters on the language model)"),
+               (bool(applied_kernels(setup.liger, model_type)), f"--liger {setup.liger}", "drop it"),
+               (setup.offload_activations, "--offload-activations", "drop it")]
+    for bad, what, fix in unwired:
+        if bad:
+            return f"{what} is not wired for it yet: {fix}"
+    if inputs.text_tokens < 2 * inputs.images_per_sample + 1:
+        return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
+                f"tokens and a text token: give --seq-len >= {2 * inputs.images_per_sample + 1}")
+    if setup.lora_rank and setup.freeze_language_model:
+        return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
+                "model): drop one")
+    return None
