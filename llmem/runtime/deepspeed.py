@@ -57,7 +57,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -248,6 +248,7 @@ class EngineStep:
     input_ids: torch.Tensor
     engine: object
     zero: object          # the ZeRO optimizer (DeepSpeedZeroOptimizer or DeepSpeedZeroOptimizer_Stage3)
+    extra_inputs: dict = field(default_factory=dict)   # a VLM's images (none: DeepSpeed runs text models only)
 
 
 def _tensors(*values) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ def _boolean_fields() -> list[tuple[str, str]]:
 QLORA = ("--qlora", "--lora-rank", "8")
 CONTEXT = {"kbit_upcast": QLORA, "double_quant": QLORA, "offload_param": ("--method", "fsdp", "--gpus", "2"),
            "use_vllm": ("--objective", "grpo"), "vllm_enable_sleep_mode": ("--objective", "grpo", "--use-vllm"),
-           "precompute_ref_log_probs": ("--objective", "dpo")}
+           "precompute_ref_log_probs": ("--objective", "dpo"), "float8_all_gather": ("--float8", "tensorwise")}
 
 
 def test_every_switch_has_both_forms():
