@@ -255,7 +255,9 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                      "what the forward saves chosen by inductor's own decompositions and min-cut partitioner, run "
                      "on fake tensors at this micro-batch's shape; inductor's generated kernels are not: the "
                      "partitioned graphs run op by op, so the saved tensors are exact and a layer's transients an "
-                     "upper bound (fused pointwise chains make none); the loss is not compiled")
+                     "upper bound (fused pointwise chains make none); the estimate reads a compiled layer as one block, "
+                     "its backward one transient (peak reserved can run a few per cent over the trace's for wide "
+                     "layers); the loss is not compiled")
     if setup.logits_dtype != "fp32":
         notes.append(f"--logits-dtype {setup.logits_dtype}: cross-entropy on the lm_head's output without "
                      "transformers' fp32 upcast (its log-softmax in that dtype; under autocast nll_loss keeps an fp32 cast of "
