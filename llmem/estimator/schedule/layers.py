@@ -160,6 +160,8 @@ class LayerEvents:
         step.unshard_backward(i, self.f.unit(i))
         if i > 0:
             step.prefetch(i - 1, self.f.unit(i - 1))     # backward prefetch of the next unit
+        elif "embed" in self.f.own_units:                # --shard-embeddings: the embedding's unit (frozen too)
+            step.prefetch("embed", self.f.own_units["embed"])
         per_block = fwd.layer_keys[i]
         copies = fwd.copies_by_layer[i]
         checkpointed = act.checkpointed(i)
