@@ -30,6 +30,8 @@ class LayerEvents:
         sch.mark(f"layer {i}")
         self.step.unshard_forward(i, self.f.unit(i))
         self.units.prefetch_forward(i + 1)
+        if self.f.own_units:       # cuBLAS's workspace at the first matmul: layer 0's, the embedding's unit freed
+            self.step.ensure_workspace()
         blocks_params = self.f.params.layer_blocks[i]
         checkpointed = act.checkpointed(i)
         if checkpointed:

@@ -127,7 +127,8 @@ class StepSchedule:
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
-        self.ensure_workspace()
+        if not f.own_units:             # (the embedding's unit: at layer 0's first matmul, once it is gathered)
+            self.ensure_workspace()
         for i in range(f.layers):
             self.forward_layer(i)
         if not f.own_units:             # (the lm_head's unit: its all-gather frees the last layer's)
