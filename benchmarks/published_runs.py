@@ -108,10 +108,12 @@ ROWS: tuple[PublishedRun, ...] = (
                  ("the settings (about twice the RTX 4090 row's: not the recipe's defaults, not stated)",)),
     PublishedRun("TT-05", "8B QLoRA, RTX 4090", "n/s", 7.4, "GiB",
                  dict(_TT_8B_LORA, gpu="RTX4090", quant_base="torchao-nf4"), (COMPILE, CHUNKED_CE)),
-    # llama3_1/70B_full with fsdp_cpu_offload: FSDP2's CPUOffloadPolicy, fused AdamW stepping on the host
+    # llama3_1/70B_full with fsdp_cpu_offload (FSDP2's CPUOffloadPolicy, fused AdamW stepping on the host) and
+    # custom_sharded_layers ['tok_embeddings', 'output'] (the embedding and the lm_head units of their own)
     PublishedRun("TT-06", "70B full, FSDP2 CPU offload, 8x A100", "n/s", 13.9, "GiB",
                  dict(_TT_8B, model="meta-llama/Llama-3.1-70B", method="fsdp", gpus=8, gpu="A100-80GB",
-                      optimizer="adamw-fused", offload_param=True, compile=True), (LOSS_COMPILE, CHUNKED_CE)),
+                      optimizer="adamw-fused", offload_param=True, compile=True, shard_embeddings=True),
+                 (LOSS_COMPILE, CHUNKED_CE)),
     PublishedRun("TT-07", "70B LoRA, FSDP2, 8x A100", "n/s", 27.6, "GiB",
                  dict(_TT_8B_LORA, model="meta-llama/Llama-3.1-70B", method="fsdp", gpus=8, gpu="A100-80GB",
                       compile=True), (LOSS_COMPILE, CHUNKED_CE)),

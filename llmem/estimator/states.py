@@ -253,9 +253,12 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     if layout.shards_model_states:
         reduce_bytes = setup.reduce_bytes
         root = [p for p in params if p.layer_index is None]
+        # --shard-embeddings: the embedding is its own unit, gathered around its forward and backward only (the
+        # lm_head's unit is gathered over the loss, the moments' peak: counted with the root's)
+        gathered_root = [p for p in root if not (setup.shard_embeddings and is_embedding(p) and p.tied_to is None)]
         layer0_all = [p for p in params if p.layer_index == 0]
         layer_gathered = sum(sum(fsdp_gathered_tensors(p, setup, layout)) for p in layer0_all)
-        root_gathered = sum(sum(fsdp_gathered_tensors(p, setup, layout)) for p in root)
+        root_gathered = sum(sum(fsdp_gathered_tensors(p, setup, layout)) for p in gathered_root)
         layer_reduce = fsdp_unit_numel(layer0, layout) * reduce_bytes
         root_reduce = fsdp_unit_numel([p for p in root if p.trainable], layout) * reduce_bytes
     tp_excess = 0

@@ -81,7 +81,10 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
         (f"--objective {s.objective}", s.objective_spec.runs_trainer),
         (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),
         # accelerate's fsdp_reshard_after_forward and torchrun's script take a bool only
-        (f"--reshard-after-forward {s.reshard_after_forward}", s.reshard_after_forward is not None)) if on]
+        (f"--reshard-after-forward {s.reshard_after_forward}", s.reshard_after_forward is not None),
+        # torchtune's custom_sharded_layers: neither accelerate's auto-wrap nor the script's units (torchtitan groups
+        # the final norm with the output)
+        ("--shard-embeddings", s.shard_embeddings)) if on]
     return [f for f in found if not f.startswith(EXPRESSED.get(kind, ()))]
 
 

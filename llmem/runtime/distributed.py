@@ -247,6 +247,8 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
         for layer in layer_list(model):
             placement = expert_placement(layer, efsdp) if efsdp is not None else None
             fully_shard(layer, **kw, **({"shard_placement_fn": placement} if placement else {}))
+        for module in own_units(model, setup):       # --shard-embeddings: torchtune's custom_sharded_layers
+            fully_shard(module, **kw)
         # the root as users write it: fully_shard's default (None) keeps the root gathered from forward to backward
         fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
         if efsdp is not None:
@@ -255,6 +257,18 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
         emulate_host_copies(model, region)
     if not isinstance(reshard, bool) and region is not None:
         label_post_forward_shards(model, region)
+
+
+def own_units(model: nn.Module, setup) -> list[nn.Module]:
+    """--shard-embeddings: the input embedding and the lm_head, each fully_shard as a unit of its own before the
+    root (torchtune's shard_model with custom_sharded_layers ['tok_embeddings', 'output']); a tied lm_head refused."""
+    if not setup.shard_embeddings:
+        return []
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is embed.weight:
+        raise LlmemError("--shard-embeddings needs an untied lm_head module (torchtune's TiedLinear is none): drop "
+                         "--shard-embeddings")
+    return [embed, head]
 
 
 def label_post_forward_shards(model: nn.Module, region) -> None:

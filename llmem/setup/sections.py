@@ -90,6 +90,11 @@ class ParallelismConfig:
                                                "resharded after forward to N ranks (keeps 1/N of it, all-gathered "
                                                "over N in backward); N divides the shard ranks, 1 < N < dp_shard "
                                                "(default: fsdp's True)", LAYOUT, type=int, metavar="N")
+    # torchtune's custom_sharded_layers ['tok_embeddings', 'output'] (shard_model): the input embedding and the
+    # lm_head fully_shard units of their own, gathered around their own forward and backward only
+    shard_embeddings: bool = option(False, "fsdp / zero2: the input embedding and the lm_head FSDP2 units of their "
+                                    "own (torchtune's custom_sharded_layers), not kept gathered with the root "
+                                    "from forward to backward; untied embeddings only", LAYOUT, kind="switch")
 
     @classmethod
     def from_layout(cls, layout: Layout, given: ParallelismConfig, microbatches: int = 1) -> ParallelismConfig:

@@ -313,6 +313,30 @@ RESHARD_AFTER_FORWARD = FeatureSupport("--reshard-after-forward N", lambda c: c.
 ))
 
 
+def _shard_embeddings_with(other: str, applies: Callable[[Case], bool]) -> Refusal:
+    return Refusal(other, applies, f"--shard-embeddings with {other} is not modelled: drop one of them")
+
+
+# torchtune's custom_sharded_layers ['tok_embeddings', 'output'] (training.shard_model): the embedding and the lm_head
+# fully_shard units of their own beside the decoder layers, on plain FSDP2 (llmem.estimator.schedule.units); a tied
+# lm_head is no module of its own in torchtune (TiedLinear), so only the embedding could be its unit
+SHARD_EMBEDDINGS = FeatureSupport("--shard-embeddings", lambda c: c.setup.shard_embeddings, (
+    Refusal("methods other than fsdp / zero2", lambda c: c.method.name not in ("fsdp", "zero2"),
+            lambda c: f"--shard-embeddings makes FSDP2 units of the embedding and the lm_head, modelled under "
+                      f"--method fsdp or zero2 only, got {c.method.name}: drop --shard-embeddings"),
+    Refusal("tied input and output embeddings", lambda c: c.model is not None and c.model.tied_embeddings,
+            "--shard-embeddings with tied input and output embeddings is not modelled (torchtune's TiedLinear "
+            "lm_head is no module of its own): drop --shard-embeddings"),
+    _shard_embeddings_with("--pp, --cp or --ep", lambda c: max(c.setup.pp, c.setup.cp, c.setup.ep) > 1),
+    _shard_embeddings_with("--reshard-after-forward N", lambda c: c.setup.reshard_after_forward is not None),
+    _shard_embeddings_with("--fused-ce", lambda c: c.setup.fused_ce),
+    _shard_embeddings_with("a quantised base", lambda c: c.setup.quant_spec.quantised),
+    _shard_embeddings_with("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer),
+    _shard_embeddings_with("LoRA on the lm_head", lambda c: c.setup.peft and "lm_head" in c.setup.lora_targets),
+    _shard_embeddings_with("a vision-language model's images", lambda c: c.setup.images_per_sample > 0),
+))
+
+
 def _head_lora_gap(c: Case) -> str | None:
     """What a set-up with LoRA on the lm_head has that its modelled form (llmem.estimator.schedule.head's
     lora_forward / lora_backward) does not; None: it is that form."""
@@ -400,7 +424,7 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
     OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, COMPILE,
     SELECTIVE_AC, DEEPSPEED,
-    QUANTISED_BASE, RESHARD_AFTER_FORWARD, MODEL, PIPELINE)}
+    QUANTISED_BASE, RESHARD_AFTER_FORWARD, SHARD_EMBEDDINGS, MODEL, PIPELINE)}
 
 
 def support_refusal(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> str | None:

@@ -227,6 +227,13 @@ CI_MATRIX: list[TrainingSetup] = [
     # until backward gathers it over N; tiny-mistral over 6 ranks pads its rows (512 -> 516, 128 -> 132)
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, reshard_after_forward=2),
     _s("tiny-mistral", "fsdp", 6, precision="bf16-mixed", batch_size=2, seq_len=256, reshard_after_forward=3),
+    # --shard-embeddings (torchtune's custom_sharded_layers): the embedding and the lm_head FSDP2 units of their own,
+    # gathered around their own forward and backward; with checkpointing, and under CPUOffloadPolicy
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, shard_embeddings=True),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, grad_ckpt=True,
+       shard_embeddings=True),
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, offload_param=True,
+       shard_embeddings=True),
     # TRL's DPOTrainer (--objective dpo; llmem.estimator.objectives against TRL's own _compute_loss traced,
     # llmem.runtime.objectives): chosen + rejected in one forward, TRL's fused LM head; the reference as a frozen
     # copy, the policy with its adapters disabled (LoRA), precomputed log-probs; DDP; another loss type and a prompt
@@ -563,6 +570,7 @@ def label(s: TrainingSetup) -> str:
         + ([f"prompt{s.prompt_len}"] if s.prompt_len else []) \
         + (["sequence-parallel"] if s.sequence_parallel else []) + (["loss-parallel"] if s.loss_parallel else []) \
         + ([f"reshard-after-forward={s.reshard_after_forward}"] if s.reshard_after_forward else []) \
+        + (["shard-embeddings"] if s.shard_embeddings else []) \
         + ([f"gen{s.num_generations}"] if s.num_generations else []) \
         + ([f"completion{s.max_completion_length}"] if s.max_completion_length else []) \
         + ([f"beta{s.beta:g}"] if s.beta is not None else []) \

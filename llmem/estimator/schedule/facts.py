@@ -9,6 +9,7 @@ Known Limitations: tensors under 64 KiB are left out of the schedules of models 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from llmem.estimator.param_facts import ParamFacts, param_facts
 from llmem.estimator.post_forward import post_forward_ranks
@@ -19,7 +20,7 @@ from llmem.memory.activations.quantised import fp32_behind_quant
 from llmem.memory.quant import QuantArgs, Transients, quant_args, transients
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.sharding import MATMUL_KINDS
+from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
 from llmem.setup.layout import Layout
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.precision import Regime
@@ -37,7 +38,7 @@ class StepFacts:
     regime: Regime
     optimizer: OptimizerSpec
     params: ParamFacts                 # per parameter: shards, gathers, blocks (llmem.estimator.param_facts)
-    root: list[ParamInfo]              # the root unit's parameters (embeddings, final norm, lm_head)
+    root: list[ParamInfo]              # the root module's parameters (embeddings, final norm, lm_head)
     layers: int                        # the decoder layers laid out (the first ones: the others are identical)
     hidden_size: int
     vocab_size: int
@@ -103,6 +104,26 @@ class StepFacts:
     def unit(self, unit_key: int | None) -> list[ParamInfo]:
         """A decoder layer's parameters (None: the root's)."""
         return self.params.by_layer.get(unit_key, [])
+
+    @cached_property
+    def own_units(self) -> dict[str, list[ParamInfo]]:
+        """--shard-embeddings under FSDP2: "embed" and "head", units of their own (none otherwise)."""
+        return own_units(self.root, self.fsdp and self.setup.shard_embeddings)
+
+    @property
+    def root_unit(self) -> list[ParamInfo]:
+        """The root FSDP2 unit's parameters: the root module's less those of the units of their own."""
+        own = {p.name for unit in self.own_units.values() for p in unit}
+        return [p for p in self.root if p.name not in own] if own else self.root
+
+
+def own_units(root: list[ParamInfo], shard_embeddings: bool) -> dict[str, list[ParamInfo]]:
+    """torchtune's custom_sharded_layers ['tok_embeddings', 'output'] (shard_model: fully_shard on each, before the
+    root): the input embedding and the untied lm_head split off the root unit, in forward order."""
+    if not shard_embeddings:
+        return {}
+    return {"embed": [p for p in root if is_embedding(p) and p.tied_to is None],
+            "head": [p for p in root if is_lm_head(p) and not is_embedding(p)]}
 
 
 def step_facts(r: ResolvedSetup, act: ActivationProfile, layers: int | None = None) -> StepFacts:

@@ -102,6 +102,8 @@ class HeadEvents:
         if act.fused_ce is not None:    # chunked: no [tokens, vocab] logits, the gradients kept instead
             fwd.fused_grads = fused_ce_forward(sch, act.fused_ce, f.setup.batch_size, f.setup.seq_len)
             return
+        if "head" in f.own_units:       # --shard-embeddings: the lm_head's pre-forward gathers its unit
+            self.step.own_forward("head")
         if regime.autocast:
             fwd.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
                              if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)]
@@ -118,6 +120,8 @@ class HeadEvents:
             sch.free(local)
         else:
             fwd.logits = alloc(tv * regime.mm, "logits_and_loss")
+        if "head" in f.own_units:       # its post-forward, once the logits are made
+            self.step.own_post_forward("head")
         if head_lora_rank(f):
             self.lora_forward()
         ld = act.loss_bytes      # fp32 (HF's logits.float()), or the logits' own dtype (--logits-dtype model)
@@ -286,6 +290,9 @@ class HeadEvents:
         """The loss's backward or the fused loss's hand-over, then the lm_head's and the final norm's gradients."""
         f, sch, alloc, fwd, step = self.f, self.sch, self.sch.alloc, self.state.forward, self.step
         cast_grad = self.loss_backward()
+        if "head" in f.own_units:       # the lm_head's pre-backward: its unit unsharded, the last layer prefetched
+            step.unshard_backward("head", f.own_units["head"])
+            step.prefetch(f.layers - 1, f.unit(f.layers - 1))
         head_params = step.head_backward_params()
         fwd.head_keys += [alloc(n, "activations") for n in fwd.head_offloaded]   # offloaded: unpacked
         if f.act.fused_ce is not None:
@@ -311,6 +318,8 @@ class HeadEvents:
                 self.release_head(cast_grad)
             else:
                 self.linear_backward(head_params, cast_grad, it)
+        if "head" in f.own_units:       # its post-backward hook, on the lm_head's input
+            step.own_post_backward("head")
         step.flush_steps(it)
         sch.free(grad_in)
 

@@ -32,6 +32,13 @@ class StepHooks(Protocol):
     def release_forward_gathers(self) -> None:
         """The root's post-forward: the forward's last all-gather output freed."""
 
+    def own_forward(self, key: str) -> None:
+        """--shard-embeddings: the embedding's or the lm_head's unit gathered at its pre-forward."""
+
+    def own_post_forward(self, key: str) -> None: ...
+
+    def own_post_backward(self, key: str) -> None: ...
+
     def reduce_scatter_layer(self, i: int) -> None: ...
 
     # ------------------------------------------------------------------------------- gradients and the step

@@ -30,6 +30,8 @@ class LayerEvents:
         sch.mark(f"layer {i}")
         self.step.unshard_forward(i, self.f.unit(i))
         self.units.prefetch_forward(i + 1)
+        if self.f.own_units:       # cuBLAS's workspace at the first matmul: layer 0's, the embedding's unit freed
+            self.step.ensure_workspace()
         blocks_params = self.f.params.layer_blocks[i]
         checkpointed = act.checkpointed(i)
         if checkpointed:
@@ -160,6 +162,8 @@ class LayerEvents:
         step.unshard_backward(i, self.f.unit(i))
         if i > 0:
             step.prefetch(i - 1, self.f.unit(i - 1))     # backward prefetch of the next unit
+        elif "embed" in self.f.own_units:                # --shard-embeddings: the embedding's unit (frozen too)
+            step.prefetch("embed", self.f.own_units["embed"])
         per_block = fwd.layer_keys[i]
         copies = fwd.copies_by_layer[i]
         checkpointed = act.checkpointed(i)

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from llmem.model.anatomy import ParamInfo
 
-UnitKey = int | None    # a decoder layer's index, None: the root unit (embeddings, final norm, lm_head)
+# a decoder layer's index, None: the root unit (embeddings, final norm, lm_head), "embed" / "head": under
+# --shard-embeddings the input embedding's and the lm_head's units (llmem.estimator.schedule.facts own_units)
+UnitKey = int | str | None
 
 
 @dataclass

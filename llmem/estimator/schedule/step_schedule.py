@@ -112,10 +112,14 @@ class StepSchedule:
         sch.phase = f"it{it}:forward"
         if self.objective is not None:    # forwards before the policy's own (KTO's KL sequences)
             self.objective.before_forward()
-        self.unshard_forward(None, f.root)          # the root is not resharded after forward (FSDP2 default)
+        self.unshard_forward(None, f.root_unit)     # the root is not resharded after forward (FSDP2 default)
         self.units.prefetch_forward(0)
         fwd = self.state.forward = ForwardLive()
+        if "embed" in f.own_units:
+            self.own_forward("embed")
         fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        if "embed" in f.own_units:
+            self.own_post_forward("embed")
         if act.offload:
             sch.free_all(fwd.embed_keys)
             # a frozen embedding's output under checkpointing: a leaf its AccumulateGrad node holds on the device
@@ -123,12 +127,16 @@ class StepSchedule:
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
-        self.ensure_workspace()
+        if not f.own_units:             # (the embedding's unit: at layer 0's first matmul, once it is gathered)
+            self.ensure_workspace()
         for i in range(f.layers):
             self.forward_layer(i)
-        self.release_forward_gathers()
+        if not f.own_units:             # (the lm_head's unit: its all-gather frees the last layer's)
+            self.release_forward_gathers()
         sch.free(mask_key)              # the packed mask dies with the model's forward
         self.head_forward()
+        if f.own_units:                 # the root's post-forward, after the loss: the lm_head's all-gather output
+            self.release_forward_gathers()
         sch.free(fwd.passed)            # the final norm has read the last layer's output
         sch.free_all(fwd.bias_cache)    # autocast exit clears its cache; saved weight copies stay referenced
         if act.offload and not act.grad_ckpt:
@@ -142,11 +150,14 @@ class StepSchedule:
         sch, f = self.sch, self.facts
         sch.phase = f"it{it}:backward"
         layers = f.layers
-        if not getattr(self.objective, "loss_outside_model", False):   # TRL's ORPO / CPO: at the logits' gradient
+        if "head" in f.own_units:   # the root's pre-backward hook gathers the lm_head's unit, last before it
+            self.prefetch("head", f.own_units["head"])
+        elif not getattr(self.objective, "loss_outside_model", False):   # TRL's ORPO / CPO: at the logits' gradient
             self.prefetch(layers - 1, f.unit(layers - 1))   # the root's pre-backward hook gathers it
         sch.mark("lm_head and loss")
         self.head_backward(it)
-        self.state.units.pending_rs = []
+        if not f.own_units:      # (the lm_head's unit: its reduce-scatter input, freed at the next one)
+            self.state.units.pending_rs = []
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
         fwd = self.state.forward
@@ -154,6 +165,8 @@ class StepSchedule:
             fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
         # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
         embeds = [p for p in f.root if p.trainable and is_embedding(p)]
+        if embeds and "embed" in f.own_units:     # its pre-backward hook, on the embedding's output
+            self.unshard_backward("embed", f.own_units["embed"])
         stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") if embeds else -1
         for p in embeds:
             self.make_grad(p, root_unit=True)
@@ -206,6 +219,15 @@ class StepSchedule:
 
     def reduce_scatter_layer(self, i: int) -> None:
         self.units.reduce_scatter_layer(i)
+
+    def own_forward(self, key: str) -> None:
+        self.units.own_forward(key)
+
+    def own_post_forward(self, key: str) -> None:
+        self.units.own_post_forward(key)
+
+    def own_post_backward(self, key: str) -> None:
+        self.units.own_post_backward(key)
 
     def ensure_workspace(self) -> None:
         if self.state.workspace < 0:

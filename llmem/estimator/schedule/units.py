@@ -3,7 +3,13 @@ the local shards, the gathered output on the all-gather stream), its copy-out in
 explicit and implicit prefetches, the reshard after forward (or to post-forward shards: llmem.estimator.post_forward),
 the reduce-scatter of each unit's gradients after its backward and the root's post-backward.
 
-Known Limitations: a unit is a decoder layer or the root; ZeRO's own gathering is llmem.estimator.deepspeed's.
+Under --shard-embeddings the input embedding and the lm_head are units of their own (torchtune's
+custom_sharded_layers): each gathered around its forward (resharded after it, per reshard_after_forward) and its
+backward, the lm_head's reduce-scatter at its post-backward, the embedding's in the root's final callback after the
+root's (FSDPState._root_post_backward_final_callback runs the states in module order: its inputs need no gradient).
+
+Known Limitations: a unit is a decoder layer, the root, or under --shard-embeddings the embedding or the lm_head;
+ZeRO's own gathering is llmem.estimator.deepspeed's.
 """
 
 from __future__ import annotations
@@ -216,7 +222,7 @@ class FsdpUnits:
         """FSDPParamGroup.post_backward of the root: it reshards before foreach_reduce; the copy-in loop's variable
         still holds the last parameter's gradient (lm_head's, in module order) while the output is allocated."""
         sch, alloc, f = self.sch, self.sch.alloc, self.f
-        root, grads = f.root, self.grads.root_unsharded
+        root, grads = f.root_unit, self.grads.root_unsharded
         self.redistribute_root_grads()
         sch.free_all(self.live.pending_rs)
         self.step.reshard_unit(None)
@@ -228,6 +234,44 @@ class FsdpUnits:
         out = alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER)
         sch.free_all(ordered[-1:])
         self.sharded_grads(out)
-        sch.free(rs_in)
+        if "embed" in f.own_units:   # the embedding's post-backward next, in the same final callback
+            self.live.pending_rs.append(rs_in)
+            self.own_post_backward("embed")
+            sch.free_all(self.live.pending_rs)   # the callback waits on the last reduce-scatter
+        else:
+            sch.free(rs_in)
         for u in list(self.live.gathered):
             self.step.reshard_unit(u)
+
+    # ------------------------------------------------------------------------------------------ own units
+    def own_forward(self, key: str) -> None:
+        """--shard-embeddings: the embedding's or the lm_head's pre-forward (all-gather, copy-out; the previous
+        all-gather output freed)."""
+        self.unshard_forward(key, self.f.own_units[key])
+
+    def own_post_forward(self, key: str) -> None:
+        """Its post-forward: resharded under reshard_after_forward True (zero2 keeps it gathered to backward)."""
+        if self.f.reshard:
+            self.step.reshard_unit(key)
+
+    def own_post_backward(self, key: str) -> None:
+        """FSDPParamGroup.post_backward of a unit of its own: reshard, the previous reduce-scatter input released
+        (reduce_scatter_max_input_buffers 1), the reduce-scatter input, the sharded output allocated while the
+        copy-in loop's variable holds the last gradient (as at the root's). A frozen unit reduces nothing; a
+        prefetch never waited on (a frozen embedding's, gathered by layer 0's backward) dies in
+        finalize_backward."""
+        sch, alloc, f, grads = self.sch, self.sch.alloc, self.f, self.grads.root_unsharded
+        unit = f.own_units[key]
+        self.step.reshard_unit(key)
+        sch.free_all(self.live.ag_out.pop(key, []))
+        sch.free_all(self.live.pending_rs)
+        ordered = [grads.pop(p.name) for p in unit if p.name in grads]
+        if not ordered:
+            return
+        rs_bytes = f.unit_bytes(unit, f.reduce_bytes, True)
+        rs_in = alloc(rs_bytes, "communication_buffers")
+        sch.free_all(ordered[:-1])
+        out = alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER)
+        sch.free_all(ordered[-1:])
+        self.sharded_grads(out)
+        self.live.pending_rs.append(rs_in)

@@ -232,6 +232,25 @@ def _loss(r: Reading, loss: Keys) -> None:
     loss.get("num_output_chunks")
 
 
+# training.shard_model's custom_sharded_layers llmem expresses: the embedding and the lm_head, each a unit of its own
+SHARDED_EMBEDDINGS = {"tok_embeddings", "output"}
+
+
+def _custom_sharded_layers(r: Reading, names) -> None:
+    """custom_sharded_layers: fully_shard on each module named (get_shard_conditions), besides the layers and the
+    root; ['tok_embeddings', 'output'] is --shard-embeddings under fsdp / zero2, any other list stays with the
+    root."""
+    if not names:
+        return
+    if isinstance(names, list | tuple) and set(map(str, names)) == SHARDED_EMBEDDINGS \
+            and r.method in ("fsdp", "zero2"):
+        r.set("custom_sharded_layers", names, "shard_embeddings", True, "the embedding and the lm_head FSDP2 units "
+              "of their own (training.shard_model)")
+        return
+    r.ignore("custom_sharded_layers", names, "FSDP units of their own other than ['tok_embeddings', 'output'] "
+             f"under fsdp / zero2 (method {r.method}): llmem's fsdp shards them with the root")
+
+
 def _distributed(r: Reading, keys: Keys) -> None:
     if r.method is None and any(k in keys for k in ("fsdp_cpu_offload", "custom_sharded_layers",
                                                      "fsdp_reshard_after_forward", "tensor_parallel_dim")):
@@ -244,13 +263,11 @@ def _distributed(r: Reading, keys: Keys) -> None:
     if keys.get("fsdp_cpu_offload"):
         r.ignore("fsdp_cpu_offload", True, "FSDP's CPU offload of parameters (CPUOffloadPolicy) is not modelled yet: "
                  "estimated with the parameters on the GPU (an upper bound)")
-    if keys.get("custom_sharded_layers"):
-        r.ignore("custom_sharded_layers", keys.get("custom_sharded_layers"), "tok_embeddings / output as FSDP units "
-                 "of their own: llmem's fsdp shards them with the root")
     tp = keys.get("tensor_parallel_dim", 1)
     if r.integer("tensor_parallel_dim", tp) > 1:
         r.set("tensor_parallel_dim", tp, "tp", tp)
         r.method = "fsdp+tp"
+    _custom_sharded_layers(r, keys.get("custom_sharded_layers"))
     keys.sub("tensor_parallel_plan")
     if keys.get("compile"):     # training.compile_model: each decoder layer, inside its checkpoint wrapper
         r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)")
