@@ -76,7 +76,7 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),
         ("--fused-ce", s.fused_ce), ("--offload-activations", s.offload_activations), ("--packing", s.packing),
         (f"--logits-dtype {s.logits_dtype}", s.logits_dtype != "fp32"), (f"--liger {s.liger}", s.liger != "none"),
-        (f"--float8 {s.float8}", s.float8 != "none"),
+        (f"--float8 {s.float8}", s.float8 != "none"), ("--compile", s.compile),
         (f"--attn {s.attn}", s.attn != DEFAULT_ATTN),
         (f"--objective {s.objective}", s.objective_spec.runs_trainer),
         (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),

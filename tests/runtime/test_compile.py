@@ -89,3 +89,10 @@ def test_compile_needs_learning(monkeypatch):
     monkeypatch.setenv("LLMEM_LEARN", "never")
     with pytest.raises(LlmemError, match=r"^--compile needs the activations learned from the real compile pipeline"):
         estimate(user_setup(model="tiny-llama", compile=True, seq_len=64))
+
+
+def test_the_plans_exports_do_not_drop_compile():
+    from llmem.planner.export import check_exportable
+
+    with pytest.raises(LlmemError, match=r"cannot express --compile"):
+        check_exportable(user_setup(model="tiny-llama", compile=True, method="fsdp", gpus=2), kind="torchtitan")
