@@ -151,7 +151,8 @@ def _setup_mismatch_notes(setup: TrainingSetup, gpu: GpuSpec) -> list[str]:
         ("--loss-parallel", setup.loss_parallel),
         (f"--logits-dtype {setup.logits_dtype}", setup.logits_dtype != "fp32"),
         (f"--liger {setup.liger}", setup.liger != "none"),
-        (f"--float8 {setup.float8}", setup.float8 != "none")) if on]
+        (f"--float8 {setup.float8}", setup.float8 != "none"), ("--compile", setup.compile),
+        ("--shard-embeddings", setup.shard_embeddings)) if on]
     if ignored:
         notes.append(f"{', '.join(ignored)} ignored: the paper's equations model full fine-tuning of every "
                      "parameter with its whole logits (use the llmem engine for these)")

@@ -333,3 +333,11 @@ def test_paper_max_batch_matches_linear_search():
     while engine.paper_peak(setup, a, gpu, bs) <= gpu.memory_bytes:
         bs += 1
     assert best == bs - 1 > 0
+
+
+def test_notes_name_the_kernel_and_unit_options_too():
+    a = load_anatomy("meta-llama/Llama-3.1-8B")
+    setup = TrainingSetup("meta-llama/Llama-3.1-8B", method="fsdp", gpus=2, precision="fp16-mixed", grad_ckpt=True,
+                          compile=True, shard_embeddings=True, seq_len=SL, gpu="V100-16GB")
+    text = " ".join(engine.paper_estimate(setup, a, resolve_gpu("V100-16GB")).notes)
+    assert "--compile, --shard-embeddings ignored" in text
