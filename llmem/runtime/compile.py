@@ -26,7 +26,6 @@ compiled layer are refused (llmem.setup.support's COMPILE row).
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 from torch import nn
@@ -60,21 +59,35 @@ def _inductor_partitioned(gm, example_inputs):
     return compile_fx(gm, example_inputs, inner_compile=_graphs_op_by_op)
 
 
-def compile_layers(model: nn.Module, fake: bool = True) -> int:
+def compile_layers(model: nn.Module, fake: bool = True):
     """Compile each decoder layer's forward in place (fullgraph: a graph break would split what the partitioner
     sees); its checkpointing, where on, stays outside the compiled code and replays it (`_checkpointed`). On fake
     tensors the partitioned graphs run op by op; on real ones (measure) inductor generates and runs its kernels.
-    Returns how many were compiled."""
+    Returns dynamo's settings for the step (a context manager, `_one_graph_for_every_layer`)."""
     import torch._dynamo
 
     torch._dynamo.reset()             # no graphs kept from an earlier step of another shape
     backend = _inductor_partitioned if fake else "inductor"
     layers = layer_list(model)
+    compiled: dict[type, object] = {}     # one compiled forward per layer class, the layer passed in as an input
     for layer in layers:
-        inner = _unchecked_forward(type(layer).forward)
-        compiled = torch.compile(types.MethodType(inner, layer), backend=backend, fullgraph=True)
-        layer.forward = _checkpointed(layer, compiled)
-    return len(layers)
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(_unchecked_forward(cls.forward), backend=backend, fullgraph=True)
+        layer.forward = _checkpointed(layer, functools.partial(compiled[cls], layer))
+    return _one_graph_for_every_layer(len(layers))
+
+
+def _one_graph_for_every_layer(layers: int):
+    """Dynamo's settings while the step runs. An int attribute of a module is a constant to dynamo: HF's layers
+    read their `layer_idx` (the KV cache's index), so each layer would be a graph of its own, and past
+    recompile_limit (8) a hard failure under fullgraph. As a symbolic int (allow_unspec_int_on_nn_module, the
+    guard's own hint) it is one graph for all; the limit is raised to the depth in case another attribute differs
+    by layer (each layer then compiles alone, the same memory)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=max(8, layers + 8),
+                                      accumulated_recompile_limit=max(256, 2 * layers + 8))
 
 
 def _unchecked_forward(forward):

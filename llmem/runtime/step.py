@@ -457,7 +457,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             install_float8(causal_lm(model), setup.float8, setup.float8_all_gather)
         if setup.compile:    # after checkpointing, as torchtune and torchtitan compile (llmem.runtime.compile)
             from llmem.runtime.compile import compile_layers
-            compile_layers(model, fake)
+            stack.enter_context(compile_layers(model, fake))
 
         say("materialising the model")
         runner = _materialised_runner(stack, model, setup, layout, mesh, hooks.category, device, fake, sharded,

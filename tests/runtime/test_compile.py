@@ -96,3 +96,18 @@ def test_the_plans_exports_do_not_drop_compile():
 
     with pytest.raises(LlmemError, match=r"cannot express --compile"):
         check_exportable(user_setup(model="tiny-llama", compile=True, method="fsdp", gpus=2), kind="torchtitan")
+
+
+def test_a_deep_model_compiles_one_graph_for_all_its_layers(tmp_path_factory):
+    """Past dynamo's recompile limit (8) a per-layer graph would be a hard failure under fullgraph: the layers share
+    one graph (their layer_idx a symbolic int; llmem builds with use_cache=False)."""
+    import torch._dynamo.utils
+    from micro_model import MICRO, write_config
+
+    from llmem.runtime.trace import trace
+
+    config = write_config(tmp_path_factory, {**MICRO, "num_hidden_layers": 12})
+    torch._dynamo.utils.counters.clear()
+    result = trace(user_setup(model=config, compile=True, precision="bf16", seq_len=64), iterations=1)
+    assert result.peak_allocated_bytes > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
