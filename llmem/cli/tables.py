@@ -359,6 +359,8 @@ def print_generation(g: dict, console: Console) -> None:
             " (as given)" if g.get("vllm_given") else " (GRPOConfig's default)")
     console.print(f"[bold]answer:[/] {escape(what)}: {g['label']}, batch {g['max_batch_size']} per GPU, "
                   f"generation by {escape(how)}")
+    if "generation_time" in g:
+        console.print(escape(g["generation_time"]))
     hint = (g.get("vllm_chosen") or g.get("vllm_colocate") or {}).get("hint")
     if hint:
         console.print(escape(hint))

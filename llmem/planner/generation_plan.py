@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from llmem.errors import LlmemError
 from llmem.estimator.generation import colocated_pool
 from llmem.model.resolved import assemble
+from llmem.planner.generation_time import amortised_note
 from llmem.planner.search import (
     QUICK_BOUND_SLACK,
     CandidatePlan,
@@ -32,7 +33,7 @@ from llmem.planner.search import (
 )
 from llmem.result import MemoryResult
 from llmem.search import max_batch_size
-from llmem.setup.generation import vllm_mode, vllm_utilization
+from llmem.setup.generation import steps_per_generation, vllm_mode, vllm_utilization
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import objective_spec, setup_batch_multiple
 from llmem.setup.training import TrainingSetup
@@ -193,6 +194,8 @@ def answer_generation(ctx: PlanContext, setup: TrainingSetup, layout: Layout, ma
     memory = ctx.engine.full(layout_setup(setup, layout, max_batch), layout)
     out: dict = {"label": layout.label, "max_batch_size": max_batch, "phases": phases_of(memory),
                  "generation": "vllm-" + vllm_mode(setup) if vllm_mode(setup) else "transformers"}
+    if steps_per_generation(setup) > 1:
+        out["generation_time"] = amortised_note(setup, max_batch)
     if vllm_mode(setup) == "colocate":
         out["vllm_gpu_memory_utilization"] = vllm_utilization(setup)
         out["vllm_pool_bytes"] = memory.components.get("vllm_pool", 0)

@@ -17,13 +17,19 @@ time model of llmem.planner.timing, extended.
   wake-up / sleep copies are not timed.
 Every completion runs to max_completion_length (the longest step). Sampling, rewards and host round trips are not
 timed.
+
+TRL generates and scores once per steps_per_generation micro-steps (`_prepare_inputs` refills `_buffered_inputs`
+with the generation batch, --batch-size x steps_per_generation rows per GPU, then serves one --batch-size slice a
+step): the batch's generation is timed above at its own rows (one decode step reads the weights once for all of
+them), its scoring as steps_per_generation chunks of --batch-size (the reference's forward each), and each
+micro-step is charged 1 / steps_per_generation of the sum (amortised).
 """
 
 from __future__ import annotations
 
 from llmem.estimator.generation import attention_dims, colocated_pool
 from llmem.model.resolved import ResolvedSetup
-from llmem.setup.generation import completion_length, prompt_length, vllm_mode
+from llmem.setup.generation import completion_length, prompt_length, steps_per_generation, vllm_mode
 from llmem.setup.objectives import REF_NONE, objective_spec, reference_mode
 
 VLLM_SERVER_DTYPE_BYTES = 2       # the server's weights and KV cache: bf16, every catalog LLM's checkpoint dtype
@@ -31,17 +37,31 @@ VLLM_SERVER_DTYPE_BYTES = 2       # the server's weights and KV cache: bf16, eve
 
 def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, rate_flops_per_s: float,
                       attention_flops_per_token: float, forward_s: float) -> float:
-    """Seconds of generation and scoring per micro-step (0 for an objective without them): `matmul_params` the
-    weights that multiply activations per token, `attention_flops_per_token` the forward attention FLOPs per token, `forward_s` the training forward's time (the reference's forward)."""
+    """Seconds of generation and scoring per micro-step, amortised (0 for an objective without them): the
+    generation batch of `micro_batch` x steps_per_generation rows generated at once and scored in chunks of
+    `micro_batch`, divided by steps_per_generation (module docstring). `matmul_params` the weights that multiply
+    activations per token, `attention_flops_per_token` the forward attention FLOPs per token, `forward_s` the
+    training forward's time (one chunk's reference forward)."""
     setup = r.setup
     if not objective_spec(setup.objective).generates:
         return 0.0
-    scoring_s = forward_s if reference_mode(setup) != REF_NONE else 0.0
+    steps = steps_per_generation(setup)
+    rows = micro_batch * steps
+    scoring_s = steps * forward_s if reference_mode(setup) != REF_NONE else 0.0
     if vllm_mode(setup) is not None:
-        return vllm_generation_s(r, micro_batch, matmul_params, rate_flops_per_s, attention_flops_per_token) \
-            + scoring_s
+        generate_s = vllm_generation_s(r, rows, matmul_params, rate_flops_per_s, attention_flops_per_token)
+    else:
+        generate_s = transformers_generation_s(r, rows, matmul_params, rate_flops_per_s, attention_flops_per_token)
+    return (generate_s + scoring_s) / steps
+
+
+def transformers_generation_s(r: ResolvedSetup, rows: int, matmul_params: float, rate_flops_per_s: float,
+                              attention_flops_per_token: float) -> float:
+    """transformers' generate of `rows` completions at once (module docstring): the prompts' prefill at FLOPs, then
+    max_completion_length - 1 decode steps, each reading the weights once and the rows' KV cache."""
+    setup = r.setup
     p, c = prompt_length(setup), completion_length(setup)
-    prefill_s = micro_batch * p * (2 * matmul_params + attention_flops_per_token) / rate_flops_per_s
+    prefill_s = rows * p * (2 * matmul_params + attention_flops_per_token) / rate_flops_per_s
     weights_bytes = sum(q.numel * setup.stored_bytes(q.trainable) for q in r.anatomy.params)
     if setup.mixed:           # autocast's copies of the trained fp32 weights, written then read (each forward)
         weights_bytes += 2 * setup.compute_bytes * sum(q.numel for q in r.anatomy.params if q.trainable
@@ -50,15 +70,23 @@ def generation_time_s(r: ResolvedSetup, micro_batch: int, matmul_params: float, 
     heads = config.get("num_attention_heads", 1)
     kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or r.anatomy.hidden_size // heads
-    kv_bytes_per_token = 2 * r.anatomy.num_layers * kv * head_dim * setup.compute_bytes * micro_batch
+    kv_bytes_per_token = 2 * r.anatomy.num_layers * kv * head_dim * setup.compute_bytes * rows
     bandwidth = r.gpu.memory_gbps * 1e9
     decode_s = 0.0
     if c > 1:
         mean_cache = kv_bytes_per_token * (p + c / 2)
         memory_s = (weights_bytes + mean_cache) / bandwidth
-        flops_s = micro_batch * 2 * matmul_params / rate_flops_per_s
+        flops_s = rows * 2 * matmul_params / rate_flops_per_s
         decode_s = (c - 1) * max(memory_s, flops_s)
-    return prefill_s + decode_s + scoring_s
+    return prefill_s + decode_s
+
+
+def amortised_note(setup, micro_batch: int) -> str:
+    """What the plan says of the generation's time when one generation batch serves several micro-steps."""
+    steps = steps_per_generation(setup)
+    return (f"generation and scoring amortised: one generation batch of {micro_batch * steps} completions per GPU "
+            f"(batch {micro_batch} x steps_per_generation {steps}) every {steps} micro-steps, each micro-step "
+            f"charged 1/{steps} of its time (in the step time and tokens/s)")
 
 
 def vllm_waves(r: ResolvedSetup, micro_batch: int) -> tuple[int, int]:

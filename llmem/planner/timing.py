@@ -20,8 +20,10 @@ Time model (all functions pure; units in the names; every assumption is stated h
   written) in forward, in backward and in the recompute, at the GPU's memory bandwidth (`gpu.memory_gbps`);
   activation offloading copies the layers' saved tensors to the host in forward and back in backward at
   PCIE_GBPS, each copy hidden behind its phase's compute where it is shorter.
-* --objective grpo: each micro-step first generates and scores its completions (llmem.planner.generation_time:
-  prefill at FLOPs, decode at memory bandwidth, the reference's forward when beta > 0).
+* --objective grpo: each micro-step is charged its share of the generation batch's generation and scoring
+  (llmem.planner.generation_time: batch x steps_per_generation rows generated at once every steps_per_generation
+  micro-steps, amortised over them; prefill at FLOPs, decode at memory bandwidth, the reference's forward when
+  beta > 0).
 * time = FLOPs / (peak * MFU), MFU default 0.4 (`--mfu`). Peak is the GPU's dense bf16/fp16 tensor peak; fp32
   assumes TF32 matmuls (torch.set_float32_matmul_precision("high")) at half that peak on compute capability >= 8.0,
   and 1/8 of it on Volta/Turing, which have no TF32. Tensor parallelism splits a micro-batch's FLOPs evenly over tp.
@@ -282,7 +284,7 @@ class StepTime:
     tokens_per_s: float
     host_copy_s: float = 0.0      # --offload-param: host <-> device copies per step (in dp_comm_s, overlappable)
     host_step_s: float = 0.0      # --offload-param: the optimizer step on the host (in step_s, never hidden)
-    generation_s: float = 0.0     # --objective grpo: generate and score per step (in step_s; generation_time)
+    generation_s: float = 0.0     # --objective grpo: generate and score per step, amortised (in step_s)
     pp_microbatches: int = 1      # --pp: micro-batches per schedule step (micro_batch_size samples each)
     bubble_s: float = 0.0         # --pp: the schedule's fill and drain per step (in step_s; parallel_time)
     p2p_s: float = 0.0            # --pp: the stage-to-stage activation / gradient waits per step (in step_s)
@@ -345,7 +347,7 @@ class MicroStepCompute:
     forward_s: float
     backward_s: float             # backward and the recompute
     compute_s: float              # forward + backward + dequantisation + the activation copies not hidden
-    generation_s: float           # --objective grpo: generate and score the micro-batch's completions first
+    generation_s: float           # --objective grpo: the micro-step's share of the generation batch's time
 
 
 def micro_step_compute(r: ResolvedSetup, micro_batch: int, mfu: float, adapter_params: int) -> MicroStepCompute:
@@ -368,7 +370,7 @@ def micro_step_compute(r: ResolvedSetup, micro_batch: int, mfu: float, adapter_p
     # activation offloading: copies to the host in forward, back in backward, each overlapping its phase's compute
     copy_s = offloaded_activation_bytes(r) / (PCIE_GBPS * 1e9)
     offload_s = max(0.0, copy_s - fwd_s) + max(0.0, copy_s - bwd_s)
-    # GRPO: the micro-batch's completions generated (prefill at FLOPs, decode at memory bandwidth) and scored first
+    # GRPO: the generation batch generated (prefill at FLOPs, decode at memory bandwidth) and scored, amortised
     gen_s = generation_time_s(r, micro_batch, sum(anatomy.matmul_params), rate,
                               attention_flops_per_token_forward(anatomy, setup.seq_len, causal_skip), fwd_s)
     return MicroStepCompute(tokens, causal_skip, rate, stage, fwd_s, bwd_s, fwd_s + bwd_s + dequant_s + offload_s,

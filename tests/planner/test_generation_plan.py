@@ -167,6 +167,38 @@ def test_vllm_decodes_in_waves_of_what_its_kv_cache_holds(micro):
     assert vllm_generation_s(r, batch, 1.0, 1e30, 0.0) == pytest.approx(2 * (c - 1) * per_step, rel=1e-9)
 
 
+def test_generation_is_amortised_over_the_steps_it_serves(micro):
+    """TRL generates --batch-size x steps_per_generation completions at once and trains steps_per_generation
+    micro-steps on them: each micro-step is charged 1/steps_per_generation of the batch's generation and scoring
+    (llmem.planner.generation_time), not one micro-batch's. By hand, FLOP terms off (an unbounded rate): bf16
+    weights 2 x 106816 bytes read once per decode step; K+V 2 layers x 2 x 2 heads x 16 x 2 bytes = 256 bytes a
+    token a row, on average over prompt 32 + half of completion 32 = 48 tokens; 31 decode steps; the reference's
+    forward (beta > 0) 0.5 s per --batch-size chunk."""
+    from llmem.model.resolved import resolve
+    from llmem.planner.generation_time import generation_time_s
+
+    weights, bandwidth, fwd_s = 2 * 106816, 3350e9, 0.5
+
+    def per_step_s(batch: int, steps: int, forward_s: float) -> float:
+        r = resolve(_grpo(micro, batch_size=batch, precision="bf16", beta=0.04, gpu="H100-80GB",
+                          steps_per_generation=steps))
+        assert r.gpu.memory_gbps * 1e9 == bandwidth
+        return generation_time_s(r, batch, 1.0, 1e30, 0.0, forward_s)
+
+    one = 31 * (weights + 2 * 256 * 48) / bandwidth + fwd_s                 # batch 2, steps_per_generation 1
+    assert per_step_s(2, 1, fwd_s) == pytest.approx(one, rel=1e-9)
+    # steps_per_generation 2: 4 rows decoded at once, 2 chunks scored, halved: 0.5 s + 1.2159 us vs 0.5 s + 2.2043 us
+    two = (31 * (weights + 4 * 256 * 48) / bandwidth + 2 * fwd_s) / 2
+    assert per_step_s(2, 2, fwd_s) == pytest.approx(two, rel=1e-9)
+    assert two - fwd_s == pytest.approx(1.2159e-6, rel=1e-4) and one - fwd_s == pytest.approx(2.2043e-6, rel=1e-4)
+    # half the generation time of the doubled batch (batch 4 at steps_per_generation 1, its forward 2 x 0.5 s)
+    assert per_step_s(2, 2, fwd_s) == pytest.approx(per_step_s(4, 1, 2 * fwd_s) / 2, rel=1e-12)
+    p = plan(_grpo(micro, gpu="H100-80GB", steps_per_generation=2), PlanOptions(batch_cap=2, methods=("single",)))
+    assert "every 2 micro-steps" in p.generation["generation_time"]
+    assert "generation_time" not in plan(_grpo(micro, gpu="H100-80GB"),
+                                         PlanOptions(batch_cap=2, methods=("single",))).generation
+
+
 def test_pruned_utilization_search_is_the_exhaustive_one(monkeypatch):
     """The bound-ordered search (a utilization whose tokens/s bound cannot beat the fastest found is not searched)
     answers as searching every utilization does, where vLLM's waves grow with the batch (its sampler's rows take
