@@ -10,7 +10,8 @@ inductor's decomposition table rewrites it, and the min-cut partitioner (torch/_
 in backward rather than saving their outputs. All of that runs here, as inductor runs it (`compile_fx` with its own
 decompositions and partitioner), on the step's fake tensors: only the last stage, inductor's code generation, is
 replaced by running each partitioned graph op by op (`_graphs_op_by_op`), so every tensor the forward saves is the
-real one, with its real size and lifetime. `llmem measure` (real tensors) runs inductor whole, kernels included.
+real one, with its real size and lifetime. On real tensors (benchmarks/compile_gpu.py) inductor runs whole,
+kernels included; `llmem measure` refuses --compile (its op tracker is a dispatch mode dynamo refuses).
 
 Known limitations: inductor's generated kernels fuse chains of pointwise ops, whose intermediates then never exist,
 and plan their buffers' reuse; run op by op, each op's output is a tensor of its own until its last use (FX frees it
@@ -62,7 +63,8 @@ def _inductor_partitioned(gm, example_inputs):
 def compile_layers(model: nn.Module, fake: bool = True):
     """Compile each decoder layer's forward in place (fullgraph: a graph break would split what the partitioner
     sees); its checkpointing, where on, stays outside the compiled code and replays it (`_checkpointed`). On fake
-    tensors the partitioned graphs run op by op; on real ones (measure) inductor generates and runs its kernels.
+    tensors the partitioned graphs run op by op; on real ones (benchmarks/compile_gpu.py) inductor generates and
+    runs its kernels.
     Returns dynamo's settings for the step (a context manager, `_one_graph_for_every_layer`)."""
     import torch._dynamo
 

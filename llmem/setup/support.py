@@ -423,8 +423,7 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
     OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, COMPILE,
-    SELECTIVE_AC, DEEPSPEED,
-    QUANTISED_BASE, RESHARD_AFTER_FORWARD, SHARD_EMBEDDINGS, MODEL, PIPELINE)}
+    SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE, RESHARD_AFTER_FORWARD, SHARD_EMBEDDINGS, MODEL, PIPELINE)}
 
 
 def support_refusal(setup: TrainingSetup, method: MethodSpec, model: ModelSupport | None = None) -> str | None:
@@ -441,23 +440,7 @@ def check_support(setup: TrainingSetup, method: MethodSpec, model: ModelSupport 
         raise LlmemError(why)
 
 
-def liger_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem does not model `setup`'s --liger kernels with the rest of it, the model aside (None: it does, or
-    no kernel is on)."""
-    return LIGER.refusal(Case(setup, method))
-
-
-def float8_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem does not model `setup`'s --float8 with the rest of it (None: it does, or float8 is off)."""
-    return FLOAT8.refusal(Case(setup, method))
-
-
-def compile_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem does not model `setup`'s --compile with the rest of it, the model aside (None: it does, or compile
-    is off)."""
-    return COMPILE.refusal(Case(setup, method))
-
-
-def deepspeed_refusal(setup: TrainingSetup, method: MethodSpec) -> str | None:
-    """Why llmem does not model `setup` under DeepSpeed's engine (None: it does, or `method` is not DeepSpeed's)."""
-    return DEEPSPEED.refusal(Case(setup, method))
+def feature_refusal(row: FeatureSupport, setup: TrainingSetup, method: MethodSpec) -> str | None:
+    """Why llmem does not model `setup`'s feature `row` (LIGER, FLOAT8, COMPILE, DEEPSPEED, ...) with the rest of it
+    under `method`, the model aside (None: it does, or the feature is off)."""
+    return row.refusal(Case(setup, method))

@@ -28,13 +28,7 @@ from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, r
 from llmem.setup.sources.files import load
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import (
-    check_support,
-    compile_refusal,
-    deepspeed_refusal,
-    float8_refusal,
-    liger_refusal,
-)
+from llmem.setup.support import COMPILE, DEEPSPEED, FLOAT8, LIGER, check_support, feature_refusal
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
@@ -186,7 +180,7 @@ def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str,
     """The file's DeepSpeed ZeRO with what llmem does not model under DeepSpeed's engine (a quantised base, an
     8-bit or composite optimizer): its PyTorch equivalent stands in, said so; a method given on the command line
     stays as given (and is refused)."""
-    why = deepspeed_refusal(setup, METHODS[setup.method])
+    why = feature_refusal(DEEPSPEED, setup, METHODS[setup.method])
     if why is None or "method" in overrides or setup.method not in STANDINS:
         return setup
     notes[:] = [n for n in notes if n not in STAGE_NOTES.values()]
@@ -200,8 +194,8 @@ def _kernels_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list
     """A file's Liger kernels, float8 linears or torch.compile where llmem does not model them with the rest of its
     set-up (adapters, a quantised base, DeepSpeed, ...): kept as ignored keys (what stands in said), not a refused
     set-up; one given on the command line stays (and is refused)."""
-    for offs, refusal, stand_in in _KERNEL_CHOICES:
-        why = refusal(setup, METHODS[setup.method])
+    for offs, row, stand_in in _KERNEL_CHOICES:
+        why = feature_refusal(row, setup, METHODS[setup.method])
         if why is None or any(f in overrides for f in offs):
             continue
         for u in [u for u in used if u.field in offs]:
@@ -211,11 +205,12 @@ def _kernels_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list
     return setup
 
 
-# (the fields and their off values, why they are not modelled with the set-up, what stands in), in order
+# (the fields and their off values, the support row saying why they are not modelled with the set-up, what stands
+# in), in order
 _KERNEL_CHOICES = (
-    ({"liger": "none"}, liger_refusal, "HF's modules stand in for Liger's"),
-    ({"float8": "none", "float8_all_gather": False}, float8_refusal, "bf16 linears stand in for Float8Linear"),
-    ({"compile": False}, compile_refusal, "the layers run eagerly in the estimate"),
+    ({"liger": "none"}, LIGER, "HF's modules stand in for Liger's"),
+    ({"float8": "none", "float8_all_gather": False}, FLOAT8, "bf16 linears stand in for Float8Linear"),
+    ({"compile": False}, COMPILE, "the layers run eagerly in the estimate"),
 )
 
 
