@@ -272,12 +272,14 @@ def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
 _LEARNED_ONLY = (
     (lambda r: r.layout.ep > 1, "--ep", "the real expert-parallel forward"),
     (lambda r: r.setup.compile, "--compile", "the real compile pipeline"),
+    (lambda r: r.setup.images_per_sample, "--images-per-sample", "the real vision-language step"),
 )
 
 
 def check_learned_required(r: ResolvedSetup) -> None:
-    """--ep (the all-to-all buffers and the received rows of the real EP forward, llmem.runtime.expert_parallel)
-    and --compile (what inductor's partitioner saves, llmem.runtime.compile) are in learned activations only;
+    """--ep (the all-to-all buffers and the received rows of the real EP forward, llmem.runtime.expert_parallel),
+    --compile (what inductor's partitioner saves, llmem.runtime.compile) and a vision-language step's images (its
+    vision side: llmem.memory.activations.learned_vision) are in learned activations only;
     without them the estimate is refused rather than read off a recipe that has neither."""
     for on, flag, run in _LEARNED_ONLY:
         if on(r) and learned_for(r) is None:

@@ -15,7 +15,7 @@ from llmem.estimator.objective_steps import objective_moments
 from llmem.estimator.post_forward import post_forward_layer_bytes
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.blocks import block_owner, loss_parallel_forward_bytes
-from llmem.memory.activations.profile import ActivationProfile, dims_for, virtual_tokens
+from llmem.memory.activations.profile import ActivationProfile, dims_for, sequence_tokens
 from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
@@ -219,7 +219,7 @@ def _forward_loss_bytes(r: ResolvedSetup, act: ActivationProfile) -> int:
     """1. end of forward, inside the loss: logits, their upcast (fp32 unless --logits-dtype model), the log-softmax
     output; autocast's cache."""
     anatomy, setup, regime = r.anatomy, r.setup, r.regime
-    tokens_vocab = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy)) * anatomy.vocab_size
+    tokens_vocab = setup.batch_size * sequence_tokens(anatomy, setup) * anatomy.vocab_size
     ld = act.loss_bytes              # the upcast and log-softmax: fp32, or the logits' dtype (--logits-dtype model)
     fwd_loss = tokens_vocab * regime.mm + (tokens_vocab * ld if regime.mm != ld else 0) + tokens_vocab * ld \
         + tokens_vocab * act.nll_cast

@@ -13,6 +13,7 @@ from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_b
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.moe import routing_notes
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.vision_inputs import vision_inputs
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.deepspeed import AUTO, bucket_buffers, reference_engine_note, zero_config
 from llmem.setup.expert_parallel import ep_note
@@ -152,6 +153,9 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
         notes.append(f"optimizer states offloaded: the CPU needs about {offloaded_host_bytes / GIB:.1f} GiB of RAM "
                      "per GPU for them and the fp32 master copy of the trained parameters")
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
+    images = vision_inputs(setup, r.base)      # a vision-language model's images (llmem.model.vision_inputs)
+    if images is not None:
+        notes.append(images.describe())
     notes += routing_notes(anatomy, learned=learned_for(r) is not None, ep=r.layout.ep)     # MoE: the routing assumption
     notes += quant_notes(setup, anatomy, r.layout)
     notes += activation_source_notes(r)     # learned from the real code, or the fallback recipe and why

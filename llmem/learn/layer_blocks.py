@@ -19,6 +19,7 @@ from llmem.learn.points import (
     unit_of,
 )
 from llmem.learn.selective_read import read_selective
+from llmem.learn.vision_read import read_vision, under
 from llmem.memory.activations.learned import LearnedActivations, LearnedBlock, as_floats
 
 
@@ -77,8 +78,9 @@ def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float, sel
                            for j, b in enumerate(blocks))
     head = [t.size for t in order if t.phase == FORWARD and relevant(t) and t.cat != "gathered_weights"
             and t.region in (layer, ("post",)) and t.freed_region == ("head",) and t.module not in rd.outer]
+    vision_module = rd.vision.module if rd.vision is not None else ""
     outside = [t for t in order if t.phase == FORWARD and t.region == ("pre",) and relevant(t)
-               and t.cat != "gathered_weights" and t.freed_phase != FORWARD]
+               and t.cat != "gathered_weights" and t.freed_phase != FORWARD and not under(t.module, vision_module)]
     # the first layer's inputs are made by its recipe (as READ_LAYER's are): left out here
     pending = [t.size for t in inputs if t.freed_phase != FORWARD]
     embed, shared = [], []
@@ -92,7 +94,8 @@ def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float, sel
     return LearnedActivations(learned_blocks, tuple(map(as_floats, embed)), tuple(map(as_floats, head)),
                               tuple(map(as_floats, shared)), LEARN_DEPTH,
                               tuple(points), round(seconds, 2), READ_LAYER,
-                              read_selective(rd, tensors, blocks_seq) if selective else None)
+                              read_selective(rd, tensors, blocks_seq) if selective else None,
+                              read_vision(rd.vision) if rd.vision is not None else None)
 
 
 def _schedule_cast(t: _Tensor, rd: Reading) -> bool:

@@ -10,9 +10,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from llmem.errors import LlmemError, first_line
-from llmem.learn.points import BACKWARD, FORWARD, READ_LAYER, LearnError, Reading, layer_of, unit_of
+from llmem.learn.points import (
+    BACKWARD,
+    FORWARD,
+    READ_LAYER,
+    LearnError,
+    Reading,
+    VisionReading,
+    layer_of,
+    unit_of,
+)
 from llmem.model.families import decoder_layers
 from llmem.model.sharding import MATMUL_KINDS
+from llmem.model.vision import vision_spec
 from llmem.runtime.ledger import Ledger, TracingFakeMode, tracking
 from llmem.runtime.selective_ac import OP_SAC_SAVE_LIST
 from llmem.runtime.step import StepHooks, prepared_step
@@ -119,8 +129,9 @@ def compiled_layer_nodes(ledger: Ledger):
         handle.remove()
 
 
-def run_point(setup) -> Reading:
-    """One training step of `setup` on fake tensors, its allocations recorded unrounded."""
+def run_point(setup, vision_checkpointing: bool = False) -> Reading:
+    """One training step of `setup` on fake tensors, its allocations recorded unrounded (`vision_checkpointing`: a
+    vision-language model's encoder blocks checkpointed, its decoder layers not)."""
     ledger = ModuleLedger()
     fake_mode = TracingFakeMode()
     roles: list = []
@@ -135,22 +146,38 @@ def run_point(setup) -> Reading:
                 if setup.compile:
                     outer.enter_context(compiled_layer_nodes(ledger))
 
-            hooks = StepHooks(on_phase=lambda ph, it: roles[0].on_phase(ph, it), region=ledger.region)
+            whole: list[bool] = []      # a vision-language model: the whole backward runs (its vision side's is read)
+
+            def on_phase(ph: str, it: int) -> None:
+                if whole and ph == "optimizer_step":
+                    raise ReadLayerDone
+                roles[0].on_phase(ph, it)
+
+            hooks = StepHooks(on_phase=on_phase, region=ledger.region)
             with prepared_step(setup, fake=True, fake_mode=fake_mode, hooks=hooks,
-                               before_model=start_tracking) as step:
+                               before_model=start_tracking,
+                               vision_checkpointing=vision_checkpointing) as step:
                 roles[0].bind(step)
                 info = model_info(step)
                 stop_at: list[int] = []
-                handle = stop_after_read_layer(info.pop("layer"), ledger, stop_at)
+                if info["vision"]:
+                    whole.append(True)
+                    handle = None
+                else:
+                    handle = stop_after_read_layer(info["layer"], ledger, stop_at)
+                info.pop("layer")
                 try:
                     step.run(1)
                 except ReadLayerDone:
                     pass
-                handle.remove()
+                if handle is not None:
+                    handle.remove()
                 if stop_at:        # the rest of the backward is not run (nor read: the graph is torn down)
                     del ledger.events[stop_at[0]:]
                 # the gradients made so far, as the optimizer_step phase would label them (never reached)
                 ledger.relabel([p.grad for p in step.model.parameters()], "gradients")
+                grads = {ledger.key_of(p.grad): name for name, p in step.model.named_parameters()
+                         if p.grad is not None}
                 ledger.enabled = False
                 del step
     except LearnError:
@@ -160,9 +187,12 @@ def run_point(setup) -> Reading:
     except Exception as exc:  # noqa: BLE001 - peft / transformers code on fake tensors: refused with the reason
         raise LearnError(f"the real step does not run on fake tensors ({type(exc).__name__}: "
                          f"{first_line(exc, 160)})") from None
-    events = until_read_layer_done(without_loss(ledger, info["layers_path"], info["outer"]), info["layers_path"])
+    whole_step = without_loss(ledger, info["layers_path"], info["outer"])
+    events = until_read_layer_done(whole_step, info["layers_path"])
+    vision = VisionReading(info["vision"], info["layers_path"], whole_step,
+                           {k: n for k, n in grads.items() if k is not None}) if info["vision"] else None
     return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"],
-                   ledger.saved_ops)
+                   ledger.saved_ops, vision)
 
 
 def without_loss(ledger: Ledger, layers_path: str, outer: tuple[str, ...]) -> list[tuple]:
@@ -267,9 +297,10 @@ def model_info(step) -> dict:
     outer = tuple(".".join(parts[:n]) for n in range(len(parts) + 1))
     leaves = tuple(sorted(n for n, m in modules.items() if n and not any(True for _ in m.children())
                           and not any(True for _ in m.parameters()) and unit_of(n, tuple(units)) is None))
+    spec = vision_spec(lm.config.model_type)
+    vision = ".".join(p for p in (lm_path, spec.vision) if p) if spec is not None else ""
     return {"layers_path": layers_path, "units": tuple(sorted(units)), "casts": casts, "outer": outer,
-            "leaves": leaves,
-            "layer": layer}
+            "leaves": leaves, "vision": vision, "layer": layer}
 
 
 class ReadLayerDone(Exception):

@@ -35,11 +35,21 @@ class Reading:
     outer: tuple[str, ...]                               # the causal LM's path and its ancestors (loss ops)
     leaves: tuple[str, ...] = ()                         # parameterless leaf modules of a layer (activations)
     saved_ops: dict[int, str] = field(default_factory=dict)   # key -> the op on torchtitan's SAC save list made it
+    vision: VisionReading | None = None                  # a vision-language model's whole step
 
     @property
     def cut_units(self) -> tuple[str, ...]:
         """Where the layer is cut into blocks: its parameter-owning modules and its parameterless leaves."""
         return self.units + self.leaves
+
+
+@dataclass
+class VisionReading:
+    """A vision-language model's step, read whole (the vision side's backward runs after every decoder layer's)."""
+    module: str                                          # the vision module's path in the model run
+    layers_path: str                                     # the decoder layers' (the language model's)
+    events: list[tuple[bool, int, int, int, str, str]]   # the step's events, forward and the whole backward
+    grads: dict[int, str]                                # key -> the name of the parameter whose .grad it is
 
 
 def layer_of(module: str, layers_path: str) -> tuple[int, str] | None:

@@ -18,9 +18,9 @@ from llmem.learn.points import LEARN_DEPTH, POINTS, LearnError, Reading
 from llmem.memory.activations.learned import (
     LearnedActivations,
     cached,
-    compile_shape,
     learning_key,
     learning_need,
+    own_shape,
     remember,
 )
 from llmem.model.families import LAYERS_FIELDS, family_of
@@ -52,7 +52,7 @@ def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
 def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None = None) -> LearnedActivations:
     """Run the copy at `points` (POINTS; under --compile the micro-batch's own shape alone) and fit what its layers
     keep (not cached: learned_activations caches)."""
-    shape = compile_shape(r.setup)
+    shape = own_shape(r.setup)
     points = points or ((shape,) if shape is not None else POINTS)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
@@ -61,11 +61,20 @@ def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None = None) -
         readings: list[Reading] = []
         for b, s in points:          # each point checked against the first as it comes: a refusal costs two runs
             with learning_ep(r.setup.ep, r.setup.ep_imbalance):   # --ep: the EP forward, all-to-alls emulated
-                readings.append(run_point(learning_setup(r, str(path), b, s)))
+                readings.append(run_point(learning_setup(r, str(path), b, s),
+                                          vision_checkpointing=vision_checkpointing(r)))
             check_alike(readings, points)
     sizes = fit_sizes(readings, points)
     return read_layer(readings[0], sizes, points, time.perf_counter() - t0,
                       selective=AC_POLICIES[r.setup.ac_policy].selective)
+
+
+def vision_checkpointing(r: ResolvedSetup) -> bool:
+    """Whether the copy runs its vision encoder's blocks checkpointed: a vision-language step under --grad-ckpt. The
+    encoder's forward and backward are then read as they run (its blocks' inputs kept, each recomputed in its
+    backward; transformers' hooks on every input embedding make even a frozen encoder run them); its decoder layers
+    run plain (the schedule lays their checkpointing out)."""
+    return r.setup.grad_ckpt and bool(r.setup.images_per_sample)
 
 
 def shallow_config(config: dict, depth: int) -> dict:

@@ -60,17 +60,16 @@ class ResolvedSetup:
 
 
 def resolve(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: GpuSpec | None = None,
-            layout: Layout | None = None, traced: bool = False) -> ResolvedSetup:
+            layout: Layout | None = None) -> ResolvedSetup:
     """Resolve `setup`: its model (or `anatomy`, the base model's), its adapters, its GPU (or `gpu`), its layout,
     and the support check of its options under the method (LlmemError names the first problem). `layout`: the
     layout the caller resolved already (the planner's candidates, llmem.setup.layout.candidate_layouts, whose
     values `setup` holds: TrainingSetup.with_layout), taken as it is; its model's checks (heads, pipeline stages,
-    experts) and the support check made on it. None: resolved from the set-up's fields. `traced`: the step runs
-    for real (llmem trace), which takes a vision-language model's step where it is wired (the others refuse it)."""
+    experts) and the support check made on it. None: resolved from the set-up's fields."""
     if anatomy is None:
         check_without_model(setup)
     base = anatomy or setup_anatomy(setup)
-    check_vision(setup, base, traced)
+    check_vision(setup, base)
     setup = engine_cast(setup)
     trained = with_parts_frozen(trained_anatomy(base, setup), frozen_parts(setup))
     gpu = gpu or resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)

@@ -14,6 +14,7 @@ VISION = "vision"          # the vision encoder: patch embedding and its blocks
 PROJECTOR = "projector"    # the merger / multi-modal projector
 LANGUAGE = "language"      # the language model: embeddings, decoder layers, final norm, lm_head
 PARTS = (VISION, PROJECTOR, LANGUAGE)
+PEFT_PREFIX = "base_model.model."   # peft's PeftModelForCausalLM names the base model's parameters under it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class VisionLanguageSpec:
     language_layers: str         # the language model's decoder layers (the anatomy's decoder layers)
     processor: str               # the image processor's row (llmem.model.images.PROCESSORS)
     image_token: str = "image_token_id"    # the config field holding the image placeholder token's id
+    position_rows: int = 1       # the language model's position ids per token (Qwen's multimodal RoPE: 3, t/h/w)
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -33,7 +35,8 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
     # patch_embed, blocks, merger) and model.language_model (Qwen2_5_VLTextModel), lm_head beside them
     "qwen2_5_vl": VisionLanguageSpec(architecture="Qwen2_5_VLForConditionalGeneration", vision="model.visual",
                                      vision_blocks="model.visual.blocks", projector="model.visual.merger",
-                                     language_layers="model.language_model.layers", processor="qwen2_vl"),
+                                     language_layers="model.language_model.layers", processor="qwen2_vl",
+                                     position_rows=3),
 }
 
 
@@ -48,7 +51,7 @@ def _under(name: str, prefix: str) -> bool:
 
 def part_of(spec: VisionLanguageSpec, name: str) -> str:
     """The part a parameter (by its name in the built model, peft's `base_model.model.` prefix dropped) belongs to."""
-    name = name.removeprefix("base_model.model.")
+    name = name.removeprefix(PEFT_PREFIX)
     if _under(name, spec.projector):
         return PROJECTOR
     if _under(name, spec.vision):
@@ -65,6 +68,15 @@ def part_params(anatomy) -> dict[str, int]:
     for p in anatomy.params:
         counts[part_of(spec, p.name)] += p.numel
     return counts
+
+
+def vision_modules(model_type: str) -> tuple[str, ...]:
+    """The modules holding a VLM's vision encoder and projector (one when the projector is inside the encoder's, as
+    Qwen's merger is); () for a text-only model."""
+    spec = vision_spec(model_type)
+    if spec is None:
+        return ()
+    return (spec.vision,) if _under(spec.projector, spec.vision) else (spec.vision, spec.projector)
 
 
 def language_layers_suffix(model_type: str) -> str | None:

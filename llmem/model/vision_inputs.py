@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.images import ImageGrid, image_grid
-from llmem.model.vision import part_params, vision_spec
+from llmem.model.vision import vision_spec
 from llmem.setup.images import parse_image_size, vision_options
 from llmem.setup.liger import applied_kernels
 from llmem.setup.methods import method_spec
@@ -43,6 +43,13 @@ class VisionInputs:
         """The vision encoder's rows per sample (pixel_values' rows)."""
         return self.images_per_sample * self.image.patches
 
+    def batch_bytes(self, batch_size: int, position_rows: int) -> tuple[int, int, int]:
+        """The micro-batch's tensors on the device, in bytes: the token ids [batch, tokens] int64, pixel_values
+        [patches, patch values] fp32 (as the processor makes them; the patch embedding casts its own copy) and the
+        language model's position ids [rows, batch, tokens] int64 (get_rope_index's 3-D positions for Qwen)."""
+        tokens = batch_size * self.language_tokens
+        return tokens * 8, batch_size * self.patches * self.image.patch_values * 4, position_rows * tokens * 8
+
     def describe(self) -> str:
         img = self.image
         return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
@@ -61,10 +68,10 @@ def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs |
     return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
 
 
-def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy, traced: bool = False) -> None:
+def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
     """Vision-language flags on a text-only model are refused; on a vision-language model the images are sized by
-    its processor (its refusals raised). `traced`: the step runs for real (llmem trace), which checks what it wires
-    (traced_refusal); every other engine refuses the step, not modelled yet, with what is known."""
+    its processor (its refusals raised) and what its step does not wire yet is refused (step_refusal), for every
+    engine alike."""
     spec = vision_spec(anatomy.model_type)
     given = vision_options(setup)
     if spec is None:
@@ -72,25 +79,16 @@ def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy, traced: bool = Fal
             raise LlmemError(f"{given[0]} is for vision-language models: {anatomy.name} ({anatomy.model_type}) takes "
                              "text only; drop it")
         return
-    inputs = vision_inputs(setup, anatomy)
-    if traced:
-        refusal = traced_refusal(setup, anatomy.model_type, inputs)
-        if refusal is not None:
-            raise LlmemError(f"llmem trace of a vision-language model ({anatomy.model_type}): {refusal}")
-        return
-    parts = part_params(anatomy)
-    known = (f"vision encoder {parts['vision']:,}, projector {parts['projector']:,}, language model "
-             f"{parts['language']:,} parameters")
-    if inputs is not None:
-        known += f"; {inputs.describe()}"
-    raise LlmemError(f"the training step of a vision-language model ({anatomy.model_type}) is not modelled yet "
-                     f"(llmem trace runs it): {known}")
+    refusal = step_refusal(setup, anatomy.model_type, vision_inputs(setup, anatomy))
+    if refusal is not None:
+        raise LlmemError(f"a vision-language model's step ({anatomy.model_type}): {refusal}")
 
 
-def traced_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
-    """What the traced vision-language step does not wire, in words with the fix (None: it runs). Wired: one GPU
-    without DeepSpeed, the SFT loss on samples with images, full fine-tuning (each part trained or frozen) or LoRA
-    (--lora-rank) on the language model's layers."""
+def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
+    """What the vision-language step does not wire yet, in words with the fix (None: it runs). Wired (traced, and
+    estimated from what the trace learns: llmem.learn): one GPU without DeepSpeed, the SFT loss on samples with
+    images, full fine-tuning (each part trained or frozen) or LoRA (--lora-rank) on the language model's layers,
+    gradient checkpointing of every layer."""
     if inputs is None:
         return "a text-only step is not wired: give --images-per-sample N and --image-size HxW"
     unwired = [(setup.gpus > 1, f"--gpus {setup.gpus}", "--gpus 1"),
@@ -100,7 +98,15 @@ def traced_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs |
                (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),
                (bool(setup.peft_config), "--peft-config", "use --lora-rank R (adapters on the language model)"),
                (bool(applied_kernels(setup.liger, model_type)), f"--liger {setup.liger}", "drop it"),
-               (setup.offload_activations, "--offload-activations", "drop it")]
+               (setup.offload_activations, "--offload-activations", "drop it"),
+               (setup.fused_ce, "--fused-ce", "drop it"),
+               (setup.compile, "--compile", "drop it"),
+               (setup.float8 != "none", f"--float8 {setup.float8}", "drop it"),
+               (setup.grad_ckpt and setup.ckpt_every > 1, f"--grad-ckpt-every {setup.ckpt_every}",
+                "checkpoint every layer (--grad-ckpt)"),
+               (setup.grad_ckpt and setup.ac_policy != "full", f"--ac-policy {setup.ac_policy}", "--ac-policy full"),
+               (setup.optimizer_in_backward, "--optimizer-in-backward", "drop it"),
+               (setup.offload_optimizer, "--offload-optimizer", "drop it")]
     for bad, what, fix in unwired:
         if bad:
             return f"{what} is not wired for it yet: {fix}"

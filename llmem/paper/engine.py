@@ -79,6 +79,9 @@ def paper_layout(setup: TrainingSetup, layout: Layout | None = None) -> Layout:
                          "fine-tuning loss; drop --engine paper")
     if setup.pp > 1:
         raise LlmemError("--engine paper with --pp: the paper has no pipeline parallelism; drop --engine paper")
+    if setup.images_per_sample:
+        raise LlmemError("--engine paper with images: the paper's equations cover decoder-only language models, not "
+                         "a vision encoder; drop --engine paper")
     return layout or resolve_layout(setup.method, setup.gpus, setup.tp, setup.gpus_per_node, 0, 0)
 
 

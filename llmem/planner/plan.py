@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.moe import moe_facts
+from llmem.model.vision import vision_spec
 from llmem.paper.algorithm1 import CPU_OFFLOADING, EVAL_FORMULAS
 from llmem.planner.engines import MemoryEngine, memory_engine
 from llmem.planner.generation_plan import (
@@ -128,6 +129,10 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     options = options or PlanOptions()
     setup, steps_note = with_fixed_steps(setup)     # GRPO's generation_batch_size: its steps per generation
     anatomy = anatomy or setup_anatomy(setup)
+    if vision_spec(anatomy.model_type) is not None:
+        raise LlmemError(f"llmem plan of a vision-language model ({anatomy.model_type}) is not wired yet: its step is "
+                         "estimated on one GPU at a given micro-batch (its vision side learned from the real code at "
+                         "that shape), not over the planner's layouts and batch sizes; use llmem estimate")
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)

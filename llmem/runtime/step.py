@@ -370,7 +370,7 @@ def _step_inputs(model: nn.Module, setup: TrainingSetup, layout: Layout, device:
         return *_inputs(model, setup, layout, device, fake), {}
     from llmem.runtime.vision import model_inputs
 
-    ids, extra = model_inputs(images)
+    ids, extra = model_inputs(images, None if fake else device)
     return ids, None, extra
 
 
@@ -381,12 +381,13 @@ def _vision_batch(stack: contextlib.ExitStack, model: nn.Module, setup: Training
     from llmem.model.vision_inputs import vision_inputs
 
     inputs = vision_inputs(setup, resolved.base)
-    if inputs is None or fake_mode is None:
+    if inputs is None:
         return None
     from llmem.runtime.vision import known_vision_values, vision_batch
 
     batch = vision_batch(causal_lm(model), setup.batch_size, inputs)
-    stack.enter_context(known_vision_values(causal_lm(model), batch, fake_mode))
+    if fake_mode is not None:       # (a real step reads its index values itself)
+        stack.enter_context(known_vision_values(causal_lm(model), batch, fake_mode))
     return batch
 
 
@@ -401,7 +402,8 @@ def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOff
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
                   before_model: Callable[[], None] | None = None,
-                  progress: Callable[[str], None] | None = None, pp_rank: int = 0) -> Iterator[TrainingStep]:
+                  progress: Callable[[str], None] | None = None, pp_rank: int = 0,
+                  vision_checkpointing: bool = False) -> Iterator[TrainingStep]:
     """Set up (patches, process group, model, method, optimizer, inputs), yield the step, tear down on exit.
 
     fake: materialise under `fake_mode` (a FakeTensorMode the caller owns; entered here) on the fake cpu device.
@@ -409,13 +411,15 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     before_model: called once the fake mode is entered, before any parameter exists (trackers start there).
     pp_rank: under --pp, the pipeline rank whose stage runs (rank pp_rank x world / pp of the fake process
     group: the pp dimension outermost).
+    vision_checkpointing: transformers' checkpointing of a vision-language model's encoder blocks alone (its
+    decoder layers not), with the input embeddings' hooks it sets (llmem.learn: the vision side under --grad-ckpt).
     """
     hooks = hooks or StepHooks()
     device = torch.device(device)
     say = progress or (lambda msg: None)
     # resolved and checked as the estimate checks it (the support tables with the model's facts, the pipeline's row
     # included), before anything is built: what the estimate refuses, the step refuses in the same line
-    resolved = resolve(setup, traced=fake)
+    resolved = resolve(setup)
     if setup.pp > 1 and not fake:
         raise LlmemError("--pp is traced, not measured: torch's schedule needs its peers' P2P (use llmem trace)")
     check_host_bytes(resolved, fake, device.type)
@@ -441,6 +445,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
 
         if setup.grad_ckpt:
             enable_checkpointing(model, setup.ckpt_every, setup.ac_policy)
+        elif vision_checkpointing:       # (llmem.learn: a vision-language step under --grad-ckpt)
+            from llmem.runtime.vision import checkpoint_vision_only
+            checkpoint_vision_only(model)
         if setup.fused_ce:
             install_fused_ce(model)
         if setup.logits_dtype == "model":

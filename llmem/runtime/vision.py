@@ -56,6 +56,23 @@ def language_lora_targets(model: nn.Module, names: list[str], all_linear: str) -
             and (all_linear in names or name.rsplit(".", 1)[-1] in names)}
 
 
+def checkpoint_vision_only(model: nn.Module) -> None:
+    """transformers' activation checkpointing (enable_checkpointing: every GradientCheckpointingLayer, and
+    enable_input_require_grads on every input embedding, the encoder's patch embedding too), then switched off
+    outside the vision module: the encoder's blocks run checkpointed, the decoder layers do not (llmem.learn reads
+    them plain; the schedule lays their checkpointing out)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from llmem.runtime.build import causal_lm, enable_checkpointing
+
+    enable_checkpointing(model)
+    lm = causal_lm(model)
+    vision = vision_spec(lm.config.model_type).vision
+    for name, module in lm.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not (name == vision or name.startswith(vision + ".")):
+            module.gradient_checkpointing = False
+
+
 @dataclass(frozen=True)
 class VisionBatch:
     """One micro-batch's inputs beside its token ids, on real tensors (built before the fake mode)."""
@@ -69,7 +86,7 @@ class VisionBatch:
 def _token_ids(cfg, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
     """Random text ids (none a special token) with each image's tokens placed after the first text token, as the
     chat template writes them: <|vision_start|>, the image token repeated the image's visual tokens, <|vision_end|>
-    (start and end count among the text tokens: llmem.model.vision_inputs.traced_refusal checks they fit)."""
+    (start and end count among the text tokens: llmem.model.vision_inputs.step_refusal checks they fit)."""
     special = torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
                             cfg.vision_end_token_id])
     ids = torch.randint(0, cfg.get_text_config().vocab_size, (batch_size, inputs.language_tokens))
@@ -94,15 +111,21 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
     return VisionBatch(ids, grid, positions, batch_size * inputs.patches, img.patch_values)
 
 
-def model_inputs(batch: VisionBatch) -> tuple[torch.Tensor, dict]:
-    """(token ids, the forward's other inputs), made under the fake mode: the ids, pixel values and positions as
-    fake tensors (allocated as on the device), the grid real."""
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype)
-
-    pixel_values = torch.randn(batch.patches, batch.patch_values)
-    return fake(batch.input_ids), {"pixel_values": pixel_values, "image_grid_thw": batch.image_grid_thw,
-                                   "position_ids": fake(batch.position_ids)}
+def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
+    """(token ids, the forward's other inputs). Under the fake mode (`device` None): the ids, pixel values and
+    positions as fake tensors (allocated as on the device), the grid real. A real step (llmem measure): all of
+    them on `device`, as the trainer moves the collated batch there."""
+    if device is None:
+        def place(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype)
+        grid = batch.image_grid_thw
+    else:
+        def place(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device)
+        grid = place(batch.image_grid_thw)
+    pixel_values = torch.randn(batch.patches, batch.patch_values, device=device)
+    return place(batch.input_ids), {"pixel_values": pixel_values, "image_grid_thw": grid,
+                                    "position_ids": place(batch.position_ids)}
 
 
 @contextlib.contextmanager

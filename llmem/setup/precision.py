@@ -60,6 +60,7 @@ def regime_for(setup, method) -> Regime:
         # activation is fp32 (only bitsandbytes' own matmuls run in the compute dtype)
         return Regime("fp32", F32, F32)
     if setup.mixed and method.autocast_under_mixed:
-        # LoRA keeps the frozen embedding in the compute dtype, so its output - the residual stream - is too
-        return Regime("autocast", setup.stored_bytes(not setup.peft), 2)
+        # LoRA (or a frozen language model: --freeze-language-model) keeps the frozen embedding in the compute dtype,
+        # so its output - the residual stream - is too
+        return Regime("autocast", setup.stored_bytes(not setup.peft and not setup.freeze_language_model), 2)
     return Regime("lowp", 2, 2)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmem.setup.deepspeed import ZERO_FIELDS
-from llmem.setup.methods import METHODS
 from llmem.setup.training import TrainingSetup
+from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports name rows by it
 
 CATALOG_PEFT = Path(__file__).resolve().parents[1] / "model" / "catalog" / "peft"
 
@@ -386,6 +385,12 @@ CI_MATRIX: list[TrainingSetup] = [
        objective="grpo", num_generations=2, max_completion_length=4, beta=0.04),
     _s("tiny-llama", "ds-zero3", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=16,
        objective="grpo", num_generations=2, max_completion_length=4, beta=0.0),
+    # a vision-language step (Qwen2.5-VL, tiny): each part trained or frozen, LoRA, checkpointing (which hooks the
+    # frozen encoder's patch embedding: it keeps its blocks' inputs); its vision side learned (learned_vision)
+    *(_s("tiny-qwen2_5_vl", precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
+         image_size="448x448", **kw)
+      for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
+                 {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True})),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -535,47 +540,19 @@ FLOAT8_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=512, float8="rowwise"),
 ]
 
+# Vision-language steps at real sizes, one GPU: vlm (benchmarks/vlm_estimate.md; images at and above LLaMA-Factory's
+# image_max_pixels 768 x 768), vlm-gpu (benchmarks/gpu_validation.sh: the CI rows, then the 3B / 7B where they fit)
+_VL = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768"}
+VLM_MATRIX: list[TrainingSetup] = [
+    *(_s("Qwen/Qwen2.5-VL-7B-Instruct", batch_size=1, **_VL, **kw) for kw in (
+        {"lora_rank": 16}, {"lora_rank": 16, "grad_ckpt": True}, {"freeze_language_model": True, "grad_ckpt": True},
+        {"freeze_vision_tower": True, "grad_ckpt": True})),
+    *(_s("Qwen/Qwen2.5-VL-3B-Instruct", batch_size=2, **{**_VL, "seq_len": 256, "images_per_sample": 2,
+                                                          "image_size": "1280x720"}, grad_ckpt=True, **kw)
+      for kw in ({}, {"lora_rank": 16}))]
+VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
+    f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
+        ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))]
+
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
-            "float8": FLOAT8_MATRIX}
-
-
-def label(s: TrainingSetup) -> str:
-    layout = s.method if METHODS[s.method].one_gpu else f"{s.method}({s.gpus}" + (f",tp{s.tp}" if s.tp else "") \
-        + (f",hsdp{s.dp_replicate}" if s.dp_replicate > 1 else "") + ")"
-    if s.pp > 1:      # pipeline: degree, schedule and micro-batches
-        layout += f"+pp{s.pp}:{s.pp_schedule}x{s.microbatches}" + (f"v{s.pp_virtual_stages}" if s.pp_virtual_stages
-                                                                    else "")
-    if s.cp > 1:      # context parallelism: its degree
-        layout += f"+cp{s.cp}"
-    if s.ep > 1:      # expert parallelism: its degree (and the assumed imbalance)
-        layout += f"+ep{s.ep}" + (f"x{s.ep_imbalance:g}" if s.ep_imbalance != 1.0 else "")
-    extras = [s.precision, s.optimizer, f"{s.batch_size}x{s.seq_len}"] + (["ckpt"] if s.grad_ckpt else []) \
-        + (["eager"] if s.attn == "eager" else []) + ([f"lora{s.lora_rank}:{s.lora_targets}"] if s.lora_rank else []) \
-        + (["optimizer-in-backward"] if s.optimizer_in_backward else []) \
-        + ([f"ckpt-every-{s.ckpt_every}"] if s.grad_ckpt and s.ckpt_every > 1 else []) \
-        + ([f"ac-{s.ac_policy}"] if s.ac_policy != "full" else []) \
-        + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
-        + ([f"logits-{s.logits_dtype}"] if s.logits_dtype != "fp32" else []) \
-        + ([f"liger:{s.liger}"] if s.liger != "none" else []) \
-        + ([f"float8:{s.float8}" + ("+ag" if s.float8_all_gather else "")] if s.float8 != "none" else []) \
-        + (["compile"] if s.compile else []) \
-        + (["offload-act"] if s.offload_activations else []) + (["packing"] if s.packing else []) \
-        + (["offload-opt"] if s.offload_optimizer else []) \
-        + ([f"dropout{s.lora_dropout:g}"] if s.lora_dropout else []) \
-        + ([f"peft:{Path(s.peft_config).name}"] if s.peft_config else []) \
-        + [f"{name}={getattr(s, name)}" for name in ZERO_FIELDS if getattr(s, name) is not None
-           and getattr(s, name) is not False] \
-        + ([s.objective] if s.objective != "sft" else []) + ([f"loss={s.loss_type}"] if s.loss_type else []) \
-        + (["precomputed-ref"] if s.precompute_ref_log_probs else []) \
-        + ([f"prompt{s.prompt_len}"] if s.prompt_len else []) \
-        + (["sequence-parallel"] if s.sequence_parallel else []) + (["loss-parallel"] if s.loss_parallel else []) \
-        + ([f"reshard-after-forward={s.reshard_after_forward}"] if s.reshard_after_forward else []) \
-        + (["shard-embeddings"] if s.shard_embeddings else []) \
-        + ([f"gen{s.num_generations}"] if s.num_generations else []) \
-        + ([f"completion{s.max_completion_length}"] if s.max_completion_length else []) \
-        + ([f"beta{s.beta:g}"] if s.beta is not None else []) \
-        + [f"{tag}{getattr(s, name)}" for name, tag in (("gradient_accumulation_steps", "ga"),
-                                                         ("steps_per_generation", "spg"),
-                                                         ("generation_batch_size", "gbs"))
-           if getattr(s, name) is not None]
-    return f"{s.model} {layout} {' '.join(extras)}"
+            "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

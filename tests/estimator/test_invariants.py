@@ -17,7 +17,7 @@ from llmem import estimate
 from llmem.result import ALLOCATED_COMPONENTS
 from llmem.setup.training import user_setup
 
-MODELS = text_models()     # a vision-language model's step is refused (tests/model/test_images.py)
+MODELS = text_models()     # a vision-language model's step needs images (tests/estimator/test_vlm_estimate.py)
 MODEL_PARAMS = catalog_params()     # the first of each family by default, the rest under -m slow
 
 

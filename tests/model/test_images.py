@@ -104,7 +104,13 @@ def test_an_aspect_ratio_the_processor_refuses(processor):
     (["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "64x64", "--max-pixels", "0"], "--max-pixels"),
     (["tiny-llama", "--images-per-sample", "1", "--image-size", "64x64"], "takes text only"),
     (["tiny-llama", "--freeze-vision-tower"], "--freeze-vision-tower is for vision-language models"),
-    (["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "64x64"], "not modelled yet"),
+    (["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "64x64", "--method", "ddp", "--gpus", "2"],
+     "--gpus 2 is not wired for it yet"),
+    (["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "64x64", "--fused-ce"],
+     "--fused-ce is not wired for it yet"),
+    (["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "64x64", "--grad-ckpt", "--grad-ckpt-every",
+      "2"], "--grad-ckpt-every 2 is not wired"),
+    (["tiny-qwen2_5_vl", "--seq-len", "64"], "a text-only step is not wired"),
 ])
 def test_bad_input_is_one_line(args, says, capsys):
     assert main(["estimate", *args]) == 2

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from llmem.errors import LlmemError
-from llmem.estimator.engine import estimate
 from llmem.model.config import resolve_config, training_config
 from llmem.runtime.trace import trace_with_details
 from llmem.setup.training import TrainingSetup
@@ -142,11 +141,6 @@ def test_what_is_not_wired_is_refused_in_one_line(fields, words):
     with pytest.raises(LlmemError) as err:
         trace_with_details(_setup(**fields))
     assert words in str(err.value) and "\n" not in str(err.value)
-
-
-def test_the_estimate_still_refuses_the_step():
-    with pytest.raises(LlmemError, match="not modelled yet"):
-        estimate(_setup())
 
 
 def test_patches_are_restored():

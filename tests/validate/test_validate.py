@@ -37,6 +37,9 @@ def test_ci_matrix_covers_the_required_space():
     compiled = [s for s in CI_MATRIX if s.compile]
     assert {s.method for s in compiled} >= {"single", "fsdp"} and {s.grad_ckpt for s in compiled} == {True, False}
     assert any(s.lora_rank for s in compiled)
+    vlm = [s for s in CI_MATRIX if s.images_per_sample]     # a vision-language step: each part frozen, LoRA, ckpt
+    assert all(any(getattr(s, f) for s in vlm) for f in ("freeze_vision_tower", "freeze_projector",
+                                                          "freeze_language_model", "lora_rank", "grad_ckpt"))
     assert len(CI_MATRIX) >= 20
 
 

@@ -15,12 +15,13 @@ from llmem.estimator.param_facts import ParamFacts, param_facts
 from llmem.estimator.post_forward import post_forward_ranks
 from llmem.estimator.states import cpu_offload, steps_on_host
 from llmem.memory.activations.blocks import Block
-from llmem.memory.activations.profile import ActivationProfile, virtual_tokens
+from llmem.memory.activations.profile import ActivationProfile, sequence_tokens
 from llmem.memory.activations.quantised import fp32_behind_quant
 from llmem.memory.quant import QuantArgs, Transients, quant_args, transients
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.model.vision import PEFT_PREFIX
 from llmem.setup.layout import Layout
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.precision import Regime
@@ -110,6 +111,14 @@ class StepFacts:
         """--shard-embeddings under FSDP2: "embed" and "head", units of their own (none otherwise)."""
         return own_units(self.root, self.fsdp and self.setup.shard_embeddings)
 
+    @cached_property
+    def vision_params(self) -> frozenset[str]:
+        """A vision-language model's root parameters whose gradients its vision side's backward makes (the encoder's
+        and the merger's: llmem.estimator.schedule.vision), not the head's."""
+        prefixes = tuple(m + "." for m in self.act.vision.modules) if self.act.vision is not None else ()
+        return frozenset(p.name for p in self.root if prefixes
+                         and p.name.removeprefix(PEFT_PREFIX).startswith(prefixes))
+
     @property
     def root_unit(self) -> list[ParamInfo]:
         """The root FSDP2 unit's parameters: the root module's less those of the units of their own."""
@@ -132,7 +141,7 @@ def step_facts(r: ResolvedSetup, act: ActivationProfile, layers: int | None = No
     depth = anatomy.num_layers if layers is None else layers
     facts = param_facts(r, act.blocks, depth)
     fsdp = layout.shards_model_states
-    t = setup.batch_size * (setup.seq_len + virtual_tokens(anatomy))
+    t = setup.batch_size * sequence_tokens(anatomy, setup)
     q_args = quant_args(setup, fsdp)
     host_step = steps_on_host(r)
     return StepFacts(

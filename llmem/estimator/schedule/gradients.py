@@ -80,4 +80,5 @@ class Gradients:
         norm; the embedding only when tied), the per-unit gradient lists started afresh for the root."""
         self.live.root_unsharded.clear()
         self.live.layer_unsharded.clear()
-        return [p for p in self.f.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)]
+        return [p for p in self.f.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)
+                and p.name not in self.f.vision_params]

@@ -106,7 +106,8 @@ class HeadEvents:
             self.step.own_forward("head")
         if regime.autocast:
             fwd.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
-                             if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)]
+                             if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)
+                             and p.name not in f.vision_params]   # (the vision side's copies: its pieces')
         if f.setup.loss_parallel:   # ColwiseParallel(output_layouts=Shard(-1)): the logits stay vocab-sharded
             self.loss_parallel_forward()
             return

@@ -27,6 +27,7 @@ from llmem.estimator.schedule.layers import LayerEvents
 from llmem.estimator.schedule.optimizer import OptimizerEvents
 from llmem.estimator.schedule.state import ForwardLive, StepState, UnitKey
 from llmem.estimator.schedule.units import FsdpUnits
+from llmem.estimator.schedule.vision import VisionEvents
 from llmem.estimator.states import fsdp_shards
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.memory.quant import storage_tensors
@@ -61,6 +62,7 @@ class StepSchedule:
         self.blocks = BlockEvents(self.facts, self.sch, self.state)
         self.layer_events = LayerEvents(self, self.state, self.blocks, self.units)
         self.head = HeadEvents(self, self.state)
+        self.vision = VisionEvents(self, self.state)     # a vision-language step's batch and vision side
         self.objective = objective_events(self, r) if trained else None   # TRL's trainers' steps
 
     def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
@@ -91,6 +93,7 @@ class StepSchedule:
             sch.alloc(b.own_bytes, "weights")
         if f.layout.spec.gradient_buckets:
             self.ddp_buckets()
+        self.vision.batch()
 
     def ddp_buckets(self) -> None:
         """The reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB."""
@@ -117,13 +120,16 @@ class StepSchedule:
         fwd = self.state.forward = ForwardLive()
         if "embed" in f.own_units:
             self.own_forward("embed")
+        self.vision.forward()
         fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
         if "embed" in f.own_units:
             self.own_post_forward("embed")
         if act.offload:
             sch.free_all(fwd.embed_keys)
+        if act.offload or act.vision is not None:
             # a frozen embedding's output under checkpointing: a leaf its AccumulateGrad node holds on the device
-            # (without offloading it is layer 0's checkpointed input, counted there)
+            # (without offloading it is layer 0's checkpointed input, counted there, unless a vision-language model
+            # scatters its image features into it: layer 0's input is then the scatter's output)
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
@@ -161,17 +167,22 @@ class StepSchedule:
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
         fwd = self.state.forward
-        if f.act.offload and f.act.embed_leaf_bytes:   # AccumulateGrad gives the leaf its .grad
+        if (f.act.offload or f.act.vision is not None) and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
             fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
         # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
         embeds = [p for p in f.root if p.trainable and is_embedding(p)]
         if embeds and "embed" in f.own_units:     # its pre-backward hook, on the embedding's output
             self.unshard_backward("embed", f.own_units["embed"])
-        stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") if embeds else -1
+        # (a vision-language model's: the scatter's backward makes it, then the merger's and the vision encoder's
+        # backward run before the embedding's own: llmem.estimator.schedule.vision)
+        late = self.vision.backward(it)
+        stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") \
+            if embeds and not self.vision.has_backward else -1
         for p in embeds:
             self.make_grad(p, root_unit=True)
         self.flush_steps(it)
         sch.free(stream_grad)
+        sch.free_all(late)
         sch.free_all(fwd.embed_keys)
         sch.free_all(fwd.shared_keys)
         if f.fsdp:

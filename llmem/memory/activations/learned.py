@@ -15,29 +15,21 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 from llmem.cache import CACHE_ENV, cache_root, code_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
 from llmem.memory.activations.blocks import Block, LayerRecipe
+from llmem.memory.activations.fitted import TERMS, Poly, as_floats, decode, encode, poly_at  # noqa: F401 - re-exported
+from llmem.memory.activations.learned_vision import LearnedVision, VisionSide
 from llmem.memory.activations.selective import SelectiveLayer, hand_selective_refusal
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.vision import vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
 
 LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
 LEARN_ENV = "LLMEM_LEARN"          # auto (default): where no hand recipe exists; always; never
-# bytes = c[0] + c[1] b + c[2] s + c[3] b s + c[4] b s^2: constants for weight-sized tensors, s for tensors shared by
-# the batch (rotary cos/sin), b s per token, b s^2 for eager attention's scores and packed masks
-TERMS = ("1", "b", "s", "b*s", "b*s^2")
-Poly = tuple[float, ...]           # fitted exactly (fractions), kept as floats: evaluated at every estimate
-
-
-def poly_at(p: Poly, b: int, s: int) -> int:
-    """A fitted size at micro-batch b and s tokens per sample, in bytes (never negative)."""
-    value = p[0] + p[1] * b + p[2] * s + p[3] * b * s + p[4] * b * s * s
-    return max(int(round(value)), 0)
 
 
 @dataclass(frozen=True)
@@ -80,12 +72,12 @@ class LearnedSelective:
 
     def to_json(self) -> dict:
         return {"stored": [list(x) for x in self.stored], "saved": list(self.saved),
-                "extra": [[j, _encode(p), read] for j, p, read in self.extra]}
+                "extra": [[j, encode(p), read] for j, p, read in self.extra]}
 
     @staticmethod
     def from_json(d: dict) -> LearnedSelective:
         return LearnedSelective(tuple((int(j), int(k)) for j, k in d["stored"]),
-                                tuple((int(j), _decode(p), bool(read)) for j, p, read in d["extra"]),
+                                tuple((int(j), decode(p), bool(read)) for j, p, read in d["extra"]),
                                 tuple(d["saved"]))
 
 
@@ -101,6 +93,7 @@ class LearnedActivations:
     seconds: float                   # what learning took (the copy's steps and the fit)
     read_layer: int = 1              # the layer read (the others' differences are checked against it)
     selective: LearnedSelective | None = None   # learned for --ac-policy op only
+    vision: LearnedVision | None = None         # a vision-language model's vision side
 
     def recipe(self, b: int, s: int) -> LayerRecipe:
         """The layer recipe at micro-batch b and seq_len s (the set-up's tokens per sample, before any virtual
@@ -111,28 +104,35 @@ class LearnedActivations:
     @property
     def note(self) -> str:
         pts = ", ".join(f"{b}x{s}" for b, s in self.points)
-        fit = (f"sizes fitted in {', '.join(TERMS)}" if len(self.points) > 1 else
-               "--compile: at the micro-batch's own shape, whose sizes decide what the partitioner saves")
+        if len(self.points) > 1:
+            fit = f"sizes fitted in {', '.join(TERMS)}"
+        elif self.vision is not None:
+            fit = ("a vision-language step: at the micro-batch's own shape and images, its encoder attending image "
+                   "by image")
+        else:
+            fit = "--compile: at the micro-batch's own shape, whose sizes decide what the partitioner saves"
+        vision = (f"; its vision side read whole ({self.vision.described})" if self.vision is not None else "")
         return (f"activations learned from the real code on a {self.depth}-layer copy at points {pts} (batch x "
-                f"tokens; {fit}), decoder layer {self.read_layer} read as every layer's; "
+                f"tokens; {fit}), decoder layer {self.read_layer} read as every layer's{vision}; "
                 f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s" + (
                     f"; under --ac-policy op it keeps the outputs of {self.selective.described}"
                     if self.selective is not None else ""))
 
     # ------------------------------------------------------------------------------------------ JSON (the disk cache)
     def to_json(self) -> dict:
-        enc = _encode
+        enc = encode
         return {"blocks": [{"name": b.name, "params": list(b.params), "tensors": [enc(p) for p in b.tensors],
                             "temps": [[enc(p), a, f] for p, a, f in b.temps],
                             "transients": [enc(p) for p in b.transients]} for b in self.blocks],
                 "embed": [enc(p) for p in self.embed], "head": [enc(p) for p in self.head],
                 "shared": [enc(p) for p in self.shared], "depth": self.depth,
                 "points": [list(p) for p in self.points], "seconds": self.seconds, "read_layer": self.read_layer,
-                **({"selective": self.selective.to_json()} if self.selective is not None else {})}
+                **({"selective": self.selective.to_json()} if self.selective is not None else {}),
+                **({"vision": self.vision.to_json()} if self.vision is not None else {})}
 
     @staticmethod
     def from_json(d: dict) -> LearnedActivations:
-        dec = _decode
+        dec = decode
         blocks = tuple(LearnedBlock(b["name"], tuple(b["params"]), tuple(dec(p) for p in b["tensors"]),
                                     tuple((dec(p), float(a), float(f)) for p, a, f in b["temps"]),
                                     tuple(dec(p) for p in b["transients"])) for b in d["blocks"])
@@ -140,20 +140,10 @@ class LearnedActivations:
                                   tuple(dec(p) for p in d["shared"]), int(d["depth"]),
                                   tuple((int(b), int(s)) for b, s in d["points"]), float(d["seconds"]),
                                   int(d.get("read_layer", 1)),
-                                  LearnedSelective.from_json(d["selective"]) if "selective" in d else None)
+                                  LearnedSelective.from_json(d["selective"]) if "selective" in d else None,
+                                  LearnedVision.from_json(d["vision"]) if "vision" in d else None)
 
 
-def _encode(p: Poly) -> list[str]:
-    return [str(c) for c in p]
-
-
-def _decode(p: list) -> Poly:
-    return as_floats(tuple(Fraction(c) for c in p))
-
-
-def as_floats(p) -> Poly:
-    """A fitted polynomial's coefficients as floats (exact for the byte sizes of any real step: below 2^53)."""
-    return tuple(float(c) for c in p)
 
 
 # ---------------------------------------------------------------------------------------------- when to learn
@@ -216,7 +206,8 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
     # which op made each tensor is learned with the layer
     selective_unmodelled = AC_POLICIES[setup.ac_policy].selective and hand_selective_refusal(anatomy) is not None
     wanted = (mode == "always" or family_of(anatomy.model_type).recipe is None or inexact_peft or selective_unmodelled
-              or setup.compile)      # what inductor's partitioner saves: learned with the real compile pipeline
+              or setup.compile       # what inductor's partitioner saves: learned with the real compile pipeline
+              or bool(setup.images_per_sample))    # a vision-language step: its vision encoder's tensors
     if not wanted:
         return False, ""
     if r.layout.tp > 1:
@@ -243,7 +234,8 @@ def learning_key(r: ResolvedSetup) -> dict:
     setup = r.setup
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
-            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy, compile_shape(setup))
+            r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy, own_shape(setup),
+            vision_fields(setup))
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -273,15 +265,25 @@ def _learning_key(r: ResolvedSetup) -> dict:
             # --ac-policy op: the layer is learned with the op that made each tensor (a file of its own)
             **({"ac_policy": setup.ac_policy} if AC_POLICIES[setup.ac_policy].selective else {}),
             # --compile: the layers compiled (llmem.runtime.compile), learned at the micro-batch's own shape
-            **({"compile": list(compile_shape(setup))} if setup.compile else {})}
+            **({"compile": list(own_shape(setup))} if setup.compile else {}),
+            # a vision-language step: its images and frozen parts, learned at the micro-batch's own shape
+            **({"vision": [*vision_fields(setup), *own_shape(setup)]} if setup.images_per_sample else {})}
 
 
-def compile_shape(setup) -> tuple[int, int] | None:
-    """--compile: the (batch, seq_len) its layers are learned at, the micro-batch's own: the min-cut partitioner
-    weighs each tensor's bytes, so what a compiled layer saves can change with the shape (an autocast weight copy
-    saved at a few tokens, recomputed at many), and sizes from small points would not stand for it. None without
-    --compile (learned at llmem.learn's POINTS, fitted in TERMS)."""
-    return (setup.batch_size, setup.seq_len) if setup.compile else None
+def vision_fields(setup) -> tuple:
+    """The fields of a vision-language step the learned activations depend on (its images, its frozen parts)."""
+    return (setup.images_per_sample, setup.image_size, setup.max_pixels, setup.freeze_vision_tower,
+            setup.freeze_projector, setup.freeze_language_model, setup.grad_ckpt)
+
+
+def own_shape(setup) -> tuple[int, int] | None:
+    """The (batch, seq_len) a set-up's activations are learned at when they are learned at the micro-batch's own
+    shape, else None (learned at llmem.learn's POINTS, fitted in TERMS):
+    - --compile: the min-cut partitioner weighs each tensor's bytes, so what a compiled layer saves can change with
+      the shape (an autocast weight copy saved at a few tokens, recomputed at many);
+    - a vision-language step: its vision encoder attends image by image (transformers' SDPA path splits the
+      patches per image and per window), so the number of its tensors changes with the batch."""
+    return (setup.batch_size, setup.seq_len) if setup.compile or setup.images_per_sample else None
 
 
 _CONFIG_IGNORED = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
@@ -382,6 +384,16 @@ def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:
     recipes then). Learning itself is llmem.learn's (a floor above the runtime, started by the estimator)."""
     learned = learned_for(r)
     return learned.recipe(r.setup.batch_size, r.setup.seq_len) if learned is not None else None
+
+
+def learned_vision(r: ResolvedSetup) -> VisionSide | None:
+    """A vision-language step's vision side at the set-up's shape, as learned with its layers (None when there is
+    none, or nothing was learned)."""
+    learned = learned_for(r)
+    spec = vision_spec(r.anatomy.model_type)
+    if learned is None or learned.vision is None or spec is None:
+        return None
+    return learned.vision.at(r.setup.batch_size, r.setup.seq_len, spec.vision)
 
 
 def activation_source_notes(r: ResolvedSetup) -> list[str]:

@@ -24,7 +24,13 @@ from llmem.memory.activations.blocks import (
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
 from llmem.memory.activations.float8 import with_float8
-from llmem.memory.activations.learned import learned_recipe, learned_selective, learning_failure
+from llmem.memory.activations.learned import (
+    learned_recipe,
+    learned_selective,
+    learned_vision,
+    learning_failure,
+)
+from llmem.memory.activations.learned_vision import VisionStep
 from llmem.memory.activations.liger import with_liger
 from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
 from llmem.memory.activations.quantised import (
@@ -43,6 +49,8 @@ from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
+from llmem.model.vision import vision_modules, vision_spec
+from llmem.model.vision_inputs import vision_inputs
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.float8 import FLOAT8_RECIPES
@@ -86,6 +94,7 @@ class ActivationProfile:
     # --compile: the layers' autocast weight copies are ops of their compiled graphs (saved or recomputed as the
     # partitioner chose, learned with the layer), not autocast's cached casts the schedule makes
     compiled: bool = False
+    vision: VisionStep | None = None   # a vision-language step: its batch, vision modules and learned vision side
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -192,9 +201,17 @@ def virtual_tokens(anatomy: ModelAnatomy) -> int:
     return anatomy.peft.num_virtual_tokens if anatomy.peft is not None else 0
 
 
+def sequence_tokens(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """The tokens per sample the language model runs (and its logits and loss cover): --seq-len, prompt tuning's
+    virtual tokens, and a vision-language sample's image tokens (the processor's expansion of each image's
+    placeholder: llmem.model.vision_inputs)."""
+    images = vision_inputs(setup, anatomy) if setup.images_per_sample else None
+    return setup.seq_len + virtual_tokens(anatomy) + (images.visual_tokens if images is not None else 0)
+
+
 def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
     return Dims(
-        b=setup.batch_size, s=setup.seq_len + virtual_tokens(anatomy), h=anatomy.hidden_size,
+        b=setup.batch_size, s=sequence_tokens(anatomy, setup), h=anatomy.hidden_size,
         i=-(-anatomy.intermediate_size // tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
         kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
         vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
@@ -294,7 +311,8 @@ def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Re
               and p.shape[0] == anatomy.vocab_size]
     if any(p.trainable for p in tokens):
         return 0
-    return setup.batch_size * setup.seq_len * anatomy.hidden_size * regime.res
+    tokens = sequence_tokens(anatomy, setup) - virtual_tokens(anatomy)    # a VLM's image tokens are embedded too
+    return setup.batch_size * tokens * anatomy.hidden_size * regime.res
 
 
 def activation_profile(r: ResolvedSetup) -> ActivationProfile:
@@ -358,5 +376,16 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
         offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d), compiled=setup.compile,
+        vision=VisionStep(vision_batch_bytes(anatomy, setup), vision_modules(anatomy.model_type), learned_vision(r))
+        if setup.images_per_sample else None,
     )
+
+
+def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int, ...]:
+    """A vision-language micro-batch's tensors on the device (llmem.model.vision_inputs), () for a text step (its
+    token ids are a few bytes a token, not laid out)."""
+    images = vision_inputs(setup, anatomy) if setup.images_per_sample else None
+    if images is None:
+        return ()
+    return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type).position_rows)
 

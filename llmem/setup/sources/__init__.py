@@ -159,6 +159,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     _check_gpus(main, values, multi, used, notes)
     _nothing_left_to_shard(main, values, used, overrides)
     _offload_not_expressed(values, used, ignored)
+    _vision_without_images(values, used, ignored)
     _phases_not_expressed(values, used, ignored, overrides)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
@@ -212,6 +213,25 @@ _KERNEL_CHOICES = (
     ({"float8": "none", "float8_all_gather": False}, FLOAT8, "bf16 linears stand in for Float8Linear"),
     ({"compile": False}, COMPILE, "the layers run eagerly in the estimate"),
 )
+
+
+VISION_FIELDS = ("freeze_vision_tower", "freeze_projector", "freeze_language_model", "max_pixels")
+
+
+def _vision_without_images(values: dict, used: list[Used], ignored: list) -> None:
+    """A file's vision-language switches (LLaMA-Factory's freeze_* and image_max_pixels) apply to a step with
+    images, which the data decides (--images-per-sample and --image-size on the command line): without images they
+    are dropped, a default silently, a key the file writes as ignored with the fix."""
+    if values.get("images_per_sample"):
+        return
+    for name in VISION_FIELDS:
+        values.pop(name, None)
+        for u in [u for u in used if u.field == name]:
+            used.remove(u)
+            if not u.key.endswith("(default)"):
+                ignored.append(Ignored(u.file, u.key, u.raw, "a vision-language step's switch: give "
+                                       "--images-per-sample N and --image-size HxW (the data's images) to apply "
+                                       "it", approximates=False))
 
 
 def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:

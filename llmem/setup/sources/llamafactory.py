@@ -83,6 +83,7 @@ def read(keys: Keys, r: Reading) -> None:
     _dtypes(r, keys)
     quantised = _quantisation(r, keys)
     _finetuning(r, keys, stage, quantised)
+    _multimodal(r, keys)
     accum = keys.get("gradient_accumulation_steps", 1)
     trainer = TrainerValues("TrainingArguments", batch, accum if isinstance(accum, int) else None, None,
                             r.dtypes.compute == "bf16", r.dtypes.compute == "fp16")
@@ -208,6 +209,38 @@ def _finetuning(r: Reading, keys: Keys, stage: str, quantised: bool) -> None:
                 if dora and quantised else " on a quantised base" if quantised else ""))
     apply_lora(r, Lora(rank, float(alpha), dropout, targets, save, dora), sources)
     for key in ("use_rslora", "pissa_init", "pissa_convert", "create_new_adapter", "adapter_name_or_path"):
+        keys.get(key)
+
+
+# hparams/finetuning_args.py FreezeArguments... (0.9.5): what a vision-language model's full fine-tuning leaves
+# frozen (model/adapter.py _setup_full_tuning: forbidden modules), and in LoRA which parts are not targeted
+FREEZE_KEYS = (("freeze_vision_tower", True, "freeze_vision_tower"),
+               ("freeze_multi_modal_projector", True, "freeze_projector"),
+               ("freeze_language_model", False, "freeze_language_model"))
+
+
+def _multimodal(r: Reading, keys: Keys) -> None:
+    """A vision-language model's switches: the parts left frozen (LLaMA-Factory's defaults: the vision tower and the
+    projector), and image_max_pixels (hparams/model_args.py ProcessorArguments: 768 x 768), to which mm_plugin's
+    _preprocess_image scales each larger image before the processor's own smart resize (llmem's --max-pixels bounds
+    that resize: the same bound, within a patch row). The images themselves are the data's: --images-per-sample and
+    --image-size on the command line; without them these keys are dropped (llmem.setup.sources.build)."""
+    for key, default, name in FREEZE_KEYS:
+        given = key in keys
+        value = r.boolean(key, keys.get(key)) if given else default
+        r.set(key if given else f"{key} (default)", keys.get(key, default), name, value)
+    if any(k in keys for k in ("image_max_pixels", "image_min_pixels", "video_max_pixels", *(k for k, *_ in
+                                                                                           FREEZE_KEYS))):
+        r.notes.append("LLaMA-Factory's cutoff_len caps a sample's text and image tokens together; llmem's "
+                       "--seq-len counts its text tokens and adds the images' (an upper bound with images: give "
+                       "--seq-len as cutoff_len less the visual tokens for a full sample)")
+    if "image_max_pixels" in keys or "image_min_pixels" in keys or "video_max_pixels" in keys:
+        pixels = r.integer("image_max_pixels", keys.get("image_max_pixels", 768 * 768), what="a pixel count")
+        r.set("image_max_pixels" if "image_max_pixels" in keys else "image_max_pixels (default)",
+              keys.get("image_max_pixels", pixels), "max_pixels", pixels,
+              "each image scaled to fit it, then the processor's smart resize to 28-pixel multiples")
+    for key in ("image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
+                "image_do_pan_and_scan", "crop_to_patches"):
         keys.get(key)
 
 

@@ -1,0 +1,95 @@
+"""A vision-language model's vision side in the step schedule: the micro-batch's tensors (token ids, pixel_values,
+the 3-D positions), the vision encoder's and merger's forward, and their backward after the language model's
+(transformers' Qwen2.5-VL: the image features are scattered into the token embeddings, so autograd reaches the merger
+and the encoder blocks once every decoder layer's backward is done, and the token embedding's gradient last).
+
+The forward and backward are the learned ones (llmem.memory.activations.learned_vision: the real code's, read per
+module): each piece's kept tensors with the temporaries between them, and under --grad-ckpt the encoder's blocks as
+checkpointing runs them (learned checkpointed: each keeps its input, its backward recomputes it first).
+
+Known Limitations: one GPU (the layouts' vision units are not laid out); learned at the set-up's own shape (a new
+batch size or image size learns again).
+"""
+
+from __future__ import annotations
+
+from llmem.estimator.schedule.hooks import StepHooks
+from llmem.estimator.schedule.state import StepState
+from llmem.memory.activations.learned_vision import Op, VisionPiece
+from llmem.model.anatomy import ParamInfo
+from llmem.model.vision import PEFT_PREFIX
+
+
+class VisionEvents:
+    """The batch's tensors, and the vision side's forward and backward."""
+
+    def __init__(self, step: StepHooks, state: StepState) -> None:
+        self.step, self.f, self.sch, self.state = step, step.facts, step.sch, state
+        self.vision = self.f.act.vision
+        self.side = self.vision.side if self.vision is not None else None
+        self.pieces: tuple[VisionPiece, ...] = self.side.pieces if self.side is not None else ()
+        self.kept: list[list[int]] = []       # each piece's kept tensors' keys (by index)
+        # the parameters the backward makes gradients for, by their name in the model (peft's prefix dropped)
+        self.params: dict[str, ParamInfo] = {p.name.removeprefix(PEFT_PREFIX): p for p in self.f.root
+                                             if p.name in self.f.vision_params}
+
+    @property
+    def has_backward(self) -> bool:
+        """The vision side runs a backward: its script holds the scatter's (the embeddings' gradient included)."""
+        return self.side is not None and bool(self.side.backward)
+
+    def batch(self) -> None:
+        """The collated micro-batch on the device, before the step: ids, pixel_values, positions (kept by the
+        training loop until the next batch replaces them)."""
+        for n in self.vision.batch_tensors if self.vision is not None else ():
+            self.sch.alloc(n, "activations")
+
+    def forward(self) -> None:
+        """The learned forward: each piece's kept tensors with the temporaries between them."""
+        if self.side is None:
+            return
+        sch = self.sch
+        sch.mark("vision encoder")
+        self.kept = [[] for _ in self.pieces]
+        temps: dict[int, int] = {}
+        for op, j, k, size, label in self.side.forward:
+            if op == Op.KEEP:
+                piece = self.pieces[j]
+                self.kept[j].append(sch.alloc(piece.tensors[k], piece.categories[k]))
+            elif op == Op.TEMP:
+                temps[k] = sch.alloc(size, label)
+            elif op == Op.WORKSPACE:
+                self.step.ensure_workspace()
+            else:
+                sch.free(temps.pop(k))
+        sch.free_all(list(temps.values()))
+
+    def backward(self, it: int) -> list[int]:
+        """The learned backward after the last decoder layer's: the scatter's, the merger's and the blocks' (with a
+        checkpointed block's recompute among them), each parameter's gradient as it comes. Returns what is freed
+        after the token embedding's gradient."""
+        if not self.has_backward:
+            return []
+        sch = self.sch
+        sch.mark("vision encoder")
+        temps: dict[int, int] = {}
+        late: list[int] = []
+        for op, j, k, size, label in self.side.backward:
+            if op == Op.TEMP:
+                temps[k] = sch.alloc(size, label)
+            elif op == Op.FREE:
+                sch.free(temps.pop(k))
+            elif op == Op.FREE_KEPT:
+                sch.free(self.kept[j][k])
+                self.kept[j][k] = -1
+            elif op == Op.GRAD:
+                self.step.flush_steps(it)
+                self.step.hand_over_grad(self.params[label], sch.alloc(size, "gradients"))
+            elif op == Op.LATE:
+                late.append(temps.pop(k))
+        for keys in self.kept:               # what the backward never read (the encoder's own index tensors)
+            sch.free_all(keys)
+        sch.free_all(list(temps.values()))
+        self.kept = []
+        self.step.flush_steps(it)
+        return late

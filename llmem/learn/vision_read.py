@@ -1,0 +1,109 @@
+"""Reading a vision-language model's vision side from its whole step (llmem.learn.one_point runs the copy's whole
+backward when the model has one): the vision module's forward, cut into pieces by module (the patch embedding, the
+rotary table, each encoder block, the merger, the encoder's own ops ""), each piece's kept tensors (freed in
+backward: activations, the autocast copies of its trained weights) and the temporaries between them; and the
+backward after the last decoder layer's (the image features' gradient out of the scatter into the embeddings, the
+merger's and the blocks' backward), each allocation and free in order, each parameter's gradient named.
+
+A vision-language step is learned at its own shape (llmem.memory.activations.learned.own_shape): every size here is
+the one point's, a constant polynomial.
+"""
+
+from __future__ import annotations
+
+from llmem.learn.points import BACKWARD, FORWARD, KEPT_CATEGORIES, VisionReading
+from llmem.memory.activations.learned_vision import LearnedPiece, LearnedVision, Op
+from llmem.model.vision import PEFT_PREFIX
+
+_SIDE = (*KEPT_CATEGORIES, "gathered_weights")
+
+
+def under(module: str, path: str) -> bool:
+    """Module `module` is `path` or inside it (never, for path "")."""
+    return bool(path) and (module == path or module.startswith(path + "."))
+
+
+def read_vision(rd: VisionReading) -> LearnedVision | None:
+    """The vision side of the step `rd`: its pieces, its forward's ops and its backward's (None when its forward
+    makes nothing: a frozen encoder whose input needs no gradient runs without a graph, its temporaries aside)."""
+    vision = rd.module
+    freed: dict[int, tuple[int, int]] = {}            # key -> (event index, phase) of its free
+    for i, (a, key, _size, phase, _cat, _module) in enumerate(rd.events):
+        if not a:
+            freed.setdefault(key, (i, phase))
+    keys: list[str] = []                              # the pieces' modules, in forward order
+    kept: dict[str, list[tuple[int, str]]] = {}       # piece -> its kept tensors (bytes, category)
+    where: dict[int, tuple[int, int]] = {}            # key -> (piece, index) of a kept tensor
+    forward: list[tuple] = []
+    temps: set[int] = set()
+
+    def piece_of(module: str) -> int:
+        parts = module[len(vision) + 1:].split(".") if module != vision else []
+        key = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else (parts[0] if parts else "")
+        if key not in kept:
+            keys.append(key)
+            kept[key] = []
+        return keys.index(key)
+
+    for a, key, size, phase, cat, module in rd.events:
+        if phase != FORWARD:
+            continue
+        if a and under(module, vision) and cat == "cuda_workspaces":
+            forward.append((Op.WORKSPACE, -1, 0, None, ""))
+        elif a and under(module, vision) and cat in _SIDE:
+            j = piece_of(module)
+            if freed.get(key, (0, BACKWARD))[1] != FORWARD:
+                where[key] = (j, len(kept[keys[j]]))
+                forward.append((Op.KEEP, j, len(kept[keys[j]]), None, ""))
+                kept[keys[j]].append((size, cat))
+            else:
+                forward.append((Op.TEMP, j, key, _const(size), cat))
+                temps.add(key)
+        elif not a and key in temps:
+            forward.append((Op.FREE, -1, key, None, ""))
+    if not any(op != Op.WORKSPACE for op, *_ in forward):
+        return None
+    pieces = tuple(LearnedPiece(k or "encoder", k, tuple(_const(n) for n, _ in kept[k]),
+                                tuple(c for _, c in kept[k])) for k in keys)
+    return LearnedVision(pieces, tuple(forward), _backward(rd, where, piece_of))
+
+
+def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) -> tuple:
+    """The backward from the end of the last decoder layer's (the scatter's backward, then the vision module's) to
+    the first gradient of a parameter outside the vision module (the token embedding's, which the schedule makes
+    itself): each allocation (TEMP, or GRAD naming the parameter), each free of a kept tensor (FREE_KEPT) or
+    of a temporary (FREE); the temporaries still live at the end are freed after the embedding's gradient (LATE)."""
+    vision = rd.module
+    events = rd.events
+    backward = [i for i, (a, _k, _n, phase, _c, _m) in enumerate(events) if phase == BACKWARD]
+    if not any(events[i][0] and under(events[i][5], vision) for i in backward):
+        return ()
+    # after the last decoder layer's backward: the scatter's (the model's own ops), then the vision module's
+    start = max((i for i in backward if events[i][0] and under(events[i][5], rd.layers_path)), default=backward[0]) + 1
+    ops: list[tuple] = []
+    temps: set[int] = set()
+    for a, key, size, phase, cat, module in events[start:]:
+        if phase != BACKWARD:
+            break
+        name = rd.grads.get(key)
+        if a and name is not None and not under(name.removeprefix(PEFT_PREFIX), vision.removeprefix(PEFT_PREFIX)):
+            break                                        # the token embedding's gradient: the schedule's
+        if a and name is not None:
+            ops.append((Op.GRAD, piece_of(module) if under(module, vision) else -1, 0, _const(size),
+                        name.removeprefix(PEFT_PREFIX)))
+        elif a:
+            ops.append((Op.TEMP, piece_of(module) if under(module, vision) else -1, key, _const(size), cat))
+            temps.add(key)
+        elif key in where:
+            j, k = where[key]
+            ops.append((Op.FREE_KEPT, j, k, None, ""))
+        elif key in temps:
+            temps.discard(key)
+            ops.append((Op.FREE, -1, key, None, ""))
+    ops += [(Op.LATE, -1, key, None, "") for key in sorted(temps)]
+    return tuple(ops)
+
+
+def _const(size: int) -> tuple[float, ...]:
+    """A size read at the one point, as a fitted polynomial (llmem.memory.activations.fitted.TERMS)."""
+    return (float(size), 0.0, 0.0, 0.0, 0.0)

@@ -1,0 +1,128 @@
+"""A vision-language model's vision side, learned from the real code with its decoder layers (llmem.learn reads it
+from the same run of the shallow copy, whose vision encoder keeps its full depth): its forward as the allocator saw
+it, cut into pieces by module (the patch embedding, the rotary table, each encoder block, the merger, the encoder's
+own ops), each piece with the tensors it keeps for backward, and the forward's temporaries between them.
+
+The schedule (llmem.estimator.schedule.vision) plays the forward, then each piece's backward after the language
+model's. Sizes are fitted polynomials (llmem.memory.activations.fitted); a vision-language step is learned at its
+micro-batch's own shape (its encoder attends image by image, so its tensors' number changes with the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from llmem.memory.activations.fitted import Poly, decode, encode, poly_at
+
+
+class Op(StrEnum):
+    """What one event of the vision side does."""
+    KEEP = "keep"              # a piece's kept tensor made (forward)
+    TEMP = "temp"              # a temporary made
+    FREE = "free"              # a temporary freed
+    FREE_KEPT = "free_kept"    # a piece's kept tensor freed (backward)
+    GRAD = "grad"              # a parameter's gradient made (backward)
+    LATE = "late"              # a temporary freed after the token embedding's gradient (backward)
+    WORKSPACE = "workspace"    # cuBLAS's workspace made at the step's first matmul (the encoder's first linear)
+
+
+@dataclass(frozen=True)
+class LearnedPiece:
+    """A stretch of the vision side: the tensors its forward keeps for backward, in allocation order, each with its
+    category (an autocast copy of a trained weight is "gathered_weights", the rest "activations"). `module` is its
+    path within the vision module ("blocks.3", "merger"; "" for the encoder's own ops)."""
+    name: str
+    module: str
+    tensors: tuple[Poly, ...]
+    categories: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "module": self.module, "tensors": [encode(p) for p in self.tensors],
+                "categories": list(self.categories)}
+
+    @staticmethod
+    def from_json(d: dict) -> LearnedPiece:
+        return LearnedPiece(d["name"], d["module"], tuple(decode(p) for p in d["tensors"]), tuple(d["categories"]))
+
+
+# an event: (Op, piece or -1, kept tensor index or temporary's tag, size or None, category or parameter name):
+# (KEEP, j, k, None, "") | (FREE_KEPT, j, k, None, "") | (TEMP, j, tag, size, category) | (FREE, -1, tag, None, "")
+# | (GRAD, j, 0, size, parameter name within the model) | (LATE, -1, tag, None, "") | (WORKSPACE, -1, 0, None, "")
+Event = tuple
+
+
+def _ops_json(ops: tuple[Event, ...]) -> list:
+    return [[str(op), j, k, encode(size) if size is not None else None, label] for op, j, k, size, label in ops]
+
+
+def _ops_from(rows: list) -> tuple[Event, ...]:
+    return tuple((Op(op), int(j), int(k), decode(size) if size is not None else None, label)
+                 for op, j, k, size, label in rows)
+
+
+@dataclass(frozen=True)
+class LearnedVision:
+    pieces: tuple[LearnedPiece, ...]
+    forward: tuple[Event, ...]
+    backward: tuple[Event, ...] = ()      # after the last decoder layer's backward (none: the encoder runs no graph)
+
+    @property
+    def described(self) -> str:
+        """Its pieces and backward in words: "patch_embed, 32 encoder blocks, merger and its own ops; its backward
+        after the decoder layers'"."""
+        names = [p.module.split(".")[0] or "its own ops" for p in self.pieces]
+        blocks = sum(1 for p in self.pieces if "." in p.module)
+        parts = list(dict.fromkeys(f"{blocks} encoder blocks" if "." in p.module else n
+                                   for p, n in zip(self.pieces, names, strict=True)))
+        back = ("its backward after the decoder layers'" if self.backward else
+                "no backward: nothing in it needs a gradient")
+        return f"{', '.join(parts)}; {back}"
+
+    def to_json(self) -> dict:
+        return {"pieces": [p.to_json() for p in self.pieces], "forward": _ops_json(self.forward),
+                "backward": _ops_json(self.backward)}
+
+    @staticmethod
+    def from_json(d: dict) -> LearnedVision:
+        return LearnedVision(tuple(LearnedPiece.from_json(p) for p in d["pieces"]), _ops_from(d["forward"]),
+                             _ops_from(d.get("backward", [])))
+
+    def at(self, b: int, s: int, vision: str) -> VisionSide:
+        """At micro-batch b and s tokens, each piece's parameters named in full under the vision module `vision`
+        (llmem.model.vision.VisionLanguageSpec.vision)."""
+        pieces = tuple(VisionPiece(p.name, f"{vision}.{p.module}." if p.module else "",
+                                   tuple(poly_at(t, b, s) for t in p.tensors), p.categories) for p in self.pieces)
+
+        def at(ops: tuple[Event, ...]) -> tuple[Event, ...]:
+            return tuple((op, j, k, poly_at(size, b, s) if size is not None else 0, label)
+                         for op, j, k, size, label in ops)
+
+        return VisionSide(pieces, at(self.forward), at(self.backward))
+
+
+@dataclass(frozen=True)
+class VisionPiece:
+    """A learned piece at the set-up's shape, in bytes."""
+    name: str
+    params: str                    # its parameters' name prefix ("model.visual.blocks.3."; "": none)
+    tensors: tuple[int, ...]
+    categories: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VisionSide:
+    """The vision side at the set-up's shape: its pieces and its forward's and backward's ops (sizes in bytes)."""
+    pieces: tuple[VisionPiece, ...]
+    forward: tuple[Event, ...]
+    backward: tuple[Event, ...]
+
+
+@dataclass(frozen=True)
+class VisionStep:
+    """A vision-language step as the schedule lays it out: the micro-batch's tensors on the device (ids,
+    pixel_values, positions: llmem.model.vision_inputs), the vision modules (their parameters' name prefixes: the
+    encoder's, the projector's) and the vision side learned from the real code (None: not learned)."""
+    batch_tensors: tuple[int, ...]
+    modules: tuple[str, ...]
+    side: VisionSide | None

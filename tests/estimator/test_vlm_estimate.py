@@ -1,0 +1,68 @@
+"""A vision-language step's estimate (Qwen2.5-VL's architecture): its batch, its residual stream when the language
+model is frozen, the rule that checkpointing hooks the frozen encoder, and what is refused. The estimate against
+the trace is the CI matrix's (tests/validate/test_validate.py: each part frozen, LoRA, checkpointing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmem.cli import main
+from llmem.learn.shallow_copy import learned_activations
+from llmem.memory.activations.learned import LEARN_ENV
+from llmem.memory.activations.learned_vision import Op
+from llmem.memory.activations.profile import vision_batch_bytes
+from llmem.model.anatomy import load_anatomy
+from llmem.model.resolved import resolve
+from llmem.setup.methods import method_spec
+from llmem.setup.precision import regime_for
+from llmem.setup.training import TrainingSetup
+
+TINY = dict(model="tiny-qwen2_5_vl", images_per_sample=1, image_size="448x448", batch_size=4, seq_len=64)
+
+
+def test_the_batch_is_the_collated_inputs():
+    """448x448 -> 32x32 patches of 14 px (1,024), 256 visual tokens: the language model runs 64 + 256 tokens.
+    ids [4, 320] int64, pixel_values [4 x 1024, 3 x 2 x 14 x 14] fp32, 3-D positions [3, 4, 320] int64."""
+    setup = TrainingSetup(**TINY)
+    assert vision_batch_bytes(load_anatomy(setup.model), setup) == (4 * 320 * 8, 4 * 1024 * 1176 * 4,
+                                                                      3 * 4 * 320 * 8)
+    assert vision_batch_bytes(load_anatomy("tiny-llama"), TrainingSetup("tiny-llama")) == ()
+
+
+def test_a_frozen_language_model_streams_in_the_compute_dtype():
+    """--freeze-language-model keeps the frozen token embedding in bf16 (as LoRA's base): its output, the residual
+    stream, is bf16 under autocast; trained, it is the fp32 master weight's."""
+    spec = method_spec("single")
+    assert regime_for(TrainingSetup(**TINY), spec).res == 4
+    assert regime_for(TrainingSetup(**TINY, freeze_language_model=True), spec).res == 2
+
+
+@pytest.mark.parametrize(("fields", "keeps", "backward"), [
+    ({"lora_rank": 8}, False, False),                     # the frozen encoder runs without a graph
+    ({"lora_rank": 8, "grad_ckpt": True}, True, True),    # checkpointing hooks its patch embedding's output
+    ({"freeze_vision_tower": True}, True, True),          # the trained merger keeps its inputs
+])
+def test_what_the_encoder_keeps_follows_autograd(fields, keeps, backward, monkeypatch):
+    """transformers' checkpointing calls enable_input_require_grads, which hooks every input embedding, the vision
+    encoder's patch embedding too: under --grad-ckpt a frozen encoder keeps its blocks' inputs and runs a backward
+    (no gradient of its own)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    learned = learned_activations(resolve(TrainingSetup(**TINY, **fields)))
+    side = learned.vision
+    assert any(op[0] == Op.KEEP for op in side.forward) is keeps
+    assert bool(side.backward) is backward
+    grads = {op[4] for op in side.backward if op[0] == Op.GRAD}
+    assert grads == ({"model.visual.merger.mlp.0.weight", "model.visual.merger.mlp.0.bias",
+                      "model.visual.merger.mlp.2.weight", "model.visual.merger.mlp.2.bias",
+                      "model.visual.merger.ln_q.weight"} if "freeze_vision_tower" in fields else set())
+
+
+@pytest.mark.parametrize(("command", "says"), [
+    (["plan"], "llmem plan of a vision-language model (qwen2_5_vl) is not wired yet"),
+    (["estimate", "--engine", "paper"], "--engine paper with images"),
+])
+def test_what_is_not_wired_is_one_line(command, says, capsys):
+    args = ["tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "448x448", "--seq-len", "64"]
+    assert main([*command, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmem: error: ") and err.count("\n") == 1 and says in err, err
