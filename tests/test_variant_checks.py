@@ -1,7 +1,8 @@
 """Variants are decided by their registry rows, not by their names: no module compares a set-up's quantised base,
 objective or attention kernel with a string (`setup.quant_base == "nf4"`, `objective != "sft"`, `attn in ("sdpa",
 ...)`) outside the registries that define them (llmem.setup.quant_bases, .objectives, .generation, .attention), the
-`--from` readers' mapping tables (llmem.setup.sources) and the validation matrices' rows (llmem.validate.matrices).
+`--from` readers' mapping tables (llmem.setup.sources) and the validation matrices' rows and their names
+(llmem.validate.matrices, .labels).
 Code asks the row instead: `setup.quant_spec.quantised`, `setup.objective_spec.runs_trainer`,
 `setup.attention_spec.keeps_scores`."""
 
@@ -15,7 +16,7 @@ PACKAGE = ROOT / "llmem"
 VARIANT_FIELDS = ("quant_base", "objective", "attn")      # TrainingSetup's fields named by registry rows
 # where the names belong: the registries themselves, the readers' mapping tables, the matrices' rows
 HOMES = ("llmem/setup/quant_bases.py", "llmem/setup/objectives.py", "llmem/setup/generation.py",
-         "llmem/setup/attention.py", "llmem/setup/sources/", "llmem/validate/matrices.py")
+         "llmem/setup/attention.py", "llmem/setup/sources/", "llmem/validate/matrices.py", "llmem/validate/labels.py")
 ALLOWED: tuple[str, ...] = ()    # modules allowed a check by name (none: every check reads its row)
 
 

@@ -216,11 +216,14 @@ def tie_if_needed(model: nn.Module) -> None:
         out.weight = inp.weight
 
 
-def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full") -> list[int]:
+def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full", encoder_only: bool = False
+                         ) -> list[int]:
     """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
     layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
     counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices.
-    A selective policy (--ac-policy op) is torch.utils.checkpoint's `context_fn` (llmem.runtime.selective_ac)."""
+    A selective policy (--ac-policy op) is torch.utils.checkpoint's `context_fn` (llmem.runtime.selective_ac).
+    encoder_only: a vision-language model's encoder blocks alone stay checkpointed, with the hooks transformers
+    sets on every input embedding (llmem.learn reads its decoder layers plain under --grad-ckpt)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = {"use_reentrant": False}
@@ -238,6 +241,11 @@ def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full")
                          "transformers' per-layer checkpointing")
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i % every == 0
+    if encoder_only:
+        vision = vision_spec(causal_lm(model).config.model_type).vision
+        for name, module in causal_lm(model).named_modules():
+            if isinstance(module, GradientCheckpointingLayer) and not (name + ".").startswith(vision + "."):
+                module.gradient_checkpointing = False
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
 
 

@@ -443,11 +443,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if before_model is not None:
             before_model()
 
-        if setup.grad_ckpt:
-            enable_checkpointing(model, setup.ckpt_every, setup.ac_policy)
-        elif vision_checkpointing:       # (llmem.learn: a vision-language step under --grad-ckpt)
-            from llmem.runtime.vision import checkpoint_vision_only
-            checkpoint_vision_only(model)
+        if setup.grad_ckpt or vision_checkpointing:    # (llmem.learn: a vision-language encoder's alone)
+            enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt)
         if setup.fused_ce:
             install_fused_ce(model)
         if setup.logits_dtype == "model":

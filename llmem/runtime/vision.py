@@ -56,23 +56,6 @@ def language_lora_targets(model: nn.Module, names: list[str], all_linear: str) -
             and (all_linear in names or name.rsplit(".", 1)[-1] in names)}
 
 
-def checkpoint_vision_only(model: nn.Module) -> None:
-    """transformers' activation checkpointing (enable_checkpointing: every GradientCheckpointingLayer, and
-    enable_input_require_grads on every input embedding, the encoder's patch embedding too), then switched off
-    outside the vision module: the encoder's blocks run checkpointed, the decoder layers do not (llmem.learn reads
-    them plain; the schedule lays their checkpointing out)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    from llmem.runtime.build import causal_lm, enable_checkpointing
-
-    enable_checkpointing(model)
-    lm = causal_lm(model)
-    vision = vision_spec(lm.config.model_type).vision
-    for name, module in lm.named_modules():
-        if isinstance(module, GradientCheckpointingLayer) and not (name == vision or name.startswith(vision + ".")):
-            module.gradient_checkpointing = False
-
-
 @dataclass(frozen=True)
 class VisionBatch:
     """One micro-batch's inputs beside its token ids, on real tensors (built before the fake mode)."""
