@@ -215,12 +215,12 @@ _KERNEL_CHOICES = (
 )
 
 
-VISION_FIELDS = ("freeze_vision_tower", "freeze_projector", "freeze_language_model", "max_pixels")
+VISION_FIELDS = ("freeze_vision_tower", "freeze_projector", "freeze_language_model", "max_pixels", "image_size")
 
 
 def _vision_without_images(values: dict, used: list[Used], ignored: list) -> None:
-    """A file's vision-language switches (LLaMA-Factory's freeze_* and image_max_pixels) apply to a step with
-    images, which the data decides (--images-per-sample and --image-size on the command line): without images they
+    """A file's vision-language switches (LLaMA-Factory's freeze_* and image_max_pixels, axolotl's image_size) apply
+    to a step with images, which the data decides (--images-per-sample and --image-size on the command line): without images they
     are dropped, a default silently, a key the file writes as ignored with the fix."""
     if values.get("images_per_sample"):
         return

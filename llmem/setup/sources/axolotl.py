@@ -90,8 +90,27 @@ def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
     quantised = _quantised(r, keys)
     _adapters(r, keys, quantised)
     _distributed(r, keys, quantised)
+    _multimodal(r, keys)
     _unmodelled(r, keys)
     r.not_read(keys)
+
+
+def _multimodal(r: Reading, keys: Keys) -> None:
+    """A vision-language model's images (axolotl's multimodal config, processing_strategies.py): `image_size` resizes
+    every image to that size (an int: a square; [height, width]) before the processor's own resize, so it is
+    llmem's --image-size. How many images a sample holds is the data's: --images-per-sample on the command line
+    (without it the key is dropped: llmem.setup.sources.build)."""
+    for key in ("processor_type", "image_resize_algorithm", "skip_prepare_dataset", "remove_unused_columns"):
+        keys.get(key)
+    if "image_size" not in keys or keys.get("image_size") is None:
+        return
+    raw = keys.get("image_size")
+    size = [raw, raw] if isinstance(raw, int) and not isinstance(raw, bool) else raw
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+        raise r.error("image_size", raw, "is not an image size (axolotl takes an int or [height, width])",
+                      "give image_size: 512 or [448, 672]")
+    r.set("image_size", raw, "image_size", f"{size[0]}x{size[1]}", "every image resized to it (axolotl), then "
+          "the processor's own resize")
 
 
 def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
