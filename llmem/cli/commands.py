@@ -57,10 +57,33 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.m_base and args.engine != "paper":
         raise LlmemError("--m-base applies to --engine paper only: drop it, or add --engine paper")
     setup, source = setup_and_source(args)
-    with file_model(source), stdout_to_stderr():
+    with file_model(source), stdout_to_stderr(), _learning_status(setup, args):
         result = estimate(setup, engine=args.engine, m_base=args.m_base or None)
     _emit(args, result, source)
     return int(args.check and not result.fits)     # --check: 1 when it does not fit (a refusal exits 2)
+
+
+def _learning_status(setup, args: argparse.Namespace):
+    """A status line on stderr while the estimate learns its step from the real code (llmem.learn: seconds, up to
+    minutes for a vision-language step with many large images; once per set-up, then read from the cache); nothing
+    when the answer is a hand recipe's or cached, or for --json."""
+    import contextlib
+
+    if args.json or args.engine == "paper":
+        return contextlib.nullcontext()
+    from llmem.memory.activations.learned import learned_for, learning_need
+    from llmem.model.resolved import resolve
+
+    try:
+        r = resolve(setup)
+    except LlmemError:
+        return contextlib.nullcontext()          # the estimate says why, in one line
+    if not learning_need(r)[0] or learned_for(r) is not None:
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status("learning the step from the real code on fake tensors (once for this "
+                                       "set-up; cached after)")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
