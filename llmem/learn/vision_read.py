@@ -6,7 +6,7 @@ backward after the last decoder layer's (the image features' gradient out of the
 merger's and the blocks' backward), each allocation and free in order, each parameter's gradient named.
 
 A vision-language step is learned at its own shape (llmem.memory.activations.learned.own_shape): every size here is
-the one point's, a constant polynomial.
+the one point's, in bytes.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
                 forward.append((Op.KEEP, j, len(kept[keys[j]]), None, ""))
                 kept[keys[j]].append((size, cat))
             else:
-                forward.append((Op.TEMP, j, key, _const(size), cat))
+                forward.append((Op.TEMP, j, key, size, cat))
                 temps.add(key)
         elif not a and key in temps:
             forward.append((Op.FREE, -1, key, None, ""))
     if not any(op != Op.WORKSPACE for op, *_ in forward):
         return None
-    pieces = tuple(LearnedPiece(k or "encoder", k, tuple(_const(n) for n, _ in kept[k]),
+    pieces = tuple(LearnedPiece(k or "encoder", k, tuple(n for n, _ in kept[k]),
                                 tuple(c for _, c in kept[k])) for k in keys)
     return LearnedVision(pieces, tuple(forward), _backward(rd, where, piece_of))
 
@@ -89,10 +89,10 @@ def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) ->
         if a and name is not None and not under(name.removeprefix(PEFT_PREFIX), vision.removeprefix(PEFT_PREFIX)):
             break                                        # the token embedding's gradient: the schedule's
         if a and name is not None:
-            ops.append((Op.GRAD, piece_of(module) if under(module, vision) else -1, 0, _const(size),
+            ops.append((Op.GRAD, piece_of(module) if under(module, vision) else -1, 0, size,
                         name.removeprefix(PEFT_PREFIX)))
         elif a:
-            ops.append((Op.TEMP, piece_of(module) if under(module, vision) else -1, key, _const(size), cat))
+            ops.append((Op.TEMP, piece_of(module) if under(module, vision) else -1, key, size, cat))
             temps.add(key)
         elif key in where:
             j, k = where[key]
@@ -102,8 +102,3 @@ def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) ->
             ops.append((Op.FREE, -1, key, None, ""))
     ops += [(Op.LATE, -1, key, None, "") for key in sorted(temps)]
     return tuple(ops)
-
-
-def _const(size: int) -> tuple[float, ...]:
-    """A size read at the one point, as a fitted polynomial (llmem.memory.activations.fitted.TERMS)."""
-    return (float(size), 0.0, 0.0, 0.0, 0.0)

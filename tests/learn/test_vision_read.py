@@ -13,10 +13,6 @@ from llmem.memory.activations.learned_vision import LearnedPiece, LearnedVision,
 ACT = "activations"
 
 
-def _const(n: int) -> tuple[float, ...]:
-    return (float(n), 0.0, 0.0, 0.0, 0.0)
-
-
 def _step() -> VisionReading:
     events = [
         (True, 1, 100, F, ACT, "model.visual.patch_embed.proj"),         # kept: freed in backward (never, here)
@@ -42,12 +38,12 @@ def _step() -> VisionReading:
 def test_pieces_forward_and_backward_are_read_in_order():
     got = read_vision(_step())
     assert got == LearnedVision(
-        pieces=(LearnedPiece("patch_embed", "patch_embed", (_const(100),), (ACT,)),
-                LearnedPiece("blocks.0", "blocks.0", (_const(200),), (ACT,))),
-        forward=((Op.KEEP, 0, 0, None, ""), (Op.TEMP, 1, 2, _const(50), ACT), (Op.WORKSPACE, -1, 0, None, ""),
+        pieces=(LearnedPiece("patch_embed", "patch_embed", (100,), (ACT,)),
+                LearnedPiece("blocks.0", "blocks.0", (200,), (ACT,))),
+        forward=((Op.KEEP, 0, 0, None, ""), (Op.TEMP, 1, 2, 50, ACT), (Op.WORKSPACE, -1, 0, None, ""),
                  (Op.KEEP, 1, 0, None, ""), (Op.FREE, -1, 2, None, "")),
-        backward=((Op.TEMP, -1, 7, _const(64), ACT), (Op.GRAD, 1, 0, _const(400), "model.visual.blocks.0.mlp.up_proj.weight"),
-                  (Op.FREE_KEPT, 1, 0, None, ""), (Op.FREE, -1, 7, None, ""), (Op.TEMP, 0, 9, _const(32), ACT),
+        backward=((Op.TEMP, -1, 7, 64, ACT), (Op.GRAD, 1, 0, 400, "model.visual.blocks.0.mlp.up_proj.weight"),
+                  (Op.FREE_KEPT, 1, 0, None, ""), (Op.FREE, -1, 7, None, ""), (Op.TEMP, 0, 9, 32, ACT),
                   (Op.LATE, -1, 9, None, "")))
     assert LearnedVision.from_json(got.to_json()) == got      # the disk cache's form
 

@@ -393,7 +393,7 @@ def learned_vision(r: ResolvedSetup) -> VisionSide | None:
     spec = vision_spec(r.anatomy.model_type)
     if learned is None or learned.vision is None or spec is None:
         return None
-    return learned.vision.at(r.setup.batch_size, r.setup.seq_len, spec.vision)
+    return learned.vision.at(spec.vision)
 
 
 def activation_source_notes(r: ResolvedSetup) -> list[str]:

@@ -4,16 +4,15 @@ it, cut into pieces by module (the patch embedding, the rotary table, each encod
 own ops), each piece with the tensors it keeps for backward, and the forward's temporaries between them.
 
 The schedule (llmem.estimator.schedule.vision) plays the forward, then each piece's backward after the language
-model's. Sizes are fitted polynomials (llmem.memory.activations.fitted); a vision-language step is learned at its
-micro-batch's own shape (its encoder attends image by image, so its tensors' number changes with the batch).
+model's. A vision-language step is learned at its micro-batch's own shape (its encoder attends image by image, so
+its tensors' number changes with the batch): every size is in bytes at that shape, kept as plain integers (a large
+step's vision side has hundreds of thousands of events, read from the cache at every estimate).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-
-from llmem.memory.activations.fitted import Poly, decode, encode, poly_at
 
 
 class Op(StrEnum):
@@ -34,31 +33,31 @@ class LearnedPiece:
     path within the vision module ("blocks.3", "merger"; "" for the encoder's own ops)."""
     name: str
     module: str
-    tensors: tuple[Poly, ...]
+    tensors: tuple[int, ...]       # bytes, at the learned shape
     categories: tuple[str, ...]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "module": self.module, "tensors": [encode(p) for p in self.tensors],
+        return {"name": self.name, "module": self.module, "tensors": list(self.tensors),
                 "categories": list(self.categories)}
 
     @staticmethod
     def from_json(d: dict) -> LearnedPiece:
-        return LearnedPiece(d["name"], d["module"], tuple(decode(p) for p in d["tensors"]), tuple(d["categories"]))
+        return LearnedPiece(d["name"], d["module"], tuple(int(n) for n in d["tensors"]), tuple(d["categories"]))
 
 
-# an event: (Op, piece or -1, kept tensor index or temporary's tag, size or None, category or parameter name):
+# an event: (Op, piece or -1, kept tensor index or temporary's tag, bytes or None, category or parameter name):
 # (KEEP, j, k, None, "") | (FREE_KEPT, j, k, None, "") | (TEMP, j, tag, size, category) | (FREE, -1, tag, None, "")
 # | (GRAD, j, 0, size, parameter name within the model) | (LATE, -1, tag, None, "") | (WORKSPACE, -1, 0, None, "")
 Event = tuple
 
 
 def _ops_json(ops: tuple[Event, ...]) -> list:
-    return [[str(op), j, k, encode(size) if size is not None else None, label] for op, j, k, size, label in ops]
+    return [[str(op), j, k, size, label] for op, j, k, size, label in ops]
 
 
 def _ops_from(rows: list) -> tuple[Event, ...]:
-    return tuple((Op(op), int(j), int(k), decode(size) if size is not None else None, label)
-                 for op, j, k, size, label in rows)
+    """The events as JSON holds them (an Op is its string: they compare equal)."""
+    return tuple(map(tuple, rows))
 
 
 @dataclass(frozen=True)
@@ -80,25 +79,22 @@ class LearnedVision:
         return f"{', '.join(parts)}; {back}"
 
     def to_json(self) -> dict:
-        return {"pieces": [p.to_json() for p in self.pieces], "forward": _ops_json(self.forward),
+        return {"sizes": "bytes", "pieces": [p.to_json() for p in self.pieces], "forward": _ops_json(self.forward),
                 "backward": _ops_json(self.backward)}
 
     @staticmethod
     def from_json(d: dict) -> LearnedVision:
+        if d.get("sizes") != "bytes":        # an earlier form (fitted polynomials): not read, learned again
+            raise ValueError("a vision side cached in an earlier form")
         return LearnedVision(tuple(LearnedPiece.from_json(p) for p in d["pieces"]), _ops_from(d["forward"]),
                              _ops_from(d.get("backward", [])))
 
-    def at(self, b: int, s: int, vision: str) -> VisionSide:
-        """At micro-batch b and s tokens, each piece's parameters named in full under the vision module `vision`
+    def at(self, vision: str) -> VisionSide:
+        """Each piece's parameters named in full under the vision module `vision`
         (llmem.model.vision.VisionLanguageSpec.vision)."""
-        pieces = tuple(VisionPiece(p.name, f"{vision}.{p.module}." if p.module else "",
-                                   tuple(poly_at(t, b, s) for t in p.tensors), p.categories) for p in self.pieces)
-
-        def at(ops: tuple[Event, ...]) -> tuple[Event, ...]:
-            return tuple((op, j, k, poly_at(size, b, s) if size is not None else 0, label)
-                         for op, j, k, size, label in ops)
-
-        return VisionSide(pieces, at(self.forward), at(self.backward))
+        pieces = tuple(VisionPiece(p.name, f"{vision}.{p.module}." if p.module else "", p.tensors, p.categories)
+                       for p in self.pieces)
+        return VisionSide(pieces, self.forward, self.backward)
 
 
 @dataclass(frozen=True)
