@@ -19,8 +19,9 @@ from llmem.learn.points import (
     unit_of,
 )
 from llmem.learn.selective_read import read_selective
-from llmem.learn.vision_read import read_vision, under
+from llmem.learn.vision_read import read_vision
 from llmem.memory.activations.learned import LearnedActivations, LearnedBlock, as_floats
+from llmem.model.vision import under
 
 
 @dataclass

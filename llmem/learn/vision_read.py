@@ -13,14 +13,9 @@ from __future__ import annotations
 
 from llmem.learn.points import BACKWARD, FORWARD, KEPT_CATEGORIES, VisionReading
 from llmem.memory.activations.learned_vision import LearnedPiece, LearnedVision, Op
-from llmem.model.vision import PEFT_PREFIX
+from llmem.model.vision import PEFT_PREFIX, under
 
 _SIDE = (*KEPT_CATEGORIES, "gathered_weights")
-
-
-def under(module: str, path: str) -> bool:
-    """Module `module` is `path` or inside it (never, for path "")."""
-    return bool(path) and (module == path or module.startswith(path + "."))
 
 
 def read_vision(rd: VisionReading) -> LearnedVision | None:

@@ -45,16 +45,17 @@ def vision_spec(model_type: str) -> VisionLanguageSpec | None:
     return VISION_LANGUAGE.get(model_type)
 
 
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
+def under(name: str, prefix: str) -> bool:
+    """A module or parameter name at `prefix` or inside it (never under an empty prefix)."""
+    return bool(prefix) and (name == prefix or name.startswith(prefix + "."))
 
 
 def part_of(spec: VisionLanguageSpec, name: str) -> str:
     """The part a parameter (by its name in the built model, peft's `base_model.model.` prefix dropped) belongs to."""
     name = name.removeprefix(PEFT_PREFIX)
-    if _under(name, spec.projector):
+    if under(name, spec.projector):
         return PROJECTOR
-    if _under(name, spec.vision):
+    if under(name, spec.vision):
         return VISION
     return LANGUAGE
 
@@ -76,7 +77,7 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
     spec = vision_spec(model_type)
     if spec is None:
         return ()
-    return (spec.vision,) if _under(spec.projector, spec.vision) else (spec.vision, spec.projector)
+    return (spec.vision,) if under(spec.projector, spec.vision) else (spec.vision, spec.projector)
 
 
 def language_layers_suffix(model_type: str) -> str | None:

@@ -13,7 +13,7 @@ from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
 from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
-from llmem.model.vision import vision_spec
+from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
 from llmem.setup.attention import AttentionSpec
@@ -244,7 +244,7 @@ def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full",
     if encoder_only:
         vision = vision_spec(causal_lm(model).config.model_type).vision
         for name, module in causal_lm(model).named_modules():
-            if isinstance(module, GradientCheckpointingLayer) and not (name + ".").startswith(vision + "."):
+            if isinstance(module, GradientCheckpointingLayer) and not under(name, vision):
                 module.gradient_checkpointing = False
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
 

@@ -56,7 +56,7 @@ def _sizes(sch: Schedule) -> list[int]:
 
 def test_forward_and_backward_play_the_learned_ops():
     step = _Step(_side())
-    ev = VisionEvents(step, SimpleNamespace())
+    ev = VisionEvents(step)
     ev.batch()
     ev.forward()
     late = ev.backward(0)

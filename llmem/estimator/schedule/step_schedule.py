@@ -62,7 +62,7 @@ class StepSchedule:
         self.blocks = BlockEvents(self.facts, self.sch, self.state)
         self.layer_events = LayerEvents(self, self.state, self.blocks, self.units)
         self.head = HeadEvents(self, self.state)
-        self.vision = VisionEvents(self, self.state)     # a vision-language step's batch and vision side
+        self.vision = VisionEvents(self)     # a vision-language step's batch and vision side
         self.objective = objective_events(self, r) if trained else None   # TRL's trainers' steps
 
     def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:

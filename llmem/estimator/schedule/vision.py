@@ -14,7 +14,6 @@ batch size or image size learns again).
 from __future__ import annotations
 
 from llmem.estimator.schedule.hooks import StepHooks
-from llmem.estimator.schedule.state import StepState
 from llmem.memory.activations.learned_vision import Op, VisionPiece
 from llmem.model.anatomy import ParamInfo
 from llmem.model.vision import PEFT_PREFIX
@@ -23,8 +22,8 @@ from llmem.model.vision import PEFT_PREFIX
 class VisionEvents:
     """The batch's tensors, and the vision side's forward and backward."""
 
-    def __init__(self, step: StepHooks, state: StepState) -> None:
-        self.step, self.f, self.sch, self.state = step, step.facts, step.sch, state
+    def __init__(self, step: StepHooks) -> None:
+        self.step, self.f, self.sch = step, step.facts, step.sch
         self.vision = self.f.act.vision
         self.side = self.vision.side if self.vision is not None else None
         self.pieces: tuple[VisionPiece, ...] = self.side.pieces if self.side is not None else ()

@@ -144,8 +144,6 @@ class LearnedActivations:
                                   LearnedVision.from_json(d["vision"]) if "vision" in d else None)
 
 
-
-
 # ---------------------------------------------------------------------------------------------- when to learn
 def learning_mode() -> str:
     """$LLMEM_LEARN: auto (default: only where no hand recipe exists), always (also where one does: to check the

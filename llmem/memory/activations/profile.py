@@ -205,7 +205,7 @@ def sequence_tokens(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
     """The tokens per sample the language model runs (and its logits and loss cover): --seq-len, prompt tuning's
     virtual tokens, and a vision-language sample's image tokens (the processor's expansion of each image's
     placeholder: llmem.model.vision_inputs)."""
-    images = vision_inputs(setup, anatomy) if setup.images_per_sample else None
+    images = vision_inputs(setup, anatomy)
     return setup.seq_len + virtual_tokens(anatomy) + (images.visual_tokens if images is not None else 0)
 
 
@@ -384,7 +384,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
 def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int, ...]:
     """A vision-language micro-batch's tensors on the device (llmem.model.vision_inputs), () for a text step (its
     token ids are a few bytes a token, not laid out)."""
-    images = vision_inputs(setup, anatomy) if setup.images_per_sample else None
+    images = vision_inputs(setup, anatomy)
     if images is None:
         return ()
     return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type).position_rows)
