@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from itertools import islice
 
-from llmem.memory.allocator import AllocatorOOM, CachingAllocator
+from llmem.memory.phase_replay import components_at, phase_peaks
 from llmem.result import OutOfMemory
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2   # FSDP2 issues its collectives on streams of their own
@@ -107,60 +106,37 @@ class Replay:
 
 def replay(schedule: Schedule, expandable_segments: bool = False, capacity_bytes: int | None = None) -> Replay:
     """Run the events through the allocator; per phase, its peak of allocated bytes (and the tensor bytes per
-    component at that moment, found in a second pass) and the reserved bytes at its end (a phase run more than once:
-    its largest run's peak, its last run's end).
+    component at that moment) and the reserved bytes by its end (a phase run more than once: its largest run's
+    peak, its last run's end).
 
     With `capacity_bytes` the allocator behaves as on a device of that size: a segment that does not fit makes it
     release its cached blocks and retry, as PyTorch does, and the replay stops at an allocation that still fails
     (`Replay.oom`)."""
-    alloc = CachingAllocator(expandable_segments=expandable_segments, capacity_bytes=capacity_bytes)
-    handles: dict[int, int] = {}
-    malloc, free, pop = alloc.malloc, alloc.free, handles.pop   # bound once: the loop runs ~10^5 times a plan
     events = schedule.events
-    bounds = [*schedule.phase_starts, (len(events), "")]
+    names = [phase for _, phase in schedule.phase_starts]
+    got = phase_peaks(events, [start for start, _ in schedule.phase_starts] + [len(events)], expandable_segments,
+                      capacity_bytes)
+    # a phase the step runs more than once (a pipeline's forwards and backwards between micro-batches, a
+    # preference objective's two passes) peaks at its largest run, and has reserved what its last run ends with
     peaks: dict[str, list[int]] = {}       # phase -> [peak allocated, reserved at end, event index of the peak]
-    oom = None
-    for (start, phase), (end, _) in zip(bounds, bounds[1:], strict=False):
-        # a phase that allocates nothing peaks at what it started with (event start - 1's state)
-        best, best_at = alloc.allocated_bytes, start - 1
-        i = start
-        try:
-            for i, (sign, key, size, stream, _c) in enumerate(islice(events, start, end), start):
-                if sign > 0:
-                    handles[key] = malloc(size, stream)
-                    if alloc.allocated_bytes > best:
-                        best, best_at = alloc.allocated_bytes, i
-                else:
-                    free(pop(key))
-        except AllocatorOOM as exc:
-            oom = OutOfMemory(phase, schedule.where(i), events[i][4], exc.requested_bytes, exc.allocated_bytes,
-                              exc.reserved_bytes, int(capacity_bytes or 0))
-        # a phase the step runs more than once (a pipeline's forwards and backwards between micro-batches, a
-        # preference objective's two passes) peaks at its largest run, and has reserved what its last run ends with
+    for phase, run in zip(names, got.runs, strict=False):
         seen = peaks.get(phase)
-        if seen is None or best > seen[0]:
-            peaks[phase] = [best, alloc.reserved_bytes, best_at]
+        if seen is None or run.peak_allocated_bytes > seen[0]:
+            peaks[phase] = [run.peak_allocated_bytes, run.reserved_bytes, run.peak_at]
         else:
-            seen[1] = alloc.reserved_bytes
-        if oom is not None:
-            break
-    # second pass: tensor bytes per component at each phase's peak
+            seen[1] = run.reserved_bytes
+    oom = None
+    if got.failure is not None:
+        f = got.failure
+        oom = OutOfMemory(names[len(got.runs) - 1], schedule.where(f.at), events[f.at][4], f.requested_bytes,
+                          f.allocated_bytes, f.reserved_bytes, int(capacity_bytes or 0))
+    # tensor bytes per component at each phase's peak (none live before the first event)
     wanted: dict[int, list[str]] = {}
     for name, v in peaks.items():
         wanted.setdefault(v[2], []).append(name)
-    components: dict[str, dict[str, int]] = {}
-    by_comp: dict[str, int] = {}
-    get = by_comp.get
-    done = 0                               # events [0, done) are summed into by_comp
-    for at in sorted(wanted):
-        if at < 0:                         # a peak before the first event: no tensor is live
-            continue
-        for sign, _k, size, _s, comp in islice(events, done, at + 1):
-            by_comp[comp] = get(comp, 0) + sign * size
-        done = at + 1
-        for name in wanted[at]:
-            components[name] = {c: v for c, v in by_comp.items() if v}
-    stats = alloc.stats()
+    at = sorted(i for i in wanted if i >= 0)
+    components = {name: comps for i, comps in zip(at, components_at(events, at), strict=True) for name in wanted[i]}
+    stats = got.stats
     phases = {name: PhasePeak(v[0], v[1], components.get(name, {})) for name, v in peaks.items()}
     name, top = max(phases.items(), key=lambda kv: kv[1].allocated)
     return Replay(stats.peak_allocated_bytes, stats.peak_reserved_bytes, top.components, name.split(":")[-1],

@@ -32,6 +32,9 @@ CUDA graphs / private pools, ``garbage_collection_threshold``, ``set_per_process
 and the free-memory callbacks are not modelled. Segment addresses are a bump pointer, so ties
 between equal-size free blocks break by segment age (real cudaMalloc addresses are unknown).
 Zero-byte requests never reach the allocator (``CUDACachingAllocator::allocate`` skips size 0).
+
+A change here is a change to ``_replay.c`` too: its twin of this class runs the estimator's replays
+(llmem.memory.phase_replay; tests/memory/test_native_replay.py holds the two to the same answers).
 """
 
 from __future__ import annotations
