@@ -46,12 +46,13 @@ typedef struct Block {
     struct Block *next_free_struct;  /* the struct free list */
 } Block;
 
-typedef struct { uint64_t stream, size, addr; Block *b; } Entry;     /* BlockComparatorSize order */
+/* the free blocks are kept as pointers sorted by (stream, size, addr), BlockComparatorSize's order: a block's fields
+ * never change while it is in a pool (allocator.py relies on the same: its keys are computed at insertion) */
 typedef struct { uint64_t stream, addr; Block *b; } UEntry;          /* BlockComparatorAddress order */
 
 typedef struct Pool {
     int is_small;
-    Entry *blocks; size_t n, cap;
+    Block **blocks; size_t n, cap;
     UEntry *unmapped; size_t un, ucap;
 } Pool;
 
@@ -136,7 +137,7 @@ static size_t lower_bound(Pool *p, uint64_t stream, uint64_t size, uint64_t addr
     size_t lo = 0, hi = p->n;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
-        Entry *e = &p->blocks[mid];
+        Block *e = p->blocks[mid];
         if (entry_less(e->stream, e->size, e->addr, stream, size, addr)) lo = mid + 1; else hi = mid;
     }
     return lo;
@@ -145,19 +146,19 @@ static size_t lower_bound(Pool *p, uint64_t stream, uint64_t size, uint64_t addr
 static void pool_insert(Alloc *a, Pool *p, Block *b) {   /* insert_into_blocks */
     if (p->n == p->cap) {
         size_t cap = p->cap ? 2 * p->cap : 64;
-        Entry *e = realloc(p->blocks, cap * sizeof(Entry));
+        Block **e = realloc(p->blocks, cap * sizeof(Block *));
         if (e == NULL) { a->failed = 1; return; }
         p->blocks = e; p->cap = cap;
     }
     size_t i = lower_bound(p, b->stream, b->size, b->addr);
-    memmove(&p->blocks[i + 1], &p->blocks[i], (p->n - i) * sizeof(Entry));
-    p->blocks[i].stream = b->stream; p->blocks[i].size = b->size; p->blocks[i].addr = b->addr; p->blocks[i].b = b;
+    memmove(&p->blocks[i + 1], &p->blocks[i], (p->n - i) * sizeof(Block *));
+    p->blocks[i] = b;
     p->n++;
     b->seq = a->next_seq++;
 }
 
 static void pool_erase_at(Pool *p, size_t i) {
-    memmove(&p->blocks[i], &p->blocks[i + 1], (p->n - i - 1) * sizeof(Entry));
+    memmove(&p->blocks[i], &p->blocks[i + 1], (p->n - i - 1) * sizeof(Block *));
     p->n--;
 }
 
@@ -226,15 +227,15 @@ static void add_reserved(Alloc *a, uint64_t n) {
 
 static Block *get_free_block(Pool *p, uint64_t size, uint64_t stream) {
     size_t i = lower_bound(p, stream, size, 0);
-    if (i == p->n || p->blocks[i].stream != stream) return NULL;
-    Block *block = p->blocks[i].b;
+    if (i == p->n || p->blocks[i]->stream != stream) return NULL;
+    Block *block = p->blocks[i];
     if (block->seg->expandable) {
         while (block->seg->expandable && i + 1 < p->n) {
-            Entry *e = &p->blocks[i + 1];
+            Block *e = p->blocks[i + 1];
             if (e->stream != stream) break;
-            if (expandable_size(e->b) >= expandable_size(block)) break;
+            if (expandable_size(e) >= expandable_size(block)) break;
             i++;
-            block = e->b;
+            block = e;
         }
     }
     pool_erase_at(p, i);
@@ -411,7 +412,7 @@ static void release_cached_blocks(Alloc *a) {
         if (n == 0) continue;
         Block **snapshot = malloc(n * sizeof(Block *));
         if (snapshot == NULL) { a->failed = 1; return; }
-        for (size_t i = 0; i < n; i++) snapshot[i] = p->blocks[i].b;
+        memcpy(snapshot, p->blocks, n * sizeof(Block *));
         qsort(snapshot, n, sizeof(Block *), by_seq);
         size_t nu = 0;
         for (size_t i = 0; i < n; i++) {

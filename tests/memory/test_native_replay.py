@@ -124,3 +124,24 @@ def test_a_real_step_replays_alike(monkeypatch, flags):
     assert replay(sched, s.expandable_segments) == ref
     assert replay(sched, s.expandable_segments, capacity_bytes=ref.peak_reserved_bytes - 2 * MIB) == ref_cap
     assert replayed_step(r, act).peak_reserved_bytes == ref.peak_reserved_bytes
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(4))
+def test_long_schedules_with_many_cached_blocks_agree(seed):
+    # thousands of events, most tensors kept a while: free lists hundreds of blocks long, as a deep model's are
+    import random
+
+    rng = random.Random(seed)
+    events, live = [], []
+    for key in range(4000):
+        if live and rng.random() < 0.45:
+            events.append((-1, live.pop(rng.randrange(len(live))), 0, 0, "x"))
+        size = rng.choice([rng.randint(1, MIB), rng.randint(MIB, 12 * MIB), rng.randint(12 * MIB, 200 * MIB)])
+        events.append((1, key, size, rng.randint(0, 2), rng.choice("abc")))
+        live.append(key)
+    starts = [0, len(events) // 3, len(events) // 2, len(events)]
+    for expandable in (False, True):
+        for capacity in (None, 40 << 30):
+            assert phase_peaks(events, starts, expandable, capacity) == \
+                _phase_peaks_py(events, starts, expandable, capacity)
