@@ -1,4 +1,4 @@
-"""The replay loop compiled (llmem/memory/_replay.c) against the Python reference (llmem.memory.phase_replay), on
+"""The replay loop compiled (llmem/memory/native_replay.c) against the Python reference (llmem.memory.phase_replay), on
 whole-step schedules of the plans' set-ups: CPU milliseconds per replay (the best of --runs), events per second, and
 whether the two Replays are equal (they must be: the compiled loop is a twin of CachingAllocator).
 

@@ -33,7 +33,7 @@ and the free-memory callbacks are not modelled. Segment addresses are a bump poi
 between equal-size free blocks break by segment age (real cudaMalloc addresses are unknown).
 Zero-byte requests never reach the allocator (``CUDACachingAllocator::allocate`` skips size 0).
 
-A change here is a change to ``_replay.c`` too: its twin of this class runs the estimator's replays
+A change here is a change to ``native_replay.c`` too: its twin of this class runs the estimator's replays
 (llmem.memory.phase_replay; tests/memory/test_native_replay.py holds the two to the same answers).
 """
 

@@ -7,8 +7,8 @@ Two answers a schedule's replay needs (llmem.estimator.events.replay puts them t
 - `components_at`: the tensor bytes per component (weights, activations, ...) once the step has run up to given
   events (each phase's peak).
 
-Each runs compiled (`llmem/memory/_replay.c`, a line-for-line twin of `CachingAllocator` and of the loops below,
-built by `pip install` where a C compiler is found) or, without it, as the Python below, which is the reference:
+Each runs compiled (`llmem/memory/native_replay.c`, a line-for-line twin of `CachingAllocator` and of the loops
+below, built by `pip install` where a C compiler is found) or, without it, as the Python below, the reference:
 tests/memory/test_native_replay.py replays random schedules through both. The compiled loop runs a replay about
 ten times faster (benchmarks/native_replay.md); it hands anything it does not handle the Python's way back to the
 Python (returns None), so both give the same answers and errors. `LLMEM_NATIVE_REPLAY=off` uses the Python only.
@@ -26,9 +26,9 @@ from itertools import islice
 from llmem.memory.allocator import AllocatorOOM, AllocatorStats, CachingAllocator
 
 try:
-    from llmem.memory import _replay as _native
+    from llmem.memory import native_replay as NATIVE
 except ImportError:          # no C compiler at install time: the Python reference serves
-    _native = None
+    NATIVE = None            # type: ignore[assignment]
 
 Event = tuple[int, int, int, int, str]
 
@@ -60,7 +60,7 @@ class PhasePeaks:
 
 def native_available() -> bool:
     """Whether the compiled loop is installed and not turned off (`LLMEM_NATIVE_REPLAY=off`)."""
-    return _native is not None and os.environ.get("LLMEM_NATIVE_REPLAY", "").lower() not in ("off", "0", "no")
+    return NATIVE is not None and os.environ.get("LLMEM_NATIVE_REPLAY", "").lower() not in ("off", "0", "no")
 
 
 def phase_peaks(events: list[Event], starts: list[int], expandable_segments: bool = False,
@@ -68,7 +68,7 @@ def phase_peaks(events: list[Event], starts: list[int], expandable_segments: boo
     """Replay `events` through a fresh CachingAllocator, phase run by phase run (`starts`: each run's first event
     index, then len(events)); with `capacity_bytes` stop at the first allocation that fails there."""
     if native_available():
-        got = _native.phase_peaks(events, starts, expandable_segments, capacity_bytes)
+        got = NATIVE.phase_peaks(events, starts, expandable_segments, capacity_bytes)
         if got is not None:
             runs, failure, stats = got
             return PhasePeaks([PhaseRun(*run) for run in runs], Failure(*failure) if failure else None,
@@ -80,7 +80,7 @@ def components_at(events: list[Event], at: list[int]) -> list[dict[str, int]]:
     """For each event index of `at` (ascending, >= 0): the tensor bytes per component once the events up to it
     have run (components in the order they first appear, those at zero left out)."""
     if native_available():
-        got = _native.components_at(events, at)
+        got = NATIVE.components_at(events, at)
         if got is not None:
             return got
     return _components_at_py(events, at)

@@ -61,7 +61,7 @@ class ExportPlan:
 # its trainer's objective and ModelConfig's LoRA adapters; llmem.planner.export_trl)
 # the attention every export launches with: TrainingSetup's default (transformers' own, sdpa)
 DEFAULT_ATTN = ActivationsConfig().attn
-EXPRESSED = {"trl": ("--objective", "--lora-rank"),
+EXPRESSED = {"trl": ("--objective", "--lora-rank", "--ckpt-reentrant"),   # gradient_checkpointing_kwargs
              "torchtitan": ("--ac-policy", "--grad-ckpt-every")}   # [activation_checkpoint] selective op / N
 
 
@@ -79,7 +79,7 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
         (f"--float8 {s.float8}", s.float8 != "none"), ("--compile", s.compile),
         (f"--attn {s.attn}", s.attn != DEFAULT_ATTN),
         (f"--objective {s.objective}", s.objective_spec.runs_trainer),
-        (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"),
+        (f"--ac-policy {s.ac_policy}", s.ac_policy != "full"), ("--ckpt-reentrant", s.ckpt_reentrant),
         # accelerate's fsdp_reshard_after_forward and torchrun's script take a bool only
         (f"--reshard-after-forward {s.reshard_after_forward}", s.reshard_after_forward is not None),
         # torchtune's custom_sharded_layers: neither accelerate's auto-wrap nor the script's units (torchtitan groups

@@ -60,6 +60,8 @@ def trl_config(p: Plan, e) -> dict:
                  "gradient_checkpointing": e.grad_ckpt, "bf16": bf16, "fp16": fp16}
     if dtype is not None:
         cfg["dtype"] = dtype
+    if setup.ckpt_reentrant:    # TrainingArguments passes it to gradient_checkpointing_enable
+        cfg["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     if spec.beta is not None:
         cfg["beta"] = spec.beta
     if spec.generates:

@@ -216,9 +216,9 @@ def tie_if_needed(model: nn.Module) -> None:
         out.weight = inp.weight
 
 
-def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full", encoder_only: bool = False
-                         ) -> list[int]:
-    """HF activation checkpointing (non-reentrant), then switched off on the decoder layers not checkpointed:
+def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full", encoder_only: bool = False,
+                         reentrant: bool = False) -> list[int]:
+    """HF activation checkpointing (non-reentrant, or torch's reentrant CheckpointFunction), then switched off on the decoder layers not checkpointed:
     layer i keeps it when i % every == 0, as transformers' `_set_gradient_checkpointing(every_n_layers=...)`
     counts (torchtune's selective option counts from 1: (i + 1) % every == 0). Returns the checkpointed indices.
     A selective policy (--ac-policy op) is torch.utils.checkpoint's `context_fn` (llmem.runtime.selective_ac).
@@ -226,7 +226,7 @@ def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full",
     sets on every input embedding (llmem.learn reads its decoder layers plain under --grad-ckpt)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kwargs = {"use_reentrant": False}
+        kwargs = {"use_reentrant": reentrant}
         if policy in CONTEXT_FNS:
             kwargs["context_fn"] = CONTEXT_FNS[policy]
         if hasattr(model, "activation_checkpointing_enable"):

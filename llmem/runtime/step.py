@@ -444,7 +444,8 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
             before_model()
 
         if setup.grad_ckpt or vision_checkpointing:    # (llmem.learn: a vision-language encoder's alone)
-            enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt)
+            enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt,
+                                 reentrant=setup.ckpt_reentrant)
         if setup.fused_ce:
             install_fused_ce(model)
         if setup.logits_dtype == "model":

@@ -172,6 +172,11 @@ class ActivationsConfig:
                             "op-level selective checkpointing: every other matmul output and the SDPA outputs "
                             "saved too); implies --grad-ckpt (default full)", ACTIVATIONS, cli_default=None,
                             implies=(("grad_ckpt", True),))
+    # torch.utils.checkpoint's two implementations (CheckpointFunction, _checkpoint_without_reentrant_generator)
+    ckpt_reentrant: bool = option(False, "checkpoint with torch's reentrant implementation (use_reentrant=True, "
+                                  "transformers 4's default; transformers 5's is non-reentrant): its forward runs "
+                                  "under no_grad; implies --grad-ckpt", ACTIVATIONS, kind="switch",
+                                  implies=(("grad_ckpt", True),))
     attn: str = option("sdpa", "sdpa, flash (flash_attention_2; fp16/bf16) or eager (default sdpa)", ACTIVATIONS)
     offload_activations: bool = option(False, "keep saved activations in pinned CPU memory between forward and "
                                        "backward", ACTIVATIONS, kind="switch")

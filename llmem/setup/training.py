@@ -96,7 +96,7 @@ def user_setup(**fields: Any) -> TrainingSetup:
 LATER_FIELDS = ("load_path", "save_kind", "logits_dtype", "liger", "float8", "float8_all_gather",
                 "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile",
                 "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
-                "freeze_language_model", "shard_embeddings")
+                "freeze_language_model", "shard_embeddings", "ckpt_reentrant")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
@@ -183,6 +183,7 @@ class TrainingSetup:
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         self._check_ac_policy()
+        self._check_ckpt_reentrant()
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
         liger_kernels(self.liger)
@@ -247,6 +248,23 @@ class TrainingSetup:
                 raise LlmemError(f"--ac-policy {self.ac_policy} checkpoints every layer (torchtitan's op-level "
                                  "selective checkpointing wraps each block): drop --grad-ckpt-every")
             self._set("grad_ckpt", True)   # implied, as the flag implies it
+
+    def _check_ckpt_reentrant(self) -> None:
+        """--ckpt-reentrant: torch's CheckpointFunction, a whole layer at a time (it implies --grad-ckpt). The options
+        llmem models only over the non-reentrant checkpoint are refused with it."""
+        if not self.ckpt_reentrant:
+            return
+        refused = (("--ac-policy op", ac_policy(self.ac_policy).selective,
+                    "torch's selective checkpointing (context_fn) runs only in the non-reentrant checkpoint"),
+                   ("--offload-activations", self.offload_activations,
+                    "save_on_cpu around the reentrant checkpoint is not modelled"),
+                   ("--compile", self.compile, "the compiled layer is learned under the non-reentrant checkpoint"),
+                   ("--images", self.images_per_sample > 0,
+                    "a vision encoder's checkpointing is learned under the non-reentrant checkpoint"))
+        for flag, given, why in refused:
+            if given:
+                raise LlmemError(f"--ckpt-reentrant with {flag}: {why}; drop one of them")
+        self._set("grad_ckpt", True)   # implied, as the flag implies it
 
     def _check_deepspeed(self) -> None:
         """DeepSpeed's options belong to its methods, stage 3's to stage 3 (DeepSpeed refuses offload_param below

@@ -95,6 +95,13 @@ CI_MATRIX: list[TrainingSetup] = [
        quant_base="int8"),
     _s("tiny-mistral", precision="bf16-mixed", grad_ckpt=True, batch_size=2, seq_len=256, lora_rank=8,
        quant_base="int8"),
+    # torch's reentrant checkpoint (--ckpt-reentrant: axolotl's and LLaMA-Factory's default): LLM.int8 keeps no
+    # layer inputs; QLoRA and full fine-tuning under DDP as under the non-reentrant one
+    _s("tiny-llama", precision="bf16-mixed", ckpt_reentrant=True, batch_size=2, seq_len=256, lora_rank=8,
+       quant_base="int8"),
+    _s("tiny-llama", precision="bf16-mixed", ckpt_reentrant=True, batch_size=2, seq_len=256, lora_rank=16,
+       lora_targets="all-linear", quant_base="nf4"),
+    _s("tiny-llama", "ddp", 2, precision="bf16-mixed", ckpt_reentrant=True, batch_size=2, seq_len=256),
     # QLoRA as each framework runs it: pure bf16 (peft's fp32 adapters; with and without the kbit upcast),
     # torchao's NF4Tensor (torchtune: bf16 adapters), FSDP-QLoRA (bnb storage in the compute dtype; torchao's
     # sharded NF4Tensor), QLoRA under DDP

@@ -1,4 +1,4 @@
-"""The compiled replay loop (llmem/memory/_replay.c) against its reference, the Python loop over CachingAllocator
+"""The compiled replay loop (llmem/memory/native_replay.c) against its reference, the Python loop over CachingAllocator
 (llmem.memory.phase_replay): random schedules (every pool and size class, several streams, frees in any order,
 phases run more than once, expandable segments, a capacity that makes cudaMalloc fail and the cache be released)
 must give the same runs, failure, statistics and component sums; what the compiled loop does not handle goes back to
@@ -22,7 +22,7 @@ from llmem.model.resolved import resolve
 from llmem.setup.training import user_setup
 from llmem.units import MIB
 
-native = phase_replay._native
+native = phase_replay.NATIVE
 
 
 def test_the_compiled_loop_is_built_where_a_compiler_is():
@@ -30,7 +30,7 @@ def test_the_compiled_loop_is_built_where_a_compiler_is():
     # would silently make every plan ten times slower
     if shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None:
         pytest.skip("no C compiler here: the Python loop serves")
-    assert native is not None, "llmem/memory/_replay.c is not built: run `pip install -e .` again"
+    assert native is not None, "llmem/memory/native_replay.c is not built: run `pip install -e .` again"
 
 
 needs_native = pytest.mark.skipif(native is None, reason="the compiled loop is not built (no C compiler)")

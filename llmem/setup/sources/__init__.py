@@ -26,6 +26,7 @@ from llmem.setup.quant_bases import quant_base_spec
 from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
 from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, read_deepspeed
 from llmem.setup.sources.files import load
+from llmem.setup.sources.fsdp import FSDP1_NOTE
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
 from llmem.setup.support import COMPILE, DEEPSPEED, FLOAT8, LIGER, check_support, feature_refusal
@@ -160,6 +161,7 @@ def build(readings: list[Reading], overrides: dict[str, Any]) -> FileSetup:
     _nothing_left_to_shard(main, values, used, overrides)
     _offload_not_expressed(values, used, ignored)
     _vision_without_images(values, used, ignored)
+    _reentrant_not_expressed(values, used, ignored, notes)
     _phases_not_expressed(values, used, ignored, overrides)
     if "model" not in values:
         raise LlmemError(f"{main.path}: names no model llmem can read; give MODEL on the command line "
@@ -232,6 +234,34 @@ def _vision_without_images(values: dict, used: list[Used], ignored: list) -> Non
                 ignored.append(Ignored(u.file, u.key, u.raw, "a vision-language step's switch: give "
                                        "--images-per-sample N and --image-size HxW (the data's images) to apply "
                                        "it", approximates=False))
+
+
+def _reentrant_not_expressed(values: dict, used: list[Used], ignored: list, notes: list[str]) -> None:
+    """A file's reentrant checkpoint where llmem models only the non-reentrant one (TrainingSetup's
+    _check_ckpt_reentrant), or where the framework turns it off itself (LLaMA-Factory under FSDP2, accelerate's
+    fsdp_version 2: prepare_model_for_training sets use_reentrant_gc False; under FSDP1 it stays)."""
+    if not values.get("ckpt_reentrant"):
+        return
+    with_ = [flag for flag, on in (("activation offloading", values.get("offload_activations")),
+                                   ("torch.compile", values.get("compile")),
+                                   ("op-level selective checkpointing", values.get("ac_policy", "full") != "full"),
+                                   ("images", values.get("images_per_sample"))) if on]
+    spec = METHODS[canonical_method(values.get("method", "single"))]
+    fsdp2 = spec.shards_model_states and spec.zero_stage is None and FSDP1_NOTE not in notes
+    for u in [u for u in used if u.field == "ckpt_reentrant"]:
+        if u.key.startswith("use_reentrant_gc") and fsdp2:      # the run's own checkpoint: no approximation
+            why, approximates = "LLaMA-Factory sets use_reentrant_gc False under FSDP2 (prepare_model_for_training)", False
+        elif with_:
+            why, approximates = (f"the reentrant checkpoint with {with_[0]} is not modelled: estimated as the "
+                                 "non-reentrant one"), True
+        else:
+            continue
+        values.pop("ckpt_reentrant", None)
+        used.remove(u)
+        if u.key.endswith("default)") and not approximates:    # a default the framework itself overrides
+            used.append(Used(u.file, u.key, u.raw, "", None, why))
+        else:
+            ignored.append(Ignored(u.file, u.key, u.raw, why, approximates=approximates))
 
 
 def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> None:

@@ -182,6 +182,28 @@ def _dtypes(r: Reading, keys: Keys, bf16_capable: bool) -> None:
     keys.get("tf32")
 
 
+def _reentrant(r: Reading, keys: Keys, on: bool) -> None:
+    """Which torch checkpoint HF's Trainer runs: gradient_checkpointing_kwargs.use_reentrant as written, else axolotl's
+    normalize_config default ({"use_reentrant": True} with checkpointing on, no unfrozen_parameters and no rl; the
+    trainer builder passes {"use_reentrant": False} otherwise)."""
+    kwargs = keys.get("gradient_checkpointing_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise r.error("gradient_checkpointing_kwargs", kwargs, "is not a mapping", "write e.g. use_reentrant: false")
+    if kwargs and "use_reentrant" in kwargs:
+        key, raw = "gradient_checkpointing_kwargs.use_reentrant", kwargs["use_reentrant"]
+        reentrant = on and r.boolean(key, raw)
+    elif kwargs is None and on and keys.get("unfrozen_parameters") is None and keys.get("rl") is None:
+        key, raw, reentrant = "gradient_checkpointing_kwargs (axolotl's default)", {"use_reentrant": True}, True
+    else:
+        if kwargs:
+            r.note_used("gradient_checkpointing_kwargs", kwargs, "the non-reentrant checkpoint")
+        return
+    if reentrant:
+        r.set(key, raw, "ckpt_reentrant", True, "torch's reentrant checkpoint: each layer's forward under no_grad")
+    else:
+        r.note_used(key, raw, "the non-reentrant checkpoint")
+
+
 def _checkpointing(r: Reading, keys: Keys) -> None:
     gc = keys.get("gradient_checkpointing", False)
     if gc in ("offload", "offload_disk"):
@@ -190,10 +212,7 @@ def _checkpointing(r: Reading, keys: Keys) -> None:
               "(modelled as activation offloading)")
     elif "gradient_checkpointing" in keys:
         r.set("gradient_checkpointing", gc, "grad_ckpt", r.boolean("gradient_checkpointing", gc))
-    kwargs = keys.get("gradient_checkpointing_kwargs")
-    if kwargs:
-        r.note_used("gradient_checkpointing_kwargs", kwargs, "the checkpoint's implementation: the same tensors "
-                    "saved")
+    _reentrant(r, keys, gc not in (False, None) and gc not in ("offload", "offload_disk"))
     off = keys.get("activation_offloading", False)
     if off:
         note = {"legacy": "the legacy offloader", "disk": "offloaded to disk, modelled as to CPU",

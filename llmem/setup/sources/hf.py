@@ -76,8 +76,10 @@ def read_checkpointing(r: Reading, keys: Keys, default: bool) -> None:
             r.set(full, value, "ckpt_every", r.integer(full, value, what="a layer stride"))
         elif name == "offload" and on and r.boolean(full, value):
             r.set(full, value, "offload_activations", True, "saved activations held in pinned host memory")
+        elif name == "use_reentrant" and on and r.boolean(full, value):
+            r.set(full, value, "ckpt_reentrant", True, "torch's reentrant checkpoint: each layer's forward under no_grad")
         elif name == "use_reentrant":
-            r.note_used(full, value, "the checkpoint's implementation: the same tensors saved")
+            r.note_used(full, value, "the non-reentrant checkpoint (transformers 5's default)")
         else:
             r.ignore(full, value, "not modelled")
 

@@ -73,6 +73,14 @@ def read(keys: Keys, r: Reading) -> None:
     if keys.get("use_unsloth_gc"):
         r.set("use_unsloth_gc", True, "offload_activations", True, "unsloth's checkpointing offloads the "
               "checkpointed inputs (modelled as activation offloading)")
+    elif not r.boolean("disable_gradient_checkpointing", disabled):
+        # prepare_model_for_training: gradient_checkpointing_kwargs={"use_reentrant": use_reentrant_gc}
+        raw = keys.get("use_reentrant_gc", True)
+        key = "use_reentrant_gc" + ("" if "use_reentrant_gc" in keys else " (default)")
+        if r.boolean("use_reentrant_gc", raw):
+            r.set(key, raw, "ckpt_reentrant", True, "torch's reentrant checkpoint: each layer's forward under no_grad")
+        else:
+            r.note_used(key, raw, "the non-reentrant checkpoint")
     flash = str(keys.get("flash_attn", "auto")).lower()
     attn = r.choice("flash_attn", flash, FLASH)
     if attn is not None:

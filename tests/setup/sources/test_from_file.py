@@ -275,8 +275,8 @@ def _same(from_args: list[str], flags: str, model: str = "tiny-llama") -> None:
 
 def test_estimate_from_axolotl_equals_its_flags():
     _same([str(cfg("axolotl/examples/llama-3/qlora.yml"))],
-          "--batch-size 2 --packing --precision bf16-mixed --grad-ckpt --attn flash --lora-rank 32 --lora-alpha 16 "
-          "--lora-dropout 0.05 --lora-targets all-linear --qlora --optimizer paged-adamw-32bit")
+          "--batch-size 2 --packing --precision bf16-mixed --ckpt-reentrant --attn flash --lora-rank 32 "
+          "--lora-alpha 16 --lora-dropout 0.05 --lora-targets all-linear --qlora --optimizer paged-adamw-32bit")
 
 
 def test_estimate_from_axolotl_modules_to_save_equals_a_hand_written_peft_config(tmp_path):
@@ -287,7 +287,8 @@ def test_estimate_from_axolotl_modules_to_save_equals_a_hand_written_peft_config
          "target_modules": "all-linear", "modules_to_save": ["embed_tokens", "lm_head"]}))
     a = run_json(["estimate", "tiny-llama", "--from", str(cfg("axolotl/examples/llama-3/lora-8b.yml")),
                   "--seq-len", "256"])
-    b = run_json(["estimate", "tiny-llama", "--seq-len", "256", "--batch-size", "2", "--packing", "--grad-ckpt",
+    # axolotl's default checkpoint is the reentrant one (normalize_config): LLM.int8 then keeps no layer inputs
+    b = run_json(["estimate", "tiny-llama", "--seq-len", "256", "--batch-size", "2", "--packing", "--ckpt-reentrant",
                   "--attn", "flash", "--optimizer", "adamw-8bit", "--load-in-8bit", "--peft-config", str(tmp_path)])
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes", "components"):
         assert a[key] == b[key], key
@@ -296,7 +297,7 @@ def test_estimate_from_axolotl_modules_to_save_equals_a_hand_written_peft_config
 
 def test_estimate_from_llamafactory_equals_its_flags():
     _same([str(cfg("llamafactory/examples/train_qlora/llama3_lora_sft_bnb_npu.yaml"))],
-          "--trust-remote-code --batch-size 1 --precision bf16-mixed --grad-ckpt --optimizer adamw-fused "
+          "--trust-remote-code --batch-size 1 --precision bf16-mixed --ckpt-reentrant --optimizer adamw-fused "
           "--lora-rank 8 --lora-alpha 16 --lora-targets all-linear --qlora --no-double-quant --no-kbit-upcast")
 
 
@@ -305,7 +306,7 @@ def test_estimate_from_llamafactory_with_its_accelerate_config_equals_its_flags(
     processes, FSDP1 FULL_SHARD, bf16): QLoRA under fsdp on 2 GPUs."""
     _same([str(cfg("llamafactory/examples/extras/fsdp_qlora/llama3_lora_sft.yaml")), "--from",
            str(cfg("llamafactory/examples/accelerate/fsdp_config.yaml"))],
-          "--trust-remote-code --method fsdp --gpus 2 --batch-size 1 --precision bf16-mixed --grad-ckpt "
+          "--trust-remote-code --method fsdp --gpus 2 --batch-size 1 --precision bf16-mixed --ckpt-reentrant "
           "--optimizer adamw-fused --lora-rank 8 --lora-alpha 16 --lora-targets all-linear --qlora --no-kbit-upcast")
 
 
