@@ -108,7 +108,9 @@ def cpu_offload_note(r: ResolvedSetup) -> str:
             f"GiB of states and one parameter's step temporaries){implied}; CPU RAM about "
             f"{host.total / GIB:.1f} GiB per GPU, {host.total * per_node / GIB:.1f} GiB per node of {per_node} GPUs. "
             "On the device: the gathered units, their unsharded gradients until the reduce-scatter, each shard's "
-            "copy from the host before its all-gather and the reduce-scatter output until its copy to the host")
+            "copy from the host before its all-gather and the reduce-scatter output until its copy to the host"
+            + ("; a quantised weight's quantisation state (absmax and constants, not FSDP2's sharded parameter) stays "
+               "on the device" if r.setup.quant_spec.quantised else ""))
 
 
 def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_bytes: int) -> list[str]:

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
-from llmem.memory.quant import check_quantisable, gathered_tensors, is_quantised, quant_args, storage_bytes
+from llmem.memory.quant import (
+    check_quantisable,
+    gathered_tensors,
+    is_quantised,
+    quant_args,
+    storage_bytes,
+)
 from llmem.model.anatomy import ParamInfo
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
@@ -212,19 +218,29 @@ def zero_model_states(r: ResolvedSetup) -> ModelStates:
 
 
 def check_cpu_offload(r: ResolvedSetup) -> None:
-    """FSDP2's CPUOffloadPolicy is modelled over plain (unquantised) parameters."""
-    if cpu_offload(r) and r.setup.quant_spec.quantised:
-        raise LlmemError(f"--offload-param with a quantised base under {r.layout.method} is not modelled (FSDP2 "
-                         "copies a quantised shard through its tensor subclass): drop --offload-param or the "
-                         "quantisation")
+    """FSDP2's CPUOffloadPolicy is modelled over plain parameters and the quantised storage it offloads as one
+    (QuantBaseSpec.host_offload: bitsandbytes' NF4 packed in the compute dtype, FSDP-QLoRA)."""
+    if cpu_offload(r) and r.setup.quant_spec.quantised and not r.setup.quant_spec.host_offload:
+        raise LlmemError(f"--offload-param with a {r.setup.quant_spec.flag} base under {r.layout.method} is not "
+                         "modelled (FSDP2 copies its shard through the tensor subclass): drop --offload-param, or "
+                         "use --qlora (bitsandbytes)")
 
 
-def cpu_offloaded_states(ms: ModelStates) -> ModelStates:
+def offload_resident_bytes(r: ResolvedSetup) -> int:
+    """What CPUOffloadPolicy leaves on the GPU of the model's storage: a quantised weight's replicated quantisation
+    state (bitsandbytes' absmax and constants: attributes of Params4bit, not FSDP2's sharded parameters)."""
+    setup, args = r.setup, quant_args(r.setup, True)
+    return sum(storage_bytes(p, setup.quant_base, args, fsdp_shards(r.layout), offloaded=True)
+               for p in r.anatomy.params if is_quantised(p, setup.quant_base))
+
+
+def cpu_offloaded_states(ms: ModelStates, resident_bytes: int = 0) -> ModelStates:
     """Model states under CPUOffloadPolicy: the sharded parameters and gradients (FSDPParam._init_sharded_param
-    pins them on the host; foreach_reduce copies each sharded gradient there) and the optimizer leave the device;
-    the gathered units and their reduce-scatter buffers stay."""
-    return replace(ms, weights=0, gradients=0, optimizer_states=0, optimizer_temporaries=0, layer_grads=0,
-                   head_grads=0, embed_grads=0, optimizer_states_outside_allocator=0)
+    pins them on the host; foreach_reduce copies each sharded gradient there) and the optimizer leave the device
+    (`resident_bytes` of the weights stay: offload_resident_bytes); the gathered units and their reduce-scatter
+    buffers stay."""
+    return replace(ms, weights=resident_bytes, gradients=0, optimizer_states=0, optimizer_temporaries=0,
+                   layer_grads=0, head_grads=0, embed_grads=0, optimizer_states_outside_allocator=0)
 
 
 def model_states(r: ResolvedSetup) -> ModelStates:
@@ -269,7 +285,7 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     states = ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
                          embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
                          opt_outside)
-    return cpu_offloaded_states(states) if cpu_offload(r) else states
+    return cpu_offloaded_states(states, offload_resident_bytes(r)) if cpu_offload(r) else states
 
 
 def zero_host_bytes(r: ResolvedSetup) -> int:
@@ -322,4 +338,4 @@ def cpu_offload_host_bytes(r: ResolvedSetup) -> HostBytes:
     ms = model_states(on_device)
     host = OPTIMIZERS[HOST_IMPLEMENTATION.get(r.optimizer.name, r.optimizer.name)]
     step = per_parameter_temporaries(on_device, [p for p in r.anatomy.params if p.trainable], host)
-    return HostBytes(ms.weights + ms.gradients, ms.optimizer_states + step)
+    return HostBytes(ms.weights - offload_resident_bytes(r) + ms.gradients, ms.optimizer_states + step)

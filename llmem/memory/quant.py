@@ -269,13 +269,14 @@ def check_quantisable(p, quant_base: str, shards: int = 1) -> None:
 
 
 def storage_tensors(shape: tuple[int, ...], quant_base: str, args: QuantArgs, conv1d: bool = False,
-                    shards: int = 1) -> tuple[int, ...]:
-    """Bytes of every tensor a quantised weight of this (module) shape is stored as on one rank: FSDP2's dim-0
-    shard (padded to a multiple of `shards`) of the tensors it shards, the rest whole (replicated)."""
+                    shards: int = 1, offloaded: bool = False) -> tuple[int, ...]:
+    """Bytes of every tensor a quantised weight of this (module) shape is stored as on one rank's GPU: FSDP2's
+    dim-0 shard (padded to a multiple of `shards`) of the tensors it shards, the rest whole (replicated);
+    `offloaded`: under FSDP2's CPUOffloadPolicy the sharded ones are on the host (QuantBaseSpec.host_offload)."""
     q = quant_layout(quant_base)
     tensors = q.tensors(*_out_in(shape, conv1d), args)
     return tuple(ceil_div(n, shards) * s if i < q.sharded and shards > 1 else n * s
-                 for i, (n, s) in enumerate(tensors))
+                 for i, (n, s) in enumerate(tensors) if not (offloaded and i < q.sharded))
 
 
 def gathered_tensors(shape: tuple[int, ...], quant_base: str, args: QuantArgs, shards: int,
@@ -299,8 +300,8 @@ def is_quantised(p, quant_base: str) -> bool:
     return not is_adapter_param(p.name) and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"
 
 
-def storage_bytes(p, quant_base: str, args: QuantArgs, shards: int = 1) -> int:
-    return sum(storage_tensors(p.shape, quant_base, args, p.module_kind == "Conv1D", shards))
+def storage_bytes(p, quant_base: str, args: QuantArgs, shards: int = 1, offloaded: bool = False) -> int:
+    return sum(storage_tensors(p.shape, quant_base, args, p.module_kind == "Conv1D", shards, offloaded))
 
 
 def transients(shape: tuple[int, ...], quant_base: str, args: QuantArgs, tokens: int, input_fp16: bool,

@@ -57,6 +57,10 @@ class QuantBaseSpec:
     # FSDP2 can shard its storage (bitsandbytes has no float storage for LLM.int8's int8 weights, unlike NF4's
     # bnb_4bit_quant_storage); llmem.memory.quant's row says which of its tensors
     fsdp_shards: bool = True
+    # FSDP2's CPUOffloadPolicy moves its sharded storage to the host as it does a plain parameter's (bitsandbytes'
+    # Params4bit, packed in the compute dtype: FSDP-QLoRA); torchao's NF4Tensor copies through its subclass (not
+    # modelled)
+    host_offload: bool = False
     adapter_kind: str = "LoRA"       # what LoRA adapters on this base are called (QLoRA: LoRA on a 4-bit NF4 base)
     base_text: str = ""              # the setup record's words for it ("nf4 base")
     check: Callable[[Any, str], None] | None = None   # the precisions / adapter dtypes its recipe trains in
@@ -71,8 +75,8 @@ class QuantBaseSpec:
 QUANT_BASES: dict[str, QuantBaseSpec] = {q.name: q for q in (
     QuantBaseSpec("none", "", "an unquantised frozen base", "", False),
     QuantBaseSpec("nf4", "--qlora", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)",
-                  "bitsandbytes", True, kbit_prep=True, double_quant_optional=True, adapter_kind="QLoRA",
-                  base_text="nf4 base"),
+                  "bitsandbytes", True, kbit_prep=True, double_quant_optional=True, host_offload=True,
+                  adapter_kind="QLoRA", base_text="nf4 base"),
     QuantBaseSpec("int8", "--load-in-8bit", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters "
                   "(--lora-rank)", "bitsandbytes", True, kbit_prep=True, fsdp_shards=False, base_text="int8 base",
                   check=_check_int8),

@@ -226,6 +226,9 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "fsdp", 4, precision="fp32", batch_size=2, seq_len=256, grad_ckpt=True, offload_param=True),
     _s("tiny-llama", "zero2", 2, precision="bf16-mixed", batch_size=1, seq_len=256, grad_ckpt=True,
        offload_param=True),
+    # ... of FSDP-QLoRA: the packed NF4 shards to the host, the quantisation state kept on the GPU
+    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=8, quant_base="nf4",
+       kbit_upcast=False, offload_param=True),
     # HSDP (--dp-replicate): FSDP2 on a (dp_replicate, dp_shard) mesh, sharded within each replica; with TP a 3-D mesh
     _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),
     _s("tiny-llama", "fsdp+tp", 8, tp=2, precision="bf16-mixed", batch_size=2, seq_len=256, dp_replicate=2),

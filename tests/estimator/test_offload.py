@@ -93,11 +93,14 @@ def test_whole_step_holds_nothing_but_buffers_after_the_optimizer_step():
     assert not any(c in ("weights", "optimizer_states") for _s, _k, _n, _st, c in events)
 
 
-def test_quantised_base_is_refused():
+def test_a_quantised_base_offloaded_only_where_fsdp2_offloads_its_storage():
+    # bitsandbytes' packed NF4 is FSDP2's plain sharded parameter (tests/estimator/test_qlora_cpu_offload.py);
+    # torchao's NF4Tensor is copied through its subclass: refused
     from llmem.errors import LlmemError
 
-    with pytest.raises(LlmemError, match="--offload-param with a quantised base"):
-        model_states(_resolved(precision="bf16-mixed", lora_rank=8, quant_base="nf4", kbit_upcast=False))
+    assert model_states(_resolved(precision="bf16-mixed", lora_rank=8, quant_base="nf4", kbit_upcast=False)).gradients == 0
+    with pytest.raises(LlmemError, match="--offload-param with a --qlora-torchao base"):
+        model_states(_resolved(precision="bf16", lora_rank=8, quant_base="torchao-nf4", adapter_dtype="base"))
 
 
 def test_host_copies_and_step_in_the_time_model_by_hand():

@@ -85,7 +85,7 @@ class StepSchedule:
         for p in f.params.kept:
             if f.params.quantised[p.name]:   # the quantised storage: packed weight and quantisation constants
                 for n in storage_tensors(p.shape, f.setup.quant_base, f.quant_args, p.module_kind == "Conv1D",
-                                         fsdp_shards(f.layout)):
+                                         fsdp_shards(f.layout), offloaded=f.cpu_offload):
                     sch.alloc(n, "weights")
             elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
                 sch.alloc(f.params.shard_numel[p.name] * element_bytes(p, f.setup), "weights")

@@ -53,6 +53,9 @@ class FsdpUnits:
         alloc, dp, params = self.sch.alloc, self.f.shards, self.f.params
         keys = []
         for p in unit:
+            if params.quantised[p.name]:   # its sharded storage (bitsandbytes' packed weight) copied as it is stored
+                keys.append(alloc(sum(params.gather_sizes[p.name]) // dp, "communication_buffers", ALL_GATHER))
+                continue
             copy = alloc(params.unsharded[p.name] // dp * element_bytes(p, self.f.setup), "communication_buffers",
                          ALL_GATHER)
             if params.cast_in[p.name]:
