@@ -387,5 +387,5 @@ def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int
     images = vision_inputs(setup, anatomy)
     if images is None:
         return ()
-    return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type).position_rows)
+    return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type))
 
