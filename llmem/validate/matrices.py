@@ -391,6 +391,12 @@ CI_MATRIX: list[TrainingSetup] = [
          image_size="448x448", **kw)
       for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
                  {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True})),
+    # Gemma 3 (tiny): its projector beside the SigLIP tower, the image tokens' bidirectional mask (token_type_ids),
+    # the tied embedding; every image one fixed-size crop (224x224 here: 256 patches pooled to 16 tokens)
+    *(_s("tiny-gemma3", precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1, image_size="448x448",
+         **kw)
+      for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
+                 {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True})),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 

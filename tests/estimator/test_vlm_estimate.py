@@ -66,3 +66,32 @@ def test_what_is_not_wired_is_one_line(command, says, capsys):
     assert main([*command, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmem: error: ") and err.count("\n") == 1 and says in err, err
+
+
+GEMMA = dict(model="tiny-gemma3", images_per_sample=1, image_size="448x448", batch_size=4, seq_len=64)
+
+
+def test_gemma3s_projector_beside_the_tower_makes_its_gradients(monkeypatch):
+    """Gemma 3's projector is its own module beside the vision tower: with the tower frozen, the vision side's
+    backward makes the projector's two gradients (its norm's weight and its projection matrix), read from the same
+    run; trained whole, every parameter of the tower too (SigLIP: 16 in each of its 4 blocks; the patch embedding's weight
+    and bias, the position embedding, the final LayerNorm's weight and bias)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    frozen = learned_activations(resolve(TrainingSetup(**GEMMA, freeze_vision_tower=True))).vision
+    assert {op[4] for op in frozen.backward if op[0] == Op.GRAD} == {
+        "model.multi_modal_projector.mm_input_projection_weight", "model.multi_modal_projector.mm_soft_emb_norm.weight"}
+    whole = learned_activations(resolve(TrainingSetup(**GEMMA))).vision
+    grads = [op[4] for op in whole.backward if op[0] == Op.GRAD]
+    assert len(grads) == len(set(grads)) == 2 + 4 * 16 + 5
+
+
+def test_gemma3s_tied_embedding_backward_is_the_schedules(monkeypatch):
+    """The token embedding's backward (its scale's gradient, then the tied weight's new gradient [16000, 256] fp32
+    summed into the lm_head's) is not read into the vision side: the schedule makes it (llmem.estimator.schedule
+    .gradients.accumulate). The vision side ends with the tower's first gradients (its patch embedding's)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    side = learned_activations(resolve(TrainingSetup(**GEMMA))).vision
+    assert 16_000 * 256 * 4 not in {op[3] for op in side.backward if op[0] == Op.TEMP}
+    last_grad = max(i for i, op in enumerate(side.backward) if op[0] == Op.GRAD)
+    assert side.backward[last_grad][4].startswith("model.vision_tower.embeddings.patch_embedding.")
+    assert all(op[0] != Op.TEMP for op in side.backward[last_grad + 1:])
