@@ -131,11 +131,10 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
                min_pixels: int | None = None, config: dict | None = None) -> ImageGrid:
     """One image of `height` x `width` pixels as processor row `processor` gives it (max_pixels / min_pixels: the
     processor's bounds overridden, as its max_pixels / min_pixels keywords do; None: the shipped config's). A
-    fixed-size processor sizes it by the model's `config` (its config.json) whatever its size (fixed_grid)."""
+    fixed-size processor sizes it by the model's `config` (its config.json) whatever its size (fixed_grid): a pixel
+    bound changes nothing there (LLaMA-Factory's image_max_pixels scales the image down first, which the processor
+    then resizes to its one size all the same)."""
     if PROCESSORS[processor].fixed_size:
-        if max_pixels is not None or min_pixels is not None:
-            raise LlmemError(f"--max-pixels bounds Qwen's smart resize: the {processor} processor resizes every "
-                             "image to one fixed size; drop it")
         return fixed_grid(config or {})
     s = processor_settings(processor)
     h, w = smart_resize(height, width, s.factor, s.min_pixels if min_pixels is None else min_pixels,

@@ -4,7 +4,8 @@ the vision-language flags to the model.
 
 The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
 processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
-image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image).
+image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image, each image one
+896x896 crop).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ token ids, which the set-up fixes, so they stay real:
   on the real ids here), so it passes;
 - the language model's 3-D rope positions come from the model's own get_rope_index on the real ids, handed to the
   forward as position_ids (a fake copy, allocated as the model allocates them).
+Gemma 3 reads nothing on the host but the image tokens' count check (answered as above); its forward takes the
+processor's token_type_ids (1 on the image tokens: their bidirectional attention mask), made from the real ids.
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
 """
 

@@ -10,7 +10,6 @@ import warnings
 import pytest
 
 from llmem.cli import main
-from llmem.errors import LlmemError
 from llmem.memory.activations.profile import vision_batch_bytes
 from llmem.model.anatomy import load_anatomy
 from llmem.model.catalog import catalog_file
@@ -116,14 +115,25 @@ def test_batch_bytes_by_hand():
                                                                     2 * 1024 * 8)
 
 
-def test_max_pixels_is_refused():
-    with pytest.raises(LlmemError, match="resizes every image to one fixed size"):
-        image_grid("gemma3", 1024, 768, max_pixels=1_000_000, config=load_anatomy("tiny-gemma3").config)
+def test_a_pixel_bound_changes_nothing():
+    """LLaMA-Factory's image_max_pixels (--max-pixels) scales a large image down first; Gemma 3's processor then
+    resizes it to 896x896 all the same."""
+    config = load_anatomy("google/gemma-3-4b-it").config
+    assert image_grid("gemma3", 1024, 768, max_pixels=768 * 768, config=config) == image_grid("gemma3", 1024, 768,
+                                                                                              config=config)
+
+
+def test_pan_and_scan_is_refused(tmp_path, capsys):
+    path = tmp_path / "gemma3.yaml"
+    path.write_text("model_name_or_path: google/gemma-3-4b-it\nstage: sft\nfinetuning_type: lora\n"
+                    "template: gemma3\ncutoff_len: 1024\nimage_do_pan_and_scan: true\n")
+    code = main(["estimate", "--from", str(path), "--images-per-sample", "1", "--image-size", "1024x768"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "pan-and-scan" in err and "\n" not in err
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--max-pixels", "200000"], "resizes every image to one fixed size"),
-    (["--attn", "flash"], "flash"),
+    (["--attn", "flash"], "_supports_flash_attn is False"),
     (["--method", "ddp", "--gpus", "2"], "--gpus 2 is not wired for it yet"),
 ])
 def test_refusals_are_one_line(capsys, args, says):
