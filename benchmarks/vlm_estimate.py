@@ -45,7 +45,7 @@ def small_rows(family: str = "qwen2_5_vl") -> list:
     big = replace(base, images_per_sample=2, image_size="896x672", seq_len=256)
     longer = [replace(big, **kw) for kw in ({}, {"freeze_vision_tower": True}, {"freeze_language_model": True},
                                             {"lora_rank": 8}, {"grad_ckpt": True})]
-    return ci + ckpt + longer + [replace(base, precision="fp32", batch_size=2)]
+    return ci + [s for s in ckpt if s not in ci] + longer + [replace(base, precision="fp32", batch_size=2)]
 
 
 def text_control() -> None:

@@ -39,6 +39,9 @@ class VisionLanguageSpec:
     grid_input: bool = False     # the forward takes the images' patch grid (Qwen's image_grid_thw)
     index_values: bool = False   # its vision code reads index values of the grid on the host (Qwen's windows)
     token_types: bool = False    # the forward takes token_type_ids (1 on image tokens: Gemma 3's bidirectional mask)
+    # bool [batch, 1, tokens, tokens] masks the model builds once per forward from them (Gemma 3's full and sliding
+    # ones, create_masks_for_vision_model), live until the language model returns
+    forward_masks: int = 0
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -63,7 +66,7 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  modeling="transformers.models.gemma3.modeling_gemma3",
                                  image_start="boi_token_id", image_end="eoi_token_id",
                                  special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
-                                 position_rows=0, token_types=True),
+                                 position_rows=0, token_types=True, forward_masks=2),
 }
 
 

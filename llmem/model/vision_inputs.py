@@ -54,6 +54,11 @@ class VisionInputs:
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
                 *((tokens * 8,) if spec.token_types else ()))
 
+    def mask_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> int:
+        """The bool [batch, 1, tokens, tokens] masks the model builds once per forward (spec.forward_masks), in
+        bytes: live from the image features' scatter to the language model's return."""
+        return spec.forward_masks * batch_size * self.language_tokens ** 2
+
     def describe(self) -> str:
         img = self.image
         return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "

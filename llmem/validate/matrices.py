@@ -396,7 +396,8 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s("tiny-gemma3", precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1, image_size="448x448",
          **kw)
       for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
-                 {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True})),
+                 {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
+                 {"attn": "eager"})),       # (transformers' advice for training Gemma 3: eager attention)
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 

@@ -95,3 +95,23 @@ def test_gemma3s_tied_embedding_backward_is_the_schedules(monkeypatch):
     last_grad = max(i for i, op in enumerate(side.backward) if op[0] == Op.GRAD)
     assert side.backward[last_grad][4].startswith("model.vision_tower.embeddings.patch_embedding.")
     assert all(op[0] != Op.TEMP for op in side.backward[last_grad + 1:])
+
+
+def test_gemma3s_masks_are_the_models():
+    """The full and the sliding mask Gemma 3 builds from token_type_ids, bool [4, 1, 80, 80] each: by hand 2 x 25,600
+    bytes, and in the real step (the learned copy's run) the tensors the model's own ops make before the first decoder
+    layer and free at the end of the forward, live across every decoder layer."""
+    from llmem.learn.one_point import run_point
+    from llmem.learn.points import FORWARD
+    from llmem.memory.activations.profile import vision_mask_bytes
+
+    setup = TrainingSetup(**GEMMA)
+    assert vision_mask_bytes(load_anatomy(setup.model), setup) == 2 * 4 * 80 * 80
+    events = run_point(setup).vision.events
+    layer0 = next(i for i, e in enumerate(events) if e[0] and e[5].startswith("model.language_model.layers.0"))
+    last = max(i for i, e in enumerate(events) if e[3] == FORWARD and e[5].startswith("model.language_model.layers"))
+    born = {e[1]: (i, e[2]) for i, e in enumerate(events[:layer0]) if e[0] and e[5] == "model"}
+    across = [born[e[1]][1] for i, e in enumerate(events) if not e[0] and e[1] in born and i > last
+              and e[3] == FORWARD]
+    # beside them one [4, 80] int64 (the image blocks' ids the sliding mask reads), 8 bytes a token, not laid out
+    assert sorted(across) == [4 * 80 * 8, 4 * 80 * 80, 4 * 80 * 80]
