@@ -5,6 +5,9 @@ H100-80GB, bf16-mixed unless the row says otherwise. Each estimate learns its vi
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/vlm_estimate.py [--large] [--gpu A100-80GB]
         # writes benchmarks/results/vlm_estimate[_<gpu>].json; benchmarks/vlm_estimate.md is written from them
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/vlm_estimate.py --family gemma3 [--large]
+        # Gemma 3's rows instead (tiny-gemma3, the gemma-3-*-it rows of the vlm matrix):
+        # benchmarks/results/vlm_estimate_gemma3.json
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/vlm_estimate.py --text-control
         # the tiny VLM's language model alone as a text model (hand recipe, then learned), at 4 x 1792 tokens
 """
@@ -19,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmem.estimator.engine import estimate
+from llmem.model.anatomy import load_anatomy
+from llmem.model.vision import VISION_LANGUAGE
 from llmem.runtime.trace import trace
 from llmem.validate.compare import COUNTERS
 from llmem.validate.matrices import CI_MATRIX, VLM_MATRIX, label
@@ -26,16 +31,21 @@ from llmem.validate.matrices import CI_MATRIX, VLM_MATRIX, label
 OUT = Path(__file__).parent / "results" / "vlm_estimate.json"
 
 
-def small_rows() -> list:
-    """The CI matrix's vision-language rows, then the same tiny model under checkpointing, at 2 x 896x672 images and
-    256 text tokens, and in fp32."""
-    ci = [s for s in CI_MATRIX if s.images_per_sample]
+def of_family(setups: list, family: str) -> list:
+    """The set-ups whose model is of `family` (a model_type of llmem.model.vision)."""
+    return [s for s in setups if load_anatomy(s.model).model_type == family]
+
+
+def small_rows(family: str = "qwen2_5_vl") -> list:
+    """The CI matrix's vision-language rows of `family`, then the same tiny model under checkpointing, at 2 x 896x672
+    images and 256 text tokens, and in fp32."""
+    ci = of_family([s for s in CI_MATRIX if s.images_per_sample], family)
     base = ci[0]
     ckpt = [replace(base, grad_ckpt=True, **kw) for kw in ({}, {"freeze_language_model": True}, {"lora_rank": 8})]
     big = replace(base, images_per_sample=2, image_size="896x672", seq_len=256)
     longer = [replace(big, **kw) for kw in ({}, {"freeze_vision_tower": True}, {"freeze_language_model": True},
                                             {"lora_rank": 8}, {"grad_ckpt": True})]
-    return ci + ckpt + longer + [replace(base, precision="fp32", batch_size=2)]
+    return ci + [s for s in ckpt if s not in ci] + longer + [replace(base, precision="fp32", batch_size=2)]
 
 
 def text_control() -> None:
@@ -71,13 +81,17 @@ def main() -> int:
     parser.add_argument("--large", action="store_true", help="also the vlm matrix's 7B / 3B rows (minutes each)")
     parser.add_argument("--gpu", default=None, help="every row on this GPU instead of the matrices' H100-80GB")
     parser.add_argument("--text-control", action="store_true", help="the language model alone, as a text model")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(VISION_LANGUAGE),
+                        help="the vision-language family whose rows run")
     args = parser.parse_args()
     if args.text_control:
         text_control()
         return 0
-    out = OUT if args.gpu is None else OUT.with_name(f"vlm_estimate_{args.gpu.lower()}.json")
+    suffix = "".join(f"_{part}" for part in (args.gpu and args.gpu.lower(),
+                                              args.family if args.family != "qwen2_5_vl" else None) if part)
+    out = OUT.with_name(f"vlm_estimate{suffix}.json")
     rows = []
-    for setup in small_rows() + (VLM_MATRIX if args.large else []):
+    for setup in small_rows(args.family) + (of_family(VLM_MATRIX, args.family) if args.large else []):
         setup = setup if args.gpu is None else replace(setup, gpu=args.gpu)
         t0 = time.perf_counter()
         estimate(setup)                                   # learns the vision side (once per set-up)

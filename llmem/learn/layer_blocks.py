@@ -21,7 +21,6 @@ from llmem.learn.points import (
 from llmem.learn.selective_read import read_selective
 from llmem.learn.vision_read import read_vision
 from llmem.memory.activations.learned import LearnedActivations, LearnedBlock, as_floats
-from llmem.model.vision import under
 
 
 @dataclass
@@ -79,9 +78,9 @@ def read_layer(rd: Reading, sizes: dict[int, Exact], points, seconds: float, sel
                            for j, b in enumerate(blocks))
     head = [t.size for t in order if t.phase == FORWARD and relevant(t) and t.cat != "gathered_weights"
             and t.region in (layer, ("post",)) and t.freed_region == ("head",) and t.module not in rd.outer]
-    vision_module = rd.vision.module if rd.vision is not None else ""
     outside = [t for t in order if t.phase == FORWARD and t.region == ("pre",) and relevant(t)
-               and t.cat != "gathered_weights" and t.freed_phase != FORWARD and not under(t.module, vision_module)]
+               and t.cat != "gathered_weights" and t.freed_phase != FORWARD
+               and not (rd.vision is not None and rd.vision.holds(t.module))]
     # the first layer's inputs are made by its recipe (as READ_LAYER's are): left out here
     pending = [t.size for t in inputs if t.freed_phase != FORWARD]
     embed, shared = [], []

@@ -22,7 +22,7 @@ from llmem.learn.points import (
 )
 from llmem.model.families import decoder_layers
 from llmem.model.sharding import MATMUL_KINDS
-from llmem.model.vision import vision_spec
+from llmem.model.vision import vision_modules, vision_root, vision_spec
 from llmem.runtime.ledger import Ledger, TracingFakeMode, tracking
 from llmem.runtime.selective_ac import OP_SAC_SAVE_LIST
 from llmem.runtime.step import StepHooks, prepared_step
@@ -189,8 +189,9 @@ def run_point(setup, vision_checkpointing: bool = False) -> Reading:
                          f"{first_line(exc, 160)})") from None
     whole_step = without_loss(ledger, info["layers_path"], info["outer"])
     events = until_read_layer_done(whole_step, info["layers_path"])
-    vision = VisionReading(info["vision"], info["layers_path"], whole_step,
-                           {k: n for k, n in grads.items() if k is not None}) if info["vision"] else None
+    vision = VisionReading(info["vision"]["module"], info["layers_path"], whole_step,
+                           {k: n for k, n in grads.items() if k is not None}, info["vision"]["modules"],
+                           info["vision"]["blocks"]) if info["vision"] else None
     return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"],
                    ledger.saved_ops, vision)
 
@@ -297,8 +298,13 @@ def model_info(step) -> dict:
     outer = tuple(".".join(parts[:n]) for n in range(len(parts) + 1))
     leaves = tuple(sorted(n for n, m in modules.items() if n and not any(True for _ in m.children())
                           and not any(True for _ in m.parameters()) and unit_of(n, tuple(units)) is None))
-    spec = vision_spec(lm.config.model_type)
-    vision = ".".join(p for p in (lm_path, spec.vision) if p) if spec is not None else ""
+    model_type = lm.config.model_type
+
+    def full(path: str) -> str:
+        return ".".join(p for p in (lm_path, path) if p)
+    spec = vision_spec(model_type)
+    vision = {"module": full(vision_root(model_type)), "modules": tuple(map(full, vision_modules(model_type))),
+              "blocks": full(spec.vision_blocks)} if spec is not None else None
     return {"layers_path": layers_path, "units": tuple(sorted(units)), "casts": casts, "outer": outer,
             "leaves": leaves, "vision": vision, "layer": layer}
 

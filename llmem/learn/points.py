@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from llmem.errors import LlmemError
+from llmem.model.vision import under
 from llmem.runtime.ledger import PHASE_CODES
 
 LEARN_DEPTH = 2          # decoder layers of the copy: layer 1 has a layer before it (its input) and the head after
@@ -46,10 +47,21 @@ class Reading:
 @dataclass
 class VisionReading:
     """A vision-language model's step, read whole (the vision side's backward runs after every decoder layer's)."""
-    module: str                                          # the vision module's path in the model run
+    module: str                                          # the vision side's root: its pieces are named from it
     layers_path: str                                     # the decoder layers' (the language model's)
     events: list[tuple[bool, int, int, int, str, str]]   # the step's events, forward and the whole backward
     grads: dict[int, str]                                # key -> the name of the parameter whose .grad it is
+    # the modules the vision side runs (the vision encoder, the projector when it is not inside it: Gemma 3's)
+    modules: tuple[str, ...] = ()
+    blocks: str = ""                                     # the encoder's list of blocks (a piece each)
+
+    def holds(self, module: str) -> bool:
+        """A module path inside the vision side."""
+        return any(under(module, m) for m in self.modules or (self.module,))
+
+    def encloses(self, module: str) -> bool:
+        """A module holding the vision side (the model's own ops: the image features' scatter), or the root ("")."""
+        return not module or any(under(m, module) for m in self.modules or (self.module,))
 
 
 def layer_of(module: str, layers_path: str) -> tuple[int, str] | None:

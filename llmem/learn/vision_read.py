@@ -33,8 +33,11 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
     temps: set[int] = set()
 
     def piece_of(module: str) -> int:
-        parts = module[len(vision) + 1:].split(".") if module != vision else []
-        key = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else (parts[0] if parts else "")
+        if under(module, rd.blocks) and module != rd.blocks:      # an encoder block: "blocks.3"
+            index = module[len(rd.blocks) + 1:].split(".")[0]
+            key = f"{rd.blocks}.{index}"[len(vision) + 1:]
+        else:                                                     # the root's child holding it: "merger"
+            key = module[len(vision) + 1:].split(".")[0] if module != vision else ""
         if key not in kept:
             keys.append(key)
             kept[key] = []
@@ -43,9 +46,9 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
     for a, key, size, phase, cat, module in rd.events:
         if phase != FORWARD:
             continue
-        if a and under(module, vision) and cat == "cuda_workspaces":
+        if a and rd.holds(module) and cat == "cuda_workspaces":
             forward.append((Op.WORKSPACE, -1, 0, None, ""))
-        elif a and under(module, vision) and cat in _SIDE:
+        elif a and rd.holds(module) and cat in _SIDE:
             j = piece_of(module)
             if freed.get(key, (0, BACKWARD))[1] != FORWARD:
                 where[key] = (j, len(kept[keys[j]]))
@@ -65,13 +68,12 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
 
 def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) -> tuple:
     """The backward from the end of the last decoder layer's (the scatter's backward, then the vision module's) to
-    the first gradient of a parameter outside the vision module (the token embedding's, which the schedule makes
-    itself): each allocation (TEMP, or GRAD naming the parameter), each free of a kept tensor (FREE_KEPT) or
+    the first gradient of a parameter outside the vision module or the first allocation of a module outside it and
+    the model's own ops (the token embedding's backward, which the schedule makes itself): each allocation (TEMP, or GRAD naming the parameter), each free of a kept tensor (FREE_KEPT) or
     of a temporary (FREE); the temporaries still live at the end are freed after the embedding's gradient (LATE)."""
-    vision = rd.module
     events = rd.events
     backward = [i for i, (a, _k, _n, phase, _c, _m) in enumerate(events) if phase == BACKWARD]
-    if not any(events[i][0] and under(events[i][5], vision) for i in backward):
+    if not any(events[i][0] and rd.holds(events[i][5]) for i in backward):
         return ()
     # after the last decoder layer's backward: the scatter's (the model's own ops), then the vision module's
     start = max((i for i in backward if events[i][0] and under(events[i][5], rd.layers_path)), default=backward[0]) + 1
@@ -81,13 +83,15 @@ def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) ->
         if phase != BACKWARD:
             break
         name = rd.grads.get(key)
-        if a and name is not None and not under(name.removeprefix(PEFT_PREFIX), vision.removeprefix(PEFT_PREFIX)):
+        if a and name is not None and not rd.holds(name):
             break                                        # the token embedding's gradient: the schedule's
+        if a and module and not rd.holds(module) and not rd.encloses(module):
+            break            # the token embedding's backward (Gemma's scale, a tied weight's new gradient): the schedule's
         if a and name is not None:
-            ops.append((Op.GRAD, piece_of(module) if under(module, vision) else -1, 0, size,
+            ops.append((Op.GRAD, piece_of(module) if rd.holds(module) else -1, 0, size,
                         name.removeprefix(PEFT_PREFIX)))
         elif a:
-            ops.append((Op.TEMP, piece_of(module) if under(module, vision) else -1, key, size, cat))
+            ops.append((Op.TEMP, piece_of(module) if rd.holds(module) else -1, key, size, cat))
             temps.add(key)
         elif key in where:
             j, k = where[key]

@@ -1,6 +1,11 @@
 """Images as a vision-language model's processor turns them into inputs: the resized size, the patch grid the vision
 encoder sees (image_grid_thw, pixel_values' rows) and the visual tokens the language model sees.
 
+Two kinds of processor: Qwen2-VL's smart resize (any size, to multiples of 28 within its pixel bounds: the tokens
+follow the image) and Gemma 3's fixed size (every image resized to the vision tower's image_size, 896x896, its
+projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the image; pan-and-scan, which would add
+crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled).
+
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
 arithmetic is the installed transformers' own (tests/model/test_images.py checks it against the processor's output):
@@ -26,11 +31,16 @@ class ImageProcessorSpec:
     name: str
     image_processor_type: str
     config_file: str          # in catalog/processors/
+    # every image resized to the model's vision_config.image_size, one tensor [3, size, size] per image in
+    # pixel_values (Gemma 3); False: smart resize, pixel_values' rows the patches (Qwen)
+    fixed_size: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
     # Qwen2-VL's processor, which Qwen2.5-VL ships (its preprocessor_config.json: Qwen2VLImageProcessor)
     "qwen2_vl": ImageProcessorSpec("qwen2_vl", "Qwen2VLImageProcessor", "Qwen--Qwen2.5-VL-7B-Instruct.json"),
+    # Gemma 3's (its preprocessor_config.json: size 896x896, image_seq_length 256, do_pan_and_scan null: off)
+    "gemma3": ImageProcessorSpec("gemma3", "Gemma3ImageProcessor", "google--gemma-3-4b-it.json", fixed_size=True),
 }
 
 
@@ -98,10 +108,34 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def fixed_grid(config: dict) -> ImageGrid:
+    """Any image as a fixed-size processor gives it to the model of `config` (its config.json): resized to
+    vision_config.image_size square, image_size / patch_size patches a side, which the projector average-pools
+    to mm_tokens_per_image tokens (Gemma3MultiModalProjector: a kernel of patches_per_side / tokens_per_side)."""
+    vision = config["vision_config"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    side = size // patch
+    pool = side // math.isqrt(config.get("mm_tokens_per_image", 256))
+    return ImageGrid(size, size, 1, side, side, pool, 3 * patch * patch)
+
+
+def pixel_values_shape(processor: str, image: ImageGrid, images: int) -> tuple[int, ...]:
+    """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor) or
+    [patches, patch values] (Qwen's flattened patches)."""
+    if PROCESSORS[processor].fixed_size:
+        return (images, 3, image.height, image.width)
+    return (images * image.patches, image.patch_values)
+
+
 def image_grid(processor: str, height: int, width: int, max_pixels: int | None = None,
-               min_pixels: int | None = None) -> ImageGrid:
+               min_pixels: int | None = None, config: dict | None = None) -> ImageGrid:
     """One image of `height` x `width` pixels as processor row `processor` gives it (max_pixels / min_pixels: the
-    processor's bounds overridden, as its max_pixels / min_pixels keywords do; None: the shipped config's)."""
+    processor's bounds overridden, as its max_pixels / min_pixels keywords do; None: the shipped config's). A
+    fixed-size processor sizes it by the model's `config` (its config.json) whatever its size (fixed_grid): a pixel
+    bound changes nothing there (LLaMA-Factory's image_max_pixels scales the image down first, which the processor
+    then resizes to its one size all the same)."""
+    if PROCESSORS[processor].fixed_size:
+        return fixed_grid(config or {})
     s = processor_settings(processor)
     h, w = smart_resize(height, width, s.factor, s.min_pixels if min_pixels is None else min_pixels,
                         s.max_pixels if max_pixels is None else max_pixels)

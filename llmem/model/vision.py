@@ -1,13 +1,15 @@
 """Vision-language models: one row per transformers `model_type` llmem builds as a VLM, naming its three parts.
 
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
-patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width) and a language
+patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
+average pool of 4x4 patches, normed and projected) and a language
 model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
 from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 VISION = "vision"          # the vision encoder: patch embedding and its blocks
@@ -26,8 +28,20 @@ class VisionLanguageSpec:
     projector: str               # the projector's module (inside the vision module for Qwen)
     language_layers: str         # the language model's decoder layers (the anatomy's decoder layers)
     processor: str               # the image processor's row (llmem.model.images.PROCESSORS)
+    modeling: str                # transformers' modeling module of the class (its checks patched on fake tensors)
+    image_start: str             # the config attributes of the tokens around each image's placeholder tokens
+    image_end: str
+    special_tokens: tuple[str, ...]    # the config attributes of every multimodal token (no random text id is one)
     image_token: str = "image_token_id"    # the config field holding the image placeholder token's id
-    position_rows: int = 1       # the language model's position ids per token (Qwen's multimodal RoPE: 3, t/h/w)
+    # the language model's position ids per token, passed to the forward (Qwen's multimodal RoPE: 3, t/h/w, from
+    # the model's get_rope_index); 0: the model makes its own (an arange, inside the forward)
+    position_rows: int = 1
+    grid_input: bool = False     # the forward takes the images' patch grid (Qwen's image_grid_thw)
+    index_values: bool = False   # its vision code reads index values of the grid on the host (Qwen's windows)
+    token_types: bool = False    # the forward takes token_type_ids (1 on image tokens: Gemma 3's bidirectional mask)
+    # bool [batch, 1, tokens, tokens] masks the model builds once per forward from them (Gemma 3's full and sliding
+    # ones, create_masks_for_vision_model), live until the language model returns
+    forward_masks: int = 0
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -36,7 +50,23 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
     "qwen2_5_vl": VisionLanguageSpec(architecture="Qwen2_5_VLForConditionalGeneration", vision="model.visual",
                                      vision_blocks="model.visual.blocks", projector="model.visual.merger",
                                      language_layers="model.language_model.layers", processor="qwen2_vl",
-                                     position_rows=3),
+                                     modeling="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                                     image_start="vision_start_token_id", image_end="vision_end_token_id",
+                                     special_tokens=("image_token_id", "video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id"),
+                                     position_rows=3, grid_input=True, index_values=True),
+    # transformers 5's Gemma3ForConditionalGeneration: model.vision_tower (SiglipVisionModel: embeddings, encoder
+    # layers, post_layernorm), model.multi_modal_projector (Gemma3MultiModalProjector: average pool to
+    # mm_tokens_per_image, RMSNorm, a [vision, text] matrix) beside it, model.language_model (Gemma3TextModel), lm_head
+    # tied to the embeddings; the processor's token_type_ids make the image tokens attend each other both ways
+    "gemma3": VisionLanguageSpec(architecture="Gemma3ForConditionalGeneration", vision="model.vision_tower",
+                                 vision_blocks="model.vision_tower.encoder.layers",
+                                 projector="model.multi_modal_projector",
+                                 language_layers="model.language_model.layers", processor="gemma3",
+                                 modeling="transformers.models.gemma3.modeling_gemma3",
+                                 image_start="boi_token_id", image_end="eoi_token_id",
+                                 special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
+                                 position_rows=0, token_types=True, forward_masks=2),
 }
 
 
@@ -78,6 +108,15 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
     if spec is None:
         return ()
     return (spec.vision,) if under(spec.projector, spec.vision) else (spec.vision, spec.projector)
+
+
+def vision_root(model_type: str) -> str:
+    """The module the vision side's pieces are named from: the vision module itself when it holds the projector
+    (Qwen's visual), else the parent the two share (Gemma 3's model); "" for a text-only model."""
+    modules = vision_modules(model_type)
+    if len(modules) < 2:
+        return modules[0] if modules else ""
+    return ".".join(os.path.commonprefix([m.split(".") for m in modules]))
 
 
 def language_layers_suffix(model_type: str) -> str | None:

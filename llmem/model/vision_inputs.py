@@ -4,7 +4,8 @@ the vision-language flags to the model.
 
 The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
 processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
-image_grid_thw.prod() // merge_size**2 per image).
+image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image, each image one
+896x896 crop).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.images import ImageGrid, image_grid
-from llmem.model.vision import vision_spec
+from llmem.model.vision import VisionLanguageSpec, vision_spec
 from llmem.setup.images import parse_image_size, vision_options
 from llmem.setup.liger import applied_kernels
 from llmem.setup.methods import method_spec
@@ -43,12 +44,20 @@ class VisionInputs:
         """The vision encoder's rows per sample (pixel_values' rows)."""
         return self.images_per_sample * self.image.patches
 
-    def batch_bytes(self, batch_size: int, position_rows: int) -> tuple[int, int, int]:
+    def batch_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> tuple[int, ...]:
         """The micro-batch's tensors on the device, in bytes: the token ids [batch, tokens] int64, pixel_values
-        [patches, patch values] fp32 (as the processor makes them; the patch embedding casts its own copy) and the
-        language model's position ids [rows, batch, tokens] int64 (get_rope_index's 3-D positions for Qwen)."""
+        fp32 (as the processor makes them; the patch embedding casts its own copy), the language model's position ids
+        [rows, batch, tokens] int64 where the forward takes them (get_rope_index's 3-D positions for Qwen) and the
+        token_type_ids [batch, tokens] int64 where it takes them (Gemma 3)."""
         tokens = batch_size * self.language_tokens
-        return tokens * 8, batch_size * self.patches * self.image.patch_values * 4, position_rows * tokens * 8
+        return (tokens * 8, batch_size * self.patches * self.image.patch_values * 4,
+                *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
+                *((tokens * 8,) if spec.token_types else ()))
+
+    def mask_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> int:
+        """The bool [batch, 1, tokens, tokens] masks the model builds once per forward (spec.forward_masks), in
+        bytes: live from the image features' scatter to the language model's return."""
+        return spec.forward_masks * batch_size * self.language_tokens ** 2
 
     def describe(self) -> str:
         img = self.image
@@ -64,7 +73,7 @@ def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs |
     if spec is None or not setup.images_per_sample:
         return None
     height, width = parse_image_size(setup.image_size)
-    grid = image_grid(spec.processor, height, width, setup.max_pixels)
+    grid = image_grid(spec.processor, height, width, setup.max_pixels, config=anatomy.config)
     return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
 
 

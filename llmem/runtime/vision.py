@@ -14,6 +14,8 @@ token ids, which the set-up fixes, so they stay real:
   on the real ids here), so it passes;
 - the language model's 3-D rope positions come from the model's own get_rope_index on the real ids, handed to the
   forward as position_ids (a fake copy, allocated as the model allocates them).
+Gemma 3 reads nothing on the host but the image tokens' count check (answered as above); its forward takes the
+processor's token_type_ids (1 on the image tokens: their bidirectional attention mask), made from the real ids.
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
 """
 
@@ -28,7 +30,8 @@ from torch import nn
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from llmem.model.vision import frozen_parts, part_of, vision_spec
+from llmem.model.images import pixel_values_shape
+from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
 from llmem.runtime.patches import patched
 
@@ -60,38 +63,50 @@ def language_lora_targets(model: nn.Module, names: list[str], all_linear: str) -
 class VisionBatch:
     """One micro-batch's inputs beside its token ids, on real tensors (built before the fake mode)."""
     input_ids: torch.Tensor        # [batch, text + visual tokens]: each image's start, image tokens, end
-    image_grid_thw: torch.Tensor   # [batch x images, 3]
-    position_ids: torch.Tensor     # [3, batch, tokens]: the language model's 3-D rope positions
-    patches: int                   # pixel_values' rows (every image of the batch)
-    patch_values: int              # pixel_values' columns: channels x temporal x patch x patch
+    pixel_shape: tuple[int, ...]   # pixel_values' (llmem.model.images.pixel_values_shape)
+    patches: int                   # the vision encoder's patches (every image of the batch)
+    image_grid_thw: torch.Tensor | None = None   # [batch x images, 3], where the forward takes it (Qwen)
+    # the forward's other inputs from the ids, by keyword: Qwen's 3-D rope positions [3, batch, tokens], Gemma 3's
+    # token_type_ids [batch, tokens] (1 on image tokens)
+    extra: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
-def _token_ids(cfg, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
+def _token_ids(cfg, spec: VisionLanguageSpec, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
     """Random text ids (none a special token) with each image's tokens placed after the first text token, as the
-    chat template writes them: <|vision_start|>, the image token repeated the image's visual tokens, <|vision_end|>
-    (start and end count among the text tokens: llmem.model.vision_inputs.step_refusal checks they fit)."""
-    special = torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
-                            cfg.vision_end_token_id])
+    chat template writes them: the image's start token (Qwen's <|vision_start|>, Gemma's <start_of_image>), the image
+    token repeated the image's visual tokens, the end token (start and end count among the text tokens:
+    llmem.model.vision_inputs.step_refusal checks they fit)."""
+    start, end, image = (getattr(cfg, name) for name in (spec.image_start, spec.image_end, spec.image_token))
+    special = torch.tensor([getattr(cfg, name) for name in spec.special_tokens])
     ids = torch.randint(0, cfg.get_text_config().vocab_size, (batch_size, inputs.language_tokens))
     ids[torch.isin(ids, special)] = 0
     cursor, tokens = 1, inputs.image.tokens
     for _ in range(inputs.images_per_sample):
-        ids[:, cursor] = cfg.vision_start_token_id
-        ids[:, cursor + 1:cursor + 1 + tokens] = cfg.image_token_id
-        ids[:, cursor + 1 + tokens] = cfg.vision_end_token_id
+        ids[:, cursor] = start
+        ids[:, cursor + 1:cursor + 1 + tokens] = image
+        ids[:, cursor + 1 + tokens] = end
         cursor += tokens + 2
     return ids
 
 
 def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> VisionBatch:
-    """The micro-batch's ids, grid and 3-D positions as the processor and the model make them (real tensors)."""
+    """The micro-batch's ids, grid and 3-D positions (or token types) as the processor and the model make them (real
+    tensors)."""
     cfg = hf_model.config
-    ids = _token_ids(cfg, batch_size, inputs)
+    spec = vision_spec(cfg.model_type)
+    ids = _token_ids(cfg, spec, batch_size, inputs)
     img = inputs.image
-    grid = torch.tensor([[img.grid_t, img.grid_h, img.grid_w]] * (batch_size * inputs.images_per_sample))
-    mm_types = (ids == cfg.image_token_id).int()
-    positions, _ = hf_model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
-    return VisionBatch(ids, grid, positions, batch_size * inputs.patches, img.patch_values)
+    images = batch_size * inputs.images_per_sample
+    is_image = ids == getattr(cfg, spec.image_token)
+    grid = torch.tensor([[img.grid_t, img.grid_h, img.grid_w]] * images) if spec.grid_input else None
+    extra: list[tuple[str, torch.Tensor]] = []
+    if spec.position_rows:
+        positions, _ = hf_model.model.get_rope_index(ids, mm_token_type_ids=is_image.int(), image_grid_thw=grid)
+        extra.append(("position_ids", positions))
+    if spec.token_types:           # the processor's mm_token_type_ids, int64, handed over as token_type_ids
+        extra.append(("token_type_ids", is_image.long()))
+    return VisionBatch(ids, pixel_values_shape(spec.processor, img, images), batch_size * inputs.patches, grid,
+                       tuple(extra))
 
 
 def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
@@ -105,10 +120,11 @@ def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tupl
     else:
         def place(t: torch.Tensor) -> torch.Tensor:
             return t.to(device)
-        grid = place(batch.image_grid_thw)
-    pixel_values = torch.randn(batch.patches, batch.patch_values, device=device)
-    return place(batch.input_ids), {"pixel_values": pixel_values, "image_grid_thw": grid,
-                                    "position_ids": place(batch.position_ids)}
+        grid = place(batch.image_grid_thw) if batch.image_grid_thw is not None else None
+    pixel_values = torch.randn(batch.pixel_shape, device=device)
+    ids = place(batch.input_ids)
+    return ids, {"pixel_values": pixel_values, **({"image_grid_thw": grid} if grid is not None else {}),
+                 **{name: place(t) for name, t in batch.extra}}
 
 
 @contextlib.contextmanager
@@ -136,16 +152,39 @@ def index_tensors_stay_real(mode, seeds: tuple[torch.Tensor, ...]) -> Iterator[N
 
 @contextlib.contextmanager
 def known_vision_values(hf_model: nn.Module, batch: VisionBatch, mode) -> Iterator[None]:
-    """The vision encoder's index values computed on the real grid and returned where the model asks
-    (transformers 5's Qwen2.5-VL: module-level names of its modeling file), the index tensors kept real."""
-    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen
+    """The checks the model makes on fake values answered: the image tokens' count against the features' rows (a
+    fake sum; equal by construction, checked here on the real ids); where the vision code reads the grid's index
+    values on the host (Qwen2.5-VL), those computed on the real grid and returned where the model asks."""
+    import importlib
+
+    spec = vision_spec(hf_model.config.model_type)
+    modeling = importlib.import_module(spec.modeling)
+    image_tokens = int((batch.input_ids == getattr(hf_model.config, spec.image_token)).sum())
+    tokens_per_patch = _tokens_per_patch(hf_model.config)
+    if image_tokens != batch.patches * tokens_per_patch:
+        raise AssertionError(f"{image_tokens} image tokens for {batch.patches} patches")
+    with contextlib.ExitStack() as stack:
+        if spec.index_values:
+            stack.enter_context(_qwen_index_values(modeling, hf_model.config.vision_config, batch, mode))
+        stack.enter_context(patched(modeling, "torch_compilable_check", lambda *a, **k: None))
+        yield
+
+
+def _tokens_per_patch(cfg) -> float:
+    """The image tokens one patch makes: 1 / merge^2 (Qwen's merger; Gemma 3's pool of its patches per token)."""
+    vc = cfg.vision_config
+    if getattr(vc, "spatial_merge_size", None):
+        return 1 / vc.spatial_merge_size ** 2
+    return cfg.mm_tokens_per_image / (vc.image_size // vc.patch_size) ** 2
+
+
+@contextlib.contextmanager
+def _qwen_index_values(qwen, vc, batch: VisionBatch, mode) -> Iterator[None]:
+    """transformers 5's Qwen2.5-VL: the window reordering, rotary positions and attention segments computed on the
+    real grid by its own functions, returned where the modeling module calls them; the index tensors kept real."""
     from transformers import vision_utils as vu
 
-    vc = hf_model.config.vision_config
     grid = batch.image_grid_thw
-    image_tokens = int((batch.input_ids == hf_model.config.image_token_id).sum())
-    if image_tokens * vc.spatial_merge_size ** 2 != batch.patches:
-        raise AssertionError(f"{image_tokens} image tokens for {batch.patches} patches")
     positions = vu.get_vision_position_ids(grid, vc.spatial_merge_size)
     seqlens = vu.get_vision_attention_seqlens(grid, vc)
     windows = vu.get_vision_window_index(grid, vc.spatial_merge_size, vc.window_size, vc.patch_size)
@@ -154,7 +193,5 @@ def known_vision_values(hf_model: nn.Module, batch: VisionBatch, mode) -> Iterat
         for name, value in (("get_vision_position_ids", positions), ("get_vision_attention_seqlens", seqlens),
                             ("get_vision_window_index", windows)):
             stack.enter_context(patched(qwen, name, lambda *a, _v=value, **k: _v))
-        # the image tokens' count against the features' rows (a fake sum): equal by construction, checked above
-        stack.enter_context(patched(qwen, "torch_compilable_check", lambda *a, **k: None))
         stack.enter_context(index_tensors_stay_real(mode, seeds))
         yield

@@ -148,7 +148,8 @@ class StepConfig:
     image_size: str | None = option(None, "the images' height x width in pixels before the processor resizes them, "
                                     "e.g. 1024x768", IMAGES, metavar="HxW")
     max_pixels: int | None = option(None, "the processor's max_pixels (default: the model's shipped "
-                                    "preprocessor_config.json)", IMAGES, type=int)
+                                    "preprocessor_config.json; Qwen's smart resize: Gemma 3 resizes every image to "
+                                    "896x896 whatever the bound)", IMAGES, type=int)
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:

@@ -401,6 +401,13 @@ CI_MATRIX: list[TrainingSetup] = [
          image_size="448x448", **kw)
       for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
                  {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True})),
+    # Gemma 3 (tiny): its projector beside the SigLIP tower, the image tokens' bidirectional mask (token_type_ids),
+    # the tied embedding; every image one fixed-size crop (224x224 here: 256 patches pooled to 16 tokens)
+    *(_s("tiny-gemma3", precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1, image_size="448x448",
+         **kw)
+      for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
+                 {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
+                 {"attn": "eager"})),       # (transformers' advice for training Gemma 3: eager attention)
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -559,10 +566,18 @@ VLM_MATRIX: list[TrainingSetup] = [
         {"freeze_vision_tower": True, "grad_ckpt": True})),
     *(_s("Qwen/Qwen2.5-VL-3B-Instruct", batch_size=2, **{**_VL, "seq_len": 256, "images_per_sample": 2,
                                                           "image_size": "1280x720"}, grad_ckpt=True, **kw)
-      for kw in ({}, {"lora_rank": 16}))]
+      for kw in ({}, {"lora_rank": 16})),
+    # Gemma 3 (every image one 896x896 crop: 4,096 patches, 256 tokens)
+    *(_s(f"google/gemma-3-{size}-it", **{**_VL, **kw}) for size, kw in (
+        ("4b", {"batch_size": 1, "lora_rank": 16}), ("4b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
+        ("4b", {"batch_size": 1, "freeze_vision_tower": True, "grad_ckpt": True}),
+        ("4b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        ("12b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
+        ("27b", {"batch_size": 1, "images_per_sample": 2, "lora_rank": 16, "grad_ckpt": True})))]
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
     f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
-        ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))]
+        ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
+    _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
             "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

@@ -66,3 +66,52 @@ def test_what_is_not_wired_is_one_line(command, says, capsys):
     assert main([*command, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmem: error: ") and err.count("\n") == 1 and says in err, err
+
+
+GEMMA = dict(model="tiny-gemma3", images_per_sample=1, image_size="448x448", batch_size=4, seq_len=64)
+
+
+def test_gemma3s_projector_beside_the_tower_makes_its_gradients(monkeypatch):
+    """Gemma 3's projector is its own module beside the vision tower: with the tower frozen, the vision side's
+    backward makes the projector's two gradients (its norm's weight and its projection matrix), read from the same
+    run; trained whole, every parameter of the tower too (SigLIP: 16 in each of its 4 blocks; the patch embedding's weight
+    and bias, the position embedding, the final LayerNorm's weight and bias)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    frozen = learned_activations(resolve(TrainingSetup(**GEMMA, freeze_vision_tower=True))).vision
+    assert {op[4] for op in frozen.backward if op[0] == Op.GRAD} == {
+        "model.multi_modal_projector.mm_input_projection_weight", "model.multi_modal_projector.mm_soft_emb_norm.weight"}
+    whole = learned_activations(resolve(TrainingSetup(**GEMMA))).vision
+    grads = [op[4] for op in whole.backward if op[0] == Op.GRAD]
+    assert len(grads) == len(set(grads)) == 2 + 4 * 16 + 5
+
+
+def test_gemma3s_tied_embedding_backward_is_the_schedules(monkeypatch):
+    """The token embedding's backward (its scale's gradient, then the tied weight's new gradient [16000, 256] fp32
+    summed into the lm_head's) is not read into the vision side: the schedule makes it (llmem.estimator.schedule
+    .gradients.accumulate). The vision side ends with the tower's first gradients (its patch embedding's)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    side = learned_activations(resolve(TrainingSetup(**GEMMA))).vision
+    assert 16_000 * 256 * 4 not in {op[3] for op in side.backward if op[0] == Op.TEMP}
+    last_grad = max(i for i, op in enumerate(side.backward) if op[0] == Op.GRAD)
+    assert side.backward[last_grad][4].startswith("model.vision_tower.embeddings.patch_embedding.")
+    assert all(op[0] != Op.TEMP for op in side.backward[last_grad + 1:])
+
+
+def test_gemma3s_masks_are_the_models():
+    """The full and the sliding mask Gemma 3 builds from token_type_ids, bool [4, 1, 80, 80] each: by hand 2 x 25,600
+    bytes, and in the real step (the learned copy's run) the tensors the model's own ops make before the first decoder
+    layer and free at the end of the forward, live across every decoder layer."""
+    from llmem.learn.one_point import run_point
+    from llmem.learn.points import FORWARD
+    from llmem.memory.activations.profile import vision_mask_bytes
+
+    setup = TrainingSetup(**GEMMA)
+    assert vision_mask_bytes(load_anatomy(setup.model), setup) == 2 * 4 * 80 * 80
+    events = run_point(setup).vision.events
+    layer0 = next(i for i, e in enumerate(events) if e[0] and e[5].startswith("model.language_model.layers.0"))
+    last = max(i for i, e in enumerate(events) if e[3] == FORWARD and e[5].startswith("model.language_model.layers"))
+    born = {e[1]: (i, e[2]) for i, e in enumerate(events[:layer0]) if e[0] and e[5] == "model"}
+    across = [born[e[1]][1] for i, e in enumerate(events) if not e[0] and e[1] in born and i > last
+              and e[3] == FORWARD]
+    # beside them one [4, 80] int64 (the image blocks' ids the sliding mask reads), 8 bytes a token, not laid out
+    assert sorted(across) == [4 * 80 * 8, 4 * 80 * 80, 4 * 80 * 80]

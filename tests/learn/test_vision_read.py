@@ -32,7 +32,8 @@ def _step() -> VisionReading:
         (False, 9, 0, B, ACT, ""),
     ]
     grads = {8: "model.visual.blocks.0.mlp.up_proj.weight", 10: "model.language_model.embed_tokens.weight"}
-    return VisionReading("model.visual", "model.language_model.layers", events, grads)
+    return VisionReading("model.visual", "model.language_model.layers", events, grads, ("model.visual",),
+                         "model.visual.blocks")
 
 
 def test_pieces_forward_and_backward_are_read_in_order():
@@ -52,6 +53,7 @@ def test_peft_names_its_parameters_under_base_model():
     step = _step()
     step.grads = {k: "base_model.model." + n for k, n in step.grads.items()}
     step.module = "base_model.model.model.visual"
+    step.modules, step.blocks = (step.module,), step.module + ".blocks"
     step.layers_path = "base_model.model.model.language_model.layers"
     step.events = [(a, k, n, ph, c, "base_model.model." + m if m else m) for a, k, n, ph, c, m in step.events]
     grad = next(op for op in read_vision(step).backward if op[0] == Op.GRAD)
@@ -63,7 +65,44 @@ def test_an_encoder_without_a_graph_has_no_backward():
     events = [(True, 1, 50, F, ACT, "model.visual.blocks.0.attn"), (False, 1, 0, F, ACT, ""),
               (True, 2, 300, F, ACT, "model.language_model.layers.0"), (True, 3, 300, B, ACT,
                                                                            "model.language_model.layers.0")]
-    got = read_vision(VisionReading("model.visual", "model.language_model.layers", events, {}))
+    got = read_vision(VisionReading("model.visual", "model.language_model.layers", events, {}, ("model.visual",),
+                                    "model.visual.blocks"))
     assert got.pieces == (LearnedPiece("blocks.0", "blocks.0", (), ()),)
     assert got.backward == ()
     assert read_vision(VisionReading("model.visual", "model.language_model.layers", events[2:], {})) is None
+
+
+def test_a_projector_beside_the_encoder_and_a_tied_embedding():
+    """Gemma 3's layout: the projector (model.multi_modal_projector) beside the vision tower, both read as the vision
+    side under their shared root (model); the token embedding's backward (its scale's gradient, then a tied weight's
+    new gradient before AccumulateGrad sums it into the lm_head's) is left to the schedule, from its first
+    allocation."""
+    events = [
+        (True, 1, 100, F, ACT, "model.vision_tower.embeddings.patch_embedding"),
+        (True, 2, 200, F, ACT, "model.vision_tower.encoder.layers.0.mlp.fc1"),
+        (True, 3, 40, F, ACT, "model.multi_modal_projector.avg_pool"),
+        (True, 4, 300, F, ACT, "model.language_model.layers.0"),
+        (True, 5, 300, B, ACT, "model.language_model.layers.0"),
+        (False, 4, 0, B, ACT, ""),
+        (True, 6, 64, B, ACT, "model"),                                      # the scatter's backward
+        (True, 7, 16, B, "gradients", "model.multi_modal_projector"),        # the projection matrix's gradient
+        (False, 3, 0, B, ACT, ""),
+        (True, 8, 8, B, "gradients", "model.vision_tower.encoder.layers.0.mlp.fc1"),
+        (False, 2, 0, B, ACT, ""),
+        (True, 9, 64, B, ACT, "model.language_model.embed_tokens"),          # the embedding scale's backward
+        (True, 10, 1000, B, ACT, "model.language_model.embed_tokens"),       # the tied weight's new gradient
+        (False, 6, 0, B, ACT, ""),
+    ]
+    grads = {7: "model.multi_modal_projector.mm_input_projection_weight",
+             8: "model.vision_tower.encoder.layers.0.mlp.fc1.weight"}
+    got = read_vision(VisionReading("model", "model.language_model.layers", events, grads,
+                                    ("model.vision_tower", "model.multi_modal_projector"),
+                                    "model.vision_tower.encoder.layers"))
+    assert [p.module for p in got.pieces] == ["vision_tower", "vision_tower.encoder.layers.0", "multi_modal_projector"]
+    assert [p.tensors for p in got.pieces] == [(100,), (200,), (40,)]
+    assert got.backward == ((Op.TEMP, -1, 6, 64, ACT),
+                            (Op.GRAD, 2, 0, 16, "model.multi_modal_projector.mm_input_projection_weight"),
+                            (Op.FREE_KEPT, 2, 0, None, ""),
+                            (Op.GRAD, 1, 0, 8, "model.vision_tower.encoder.layers.0.mlp.fc1.weight"),
+                            (Op.FREE_KEPT, 1, 0, None, ""),
+                            (Op.LATE, -1, 6, None, ""))

@@ -25,7 +25,7 @@ from llmem.memory.activations.selective import SelectiveLayer, hand_selective_re
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.vision import vision_spec
+from llmem.model.vision import vision_root, vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
 
 LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
@@ -391,7 +391,7 @@ def learned_vision(r: ResolvedSetup) -> VisionSide | None:
     spec = vision_spec(r.anatomy.model_type)
     if learned is None or learned.vision is None or spec is None:
         return None
-    return learned.vision.at(spec.vision)
+    return learned.vision.at(vision_root(r.anatomy.model_type))
 
 
 def activation_source_notes(r: ResolvedSetup) -> list[str]:

@@ -90,8 +90,8 @@ class LearnedVision:
                              _ops_from(d.get("backward", [])))
 
     def at(self, vision: str) -> VisionSide:
-        """Each piece's parameters named in full under the vision module `vision`
-        (llmem.model.vision.VisionLanguageSpec.vision)."""
+        """Each piece's parameters named in full under the vision side's root `vision` (llmem.model.vision.vision_root:
+        the vision module, or the parent it shares with the projector)."""
         pieces = tuple(VisionPiece(p.name, f"{vision}.{p.module}." if p.module else "", p.tensors, p.categories)
                        for p in self.pieces)
         return VisionSide(pieces, self.forward, self.backward)

@@ -383,10 +383,17 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
                        anatomy, "final_logit_softcapping", default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
-        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d), compiled=setup.compile,
+        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d) + vision_mask_bytes(anatomy, setup),
+        compiled=setup.compile,
         vision=VisionStep(vision_batch_bytes(anatomy, setup), vision_modules(anatomy.model_type), learned_vision(r))
         if setup.images_per_sample else None,
     )
+
+
+def vision_mask_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """A vision-language model's masks built once per forward (Gemma 3's over token_type_ids), 0 for a text step."""
+    images = vision_inputs(setup, anatomy)
+    return images.mask_bytes(setup.batch_size, vision_spec(anatomy.model_type)) if images is not None else 0
 
 
 def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int, ...]:
@@ -395,5 +402,5 @@ def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int
     images = vision_inputs(setup, anatomy)
     if images is None:
         return ()
-    return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type).position_rows)
+    return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type))
 

@@ -247,8 +247,12 @@ def _multimodal(r: Reading, keys: Keys) -> None:
         r.set("image_max_pixels" if "image_max_pixels" in keys else "image_max_pixels (default)",
               keys.get("image_max_pixels", pixels), "max_pixels", pixels,
               "each image scaled to fit it, then the processor's smart resize to 28-pixel multiples")
+    if r.boolean("image_do_pan_and_scan", keys.get("image_do_pan_and_scan", False)):
+        raise r.error("image_do_pan_and_scan", keys.get("image_do_pan_and_scan"), "adds Gemma 3's pan-and-scan "
+                      "crops (each 256 image tokens more), which llmem does not model", "set it false (the "
+                      "processor's default)")
     for key in ("image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
-                "image_do_pan_and_scan", "crop_to_patches"):
+                "crop_to_patches"):
         keys.get(key)
 
 
