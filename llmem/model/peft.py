@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import replace
 from functools import lru_cache
@@ -16,7 +17,7 @@ from llmem.errors import LlmemError, first_line
 from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, added_buffers, inventory, read_or_build
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
-from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup
+from llmem.setup.training import LORA_ALL_LINEAR, REGEX_TARGETS, TrainingSetup
 
 PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
 
@@ -58,46 +59,69 @@ def lora_target_names(targets: str) -> list[str]:
     return [t.strip() for t in targets.split(",") if t.strip()]
 
 
+def lora_target_regex(targets: str) -> str | None:
+    """--lora-targets "re:PATTERN" -> PATTERN, which peft re.fullmatch-es against each module's full name (a
+    string target_modules: check_target_module_exists); None for module names."""
+    return targets[len(REGEX_TARGETS):] if targets.startswith(REGEX_TARGETS) else None
+
+
 @lru_cache(maxsize=64)
 def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", dropout: float = 0.0,
               upcast: bool = True) -> ModelAnatomy:
     """The anatomy as peft's LoRA builds it: every base parameter frozen, adapters A [r, in] and B [out, r] added
     next to each targeted linear of the decoder layers ("all-linear": every Linear/Conv1D inside the layers, as
-    peft's all-linear, which leaves lm_head alone). `dropout`: peft's lora_dropout; `upcast`: peft's
-    autocast_adapter_dtype (the adapters' dtype on a low-precision base: LOW_DTYPE's rule)."""
+    peft's all-linear, which leaves lm_head alone; "re:PATTERN": the modules whose full name the pattern matches,
+    peft's target_modules as one string). `dropout`: peft's lora_dropout; `upcast`: peft's autocast_adapter_dtype
+    (the adapters' dtype on a low-precision base: LOW_DTYPE's rule)."""
     dtype = "float32" if upcast else LOW_DTYPE
-    wanted = set(lora_target_names(targets))
-    if not wanted:
-        raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
+    targeted = _lora_targeted(anatomy, targets)
     params: list[ParamInfo] = []
-    matched: set[str] = set()
     for p in anatomy.params:
         params.append(replace(p, trainable=False))
-        if "lm_head" in wanted and is_lm_head(p) and len(p.shape) == 2:
-            # peft wraps the output layer when named (its all-linear leaves it out): the adapters as peft makes
-            # them; the support check (llmem.setup.support) then says why no engine models them
-            matched.add("lm_head")
-            vocab, hidden = p.shape
-            params.append(ParamInfo("lm_head.lora_A.default.weight", (rank, hidden), dtype, "Linear", None, None))
-            params.append(ParamInfo("lm_head.lora_B.default.weight", (vocab, rank), dtype, "Linear", None, None))
+        if p.name not in targeted:
             continue
-        module, leaf = p.name.rsplit(".", 1)
-        short = module.rsplit(".", 1)[-1]
-        if (leaf != "weight" or p.layer_index is None or p.module_kind not in MATMUL_KINDS
-                or not (LORA_ALL_LINEAR in wanted or short in wanted)):
-            continue
-        matched.add(short)
+        # peft wraps the output layer when named (its all-linear leaves it out): the adapters as peft makes them;
+        # the support check (llmem.setup.support) then says why no engine models them
+        module = "lm_head" if is_lm_head(p) else p.name.rsplit(".", 1)[0]
         params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, p.in_features), dtype, "Linear",
                                 p.layer_index, None))
         params.append(ParamInfo(f"{module}.lora_B.default.weight", (p.out_features, rank), dtype, "Linear",
                                 p.layer_index, None))
-    missing = wanted - matched - {LORA_ALL_LINEAR}
+    return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
+
+
+def _lora_targeted(anatomy: ModelAnatomy, targets: str) -> set[str]:
+    """The weights --lora-targets adapts: the decoder layers' linears so named (or every one: all-linear) and the
+    lm_head when named; under "re:PATTERN" those whose module's full name re.fullmatch-es it (peft's
+    check_target_module_exists on a string target_modules), which must lie in the decoder layers or be the lm_head."""
+    pattern = lora_target_regex(targets)
+    layers = {p.name: p for p in anatomy.params if p.name.endswith(".weight") and p.layer_index is not None
+              and p.module_kind in MATMUL_KINDS}
+    heads = {p.name: p for p in anatomy.params if is_lm_head(p) and len(p.shape) == 2}
+    if pattern is not None:
+        modules = {p.name.rsplit(".", 1)[0] for p in anatomy.params if re.fullmatch(pattern, p.name.rsplit(".", 1)[0])}
+        weight_of = {n.rsplit(".", 1)[0]: n for n in (*layers, *(h for h in heads if h.startswith("lm_head")))}
+        outside = sorted(modules - set(weight_of))
+        if outside:      # an embedding, a norm, a vision block: peft adapts or refuses it, llmem models neither
+            raise LlmemError(f"--lora-targets {targets} matches {outside[0]}, not a linear of the decoder layers nor "
+                             "the lm_head (which llmem adapts); narrow the pattern")
+        found = {weight_of[m] for m in modules}
+        if not found:
+            raise LlmemError(f"--lora-targets {targets} matches no linear module of {anatomy.name} (peft "
+                             "re.fullmatch-es the whole name, e.g. model.layers.0.self_attn.q_proj)")
+        return found
+    wanted = set(lora_target_names(targets))
+    if not wanted:
+        raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
+    short = {n: n.rsplit(".", 2)[-2] for n in layers}
+    found = {n for n in layers if LORA_ALL_LINEAR in wanted or short[n] in wanted}
+    found |= set(heads) if "lm_head" in wanted else set()
+    missing = wanted - {short[n] for n in found if n in layers} - ({"lm_head"} if heads else set()) - {LORA_ALL_LINEAR}
     if missing:
-        names = sorted({p.name.rsplit(".", 2)[-2] for p in anatomy.params
-                        if p.layer_index is not None and p.module_kind in MATMUL_KINDS})
+        names = sorted(set(short.values()))
         raise LlmemError(f"--lora-targets {', '.join(sorted(missing))} not found in {anatomy.name}: "
                          f"its layers' linear modules are {', '.join(names)} (or use all-linear)")
-    return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
+    return found
 
 
 PEFT_CONFIG_MAX_BYTES = 1 << 20     # adapter_config.json files are a few KiB

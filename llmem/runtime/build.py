@@ -12,7 +12,7 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
-from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
+from llmem.model.peft import apply_peft_config, lora_target_names, lora_target_regex, read_peft_config
 from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
@@ -113,12 +113,16 @@ def cast_frozen(model: nn.Module, setup) -> None:
 
 
 def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
-    """--lora-targets as peft's target_modules: all-linear alone is peft's own shorthand; beside other names (e.g.
+    """--lora-targets as peft's target_modules: a "re:" pattern as peft's string form; all-linear alone is peft's own
+    shorthand; beside other names (e.g.
     all-linear,lm_head) peft would read it as a module name, so it is expanded by peft's own rule
     (_maybe_include_all_linear_layers: every Linear / Conv1D but the output layer) and the others added."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 
+    pattern = lora_target_regex(targets)
+    if pattern is not None:          # peft re.fullmatch-es a string target_modules against each module's name
+        return pattern
     names = lora_target_names(targets)
     if vision_spec(getattr(model.config, "model_type", "")) is not None:
         from llmem.runtime.vision import language_lora_targets

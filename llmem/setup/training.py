@@ -13,6 +13,7 @@ sections; each field also reads by its flat name (`setup.pp` is `setup.paralleli
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from llmem.setup.sections import (  # noqa: F401 - re-exported
     ADAPTER_DTYPES,
     LOGITS_DTYPES,
     LORA_ALL_LINEAR,
+    REGEX_TARGETS,
     SECTIONS,
     ActivationsConfig,
     AdaptersConfig,
@@ -174,6 +176,12 @@ class TrainingSetup:
         if self.peft_config and (self.lora_rank or self.lora_dropout):
             raise LlmemError("--peft-config sets the adapters itself: drop --lora-rank / --lora-dropout "
                              "(or drop --peft-config)")
+        if self.lora_targets.startswith(REGEX_TARGETS):
+            try:
+                re.compile(self.lora_targets[len(REGEX_TARGETS):])
+            except re.error as exc:
+                raise LlmemError(f"--lora-targets {self.lora_targets}: not a regular expression ({exc}); write "
+                                 "re:PATTERN, e.g. re:model\\.layers\\.\\d+\\.self_attn\\.(q|v)_proj") from None
         if self.lora_dropout and not self.lora_rank:
             raise LlmemError("--lora-dropout needs --lora-rank (a --peft-config brings its own lora_dropout)")
         if self.attn not in ATTENTIONS:

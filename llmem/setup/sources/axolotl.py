@@ -12,6 +12,7 @@ _prepare_model_for_quantization): QLoRA under FSDP, FSDP's cpu_ram_efficient_loa
 
 from __future__ import annotations
 
+from llmem.setup.sections import REGEX_TARGETS
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.fsdp import read_fsdp_config
@@ -286,7 +287,10 @@ def _adapters(r: Reading, keys: Keys, quantised: bool) -> None:
         return
     rank = r.integer("lora_r", keys.get("lora_r", 8), what="a LoRA rank")
     linear = bool(keys.get("lora_target_linear"))
-    targets = "all-linear" if linear else targets_text(keys.get("lora_target_modules", "q_proj,v_proj"))
+    raw = keys.get("lora_target_modules")
+    # _build_peft_lora_config passes lora_target_modules to peft as written: a string is peft's regular expression
+    targets = "all-linear" if linear else (REGEX_TARGETS + raw if isinstance(raw, str) and raw.strip() else
+                                           targets_text(raw or "q_proj,v_proj"))
     save = tuple(str(m) for m in keys.get("lora_modules_to_save", []) or [])
     dora = bool(keys.get("peft_use_dora", False))
     fields = tuple((name, keys.get(key)) for key, name in PEFT_FIELDS.items() if key in keys)
