@@ -242,6 +242,10 @@ def _reentrant_not_expressed(values: dict, used: list[Used], ignored: list, note
     fsdp_version 2: prepare_model_for_training sets use_reentrant_gc False; under FSDP1 it stays)."""
     if not values.get("ckpt_reentrant"):
         return
+    if not values.get("grad_ckpt", True):      # --no-grad-ckpt over the file: no checkpoint, reentrant or not
+        values.pop("ckpt_reentrant")
+        used[:] = [u for u in used if u.field != "ckpt_reentrant"]
+        return
     with_ = [flag for flag, on in (("activation offloading", values.get("offload_activations")),
                                    ("torch.compile", values.get("compile")),
                                    ("op-level selective checkpointing", values.get("ac_policy", "full") != "full"),
