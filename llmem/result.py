@@ -91,7 +91,7 @@ class PhaseMemory:
 class JobPhase:
     """A phase of the job around its step (llmem.estimator.job_phases): loading the model or saving a checkpoint,
     the path it takes (`kind`), its peak of tensor bytes on one GPU and of CPU RAM on one node, and what it runs."""
-    name: str                  # "load", "save"
+    name: str                  # "load", "eval", "save"
     kind: str                  # the loading path / saving kind (llmem.setup.job_phases)
     device_bytes: int
     host_bytes: int
@@ -100,6 +100,9 @@ class JobPhase:
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "what": self.what}
+
+
+EVAL_PHASE = "eval"            # the job's evaluation phase (llmem.estimator.eval_phase)
 
 
 # The phases of a step with phases as the report groups them: GRPO's weight sync to vLLM (under FSDP2), generation
@@ -150,7 +153,7 @@ class MemoryResult:
     by_fragmentation: bool = False            # fits / OOM decided by the cached segments' layout: marginal
     phases: list[PhaseMemory] = field(default_factory=list)   # a step with phases (GRPO): each phase's peak
     stages: list[dict] = field(default_factory=list)   # --pp: each pipeline stage's peaks ({stage, ..._bytes})
-    # the job's loading and saving phases (estimate only; in the JSON only when there are some)
+    # the job's loading, evaluation and saving phases (estimate only; in the JSON only when there are some)
     job_phases: list[JobPhase] = field(default_factory=list)
     job_notes: list[str] = field(default_factory=list)
 
@@ -158,6 +161,13 @@ class MemoryResult:
     def reserved_on_device_bytes(self) -> int:
         """The reserved peak on the device: capped where the allocator released its cache to go on."""
         return self.peak_reserved_bytes if self.capped_reserved_bytes is None else self.capped_reserved_bytes
+
+    @property
+    def job_peak(self) -> tuple[str, int]:
+        """The job's peak of tensor bytes per GPU and the phase it lies in: the step's (its peak_allocated) or a
+        job phase's."""
+        return max([("step", self.peak_allocated_bytes)] + [(p.name, p.device_bytes) for p in self.job_phases],
+                   key=lambda kv: kv[1])
 
     @property
     def fits(self) -> bool:
@@ -180,5 +190,8 @@ class MemoryResult:
                     out[f.name] = [p.to_dict() for p in value] if f.name == "job_phases" else list(value)
             elif not (f.name == "timeline" and value is None):
                 out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
+        if any(p.name == EVAL_PHASE for p in self.job_phases):   # (added with the eval: earlier answers unchanged)
+            name, peak = self.job_peak
+            out["job_peak"] = {"phase": name, "device_bytes": peak}
         out["fits"] = self.fits
         return out

@@ -33,7 +33,7 @@ from llmem.setup.training import (
 
 GROUP_TITLES = {MODEL: "model", LAYOUT: "layout", STEP: "step", OPTIMIZER: "optimizer", ACTIVATIONS: "activations",
                 ADAPTERS: "adapters", DEEPSPEED: "DeepSpeed ZeRO (ds-zero1/2/3)",
-                OBJECTIVE_GROUP: "objective (TRL's trainers)", JOB: "job phases (loading, saving)",
+                OBJECTIVE_GROUP: "objective (TRL's trainers)", JOB: "job phases (loading, evaluation, saving)",
                 IMAGES: "images (vision-language models)"}
 
 

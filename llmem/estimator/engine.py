@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from llmem.errors import LlmemError
 from llmem.estimator.deepspeed import DeepSpeedSchedule
+from llmem.estimator.eval_phase import eval_notes, eval_phase
 from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
 from llmem.estimator.job_phases import job_notes, job_phases
@@ -132,10 +133,22 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         result.notes.append(pipeline_note(r, top))
     if pool is not None:
         result.notes.append(vllm_note(r, pool))
-    result.job_phases = [] if draft else job_phases(r, ms)    # a search's drafts: the step only
-    if result.job_phases:
-        result.job_notes = job_notes(result.job_phases, rep.peak_allocated_bytes, limit - context)
+    if not draft:                     # a search's drafts: the step only
+        add_job_phases(result, r, ms, act, limit - context)
     return result
+
+
+def add_job_phases(result: MemoryResult, r: ResolvedSetup, ms: ModelStates, act: ActivationProfile,
+                   allocator_bytes: int) -> None:
+    """The job's phases beside the step (loading, evaluation, saving) and what the answer says of them."""
+    phases = job_phases(r, ms)
+    evaluation = eval_phase(r, ms, act)
+    if evaluation is not None:        # between loading and saving, as the table lists them
+        phases.insert(min(1, len(phases)), evaluation)
+    result.job_phases = phases
+    if phases:
+        result.job_notes = job_notes(phases, result.peak_allocated_bytes, allocator_bytes)
+    result.job_notes += eval_notes(r)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ class SetupRecord:
 
     def to_dict(self) -> dict:
         out = self.setup.to_dict()
-        later = {name: out.pop(name) for name in LATER_FIELDS}     # after the keys an earlier llmem printed
+        # after the keys an earlier llmem printed (those of SHOWN_WHEN_SET only where set)
+        later = {name: out.pop(name) for name in LATER_FIELDS if name in out}
         out.update(model_type=self.model_type, total_params=self.total_params,
                    trainable_params=self.trainable_params, dp=self.dp, nodes=self.nodes,
                    gpu_memory_bytes=self.gpu_memory_bytes, cuda_context_bytes=self.cuda_context_bytes,

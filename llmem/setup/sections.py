@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from llmem.setup.eval_phase import EVAL_KEEPS
 from llmem.setup.flags import (
     ACTIVATIONS,
     ADAPTERS,
@@ -331,6 +332,18 @@ class JobConfig:
     save_kind: str = option(DEFAULT, f"how a checkpoint is saved: {DEFAULT} (HF Trainer + accelerate's for the "
                             "method), " + ", ".join(f"{r.name} ({r.summary})" for r in SAVE_KINDS.values()), JOB,
                             metavar="KIND")
+    # HF Trainer's evaluation (llmem.setup.eval_phase): TrainingArguments' names
+    eval_batch_size: int | None = option(None, "the job evaluates (HF Trainer's evaluate) at this many samples per "
+                                         "GPU: per_device_eval_batch_size (HF's default 8); without it, no eval "
+                                         "phase", JOB, type=int)
+    eval_keeps: str = option("loss", "what each eval step keeps on the GPU: " + ", ".join(
+        f"{k.name} ({k.summary})" for k in EVAL_KEEPS.values()), JOB, metavar="KEPT")
+    eval_accumulation_steps: int | None = option(None, "eval steps whose kept tensors stay on the GPU before they "
+                                                 "are moved to the host (HF's eval_accumulation_steps; default: "
+                                                 "the whole eval set)", JOB, type=int)
+    eval_samples: int | None = option(None, "samples in the eval set (all GPUs together): how many eval steps "
+                                      "keep their tensors on the GPU when --eval-accumulation-steps is not given",
+                                      JOB, type=int)
 
 
 # TrainingSetup holds one of each, under these names (the order of its fields)

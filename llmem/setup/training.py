@@ -23,6 +23,7 @@ from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import ac_policy
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
+from llmem.setup.eval_phase import check_eval
 from llmem.setup.expert_parallel import check_expert_parallel
 from llmem.setup.flags import (  # noqa: F401 - re-exported: the flags' names as llmem has always offered them
     ACTIVATIONS,
@@ -98,10 +99,14 @@ def user_setup(**fields: Any) -> TrainingSetup:
 LATER_FIELDS = ("load_path", "save_kind", "logits_dtype", "liger", "float8", "float8_all_gather",
                 "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile",
                 "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
-                "freeze_language_model", "shard_embeddings", "ckpt_reentrant")
+                "freeze_language_model", "shard_embeddings", "ckpt_reentrant", "eval_batch_size", "eval_keeps",
+                "eval_accumulation_steps", "eval_samples")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
+# Fields a set-up's JSON record shows only where they are set (an eval's): a set-up without an eval records what it
+# recorded before they existed
+SHOWN_WHEN_SET = ("eval_batch_size", "eval_keeps", "eval_accumulation_steps", "eval_samples")
 # flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
 # the defaults of LATER_FIELDS: a set-up prints them only where it differs (TrainingSetup.__repr__)
@@ -206,6 +211,7 @@ class TrainingSetup:
         check_context_parallel(self)
         check_expert_parallel(self)
         check_job_phases(self)
+        check_eval(self)
         check_images(self)
 
     def _check_pipeline(self) -> None:
@@ -420,8 +426,10 @@ class TrainingSetup:
         return self.offload_optimizer or self.fsdp_cpu_offload
 
     def to_dict(self) -> dict:
-        """Every field by its flat name, in FLAT_ORDER: the `setup` of every --json."""
-        return {name: getattr(self, name) for name in FLAT_ORDER}
+        """Every field by its flat name, in FLAT_ORDER: the `setup` of every --json (SHOWN_WHEN_SET's only where
+        set)."""
+        return {name: getattr(self, name) for name in FLAT_ORDER
+                if name not in SHOWN_WHEN_SET or getattr(self, name) != LATER_DEFAULTS[name]}
 
 
 def option_fields() -> list:

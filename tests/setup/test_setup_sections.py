@@ -12,7 +12,7 @@ import pytest
 from llmem import estimate
 from llmem.errors import LlmemError
 from llmem.setup.sections import SECTIONS, ActivationsConfig, ParallelismConfig, StepConfig
-from llmem.setup.training import FLAT_ORDER, TrainingSetup, option_fields
+from llmem.setup.training import FLAT_ORDER, SHOWN_WHEN_SET, TrainingSetup, option_fields
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -27,7 +27,7 @@ def test_at_most_twelve_top_level_fields_each_section_a_frozen_dataclass():
 
 def test_every_field_lives_in_one_place_and_carries_its_option():
     names = [f.name for section in SECTIONS.values() for f in fields(section)] + ["model", "trust_remote_code"]
-    assert len(names) == len(set(names)) == 83
+    assert len(names) == len(set(names)) == 87
     assert sorted(names) == sorted(FLAT_ORDER)
     assert all("option" in f.metadata for f in option_fields())
     # no flat name hides a section or one of TrainingSetup's own properties
@@ -81,7 +81,11 @@ def test_repr_and_dict_keep_the_flat_form():
     s = TrainingSetup(model="gpt2", gpus=2, method="ddp")
     assert repr(s).startswith("TrainingSetup(model='gpt2', method='ddp', gpus=2, gpus_per_node=None, tp=None, "
                               "batch_size=1, seq_len=2048, precision='bf16-mixed', optimizer='adamw', ")
-    assert list(s.to_dict()) == list(FLAT_ORDER)
+    # every field in FLAT_ORDER, but the eval's only where the set-up evaluates (an earlier answer's JSON stays)
+    assert list(s.to_dict()) == [n for n in FLAT_ORDER if n not in SHOWN_WHEN_SET]
+    evaluating = replace(s, eval_batch_size=4)
+    assert list(evaluating.to_dict()) == [n for n in FLAT_ORDER if n not in SHOWN_WHEN_SET[1:]]
+    assert list(replace(evaluating, eval_samples=9).to_dict())[-1] == "eval_samples"
     assert s.shape_free == replace(s, batch_size=3, seq_len=64).shape_free
     # a field added later prints only off its default, so an earlier set-up's repr (a digest's input) stays
     assert repr(s).endswith("reshard_after_forward=None)")

@@ -1,0 +1,149 @@
+"""The job's evaluation phase (llmem.estimator.eval_phase) on tiny-llama, against bytes worked out by hand from its
+config (llmem/model/catalog/tiny/tiny-llama.json: hidden 512, intermediate 1376, 4 layers, vocab 32000, untied
+embeddings), bf16-mixed full fine-tuning with AdamW: fp32 weights (4 P) and two fp32 states (8 P) stay on the GPU
+through the eval, gradients freed by zero_grad."""
+
+from __future__ import annotations
+
+import json
+from math import ceil
+
+import pytest
+
+from llmem import estimate
+from llmem.cli import main
+from llmem.errors import LlmemError
+from llmem.setup.training import TrainingSetup
+from llmem.units import format_bytes
+
+H, FFN, LAYERS, V = 512, 1376, 4, 32000
+EMBED = V * H
+LAYER = 4 * H * H + 3 * H * FFN + 2 * H
+P = 2 * EMBED + LAYERS * LAYER + H                 # 45,421,056
+RESIDENT = 4 * P + 8 * P                           # fp32 weights, AdamW's exp_avg and exp_avg_sq
+SEQ = 256
+
+
+def kept_step(batch: int, world: int = 1, per_token: int = V * 4) -> int:
+    """One eval step's kept tensors on each GPU: fp32 logits (accelerate's convert_outputs_to_fp32) or token ids,
+    int64 labels and the loss repeated per sample (fp32), from every rank."""
+    t = batch * SEQ
+    return world * (t * per_token + t * 8 + batch * 4)
+
+
+def run(**kw):
+    setup = dict(model="tiny-llama", seq_len=SEQ, eval_batch_size=8) | kw
+    return estimate(TrainingSetup(**setup))
+
+
+def phase(result, name="eval") -> dict:
+    return next(p.to_dict() for p in result.job_phases if p.name == name)
+
+
+def test_loss_only_eval_is_the_no_grad_forward_at_its_head():
+    """No compute_metrics (HF's default): nothing but the losses kept. The peak is the head of the no-grad forward:
+    autocast's cached bf16 casts of every matmul weight (lm_head and the layers' seven), the final norm's fp32
+    output, the bf16 logits, their fp32 upcast and fp32 log-softmax; the batch's three int64 tensors beside."""
+    result = run()
+    t = 8 * SEQ
+    casts = 2 * (EMBED + LAYERS * (4 * H * H + 3 * H * FFN))
+    head = t * H * 4 + t * V * (2 + 4 + 4)
+    got = phase(result)
+    assert (got["kind"], got["device_bytes"]) == ("loss", RESIDENT + 3 * t * 8 + casts + head)
+    assert got["host_bytes"] == 8 * 4              # one step's 8 fp32 losses (no --eval-samples: one step)
+    # HF's default eval batch (8) is 8 times the step's micro-batch (1): its logits alone outweigh the step's
+    assert result.peak_allocated_bytes < got["device_bytes"]
+    assert result.to_dict()["job_peak"] == {"phase": "eval", "device_bytes": got["device_bytes"]}
+
+
+def test_kept_logits_over_the_eval_set():
+    """compute_metrics, no eval_accumulation_steps: all 64 samples' logits stay on the GPU; the last of the 8 steps'
+    torch.cat holds its output (8 steps) beside its inputs (7 steps and this one): 16 steps' worth."""
+    result = run(eval_keeps="logits", eval_samples=64)
+    steps = 64 // 8
+    device = RESIDENT + 3 * 8 * SEQ * 8 + 2 * steps * kept_step(8)
+    per_sample = SEQ * V * 4 + SEQ * 8 + 4          # numpified on the host: every sample once
+    assert (phase(result)["device_bytes"], phase(result)["host_bytes"]) == (device, 64 * per_sample)
+    assert result.peak_allocated_bytes < device
+    assert result.to_dict()["job_peak"] == {"phase": "eval", "device_bytes": device}
+    assert any(n.startswith("eval (logits) peaks above the step") for n in result.job_notes)
+
+
+def test_accumulation_steps_bound_the_gpu_and_the_host_gathers_every_rank():
+    """DDP on 4 GPUs, eval_accumulation_steps 2 over 40 samples at 2 per GPU: each GPU holds every rank's logits
+    (gather_for_metrics), 2 steps of them before they move to the host; DDP's fp32 buckets stay. Each rank's host
+    keeps all 40 samples, moved 16 at a time (16, 16, 8): the last concatenation holds 32 + 8 + 40."""
+    result = run(method="ddp", gpus=4, eval_batch_size=2, eval_keeps="logits", eval_accumulation_steps=2,
+                 eval_samples=40)
+    device = RESIDENT + 4 * P + 3 * 2 * SEQ * 8 + 2 * 2 * kept_step(2, world=4)
+    per_sample = SEQ * V * 4 + SEQ * 8 + 4
+    assert phase(result)["device_bytes"] == device
+    assert phase(result)["host_bytes"] == 4 * (2 * 40 - 8) * per_sample
+
+
+def test_more_samples_grow_the_phase_by_two_kept_steps_each():
+    """An independent reading of the cat: one more eval step adds its kept tensors twice (the output and input)."""
+    a, b = (phase(run(eval_keeps="logits", eval_samples=n))["device_bytes"] for n in (48, 56))
+    assert b - a == 2 * kept_step(8)
+
+
+def test_token_ids_keep_little():
+    """preprocess_logits_for_metrics' argmax: int64 ids and labels per token; the forward's head is the peak."""
+    loss_only = phase(run())["device_bytes"]
+    ids = phase(run(eval_keeps="token-ids", eval_samples=64))
+    held = 7 * kept_step(8, per_token=8) + kept_step(8, per_token=8)   # while the 8th step's forward runs
+    assert ids["device_bytes"] == loss_only + held
+    assert ids["host_bytes"] == 64 * (SEQ * 16 + 4)
+
+
+def test_without_the_eval_sets_size_the_phase_is_a_floor_and_says_so():
+    result = run(eval_keeps="logits")
+    assert phase(result)["device_bytes"] < phase(run(eval_keeps="logits", eval_samples=16))["device_bytes"]
+    note = next(n for n in result.job_notes if n.startswith("eval keeps logits on the GPU across the whole"))
+    assert f"{format_bytes(kept_step(8))} more on each GPU per eval step" in note
+
+
+def test_no_eval_no_phase_and_the_json_is_unchanged():
+    result = estimate(TrainingSetup(model="tiny-llama", seq_len=SEQ))
+    out = result.to_dict()
+    assert [p["name"] for p in out["job_phases"]] == ["load", "save"] and "job_peak" not in out
+    assert not any(k.startswith("eval") for k in out["setup"])
+    assert out["job_notes"][0].startswith("load and save phases are analytic")
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"objective": "dpo"}, "TRL's DPOTrainer for --objective dpo"),
+    ({"method": "tp", "gpus": 2}, "tensor, pipeline, context or expert parallelism"),
+    ({"method": "ds-zero3", "gpus": 2}, "ZeRO-3's module gathering"),
+    ({"fused_ce": True}, "--fused-ce"),
+])
+def test_an_eval_it_cannot_model_is_a_note_not_a_number(kw, why):
+    result = run(**kw)
+    assert not any(p.name == "eval" for p in result.job_phases)
+    assert any(n.startswith("the eval phase (--eval-batch-size 8) is not modelled") and why in n
+               for n in result.job_notes)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"eval_keeps": "everything", "eval_batch_size": 8}, "unknown --eval-keeps 'everything'"),
+    ({"eval_batch_size": 0}, "--eval-batch-size must be a whole number >= 1"),
+    ({"eval_accumulation_steps": 4}, "--eval-accumulation-steps describes an evaluation: add --eval-batch-size"),
+])
+def test_bad_values_are_refused(kw, message):
+    with pytest.raises(LlmemError, match=message):
+        TrainingSetup(model="tiny-llama", **kw)
+
+
+def test_the_cli_flags_and_json(capsys):
+    assert main(["estimate", "tiny-llama", "--seq-len", str(SEQ), "--eval-batch-size", "8", "--eval-keeps", "logits",
+                 "--eval-samples", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["eval_batch_size"] == 8 and out["setup"]["eval_samples"] == 64
+    assert [p["name"] for p in out["job_phases"]] == ["load", "eval", "save"]
+    assert main(["estimate", "tiny-llama", "--eval-samples", "0", "--eval-batch-size", "8"]) == 2
+    assert capsys.readouterr().err.strip() == "llmem: error: --eval-samples must be a whole number >= 1, got 0"
+
+
+def test_steps_per_rank_round_up():
+    from llmem.estimator.eval_phase import eval_steps
+    assert eval_steps(40, 4, 2) == 5 == ceil(40 / 8) and eval_steps(41, 4, 2) == 6
