@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.setup.job_phases import DS_ZERO3, phase_family
+from llmem.setup.methods import method_spec
 from llmem.setup.objectives import objective_spec
 
 HF_EVAL_BATCH_SIZE = 8      # TrainingArguments.per_device_eval_batch_size's default
@@ -54,12 +55,16 @@ def eval_unmodelled(setup) -> str | None:
     """Why the eval phase of a set-up that evaluates is not modelled (None: it is, or it does not evaluate)."""
     if not eval_runs(setup):
         return None
-    objective = objective_spec(setup.objective)
+    objective, spec = objective_spec(setup.objective), method_spec(setup.method)
     reasons = (
         (objective.runs_trainer, f"TRL's {objective.trainer} for --objective {setup.objective}, which evaluates its "
                                  "own way (its prediction_step)"),
-        (phase_family(setup) is None, "tensor, pipeline, context or expert parallelism or a quantised base"),
-        (phase_family(setup) == DS_ZERO3, "ZeRO-3's module gathering in an inference forward"),
+        (spec.has_tp, "tensor parallelism"),
+        (setup.pp > 1, "pipeline parallelism"),
+        (setup.cp > 1, "context parallelism"),
+        (setup.ep > 1, "expert parallelism"),
+        (setup.quant_spec.quantised, "a quantised base"),
+        (phase_family(setup) == DS_ZERO3, "ZeRO-3 (its module gathering in an inference forward)"),
         (setup.fused_ce, "--fused-ce (Liger computes full logits in eval mode unless the Trainer asks it not to)"),
         (setup.images_per_sample > 0, "a vision-language batch"),
     )

@@ -113,8 +113,8 @@ def test_no_eval_no_phase_and_the_json_is_unchanged():
 
 @pytest.mark.parametrize("kw, why", [
     ({"objective": "dpo"}, "TRL's DPOTrainer for --objective dpo"),
-    ({"method": "tp", "gpus": 2}, "tensor, pipeline, context or expert parallelism"),
-    ({"method": "ds-zero3", "gpus": 2}, "ZeRO-3's module gathering"),
+    ({"method": "tp", "gpus": 2}, "under tensor parallelism"),
+    ({"method": "ds-zero3", "gpus": 2}, "ZeRO-3 (its module gathering"),
     ({"fused_ce": True}, "--fused-ce"),
 ])
 def test_an_eval_it_cannot_model_is_a_note_not_a_number(kw, why):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from llmem.setup.sections import REGEX_TARGETS
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.evaluation import read_axolotl_eval
 from llmem.setup.sources.fsdp import read_fsdp_config
 from llmem.setup.sources.hf import (
     LIGER_CE_NOTE,
@@ -77,8 +78,9 @@ def read(keys: Keys, r: Reading, bf16_capable: bool) -> None:
                                                                                 keys.get("sample_packing")))
     if "pad_to_sequence_len" in keys:
         r.note_used("pad_to_sequence_len", keys.get("pad_to_sequence_len"), "rows of sequence_len: llmem's shape")
-    for key in ("eval_sample_packing", "eval_batch_size", "eval_sequence_len", "min_sample_len"):
+    for key in ("eval_sample_packing", "min_sample_len"):
         keys.get(key)
+    read_axolotl_eval(r, keys, batch)
     if "gradient_accumulation_steps" in keys and r.values.get("objective") not in GENERATING:
         r.note_used("gradient_accumulation_steps", keys.get("gradient_accumulation_steps"), GA_NOTE)
     keys.get("batch_size")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from llmem.setup.liger import LIGER_DEFAULTS
 from llmem.setup.sources.adapters import Lora, Oft, apply_lora, apply_oft, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.evaluation import read_llamafactory_eval
 from llmem.setup.sources.hf import (
     LIGER_CE_NOTE,
     read_optimizer,
@@ -96,6 +97,7 @@ def read(keys: Keys, r: Reading) -> None:
     trainer = TrainerValues("TrainingArguments", batch, accum if isinstance(accum, int) else None, None,
                             r.dtypes.compute == "bf16", r.dtypes.compute == "fp16")
     trainer_distributed(r, keys, trainer)
+    read_llamafactory_eval(r, keys)
     if r.zero_stage == 3 and not quantised:
         r.notes.append("LLaMA-Factory under ZeRO-3 keeps the trained parameters in ZeRO-3's fp32 partitions")
     for key, why in (("upcast_layernorm", "the norms upcast to fp32: not modelled (a few MB)"),

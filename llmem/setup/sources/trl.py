@@ -16,6 +16,7 @@ from llmem.setup.generation import GENERATION_DEFAULTS
 from llmem.setup.objectives import objective_spec
 from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
+from llmem.setup.sources.evaluation import read_trainer_eval
 from llmem.setup.sources.hf import (
     read_attention,
     read_checkpointing,
@@ -81,6 +82,7 @@ def read(keys: Keys, r: Reading) -> None:
         if r.zero_stage == 3 and not quantised:
             r.dtype(adapters="base")
             r.notes.append("TRL under ZeRO-3 builds the adapters in the base's dtype (autocast_adapter_dtype=False)")
+    read_trainer_eval(r, keys)
     for key, why in (("torch_compile", WHOLE_MODEL_COMPILE),
                      ("auto_find_batch_size", "the batch is the one the file states (the search halves it on OOM)")):
         if keys.get(key):
