@@ -152,13 +152,14 @@ def phases_table(result: MemoryResult) -> Table:
 
 
 def job_phases_table(result: MemoryResult) -> Table:
-    """The job's phases beside its step: loading, the step, saving, each one's peak on one GPU and on one node's
-    host (the step's host: offloaded states, in its notes)."""
+    """The job's phases beside its step: loading, the step, evaluation, saving, each one's peak on one GPU and on one
+    node's host (the step's host: offloaded states, in its notes)."""
     table = Table()
     for name, justify in (("job phase", "left"), ("path", "left"), ("per GPU", "right"), ("host per node", "right")):
         table.add_column(name, justify=justify, no_wrap=name != "path")
     rows = [(p.name, p.kind, p.device_bytes, format_bytes(p.host_bytes)) for p in result.job_phases]
-    rows.insert(1, ("step", "peak_allocated", result.peak_allocated_bytes, ""))
+    first = 1 if result.job_phases[0].name == "load" else 0        # the step after loading
+    rows.insert(first, ("step", "peak_allocated", result.peak_allocated_bytes, ""))
     top = max(r[2] for r in rows)
     for name, kind, device, host in rows:
         table.add_row(f"[bold]{name} (peak)[/]" if device == top else name, kind, format_bytes(device), host)

@@ -9,7 +9,8 @@ optimizer.step and zero_grad(set_to_none=True): no gradients), DDP's buckets; wh
   the model's own ForCausalLMLoss): the batch; per decoder layer, the residual stream in and out and two adjacent
   blocks' tensors (what the layer's ops make, freed once the next block has used them, as
   llmem.estimator.objectives' no-grad forward); FSDP2's gathered units (the root kept, a layer and its
-  prefetched successor; zero2: every layer kept gathered); autocast's cache of the trained fp32 weights' casts
+  prefetched successor; zero2: every layer kept gathered); a quantised base's dequantisation transients of its
+  largest linear (one at a time); autocast's cache of the trained fp32 weights' casts
   (cached whatever the grad mode, cleared when the forward's autocast region exits); at the head the final norm's
   output, the logits in the matmuls' dtype, their fp32 upcast and log-softmax; after it accelerate's
   convert_outputs_to_fp32 (native AMP: every precision but DeepSpeed's) copies the logits to fp32;
@@ -39,7 +40,10 @@ from math import ceil
 from llmem.estimator.generation import policy_gathered_bytes
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.profile import ActivationProfile
+from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
+from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.sharding import MATMUL_KINDS
 from llmem.result import EVAL_PHASE, JobPhase
 from llmem.setup.eval_phase import EVAL_KEEPS, eval_runs, eval_unmodelled
 from llmem.setup.precision import F32
@@ -58,6 +62,7 @@ class EvalBytes:
     layer_gathered_bytes: int      # FSDP2: units gathered while a decoder layer runs (0 without FSDP2)
     head_gathered_bytes: int       # ... while the head runs
     casts_bytes: int               # autocast's cached casts of the trained fp32 weights (0 without autocast)
+    dequant_bytes: int             # a quantised base: the largest linear's dequantisation transients (0 without)
     layer_bytes: int               # one decoder layer's no-grad peak: stream in and out, two adjacent blocks, shared
     head_bytes: int                # the head's: final norm output, logits, their fp32 upcast, log-softmax
     output_bytes: int              # after the forward: the logits and convert_outputs_to_fp32's copy
@@ -74,7 +79,7 @@ def inference_forward(b: EvalBytes) -> int:
     """prediction_step's forward under torch.no_grad (compute_loss with the labels, the model's ForCausalLMLoss):
     the largest of a decoder layer's moment and the head's, with autocast's cache and FSDP2's gathered units, then
     the logits copied to fp32 once the autocast region has exited (its cache cleared)."""
-    layer = b.casts_bytes + b.layer_gathered_bytes + b.layer_bytes
+    layer = b.casts_bytes + b.layer_gathered_bytes + b.layer_bytes + b.dequant_bytes
     head = b.casts_bytes + b.head_gathered_bytes + b.head_bytes
     return b.batch_bytes + max(layer, head, b.output_bytes)
 
@@ -167,6 +172,29 @@ def host_sample_bytes(r: ResolvedSetup) -> int:
     return s.seq_len * (per_token + (INT64 if keep.labels else 0)) + F32
 
 
+def cached_casts_bytes(r: ResolvedSetup) -> int:
+    """Autocast's cache at the forward's end: the casts of the trained fp32 parameters of the matmuls (weights and
+    biases: leaves requiring grad, cached whatever the grad mode); a frozen fp32 weight's cast (the upcast lm_head of
+    a quantised base) is made and freed at each use (nothing saves it under no_grad)."""
+    s = r.setup
+    if not r.regime.autocast:
+        return 0
+    return sum(p.numel for p in r.anatomy.params if p.trainable and element_bytes(p, s) == F32
+               and p.module_kind in MATMUL_KINDS) * r.regime.mm
+
+
+def dequant_bytes(r: ResolvedSetup, tokens: int) -> int:
+    """A quantised base's largest forward transients of one linear at `tokens` tokens (bitsandbytes' dequantised
+    weight and absmax, torchao's, LLM.int8's int8 matmul's: llmem.memory.quant), made and freed per matmul."""
+    s = r.setup
+    if not s.quant_spec.quantised:
+        return 0
+    args = quant_args(s, r.layout.shards_model_states)
+    return max((events_peak(transients(p.shape, s.quant_base, args, tokens, s.compute_dtype == "float16",
+                                       p.module_kind == "Conv1D").forward)
+                for p in r.anatomy.params if is_quantised(p, s.quant_base)), default=0)
+
+
 def eval_bytes(r: ResolvedSetup, ms: ModelStates, act: ActivationProfile) -> EvalBytes:
     """The bytes of `EvalBytes` for a resolved set-up that evaluates (`act`: its training step's profile)."""
     s, regime, world = r.setup, r.regime, r.layout.world_size
@@ -184,7 +212,8 @@ def eval_bytes(r: ResolvedSetup, ms: ModelStates, act: ActivationProfile) -> Eva
         batch_bytes=BATCH_TENSORS * t * INT64,
         layer_gathered_bytes=root + (layers if kept_gathered else 2 * layer),
         head_gathered_bytes=root + (layers if kept_gathered else 0),
-        casts_bytes=ms.autocast_weight_copies + ms.autocast_bias_copies if regime.autocast else 0,
+        casts_bytes=cached_casts_bytes(r),
+        dequant_bytes=dequant_bytes(r, t),
         layer_bytes=layer_no_grad_bytes(act, b / s.batch_size, t * h * regime.res),
         head_bytes=head, output_bytes=t * v * mm + (t * v * out if out != mm else 0),
         local_kept_bytes=local, step_kept_bytes=world * local, kept_steps=steps, gathers=world > 1,

@@ -273,14 +273,21 @@ def job_phases(r: ResolvedSetup, ms: ModelStates) -> list[JobPhase]:
     return out
 
 
+PHASE_WORDS = {"load": "loading", "eval": "evaluation", "save": "saving"}
+
+
+def _listed(words: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
+
+
 def job_notes(phases: list[JobPhase], step_allocated_bytes: int, allocator_bytes: int) -> list[str]:
     """Where a phase needs more of the GPU than the step (its peak of tensor bytes) or than the allocator may use
     (the GPU's memory less what lies outside the allocator)."""
     names = [p.name for p in phases]
-    listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
-    what = "loading and saving" if names == ["load", "save"] else "loading, evaluation and saving"
-    notes = [f"{listed} phases are analytic (the frameworks' {what} code as read, not replayed or traced): tensor "
-             "bytes per GPU, host RAM per node"]
+    are = "phases are" if len(names) > 1 else "phase is"
+    notes = [f"{_listed(names)} {are} analytic (the frameworks' {_listed([PHASE_WORDS[n] for n in names])} code as "
+             "read, not replayed or traced): tensor bytes per GPU, host RAM per node"]
     for p in phases:
         if p.device_bytes > allocator_bytes:
             notes.append(f"{p.name} ({p.kind}) needs {format_bytes(p.device_bytes)} per GPU, more than the "

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
-from llmem.setup.job_phases import DS_ZERO3, phase_family
 from llmem.setup.methods import method_spec
 from llmem.setup.objectives import objective_spec
 
@@ -63,8 +62,7 @@ def eval_unmodelled(setup) -> str | None:
         (setup.pp > 1, "pipeline parallelism"),
         (setup.cp > 1, "context parallelism"),
         (setup.ep > 1, "expert parallelism"),
-        (setup.quant_spec.quantised, "a quantised base"),
-        (phase_family(setup) == DS_ZERO3, "ZeRO-3 (its module gathering in an inference forward)"),
+        (spec.zero_stage == 3, "ZeRO-3 (its module gathering in an inference forward)"),
         (setup.fused_ce, "--fused-ce (Liger computes full logits in eval mode unless the Trainer asks it not to)"),
         (setup.images_per_sample > 0, "a vision-language batch"),
     )

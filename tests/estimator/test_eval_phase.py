@@ -56,6 +56,30 @@ def test_loss_only_eval_is_the_no_grad_forward_at_its_head():
     assert result.to_dict()["job_peak"] == {"phase": "eval", "device_bytes": got["device_bytes"]}
 
 
+def nf4_bytes(n: int) -> int:
+    """bitsandbytes' NF4 storage of an n-element weight, double-quantised: the packed 4-bit weight, one uint8
+    absmax per block of 64, their fp32 absmax per 256 blocks, the 256-entry fp32 dynamic code, its fp32 offset and
+    the 16-entry fp32 NF4 code."""
+    blocks = ceil(n / 64)
+    return n // 2 + blocks + ceil(blocks / 256) * 4 + 256 * 4 + 4 + 16 * 4
+
+
+def test_qlora_eval_beside_the_quantised_base():
+    """QLoRA r=8 on q_proj, v_proj: the NF4 linears, the kbit-upcast fp32 embedding, lm_head and norms, fp32
+    adapters and AdamW's states stay; at the head autocast's cache holds only the adapters' bf16 casts (the frozen
+    fp32 lm_head is cast per use: nothing keeps it under no_grad); the residual stream is fp32 (the upcast
+    embedding's output)."""
+    result = run(quant_base="nf4", lora_rank=8)
+    linears = LAYERS * (4 * nf4_bytes(H * H) + 3 * nf4_bytes(H * FFN))
+    upcast = 4 * (2 * EMBED + (2 * LAYERS + 1) * H)
+    adapters = LAYERS * 2 * (8 * H + H * 8)
+    t = 8 * SEQ
+    device = linears + upcast + 4 * adapters + 8 * adapters + 3 * t * 8 + 2 * adapters + t * H * 4 + t * V * 10
+    assert phase(result)["device_bytes"] == device
+    assert [p.name for p in result.job_phases] == ["eval"]          # (a quantised base: no load / save phases)
+    assert result.job_notes[0].startswith("eval phase is analytic (the frameworks' evaluation code")
+
+
 def test_kept_logits_over_the_eval_set():
     """compute_metrics, no eval_accumulation_steps: all 64 samples' logits stay on the GPU; the last of the 8 steps'
     torch.cat holds its output (8 steps) beside its inputs (7 steps and this one): 16 steps' worth."""

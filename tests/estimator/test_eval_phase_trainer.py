@@ -83,7 +83,7 @@ def modelled(steps: int) -> EvalBytes:
     the loss per sample kept each step; the layer and head moments are below the cat's (set small)."""
     t = B * S
     return EvalBytes(ranks_per_node=1, resident_bytes=0, batch_bytes=3 * t * 8, layer_gathered_bytes=0,
-                     head_gathered_bytes=0, casts_bytes=0, layer_bytes=t * HIDDEN * 16, head_bytes=2 * t * V * 4,
+                     head_gathered_bytes=0, casts_bytes=0, dequant_bytes=0, layer_bytes=t * HIDDEN * 16, head_bytes=2 * t * V * 4,
                      output_bytes=t * V * 4, local_kept_bytes=t * V * 4 + t * 8 + B * 4,
                      step_kept_bytes=t * V * 4 + t * 8 + B * 4, kept_steps=steps, gathers=False, host_bytes=0)
 
