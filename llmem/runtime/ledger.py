@@ -23,9 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
 
 PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
-               "generation": 4, "scoring": 5}     # GRPO's phases before its forward (llmem.runtime.generation)
+               "generation": 4, "scoring": 5,    # GRPO's phases before its forward (llmem.runtime.generation)
+               "eval": 6}                        # the job's eval after the iterations (llmem.runtime.evaluation)
 STEP_FIRST_PHASES = ("forward", "generation")   # the phase an iteration starts with
-MODEL_PHASES = frozenset(PHASE_CODES[p] for p in ("forward", "backward", "generation", "scoring"))  # the model runs
+# the phases in which the model runs
+MODEL_PHASES = frozenset(PHASE_CODES[p] for p in ("forward", "backward", "generation", "scoring", "eval"))
 PHASE_NAMES = {v: k for k, v in PHASE_CODES.items()}
 
 _aten = torch.ops.aten

@@ -19,12 +19,14 @@ from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.model.vision_inputs import vision_inputs
 from llmem.result import MemoryResult
+from llmem.runtime.evaluation import eval_job_phase, eval_trace_notes, eval_traced, evaluation_loop
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.pipeline import fresh_sharding_cache
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
+from llmem.setup.eval_phase import kept_steps, native_amp
 from llmem.setup.expert_parallel import ep_note
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
@@ -77,7 +79,9 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     if method_spec(setup.method).zero_stage is not None:     # DeepSpeed's own engine runs the step
         from llmem.runtime.deepspeed import deepspeed_step
 
-        return deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
+        result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
+        result.job_notes = eval_trace_notes(setup, [])
+        return result, details
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -96,12 +100,19 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
             roles = roles_box[0]
             roles.bind(step)
             step.run(iterations, progress=say)
+            step_events = len(ledger.events)
+            traced_eval = eval_traced(setup)
+            if traced_eval:
+                say("evaluating")
+                roles.on_phase("eval", iterations)
+                evaluation_loop(step, kept_steps(setup, step.layout.world_size)[0], native_amp(setup))
             roles.finish()
             ledger.enabled = False
             resolved = step.resolved
             managed = getattr(step.optimizer, "outside_allocator_bytes", 0)
             del step
     say("replaying the allocator")
+    job = eval_job_phase(ledger, setup, step_events) if traced_eval else []
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(resolved.layout, setup, "trace")
@@ -113,6 +124,8 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
         notes.append(images.describe())
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
+    result.job_phases = job
+    result.job_notes = eval_trace_notes(setup, job)
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 

@@ -19,6 +19,7 @@ the config evaluates).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import ceil
 
 from llmem.errors import LlmemError
 from llmem.setup.methods import method_spec
@@ -43,6 +44,28 @@ EVAL_KEEPS: dict[str, EvalKeep] = {k.name: k for k in (
     EvalKeep("token-ids", "token ids and labels, int64: preprocess_logits_for_metrics returning logits.argmax(-1)",
              8, True),
 )}
+
+
+def eval_steps(samples: int, world: int, batch: int) -> int:
+    """Eval steps per rank: the sampler gives each rank ceil(samples / world) samples (the last batch padded with
+    repeats, which gather_for_metrics drops), in batches of `batch`."""
+    return ceil(samples / (world * batch))
+
+
+def kept_steps(setup, world: int) -> tuple[int, bool]:
+    """The eval steps whose kept tensors are on the GPU at once, and whether that is known: eval_accumulation_steps
+    (at most the eval's steps), or every step of the eval set (--eval-samples); else one step, a floor."""
+    n, samples, batch = setup.eval_accumulation_steps, setup.eval_samples, setup.eval_batch_size
+    steps = eval_steps(samples, world, batch) if samples is not None else None
+    if n is not None:
+        return (n if steps is None else min(n, steps)), True
+    return (1, False) if steps is None else (steps, True)
+
+
+def native_amp(setup) -> bool:
+    """accelerate's native AMP wraps the model's forward (autocast and convert_outputs_to_fp32: fp32 logits out)
+    under every precision but DeepSpeed's, whose engine runs the model in its own dtype."""
+    return method_spec(setup.method).zero_stage is None
 
 
 def eval_runs(setup) -> bool:

@@ -1,7 +1,7 @@
 """The job's evaluation phase (llmem.estimator.eval_phase) on tiny-llama, against bytes worked out by hand from its
 config (llmem/model/catalog/tiny/tiny-llama.json: hidden 512, intermediate 1376, 4 layers, vocab 32000, untied
-embeddings), bf16-mixed full fine-tuning with AdamW: fp32 weights (4 P) and two fp32 states (8 P) stay on the GPU
-through the eval, gradients freed by zero_grad."""
+embeddings), bf16-mixed full fine-tuning with AdamW: fp32 weights (4 P), two fp32 states (8 P) and cuBLAS's
+workspace stay on the GPU through the eval, gradients freed by zero_grad."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from llmem import estimate
 from llmem.cli import main
 from llmem.errors import LlmemError
+from llmem.setup.gpus import resolve_gpu
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -20,7 +21,8 @@ H, FFN, LAYERS, V = 512, 1376, 4, 32000
 EMBED = V * H
 LAYER = 4 * H * H + 3 * H * FFN + 2 * H
 P = 2 * EMBED + LAYERS * LAYER + H                 # 45,421,056
-RESIDENT = 4 * P + 8 * P                           # fp32 weights, AdamW's exp_avg and exp_avg_sq
+WORKSPACE = resolve_gpu("A100-80GB", None, None).cublas_workspace_bytes   # cuBLAS's, kept from the step's first matmul
+RESIDENT = 4 * P + 8 * P + WORKSPACE               # fp32 weights, AdamW's exp_avg and exp_avg_sq, the workspace
 SEQ = 256
 
 
@@ -74,7 +76,8 @@ def test_qlora_eval_beside_the_quantised_base():
     upcast = 4 * (2 * EMBED + (2 * LAYERS + 1) * H)
     adapters = LAYERS * 2 * (8 * H + H * 8)
     t = 8 * SEQ
-    device = linears + upcast + 4 * adapters + 8 * adapters + 3 * t * 8 + 2 * adapters + t * H * 4 + t * V * 10
+    device = linears + upcast + 4 * adapters + 8 * adapters + WORKSPACE + 3 * t * 8 + 2 * adapters + t * H * 4 \
+        + t * V * 10
     assert phase(result)["device_bytes"] == device
     assert [p.name for p in result.job_phases] == ["eval"]          # (a quantised base: no load / save phases)
     assert result.job_notes[0].startswith("eval phase is analytic (the frameworks' evaluation code")
@@ -169,5 +172,5 @@ def test_the_cli_flags_and_json(capsys):
 
 
 def test_steps_per_rank_round_up():
-    from llmem.estimator.eval_phase import eval_steps
+    from llmem.setup.eval_phase import eval_steps
     assert eval_steps(40, 4, 2) == 5 == ceil(40 / 8) and eval_steps(41, 4, 2) == 6
