@@ -95,13 +95,16 @@ def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
 
 def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
     """What the vision-language step does not wire yet, in words with the fix (None: it runs). Wired (traced, and
-    estimated from what the trace learns: llmem.learn): one GPU without DeepSpeed, the SFT loss on samples with
+    estimated from what the trace learns: llmem.learn): one GPU, or DDP (each rank's one-GPU step beside the
+    reducer's buckets; FSDP2's units and DeepSpeed's partitions of a vision tower are not), the SFT loss on samples with
     images, full fine-tuning (each part trained or frozen) or LoRA (--lora-rank) on the language model's layers,
     gradient checkpointing of every layer."""
     if inputs is None:
         return "a text-only step is not wired: give --images-per-sample N and --image-size HxW"
-    unwired = [(setup.gpus > 1, f"--gpus {setup.gpus}", "--gpus 1"),
-               (not method_spec(setup.method).one_gpu, f"--method {setup.method}", "--method single"),
+    spec = method_spec(setup.method)
+    unwired = [(not (spec.one_gpu or spec.gradient_buckets), f"--method {setup.method}",
+                "--method single or ddp"),
+               (setup.gpus > 1 and not spec.gradient_buckets, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp"),
                (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
                (setup.packing, "--packing", "drop it"),
                (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),

@@ -408,6 +408,13 @@ CI_MATRIX: list[TrainingSetup] = [
       for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
                  {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
                  {"attn": "eager"})),       # (transformers' advice for training Gemma 3: eager attention)
+    # ... under DDP: the one-GPU step on each rank, the reducer's bucket copy of every trained gradient, the tower's too
+    _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
+       image_size="448x448"),
+    _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
+       image_size="448x448", freeze_vision_tower=True, grad_ckpt=True),
+    _s("tiny-gemma3", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
+       image_size="448x448", lora_rank=8),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
