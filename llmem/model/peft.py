@@ -17,7 +17,7 @@ from llmem.errors import LlmemError, first_line
 from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, added_buffers, inventory, read_or_build
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
-from llmem.setup.training import LORA_ALL_LINEAR, REGEX_TARGETS, TrainingSetup
+from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup, lora_target_regex
 
 PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
 
@@ -57,12 +57,6 @@ def element_bytes(p: ParamInfo, setup: TrainingSetup) -> int:
 def lora_target_names(targets: str) -> list[str]:
     """--lora-targets "q_proj, v_proj" -> ["q_proj", "v_proj"] (all-linear stays one name)."""
     return [t.strip() for t in targets.split(",") if t.strip()]
-
-
-def lora_target_regex(targets: str) -> str | None:
-    """--lora-targets "re:PATTERN" -> PATTERN, which peft re.fullmatch-es against each module's full name (a
-    string target_modules: check_target_module_exists); None for module names."""
-    return targets[len(REGEX_TARGETS):] if targets.startswith(REGEX_TARGETS) else None
 
 
 @lru_cache(maxsize=64)

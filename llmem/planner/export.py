@@ -27,7 +27,7 @@ from llmem.setup.layout import Layout
 from llmem.setup.methods import METHODS, MethodSpec
 from llmem.setup.precision import PRECISIONS
 from llmem.setup.sections import ActivationsConfig
-from llmem.setup.training import REGEX_TARGETS, TrainingSetup
+from llmem.setup.training import TrainingSetup, lora_target_regex
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def unexportable_options(setup: TrainingSetup, kind: str | None = None) -> list[
     s = setup
     found = [flag for flag, on in (
         ("--lora-rank", bool(s.lora_rank)), ("--peft-config", bool(s.peft_config)),
-        (f"--lora-targets {s.lora_targets}", s.lora_targets.startswith(REGEX_TARGETS)),   # TRL's is a name list
+        (f"--lora-targets {s.lora_targets}", lora_target_regex(s.lora_targets) is not None),   # TRL's is a name list
         (s.quant_spec.flag, s.quant_spec.quantised),
         (f"--optimizer {s.optimizer}", not s.optimizer_spec.adam),
         ("--optimizer-in-backward", s.optimizer_in_backward), (f"--grad-ckpt-every {s.ckpt_every}", s.ckpt_every > 1),

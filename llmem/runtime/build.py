@@ -12,13 +12,13 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
-from llmem.model.peft import apply_peft_config, lora_target_names, lora_target_regex, read_peft_config
+from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
 from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
 from llmem.setup.attention import AttentionSpec
 from llmem.setup.objectives import objective_spec
-from llmem.setup.training import LORA_ALL_LINEAR
+from llmem.setup.training import LORA_ALL_LINEAR, lora_target_regex
 
 
 def meta_model_for(setup):

@@ -46,6 +46,12 @@ LORA_ALL_LINEAR = "all-linear"
 REGEX_TARGETS = "re:"   # --lora-targets "re:PATTERN": peft's target_modules as one string (a regular expression)
 
 
+def lora_target_regex(targets: str) -> str | None:
+    """--lora-targets "re:PATTERN" -> PATTERN, which peft re.fullmatch-es against each module's full name (a
+    string target_modules: check_target_module_exists); None for module names."""
+    return targets[len(REGEX_TARGETS):] if targets.startswith(REGEX_TARGETS) else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelismConfig:
     """How the GPUs are used: the method, the mesh's degrees (tensor, pipeline, context, expert, HSDP

@@ -53,7 +53,6 @@ from llmem.setup.sections import (  # noqa: F401 - re-exported
     ADAPTER_DTYPES,
     LOGITS_DTYPES,
     LORA_ALL_LINEAR,
-    REGEX_TARGETS,
     SECTIONS,
     ActivationsConfig,
     AdaptersConfig,
@@ -65,6 +64,7 @@ from llmem.setup.sections import (  # noqa: F401 - re-exported
     ParallelismConfig,
     StepConfig,
     TrainerConfig,
+    lora_target_regex,
 )
 
 if TYPE_CHECKING:
@@ -181,9 +181,10 @@ class TrainingSetup:
         if self.peft_config and (self.lora_rank or self.lora_dropout):
             raise LlmemError("--peft-config sets the adapters itself: drop --lora-rank / --lora-dropout "
                              "(or drop --peft-config)")
-        if self.lora_targets.startswith(REGEX_TARGETS):
+        pattern = lora_target_regex(self.lora_targets)
+        if pattern is not None:
             try:
-                re.compile(self.lora_targets[len(REGEX_TARGETS):])
+                re.compile(pattern)
             except re.error as exc:
                 raise LlmemError(f"--lora-targets {self.lora_targets}: not a regular expression ({exc}); write "
                                  "re:PATTERN, e.g. re:model\\.layers\\.\\d+\\.self_attn\\.(q|v)_proj") from None
