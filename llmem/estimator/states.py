@@ -12,13 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmem.errors import LlmemError
-from llmem.memory.quant import (
-    check_quantisable,
-    gathered_tensors,
-    is_quantised,
-    quant_args,
-    storage_bytes,
-)
+from llmem.memory.quant import check_quantisable, gathered_tensors, is_quantised, quant_args, storage_bytes
 from llmem.model.anatomy import ParamInfo
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
@@ -220,10 +214,9 @@ def zero_model_states(r: ResolvedSetup) -> ModelStates:
 def check_cpu_offload(r: ResolvedSetup) -> None:
     """FSDP2's CPUOffloadPolicy is modelled over plain parameters and the quantised storage it offloads as one
     (QuantBaseSpec.host_offload: bitsandbytes' NF4 packed in the compute dtype, FSDP-QLoRA)."""
-    if cpu_offload(r) and r.setup.quant_spec.quantised and not r.setup.quant_spec.host_offload:
-        raise LlmemError(f"--offload-param with a {r.setup.quant_spec.flag} base under {r.layout.method} is not "
-                         "modelled (FSDP2 copies its shard through the tensor subclass): drop --offload-param, or "
-                         "use --qlora (bitsandbytes)")
+    why = r.setup.quant_spec.host_offload_refusal(r.layout.method) if cpu_offload(r) else None
+    if why is not None:
+        raise LlmemError(why)
 
 
 def offload_resident_bytes(r: ResolvedSetup) -> int:

@@ -234,9 +234,9 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
                                                reduce_dtype=torch.float32)
     host = contextlib.nullcontext()
     if setup.offload_param:
-        if setup.quant_spec.quantised and not setup.quant_spec.host_offload:
-            raise LlmemError(f"--offload-param with a {setup.quant_spec.flag} base is not modelled (FSDP2 copies its "
-                             "shard through the tensor subclass): drop --offload-param, or use --qlora (bitsandbytes)")
+        why = setup.quant_spec.host_offload_refusal(setup.method)
+        if why is not None:
+            raise LlmemError(why)
         if next(model.parameters()).is_meta:
             raise LlmemError("--offload-param under FSDP2 is traced, not measured: FSDP2's CPUOffloadPolicy needs "
                              "the model materialised on the host (use llmem trace, or the exported torchrun script)")

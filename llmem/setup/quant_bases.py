@@ -65,6 +65,14 @@ class QuantBaseSpec:
     base_text: str = ""              # the setup record's words for it ("nf4 base")
     check: Callable[[Any, str], None] | None = None   # the precisions / adapter dtypes its recipe trains in
 
+    def host_offload_refusal(self, method: str) -> str | None:
+        """Why FSDP2's CPUOffloadPolicy of this base is not modelled under `method` (None: it is, or the base is
+        not quantised)."""
+        if not self.quantised or self.host_offload:
+            return None
+        return (f"--offload-param with a {self.flag} base under {method} is not modelled (FSDP2 copies its shard "
+                "through the tensor subclass): drop --offload-param, or use --qlora (bitsandbytes)")
+
     @property
     def bitsandbytes(self) -> bool:
         """bitsandbytes' linears under peft: they return their input's dtype, and peft's bitsandbytes LoRA layers

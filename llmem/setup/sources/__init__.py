@@ -274,8 +274,7 @@ def _offload_not_expressed(values: dict, used: list[Used], ignored: list) -> Non
     if not values.get("offload_param"):
         return
     spec = METHODS[canonical_method(values.get("method", "single"))]
-    quant = quant_base_spec(values.get("quant_base", "none"))
-    if quant.quantised and not quant.host_offload:
+    if quant_base_spec(values.get("quant_base", "none")).host_offload_refusal(values.get("method", "")):
         why = "FSDP2's CPU offload of this quantised base is not modelled (its shard is copied through the tensor subclass)"
     elif not spec.shards_model_states and spec.zero_stage != 3:
         why = f"parameter offload belongs to FSDP2 (or ZeRO-3); {values.get('method')} keeps every parameter"
