@@ -4,7 +4,9 @@ llmem.memory.activations.selective."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from llmem.errors import LlmemError
 
@@ -40,3 +42,21 @@ def ac_policy(name: str) -> AcPolicy:
     if row.refusal:
         raise LlmemError(row.refusal)
     return row
+
+
+# the options llmem models only over the non-reentrant checkpoint, refused beside --ckpt-reentrant:
+# (flag, field, whether the field's value asks for it, why)
+REENTRANT_REFUSED: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+    ("--ac-policy op", "ac_policy", lambda v: v in AC_POLICIES and AC_POLICIES[v].selective,
+     "torch's selective checkpointing (context_fn) runs only in the non-reentrant checkpoint"),
+    ("--offload-activations", "offload_activations", bool, "save_on_cpu around the reentrant checkpoint is not modelled"),
+    ("--compile", "compile", bool, "the compiled layer is learned under the non-reentrant checkpoint"),
+    ("--images-per-sample", "images_per_sample", bool,
+     "a vision encoder's checkpointing is learned under the non-reentrant checkpoint"),
+)
+
+
+def reentrant_refusal(value: Callable[[str], Any]) -> tuple[str, str] | None:
+    """The first option REENTRANT_REFUSED holds that a set-up asks for, as (flag, why), each field read through
+    `value` (a TrainingSetup's attribute, or a config file's value before the set-up is built); None: none."""
+    return next(((flag, why) for flag, name, given, why in REENTRANT_REFUSED if given(value(name))), None)

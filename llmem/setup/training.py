@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmem.errors import LlmemError
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
-from llmem.setup.checkpointing import ac_policy
+from llmem.setup.checkpointing import ac_policy, reentrant_refusal
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.eval_phase import check_eval
@@ -269,16 +269,10 @@ class TrainingSetup:
         llmem models only over the non-reentrant checkpoint are refused with it."""
         if not self.ckpt_reentrant:
             return
-        refused = (("--ac-policy op", ac_policy(self.ac_policy).selective,
-                    "torch's selective checkpointing (context_fn) runs only in the non-reentrant checkpoint"),
-                   ("--offload-activations", self.offload_activations,
-                    "save_on_cpu around the reentrant checkpoint is not modelled"),
-                   ("--compile", self.compile, "the compiled layer is learned under the non-reentrant checkpoint"),
-                   ("--images", self.images_per_sample > 0,
-                    "a vision encoder's checkpointing is learned under the non-reentrant checkpoint"))
-        for flag, given, why in refused:
-            if given:
-                raise LlmemError(f"--ckpt-reentrant with {flag}: {why}; drop one of them")
+        refused = reentrant_refusal(lambda name: getattr(self, name))
+        if refused is not None:
+            flag, why = refused
+            raise LlmemError(f"--ckpt-reentrant with {flag}: {why}; drop one of them")
         self._set("grad_ckpt", True)   # implied, as the flag implies it
 
     def _check_deepspeed(self) -> None:

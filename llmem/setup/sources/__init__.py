@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.setup.checkpointing import reentrant_refusal
 from llmem.setup.deepspeed import ZERO_FIELDS
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.job_phases import LOAD_PATHS, SAVE_KINDS, phase_family
@@ -246,18 +247,15 @@ def _reentrant_not_expressed(values: dict, used: list[Used], ignored: list, note
         values.pop("ckpt_reentrant")
         used[:] = [u for u in used if u.field != "ckpt_reentrant"]
         return
-    with_ = [flag for flag, on in (("activation offloading", values.get("offload_activations")),
-                                   ("torch.compile", values.get("compile")),
-                                   ("op-level selective checkpointing", values.get("ac_policy", "full") != "full"),
-                                   ("images", values.get("images_per_sample"))) if on]
+    refused = reentrant_refusal(values.get)
     spec = METHODS[canonical_method(values.get("method", "single"))]
     fsdp2 = spec.shards_model_states and spec.zero_stage is None and FSDP1_NOTE not in notes
     for u in [u for u in used if u.field == "ckpt_reentrant"]:
         if u.key.startswith("use_reentrant_gc") and fsdp2:      # the run's own checkpoint: no approximation
             why, approximates = "LLaMA-Factory sets use_reentrant_gc False under FSDP2 (prepare_model_for_training)", False
-        elif with_:
-            why, approximates = (f"the reentrant checkpoint with {with_[0]} is not modelled: estimated as the "
-                                 "non-reentrant one"), True
+        elif refused is not None:
+            why, approximates = (f"the reentrant checkpoint with {refused[0]} is not modelled ({refused[1]}): "
+                                 "estimated as the non-reentrant one"), True
         else:
             continue
         values.pop("ckpt_reentrant", None)
