@@ -194,7 +194,7 @@ def eval_bytes(r: ResolvedSetup, ms: ModelStates, act: ActivationProfile) -> Eva
     head = t * h * regime.res + t * v * mm + (t * v * ld if mm != ld else 0) + t * v * ld + t * v * act.nll_cast
     root, layer, layers = policy_gathered_bytes(r)
     kept_gathered = not r.method.reshard_after_forward      # zero2: every layer stays gathered
-    steps, _ = kept_steps(s, world)
+    steps = kept_steps(s, world)
     local = local_kept_bytes(r)
     return EvalBytes(
         ranks_per_node=min(r.layout.gpus_per_node, world),

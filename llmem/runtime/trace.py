@@ -105,7 +105,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
             if traced_eval:
                 say("evaluating")
                 roles.on_phase("eval", iterations)
-                evaluation_loop(step, kept_steps(setup, step.layout.world_size)[0], native_amp(setup))
+                evaluation_loop(step, kept_steps(setup, step.layout.world_size), native_amp(setup))
             roles.finish()
             ledger.enabled = False
             resolved = step.resolved

@@ -52,14 +52,14 @@ def eval_steps(samples: int, world: int, batch: int) -> int:
     return ceil(samples / (world * batch))
 
 
-def kept_steps(setup, world: int) -> tuple[int, bool]:
-    """The eval steps whose kept tensors are on the GPU at once, and whether that is known: eval_accumulation_steps
-    (at most the eval's steps), or every step of the eval set (--eval-samples); else one step, a floor."""
+def kept_steps(setup, world: int) -> int:
+    """The eval steps whose kept tensors are on the GPU at once: eval_accumulation_steps (at most the eval's steps),
+    or every step of the eval set (--eval-samples); else one step, a floor."""
     n, samples, batch = setup.eval_accumulation_steps, setup.eval_samples, setup.eval_batch_size
     steps = eval_steps(samples, world, batch) if samples is not None else None
     if n is not None:
-        return (n if steps is None else min(n, steps)), True
-    return (1, False) if steps is None else (steps, True)
+        return n if steps is None else min(n, steps)
+    return 1 if steps is None else steps
 
 
 def native_amp(setup) -> bool:
