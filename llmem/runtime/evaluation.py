@@ -20,7 +20,6 @@ from llmem.result import EVAL_PHASE, JobPhase
 from llmem.runtime.ledger import Ledger
 from llmem.runtime.replay import replay_ledger
 from llmem.setup.eval_phase import EVAL_KEEPS, eval_runs, eval_unmodelled
-from llmem.setup.methods import method_spec
 from llmem.units import format_bytes
 
 
@@ -33,8 +32,9 @@ def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
-def prediction_step(step, batch: dict, keeps, native_amp: bool):
-    """prediction_step under torch.no_grad: (loss, logits or None); the model's outputs die as it returns."""
+def prediction_step(step, batch: dict, keeps):
+    """prediction_step under torch.no_grad: (loss, logits or None); the model's outputs die as it returns. The trace
+    runs no DeepSpeed engine (llmem.runtime.deepspeed runs its own), so accelerate's native AMP always applies."""
     ctx = torch.autocast(step.device_type, dtype=step.autocast_dtype) if step.autocast_dtype is not None \
         else contextlib.nullcontext()
     with torch.no_grad():
@@ -43,14 +43,14 @@ def prediction_step(step, batch: dict, keeps, native_amp: bool):
         if step.autocast_policy is not None:          # autocast's exit clears its cache
             step.autocast_policy.cache.clear()
         logits = out.logits
-        if native_amp and logits.dtype != torch.float32:   # accelerate's convert_outputs_to_fp32
+        if logits.dtype != torch.float32:             # accelerate's convert_outputs_to_fp32
             logits = logits.float()
         loss = out.loss.detach().mean()
         del out
     return loss, (logits if keeps.labels else None)
 
 
-def evaluation_loop(step, steps: int, native_amp: bool) -> None:
+def evaluation_loop(step, steps: int) -> None:
     """evaluation_loop over `steps` eval batches (losses, then predictions and labels gathered and concatenated),
     releasing the device containers every eval_accumulation_steps steps."""
     from transformers.trainer_pt_utils import EvalLoopContainer
@@ -63,7 +63,7 @@ def evaluation_loop(step, steps: int, native_amp: bool) -> None:
     for i in range(steps):
         ids = torch.zeros((batch_size, setup.seq_len), dtype=torch.int64, device=step.input_ids.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-        loss, logits = prediction_step(step, batch, keeps, native_amp)
+        loss, logits = prediction_step(step, batch, keeps)
         labels = batch["labels"] if keeps.labels else None
         containers[0].add(_gathered(loss.repeat(batch_size), world))
         if logits is not None:
@@ -85,9 +85,9 @@ def evaluation_loop(step, steps: int, native_amp: bool) -> None:
 
 
 def eval_traced(setup) -> bool:
-    """Whether the trace runs the job's eval: a set-up that evaluates, where the estimate models the phase (DeepSpeed's
-    engine runs its own trace: no eval there)."""
-    return eval_runs(setup) and eval_unmodelled(setup) is None and method_spec(setup.method).zero_stage is None
+    """Whether the trace runs the job's eval: a set-up that evaluates, where the estimate models the phase. Asked
+    only of the trace's own step: DeepSpeed's engine runs its own trace (llmem.runtime.deepspeed), no eval there."""
+    return eval_runs(setup) and eval_unmodelled(setup) is None
 
 
 def eval_job_phase(ledger: Ledger, setup, step_events: int) -> list[JobPhase]:

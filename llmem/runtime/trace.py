@@ -26,7 +26,7 @@ from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
-from llmem.setup.eval_phase import kept_steps, native_amp
+from llmem.setup.eval_phase import kept_steps
 from llmem.setup.expert_parallel import ep_note
 from llmem.setup.gpus import resolve_gpu
 from llmem.setup.layout import Layout
@@ -105,7 +105,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
             if traced_eval:
                 say("evaluating")
                 roles.on_phase("eval", iterations)
-                evaluation_loop(step, kept_steps(setup, step.layout.world_size), native_amp(setup))
+                evaluation_loop(step, kept_steps(setup, step.layout.world_size))
             roles.finish()
             ledger.enabled = False
             resolved = step.resolved
