@@ -18,7 +18,7 @@ import torch
 
 from llmem.result import EVAL_PHASE, JobPhase
 from llmem.runtime.ledger import Ledger
-from llmem.runtime.replay import replay_ledger
+from llmem.runtime.replay import phase_tensor_peak
 from llmem.setup.eval_phase import EVAL_KEEPS, eval_runs, eval_unmodelled
 from llmem.units import format_bytes
 
@@ -91,14 +91,15 @@ def eval_traced(setup) -> bool:
 
 
 def eval_job_phase(ledger: Ledger, setup, step_events: int) -> list[JobPhase]:
-    """The eval phase's peak of tensor bytes from the whole ledger's replay; the ledger then keeps the step's own
-    events (the training iterations: the step's answer)."""
-    peaks = replay_ledger(ledger, expandable_segments=setup.expandable_segments)["phase_peaks"]
+    """The eval phase's peak of tensor bytes over the whole ledger (a running sum of its events: replay_ledger's
+    number, without replaying the allocator); the ledger then keeps the step's own events (the training
+    iterations: the step's answer)."""
+    peak = phase_tensor_peak(ledger, EVAL_PHASE)
     ledger.events = ledger.events[:step_events]
     keep = EVAL_KEEPS[setup.eval_keeps]
     what = (f"traced: the model's forward under no_grad at {setup.eval_batch_size} per GPU, evaluation_loop's "
             f"containers keeping {keep.summary}")
-    return [JobPhase(EVAL_PHASE, keep.name, peaks[EVAL_PHASE]["tensor_bytes"], 0, what)]
+    return [JobPhase(EVAL_PHASE, keep.name, peak, 0, what)]
 
 
 def eval_trace_notes(setup, job: list[JobPhase]) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from llmem.memory.allocator import AllocatorOOM, CachingAllocator
 from llmem.memory.capacity import AtCapacity, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.result import ALLOCATED_COMPONENTS, MemoryResult, OutOfMemory
-from llmem.runtime.ledger import PHASE_NAMES, Ledger
+from llmem.runtime.ledger import PHASE_CODES, PHASE_NAMES, Ledger
 from llmem.setup.gpus import outside_allocator_bytes
 from llmem.setup.record import SetupRecord
 
@@ -67,6 +67,30 @@ def replay_ledger(ledger: Ledger, *, expandable_segments: bool = False) -> dict:
             "phase": series_phase, "num_segments": final.num_segments, "category_max": cat_max,
             "phase_peaks": {PHASE_NAMES[p]: {"tensor_bytes": v[0], "components": v[1]}
                             for p, v in sorted(phase_peak.items())}}
+
+
+def phase_tensor_peak(ledger: Ledger, phase: str) -> int:
+    """replay_ledger's phase_peaks[phase]["tensor_bytes"] without the allocator model: the bytes of the live
+    allocations read after each of the phase's allocations, at their largest. Its rules: an allocation adds its
+    size, a free of a live key takes off the free's own size, a free of a key not live is skipped; the first of the
+    phase's allocations sets the peak, a later one only when above it. KeyError, as there, where the phase
+    allocated nothing."""
+    code = PHASE_CODES[phase]
+    live: set[int] = set()
+    tensors = 0
+    peak = None
+    for is_alloc, key, size, ph, _it, _mod, _stream in ledger.events:
+        if is_alloc:
+            live.add(key)
+            tensors += size
+            if ph == code and (peak is None or tensors > peak):
+                peak = tensors
+        elif key in live:
+            live.remove(key)
+            tensors -= size
+    if peak is None:
+        raise KeyError(phase)
+    return peak
 
 
 @dataclass
