@@ -143,23 +143,25 @@ def logits_out_bytes(r: ResolvedSetup) -> int:
     return F32 if native_amp(r.setup) else r.setup.compute_bytes
 
 
-def local_kept_bytes(r: ResolvedSetup) -> int:
-    """One eval step's kept tensors on this rank before the gather: the predictions (logits or token ids) and the
-    labels where the Trainer keeps them, and the loss repeated per sample (fp32)."""
+def sample_kept_bytes(r: ResolvedSetup, logits_bytes: int) -> int:
+    """One sample's kept tensors: the predictions (the logits at `logits_bytes` per element, or the token ids) and
+    the labels where the Trainer keeps them, and its loss (fp32)."""
     s = r.setup
-    keep, t = EVAL_KEEPS[s.eval_keeps], s.eval_batch_size * s.seq_len
-    per_token = r.anatomy.vocab_size * logits_out_bytes(r) if keep.token_bytes is None else keep.token_bytes
-    return t * per_token + (t * INT64 if keep.labels else 0) + s.eval_batch_size * F32
+    keep = EVAL_KEEPS[s.eval_keeps]
+    per_token = r.anatomy.vocab_size * logits_bytes if keep.token_bytes is None else keep.token_bytes
+    return s.seq_len * (per_token + (INT64 if keep.labels else 0)) + F32
+
+
+def local_kept_bytes(r: ResolvedSetup) -> int:
+    """One eval step's kept tensors on this rank before the gather: its samples' predictions (logits or token ids)
+    and labels where the Trainer keeps them, and the loss repeated per sample."""
+    return r.setup.eval_batch_size * sample_kept_bytes(r, logits_out_bytes(r))
 
 
 def host_sample_bytes(r: ResolvedSetup) -> int:
     """One sample's numpified arrays: the predictions (bf16 converted to fp32 by nested_numpify), the labels, the
     loss."""
-    s = r.setup
-    keep, out = EVAL_KEEPS[s.eval_keeps], logits_out_bytes(r)
-    numpy_out = F32 if s.compute_dtype == "bfloat16" else out
-    per_token = r.anatomy.vocab_size * numpy_out if keep.token_bytes is None else keep.token_bytes
-    return s.seq_len * (per_token + (INT64 if keep.labels else 0)) + F32
+    return sample_kept_bytes(r, F32 if r.setup.compute_dtype == "bfloat16" else logits_out_bytes(r))
 
 
 def cached_casts_bytes(r: ResolvedSetup) -> int:
