@@ -160,7 +160,7 @@ def job_phases_table(result: MemoryResult) -> Table:
     rows = [(p.name, p.kind, p.device_bytes, format_bytes(p.host_bytes)) for p in result.job_phases]
     first = 1 if result.job_phases[0].name == "load" else 0        # the step after loading
     rows.insert(first, ("step", "peak_allocated", result.peak_allocated_bytes, ""))
-    top = max(r[2] for r in rows)
+    top = result.job_peak[1]        # the largest of the rows' per-GPU bytes: the step's and every job phase's
     for name, kind, device, host in rows:
         table.add_row(f"[bold]{name} (peak)[/]" if device == top else name, kind, format_bytes(device), host)
     return table
