@@ -20,12 +20,12 @@ from pathlib import Path
 from llmem.cache import CACHE_ENV, cache_root, code_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
 from llmem.memory.activations.blocks import Block, LayerRecipe
 from llmem.memory.activations.fitted import TERMS, Poly, as_floats, decode, encode, poly_at  # noqa: F401 - re-exported
-from llmem.memory.activations.learned_vision import LearnedVision, VisionSide
+from llmem.memory.activations.learned_vision import LearnedVision
 from llmem.memory.activations.selective import SelectiveLayer, hand_selective_refusal
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.vision import vision_root, vision_spec
+from llmem.model.vision import vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
 
 LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
@@ -384,14 +384,14 @@ def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:
     return learned.recipe(r.setup.batch_size, r.setup.seq_len) if learned is not None else None
 
 
-def learned_vision(r: ResolvedSetup) -> VisionSide | None:
+def learned_vision(r: ResolvedSetup) -> LearnedVision | None:
     """A vision-language step's vision side at the set-up's shape, as learned with its layers (None when there is
     none, or nothing was learned)."""
     learned = learned_for(r)
     spec = vision_spec(r.anatomy.model_type)
     if learned is None or learned.vision is None or spec is None:
         return None
-    return learned.vision.at(vision_root(r.anatomy.model_type))
+    return learned.vision
 
 
 def activation_source_notes(r: ResolvedSetup) -> list[str]:
