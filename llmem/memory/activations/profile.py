@@ -115,6 +115,14 @@ class ActivationProfile:
         return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
 
     @property
+    def embed_leaf_apart(self) -> bool:
+        """Whether the schedule lays out a frozen embedding's output under checkpointing (`embed_leaf_bytes`: a leaf
+        its AccumulateGrad node holds on the device) on its own: with offloading, or when a vision-language model
+        scatters its image features into it (layer 0's input is then the scatter's output); otherwise it is layer
+        0's checkpointed input, counted there."""
+        return self.offload or self.vision is not None
+
+    @property
     def ckpt_input_bytes(self) -> int:
         """The layer input a checkpointed layer saves (torch.utils.checkpoint's non-reentrant `save_inputs`: the
         positional tensor arguments, which transformers' GradientCheckpointingLayer passes as the hidden states
