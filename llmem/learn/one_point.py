@@ -176,8 +176,9 @@ def run_point(setup, vision_checkpointing: bool = False) -> Reading:
                     del ledger.events[stop_at[0]:]
                 # the gradients made so far, as the optimizer_step phase would label them (never reached)
                 ledger.relabel([p.grad for p in step.model.parameters()], "gradients")
-                grads = {ledger.key_of(p.grad): name for name, p in step.model.named_parameters()
-                         if p.grad is not None}
+                # by storage, for a vision-language step's backward, read whole (llmem.learn.vision_read)
+                grads = ({ledger.key_of(p.grad): name for name, p in step.model.named_parameters()
+                          if p.grad is not None} if info["vision"] else {})
                 ledger.enabled = False
                 del step
     except LearnError:

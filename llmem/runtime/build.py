@@ -239,18 +239,15 @@ def enable_checkpointing(model: nn.Module, every: int = 1, policy: str = "full",
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    lm = causal_lm(model)        # (a peft model's layers are all inside it; their names within it)
+    layers = [(name, m) for name, m in lm.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     if every > 1 and not layers:
         raise LlmemError(f"{type(model).__name__} has no GradientCheckpointingLayer: --grad-ckpt-every needs "
                          "transformers' per-layer checkpointing")
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i % every == 0
-    if encoder_only:
-        vision = vision_spec(causal_lm(model).config.model_type).vision
-        for name, module in causal_lm(model).named_modules():
-            if isinstance(module, GradientCheckpointingLayer) and not under(name, vision):
-                module.gradient_checkpointing = False
-    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+    vision = vision_spec(lm.config.model_type).vision if encoder_only else None
+    for i, (name, layer) in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0 and (vision is None or under(name, vision))
+    return [i for i, (_, layer) in enumerate(layers) if layer.gradient_checkpointing]
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from llmem.estimator.events import Schedule
 from llmem.estimator.schedule.vision import VisionEvents
-from llmem.memory.activations.learned_vision import Op, VisionPiece, VisionSide, VisionStep
+from llmem.memory.activations.learned_vision import LearnedPiece, LearnedVision, Op, VisionStep
 
 ACT = "activations"
 WEIGHT = "model.visual.blocks.0.mlp.up_proj.weight"
@@ -16,7 +16,7 @@ WEIGHT = "model.visual.blocks.0.mlp.up_proj.weight"
 class _Step:
     """What VisionEvents reaches through the step: its facts, its schedule, the gradient and workspace hooks."""
 
-    def __init__(self, side: VisionSide) -> None:
+    def __init__(self, side: LearnedVision) -> None:
         self.param = SimpleNamespace(name=WEIGHT, trainable=True)
         act = SimpleNamespace(vision=VisionStep((80, 4000, 240), ("model.visual",), side))
         self.facts = SimpleNamespace(act=act, root=[self.param], vision_params=frozenset({WEIGHT}))
@@ -34,14 +34,14 @@ class _Step:
         self.workspaces += 1
 
 
-def _side() -> VisionSide:
-    pieces = (VisionPiece("patch_embed", "model.visual.patch_embed.", (100,), (ACT,)),
-              VisionPiece("blocks.0", "model.visual.blocks.0.", (200, 300), (ACT, "gathered_weights")))
+def _side() -> LearnedVision:
+    pieces = (LearnedPiece("patch_embed", "patch_embed", (100,), (ACT,)),
+              LearnedPiece("blocks.0", "blocks.0", (200, 300), (ACT, "gathered_weights")))
     forward = ((Op.KEEP, 0, 0, 0, ""), (Op.TEMP, 1, 7, 50, ACT), (Op.WORKSPACE, -1, 0, 0, ""), (Op.KEEP, 1, 0, 0, ""),
                (Op.FREE, -1, 7, 0, ""), (Op.KEEP, 1, 1, 0, ""))
     backward = ((Op.TEMP, -1, 8, 64, ACT), (Op.GRAD, 1, 0, 400, WEIGHT), (Op.FREE_KEPT, 1, 1, 0, ""), (Op.FREE_KEPT, 1, 0, 0, ""),
                 (Op.FREE, -1, 8, 0, ""), (Op.TEMP, 0, 9, 32, ACT), (Op.FREE_KEPT, 0, 0, 0, ""), (Op.LATE, -1, 9, 0, ""))
-    return VisionSide(pieces, forward, backward)
+    return LearnedVision(pieces, forward, backward)
 
 
 def _sizes(sch: Schedule) -> list[int]:

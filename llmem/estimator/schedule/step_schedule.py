@@ -126,10 +126,7 @@ class StepSchedule:
             self.own_post_forward("embed")
         if act.offload:
             sch.free_all(fwd.embed_keys)
-        if act.offload or act.vision is not None:
-            # a frozen embedding's output under checkpointing: a leaf its AccumulateGrad node holds on the device
-            # (without offloading it is layer 0's checkpointed input, counted there, unless a vision-language model
-            # scatters its image features into it: layer 0's input is then the scatter's output)
+        if act.embed_leaf_apart:
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
@@ -167,7 +164,7 @@ class StepSchedule:
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
         fwd = self.state.forward
-        if (f.act.offload or f.act.vision is not None) and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
+        if f.act.embed_leaf_apart and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
             fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
         # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
         embeds = [p for p in f.root if p.trainable and is_embedding(p)]

@@ -14,7 +14,7 @@ batch size or image size learns again).
 from __future__ import annotations
 
 from llmem.estimator.schedule.hooks import StepHooks
-from llmem.memory.activations.learned_vision import Op, VisionPiece
+from llmem.memory.activations.learned_vision import LearnedPiece, Op
 from llmem.model.anatomy import ParamInfo
 from llmem.model.vision import PEFT_PREFIX
 
@@ -26,7 +26,7 @@ class VisionEvents:
         self.step, self.f, self.sch = step, step.facts, step.sch
         self.vision = self.f.act.vision
         self.side = self.vision.side if self.vision is not None else None
-        self.pieces: tuple[VisionPiece, ...] = self.side.pieces if self.side is not None else ()
+        self.pieces: tuple[LearnedPiece, ...] = self.side.pieces if self.side is not None else ()
         self.kept: list[list[int]] = []       # each piece's kept tensors' keys (by index)
         # the parameters the backward makes gradients for, by their name in the model (peft's prefix dropped)
         self.params: dict[str, ParamInfo] = {p.name.removeprefix(PEFT_PREFIX): p for p in self.f.root

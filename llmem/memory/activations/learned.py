@@ -15,21 +15,31 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from llmem.cache import CACHE_ENV, cache_root, code_versions  # noqa: F401 - CACHE_ENV: re-exported for tests
 from llmem.memory.activations.blocks import Block, LayerRecipe
-from llmem.memory.activations.fitted import TERMS, Poly, as_floats, decode, encode, poly_at  # noqa: F401 - re-exported
-from llmem.memory.activations.learned_vision import LearnedVision, VisionSide
+from llmem.memory.activations.learned_vision import LearnedVision
 from llmem.memory.activations.selective import SelectiveLayer, hand_selective_refusal
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.vision import vision_root, vision_spec
+from llmem.model.vision import vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
 
 LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
 LEARN_ENV = "LLMEM_LEARN"          # auto (default): where no hand recipe exists; always; never
+# bytes = c[0] + c[1] b + c[2] s + c[3] b s + c[4] b s^2: constants for weight-sized tensors, s for tensors shared by
+# the batch (rotary cos/sin), b s per token, b s^2 for eager attention's scores and packed masks
+TERMS = ("1", "b", "s", "b*s", "b*s^2")
+Poly = tuple[float, ...]           # fitted exactly (fractions), kept as floats: evaluated at every estimate
+
+
+def poly_at(p: Poly, b: int, s: int) -> int:
+    """A fitted size at micro-batch b and s tokens per sample, in bytes (never negative)."""
+    value = p[0] + p[1] * b + p[2] * s + p[3] * b * s + p[4] * b * s * s
+    return max(int(round(value)), 0)
 
 
 @dataclass(frozen=True)
@@ -72,12 +82,12 @@ class LearnedSelective:
 
     def to_json(self) -> dict:
         return {"stored": [list(x) for x in self.stored], "saved": list(self.saved),
-                "extra": [[j, encode(p), read] for j, p, read in self.extra]}
+                "extra": [[j, _encode(p), read] for j, p, read in self.extra]}
 
     @staticmethod
     def from_json(d: dict) -> LearnedSelective:
         return LearnedSelective(tuple((int(j), int(k)) for j, k in d["stored"]),
-                                tuple((int(j), decode(p), bool(read)) for j, p, read in d["extra"]),
+                                tuple((int(j), _decode(p), bool(read)) for j, p, read in d["extra"]),
                                 tuple(d["saved"]))
 
 
@@ -120,7 +130,7 @@ class LearnedActivations:
 
     # ------------------------------------------------------------------------------------------ JSON (the disk cache)
     def to_json(self) -> dict:
-        enc = encode
+        enc = _encode
         return {"blocks": [{"name": b.name, "params": list(b.params), "tensors": [enc(p) for p in b.tensors],
                             "temps": [[enc(p), a, f] for p, a, f in b.temps],
                             "transients": [enc(p) for p in b.transients]} for b in self.blocks],
@@ -132,7 +142,7 @@ class LearnedActivations:
 
     @staticmethod
     def from_json(d: dict) -> LearnedActivations:
-        dec = decode
+        dec = _decode
         blocks = tuple(LearnedBlock(b["name"], tuple(b["params"]), tuple(dec(p) for p in b["tensors"]),
                                     tuple((dec(p), float(a), float(f)) for p, a, f in b["temps"]),
                                     tuple(dec(p) for p in b["transients"])) for b in d["blocks"])
@@ -142,6 +152,19 @@ class LearnedActivations:
                                   int(d.get("read_layer", 1)),
                                   LearnedSelective.from_json(d["selective"]) if "selective" in d else None,
                                   LearnedVision.from_json(d["vision"]) if "vision" in d else None)
+
+
+def _encode(p: Poly) -> list[str]:
+    return [str(c) for c in p]
+
+
+def _decode(p: list) -> Poly:
+    return as_floats(tuple(Fraction(c) for c in p))
+
+
+def as_floats(p) -> Poly:
+    """A fitted polynomial's coefficients as floats (exact for the byte sizes of any real step: below 2^53)."""
+    return tuple(float(c) for c in p)
 
 
 # ---------------------------------------------------------------------------------------------- when to learn
@@ -384,14 +407,14 @@ def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:
     return learned.recipe(r.setup.batch_size, r.setup.seq_len) if learned is not None else None
 
 
-def learned_vision(r: ResolvedSetup) -> VisionSide | None:
+def learned_vision(r: ResolvedSetup) -> LearnedVision | None:
     """A vision-language step's vision side at the set-up's shape, as learned with its layers (None when there is
     none, or nothing was learned)."""
     learned = learned_for(r)
     spec = vision_spec(r.anatomy.model_type)
     if learned is None or learned.vision is None or spec is None:
         return None
-    return learned.vision.at(vision_root(r.anatomy.model_type))
+    return learned.vision
 
 
 def activation_source_notes(r: ResolvedSetup) -> list[str]:

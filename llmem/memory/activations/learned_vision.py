@@ -89,30 +89,6 @@ class LearnedVision:
         return LearnedVision(tuple(LearnedPiece.from_json(p) for p in d["pieces"]), _ops_from(d["forward"]),
                              _ops_from(d.get("backward", [])))
 
-    def at(self, vision: str) -> VisionSide:
-        """Each piece's parameters named in full under the vision side's root `vision` (llmem.model.vision.vision_root:
-        the vision module, or the parent it shares with the projector)."""
-        pieces = tuple(VisionPiece(p.name, f"{vision}.{p.module}." if p.module else "", p.tensors, p.categories)
-                       for p in self.pieces)
-        return VisionSide(pieces, self.forward, self.backward)
-
-
-@dataclass(frozen=True)
-class VisionPiece:
-    """A learned piece at the set-up's shape, in bytes."""
-    name: str
-    params: str                    # its parameters' name prefix ("model.visual.blocks.3."; "": none)
-    tensors: tuple[int, ...]
-    categories: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class VisionSide:
-    """The vision side at the set-up's shape: its pieces and its forward's and backward's ops (sizes in bytes)."""
-    pieces: tuple[VisionPiece, ...]
-    forward: tuple[Event, ...]
-    backward: tuple[Event, ...]
-
 
 @dataclass(frozen=True)
 class VisionStep:
@@ -121,4 +97,4 @@ class VisionStep:
     encoder's, the projector's) and the vision side learned from the real code (None: not learned)."""
     batch_tensors: tuple[int, ...]
     modules: tuple[str, ...]
-    side: VisionSide | None
+    side: LearnedVision | None

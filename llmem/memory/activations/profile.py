@@ -50,7 +50,7 @@ from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
 from llmem.model.vision import vision_modules, vision_spec
-from llmem.model.vision_inputs import vision_inputs
+from llmem.model.vision_inputs import VisionInputs, vision_inputs
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.float8 import FLOAT8_RECIPES
@@ -113,6 +113,14 @@ class ActivationProfile:
         n = self.layers if layers is None else layers
         ck = self.checkpointed_layers(n)
         return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
+
+    @property
+    def embed_leaf_apart(self) -> bool:
+        """Whether the schedule lays out a frozen embedding's output under checkpointing (`embed_leaf_bytes`: a leaf
+        its AccumulateGrad node holds on the device) on its own: with offloading, or when a vision-language model
+        scatters its image features into it (layer 0's input is then the scatter's output); otherwise it is layer
+        0's checkpointed input, counted there."""
+        return self.offload or self.vision is not None
 
     @property
     def ckpt_input_bytes(self) -> int:
@@ -205,13 +213,21 @@ def sequence_tokens(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
     """The tokens per sample the language model runs (and its logits and loss cover): --seq-len, prompt tuning's
     virtual tokens, and a vision-language sample's image tokens (the processor's expansion of each image's
     placeholder: llmem.model.vision_inputs)."""
-    images = vision_inputs(setup, anatomy)
+    return _sequence_tokens(anatomy, setup, vision_inputs(setup, anatomy))
+
+
+def _sequence_tokens(anatomy: ModelAnatomy, setup: TrainingSetup, images: VisionInputs | None) -> int:
     return setup.seq_len + virtual_tokens(anatomy) + (images.visual_tokens if images is not None else 0)
 
 
 def dims_for(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int) -> Dims:
+    return _dims(anatomy, setup, tp, sequence_tokens(anatomy, setup))
+
+
+def _dims(anatomy: ModelAnatomy, setup: TrainingSetup, tp: int, tokens: int) -> Dims:
+    """The dimensions at `tokens` per sample (sequence_tokens)."""
     return Dims(
-        b=setup.batch_size, s=sequence_tokens(anatomy, setup), h=anatomy.hidden_size,
+        b=setup.batch_size, s=tokens, h=anatomy.hidden_size,
         i=-(-anatomy.intermediate_size // tp), qd=anatomy.num_heads // tp * anatomy.head_dim,
         kvd=max(anatomy.num_kv_heads // tp, 1) * anatomy.head_dim, heads=anatomy.num_heads // tp,
         vocab=anatomy.vocab_size, layers=anatomy.num_layers, tp=tp,
@@ -308,22 +324,23 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
     return notes
 
 
-def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Regime) -> int:
+def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Regime, tokens: int) -> int:
     """The token embedding's output when the embedding is frozen (made a leaf that requires grad by
     transformers' enable_input_require_grads under checkpointing): [batch, seq_len, hidden] in the stream's dtype
     (prompt tuning's virtual tokens are concatenated after it). 0 when the embedding trains (its output has a
-    graph already)."""
-    tokens = [p for p in anatomy.params if is_embedding(p) and p.layer_index is None and p.shape
-              and p.shape[0] == anatomy.vocab_size]
-    if any(p.trainable for p in tokens):
+    graph already). `tokens`: the language model's per sample (sequence_tokens)."""
+    embeddings = [p for p in anatomy.params if is_embedding(p) and p.layer_index is None and p.shape
+                  and p.shape[0] == anatomy.vocab_size]
+    if any(p.trainable for p in embeddings):
         return 0
-    tokens = sequence_tokens(anatomy, setup) - virtual_tokens(anatomy)    # a VLM's image tokens are embedded too
-    return setup.batch_size * tokens * anatomy.hidden_size * regime.res
+    embedded = tokens - virtual_tokens(anatomy)    # a VLM's image tokens are embedded too
+    return setup.batch_size * embedded * anatomy.hidden_size * regime.res
 
 
 def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     anatomy, setup, regime = r.anatomy, r.setup, r.regime
-    d = dims_for(anatomy, setup, r.layout.tp)
+    images = vision_inputs(setup, anatomy)    # a vision-language step's images, sized once for the whole profile
+    d = _dims(anatomy, setup, r.layout.tp, _sequence_tokens(anatomy, setup, images))
     attn = effective_attention(anatomy, setup)
     selective = AC_POLICIES[setup.ac_policy].selective
     learned = learned_recipe(r)    # activations learned from the real code (no hand recipe for this set-up)
@@ -364,7 +381,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     loss_bytes, nll_cast = loss_logits_bytes(setup, regime), nll_cast_bytes(setup, regime)
     return ActivationProfile(
         selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,
-        embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime) if setup.grad_ckpt else 0,
+        embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime, d.s) if setup.grad_ckpt else 0,
         # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not under autocast
         # or with fp32 adapters on a bf16 base: lora_A keeps its own copy, llmem.estimator.schedule.head)
         lm_head_kept=fused is None and any(
@@ -383,23 +400,30 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
                        anatomy, "final_logit_softcapping", default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,
-        offload=setup.offload_activations, mask_bytes=packed_mask_bytes(d) + vision_mask_bytes(anatomy, setup),
+        offload=setup.offload_activations,
+        mask_bytes=packed_mask_bytes(d) + _vision_mask_bytes(anatomy, setup, images),
         compiled=setup.compile,
-        vision=VisionStep(vision_batch_bytes(anatomy, setup), vision_modules(anatomy.model_type), learned_vision(r))
-        if setup.images_per_sample else None,
+        vision=VisionStep(_vision_batch_bytes(anatomy, setup, images), vision_modules(anatomy.model_type),
+                          learned_vision(r)) if setup.images_per_sample else None,
     )
 
 
 def vision_mask_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
     """A vision-language model's masks built once per forward (Gemma 3's over token_type_ids), 0 for a text step."""
-    images = vision_inputs(setup, anatomy)
+    return _vision_mask_bytes(anatomy, setup, vision_inputs(setup, anatomy))
+
+
+def _vision_mask_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, images: VisionInputs | None) -> int:
     return images.mask_bytes(setup.batch_size, vision_spec(anatomy.model_type)) if images is not None else 0
 
 
 def vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[int, ...]:
     """A vision-language micro-batch's tensors on the device (llmem.model.vision_inputs), () for a text step (its
     token ids are a few bytes a token, not laid out)."""
-    images = vision_inputs(setup, anatomy)
+    return _vision_batch_bytes(anatomy, setup, vision_inputs(setup, anatomy))
+
+
+def _vision_batch_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, images: VisionInputs | None) -> tuple[int, ...]:
     if images is None:
         return ()
     return images.batch_bytes(setup.batch_size, vision_spec(anatomy.model_type))
