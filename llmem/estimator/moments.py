@@ -205,6 +205,17 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
         "activations": saved_layers,
         "logits_and_loss": act.loss_peak,
     }))
+    if act.chunked is not None and len(act.chunked.token_chunks) > 1:
+        # torchtune's chunked output: every chunk's logits gradient, while autograd sums the lm_head weight's
+        # gradients out of place (the buffer, a chunk's gradient and their sum: llmem.estimator.schedule.chunked_head)
+        c = act.chunked
+        moments.append(Moment("backward", {
+            **h.static,
+            "gathered_weights": gathered_fwd + kept_copies,
+            "activations": saved_layers,
+            "logits_and_loss": sum(c.token_chunks) * c.vocab * c.mm,
+            "gradients": 3 * h.grads.head,
+        }))
     if h.grads.in_backward_head:   # the lm_head's hook: its gradient and step, the graph below still alive
         moments.append(Moment("backward", {
             **h.static,
@@ -227,6 +238,8 @@ def _forward_loss_bytes(r: ResolvedSetup, act: ActivationProfile) -> int:
         fwd_loss = loss_parallel_forward_bytes(dims_for(anatomy, setup, r.layout.tp), regime.mm)
     if act.fused_ce is not None:     # chunked: the hidden states, the weight cast, the kept grads, one chunk
         fwd_loss = act.fused_ce.forward_peak_bytes
+    if act.chunked is not None:      # torchtune's: every chunk's logits and log-softmax, the last one's upcast
+        fwd_loss = act.chunked.forward_peak_bytes
     return fwd_loss
 
 

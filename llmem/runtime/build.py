@@ -290,6 +290,40 @@ def install_fused_ce(model: nn.Module) -> None:
     lm.forward = lm_forward
 
 
+def install_chunked_output(model: nn.Module, chunks: int) -> None:
+    """--output-chunks N: the causal LM's forward as torchtune runs its model and loss: the base model's final
+    hidden states, TransformerDecoder.chunked_output (the lm_head module called on each of `h.chunk(N, dim=1)`, so
+    its hooks fire per chunk), the recipe's shifted labels and CEWithChunkedOutputLoss (llmem.runtime.losses), then
+    the recipe's `del logits`. Set on the instance, as install_fused_ce does."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from llmem.runtime.losses import CEWithChunkedOutputLoss, torchtune_shifted_labels
+
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    base = getattr(lm, "base_model", None)
+    if head is None or base is None or base is lm:
+        raise LlmemError(f"--output-chunks needs a causal LM with a base model and an lm_head; "
+                         f"{type(lm).__name__} has none")
+    loss_fn = CEWithChunkedOutputLoss(chunks)
+
+    def lm_forward(input_ids=None, labels=None, **kwargs):
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        out = base(input_ids=input_ids, **kwargs)
+        hidden = out[0]
+        del out
+        if labels is None:
+            raise LlmemError("--output-chunks computes the loss only: the step must pass labels")
+        logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+        del hidden
+        loss = loss_fn(logits, torchtune_shifted_labels(labels))
+        del logits     # the recipe's: "free logits otherwise it peaks backward memory"
+        return CausalLMOutputWithPast(loss=loss)
+
+    lm.forward = lm_forward
+
+
 def install_model_dtype_loss(model: nn.Module) -> None:
     """--logits-dtype model: the causal LM's loss_function becomes transformers' ForCausalLMLoss without its
     logits.float() (llmem.runtime.losses.causal_lm_loss_in_model_dtype); set on the instance, which the model's

@@ -118,3 +118,34 @@ def causal_lm_loss_in_model_dtype(logits: torch.Tensor, labels: torch.Tensor, vo
     if reduction == "sum":
         loss = loss / num_items_in_batch
     return loss
+
+
+class CEWithChunkedOutputLoss(torch.nn.Module):
+    """torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py, 0.6.1), as written
+    there: each chunk of logits upcast and cross-entropied on its own (reduction "sum"), the sum divided by the
+    number of labelled tokens. llmem does not depend on torchtune; this is its code."""
+
+    def __init__(self, num_output_chunks: int = 8, ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__()
+        self.num_output_chunks = num_output_chunks
+        self.ignore_index = ignore_index
+
+    def compute_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index,
+                                                 reduction="sum")
+
+    def forward(self, logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        total_elements = (labels != self.ignore_index).sum()
+        labels = [target_chunk.reshape(-1) for target_chunk in labels.chunk(self.num_output_chunks, dim=1)]
+        logits = [logit_chunk.reshape(-1, logit_chunk.size(-1)) for logit_chunk in logits]
+        total_loss = 0.0
+        for logits_chunk, labels_chunk in zip(logits, labels, strict=True):
+            total_loss += self.compute_cross_entropy(logits_chunk, labels_chunk)
+        return total_loss / total_elements
+
+
+def torchtune_shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """torchtune's recipes' `_loss_step`: `torch.hstack((labels[..., 1:], ignore_labels_cache[:batch]))`, the last
+    position of each row labelled with the ignore index."""
+    ignore = torch.full((labels.shape[0], 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    return torch.hstack((labels[..., 1:], ignore))

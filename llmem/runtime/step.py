@@ -41,6 +41,7 @@ from llmem.runtime.build import (
     collect_after_dora,
     enable_checkpointing,
     init_real_weights,
+    install_chunked_output,
     install_fused_ce,
     install_model_dtype_loss,
     low_dtype,
@@ -398,6 +399,17 @@ def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOff
     return ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
 
 
+def _install_loss(model: nn.Module, setup: TrainingSetup) -> None:
+    """The loss as the set-up computes it, where it is not transformers' on full fp32 logits: the fused linear
+    cross-entropy, the loss on the logits' own dtype, or torchtune's chunked output (llmem.runtime.build)."""
+    if setup.fused_ce:
+        install_fused_ce(model)
+    if setup.logits_dtype == "model":
+        install_model_dtype_loss(model)
+    if setup.output_chunks:
+        install_chunked_output(model, setup.output_chunks)
+
+
 @contextlib.contextmanager
 def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda_kernels: bool = True,
                   fake_mode=None, hooks: StepHooks | None = None,
@@ -446,10 +458,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if setup.grad_ckpt or vision_checkpointing:    # (llmem.learn: a vision-language encoder's alone)
             enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt,
                                  reentrant=setup.ckpt_reentrant)
-        if setup.fused_ce:
-            install_fused_ce(model)
-        if setup.logits_dtype == "model":
-            install_model_dtype_loss(model)
+        _install_loss(model, setup)
         kernels = applied_kernels(setup.liger, resolved.anatomy.model_type)
         if kernels:       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
             from llmem.runtime.liger import install_liger, liger_rope

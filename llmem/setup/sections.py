@@ -204,6 +204,11 @@ class ActivationsConfig:
     logits_dtype: str = option("fp32", "the loss's logits: fp32 (transformers' upcast before cross-entropy) or model "
                                "(cross-entropy on the lm_head's output in the model's dtype; under autocast its "
                                "log-softmax still runs in fp32; default fp32)", ACTIVATIONS)
+    # torchtune's TransformerDecoder.chunked_output and CEWithChunkedOutputLoss (llmem.memory.activations.loss)
+    output_chunks: int = option(0, "torchtune's chunked output: the lm_head runs on N chunks of the sequence "
+                                "(torch.chunk) and CEWithChunkedOutputLoss upcasts and log-softmaxes one chunk at a "
+                                "time; 0: one [tokens, vocab] logits and transformers' loss (default 0)", ACTIVATIONS,
+                                type=int, metavar="N")
 
 @dataclass(frozen=True, kw_only=True)
 class AdaptersConfig:

@@ -213,6 +213,32 @@ COMPILE = FeatureSupport("--compile", lambda c: c.setup.compile, (
 ))
 
 
+def _chunked_with(other: str, applies: Callable[[Case], bool], advice: str = "drop one of them") -> Refusal:
+    return Refusal(other, applies, lambda c: f"--output-chunks with {other} is not modelled: {advice}")
+
+
+# --output-chunks N: torchtune's chunked output and CEWithChunkedOutputLoss (llmem.estimator.schedule.chunked_head),
+# as torchtune's single-device and FSDP2 recipes run them: in the model's dtype, the lm_head whole on each rank
+OUTPUT_CHUNKS = FeatureSupport("--output-chunks N", lambda c: c.setup.output_chunks > 0, (
+    _chunked_with("--fused-ce", lambda c: c.setup.fused_ce),
+    _chunked_with("--logits-dtype model", lambda c: c.setup.logits_dtype != "fp32",
+                  "torchtune's loss upcasts each chunk; drop --logits-dtype"),
+    _chunked_with("tensor, pipeline, context or expert parallelism",
+                  lambda c: c.method.has_tp or max(c.setup.pp, c.setup.cp, c.setup.ep) > 1,
+                  "torchtune's chunked recipes run single-device, DDP or FSDP2"),
+    _chunked_with("DeepSpeed", lambda c: c.method.zero_stage is not None, "use --method fsdp"),
+    _chunked_with("autocast (*-mixed)", lambda c: regime_for(c.setup, c.method).autocast,
+                  "torchtune trains in the model's dtype; use --precision bf16 or fp32"),
+    _chunked_with("TRL's objectives", lambda c: c.setup.objective_spec.runs_trainer,
+                  "TRL's trainers compute their own loss; drop --output-chunks"),
+    _chunked_with("--shard-embeddings", lambda c: c.setup.shard_embeddings,
+                  "the lm_head's own FSDP2 unit re-gathered per chunk is not laid out; drop --shard-embeddings"),
+    _chunked_with("LoRA on the lm_head", lambda c: c.model is not None and c.model.adapted_head is not None),
+    _chunked_with("--offload-activations", lambda c: c.setup.offload_activations),
+    _chunked_with("a vision-language model's images", lambda c: c.setup.images_per_sample > 0),
+))
+
+
 def _selective_line(c: Case) -> str:
     return (f"--ac-policy {c.setup.ac_policy} with {{}} is not modelled: use it on a full fine-tune under single, "
             "ddp, fsdp or zero2 with SDPA or flash attention, or use --grad-ckpt")
@@ -422,7 +448,7 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, LIGER, FLOAT8, COMPILE,
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, OUTPUT_CHUNKS, LIGER, FLOAT8, COMPILE,
     SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE, RESHARD_AFTER_FORWARD, SHARD_EMBEDDINGS, MODEL, PIPELINE)}
 
 

@@ -100,13 +100,14 @@ LATER_FIELDS = ("load_path", "save_kind", "logits_dtype", "liger", "float8", "fl
                 "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile",
                 "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
                 "freeze_language_model", "shard_embeddings", "ckpt_reentrant", "eval_batch_size", "eval_keeps",
-                "eval_accumulation_steps", "eval_samples")
+                "eval_accumulation_steps", "eval_samples", "output_chunks")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
 # Fields a set-up's JSON record shows only where they are set (an eval's, the reentrant checkpoint): a set-up without
 # them records what it recorded before they existed
-SHOWN_WHEN_SET = ("eval_batch_size", "eval_keeps", "eval_accumulation_steps", "eval_samples", "ckpt_reentrant")
+SHOWN_WHEN_SET = ("eval_batch_size", "eval_keeps", "eval_accumulation_steps", "eval_samples", "ckpt_reentrant",
+                  "output_chunks")
 # flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
 # the defaults of LATER_FIELDS: a set-up prints them only where it differs (TrainingSetup.__repr__)
@@ -204,6 +205,9 @@ class TrainingSetup:
         check_float8(self.float8, self.float8_all_gather)
         if self.logits_dtype not in LOGITS_DTYPES:
             raise LlmemError(f"unknown --logits-dtype {self.logits_dtype!r}: choose one of {', '.join(LOGITS_DTYPES)}")
+        if not 0 <= self.output_chunks <= self.seq_len:
+            raise LlmemError(f"--output-chunks must be between 0 (off) and --seq-len {self.seq_len}, got "
+                             f"{self.output_chunks}: torchtune's default is 8")
         self._check_quant_base()
         self._check_deepspeed()
         check_objective(self)

@@ -27,6 +27,7 @@ def label(s: TrainingSetup) -> str:
         + ([f"ac-{s.ac_policy}"] if s.ac_policy != "full" else []) \
         + (["flash"] if s.attn == "flash" else []) + (["fused-ce"] if s.fused_ce else []) \
         + ([f"logits-{s.logits_dtype}"] if s.logits_dtype != "fp32" else []) \
+        + ([f"output-chunks{s.output_chunks}"] if s.output_chunks else []) \
         + ([f"liger:{s.liger}"] if s.liger != "none" else []) \
         + ([f"float8:{s.float8}" + ("+ag" if s.float8_all_gather else "")] if s.float8 != "none" else []) \
         + (["compile"] if s.compile else []) \

@@ -13,6 +13,7 @@ the final norm's backward temporaries are left out.
 from __future__ import annotations
 
 from llmem.estimator.events import Schedule
+from llmem.estimator.schedule.chunked_head import ChunkedOutputEvents
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import HeadLoraLive, StepState
 from llmem.memory.activations.blocks import MASK as MASK_BYTES
@@ -82,6 +83,7 @@ class HeadEvents:
 
     def __init__(self, step: StepHooks, state: StepState) -> None:
         self.step, self.f, self.sch, self.state = step, step.facts, step.sch, state
+        self.chunked = ChunkedOutputEvents(step, state)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self) -> None:
@@ -101,6 +103,9 @@ class HeadEvents:
         fwd.logits = fwd.log_softmax = -1
         if act.fused_ce is not None:    # chunked: no [tokens, vocab] logits, the gradients kept instead
             fwd.fused_grads = fused_ce_forward(sch, act.fused_ce, f.setup.batch_size, f.setup.seq_len)
+            return
+        if act.chunked is not None:     # torchtune's chunked output and loss
+            self.chunked.forward()
             return
         if "head" in f.own_units:       # --shard-embeddings: the lm_head's pre-forward gathers its unit
             self.step.own_forward("head")
@@ -290,6 +295,8 @@ class HeadEvents:
     def backward(self, it: int) -> None:
         """The loss's backward or the fused loss's hand-over, then the lm_head's and the final norm's gradients."""
         f, sch, alloc, fwd, step = self.f, self.sch, self.sch.alloc, self.state.forward, self.step
+        if f.act.chunked is not None:   # torchtune's chunked output and loss
+            return self.chunked.backward(it)
         cast_grad = self.loss_backward()
         if "head" in f.own_units:       # the lm_head's pre-backward: its unit unsharded, the last layer prefetched
             step.unshard_backward("head", f.own_units["head"])

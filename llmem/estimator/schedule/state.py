@@ -54,6 +54,17 @@ class HeadLoraLive:
 
 
 @dataclass
+class ChunkedLive:
+    """torchtune's chunked output (llmem.estimator.schedule.chunked_head): per chunk, the lm_head's saved input copy
+    (batch > 1), its logits until the recipe drops them, the loss's kept log-softmax, then its logits gradient."""
+    inputs: list[int] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)
+    log_softmax: list[int] = field(default_factory=list)
+    grads: list[int] = field(default_factory=list)
+    labels: int = -1          # the recipe's shifted labels, which nll_loss keeps (chunks of them) for backward
+
+
+@dataclass
 class ForwardLive:
     """What one forward leaves for its backward (llmem.estimator.schedule.layers and .head)."""
     cache: list[int] = field(default_factory=list)         # autocast's cached casts of trained weights
@@ -75,6 +86,7 @@ class ForwardLive:
     logits: int = -1
     log_softmax: int = -1
     nll_cast: int = -1                                        # --logits-dtype model under autocast: nll_loss's fp32 input
+    chunked: ChunkedLive = field(default_factory=ChunkedLive)   # --output-chunks: torchtune's chunked output
     output: int = -1          # a pipeline stage's output (llmem.estimator.pipeline)
 
 

@@ -101,3 +101,78 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     per = -(-tokens // inc_factor)
     power = 1 << max(per - 1, 0).bit_length()   # triton.next_power_of_2
     return max(min(power, tokens), 1)
+
+
+@dataclass(frozen=True)
+class ChunkedOutput:
+    """torchtune's chunked output (`--output-chunks N`): TransformerDecoder.chunked_output runs the output projection
+    on `h.chunk(N, dim=1)` (torchtune/modules/transformer.py) and returns the list of chunk logits in the model's
+    dtype; CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py) then, chunk by chunk,
+    `F.cross_entropy(logits.float(), labels, reduction="sum")`, and the recipe's `_loss_step` drops the logits
+    (`del logits`) before backward. In bytes per element of the model's dtype `mm`; the loss's tensors are fp32.
+
+    Kept for backward: every chunk's fp32 log-softmax (all the logits' worth) and, where the lm_head weight is
+    trained, its input: views of the final hidden states, or (batch > 1: a chunk of a [batch, seq, hidden] tensor
+    along dim 1 is not contiguous) matmul's contiguous copy of each chunk. In backward the autograd engine runs the
+    nodes newest first, so every chunk's loss backward (nll_loss's and log_softmax's fp32 gradients, the cast to
+    the model's dtype) runs before any chunk's matmul backward: every chunk's logits gradient is live at once."""
+    batch: int
+    seq_chunks: tuple[int, ...]    # torch.chunk's sizes along the sequence: ceil(seq / N) each, the last the rest
+    hidden: int
+    vocab: int
+    mm: int                        # the model's dtype: the logits' and their gradients'
+
+    @property
+    def token_chunks(self) -> tuple[int, ...]:
+        """Tokens per chunk (all rows)."""
+        return tuple(self.batch * c for c in self.seq_chunks)
+
+    @property
+    def upcast_bytes(self) -> int:
+        """Bytes per element of logits.float()'s copy (none when the logits are fp32: .float() returns them)."""
+        return F32 if self.mm != F32 else 0
+
+    @property
+    def copies_input(self) -> bool:
+        """matmul folds a non-contiguous [batch, chunk, hidden] view into rows through a contiguous copy."""
+        return self.batch > 1
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        """The loss's tensor bytes at its forward peak, the last chunk's cross-entropy: every chunk's logits, every
+        log-softmax, the last chunk's upcast (the lm_head's input is the head's saved tensors)."""
+        t = sum(self.token_chunks)
+        return t * self.vocab * (self.mm + F32) + self.token_chunks[-1] * self.vocab * self.upcast_bytes
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        """The loss's tensor bytes at its backward peak: at chunk k's log_softmax backward, the later chunks' logits
+        gradients, chunks 0..k's log-softmax outputs and chunk k's two fp32 gradients; or, once every chunk's loss
+        backward ran, all the logits gradients (the lm_head's matmuls then free them one by one)."""
+        v, t = self.vocab, sum(self.token_chunks)
+        peaks = [t * v * self.mm]
+        for k, n in enumerate(self.token_chunks):
+            later = sum(self.token_chunks[k + 1:])
+            kept = sum(self.token_chunks[:k + 1])
+            peaks.append(later * v * self.mm + kept * v * F32 + 2 * n * v * F32)
+        return max(peaks)
+
+
+def chunked_output_for(setup: TrainingSetup, d: Dims, r: Regime) -> ChunkedOutput:
+    """The chunked output of `setup` (torch.chunk: chunks of ceil(seq / N) tokens, as many as fit)."""
+    size = -(-d.s // setup.output_chunks)
+    chunks = tuple(min(size, d.s - start) for start in range(0, d.s, size))
+    return ChunkedOutput(d.b, chunks, d.h, d.vocab, r.mm)
+
+
+@dataclass(frozen=True)
+class LossLogits:
+    """The logits the causal-LM loss reads, as the step computes them (ActivationProfile.loss)."""
+    element_bytes: int = F32     # its logits, log-softmax and their gradients (loss_logits_bytes)
+    nll_cast: int = 0            # autocast's fp32 cast of a low-precision log-softmax, kept by nll_loss (nll_cast_bytes)
+    chunked: ChunkedOutput | None = None   # torchtune's chunked output and loss (--output-chunks)
+
+
+def loss_logits(setup: TrainingSetup, d: Dims, r: Regime) -> LossLogits:
+    return LossLogits(loss_logits_bytes(setup, r), nll_cast_bytes(setup, r),
+                      chunked_output_for(setup, d, r) if setup.output_chunks else None)

@@ -32,7 +32,7 @@ from llmem.memory.activations.learned import (
 )
 from llmem.memory.activations.learned_vision import VisionStep
 from llmem.memory.activations.liger import with_liger
-from llmem.memory.activations.loss import FusedCE, fused_ce_for, loss_logits_bytes, nll_cast_bytes
+from llmem.memory.activations.loss import ChunkedOutput, FusedCE, LossLogits, fused_ce_for, loss_logits
 from llmem.memory.activations.quantised import (
     adapter_regime,
     fp32_behind_quant,
@@ -55,7 +55,7 @@ from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.liger import AUTO, applied_kernels
-from llmem.setup.precision import F32, Regime
+from llmem.setup.precision import Regime
 from llmem.setup.training import TrainingSetup
 
 
@@ -89,12 +89,24 @@ class ActivationProfile:
                                # lm_head keeps none)
     # --ac-policy op: the op outputs each checkpointed layer's storage keeps (in checkpoint_saved); None: full
     selective: SelectiveLayer | None = None
-    loss_bytes: int = F32      # the loss's logits, log-softmax and gradients: bytes per element (loss_logits_bytes)
-    nll_cast: int = 0          # autocast's fp32 cast of a low-precision log-softmax, kept by nll_loss (nll_cast_bytes)
+    loss: LossLogits = LossLogits()   # the logits the loss reads: their dtype, autocast's cast, torchtune's chunks
     # --compile: the layers' autocast weight copies are ops of their compiled graphs (saved or recomputed as the
     # partitioner chose, learned with the layer), not autocast's cached casts the schedule makes
     compiled: bool = False
     vision: VisionStep | None = None   # a vision-language step: its batch, vision modules and learned vision side
+
+    @property
+    def loss_bytes(self) -> int:
+        """The loss's logits, log-softmax and gradients: bytes per element."""
+        return self.loss.element_bytes
+
+    @property
+    def nll_cast(self) -> int:
+        return self.loss.nll_cast
+
+    @property
+    def chunked(self) -> ChunkedOutput | None:
+        return self.loss.chunked
 
     def checkpointed(self, layer: int) -> bool:
         """HF `_set_gradient_checkpointing(every_n_layers=k)`: decoder layer i is checkpointed when i % k == 0; the
@@ -378,9 +390,9 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
             int8_kept = ()
     selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned_selective(r),
                                 learning_failure(r) or "") if selective else None
-    loss_bytes, nll_cast = loss_logits_bytes(setup, regime), nll_cast_bytes(setup, regime)
+    loss = loss_logits(setup, d, regime)
     return ActivationProfile(
-        selective=selective, loss_bytes=loss_bytes, nll_cast=nll_cast,
+        selective=selective, loss=loss,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime, d.s) if setup.grad_ckpt else 0,
         # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not under autocast
         # or with fp32 adapters on a bf16 base: lora_A keeps its own copy, llmem.estimator.schedule.head)
@@ -396,7 +408,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
         embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
-                   loss_peak_bytes(d, loss_bytes, nll_cast) + (d.t * d.vocab * regime.mm if config_value(
+                   loss.chunked.backward_peak_bytes if loss.chunked is not None else
+                   loss_peak_bytes(d, loss.element_bytes, loss.nll_cast) + (d.t * d.vocab * regime.mm if config_value(
                        anatomy, "final_logit_softcapping", default=None) else 0)),
         blocks=recipe.blocks,
         grad_ckpt=setup.grad_ckpt, layers=d.layers, ckpt_every=setup.ckpt_every, fused_ce=fused,

@@ -30,7 +30,15 @@ from llmem.setup.sources.files import load
 from llmem.setup.sources.fsdp import FSDP1_NOTE
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
-from llmem.setup.support import COMPILE, DEEPSPEED, FLOAT8, LIGER, check_support, feature_refusal
+from llmem.setup.support import (
+    COMPILE,
+    DEEPSPEED,
+    FLOAT8,
+    LIGER,
+    OUTPUT_CHUNKS,
+    check_support,
+    feature_refusal,
+)
 from llmem.setup.training import TrainingSetup, user_setup
 
 __all__ = ["READERS", "FileSetup", "SourceRecord", "detect_format", "setup_from_file"]
@@ -215,6 +223,7 @@ _KERNEL_CHOICES = (
     ({"liger": "none"}, LIGER, "HF's modules stand in for Liger's"),
     ({"float8": "none", "float8_all_gather": False}, FLOAT8, "bf16 linears stand in for Float8Linear"),
     ({"compile": False}, COMPILE, "the layers run eagerly in the estimate"),
+    ({"output_chunks": 0}, OUTPUT_CHUNKS, "the whole logits and transformers' loss stand in (an upper bound)"),
 )
 
 

@@ -219,17 +219,22 @@ def _preference_loss(component: str) -> str | None:
 
 def _loss(r: Reading, loss: Keys) -> None:
     component = str(loss.get("_component_", ""))
-    if component.endswith("LinearCrossEntropyLoss") or component.endswith("CEWithChunkedOutputLoss"):
-        r.ignore("loss._component_", component, "torchtune's chunked output loss projects and upcasts chunk by chunk, "
-                 "but keeps every chunk's fp32 log-probabilities for backward (all the logits' worth): modelled as "
-                 "the unfused loss (an upper bound; --fused-ce gives the lower one)")
+    if component.endswith("CEWithChunkedOutputLoss"):
+        # the recipes' set_num_output_chunks(loss_fn.num_output_chunks): the model's chunked_output feeds the loss
+        chunks = loss.get("num_output_chunks", 8)
+        r.set("loss.num_output_chunks", chunks, "output_chunks", r.integer("loss.num_output_chunks", chunks),
+              "torchtune's chunked output: the lm_head per chunk, each chunk upcast and cross-entropied alone")
+    elif component.endswith("LinearCrossEntropyLoss"):
+        r.ignore("loss._component_", component, "torchtune's LinearCrossEntropyLoss projects and upcasts chunk by "
+                 "chunk, but keeps every chunk's fp32 log-probabilities for backward (all the logits' worth): "
+                 "modelled as the unfused loss (an upper bound; --fused-ce gives the lower one)")
     elif loss_type := _preference_loss(component):
         r.set("loss._component_", component, "objective", "dpo", "torchtune's DPO recipes: the reference forward "
               "with the adapters disabled (LoRA) or a frozen copy (full)")
         r.set("loss._component_", component, "loss_type", loss_type)
         r.ignore("loss._component_", component, "torchtune's recipe keeps the whole logits of both rows in the "
                  "model's dtype (concatenated_forward), where TRL's chunked head is modelled")
-    loss.get("num_output_chunks")
+    loss.get("num_output_chunks")     # (read above for the chunked output loss; other losses ignore it)
 
 
 # training.shard_model's custom_sharded_layers llmem expresses: the embedding and the lm_head, each a unit of its own
