@@ -234,7 +234,6 @@ OUTPUT_CHUNKS = FeatureSupport("--output-chunks N", lambda c: c.setup.output_chu
     _chunked_with("--shard-embeddings", lambda c: c.setup.shard_embeddings,
                   "the lm_head's own FSDP2 unit re-gathered per chunk is not laid out; drop --shard-embeddings"),
     _chunked_with("LoRA on the lm_head", lambda c: c.model is not None and c.model.adapted_head is not None),
-    _chunked_with("--offload-activations", lambda c: c.setup.offload_activations),
     _chunked_with("a vision-language model's images", lambda c: c.setup.images_per_sample > 0),
 ))
 

@@ -132,13 +132,18 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", logits_dtype="model", batch_size=2, seq_len=256),
     # torchtune's chunked output and CEWithChunkedOutputLoss (--output-chunks): one GPU (chunks of a non-contiguous
-    # batch copied by matmul; torch.chunk's short last chunk), DDP with checkpointing, FSDP2, LoRA (frozen lm_head)
+    # batch copied by matmul; torch.chunk's short last chunk), DDP with checkpointing, FSDP2, LoRA (frozen lm_head),
+    # offloaded checkpointing (torchtune's recipes: the lm_head's input stays on the device)
     _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, batch_size=1, seq_len=256),
     _s("tiny-llama", precision="bf16", optimizer="adamw", output_chunks=3, batch_size=2, seq_len=200),
     _s("tiny-llama", "ddp", 2, precision="bf16", optimizer="sgd", output_chunks=4, grad_ckpt=True, batch_size=1,
        seq_len=256),
     _s("tiny-llama", "fsdp", 2, precision="bf16", optimizer="sgd", output_chunks=8, batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, lora_rank=8, batch_size=1, seq_len=256),
+    _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, offload_activations=True, grad_ckpt=True,
+       batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, offload_activations=True, grad_ckpt=True,
+       lora_rank=8, adapter_dtype="base", batch_size=1, seq_len=256),
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE Functions (--liger), one GPU and FSDP2, with and without checkpointing
     _s("tiny-llama", precision="bf16", optimizer="sgd", liger="rms_norm,swiglu,rope", batch_size=2, seq_len=256),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),

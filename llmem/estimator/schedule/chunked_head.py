@@ -73,6 +73,8 @@ class ChunkedOutputEvents:
         f, sch, alloc, step = self.f, self.sch, self.sch.alloc, self.step
         c, live = f.act.chunked, self.state.forward.chunked
         self.loss_backward()
+        fwd = self.state.forward
+        fwd.head_keys += [alloc(n, "activations") for n in fwd.head_offloaded]   # offloaded: unpacked
         head_params = step.head_backward_params()
         head_mm = [p for p in head_params if is_lm_head(p)]
         inputs: list[int] = []
@@ -88,7 +90,7 @@ class ChunkedOutputEvents:
         live.inputs.clear()
         grad_in = alloc(sum(c.token_chunks) * c.hidden * c.mm, "activations")   # torch.chunk's backward: cat
         sch.free_all(inputs)
-        sch.free_all(self.state.forward.head_keys)
+        sch.free_all(fwd.head_keys)
         for p in head_params:
             if p not in head_mm:
                 step.make_grad(p, root_unit=True)
