@@ -78,7 +78,7 @@ def test_dpo_lora_on_two_gpus(micro, tmp_path):
 
 
 @pytest.mark.parametrize(("objective", "command", "config_class"), [
-    ("sft", "sft", "SFTConfig"), ("reward", "reward", "RewardConfig")])
+    ("trl-sft", "sft", "SFTConfig"), ("reward", "reward", "RewardConfig")])
 def test_each_cli_command_accepts_its_config(micro, tmp_path, objective, command, config_class):
     path = tmp_path / f"{objective}.yaml"
     _export(micro, path, objective=objective, precision="bf16", grad_ckpt=True)
@@ -109,6 +109,7 @@ def test_kto_config(micro, tmp_path):
 
 
 @pytest.mark.parametrize(("fields", "message"), [
+    ({"objective": "sft"}, "plan with --objective trl-sft"),       # `trl sft` runs SFTTrainer's fused head
     ({"objective": "orpo"}, "no command for --objective orpo"),
     ({"objective": "simpo"}, "no command for --objective simpo"),
     ({"objective": "dpo", "ref_dtype": "compute"}, "drop --ref-dtype"),
