@@ -253,6 +253,16 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128, objective="dpo"),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="dpo",
        loss_type="ipo", prompt_len=64),
+    # TRL's SFTTrainer (--objective trl-sft; llmem.estimator.fused_sft against its compute_loss traced): sft's step,
+    # the loss from TRL's fused head; FSDP2, LoRA, Liger's kernels, ZeRO-3, Qwen2 with dft and a prompt's -100 labels
+    *(_s(m, meth, g, precision="bf16-mixed", batch_size=b, seq_len=n, objective="trl-sft", **kw)
+      for m, meth, g, b, n, kw in (("tiny-llama", "single", 1, 2, 512, {"optimizer": "sgd"}),
+                                   ("tiny-llama", "fsdp", 2, 2, 256, {"optimizer": "sgd"}),
+                                   ("tiny-llama", "single", 1, 2, 512, {"lora_rank": 16}),
+                                   ("tiny-llama", "single", 1, 2, 512, {"optimizer": "sgd", "liger": "auto"}),
+                                   ("tiny-llama", "ds-zero3", 2, 1, 64, {"optimizer": "sgd"}),
+                                   ("tiny-qwen2", "single", 1, 2, 256, {"optimizer": "sgd", "loss_type": "dft",
+                                                                         "prompt_len": 64}))),
     # TRL's KTOTrainer (--objective kto): unpaired completions and their KL sequences (no_grad forwards of the policy
     # and the reference); the reference as a copy, and as the policy with its adapters disabled
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="kto"),
