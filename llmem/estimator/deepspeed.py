@@ -130,7 +130,7 @@ class DeepSpeedSchedule(StepSchedule):
         self.zl = ZeroLive()              # what is live of the engine's own buffers and its coordinator
         # units whose parameters a prefetch gathers on their own: TRL's fused head reads lm_head.weight outside the
         # lm_head module (trl/trainer/utils.py maybe_gather_lm_head_ctx, GatheredParameters), as the trace shows
-        self.alone = {None} if objective_spec(r.setup.objective).step_kind in ("preference", "generation") else set()
+        self.alone = {None} if objective_spec(r.setup.objective).fused_lm_head else set()
         # GRPO / RLOO: TRL's add_hooks after each generate invalidates the coordinator's trace (trl/models/utils.py
         # add_hooks: coordinator._invalidate_trace() unless already invalid), so no training step runs on a complete
         # trace: each fetches and releases as the first one does (no prefetch, no reuse-distance keeping)

@@ -2,12 +2,14 @@
 
 The events and moments of an objective's step, one row per kind of step (ObjectiveSpec.step_kind): TRL's
 preference step with a reference (llmem.estimator.objectives), the pairwise losses on full logits or a scalar head
-(llmem.estimator.pairwise), GRPO's generation, scoring and training (llmem.estimator.generation)."""
+(llmem.estimator.pairwise), GRPO's generation, scoring and training (llmem.estimator.generation), SFTTrainer's causal-LM
+step with TRL's fused head (llmem.estimator.fused_sft)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmem.estimator.fused_sft import FusedSftEvents
 from llmem.estimator.generation import GenerationEvents, generation_moments
 from llmem.estimator.objectives import PreferenceEvents, preference_moments
 from llmem.estimator.pairwise import PairwiseEvents, pairwise_moments
@@ -18,6 +20,8 @@ OBJECTIVE_STEPS: dict[str, tuple[type, Callable]] = {
     "preference": (PreferenceEvents, preference_moments),
     "pairwise": (PairwiseEvents, pairwise_moments),
     "generation": (GenerationEvents, generation_moments),
+    # SFTTrainer: sft's step, TRL's fused head for the loss (the preference moments' head, no reference)
+    "fused-sft": (FusedSftEvents, preference_moments),
 }
 
 

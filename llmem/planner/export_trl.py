@@ -1,6 +1,7 @@
 """`llmem plan --export trl PATH`: the trainer config YAML for the `trl` CLI (`trl dpo --config PATH`, `trl sft`,
 `trl kto`, `trl reward`): one mapping of TrlParser's dataclasses (trl/scripts/<command>.py make_parser:
-ScriptArguments, the trainer's config, ModelConfig, DatasetMixtureConfig), with the planned micro-batch,
+ScriptArguments, the trainer's config, ModelConfig, DatasetMixtureConfig; `trl sft` for --objective trl-sft, whose
+SFTConfig states loss_type so that `--from` tells SFTConfig by it), with the planned micro-batch,
 accumulation, max_length (the planned --seq-len: TRL truncates each sequence to it), checkpointing, precision,
 the objective's loss options and the LoRA adapters (ModelConfig's use_peft / lora_*). On more than one GPU the
 accelerate config (llmem.planner.export's) is written beside it and named by `accelerate_config`, which the CLI
@@ -38,6 +39,9 @@ TRL_PRECISION = {"fp32": (False, False, None), "bf16-mixed": (True, False, None)
 def check_trl_exportable(setup: TrainingSetup) -> None:
     """What the trl CLI cannot run as planned (one line each)."""
     spec = objective_spec(setup.objective)
+    if not spec.runs_trainer:
+        raise LlmemError(f"--export trl: `trl sft` runs TRL's SFTTrainer, whose loss comes from its fused LM head, not "
+                         f"the full logits --objective {spec.name} estimates: plan with --objective trl-sft")
     if spec.cli_command is None:
         raise LlmemError(f"--export trl: the trl CLI has no command for --objective {spec.name} (TRL's "
                          f"{spec.trainer} lives in {spec.trainer_module}, without a script): export accelerate and "

@@ -513,7 +513,9 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     if setup.objective_spec.runs_trainer:         # TRL's trainer code and what the run emulates of it
         from llmem.runtime.objective_steps import objective_trace_notes
 
-        notes += objective_trace_notes(setup) + [reference_engine_note(stage, reference_mode(setup) == REF_COPY)]
+        notes += objective_trace_notes(setup)
+        if setup.objective_spec.keeps_reference:    # (SFTTrainer has none to say of)
+            notes.append(reference_engine_note(stage, reference_mode(setup) == REF_COPY))
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")

@@ -2,13 +2,14 @@
 
 The trainer step the trace (and measure) runs for an objective, one row per kind of step
 (ObjectiveSpec.step_kind): TRL's preference step (llmem.runtime.objectives), the pairwise losses on full logits or
-a scalar head (llmem.runtime.pairwise), GRPO's generation, scoring and training (llmem.runtime.generation); each
-with the notes saying what the run emulates."""
+a scalar head (llmem.runtime.pairwise), GRPO's generation, scoring and training (llmem.runtime.generation),
+SFTTrainer's compute_loss (llmem.runtime.fused_sft); each with the notes saying what the run emulates."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmem.runtime.fused_sft import sft_emulation_notes, sft_iteration, sft_run
 from llmem.runtime.generation import generation_emulation_notes, generation_iteration, generation_run
 from llmem.runtime.objectives import emulation_notes, preference_iteration, preference_run
 from llmem.runtime.pairwise import pairwise_emulation_notes, pairwise_iteration, pairwise_run
@@ -19,6 +20,7 @@ OBJECTIVE_STEPS: dict[str, tuple[Callable, Callable[..., list[str]]]] = {
     "preference": (preference_iteration, emulation_notes),
     "pairwise": (pairwise_iteration, pairwise_emulation_notes),
     "generation": (generation_iteration, generation_emulation_notes),
+    "fused-sft": (sft_iteration, sft_emulation_notes),      # SFTTrainer's compute_loss (llmem.runtime.fused_sft)
 }
 
 
@@ -33,7 +35,7 @@ def objective_trace_notes(setup) -> list[str]:
 # step_kind -> what its trainer's __init__ makes before training (the fused heads, the reference, the batch): the
 # DeepSpeed trace makes it before deepspeed.initialize, as TRL's trainers do before Trainer.train prepares the model
 OBJECTIVE_RUNS: dict[str, Callable] = {"preference": preference_run, "pairwise": pairwise_run,
-                                       "generation": generation_run}
+                                       "generation": generation_run, "fused-sft": sft_run}
 
 
 def objective_run(step):

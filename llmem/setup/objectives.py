@@ -1,7 +1,12 @@
 """Objectives on the set-up floor: one row per `--objective`, registered by name, as TRL's trainers run them.
 
-`sft` is one model's causal-LM step (HF's loss on full logits, or --fused-ce). The preference objectives follow the
-installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):
+`sft` is one model's causal-LM step (HF's loss on full logits, or --fused-ce): transformers' Trainer, a plain loop,
+torchtune, axolotl, LLaMA-Factory. `trl-sft` is that step as TRL's SFTTrainer runs it (trl/trainer/sft_trainer.py):
+the same batch and layers, the loss through TRL's fused LM head (`add_fused_lm_head(..., outputs=("log_probs",
+"entropy", "is_top1"))` in its __init__, `model(**inputs, fused_lm_head=True)` in compute_loss: no [tokens, vocab]
+logits), whatever its settings (use_liger_kernel keeps Liger's layer kernels and turns its fused cross-entropy off;
+only a compute_loss_func or label_smoothing_factor > 0 make SFTTrainer build full logits, neither a memory option
+llmem offers). The preference objectives follow the installed TRL (1.16: trl/trainer/dpo_trainer.py, dpo_config.py):
 
 - kto: KTOTrainer (kto_trainer.py, kto_config.py). DataCollatorForUnpairedPreference: --batch-size completions,
   each desirable or undesirable (llmem lays out half of each), and, for the KL term (loss_type kto), the same
@@ -69,6 +74,9 @@ FUSED_VOCAB_CHUNK = 32768          # utils._CHUNKED_LOGPROB_CHUNK_SIZE: vocabula
 # DPOTrainer asks the head for these per-token outputs (log_probs always; the rest feed its metrics)
 DPO_HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 KTO_HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits")
+# SFTTrainer's (sft_trainer.py __init__): the loss from log_probs, the entropy and mean_token_accuracy metrics
+SFT_HEAD_OUTPUTS = ("log_probs", "entropy", "is_top1")
+SFT_LOSS_TYPES = ("nll", "dft")    # SFTConfig.loss_type's choices (dft: the loss times the detached probability)
 REF_HEAD_OUTPUTS = ("log_probs",)   # a reference copy's head: add_fused_lm_head(ref_model), its default
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")   # KTOConfig.loss_type's choices; kto estimates the KL term
 SIMPO_LOSS_TYPES = ("simpo",)      # CPOConfig's loss_type for SimPO (its other values are CPO's, not modelled)
@@ -111,6 +119,8 @@ class ObjectiveSpec:
     # the micro-batch is a multiple of this (so at least this): KTO's 2, llmem's half desirable / half undesirable
     # layout, which also meets KTOTrainer's per_device_train_batch_size > 1 for the KL term (kto_trainer.py)
     batch_multiple: int = 1
+    # the causal-LM step (sft's batch, layers and options) with the loss through TRL's fused head (SFTTrainer)
+    sft_step: bool = False
 
     @property
     def runs_trainer(self) -> bool:
@@ -119,8 +129,11 @@ class ObjectiveSpec:
 
     @property
     def step_kind(self) -> str:
-        """Which step runs it (the estimator's and the trace's dispatch key): sft, preference (a reference's
-        log-probs, TRL's fused head), pairwise (the loss on full logits or a scalar head), generation (GRPO)."""
+        """Which step runs it (the estimator's and the trace's dispatch key): sft, fused-sft (sft's step with TRL's
+        fused head for the loss: SFTTrainer), preference (a reference's log-probs, TRL's fused head), pairwise (the
+        loss on full logits or a scalar head), generation (GRPO)."""
+        if self.sft_step:
+            return "fused-sft"
         if self.generates:
             return "generation"
         if self.full_logits or self.scalar_head:
@@ -138,7 +151,15 @@ class ObjectiveSpec:
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
-    ObjectiveSpec("sft", "", "one model's causal-LM loss", cli_command="sft"),
+    # transformers' Trainer and the other frameworks' loops: HF's loss on full logits (--export trl refuses it: the trl
+    # CLI runs SFTTrainer, whose loss is trl-sft's)
+    ObjectiveSpec("sft", "", "one model's causal-LM loss"),
+    # SFTTrainer (sft_trainer.py compute_loss): `model(**inputs, fused_lm_head=True)`, the loss -log_probs summed
+    # over the label tokens (dft: times exp(log_probs).detach()), entropy and is_top1 for its metrics; --seq-len is
+    # the sequence as it reaches the model (SFTConfig's max_length truncation, or packing's rows: no max_length row)
+    ObjectiveSpec("trl-sft", "SFTTrainer", "one model's causal-LM loss through TRL's fused LM head (TRL's "
+                  "SFTTrainer)", loss_types=SFT_LOSS_TYPES, fused_lm_head=True,
+                  head_outputs=SFT_HEAD_OUTPUTS, cli_command="sft", sft_step=True),
     ObjectiveSpec("dpo", "DPOTrainer", "preference pairs against a reference (TRL's DPOTrainer)", paired=True,
                   keeps_reference=True, loss_types=DPO_LOSS_TYPES, loss_type_list=True, max_length=1024, beta=0.1,
                   fused_lm_head=True, disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo"),
@@ -259,6 +280,9 @@ def check_objective(setup) -> None:
     if not spec.runs_trainer:
         _check_sft(setup)
         return
+    if spec.sft_step:
+        _check_trl_sft(setup, spec)
+        return
     if setup.loss_type is not None and not spec.loss_types:
         raise LlmemError(f"--loss-type with --objective {spec.name}: TRL's {spec.trainer} has no loss_type; drop it")
     if spec.scalar_head and setup.peft:
@@ -278,6 +302,19 @@ def check_objective(setup) -> None:
     if setup.ref_dtype != "policy" and mode != REF_COPY:
         raise LlmemError(f"--ref-dtype sets the reference copy's dtype, and this step has none (reference: {mode}); "
                          "drop --ref-dtype")
+    _check_lengths(setup, spec)
+    refuse_unmodelled(setup, _NOT_WITH_PREFERENCE)
+    check_trainer_layout(setup, PREFERENCE_METHODS, PREFERENCE_ATTENTIONS)
+    if kl_sequences(setup) and setup.batch_size < 2:
+        raise LlmemError(f"--objective {spec.name} with loss_type {loss_type_of(setup)} needs --batch-size >= 2 "
+                         "(KTOTrainer: the KL term pairs each prompt with a neighbour's completion)")
+    if not spec.paired and setup.batch_size % 2:
+        raise LlmemError(f"--objective {spec.name}: llmem lays out half desirable, half undesirable completions; "
+                         f"use an even --batch-size (got {setup.batch_size})")
+
+
+def _check_lengths(setup, spec: ObjectiveSpec) -> None:
+    """TRL's max_length truncation holds --seq-len; --prompt-len leaves a completion token."""
     max_length = spec.max_length if setup.max_length is None else setup.max_length
     if setup.max_length is not None and setup.max_length < 1:
         raise LlmemError(f"--max-length must be >= 1, got {setup.max_length}")
@@ -288,14 +325,32 @@ def check_objective(setup) -> None:
     if not 0 <= setup.prompt_len < setup.seq_len:
         raise LlmemError(f"--prompt-len must lie in [0, --seq-len) = [0, {setup.seq_len}), got {setup.prompt_len}: "
                          "a sequence needs at least one completion token")
-    refuse_unmodelled(setup, _NOT_WITH_PREFERENCE)
+
+
+# The options trl-sft (SFTTrainer's step) does not model: (field, its unset value, flag, why)
+_NOT_WITH_TRL_SFT = (
+    ("fused_ce", False, "--fused-ce", "SFTTrainer refuses Liger's fused linear cross-entropy (use_liger_kernel keeps "
+                                      "only its layer kernels): its own fused LM head computes the loss"),
+    ("offload_activations", False, "--offload-activations", "TRL's activation_offloading around its fused head is "
+                                                            "not modelled yet"),
+    ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
+    ("images_per_sample", 0, "--images-per-sample", "SFTTrainer's vision-language collator with its fused head is "
+                                                    "not modelled yet"),
+)
+
+
+def _check_trl_sft(setup, spec: ObjectiveSpec) -> None:
+    """trl-sft: sft's options, SFTConfig's loss_type and max_length, the completion-only prompt; no reference."""
+    if setup.loss_type is not None and setup.loss_type not in spec.loss_types:
+        raise LlmemError(f"unknown --loss-type {setup.loss_type!r} for --objective {spec.name}: choose one of "
+                         f"{', '.join(spec.loss_types)}")
+    for name, unset, flag in (("precompute_ref_log_probs", False, "--precompute-ref-log-probs"),
+                              ("ref_dtype", "policy", "--ref-dtype")):
+        if getattr(setup, name) != unset:
+            raise LlmemError(f"{flag} with --objective {spec.name}: SFTTrainer has no reference model; drop it")
+    _check_lengths(setup, spec)
+    refuse_unmodelled(setup, _NOT_WITH_TRL_SFT)
     check_trainer_layout(setup, PREFERENCE_METHODS, PREFERENCE_ATTENTIONS)
-    if kl_sequences(setup) and setup.batch_size < 2:
-        raise LlmemError(f"--objective {spec.name} with loss_type {loss_type_of(setup)} needs --batch-size >= 2 "
-                         "(KTOTrainer: the KL term pairs each prompt with a neighbour's completion)")
-    if not spec.paired and setup.batch_size % 2:
-        raise LlmemError(f"--objective {spec.name}: llmem lays out half desirable, half undesirable completions; "
-                         f"use an even --batch-size (got {setup.batch_size})")
 
 
 def _check_sft(setup) -> None:
@@ -342,6 +397,8 @@ def objective_notes(setup) -> list[str]:
         return _pairwise_notes(setup, spec)
     if spec.generates:
         return generation_notes(setup, reference_mode(setup), spec.scores_policy)
+    if spec.sft_step:
+        return [sft_head_note(setup, spec)]
     rows = spec.sequences_per_sample * setup.batch_size
     max_length = spec.max_length if setup.max_length is None else setup.max_length
     mode = reference_mode(setup)
@@ -365,6 +422,18 @@ def objective_notes(setup) -> list[str]:
             f"(tiles of {FUSED_TOKEN_CHUNK} tokens x {FUSED_VOCAB_CHUNK} vocabulary columns, no [tokens, vocab] "
             f"logits); loss_type {loss_type_of(setup)} (per-pair scalars); dropout off (disable_dropout)",
             f"reference: {reference}"]
+
+
+def sft_head_note(setup, spec: ObjectiveSpec) -> str:
+    """What trl-sft's step computes its loss with (SFTTrainer's compute_loss)."""
+    prompt = (f", the first {setup.prompt_len} of each sequence prompt (completion_only_loss: labels -100)"
+              if setup.prompt_len else "")
+    dft = " times its detached probability (dft)" if loss_type_of(setup) == "dft" else ""
+    return (f"--objective {spec.name}: TRL's {spec.trainer}, the causal-LM step with its loss from TRL's fused LM "
+            f"head (add_fused_lm_head) over the {setup.batch_size} x {completion_tokens(setup)} label tokens{prompt} "
+            f"(tiles of {FUSED_TOKEN_CHUNK} tokens x {FUSED_VOCAB_CHUNK} vocabulary columns, no [tokens, vocab] "
+            f"logits): loss_type {loss_type_of(setup)}, -log_probs summed{dft}; per-token entropy and top-1 flags "
+            "for its entropy and mean_token_accuracy metrics")
 
 
 def _pairwise_notes(setup, spec: ObjectiveSpec) -> list[str]:

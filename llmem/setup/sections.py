@@ -25,7 +25,14 @@ from llmem.setup.flags import (
 )
 from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.job_phases import DEFAULT, LOAD_PATHS, SAVE_KINDS
-from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, OBJECTIVE_GROUP, OBJECTIVES, REF_DTYPES
+from llmem.setup.objectives import (
+    DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    OBJECTIVE_GROUP,
+    OBJECTIVES,
+    REF_DTYPES,
+    SFT_LOSS_TYPES,
+)
 from llmem.setup.optimizers import OPTIMIZERS
 from llmem.setup.pipeline import PIPELINE_SCHEDULES
 from llmem.setup.precision import PRECISIONS
@@ -275,18 +282,19 @@ class TrainerConfig:
     """The training objective (a row of `llmem.setup.objectives.OBJECTIVES`: sft, or one of TRL's trainers) and
     the preference trainers' settings, with TRL's names and defaults."""
     # The training objective (llmem.setup.objectives): TRL's trainers' names and defaults
-    objective: str = option("sft", f"{', '.join(OBJECTIVES)}: sft (one model's causal-LM loss), TRL's DPOTrainer "
+    objective: str = option("sft", f"{', '.join(OBJECTIVES)}: sft (one model's causal-LM loss on full logits), "
+                            "trl-sft (TRL's SFTTrainer: that loss through TRL's fused LM head), TRL's DPOTrainer "
                             "(chosen and rejected in one forward against a reference) or KTOTrainer (unpaired "
                             "completions against a reference; default sft)", OBJECTIVE_GROUP)
     loss_type: str | None = option(None, f"the trainer's loss_type (dpo: {', '.join(DPO_LOSS_TYPES[:4])}, ..., "
-                                   f"default sigmoid; kto: {', '.join(KTO_LOSS_TYPES)}, default kto)",
-                                   OBJECTIVE_GROUP)
+                                   f"default sigmoid; kto: {', '.join(KTO_LOSS_TYPES)}, default kto; trl-sft: "
+                                   f"{', '.join(SFT_LOSS_TYPES)}, default nll)", OBJECTIVE_GROUP)
     precompute_ref_log_probs: bool = option(False, "dpo/kto: the reference's log-probs computed before training "
                                             "(precompute_ref_log_probs): no reference in the step",
                                             OBJECTIVE_GROUP, kind="switch")
     ref_dtype: str = option("policy", f"{', '.join(REF_DTYPES)}: the reference copy's dtype (policy: TRL's "
                             "dtype=model.dtype, fp32 under *-mixed; compute: the compute dtype)", OBJECTIVE_GROUP)
-    prompt_len: int = option(0, "dpo/kto: prompt tokens at the start of each --seq-len sequence (not scored: TRL's "
+    prompt_len: int = option(0, "dpo/kto/trl-sft: prompt tokens at the start of each --seq-len sequence (not scored: TRL's "
                              "labels are -100 there; default 0, every token but the first scored)", OBJECTIVE_GROUP,
                              type=int)
     max_length: int | None = option(None, "dpo/kto: TRL's max_length, to which it truncates each sequence (default "

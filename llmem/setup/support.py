@@ -165,12 +165,14 @@ LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), 
                       f"{', '.join(LIGER_FAMILIES)} only; drop --liger (--liger none with --from), or --liger "
                       "auto for Liger's patch where llmem models it"),
     _one_device_kernel("--liger"),
-    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives",
-            lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised or c.setup.ac_policy != "full"
-            or c.setup.offload_activations or c.setup.objective_spec.runs_trainer,
-            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft, full or no "
-            "checkpointing, activations on the device): drop the --peft-config / quantised base / --ac-policy / "
-            "--offload-activations / --objective"),
+    # (trl-sft: SFTTrainer applies Liger's layer kernels to sft's step, its own fused head for the loss)
+    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives but "
+            "trl-sft", lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised
+            or c.setup.ac_policy != "full" or c.setup.offload_activations
+            or (c.setup.objective_spec.runs_trainer and not c.setup.objective_spec.sft_step),
+            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft or trl-sft, "
+            "full or no checkpointing, activations on the device): drop the --peft-config / quantised base / "
+            "--ac-policy / --offload-activations / --objective"),
 ))
 
 

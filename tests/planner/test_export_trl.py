@@ -78,7 +78,7 @@ def test_dpo_lora_on_two_gpus(micro, tmp_path):
 
 
 @pytest.mark.parametrize(("objective", "command", "config_class"), [
-    ("sft", "sft", "SFTConfig"), ("reward", "reward", "RewardConfig")])
+    ("trl-sft", "sft", "SFTConfig"), ("reward", "reward", "RewardConfig")])
 def test_each_cli_command_accepts_its_config(micro, tmp_path, objective, command, config_class):
     path = tmp_path / f"{objective}.yaml"
     _export(micro, path, objective=objective, precision="bf16", grad_ckpt=True)
@@ -88,6 +88,21 @@ def test_each_cli_command_accepts_its_config(micro, tmp_path, objective, command
     assert not (tmp_path / f"{objective}.accelerate.yaml").exists()
     back = setup_from_file(path).setup        # the trainer told from the keys only its config has
     assert (back.objective, back.seq_len, back.grad_ckpt, back.precision) == (objective, 32, True, "bf16")
+
+
+def test_trl_sft_round_trip(micro, tmp_path):
+    """--objective trl-sft, loss_type dft: `trl sft`'s own parser reads an SFTConfig with it, and llmem's --from
+    reads the file back as the same objective and loss; --objective sft is refused (trl sft runs SFTTrainer)."""
+    path = tmp_path / "sft.yaml"
+    e = _export(micro, path, objective="trl-sft", loss_type="dft", precision="bf16", grad_ckpt=True)
+    (_script, config, model, _mix), to_launch = _parsed("sft", path)
+    assert type(config).__name__ == "SFTConfig" and to_launch == []
+    assert (config.loss_type, config.max_length, config.per_device_train_batch_size) == ("dft", 32, e.micro_batch_size)
+    back = setup_from_file(path).setup
+    assert (back.objective, back.loss_type, back.seq_len, back.batch_size, back.precision) == \
+        ("trl-sft", "dft", 32, e.micro_batch_size, "bf16")
+    with pytest.raises(LlmemError, match="plan with --objective trl-sft"):
+        _export(micro, tmp_path / "plain.yaml", objective="sft")
 
 
 def test_kto_config(micro, tmp_path):
@@ -109,6 +124,7 @@ def test_kto_config(micro, tmp_path):
 
 
 @pytest.mark.parametrize(("fields", "message"), [
+    ({"objective": "sft"}, "plan with --objective trl-sft"),       # `trl sft` runs SFTTrainer's fused head
     ({"objective": "orpo"}, "no command for --objective orpo"),
     ({"objective": "simpo"}, "no command for --objective simpo"),
     ({"objective": "dpo", "ref_dtype": "compute"}, "drop --ref-dtype"),

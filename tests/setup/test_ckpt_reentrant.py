@@ -147,7 +147,8 @@ def test_trl_export_carries_it_and_reads_back(tmp_path):
     from llmem.planner.options import PlanOptions
     from llmem.planner.plan import plan
 
-    setup = user_setup(model="tiny-llama", ckpt_reentrant=True, gpus=2, seq_len=256, gpu="A100-80GB")
+    setup = user_setup(model="tiny-llama", ckpt_reentrant=True, gpus=2, seq_len=256, gpu="A100-80GB",
+                       objective="trl-sft")
     p = plan(setup, PlanOptions(batch_cap=2, methods=("ddp",)))
     path = tmp_path / "sft.yaml"
     write_export(p, "trl", str(path))

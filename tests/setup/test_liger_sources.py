@@ -3,6 +3,9 @@ enable_liger_kernel, axolotl's LigerPlugin keys) turn on --liger, or stay ignore
 
 from __future__ import annotations
 
+import pytest
+
+from llmem.errors import LlmemError
 from llmem.setup.sources import setup_from_file
 
 FULL = "model_name_or_path: meta-llama/Llama-3.2-1B\nper_device_train_batch_size: 2\nmax_length: 512\nbf16: true\n"
@@ -18,9 +21,22 @@ def _read(tmp_path, text: str, name: str = "sft.yaml"):
 
 def test_use_liger_kernel_turns_on_what_the_trainer_applies(tmp_path):
     """transformers' Trainer calls apply_liger_kernel_to_<model>(): rope, rms_norm, swiglu and the fused linear
-    cross-entropy on by default."""
+    cross-entropy on by default (a TrainingArguments mapping, no TRL key: --objective sft)."""
+    (tmp_path / "training_args.yaml").write_text("per_device_train_batch_size: 2\nbf16: true\noutput_dir: out\n"
+                                                 "use_liger_kernel: true\n")
+    got = setup_from_file(tmp_path / "training_args.yaml", model="meta-llama/Llama-3.2-1B")
+    assert got.setup.objective == "sft" and got.setup.liger == "auto" and got.setup.fused_ce
+
+
+def test_sft_trainer_keeps_the_layer_kernels_and_its_own_head(tmp_path):
+    """TRL's SFTTrainer (sft_trainer.py __init__) sets liger_kernel_config's fused_linear_cross_entropy False (its
+    fused LM head computes the loss) and refuses it set True."""
     got = _read(tmp_path, FULL + "use_liger_kernel: true\n")
-    assert got.setup.liger == "auto" and got.setup.fused_ce
+    assert (got.setup.objective, got.setup.liger, got.setup.fused_ce) == ("trl-sft", "auto", False)
+    (used,) = [u for u in got.record.used if u.key == "use_liger_kernel" and u.field == "fused_ce"]
+    assert "SFTTrainer's fused LM head" in used.note
+    with pytest.raises(LlmemError, match="refused by TRL's SFTTrainer"):
+        _read(tmp_path, FULL + "use_liger_kernel: true\nliger_kernel_config:\n  fused_linear_cross_entropy: true\n")
 
 
 def test_liger_kernel_config_turns_kernels_off(tmp_path):

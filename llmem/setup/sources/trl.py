@@ -35,6 +35,7 @@ TRL_MARKS = ("model_name_or_path", "dataset_name", "max_length", OLD_MAX_LENGTH,
 PAIRED = ("dpo", "orpo", "simpo", "reward")     # per_device_train_batch_size counts pairs
 REFERENCED = ("dpo", "kto")                   # precompute_ref_log_probs is theirs
 GENERATING = tuple(GENERATION_DEFAULTS)       # grpo, rloo: num_generations, max_completion_length, beta, vLLM
+TRL_COMMANDS = {"trl-sft": "sft", "simpo": "cpo"}   # the trl command of an objective not named alike
 HF_MARKS = ("per_device_train_batch_size", "output_dir", "gradient_accumulation_steps", "optim",
             "gradient_checkpointing", "activation_checkpointing", "deepspeed", "fsdp", "learning_rate",
             "num_train_epochs")
@@ -70,7 +71,7 @@ def read(keys: Keys, r: Reading) -> None:
     attn = keys.get("attn_implementation") or init.get("attn_implementation")
     if attn:
         read_attention(r, "attn_implementation", attn)
-    read_liger(r, keys)
+    read_liger(r, keys, fused_head=objective_spec(objective).sft_step)
     _dtypes(r, keys, init, trl)
     quantised = _quantisation(r, keys)
     _adapters(r, keys, quantised)
@@ -114,13 +115,16 @@ def _objective(r: Reading, keys: Keys) -> str:
         names = ", ".join(c.name for c in found.configs)
         note = (f"ambiguous: {names} all take these keys; {config.name} assumed (the trl command decides): "
                 "--objective decides")
-        if config.objective != "sft":   # a key SFTConfig lacks: some other trainer's, which one is not known
+        if config.name != "SFTConfig":   # a key SFTConfig lacks: some other trainer's, which one is not known
             # their steps differ (a reference model, paired rows, generation): not the file's run for sure until
             # --objective names it
             r.ignore("(trainer)", names, f"the keys fit {names}, whose steps differ: {config.name}'s is estimated; "
                      "give --objective for the trl command you run", settled_by="objective")
     else:
-        note = f"only {config.name} has these keys (trl {config.objective if config.objective != 'simpo' else 'cpo'})"
+        note = f"only {config.name} has these keys (trl {TRL_COMMANDS.get(config.objective, config.objective)})"
+    if objective_spec(config.objective).sft_step:
+        note += ("; SFTTrainer computes the loss with TRL's fused LM head (log-probs, entropy and top-1 per label "
+                 "token, no [tokens, vocab] logits)")
     r.set("(trainer)", f"{config.name}: {shown}", "objective", config.objective, note)
     for key in found.strays(keys.data):
         if key != OLD_MAX_LENGTH:       # older TRL's cap: read by trl_sequence
@@ -165,6 +169,11 @@ def objective_keys(r: Reading, keys: Keys, objective: str) -> None:
     if objective_spec(objective).full_logits and "max_completion_length" in keys:
         r.note_used("max_completion_length", keys.get("max_completion_length"), "the completion's truncation; "
                     "--seq-len is each sequence's length after TRL's truncation")
+    for key in ("completion_only_loss", "assistant_only_loss"):
+        if objective_spec(objective).sft_step and keys.get(key):
+            r.ignore(key, True, "the prompt's (or the non-assistant) tokens get labels -100, which TRL's fused head "
+                     "skips; how many is the data's: give --prompt-len N (every token is scored without it)",
+                     settled_by="prompt_len")
     if keys.get("disable_dropout") is False:
         r.ignore("disable_dropout", False, "llmem models the preference step with dropout off (TRL's default)")
     for key in ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"):
@@ -199,7 +208,8 @@ def trl_sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
                                 "prompts): give --seq-len for yours"))
     elif "max_length" in keys or OLD_MAX_LENGTH in keys or trl:
         key = "max_length" if "max_length" in keys or OLD_MAX_LENGTH not in keys else OLD_MAX_LENGTH
-        if objective_spec(objective).runs_trainer and objective not in GENERATING and key in keys:
+        spec = objective_spec(objective)
+        if spec.runs_trainer and not spec.sft_step and objective not in GENERATING and key in keys:
             r.set(key, keys.get(key), "max_length", r.integer(key, keys.get(key)),
                   f"TRL's truncation; --seq-len {keys.get(key)}, each sequence's length after it")
         raw = keys.get(key, 1024)

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.setup.generation import GRPO_LOSS_TYPES
-from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, NOT_YET, OBJECTIVES
+from llmem.setup.objectives import DPO_LOSS_TYPES, KTO_LOSS_TYPES, NOT_YET, OBJECTIVES, SFT_LOSS_TYPES
 
-SFT_LOSS_TYPES = ("nll", "dft")                                  # SFTConfig.loss_type
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")  # CPOConfig.loss_type's choices
 
 
@@ -26,7 +25,8 @@ class TrlConfig:
 
 
 TRL_CONFIGS: tuple[TrlConfig, ...] = (
-    TrlConfig("SFTConfig", "sft", (
+    # SFTTrainer: sft's step with the loss through TRL's fused LM head (--objective trl-sft)
+    TrlConfig("SFTConfig", "trl-sft", (
               "activation_offloading", "assistant_only_loss", "chat_template_path", "completion_only_loss",
               "dataset_kwargs", "dataset_num_proc", "dataset_text_field", "eos_token", "eval_packing",
               "loss_type", "max_length", "model_init_kwargs", "packing", "packing_strategy",

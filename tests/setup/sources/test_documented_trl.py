@@ -6,7 +6,8 @@ a file leaves a key out (trl/trainer/*_config.py, model_config.py): per_device_t
 gradient_checkpointing True, bf16 True unless fp16, dtype float32, lora_r 16, lora_alpha 32, lora_dropout 0.05,
 lora_target_modules None (peft's q_proj / v_proj for the model type), use_bnb_nested_quant False; transformers'
 optim adamw_torch_fused. A generation trainer's prompt is not truncated by TRL 1.16: 512 tokens assumed, plus
-max_completion_length."""
+max_completion_length. `trl sft`'s SFTConfig reads as --objective trl-sft (SFTTrainer: the loss from TRL's fused
+LM head)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ PROMPT = 512        # the untruncated prompt llmem assumes under GRPO / RLOO
 DEFAULT_PRECISION = {"precision": "bf16-mixed", "adapter_dtype": "fp32"}
 
 CASES = {
-    "sft-full.yaml": ({**ONE_GPU, "objective": "sft", "batch_size": 4, "seq_len": 2048, "packing": True,
+    "sft-full.yaml": ({**ONE_GPU, "objective": "trl-sft", "batch_size": 4, "seq_len": 2048, "packing": True,
                        "grad_ckpt": True, "optimizer": "adamw-fused", "attn": "flash", "lora_rank": 0,
                        "precision": "bf16"}, None),          # dtype bfloat16: the bf16 weights trained as loaded
-    "sft-lora.yaml": ({**ONE_GPU, **DEFAULT_PRECISION, "objective": "sft", "batch_size": 2, "seq_len": 1024,
+    "sft-lora.yaml": ({**ONE_GPU, **DEFAULT_PRECISION, "objective": "trl-sft", "batch_size": 2, "seq_len": 1024,
                        "optimizer": "adamw", "lora_rank": 32, "lora_alpha": 16, "lora_dropout": 0.1,
                        "lora_targets": "q_proj,k_proj,v_proj,o_proj", "quant_base": "none"}, None),
-    "sft-old-cap.yaml": ({**ONE_GPU, "objective": "sft", "batch_size": 1, "seq_len": 8192, "grad_ckpt": False,
+    "sft-old-cap.yaml": ({**ONE_GPU, "objective": "trl-sft", "batch_size": 1, "seq_len": 8192, "grad_ckpt": False,
                           "precision": "fp16-mixed"}, None),
     # TRL never runs prepare_model_for_kbit_training, but the unquantised parameters load in fp32 (dtype's default)
     "sft-qlora.yaml": ({**ONE_GPU, **DEFAULT_PRECISION, "batch_size": 2, "seq_len": 1024, "lora_rank": 16,

@@ -311,7 +311,8 @@ def test_estimate_from_llamafactory_with_its_accelerate_config_equals_its_flags(
 
 def test_estimate_from_trl_equals_its_flags():
     _same([str(cfg("trl/examples/cli_configs/example_config.yaml"))],
-          "--batch-size 8 --precision bf16-mixed --grad-ckpt --optimizer adamw-fused", model="Qwen/Qwen2.5-0.5B")
+          "--batch-size 8 --precision bf16-mixed --grad-ckpt --optimizer adamw-fused --objective trl-sft",
+          model="Qwen/Qwen2.5-0.5B")
 
 
 def test_estimate_from_torchtune_equals_its_flags():

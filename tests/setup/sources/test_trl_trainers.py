@@ -91,8 +91,12 @@ def test_ambiguous_keys_say_so_and_objective_decides(tmp_path):
 
 
 def test_no_trainer_key_reads_as_sft(tmp_path):
-    s = setup_from_file(_write(tmp_path, "sft", {**BASE, "max_length": 512})).setup
-    assert (s.objective, s.seq_len, s.max_length) == ("sft", 512, None)
+    """No key only a trainer's config has: `trl sft`'s SFTConfig, whose SFTTrainer computes the loss with TRL's fused
+    head (trl-sft); its max_length is the sequence as it reaches the model (no max_length field: none to check)."""
+    fs = setup_from_file(_write(tmp_path, "sft", {**BASE, "max_length": 512}))
+    assert (fs.setup.objective, fs.setup.seq_len, fs.setup.max_length) == ("trl-sft", 512, None)
+    (trainer,) = [u for u in fs.record.used if u.key == "(trainer)"]
+    assert "SFTConfig assumed" in trainer.note and "fused LM head" in trainer.note
 
 
 @pytest.mark.parametrize(("data", "message"), [
