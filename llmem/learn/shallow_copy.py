@@ -97,7 +97,8 @@ def shallow_config(config: dict, depth: int) -> dict:
 def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     """The set-up the copy runs: the same adapters, precision and activation options on one GPU (the method's dtype
     regime kept: FSDP2's mixed precision computes in the low dtype, as pure low precision does), without the
-    options the schedule lays out itself (checkpointing, offloading, the fused loss, the optimizer's placement).
+    options the schedule lays out itself (checkpointing, offloading, the fused or chunked loss, the optimizer's
+    placement).
     A generation objective's copy runs the plain step: its layers' tensors are the training forward's (the schedule
     lays generate out itself), and GRPOConfig's checks (num_generations dividing the batch, a completion shorter
     than the sequence) would refuse the learning points."""
@@ -112,6 +113,6 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     return replace(setup, model=model_path, parallelism=ParallelismConfig(), deepspeed=DeepSpeedConfig(),
                    batch_size=batch, seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
                    grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
-                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full")
+                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full", output_chunks=0)
 
 

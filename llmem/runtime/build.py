@@ -290,11 +290,12 @@ def install_fused_ce(model: nn.Module) -> None:
     lm.forward = lm_forward
 
 
-def install_chunked_output(model: nn.Module, chunks: int) -> None:
+def install_chunked_output(model: nn.Module, chunks: int, compiled: bool = False, fake: bool = True) -> None:
     """--output-chunks N: the causal LM's forward as torchtune runs its model and loss: the base model's final
     hidden states, TransformerDecoder.chunked_output (the lm_head module called on each of `h.chunk(N, dim=1)`, so
     its hooks fire per chunk), the recipe's shifted labels and CEWithChunkedOutputLoss (llmem.runtime.losses), then
-    the recipe's `del logits`. Set on the instance, as install_fused_ce does."""
+    the recipe's `del logits`; `compiled`: its compute_cross_entropy compiled (llmem.runtime.compile.compile_loss).
+    Set on the instance, as install_fused_ce does."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from llmem.runtime.losses import CEWithChunkedOutputLoss, torchtune_shifted_labels
@@ -306,6 +307,10 @@ def install_chunked_output(model: nn.Module, chunks: int) -> None:
         raise LlmemError(f"--output-chunks needs a causal LM with a base model and an lm_head; "
                          f"{type(lm).__name__} has none")
     loss_fn = CEWithChunkedOutputLoss(chunks)
+    if compiled:        # torchtune's compile flag compiles the loss too (training.compile_loss)
+        from llmem.runtime.compile import compile_loss
+
+        compile_loss(loss_fn, fake)
 
     def lm_forward(input_ids=None, labels=None, **kwargs):
         kwargs.pop("logits_to_keep", None)

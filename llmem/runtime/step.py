@@ -399,7 +399,7 @@ def _activation_offload(model: nn.Module, setup: TrainingSetup) -> ActivationOff
     return ActivationOffload(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
 
 
-def _install_loss(model: nn.Module, setup: TrainingSetup) -> None:
+def _install_loss(model: nn.Module, setup: TrainingSetup, fake: bool) -> None:
     """The loss as the set-up computes it, where it is not transformers' on full fp32 logits: the fused linear
     cross-entropy, the loss on the logits' own dtype, or torchtune's chunked output (llmem.runtime.build)."""
     if setup.fused_ce:
@@ -407,7 +407,7 @@ def _install_loss(model: nn.Module, setup: TrainingSetup) -> None:
     if setup.logits_dtype == "model":
         install_model_dtype_loss(model)
     if setup.output_chunks:
-        install_chunked_output(model, setup.output_chunks)
+        install_chunked_output(model, setup.output_chunks, compiled=setup.compile, fake=fake)
 
 
 @contextlib.contextmanager
@@ -458,7 +458,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if setup.grad_ckpt or vision_checkpointing:    # (llmem.learn: a vision-language encoder's alone)
             enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt,
                                  reentrant=setup.ckpt_reentrant)
-        _install_loss(model, setup)
+        _install_loss(model, setup, fake)
         kernels = applied_kernels(setup.liger, resolved.anatomy.model_type)
         if kernels:       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)
             from llmem.runtime.liger import install_liger, liger_rope

@@ -237,6 +237,8 @@ OUTPUT_CHUNKS = FeatureSupport("--output-chunks N", lambda c: c.setup.output_chu
                   "the lm_head's own FSDP2 unit re-gathered per chunk is not laid out; drop --shard-embeddings"),
     _chunked_with("LoRA on the lm_head", lambda c: c.model is not None and c.model.adapted_head is not None),
     _chunked_with("a vision-language model's images", lambda c: c.setup.images_per_sample > 0),
+    _chunked_with("--compile in fp32", lambda c: c.setup.compile and not regime_for(c.setup, c.method).mm < 4,
+                  "torchtune's compiled chunked loss is modelled in bf16 / fp16 (--precision bf16)"),
 ))
 
 

@@ -133,6 +133,10 @@ CI_MATRIX: list[TrainingSetup] = [
        batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, offload_activations=True, grad_ckpt=True,
        lora_rank=8, adapter_dtype="base", batch_size=1, seq_len=256),
+    # ... with torchtune's compile flag: the layers and the loss's compute_cross_entropy compiled (compile_loss)
+    _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, compile=True, batch_size=1, seq_len=256),
+    _s("tiny-llama", precision="bf16", optimizer="adamw", output_chunks=4, compile=True, grad_ckpt=True, batch_size=2,
+       seq_len=256),
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE Functions (--liger), one GPU and FSDP2, with and without checkpointing
     _s("tiny-llama", precision="bf16", optimizer="sgd", liger="rms_norm,swiglu,rope", batch_size=2, seq_len=256),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", liger="rms_norm,swiglu", batch_size=2, seq_len=256),

@@ -110,3 +110,44 @@ def test_refused_in_one_line(flags, words):
 def test_more_chunks_than_tokens_refused():
     with pytest.raises(LlmemError, match="between 0"):
         TrainingSetup(model="tiny-llama", seq_len=4, output_chunks=8)
+
+
+def test_compiled_loss_partition_is_the_one_laid_out():
+    """torchtune's compile_loss (--compile --output-chunks) through the installed torch's inductor decompositions and
+    min-cut partitioner, on fake tensors: the forward saves the chunk's bf16 logits, its labels and two [chunk, 1]
+    fp32 tensors (row maxima, log-sum-exp) and makes four [chunk, vocab] fp32 tensors; the backward makes one bool
+    and eight fp32 [chunk, vocab] tensors and the bf16 gradient: what chunked_head's compiled_forward and
+    compiled_backward lay out."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem.runtime.compile import _graphs_op_by_op
+
+    graphs = []
+
+    def inner(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return _graphs_op_by_op(gm, example_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    loss_fn = CEWithChunkedOutputLoss(2)
+    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy,
+                                                  backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner))
+    n, vocab = 16, 1000
+    with FakeTensorMode():
+        logits = [torch.randn(1, n, vocab, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+        loss_fn(logits, torch.randint(0, vocab, (1, 2 * n))).backward()
+    torch._dynamo.reset()
+    forward, backward = graphs[0], graphs[1]
+
+    def made(gm, dtype):
+        return sum(1 for node in gm.graph.nodes if node.op == "call_function" and isinstance(
+            node.meta.get("val"), torch.Tensor) and tuple(node.meta["val"].shape) == (n, vocab)
+                   and node.meta["val"].dtype == dtype and node.target is not torch.ops.aten.expand.default)
+
+    outputs = next(node for node in forward.graph.nodes if node.op == "output").args[0]
+    saved = [(tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outputs[1:]]
+    assert saved == [((n, vocab), torch.bfloat16), ((n,), torch.int64), ((n, 1), torch.float32),
+                     ((n, 1), torch.float32)]
+    assert made(forward, torch.float32) == 4
+    assert (made(backward, torch.float32), made(backward, torch.bool), made(backward, torch.bfloat16)) == (8, 1, 1)

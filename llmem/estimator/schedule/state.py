@@ -62,6 +62,7 @@ class ChunkedLive:
     log_softmax: list[int] = field(default_factory=list)
     grads: list[int] = field(default_factory=list)
     labels: int = -1          # the recipe's shifted labels, which nll_loss keeps (chunks of them) for backward
+    saved: list[list[int]] = field(default_factory=list)   # compiled: each chunk's row maxima and log-sum-exp
 
 
 @dataclass

@@ -121,6 +121,9 @@ class ChunkedOutput:
     hidden: int
     vocab: int
     mm: int                        # the model's dtype: the logits' and their gradients'
+    # torchtune's compile_loss: compute_cross_entropy compiled (upcast and cross-entropy of one chunk, inductor's
+    # min-cut partition): the chunk's logits, its row maxima and log-sum-exp kept, no fp32 log-softmax
+    compiled: bool = False
 
     @property
     def token_chunks(self) -> tuple[int, ...]:
@@ -142,6 +145,8 @@ class ChunkedOutput:
         """The loss's tensor bytes at its forward peak, the last chunk's cross-entropy: every chunk's logits, every
         log-softmax, the last chunk's upcast (the lm_head's input is the head's saved tensors)."""
         t = sum(self.token_chunks)
+        if self.compiled:    # the partitioned forward run op by op: two [chunk, vocab] fp32 tensors at once
+            return t * self.vocab * self.mm + 2 * self.token_chunks[-1] * self.vocab * F32
         return t * self.vocab * (self.mm + F32) + self.token_chunks[-1] * self.vocab * self.upcast_bytes
 
     @property
@@ -151,6 +156,8 @@ class ChunkedOutput:
         backward ran, all the logits gradients (the lm_head's matmuls then free them one by one)."""
         v, t = self.vocab, sum(self.token_chunks)
         peaks = [t * v * self.mm]
+        if self.compiled:    # the other chunks' logits or gradients, three fp32 [chunk, vocab] tensors at once
+            return max(peaks + [(t - n) * v * self.mm + 3 * n * v * F32 for n in self.token_chunks])
         for k, n in enumerate(self.token_chunks):
             later = sum(self.token_chunks[k + 1:])
             kept = sum(self.token_chunks[:k + 1])
@@ -162,7 +169,7 @@ def chunked_output_for(setup: TrainingSetup, d: Dims, r: Regime) -> ChunkedOutpu
     """The chunked output of `setup` (torch.chunk: chunks of ceil(seq / N) tokens, as many as fit)."""
     size = -(-d.s // setup.output_chunks)
     chunks = tuple(min(size, d.s - start) for start in range(0, d.s, size))
-    return ChunkedOutput(d.b, chunks, d.h, d.vocab, r.mm)
+    return ChunkedOutput(d.b, chunks, d.h, d.vocab, r.mm, compiled=setup.compile)
 
 
 @dataclass(frozen=True)
