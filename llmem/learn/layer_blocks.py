@@ -119,6 +119,7 @@ def _lifetimes(rd: Reading, sizes: dict[int, Exact]) -> tuple[dict[int, _Tensor]
     region: tuple = ("pre",)
     phase_seen = None
     seen_layer = False
+    stack = rd.layers_path.rpartition(".")[0]     # the decoder stack's module (its own ops between its layers)
     for i, (a, key, _size, phase, cat, module) in enumerate(rd.events):
         if a:
             rank += 1
@@ -131,6 +132,8 @@ def _lifetimes(rd: Reading, sizes: dict[int, Exact]) -> tuple[dict[int, _Tensor]
             found = layer_of(module, rd.layers_path)
             if found is not None:
                 region, seen_layer = ("layer", found[0]), True
+            elif module == stack and phase == FORWARD and region[0] == "layer":
+                pass   # the stack's own ops after a layer (Qwen3-VL's deepstack: the next layer's input) are the layer's
             elif module:       # the root's own ops keep the region they are in (a loss op, a mask)
                 if phase == FORWARD:
                     region = ("post",) if seen_layer else ("pre",)
@@ -153,9 +156,9 @@ def _cut(seq: list[tuple[bool, _Tensor]], rd: Reading
     units: list[tuple[str, ...]] = [()]
     seen: set[str] = set()
     for alloc, t in seq:
-        if alloc and t.region == ("layer", READ_LAYER):
-            rel = layer_of(t.module, rd.layers_path)[1]
-            unit = unit_of(rel, rd.cut_units)
+        found = layer_of(t.module, rd.layers_path) if alloc and t.region == ("layer", READ_LAYER) else None
+        if found is not None:        # (the stack's own ops after the layer: in its last block)
+            unit = unit_of(found[1], rd.cut_units)
             if unit is not None and unit not in seen:
                 seen.add(unit)
                 if units[-1]:

@@ -1,8 +1,9 @@
 """Images as a vision-language model's processor turns them into inputs: the resized size, the patch grid the vision
 encoder sees (image_grid_thw, pixel_values' rows) and the visual tokens the language model sees.
 
-Two kinds of processor: Qwen2-VL's smart resize (any size, to multiples of 28 within its pixel bounds: the tokens
-follow the image) and Gemma 3's fixed size (every image resized to the vision tower's image_size, 896x896, its
+Two kinds of processor: Qwen2-VL's smart resize (any size, to multiples of patch x merge within its pixel bounds:
+28 for Qwen2.5-VL, 32 for Qwen3-VL, which ships the same processor with 16-pixel patches; the tokens follow the
+image) and Gemma 3's fixed size (every image resized to the vision tower's image_size, 896x896, its
 projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the image; pan-and-scan, which would add
 crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled).
 
@@ -39,6 +40,9 @@ class ImageProcessorSpec:
 PROCESSORS: dict[str, ImageProcessorSpec] = {
     # Qwen2-VL's processor, which Qwen2.5-VL ships (its preprocessor_config.json: Qwen2VLImageProcessor)
     "qwen2_vl": ImageProcessorSpec("qwen2_vl", "Qwen2VLImageProcessor", "Qwen--Qwen2.5-VL-7B-Instruct.json"),
+    # Qwen3-VL ships Qwen2-VL's processor with 16-pixel patches (its preprocessor_config.json: patch_size 16, merge 2:
+    # sides multiples of 32; size {shortest_edge 65,536, longest_edge 16,777,216} as its pixel bounds)
+    "qwen3_vl": ImageProcessorSpec("qwen3_vl", "Qwen2VLImageProcessorFast", "Qwen--Qwen3-VL-8B-Instruct.json"),
     # Gemma 3's (its preprocessor_config.json: size 896x896, image_seq_length 256, do_pan_and_scan null: off)
     "gemma3": ImageProcessorSpec("gemma3", "Gemma3ImageProcessor", "google--gemma-3-4b-it.json", fixed_size=True),
 }
@@ -85,8 +89,12 @@ class ImageGrid:
 def processor_settings(name: str) -> ProcessorSettings:
     """The shipped preprocessor_config.json's pixel bounds and patch sizes of a processor row."""
     raw = json.loads(catalog_file("processors", PROCESSORS[name].config_file))
-    return ProcessorSettings(raw["min_pixels"], raw["max_pixels"], raw["patch_size"], raw["temporal_patch_size"],
-                             raw["merge_size"])
+    # the bounds as Qwen2VLImageProcessor.__init__ reads them: min_pixels / max_pixels where given (Qwen2.5-VL's
+    # file), else its size's shortest_edge / longest_edge (Qwen3-VL's)
+    size = raw.get("size", {})
+    return ProcessorSettings(raw.get("min_pixels", size.get("shortest_edge")),
+                             raw.get("max_pixels", size.get("longest_edge")), raw["patch_size"],
+                             raw["temporal_patch_size"], raw["merge_size"])
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

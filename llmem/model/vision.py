@@ -2,7 +2,8 @@
 
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
-average pool of 4x4 patches, normed and projected) and a language
+average pool of 4x4 patches, normed and projected; Qwen3-VL's deepstack mergers, which feed the language model's
+first layers, count with the tower, as LLaMA-Factory counts them) and a language
 model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
 from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
 """
@@ -37,11 +38,16 @@ class VisionLanguageSpec:
     # the model's get_rope_index); 0: the model makes its own (an arange, inside the forward)
     position_rows: int = 1
     grid_input: bool = False     # the forward takes the images' patch grid (Qwen's image_grid_thw)
-    index_values: bool = False   # its vision code reads index values of the grid on the host (Qwen's windows)
+    # transformers.vision_utils' functions of the images' grid its vision code calls (Qwen's): answered from the real
+    # grid in the trace, where it reads their values on the host (llmem.runtime.vision)
+    index_values: tuple[str, ...] = ()
     token_types: bool = False    # the forward takes token_type_ids (1 on image tokens: Gemma 3's bidirectional mask)
     # bool [batch, 1, tokens, tokens] masks the model builds once per forward from them (Gemma 3's full and sliding
     # ones, create_masks_for_vision_model), live until the language model returns
     forward_masks: int = 0
+    # the language model indexes its hidden states by the image tokens' bool mask [batch, tokens] (Qwen3-VL's deepstack:
+    # hidden_states[visual_pos_masks, :] in its first layers), a count the trace answers (llmem.runtime.vision)
+    image_mask_indexing: bool = False
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -54,7 +60,25 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                      image_start="vision_start_token_id", image_end="vision_end_token_id",
                                      special_tokens=("image_token_id", "video_token_id", "vision_start_token_id",
                                                      "vision_end_token_id"),
-                                     position_rows=3, grid_input=True, index_values=True),
+                                     position_rows=3, grid_input=True,
+                                     index_values=("get_vision_position_ids", "get_vision_attention_seqlens",
+                                                   "get_vision_window_index")),
+    # transformers 5's Qwen3VLForConditionalGeneration: model.visual (Qwen3VLVisionModel: patch_embed, a learned
+    # pos_embed resampled to each image's grid, blocks, merger, and the deepstack_merger_list whose features are added
+    # to the hidden states of the language model's first layers) and model.language_model (Qwen3VLTextModel). The
+    # projector is the merger alone: LLaMA-Factory's qwen3_vl row (projector_keys visual.merger) counts the deepstack
+    # mergers with the vision tower (vision_model_keys ... visual.deepstack_merger_list)
+    "qwen3_vl": VisionLanguageSpec(architecture="Qwen3VLForConditionalGeneration", vision="model.visual",
+                                   vision_blocks="model.visual.blocks", projector="model.visual.merger",
+                                   language_layers="model.language_model.layers", processor="qwen3_vl",
+                                   modeling="transformers.models.qwen3_vl.modeling_qwen3_vl",
+                                   image_start="vision_start_token_id", image_end="vision_end_token_id",
+                                   special_tokens=("image_token_id", "video_token_id", "vision_start_token_id",
+                                                   "vision_end_token_id"),
+                                   position_rows=3, grid_input=True,
+                                   index_values=("get_vision_position_ids", "get_vision_attention_seqlens",
+                                                 "get_vision_interpolation_indices_and_weights"),
+                                   image_mask_indexing=True),
     # transformers 5's Gemma3ForConditionalGeneration: model.vision_tower (SiglipVisionModel: embeddings, encoder
     # layers, post_layernorm), model.multi_modal_projector (Gemma3MultiModalProjector: average pool to
     # mm_tokens_per_image, RMSNorm, a [vision, text] matrix) beside it, model.language_model (Gemma3TextModel), lm_head

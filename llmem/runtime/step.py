@@ -309,8 +309,10 @@ def _enter_parallelism(stack: contextlib.ExitStack, model: nn.Module, setup: Tra
     return mesh
 
 
-def _enter_fake_mode(stack: contextlib.ExitStack, setup: TrainingSetup, fake: bool, fake_mode) -> None:
-    """The packing check, then (fake) HF's masks untraced, grouped_mm's meta kernel and the caller's fake mode."""
+def _enter_fake_mode(stack: contextlib.ExitStack, setup: TrainingSetup, fake: bool, fake_mode, model: nn.Module,
+                     images) -> None:
+    """The packing check, then (fake) HF's masks untraced, grouped_mm's meta kernel and the caller's fake mode, and
+    inside it a vision-language batch's image-mask counts (llmem.runtime.vision.image_mask_counts)."""
     packing = setup.packing
     if packing and setup.attention_spec.varlen_packing and not fake:
         raise LlmemError("--packing with --attn flash needs the flash-attn package's varlen kernel (HF "
@@ -321,6 +323,9 @@ def _enter_fake_mode(stack: contextlib.ExitStack, setup: TrainingSetup, fake: bo
         stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
         stack.enter_context(grouped_mm_meta_any_float())
         stack.enter_context(fake_mode)
+        if images is not None:
+            from llmem.runtime.vision import image_mask_counts
+            stack.enter_context(image_mask_counts(causal_lm(model), images))
 
 
 def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: TrainingSetup, layout: Layout,
@@ -451,7 +456,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         policy = _enter_kernels(stack, setup, resolved, fake, on_cuda, cuda_kernels, autocast_dtype)
         mesh = _enter_parallelism(stack, model, setup, layout, spec, device, fake, sharded, real_pg)
         images = _vision_batch(stack, model, setup, resolved, fake_mode)
-        _enter_fake_mode(stack, setup, fake, fake_mode)
+        _enter_fake_mode(stack, setup, fake, fake_mode, model, images)
         if before_model is not None:
             before_model()
 

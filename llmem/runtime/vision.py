@@ -14,6 +14,12 @@ token ids, which the set-up fixes, so they stay real:
   on the real ids here), so it passes;
 - the language model's 3-D rope positions come from the model's own get_rope_index on the real ids, handed to the
   forward as position_ids (a fake copy, allocated as the model allocates them).
+Qwen3-VL reads the rotary positions and segments as Qwen2.5-VL does (no windows); its learned position table is
+resampled to each grid by taps and weights (`get_vision_interpolation_indices_and_weights`) it never reads on the
+host: computed on the real grid, they are made on the device (fake tensors of their shapes) when the model asks.
+Its language model adds the deepstack features at the image tokens after each of its first layers
+(`hidden_states[visual_pos_masks, :]`), whose true count fake tensors cannot know: the set-up fixes it
+(`image_mask_counts`, llmem.runtime.known_masks).
 Gemma 3 reads nothing on the host but the image tokens' count check (answered as above); its forward takes the
 processor's token_type_ids (1 on the image tokens: their bidirectional attention mask), made from the real ids.
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
@@ -33,7 +39,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from llmem.model.images import pixel_values_shape
 from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
+from llmem.runtime.known_masks import KnownMasks
 from llmem.runtime.patches import patched
+
+_aten = torch.ops.aten
 
 
 def freeze_parts(model: nn.Module, setup) -> None:
@@ -127,6 +136,32 @@ def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tupl
                  **{name: place(t) for name, t in batch.extra}}
 
 
+class _ImageMaskCounts(KnownMasks):
+    """Boolean indexing by the image tokens' mask [batch, tokens] (Qwen3-VL's deepstack: `hidden_states[mask, :]`, its
+    index_put and their backward): the mask's true count is the images' tokens per row, which the set-up fixes; the
+    index CUDA's nonzero makes is allocated as at::index makes it (llmem.runtime.objectives.KnownMasks). Nothing
+    else is answered: a host read of a fake scalar, or a mask of another shape, goes on to the fake mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                 and t.dim() and (t.dim(), t.shape[-1]) in self.valid]
+        if not masks or func is _aten._local_scalar_dense.default:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def image_mask_counts(hf_model: nn.Module, batch: VisionBatch) -> contextlib.AbstractContextManager:
+    """The trace's answer to indexing by the image tokens' mask, where the model does it (its row's
+    image_mask_indexing), to enter inside the fake mode; a no-op elsewhere."""
+    spec = vision_spec(hf_model.config.model_type)
+    if not spec.image_mask_indexing:
+        return contextlib.nullcontext()
+    ids = batch.input_ids
+    with no_dispatch():           # the real ids, counted outside the fake mode
+        per_row = int((ids[0] == getattr(hf_model.config, spec.image_token)).sum())
+    return _ImageMaskCounts({(2, ids.shape[1]): per_row})
+
+
 @contextlib.contextmanager
 def index_tensors_stay_real(mode, seeds: tuple[torch.Tensor, ...]) -> Iterator[None]:
     """Under the fake mode `mode` (a FakeTensorMode), an op whose tensor arguments are all index tensors (the seeds, or computed
@@ -165,7 +200,7 @@ def known_vision_values(hf_model: nn.Module, batch: VisionBatch, mode) -> Iterat
         raise AssertionError(f"{image_tokens} image tokens for {batch.patches} patches")
     with contextlib.ExitStack() as stack:
         if spec.index_values:
-            stack.enter_context(_qwen_index_values(modeling, hf_model.config.vision_config, batch, mode))
+            stack.enter_context(_qwen_index_values(modeling, hf_model, spec.index_values, batch, mode))
         stack.enter_context(patched(modeling, "torch_compilable_check", lambda *a, **k: None))
         yield
 
@@ -178,20 +213,49 @@ def _tokens_per_patch(cfg) -> float:
     return cfg.mm_tokens_per_image / (vc.image_size // vc.patch_size) ** 2
 
 
+# transformers.vision_utils' functions of the images' grid, called as the Qwen vision encoders call them (grid, the
+# vision config, the encoder module) -> (the value, whether the model reads it on the host: kept real; else made on
+# the device, a fake tensor of each of its shapes)
+_GRID_VALUES = {
+    # Qwen2_5_VisionTransformerPretrainedModel.forward / Qwen3VLVisionModel.forward: the rotary's (h, w) positions
+    "get_vision_position_ids": (lambda vu, grid, vc, visual: vu.get_vision_position_ids(grid, vc.spatial_merge_size),
+                                True),
+    # the attention segments' bounds (their lengths read by .tolist() outside flash attention)
+    "get_vision_attention_seqlens": (lambda vu, grid, vc, visual: vu.get_vision_attention_seqlens(grid, vc), True),
+    # Qwen2.5-VL's windows' reordering (indices into the hidden states)
+    "get_vision_window_index": (lambda vu, grid, vc, visual: vu.get_vision_window_index(
+        grid, vc.spatial_merge_size, vc.window_size, vc.patch_size), True),
+    # Qwen3-VL's learned position table resampled to each grid: [patches, 4] taps and weights the pos_embed gathers
+    # and weighs on the device (never read on the host)
+    "get_vision_interpolation_indices_and_weights": (lambda vu, grid, vc, visual: (
+        vu.get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=vc.spatial_merge_size)), False),
+}
+
+
+def _on_device(value):
+    """A fresh tensor of each tensor's shape and dtype in `value` (made under the fake mode: allocated as on the
+    device)."""
+    return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), value)
+
+
 @contextlib.contextmanager
-def _qwen_index_values(qwen, vc, batch: VisionBatch, mode) -> Iterator[None]:
-    """transformers 5's Qwen2.5-VL: the window reordering, rotary positions and attention segments computed on the
-    real grid by its own functions, returned where the modeling module calls them; the index tensors kept real."""
+def _qwen_index_values(qwen, hf_model: nn.Module, names: tuple[str, ...], batch: VisionBatch, mode) -> Iterator[None]:
+    """transformers 5's Qwen2.5-VL / Qwen3-VL: the grid's functions the vision encoder calls (`names`:
+    _GRID_VALUES) computed on the real grid by transformers' own functions, returned where the modeling module calls
+    them; the index tensors kept real (those the model reads on the host), the rest made on the device when
+    called."""
     from transformers import vision_utils as vu
 
-    grid = batch.image_grid_thw
-    positions = vu.get_vision_position_ids(grid, vc.spatial_merge_size)
-    seqlens = vu.get_vision_attention_seqlens(grid, vc)
-    windows = vu.get_vision_window_index(grid, vc.spatial_merge_size, vc.window_size, vc.patch_size)
-    seeds = (grid, positions, *(t for t in (*seqlens, *windows) if isinstance(t, torch.Tensor)))
+    grid, vc, visual = batch.image_grid_thw, hf_model.config.vision_config, hf_model.model.visual
+    values = {name: _GRID_VALUES[name][0](vu, grid, vc, visual) for name in names}
+    real = [value for name, value in values.items() if _GRID_VALUES[name][1]]
+    seeds = (grid, *(t for t in tree_leaves(real) if isinstance(t, torch.Tensor)))
     with contextlib.ExitStack() as stack:
-        for name, value in (("get_vision_position_ids", positions), ("get_vision_attention_seqlens", seqlens),
-                            ("get_vision_window_index", windows)):
-            stack.enter_context(patched(qwen, name, lambda *a, _v=value, **k: _v))
+        for name, value in values.items():
+            answer = (lambda *a, _v=value, **k: _v) if _GRID_VALUES[name][1] else \
+                (lambda *a, _v=value, **k: _on_device(_v))
+            stack.enter_context(patched(qwen, name, answer))
         stack.enter_context(index_tensors_stay_real(mode, seeds))
         yield

@@ -18,6 +18,7 @@ from llmem.validate.rows import row as _s
 # all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, Muon, bitsandbytes'
 # 8-bit AdamW (paged and not) and paged 32-bit AdamW, torchao's 8-bit / 4-bit / fp8 AdamW, optimizer in backward;
 # SDPA and eager.
+_TINY_VL = dict(precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1, image_size="448x448")
 CI_MATRIX: list[TrainingSetup] = [
     _s("gpt2", precision="fp32", batch_size=2, seq_len=128),
     _s("gpt2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256),
@@ -424,6 +425,9 @@ CI_MATRIX: list[TrainingSetup] = [
       for kw in ({}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
                  {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
                  {"attn": "eager"})),       # (transformers' advice for training Gemma 3: eager attention)
+    *(_s("tiny-qwen3_vl", **_TINY_VL, **kw) for kw in (   # Qwen3-VL: deepstack features added in 3 of 4 layers
+      {}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
+      {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True})),
     # ... under DDP: the one-GPU step on each rank, the reducer's bucket copy of every trained gradient, the tower's too
     _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448"),
@@ -431,6 +435,7 @@ CI_MATRIX: list[TrainingSetup] = [
        image_size="448x448", freeze_vision_tower=True, grad_ckpt=True),
     _s("tiny-gemma3", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448", lora_rank=8),
+    _s("tiny-qwen3_vl", "ddp", 2, **_TINY_VL),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -550,11 +555,16 @@ VLM_MATRIX: list[TrainingSetup] = [
         ("4b", {"batch_size": 1, "freeze_vision_tower": True, "grad_ckpt": True}),
         ("4b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
         ("12b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
-        ("27b", {"batch_size": 1, "images_per_sample": 2, "lora_rank": 16, "grad_ckpt": True})))]
+        ("27b", {"batch_size": 1, "images_per_sample": 2, "lora_rank": 16, "grad_ckpt": True}))),
+    *(_s(f"Qwen/Qwen3-VL-{size}-Instruct", **{**_VL, "batch_size": 1, **kw}) for size, kw in (   # Qwen3-VL
+        ("2B", {}), ("2B", {"lora_rank": 16}), ("4B", {"freeze_vision_tower": True, "grad_ckpt": True}),
+        ("2B", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2)))))]
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
     f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
         ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
-    _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)]
+    _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
+    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
             "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

@@ -115,3 +115,55 @@ def test_gemma3s_masks_are_the_models():
               and e[3] == FORWARD]
     # beside them one [4, 80] int64 (the image blocks' ids the sliding mask reads), 8 bytes a token, not laid out
     assert sorted(across) == [4 * 80 * 8, 4 * 80 * 80, 4 * 80 * 80]
+
+
+QWEN3 = dict(model="tiny-qwen3_vl", images_per_sample=1, image_size="448x448", batch_size=4, seq_len=64)
+_MERGER = {f"model.visual.merger.{m}.{p}" for m in ("norm", "linear_fc1", "linear_fc2") for p in ("weight", "bias")}
+
+
+@pytest.mark.parametrize(("fields", "merger", "deepstack"), [
+    ({"freeze_vision_tower": True}, True, False),      # the deepstack mergers are the tower's (LLaMA-Factory's keys)
+    ({"freeze_projector": True}, False, True),
+    ({}, True, True),
+])
+def test_qwen3s_deepstack_mergers_make_their_gradients(fields, merger, deepstack, monkeypatch):
+    """Qwen3-VL's vision side, read from the copy's real backward: the merger's gradients (its LayerNorm and two
+    linears) and the deepstack mergers' (the same six each), as each part is frozen. The copy's 2 decoder layers take
+    the first 2 of the 3 deepstack features (Qwen3VLTextModel.forward: feature k after layer k): the third merger's
+    output reaches no loss there, so its gradients are not in the copy's backward (the schedule makes them: below)."""
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    side = learned_activations(resolve(TrainingSetup(**QWEN3, **fields))).vision
+    grads = {op[4] for op in side.backward if op[0] == Op.GRAD}
+    assert (_MERGER <= grads) is merger
+    deep = {g.split(".")[3] for g in grads if g.startswith("model.visual.deepstack_merger_list.")}
+    assert deep == ({"0", "1"} if deepstack else set())
+
+
+def test_qwen3s_last_deepstack_mergers_gradients_are_made(monkeypatch):
+    """The third deepstack merger's gradients (6 parameters, 2 x 512 + 512 x 512 + 512 + 512 x 512 + 512 fp32 at the
+    tiny shape, about 1 MiB), which the copy's backward never makes, are made by the schedule at the vision side's
+    end: at one sample, 16 text tokens and one 224x224 image the peak is the optimizer step's, where every gradient is
+    live, and the estimate equals the trace's (without them it is 0.3 % under)."""
+    from llmem.estimator.engine import estimate
+    from llmem.runtime.trace import trace
+
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    setup = TrainingSetup("tiny-qwen3_vl", images_per_sample=1, image_size="224x224", batch_size=1, seq_len=16,
+                          precision="bf16-mixed", gpu="H100-80GB")
+    est, truth = estimate(setup).peak_allocated_bytes, trace(setup).peak_allocated_bytes
+    assert abs(est - truth) <= 0.001 * truth
+
+
+def test_qwen3s_deepstack_layers_keep_their_input(monkeypatch):
+    """Qwen3-VL adds the deepstack features to the hidden states after each of its first layers (a clone of the
+    layer's output, the image rows indexed and put back: Qwen3VLTextModel._deepstack_process), between the decoder
+    layers: the clone is the next layer's input, kept by it as a plain layer's input is. At 4 x 256 tokens and two
+    896x672 images a sample (1,176 visual tokens) the estimate's peak is the trace's within 0.5 %."""
+    from llmem.estimator.engine import estimate
+    from llmem.runtime.trace import trace
+
+    monkeypatch.setenv(LEARN_ENV, "auto")
+    setup = TrainingSetup("tiny-qwen3_vl", images_per_sample=2, image_size="896x672", batch_size=4, seq_len=256,
+                          precision="bf16-mixed", gpu="H100-80GB")
+    est, truth = estimate(setup).peak_allocated_bytes, trace(setup).peak_allocated_bytes
+    assert abs(est - truth) <= 0.005 * truth

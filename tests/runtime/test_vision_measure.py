@@ -34,3 +34,17 @@ def test_gemma3_measure_and_trace_agree(fields):
     real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
     assert 0 <= fake.peak_allocated_bytes - real.peak_allocated_bytes <= 2 * 1024
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
+
+
+@pytest.mark.parametrize("fields", [{}, {"freeze_language_model": True}, {"lora_rank": 8, "grad_ckpt": True}])
+def test_qwen3_vl_measure_and_trace_agree(fields):
+    """Qwen3-VL (tiny): the real CPU step (its position table's resampling taps, the deepstack features indexed into
+    the first layers' hidden states) against the trace, which answers the image mask's true count and makes the
+    resampling taps and weights on the device. The trace keeps the rotary positions and the segments' bounds it
+    computes from the grid real, uncounted: under 16 bytes a patch (2 x 256 patches here: 224x224 is resized to
+    256x256, 16 x 16 patches of 16 px)."""
+    setup = TrainingSetup("tiny-qwen3_vl", images_per_sample=1, image_size="224x224", batch_size=2, seq_len=32,
+                          **fields)
+    real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
+    assert 0 <= real.peak_allocated_bytes - fake.peak_allocated_bytes <= 16 * 2 * 256
+    assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2

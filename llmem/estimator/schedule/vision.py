@@ -73,6 +73,7 @@ class VisionEvents:
         sch.mark("vision encoder")
         temps: dict[int, int] = {}
         late: list[int] = []
+        made: set[str] = set()
         for op, j, k, size, label in self.side.backward:
             if op == Op.TEMP:
                 temps[k] = sch.alloc(size, label)
@@ -84,11 +85,25 @@ class VisionEvents:
             elif op == Op.GRAD:
                 self.step.flush_steps(it)
                 self.step.hand_over_grad(self.params[label], sch.alloc(size, "gradients"))
+                made.add(label)
             elif op == Op.LATE:
                 late.append(temps.pop(k))
+        self._unread_grads(made, it)
         for keys in self.kept:               # what the backward never read (the encoder's own index tensors)
             sch.free_all(keys)
         sch.free_all(list(temps.values()))
         self.kept = []
         self.step.flush_steps(it)
         return late
+
+    def _unread_grads(self, made: set[str], it: int) -> None:
+        """The trained vision parameters whose gradient the copy's backward never made, made at its end: Qwen3-VL's
+        deepstack mergers past the copy's decoder layers (each feeds layer k; the copy has LEARN_DEPTH, so the rest
+        of its features reach no loss there), as the optimizer will step them. Their kept activations the copy
+        frees in its forward (a few [visual tokens, 4 x vision width] tensors each) are not laid out."""
+        f = self.f
+        for name, p in self.params.items():
+            if p.trainable and name not in made:
+                self.step.flush_steps(it)
+                self.step.hand_over_grad(p, self.sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[
+                    p.name], "gradients"))

@@ -248,7 +248,7 @@ def _multimodal(r: Reading, keys: Keys) -> None:
         pixels = r.integer("image_max_pixels", keys.get("image_max_pixels", 768 * 768), what="a pixel count")
         r.set("image_max_pixels" if "image_max_pixels" in keys else "image_max_pixels (default)",
               keys.get("image_max_pixels", pixels), "max_pixels", pixels,
-              "each image scaled to fit it, then the processor's smart resize to 28-pixel multiples")
+              "each image scaled to fit it, then the processor's own resize")
     if r.boolean("image_do_pan_and_scan", keys.get("image_do_pan_and_scan", False)):
         raise r.error("image_do_pan_and_scan", keys.get("image_do_pan_and_scan"), "adds Gemma 3's pan-and-scan "
                       "crops (each 256 image tokens more), which llmem does not model", "set it false (the "
