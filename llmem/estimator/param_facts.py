@@ -70,27 +70,56 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
         by_layer.setdefault(p.layer_index, []).append(p)
     fsdp = layout.shards_model_states
     layer_blocks: dict[int, list[list[ParamInfo]]] = {}
+    owner: dict[tuple, int] = {}       # per kind: a block's weights are named alike in every layer
     for i in range(layers):
         groups: list[list[ParamInfo]] = [[] for _ in blocks]
         for p in by_layer.get(i, []):
-            groups[block_owner(blocks, p.name)].append(p)
+            if p.kind not in owner:
+                owner[p.kind] = block_owner(blocks, p.name)
+            groups[owner[p.kind]].append(p)
         layer_blocks[i] = groups
-    quantised = {p.name: is_quantised(p, setup.quant_base) for p in kept}
+    per_kind: dict[tuple, tuple] = {}
+    for p in kept:
+        if p.kind not in per_kind:
+            per_kind[p.kind] = _kind_facts(p, setup, layout, fsdp)
+    facts = {p.name: per_kind[p.kind] for p in kept}
     return ParamFacts(
         kept=kept, buffers=[b for b in anatomy.buffers if b.layer_index is None or b.layer_index < layers],
         trainable=trainable, by_layer=by_layer,
-        element_bytes={p.name: element_bytes(p, setup) for p in anatomy.params if p.trainable},
-        shard_numel={p.name: local_numel(p, layout) for p in kept},
-        tp_local={p.name: tp_local_numel(p, layout) for p in kept},
-        unsharded={p.name: fsdp_unit_numel([p], layout) for p in kept} if fsdp else {},
-        gather_sizes={p.name: fsdp_gathered_tensors(p, setup, layout) for p in kept} if fsdp else {},
-        cast_in={p.name: (setup.mixed and not quantised[p.name] and setup.stored_bytes(p.trainable) != setup.gather_bytes)
-                 or gathered_in_float8(setup, p) for p in kept},
-        quantised=quantised,
+        element_bytes=_element_bytes(anatomy.params, setup),
+        shard_numel={n: f[0] for n, f in facts.items()},
+        tp_local={n: f[1] for n, f in facts.items()},
+        unsharded={n: f[2] for n, f in facts.items()} if fsdp else {},
+        gather_sizes={n: f[3] for n, f in facts.items()} if fsdp else {},
+        cast_in={n: f[4] for n, f in facts.items()},
+        quantised={n: f[5] for n, f in facts.items()},
         adapted={p.name.split(".lora_A.")[0] + ".weight" for p in kept if ".lora_A." in p.name},
         layer_blocks=layer_blocks,
         vocab_parallel={p.name for p in by_layer.get(None, []) if layout.tp > 1 and is_embedding(p) and p.shape
                         and p.shape[0] == anatomy.vocab_size},
-        shapes={p.name: local_shape(p, layout) for p in trainable},
-        shard_of={p.name: param_shard_degree(p, layout) for p in kept},
+        shapes={p.name: facts[p.name][6] for p in trainable},
+        shard_of={n: f[7] for n, f in facts.items()},
     )
+
+
+def _element_bytes(params: list[ParamInfo], setup) -> dict[str, int]:
+    """Each trained parameter's element bytes (worked out once per kind)."""
+    per_kind: dict[tuple, int] = {}
+    out = {}
+    for p in params:
+        if p.trainable:
+            if p.kind not in per_kind:
+                per_kind[p.kind] = element_bytes(p, setup)
+            out[p.name] = per_kind[p.kind]
+    return out
+
+
+def _kind_facts(p: ParamInfo, setup, layout, fsdp: bool) -> tuple:
+    """One kind of parameter's facts (ParamInfo.kind: the same for its copies in identical layers): its shard, its
+    TP-local numel, FSDP2's unsharded numel and all-gather outputs, the all-gather's cast, whether it is quantised,
+    its local shape and its shard count."""
+    quantised = is_quantised(p, setup.quant_base)
+    return (local_numel(p, layout), tp_local_numel(p, layout), fsdp_unit_numel([p], layout) if fsdp else 0,
+            fsdp_gathered_tensors(p, setup, layout) if fsdp else [],
+            (setup.mixed and not quantised and setup.stored_bytes(p.trainable) != setup.gather_bytes)
+            or gathered_in_float8(setup, p), quantised, local_shape(p, layout), param_shard_degree(p, layout))

@@ -130,12 +130,14 @@ def _optimizer_bytes(r: ResolvedSetup, trainable: list[ParamInfo]) -> tuple[int,
     setup, layout, spec = r.setup, r.layout, r.optimizer
     if steps_on_host(r):
         return 0, 0, 0                 # states and the update live on the CPU (ZeRO-Offload / FSDP)
-    pb = {p.name: element_bytes(p, setup) for p in trainable}   # peft's fp32 adapters on a bf16 base: 4
+    kinds = param_kinds(trainable)
+    by_kind = {p.kind: (element_bytes(p, setup), local_shape(p, layout)) for p, _ in kinds}
+    pb = {p.name: by_kind[p.kind][0] for p in trainable}        # peft's fp32 adapters on a bf16 base: 4
     shards = layout.shard_degree                                 # FSDP2's DTensor shards of dim 0
-    shapes = {p.name: local_shape(p, layout) for p in trainable}
-    states = sum(sum(spec.part(p).states(shapes[p.name], pb[p.name])) for p in trainable)
+    shapes = {p.name: by_kind[p.kind][1] for p in trainable}
+    states = sum(n * sum(spec.part(p).states(*by_kind[p.kind][::-1])) for p, n in kinds)
     states += spec.shared_state_bytes([shapes[p.name] for p in trainable], setup.optimizer_in_backward)
-    outside = sum(spec.outside_allocator_bytes(shapes[p.name]) for p in trainable) if spec.paged else 0
+    outside = sum(n * spec.outside_allocator_bytes(by_kind[p.kind][1]) for p, n in kinds) if spec.paged else 0
     if setup.optimizer_in_backward:
         # one optimizer per parameter: the step's temporaries are those of the largest single parameter
         temporaries = per_parameter_temporaries(r, trainable)
@@ -156,17 +158,30 @@ def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
     if not regime.autocast:
         return 0, 0
     weights = biases = 0
-    for p in r.anatomy.params:
+    for p, count in param_kinds(r.anatomy.params):
         if not (p.module_kind in MATMUL_KINDS or is_lm_head(p)):
             continue
         if not p.trainable and (setup.stored_bytes(False) == regime.mm or is_quantised(p, setup.quant_base)):
             continue                 # a frozen weight stored in the compute dtype (or quantised) needs no cast
-        n = tp_local_numel(p, r.layout) * regime.mm
+        n = count * tp_local_numel(p, r.layout) * regime.mm
         if p.name.endswith("bias"):
             biases += n
         else:
             weights += n
     return weights, biases
+
+
+def param_kinds(params) -> list[tuple[ParamInfo, int]]:
+    """`params` by kind (ParamInfo.kind: what the per-parameter facts read, the decoder layer aside), each as its
+    first parameter and how many share it, in order: a sum of a per-parameter fact is a sum over kinds."""
+    counts: dict[tuple, list] = {}
+    for p in params:
+        seen = counts.get(p.kind)
+        if seen is None:
+            counts[p.kind] = [p, 1]
+        else:
+            seen[1] += 1
+    return [(p, n) for p, n in counts.values()]
 
 
 def zero_model_states(r: ResolvedSetup) -> ModelStates:
@@ -242,11 +257,12 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     check_cpu_offload(r)
     setup, layout, params = r.setup, r.layout, r.anatomy.params
     trainable = [p for p in params if p.trainable]
-    local = {p.name: local_numel(p, layout) for p in params}
-    pb = {p.name: element_bytes(p, setup) for p in trainable}    # a gradient in its parameter's dtype
-    weights = sum(param_storage_bytes(p, setup, local[p.name], layout) for p in params) \
+    kinds = param_kinds(params)        # the parameters by kind (identical layers' alike), with their counts
+    local = {p.kind: local_numel(p, layout) for p, _ in kinds}
+    pb = {p.kind: element_bytes(p, setup) for p, _ in kinds if p.trainable}   # a gradient in its parameter's dtype
+    weights = sum(n * param_storage_bytes(p, setup, local[p.kind], layout) for p, n in kinds) \
         + sum(b.own_bytes for b in r.anatomy.buffers)          # an adapter's buffers: whole on every rank
-    grads = sum(local[p.name] * pb[p.name] for p in trainable)
+    grads = sum(n * local[p.kind] * pb[p.kind] for p, n in kinds if p.trainable)
     opt_states, opt_temp, opt_outside = _optimizer_bytes(r, trainable)
     ddp_buckets = grads if r.method.gradient_buckets else 0   # gradient_as_bucket_view=False: a second copy
     ac_w, ac_b = _autocast_copies(r)
@@ -254,9 +270,9 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     head = [p for p in trainable if p.layer_index is None and not is_embedding(p)]
     embed = [p for p in trainable if p.layer_index is None and is_embedding(p)]
     layer0 = [p for p in trainable if p.layer_index == 0]
-    head_grads = sum(local[p.name] * pb[p.name] for p in head)
-    embed_grads = sum(local[p.name] * pb[p.name] for p in embed)
-    layer_grads = sum(local[p.name] * pb[p.name] for p in layer0)
+    head_grads = sum(local[p.kind] * pb[p.kind] for p in head)
+    embed_grads = sum(local[p.kind] * pb[p.kind] for p in embed)
+    layer_grads = sum(local[p.kind] * pb[p.kind] for p in layer0)
 
     root_gathered = layer_gathered = layer_reduce = root_reduce = 0
     if layout.shards_model_states:
@@ -274,7 +290,7 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     if layout.tp > 1:
         for p in embed:
             if tp_split_dim(p) == 0:
-                tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb[p.name]
+                tp_excess += (p.numel // layout.shard_degree - tp_local_numel(p, layout)) * pb[p.kind]
     states = ModelStates(weights, grads, opt_states, opt_temp, ddp_buckets, ac_w, ac_b, head_grads, layer_grads,
                          embed_grads, root_gathered, layer_gathered, layer_reduce, root_reduce, max(tp_excess, 0),
                          opt_outside)

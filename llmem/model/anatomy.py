@@ -37,6 +37,14 @@ class ParamInfo:
     def numel(self) -> int:
         return prod(self.shape)
 
+    @cached_property
+    def kind(self) -> tuple:
+        """What the per-parameter facts read (llmem.model.sharding, .peft, llmem.memory.quant: its module's and leaf's
+        names, shape, dtype, module kind, whether it is in a decoder layer, tying, trainability), its decoder
+        layer's index aside: the parameters of identical layers share it, so a fact is worked out once per kind."""
+        name = self.name if self.layer_index is None else self.name.replace(f".{self.layer_index}.", ".#.", 1)
+        return name, self.shape, self.dtype, self.module_kind, self.layer_index is None, self.tied_to, self.trainable
+
     @property
     def own_bytes(self) -> int:
         """Bytes of the tensor in its own dtype (a buffer's, kept as its module made it)."""
