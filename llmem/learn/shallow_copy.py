@@ -111,8 +111,13 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     # one GPU: the layout's and DeepSpeed's sections at their defaults (a ZeRO bucket size or an HSDP degree of the
     # user's set-up would be refused on it, whatever the cache held)
     return replace(setup, model=model_path, parallelism=ParallelismConfig(), deepspeed=DeepSpeedConfig(),
-                   batch_size=batch, seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, optimizer="adamw",
-                   grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False, offload_optimizer=False,
-                   optimizer_in_backward=False, expandable_segments=False, ac_policy="full", output_chunks=0)
+                   batch_size=batch, seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, **LEARNING_RESETS)
+
+
+# what the learning run sets whatever the set-up says (the schedule lays these out itself); with the parallelism
+# and DeepSpeed sections at their defaults and the shape, precision and adapter dtype learning_setup gives
+LEARNING_RESETS = dict(optimizer="adamw", grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False,
+                       offload_optimizer=False, optimizer_in_backward=False, expandable_segments=False,
+                       ac_policy="full", output_chunks=0)
 
 

@@ -27,8 +27,36 @@ from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.vision import vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
+from llmem.setup.objectives import objective_spec
 
-LEARN_FORMAT = 1                   # bump when what is learned, or how, changes: older cache files are not read
+# bump when what is learned, or how, changes: older cache files are not read (2: TRL's objectives, Liger's kernels
+# and float8 linears in the key; a file learned under them was read for the plain step before)
+LEARN_FORMAT = 2
+# The TrainingSetup fields learning_key reads (some through what they resolve to: the model's config, the dtype
+# regime, the GPU's compute capability). Every other field is reset by the learning run
+# (llmem.learn.shallow_copy.learning_setup) or changes nothing a decoder layer keeps (LAYER_FREE_FIELDS):
+# tests/learn/test_learning_key.py holds every field to one of the three.
+KEYED_FIELDS = ("model", "trust_remote_code", "method", "precision", "gpu", "lora_rank", "lora_alpha", "lora_targets",
+                "lora_dropout", "peft_config", "adapter_dtype", "attn", "packing", "ep", "ep_imbalance", "ac_policy",
+                "compile", "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
+                "freeze_language_model", "grad_ckpt", "objective", "liger", "float8", "float8_all_gather")
+# fields that change nothing a decoder layer keeps in the learning run, and why
+LAYER_FREE_FIELDS = {
+    "gpu_memory": "the device's size", "cuda_context": "memory outside the allocator",
+    "quant_base": "a quantised base is not learned (learning_need)", "kbit_upcast": "a quantised base's",
+    "double_quant": "a quantised base's",
+    "loss_type": "the loss, after the layers", "precompute_ref_log_probs": "the reference's forward, no graph",
+    "ref_dtype": "the reference copy's weights", "prompt_len": "which tokens the loss reads",
+    "max_length": "a truncation --seq-len already holds", "beta": "a loss weight",
+    "num_generations": "generation (learned as the plain step: plain_setup)",
+    "max_completion_length": "generation", "use_vllm": "generation", "vllm_mode": "generation",
+    "vllm_gpu_memory_utilization": "generation", "vllm_enable_sleep_mode": "generation",
+    "vllm_max_model_length": "generation", "gradient_accumulation_steps": "steps between optimizer steps",
+    "steps_per_generation": "generation", "generation_batch_size": "generation",
+    "load_path": "the loading phase", "save_kind": "the saving phase", "logits_dtype": "the loss, after the layers",
+    "ckpt_reentrant": "checkpointing, which the learning run turns off", "eval_batch_size": "the eval phase",
+    "eval_keeps": "the eval phase", "eval_accumulation_steps": "the eval phase", "eval_samples": "the eval phase",
+}
 LEARN_ENV = "LLMEM_LEARN"          # auto (default): where no hand recipe exists; always; never
 # bytes = c[0] + c[1] b + c[2] s + c[3] b s + c[4] b s^2: constants for weight-sized tensors, s for tensors shared by
 # the batch (rotary cos/sin), b s per token, b s^2 for eager attention's scores and packed masks
@@ -256,7 +284,7 @@ def learning_key(r: ResolvedSetup) -> dict:
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
             r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy, own_shape(setup),
-            vision_fields(setup))
+            vision_fields(setup), setup.objective, setup.liger, setup.float8, setup.float8_all_gather)
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -288,7 +316,19 @@ def _learning_key(r: ResolvedSetup) -> dict:
             # --compile: the layers compiled (llmem.runtime.compile), learned at the micro-batch's own shape
             **({"compile": list(own_shape(setup))} if setup.compile else {}),
             # a vision-language step: its images and frozen parts, learned at the micro-batch's own shape
-            **({"vision": [*vision_fields(setup), *own_shape(setup)]} if setup.images_per_sample else {})}
+            **({"vision": [*vision_fields(setup), *own_shape(setup)]} if setup.images_per_sample else {}),
+            # a TRL trainer's step runs in the learning copy (disable_dropout_in_model, its collator's batch)
+            **({"objective": setup.objective} if _trainer_learned(setup) else {}),
+            # Liger's Functions and torchao's float8 linears replace the layer's own modules in the learning copy
+            **({"liger": setup.liger} if setup.liger != "none" else {}),
+            **({"float8": [setup.float8, setup.float8_all_gather]} if setup.float8 != "none" else {})}
+
+
+def _trainer_learned(setup) -> bool:
+    """Whether the learning copy runs the objective's own trainer step (a generation objective's runs the plain
+    step: llmem.learn.shallow_copy.learning_setup)."""
+    spec = objective_spec(setup.objective)
+    return spec.runs_trainer and not spec.generates
 
 
 def vision_fields(setup) -> tuple:

@@ -1,0 +1,59 @@
+"""The learned activations' cache key against what the learning run reads: every TrainingSetup field is read by the
+key, reset by the learning run, or declared as changing nothing a decoder layer keeps; and a file learned under a
+TRL trainer's step is not read for the plain step (it was, before LEARN_FORMAT 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from llmem.learn.shallow_copy import LEARNING_RESETS
+from llmem.memory.activations.learned import KEYED_FIELDS, LAYER_FREE_FIELDS, learning_key
+from llmem.model.resolved import resolve
+from llmem.setup.sections import DeepSpeedConfig, ParallelismConfig
+from llmem.setup.training import FLAT_ORDER, TrainingSetup
+
+
+def test_every_field_is_keyed_reset_or_layer_free():
+    reset = set(LEARNING_RESETS) | {f.name for f in fields(ParallelismConfig)} \
+        | {f.name for f in fields(DeepSpeedConfig)} | {"batch_size", "seq_len"}
+    unclassified = set(FLAT_ORDER) - set(KEYED_FIELDS) - set(LAYER_FREE_FIELDS) - reset
+    assert not unclassified, f"classify for the learned activations' key: {sorted(unclassified)}"
+    assert not set(LAYER_FREE_FIELDS) & set(KEYED_FIELDS)
+
+
+@pytest.mark.parametrize("lora, changes", [
+    (8, {"objective": "dpo"}), (8, {"objective": "trl-sft"}), (8, {"liger": "rms_norm"}),
+    (0, {"float8": "tensorwise"}), (8, {"lora_dropout": 0.1}), (8, {"packing": True}),
+])
+def test_a_keyed_field_changes_the_key(lora, changes):
+    base = dict(model="tiny-llama", precision="bf16", batch_size=2, seq_len=128, lora_rank=lora)
+    assert learning_key(resolve(TrainingSetup(**base))) != learning_key(resolve(TrainingSetup(**base, **changes)))
+
+
+def test_a_generation_objective_learns_the_plain_step():
+    base = dict(model="tiny-llama", precision="bf16", batch_size=2, seq_len=128)
+    grpo = TrainingSetup(**base, objective="grpo", num_generations=2, max_completion_length=64)
+    assert learning_key(resolve(grpo)) == learning_key(resolve(TrainingSetup(**base)))
+
+
+def _estimate(cache, *flags) -> tuple[int, int]:
+    run = subprocess.run([sys.executable, "-m", "llmem.cli", "estimate", "tiny-llama", "--precision", "bf16-mixed",
+                          "--batch-size", "2", "--seq-len", "128", "--json", *flags], capture_output=True, text=True,
+                         check=True, env={"HF_HUB_OFFLINE": "1", "LLMEM_LEARN": "always", "LLMEM_CACHE_DIR": str(cache),
+                                          "PATH": ""})
+    out = json.loads(run.stdout)
+    return out["peak_allocated_bytes"], out["peak_reserved_bytes"]
+
+
+def test_a_trainer_learned_file_is_not_read_for_the_plain_step(tmp_path):
+    """DPOTrainer's step in the learning copy (its collator, dropout off) learns other blocks than the plain step;
+    both were one cache file before: a plain estimate after a DPO one read the DPO file (977 -> 1,015 MB reserved
+    on this set-up)."""
+    shared, fresh = tmp_path / "shared", tmp_path / "fresh"
+    _estimate(shared, "--objective", "dpo")
+    assert _estimate(shared) == _estimate(fresh)
