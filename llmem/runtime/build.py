@@ -260,34 +260,19 @@ def install_fused_ce(model: nn.Module) -> None:
     model for the final hidden states and calls the lm_head module, whose forward is the fused loss (so module
     hooks - FSDP2's root unshard, DDP's reducer, the tracer's module tracker - fire as with the plain head).
     The forward is replaced on the instance: peft, DDP and FSDP2 all reach it through `module.forward`."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     from llmem.runtime.losses import fused_linear_cross_entropy
 
-    lm = causal_lm(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    base = getattr(lm, "base_model", None)
-    if head is None or base is None or base is lm or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise LlmemError(f"--fused-ce needs a causal LM with a base model and a linear lm_head; "
-                         f"{type(lm).__name__} has none")
+    lm, head = _loss_owner(model, "--fused-ce")
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise LlmemError(f"--fused-ce needs a causal LM with a linear lm_head; {type(lm).__name__} has none")
     if getattr(text_config(lm.config), "final_logit_softcapping", None):
         raise LlmemError("--fused-ce does not model final_logit_softcapping (Gemma-2)")
 
     def head_forward(hidden, labels):
         return fused_linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), labels)
 
-    def lm_forward(input_ids=None, labels=None, **kwargs):
-        kwargs.pop("logits_to_keep", None)
-        kwargs.pop("return_dict", None)
-        out = base(input_ids=input_ids, **kwargs)
-        hidden = out[0]
-        del out
-        if labels is None:
-            raise LlmemError("--fused-ce computes the loss only: the step must pass labels")
-        return CausalLMOutputWithPast(loss=head(hidden, labels))
-
     head.forward = head_forward
-    lm.forward = lm_forward
+    _loss_after_base(lm, "--fused-ce", head)
 
 
 def install_chunked_output(model: nn.Module, chunks: int, compiled: bool = False, fake: bool = True) -> None:
@@ -296,35 +281,48 @@ def install_chunked_output(model: nn.Module, chunks: int, compiled: bool = False
     its hooks fire per chunk), the recipe's shifted labels and CEWithChunkedOutputLoss (llmem.runtime.losses), then
     the recipe's `del logits`; `compiled`: its compute_cross_entropy compiled (llmem.runtime.compile.compile_loss).
     Set on the instance, as install_fused_ce does."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     from llmem.runtime.losses import CEWithChunkedOutputLoss, torchtune_shifted_labels
 
-    lm = causal_lm(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    base = getattr(lm, "base_model", None)
-    if head is None or base is None or base is lm:
-        raise LlmemError(f"--output-chunks needs a causal LM with a base model and an lm_head; "
-                         f"{type(lm).__name__} has none")
+    lm, head = _loss_owner(model, "--output-chunks")
     loss_fn = CEWithChunkedOutputLoss(chunks)
     if compiled:        # torchtune's compile flag compiles the loss too (training.compile_loss)
         from llmem.runtime.compile import compile_loss
 
         compile_loss(loss_fn, fake)
 
+    def chunked_loss(hidden, labels):
+        logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+        del hidden      # (the chunks' own references stay where the lm_head's matmuls save them)
+        loss = loss_fn(logits, torchtune_shifted_labels(labels))
+        del logits      # the recipe's: "free logits otherwise it peaks backward memory"
+        return loss
+
+    _loss_after_base(lm, "--output-chunks", chunked_loss)
+
+
+def _loss_owner(model: nn.Module, flag: str) -> tuple[nn.Module, nn.Module]:
+    """The causal LM whose forward a loss option replaces, and its lm_head module (refused without a base model)."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    base = getattr(lm, "base_model", None)
+    if head is None or base is None or base is lm:
+        raise LlmemError(f"{flag} needs a causal LM with a base model and an lm_head; {type(lm).__name__} has none")
+    return lm, head
+
+
+def _loss_after_base(lm: nn.Module, flag: str, loss_of) -> None:
+    """The causal LM's forward, on the instance: its base model's final hidden states handed to `loss_of(hidden,
+    labels)` (their only reference: loss_of may drop them), the loss returned as the model output's."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base = lm.base_model
+
     def lm_forward(input_ids=None, labels=None, **kwargs):
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("return_dict", None)
-        out = base(input_ids=input_ids, **kwargs)
-        hidden = out[0]
-        del out
         if labels is None:
-            raise LlmemError("--output-chunks computes the loss only: the step must pass labels")
-        logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
-        del hidden
-        loss = loss_fn(logits, torchtune_shifted_labels(labels))
-        del logits     # the recipe's: "free logits otherwise it peaks backward memory"
-        return CausalLMOutputWithPast(loss=loss)
+            raise LlmemError(f"{flag} computes the loss only: the step must pass labels")
+        return CausalLMOutputWithPast(loss=loss_of(base(input_ids=input_ids, **kwargs)[0], labels))
 
     lm.forward = lm_forward
 
