@@ -36,15 +36,7 @@ class FusedSftEvents(PreferenceEvents):
     def head_forward(self) -> None:
         """compute_loss: the fused head after the backbone (its saved tensors kept), the loss from its outputs, which
         die when compute_loss returns."""
-        s = self.s
-        sch, alloc, act = s.sch, s.sch.alloc, s.facts.act
-        sch.mark("lm_head and loss")
-        head = self.policy_head()
-        # the final norm's recipe tensors, less the lm_head's input (the fused head copies the label tokens)
-        kept = act.head_tensors[:-1] if act.lm_head_kept else act.head_tensors
-        self.head_keys = [alloc(n, "activations") for n in kept]
-        norm_out = alloc(self.rows * self.seq * s.facts.hidden_size * head.out_bytes, "activations")
-        self.saved, outputs = self.fused_forward(head, keep=True)
-        sch.free(norm_out)                       # the backbone's output dies when the fused forward returns
+        sch = self.s.sch
+        outputs = self.policy_head_forward(labels=False)     # (the collator's labels: the batch's own)
         sch.mark("loss")
         sch.free_all(outputs)                    # compute_loss returns: the head's outputs die

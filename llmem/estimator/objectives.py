@@ -310,22 +310,31 @@ class PreferenceEvents:
     def head_forward(self) -> None:
         """_compute_loss up to the loss: the policy's fused head (its saved tensors kept), the reference forward
         and its head (transient), the per-token outputs."""
+        sch = self.s.sch
+        outputs = self.policy_head_forward(labels=True)
+        self.forwards_after_policy()
+        sch.mark("loss")
+        sch.free_all(outputs)                    # _compute_loss returns: its outputs and labels die
+        sch.free(self.labels)
+
+    def policy_head_forward(self, labels: bool) -> list[int]:
+        """The policy's fused head after the backbone (its saved tensors kept in self.saved); `labels`: the
+        trainer's masked labels (input_ids.masked_fill(...)) made first, kept in self.labels. Returns the keys of
+        the head's per-token outputs."""
         s = self.s
         sch, alloc, act = s.sch, s.sch.alloc, s.facts.act
         sch.mark("lm_head and loss")
         head = self.policy_head()
         # the recipe's final norm tensors; its last one, the lm_head's input (kept for a trained lm_head's weight
-        # gradient), is not kept: the fused head copies the completion tokens instead
+        # gradient), is not kept: the fused head copies the label tokens instead
         kept = act.head_tensors[:-1] if act.lm_head_kept else act.head_tensors
         self.head_keys = [alloc(n, "activations") for n in kept]
-        self.labels = alloc(self.rows * self.seq * INT64, "logits_and_loss")    # input_ids.masked_fill(...)
+        if labels:
+            self.labels = alloc(self.rows * self.seq * INT64, "logits_and_loss")
         norm_out = alloc(self.rows * self.seq * s.facts.hidden_size * head.out_bytes, "activations")
         self.saved, outputs = self.fused_forward(head, keep=True)
         sch.free(norm_out)                       # the backbone's output dies when the fused forward returns
-        self.forwards_after_policy()
-        sch.mark("loss")
-        sch.free_all(outputs)                    # _compute_loss returns: its outputs and labels die
-        sch.free(self.labels)
+        return outputs
 
     def fused_forward(self, head: FusedHead, keep: bool) -> tuple[list[int], list[int]]:
         """One `model(..., fused_lm_head=True)` after the backbone: the mask, the completion tokens and targets,
