@@ -3,16 +3,13 @@ processor's own output, the processor built offline from the shipped preprocesso
 
 from __future__ import annotations
 
-import json
-import warnings
-
 import pytest
+from qwen_processor import processed, qwen_processor
 
 from llmem.cli import main
 from llmem.errors import LlmemError
 from llmem.model.anatomy import load_anatomy
-from llmem.model.catalog import catalog_file
-from llmem.model.images import PROCESSORS, image_grid, processor_settings
+from llmem.model.images import image_grid, processor_settings
 from llmem.model.vision import vision_spec
 from llmem.model.vision_inputs import vision_inputs
 from llmem.setup.training import TrainingSetup
@@ -27,26 +24,13 @@ SIZES = [(1024, 768), (768, 1024), (224, 224), (28, 28), (20, 30), (1, 150), (10
 
 @pytest.fixture(scope="module")
 def processor():
-    """transformers' Qwen2-VL image processor (its PIL backend: no torchvision) from the shipped config."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    raw = json.loads(catalog_file("processors", PROCESSORS["qwen2_vl"].config_file))
-    assert raw["image_processor_type"] == PROCESSORS["qwen2_vl"].image_processor_type
-    return Qwen2VLImageProcessorPil(**{k: v for k, v in raw.items()
-                                       if k not in ("image_processor_type", "processor_class")})
-
-
-def _processed(processor, height: int, width: int, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], input_data_format="channels_last",
-                        return_tensors="np", **kwargs)
-    return out["pixel_values"].shape, tuple(int(v) for v in out["image_grid_thw"][0])
+    """transformers' Qwen2-VL image processor from the shipped config (tests/qwen_processor.py)."""
+    return qwen_processor("qwen2_vl")
 
 
 @pytest.mark.parametrize(("height", "width"), SIZES)
 def test_grid_and_tokens_equal_the_processors(processor, height, width):
-    (rows, row_width), thw = _processed(processor, height, width)
+    (rows, row_width), thw = processed(processor, height, width)
     grid = image_grid("qwen2_vl", height, width)
     assert (grid.grid_t, grid.grid_h, grid.grid_w) == thw
     assert (grid.patches, grid.patch_values) == (rows, row_width)
@@ -55,7 +39,7 @@ def test_grid_and_tokens_equal_the_processors(processor, height, width):
 
 @pytest.mark.parametrize("max_pixels", [200_704, 100_352, 50_000])       # all under the image's 750,000 pixels
 def test_max_pixels_bounds_as_the_processor(processor, max_pixels):
-    (rows, _), thw = _processed(processor, 1000, 750, size={"shortest_edge": 3136, "longest_edge": max_pixels})
+    (rows, _), thw = processed(processor, 1000, 750, size={"shortest_edge": 3136, "longest_edge": max_pixels})
     grid = image_grid("qwen2_vl", 1000, 750, max_pixels)
     assert grid.height * grid.width <= max_pixels
     assert ((grid.grid_t, grid.grid_h, grid.grid_w), grid.patches) == (thw, rows)
@@ -89,7 +73,7 @@ def test_language_model_sequence_is_text_plus_visual_tokens():
 
 def test_an_aspect_ratio_the_processor_refuses(processor):
     with pytest.raises(ValueError, match="aspect ratio"):
-        _processed(processor, 10, 2010)
+        processed(processor, 10, 2010)
     with pytest.raises(LlmemError, match="aspect ratio over 200"):
         image_grid("qwen2_vl", 10, 2010)
     image_grid("qwen2_vl", 10, 2000)         # exactly 200: taken, as the processor takes it

@@ -6,17 +6,16 @@ bytes worked out by hand."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
+from qwen_processor import processed, qwen_processor
 
 from llmem.cli import main
 from llmem.errors import LlmemError
 from llmem.memory.activations.learned import LEARN_ENV
 from llmem.memory.activations.profile import vision_batch_bytes
 from llmem.model.anatomy import load_anatomy
-from llmem.model.catalog import catalog_file
-from llmem.model.images import PROCESSORS, image_grid, pixel_values_shape, processor_settings
+from llmem.model.images import image_grid, pixel_values_shape, processor_settings
 from llmem.model.vision import LANGUAGE, PROJECTOR, VISION, part_of, part_params, vision_spec
 from llmem.model.vision_inputs import vision_inputs
 from llmem.setup.training import TrainingSetup
@@ -98,22 +97,8 @@ def test_the_deepstack_mergers_are_the_towers():
 
 @pytest.fixture(scope="module")
 def processor():
-    """transformers' Qwen2-VL image processor (its PIL backend: no torchvision), which Qwen3-VL ships, from the
-    shipped preprocessor_config.json (patch 16, merge 2, size {shortest_edge 65,536, longest_edge 16,777,216})."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    raw = json.loads(catalog_file("processors", PROCESSORS["qwen3_vl"].config_file))
-    assert raw["image_processor_type"] == PROCESSORS["qwen3_vl"].image_processor_type
-    return Qwen2VLImageProcessorPil(**{k: v for k, v in raw.items()
-                                       if k not in ("image_processor_type", "processor_class")})
-
-
-def _processed(processor, height: int, width: int, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], input_data_format="channels_last",
-                        return_tensors="np", **kwargs)
-    return out["pixel_values"].shape, tuple(int(v) for v in out["image_grid_thw"][0])
+    """transformers' Qwen2-VL image processor from the shipped config (tests/qwen_processor.py)."""
+    return qwen_processor("qwen3_vl")
 
 
 _SLOW = pytest.mark.slow      # the processor resizes the real pixels: seconds for the largest images
@@ -123,7 +108,7 @@ _SLOW = pytest.mark.slow      # the processor resizes the real pixels: seconds f
     (1024, 768), (768, 1024), (448, 448), (224, 224), (32, 32), (20, 30), (1, 150), (10, 1000), (1080, 1920),
     (333, 517), (64, 12800), pytest.param(4000, 3000, marks=_SLOW), pytest.param(6000, 8000, marks=_SLOW)])
 def test_grid_and_tokens_equal_the_processors(processor, height, width):
-    (rows, row_width), thw = _processed(processor, height, width)
+    (rows, row_width), thw = processed(processor, height, width)
     grid = image_grid("qwen3_vl", height, width)
     assert (grid.grid_t, grid.grid_h, grid.grid_w) == thw
     assert pixel_values_shape("qwen3_vl", grid, 1) == (rows, row_width)
@@ -132,7 +117,7 @@ def test_grid_and_tokens_equal_the_processors(processor, height, width):
 
 @pytest.mark.parametrize("max_pixels", [589_824, 262_144, 100_000])      # all under the image's 750,000 pixels
 def test_max_pixels_bounds_as_the_processor(processor, max_pixels):
-    (rows, _), thw = _processed(processor, 1000, 750, size={"shortest_edge": 65_536, "longest_edge": max_pixels})
+    (rows, _), thw = processed(processor, 1000, 750, size={"shortest_edge": 65_536, "longest_edge": max_pixels})
     grid = image_grid("qwen3_vl", 1000, 750, max_pixels)
     assert grid.height * grid.width <= max_pixels
     assert ((grid.grid_t, grid.grid_h, grid.grid_w), grid.patches) == (thw, rows)
@@ -173,7 +158,7 @@ def test_batch_bytes_by_hand():
 
 def test_an_aspect_ratio_the_processor_refuses(processor):
     with pytest.raises(ValueError, match="aspect ratio"):
-        _processed(processor, 10, 2010)
+        processed(processor, 10, 2010)
     with pytest.raises(LlmemError, match="aspect ratio over 200"):
         image_grid("qwen3_vl", 10, 2010)
 
