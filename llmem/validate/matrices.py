@@ -173,7 +173,7 @@ CI_MATRIX: list[TrainingSetup] = [
        seq_len=512),
     _s("meta-llama/Llama-3.2-1B", precision="bf16-mixed", optimizer="sgd", ckpt_offload="unsloth", batch_size=2,
        seq_len=512),
-    _s("meta-llama/Llama-3.2-1B", precision="bf16-mixed", ckpt_offload="unsloth-classic", lora_rank=8, batch_size=2,
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", ckpt_offload="unsloth-classic", lora_rank=8, batch_size=2,
        seq_len=512),
     _s("tiny-llama", precision="bf16-mixed", ckpt_offload="unsloth-classic", batch_size=2, seq_len=256),
     # the optimizer offloaded (states and update on the host: ZeRO-Offload / FSDP's), one GPU and FSDP2
