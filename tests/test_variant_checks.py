@@ -13,10 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llmem"
-VARIANT_FIELDS = ("quant_base", "objective", "attn")      # TrainingSetup's fields named by registry rows
+VARIANT_FIELDS = ("quant_base", "objective", "attn", "ckpt_offload")      # TrainingSetup's fields named by registry rows
 # where the names belong: the registries themselves, the readers' mapping tables, the matrices' rows
 HOMES = ("llmem/setup/quant_bases.py", "llmem/setup/objectives.py", "llmem/setup/generation.py",
-         "llmem/setup/attention.py", "llmem/setup/sources/", "llmem/validate/matrices.py", "llmem/validate/labels.py")
+         "llmem/setup/attention.py", "llmem/setup/checkpointing.py", "llmem/setup/sources/", "llmem/validate/matrices.py", "llmem/validate/labels.py")
 ALLOWED: tuple[str, ...] = ()    # modules allowed a check by name (none: every check reads its row)
 
 

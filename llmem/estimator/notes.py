@@ -7,6 +7,7 @@ from llmem.estimator.deepspeed import two_forwards_note
 from llmem.estimator.objectives import reference_bytes
 from llmem.estimator.post_forward import post_forward_layer_bytes, post_forward_ranks
 from llmem.estimator.states import cpu_offload, cpu_offload_host_bytes
+from llmem.memory.activations.ckpt_offload import ckpt_offload_note, offloaded_checkpoint
 from llmem.memory.activations.learned import activation_source_notes, learned_for
 from llmem.memory.activations.profile import ActivationProfile, activation_notes
 from llmem.memory.quant import is_quantised, quant_args, quant_layout, storage_bytes
@@ -164,6 +165,9 @@ def estimate_notes(r: ResolvedSetup, act: ActivationProfile, offloaded_host_byte
     notes.extend(activation_notes(setup))
     if act.offload:
         notes.append(f"activations offloaded: about {act.offloaded_bytes / GIB:.2f} GiB of pinned host memory per GPU")
+    oc = offloaded_checkpoint(setup.ckpt_offload, act.ckpt_input_bytes, r.regime.res)
+    if oc is not None:
+        notes.append(ckpt_offload_note(oc, act.checkpointed_layers()))
     if anatomy.peft is not None:
         notes.extend(anatomy.peft.notes)
         if anatomy.peft.use_dora and setup.quant_spec.quantised:

@@ -463,6 +463,9 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
         if setup.grad_ckpt or vision_checkpointing:    # (llmem.learn: a vision-language encoder's alone)
             enable_checkpointing(model, setup.ckpt_every, setup.ac_policy, encoder_only=not setup.grad_ckpt,
                                  reentrant=setup.ckpt_reentrant)
+        if setup.ckpt_offload_spec.active:               # Unsloth's Functions (llmem.runtime.unsloth_ckpt)
+            from llmem.runtime.unsloth_ckpt import install_ckpt_offload
+            install_ckpt_offload(model, setup.ckpt_offload)
         _install_loss(model, setup, fake)
         kernels = applied_kernels(setup.liger, resolved.anatomy.model_type)
         if kernels:       # Liger-Kernel's Functions over HF's modules (llmem.runtime.liger)

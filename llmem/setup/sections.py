@@ -193,6 +193,13 @@ class ActivationsConfig:
                                   "transformers 4's default; transformers 5's is non-reentrant): its forward runs "
                                   "under no_grad; implies --grad-ckpt", ACTIVATIONS, kind="switch",
                                   implies=(("grad_ckpt", True),))
+    # llmem.setup.checkpointing.CKPT_OFFLOADS: a library's offloaded checkpoint (Unsloth's Functions)
+    ckpt_offload: str = option("none", "checkpoint with a library's offloading autograd Function: unsloth "
+                               "(use_gradient_checkpointing=\"unsloth\": inputs over 2 MiB to pinned host memory, two "
+                               "device staging buffers, the last layer's input kept), unsloth-single (one staging "
+                               "buffer) or unsloth-classic (LLaMA-Factory's use_unsloth_gc, axolotl's "
+                               "activation_offloading: legacy); implies --grad-ckpt (default none)", ACTIVATIONS,
+                               metavar="NAME")
     attn: str = option("sdpa", "sdpa, flash (flash_attention_2; fp16/bf16) or eager (default sdpa)", ACTIVATIONS)
     offload_activations: bool = option(False, "keep saved activations in pinned CPU memory between forward and "
                                        "backward", ACTIVATIONS, kind="switch")

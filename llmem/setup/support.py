@@ -199,6 +199,20 @@ FLOAT8 = FeatureSupport("--float8", lambda c: c.setup.float8 != "none", (
             "--objective"),
 ))
 
+# --ckpt-offload: Unsloth's offloaded checkpoints (llmem.setup.checkpointing.CKPT_OFFLOADS) around whole decoder
+# layers on one device: its per-device buffers make it run under DDP too, the rest is not checked against the trace
+CKPT_OFFLOAD = FeatureSupport("--ckpt-offload", lambda c: c.setup.ckpt_offload_spec.active, (
+    Refusal("FSDP2, tensor, pipeline, context or expert parallelism, DeepSpeed", lambda c: not c.method.plain_tensors
+            or c.setup.pp > 1 or c.setup.cp > 1 or c.setup.ep > 1,
+            lambda c: f"--ckpt-offload {c.setup.ckpt_offload} is modelled under --method single or ddp only (got "
+                      f"{c.setup.method}): Unsloth trains on one GPU, LLaMA-Factory's and axolotl's copies were not "
+                      "checked under sharded or split layers; drop --ckpt-offload"),
+    Refusal("TRL's objectives, Liger, float8", lambda c: c.setup.objective_spec.runs_trainer
+            or c.setup.liger != "none" or c.setup.float8 != "none",
+            lambda c: f"--ckpt-offload {c.setup.ckpt_offload} is modelled for the sft objective over HF's modules "
+                      "(no --liger, no --float8): drop the other option or --ckpt-offload"),
+))
+
 # --compile: each decoder layer compiled (llmem.runtime.compile), its activations learned with the real compile
 # pipeline on a copy run on one GPU (llmem.learn): what that copy and the compiled layer cannot stand for is refused
 COMPILE = FeatureSupport("--compile", lambda c: c.setup.compile, (
@@ -451,7 +465,8 @@ PIPELINE = FeatureSupport("--pp N", lambda c: c.setup.pp > 1 and c.model is not 
 
 # the features in the order they are checked: the first refusal that applies is the one a user reads
 SUPPORT: dict[str, FeatureSupport] = {row.feature: row for row in (
-    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, OUTPUT_CHUNKS, LIGER, FLOAT8, COMPILE,
+    OPTIMIZER_IN_BACKWARD, OPTIMIZER, TP_STYLES, ADAPTERS, FUSED_CE, LOGITS_DTYPE, OUTPUT_CHUNKS, LIGER, FLOAT8,
+    CKPT_OFFLOAD, COMPILE,
     SELECTIVE_AC, DEEPSPEED, QUANTISED_BASE, RESHARD_AFTER_FORWARD, SHARD_EMBEDDINGS, MODEL, PIPELINE)}
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmem.errors import LlmemError
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
-from llmem.setup.checkpointing import ac_policy, reentrant_refusal
+from llmem.setup.checkpointing import CkptOffload, ac_policy, ckpt_offload, reentrant_refusal
 from llmem.setup.context_parallel import check_context_parallel
 from llmem.setup.deepspeed import HIDDEN_SIZE_RULES, ZERO_FIELDS
 from llmem.setup.eval_phase import check_eval
@@ -100,14 +100,14 @@ LATER_FIELDS = ("load_path", "save_kind", "logits_dtype", "liger", "float8", "fl
                 "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "compile",
                 "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
                 "freeze_language_model", "shard_embeddings", "ckpt_reentrant", "eval_batch_size", "eval_keeps",
-                "eval_accumulation_steps", "eval_samples", "output_chunks")
+                "eval_accumulation_steps", "eval_samples", "output_chunks", "ckpt_offload")
 SHAPE_FIELDS = ("batch_size", "seq_len")     # a micro-batch's shape (TrainingSetup.shape_free: the rest)
 # Every field by its flat name, in the order the set-up's JSON and --help have always listed them
 FLAT_ORDER = ('model', 'method', 'gpus', 'gpus_per_node', 'tp', 'batch_size', 'seq_len', 'precision', 'optimizer', 'grad_ckpt', 'attn', 'gpu', 'gpu_memory', 'cuda_context', 'expandable_segments', 'offload_optimizer', 'lora_rank', 'lora_alpha', 'lora_targets', 'lora_dropout', 'peft_config', 'trust_remote_code', 'optimizer_in_backward', 'quant_base', 'kbit_upcast', 'adapter_dtype', 'double_quant', 'ckpt_every', 'offload_activations', 'fused_ce', 'packing', 'reduce_bucket_size', 'overlap_comm', 'prefetch_bucket_size', 'param_persistence_threshold', 'max_live_parameters', 'max_reuse_distance', 'sub_group_size', 'offload_param', 'objective', 'loss_type', 'precompute_ref_log_probs', 'ref_dtype', 'prompt_len', 'max_length', 'sequence_parallel', 'loss_parallel', 'ac_policy', 'num_generations', 'max_completion_length', 'beta', 'use_vllm', 'dp_replicate', 'pp', 'pp_schedule', 'pp_microbatches', 'cp', 'vllm_mode', 'vllm_gpu_memory_utilization', 'vllm_enable_sleep_mode', 'vllm_max_model_length', 'pp_virtual_stages', 'ep', 'ep_imbalance', 'reshard_after_forward') + LATER_FIELDS
 # Fields a set-up's JSON record shows only where they are set (an eval's, the reentrant checkpoint): a set-up without
 # them records what it recorded before they existed
 SHOWN_WHEN_SET = ("eval_batch_size", "eval_keeps", "eval_accumulation_steps", "eval_samples", "ckpt_reentrant",
-                  "output_chunks")
+                  "output_chunks", "ckpt_offload")
 # flat name -> the section holding it (the model's name and trust_remote_code are TrainingSetup's own)
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
 # the defaults of LATER_FIELDS: a set-up prints them only where it differs (TrainingSetup.__repr__)
@@ -198,6 +198,7 @@ class TrainingSetup:
         if self.ckpt_every < 1:
             raise LlmemError(f"--grad-ckpt-every must be >= 1, got {self.ckpt_every}")
         self._check_ac_policy()
+        self._check_ckpt_offload()
         self._check_ckpt_reentrant()
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise LlmemError(f"unknown --adapter-dtype {self.adapter_dtype!r}: choose one of {', '.join(ADAPTER_DTYPES)}")
@@ -267,6 +268,25 @@ class TrainingSetup:
                 raise LlmemError(f"--ac-policy {self.ac_policy} checkpoints every layer (torchtitan's op-level "
                                  "selective checkpointing wraps each block): drop --grad-ckpt-every")
             self._set("grad_ckpt", True)   # implied, as the flag implies it
+
+    def _check_ckpt_offload(self) -> None:
+        """--ckpt-offload: a library's reentrant-style Function around every decoder layer (it implies --grad-ckpt and
+        --ckpt-reentrant: Unsloth's forces use_reentrant=True, each layer's forward runs under no_grad). Refused with
+        every-k checkpointing, activation offloading and what the reentrant checkpoint is refused with."""
+        if not ckpt_offload(self.ckpt_offload).active:
+            return
+        flag = f"--ckpt-offload {self.ckpt_offload}"
+        if self.ckpt_every > 1:
+            raise LlmemError(f"{flag} checkpoints every decoder layer (Unsloth's Function wraps each one): drop "
+                             "--grad-ckpt-every")
+        if self.offload_activations:
+            raise LlmemError(f"{flag} with --offload-activations: the checkpoint already offloads each layer's "
+                             "input, save_on_cpu around it is not modelled; drop one of them")
+        refused = reentrant_refusal(lambda name: getattr(self, name))
+        if refused is not None:
+            raise LlmemError(f"{flag} with {refused[0]}: {refused[1]}; drop one of them")
+        self._set("grad_ckpt", True)        # implied, as Unsloth's get_peft_model / LLaMA-Factory's flag imply it
+        self._set("ckpt_reentrant", True)
 
     def _check_ckpt_reentrant(self) -> None:
         """--ckpt-reentrant: torch's CheckpointFunction, a whole layer at a time (it implies --grad-ckpt). The options
@@ -347,6 +367,11 @@ class TrainingSetup:
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def ckpt_offload_spec(self) -> CkptOffload:
+        """--ckpt-offload's row (llmem.setup.checkpointing): a library's offloaded checkpoint, or none."""
+        return ckpt_offload(self.ckpt_offload)
 
     @property
     def quant_spec(self) -> QuantBaseSpec:

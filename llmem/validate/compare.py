@@ -96,6 +96,8 @@ def measure_skip_reason(setup: TrainingSetup, device: str | None) -> str:
     on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     if on_cpu and setup.offload_activations:
         return "--offload-activations needs a GPU (the host is the device)"
+    if on_cpu and setup.ckpt_offload_spec.active:
+        return "--ckpt-offload needs a GPU (the host is the device)"
     return ""
 
 

@@ -163,6 +163,19 @@ CI_MATRIX: list[TrainingSetup] = [
        batch_size=2, seq_len=512),
     _s("gpt2", precision="bf16", optimizer="sgd", grad_ckpt=True, ckpt_every=2, offload_activations=True,
        batch_size=4, seq_len=512),
+    # Unsloth's offloaded checkpoints (--ckpt-offload): the smart one over 2 MiB layer inputs (4 MiB here; the last
+    # layer's kept, two staging buffers), LoRA, QLoRA, one staging buffer, a full fine-tune with an fp32 stream
+    # (stored as bf16); the classic one (LLaMA-Factory's use_unsloth_gc, axolotl's legacy offload)
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", ckpt_offload="unsloth", lora_rank=8, batch_size=2, seq_len=512),
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", ckpt_offload="unsloth", lora_rank=16, lora_targets="all-linear",
+       quant_base="nf4", batch_size=2, seq_len=512),
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", ckpt_offload="unsloth-single", lora_rank=8, batch_size=2,
+       seq_len=512),
+    _s("meta-llama/Llama-3.2-1B", precision="bf16-mixed", optimizer="sgd", ckpt_offload="unsloth", batch_size=2,
+       seq_len=512),
+    _s("meta-llama/Llama-3.2-1B", precision="bf16", ckpt_offload="unsloth-classic", lora_rank=8, batch_size=2,
+       seq_len=512),
+    _s("tiny-llama", precision="bf16-mixed", ckpt_offload="unsloth-classic", batch_size=2, seq_len=256),
     # the optimizer offloaded (states and update on the host: ZeRO-Offload / FSDP's), one GPU and FSDP2
     _s("gpt2", precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),
     _s("gpt2", "fsdp", 2, precision="bf16-mixed", offload_optimizer=True, batch_size=2, seq_len=256),

@@ -15,6 +15,7 @@ from llmem.estimator.param_facts import ParamFacts, param_facts
 from llmem.estimator.post_forward import post_forward_ranks
 from llmem.estimator.states import cpu_offload, steps_on_host
 from llmem.memory.activations.blocks import Block
+from llmem.memory.activations.ckpt_offload import OffloadedCheckpoint, offloaded_checkpoint
 from llmem.memory.activations.profile import ActivationProfile, sequence_tokens
 from llmem.memory.activations.quantised import fp32_behind_quant
 from llmem.memory.quant import QuantArgs, Transients, quant_args, transients
@@ -105,6 +106,17 @@ class StepFacts:
     def unit(self, unit_key: int | None) -> list[ParamInfo]:
         """A decoder layer's parameters (None: the root's)."""
         return self.params.by_layer.get(unit_key, [])
+
+    @cached_property
+    def ckpt_offload(self) -> OffloadedCheckpoint | None:
+        """--ckpt-offload: the library's offloaded checkpoint over this step's layer inputs (None: none)."""
+        return offloaded_checkpoint(self.setup.ckpt_offload, self.act.ckpt_input_bytes, self.regime.res)
+
+    @property
+    def embed_leaf_apart(self) -> bool:
+        """A frozen embedding's output laid out on its own (ActivationProfile.embed_leaf_apart), also under an
+        offloaded checkpoint: layer 0's input goes to the host while its AccumulateGrad node holds it."""
+        return self.act.embed_leaf_apart or self.ckpt_offload is not None
 
     @cached_property
     def own_units(self) -> dict[str, list[ParamInfo]]:

@@ -10,6 +10,7 @@ extrapolates); layer 0's first blocks (before its first adapter) run without a g
 from __future__ import annotations
 
 from llmem.estimator.schedule.blocks import BlockEvents
+from llmem.estimator.schedule.ckpt_offload import CkptOffloadEvents
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState
 from llmem.estimator.schedule.units import FsdpUnits
@@ -23,6 +24,8 @@ class LayerEvents:
     def __init__(self, step: StepHooks, state: StepState, blocks: BlockEvents, units: FsdpUnits) -> None:
         self.step, self.f, self.sch = step, step.facts, step.sch
         self.state, self.blocks, self.units = state, blocks, units
+        # --ckpt-offload: Unsloth's Functions around each checkpointed layer (None: torch's checkpoint)
+        self.offload = CkptOffloadEvents(self.f, self.sch, state) if self.f.ckpt_offload is not None else None
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, i: int) -> None:
@@ -34,6 +37,8 @@ class LayerEvents:
             self.step.ensure_workspace()
         blocks_params = self.f.params.layer_blocks[i]
         checkpointed = act.checkpointed(i)
+        if checkpointed and self.offload is not None:
+            self.offload.before_layer(i)
         if checkpointed:
             # a checkpointed layer's forward keeps nothing: its dequantised weights reuse the memory its
             # intermediate tensors free, so they are laid out before them
@@ -49,6 +54,8 @@ class LayerEvents:
             # the device tensor dies once this layer has used it; this layer's output lives on for the next one
             sch.free(fwd.passed)
             fwd.passed = out
+        elif checkpointed and self.offload is not None:
+            self.offload.after_layer(i, out)
         fwd.layer_keys[i] = per_block
         fwd.copies_by_layer[i] = copies
         if self.f.post_forward_ranks:
@@ -113,7 +120,7 @@ class LayerEvents:
             # (the layer's output, the next layer's kept input, exists before its intermediates die)
             out = sch.alloc(act.ckpt_input_bytes, "activations")
             fwd.int8_keys[i] = [sch.alloc(n, "activations") for n in act.int8_kept]
-            if not act.offload:
+            if not act.offload and self.offload is None:
                 fwd.ckpt_keys[i] = out
         for keys in per_block:
             sch.free_all(keys)
@@ -172,6 +179,8 @@ class LayerEvents:
             # the gradient of the layer's output (the residual stream's, in its dtype) is live through the layer's
             # backward: the residual adds' backward passes it on and sums into a new one
             stream_grad = sch.alloc(act.ckpt_input_bytes, "activations")
+            if self.offload is not None:
+                self.offload.reload(i)
             per_block, copies = self.recompute(i, blocks_params)
         self.state.grads.layer_unsharded.clear()
         for j in reversed(range(len(act.blocks))):

@@ -100,3 +100,5 @@ class StepState:
     states: list[int] = field(default_factory=list)        # the optimizer's states
     quant_live: list[int] = field(default_factory=list)    # a quantised linear's backward transients
     workspace: int = -1                                     # cuBLAS's workspace, made at the first matmul
+    iteration: int = 0                                      # the step's iteration (0: the first)
+    staging: list[int] = field(default_factory=list)        # --ckpt-offload: Unsloth's device staging buffers

@@ -118,6 +118,7 @@ class StepSchedule:
         self.unshard_forward(None, f.root_unit)     # the root is not resharded after forward (FSDP2 default)
         self.units.prefetch_forward(0)
         fwd = self.state.forward = ForwardLive()
+        self.state.iteration = it
         if "embed" in f.own_units:
             self.own_forward("embed")
         self.vision.forward()
@@ -126,8 +127,10 @@ class StepSchedule:
             self.own_post_forward("embed")
         if act.offload:
             sch.free_all(fwd.embed_keys)
-        if act.embed_leaf_apart:
+        if f.embed_leaf_apart:
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
+        if f.ckpt_offload is not None and not act.embed_leaf_bytes:   # a trained embedding's output: layer 0's input
+            fwd.passed = alloc(f.ckpt_offload.input_bytes, "activations")
         fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
         if not f.own_units:             # (the embedding's unit: at layer 0's first matmul, once it is gathered)
@@ -137,6 +140,9 @@ class StepSchedule:
         if not f.own_units:             # (the lm_head's unit: its all-gather frees the last layer's)
             self.release_forward_gathers()
         sch.free(mask_key)              # the packed mask dies with the model's forward
+        if f.ckpt_offload is not None:  # the last layer's output is the final norm's input, laid out by the head
+            sch.free(fwd.passed)
+            fwd.passed = -1
         self.head_forward()
         if f.own_units:                 # the root's post-forward, after the loss: the lm_head's all-gather output
             self.release_forward_gathers()
@@ -164,7 +170,7 @@ class StepSchedule:
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
         fwd = self.state.forward
-        if f.act.embed_leaf_apart and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
+        if f.embed_leaf_apart and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
             fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
         # embedding backward: the gradient of the embedding output (the residual stream's dtype) is live
         embeds = [p for p in f.root if p.trainable and is_embedding(p)]

@@ -289,6 +289,16 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
                      "MatMul8bitLt keeps no inputs there (its ctx is dropped). The estimate leaves out the few "
                      "[batch, seq, head_dim]-sized tensors the trace sees live longer under it (0.03 % of "
                      "tiny-llama's peak)")
+    row = setup.ckpt_offload_spec
+    if row.active:
+        notes.append(f"--ckpt-offload {row.name}: {row.saves} ({row.function}); its copies and staging buffers "
+                     "counted on the compute stream (the side stream, its events and prefetching are not modelled)"
+                     + ("; more than 512 MiB free at the second step's first offload assumed for the second buffer "
+                        "(else Unsloth frees it: --ckpt-offload unsloth-single); FastLanguageModel runs torch's "
+                        "reentrant checkpoint instead below max_seq_length 512 (--ckpt-reentrant)"
+                        if row.staging > 1 else "")
+                     + ". The rest of Unsloth's stack (fast LoRA, fused cross-entropy, RoPE, RMSNorm kernels) is "
+                     "not modelled: HF's modules stand in")
     if setup.liger != "none":
         notes.append(f"--liger {setup.liger}: Liger-Kernel's autograd Functions over HF's modules, in PyTorch with "
                      "Liger's saved tensors (RMSNorm: its input and fp32 RSTD; SwiGLU: gate and up, recomputed "

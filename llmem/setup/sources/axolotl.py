@@ -207,8 +207,47 @@ def _reentrant(r: Reading, keys: Keys, on: bool) -> None:
         r.note_used(key, raw, "the non-reentrant checkpoint")
 
 
-def _checkpointing(r: Reading, keys: Keys) -> None:
+# utils/schemas/validation.py check_deprecated_unsloth_fields: axolotl refuses a config that sets any of them
+REMOVED_UNSLOTH_KEYS = ("unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
+                        "unsloth_rms_norm", "unsloth_rope")
+# axolotl's own Triton LoRA kernels (kernels/lora.py, adapted from Unsloth's fast LoRA)
+LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")
+
+
+def _unsloth_keys(r: Reading, keys: Keys) -> None:
+    """axolotl 0.19 has no Unsloth of its own: its schema refuses the removed unsloth_* keys and
+    gradient_checkpointing: unsloth; its legacy activation offloading is Unsloth's first offloaded checkpoint."""
+    for key in REMOVED_UNSLOTH_KEYS:
+        if keys.get(key):
+            raise r.error(key, keys.get(key), "was removed from axolotl, which refuses the config",
+                          "use lora_mlp_kernel / lora_qkv_kernel / lora_o_kernel (not modelled) or drop it")
     gc = keys.get("gradient_checkpointing", False)
+    if isinstance(gc, str) and gc.strip().lower() == "unsloth":
+        raise r.error("gradient_checkpointing", gc, "is not a value axolotl 0.19 accepts (true, false, offload, "
+                      "offload_disk)", "for Unsloth's offloaded checkpoint write gradient_checkpointing: true with "
+                      "activation_offloading: legacy (--ckpt-offload unsloth-classic)")
+    for key in LORA_KERNEL_KEYS:
+        if keys.get(key):
+            r.ignore(key, keys.get(key), "axolotl's Triton LoRA kernels (adapted from Unsloth's fast LoRA) are not "
+                     "modelled: peft's LoRA layers' saved tensors stand in")
+
+
+def _checkpointing(r: Reading, keys: Keys) -> None:
+    _unsloth_keys(r, keys)
+    gc = keys.get("gradient_checkpointing", False)
+    off = keys.get("activation_offloading", False)
+    if off == "legacy" and gc not in (False, None, "offload", "offload_disk") \
+            and r.boolean("gradient_checkpointing", gc):
+        # loaders/patch_manager.py _apply_gradient_checkpointing_patches: transformers.modeling_utils.checkpoint =
+        # hf_grad_checkpoint_offload_wrapper, CPU_Offloaded_Gradient_Checkpointer around each layer (whatever
+        # gradient_checkpointing_kwargs say)
+        r.set("gradient_checkpointing", gc, "grad_ckpt", True)
+        r.set("activation_offloading", off, "ckpt_offload", "unsloth-classic", "axolotl's legacy offload: "
+              "CPU_Offloaded_Gradient_Checkpointer, Unsloth's first offloaded checkpoint")
+        if keys.get("gradient_checkpointing_kwargs"):
+            r.note_used("gradient_checkpointing_kwargs", keys.get("gradient_checkpointing_kwargs"), "unused by "
+                        "the legacy offload's wrapper")
+        return
     if gc in ("offload", "offload_disk"):
         r.set("gradient_checkpointing", gc, "grad_ckpt", True)
         r.set("gradient_checkpointing", gc, "offload_activations", True, "the checkpointed layer inputs offloaded "
@@ -216,7 +255,6 @@ def _checkpointing(r: Reading, keys: Keys) -> None:
     elif "gradient_checkpointing" in keys:
         r.set("gradient_checkpointing", gc, "grad_ckpt", r.boolean("gradient_checkpointing", gc))
     _reentrant(r, keys, gc not in (False, None) and gc not in ("offload", "offload_disk"))
-    off = keys.get("activation_offloading", False)
     if off:
         note = {"legacy": "the legacy offloader", "disk": "offloaded to disk, modelled as to CPU",
                 "hidden_states": "the checkpoint inputs offloaded, modelled as activation offloading"}.get(str(off), "")

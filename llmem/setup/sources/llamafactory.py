@@ -22,7 +22,7 @@ from llmem.setup.sources.hf import (
     set_liger,
     trainer_distributed,
 )
-from llmem.setup.sources.reading import WHOLE_MODEL_COMPILE, Keys, Reading
+from llmem.setup.sources.reading import UNSLOTH_KERNELS_NOTE, WHOLE_MODEL_COMPILE, Keys, Reading
 from llmem.setup.sources.trl import batch_note
 
 MARKS = ("stage", "finetuning_type", "cutoff_len", "template", "lora_target", "quantization_bit")
@@ -71,9 +71,12 @@ def read(keys: Keys, r: Reading) -> None:
     disabled = keys.get("disable_gradient_checkpointing", False)
     r.set("disable_gradient_checkpointing" + ("" if "disable_gradient_checkpointing" in keys else " (default)"),
           disabled, "grad_ckpt", not r.boolean("disable_gradient_checkpointing", disabled))
-    if keys.get("use_unsloth_gc"):
-        r.set("use_unsloth_gc", True, "offload_activations", True, "unsloth's checkpointing offloads the "
-              "checkpointed inputs (modelled as activation offloading)")
+    if _unsloth(r, keys):
+        pass
+    elif keys.get("use_unsloth_gc") and not r.boolean("disable_gradient_checkpointing", disabled):
+        # model_utils/checkpointing.py: get_unsloth_gradient_checkpointing_func, Unsloth's first offloaded checkpoint
+        r.set("use_unsloth_gc", keys.get("use_unsloth_gc"), "ckpt_offload", "unsloth-classic", "LLaMA-Factory's copy "
+              "of Unsloth_Offloaded_Gradient_Checkpointer: each layer's input to the host, back for its recompute")
     elif not r.boolean("disable_gradient_checkpointing", disabled):
         # prepare_model_for_training: gradient_checkpointing_kwargs={"use_reentrant": use_reentrant_gc}
         raw = keys.get("use_reentrant_gc", True)
@@ -110,12 +113,32 @@ def read(keys: Keys, r: Reading) -> None:
                      ("use_mca", "Megatron-Core training (mcore_adapter) is not modelled"),
                      ("use_kt", "KTransformers' CPU / GPU offloaded kernels are not modelled"),
                      ("torch_compile", WHOLE_MODEL_COMPILE),
-                     ("use_unsloth", "unsloth's kernels are not modelled"),
                      ("shift_attn", "LongLoRA's shifted attention is not modelled"),
                      ("mixture_of_depths", "mixture of depths is not modelled")):
         if keys.get(key):
             r.ignore(key, keys.get(key), why)
     r.not_read(keys)
+
+
+def _unsloth(r: Reading, keys: Keys) -> bool:
+    """use_unsloth: FastLanguageModel.from_pretrained / get_peft_model with use_gradient_checkpointing="unsloth"
+    and max_seq_length = cutoff_len (model_utils/unsloth.py), whatever disable_gradient_checkpointing says; Unsloth's
+    apply_unsloth_gradient_checkpointing runs torch's reentrant checkpoint below 512. Its Triton kernels are not
+    modelled. Whether it applies (False: no use_unsloth)."""
+    if not keys.get("use_unsloth") or not r.boolean("use_unsloth", keys.get("use_unsloth")):
+        return False
+    cutoff = r.integer("cutoff_len", keys.get("cutoff_len", 2048), what="a sequence length")
+    if cutoff >= 512:
+        r.set("use_unsloth", True, "ckpt_offload", "unsloth", "FastLanguageModel's use_gradient_checkpointing="
+              "\"unsloth\": Unsloth's smart offloaded checkpoint (cutoff_len >= 512)")
+    else:
+        r.set("use_unsloth", True, "ckpt_reentrant", True, "FastLanguageModel below max_seq_length 512: torch's "
+              "reentrant checkpoint (Unsloth's offloading is off there)")
+    if keys.get("use_unsloth_gc"):
+        r.note_used("use_unsloth_gc", keys.get("use_unsloth_gc"), "unused under use_unsloth (LLaMA-Factory skips "
+                    "prepare_model_for_training)")
+    r.ignore("use_unsloth", True, UNSLOTH_KERNELS_NOTE)
+    return True
 
 
 def _stage(r: Reading, keys: Keys, stage: str, batch: int) -> None:

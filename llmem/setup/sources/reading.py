@@ -16,6 +16,9 @@ from llmem.setup.sources.record import Ignored, Used
 # the HF Trainer's torch_compile (TrainingArguments.torch_compile: torch.compile of the whole model)
 WHOLE_MODEL_COMPILE = ("the Trainer's torch.compile of the whole model is not modelled (llmem's --compile is "
                        "torchtune's and torchtitan's compile of each decoder layer)")
+# the rest of Unsloth's stack where a config loads the model through it (only its checkpoint is modelled)
+UNSLOTH_KERNELS_NOTE = ("Unsloth's Triton kernels (fast LoRA MLP / QKV / O, fused cross-entropy, RoPE, RMSNorm) are "
+                        "not modelled: HF's modules' saved tensors and full logits stand in (likely an upper bound)")
 
 
 class Keys:
