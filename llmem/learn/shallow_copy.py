@@ -118,6 +118,6 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
 # and DeepSpeed sections at their defaults and the shape, precision and adapter dtype learning_setup gives
 LEARNING_RESETS = dict(optimizer="adamw", grad_ckpt=False, ckpt_every=1, offload_activations=False, fused_ce=False,
                        offload_optimizer=False, optimizer_in_backward=False, expandable_segments=False,
-                       ac_policy="full", output_chunks=0)
+                       ac_policy="full", output_chunks=0, ckpt_offload="none")
 
 
