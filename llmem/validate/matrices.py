@@ -428,6 +428,15 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s("tiny-qwen3_vl", **_TINY_VL, **kw) for kw in (   # Qwen3-VL: deepstack features added in 3 of 4 layers
       {}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
       {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True})),
+    # LLaVA-OneVision (tiny, 384x384 crops of 64 patches): 448x448 takes 2x2 tiles and the base crop (336 tokens),
+    # 768x1152 2x3; 1536x1536's 4x4 tiles pooled to 9 tiles' worth, 768x1024's unpadded, two images a sample one crop
+    # each
+    *(_s("tiny-llava_onevision", **{**_TINY_VL, **kw}) for kw in (
+      {}, {"freeze_vision_tower": True}, {"freeze_projector": True},
+      {"freeze_language_model": True, "image_size": "768x1152"},     # (at 448x448: -3.6 % reserved, the layers')
+      {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
+      {"image_size": "1536x1536", "lora_rank": 8}, {"image_size": "768x1024", "lora_rank": 8},
+      {"image_size": "768x1152", "images_per_sample": 2})),
     # ... under DDP: the one-GPU step on each rank, the reducer's bucket copy of every trained gradient, the tower's too
     _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448"),
@@ -436,6 +445,8 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-gemma3", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448", lora_rank=8),
     _s("tiny-qwen3_vl", "ddp", 2, **_TINY_VL),
+    _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, lora_rank=8),
+    _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, freeze_vision_tower=True, grad_ckpt=True),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -559,12 +570,19 @@ VLM_MATRIX: list[TrainingSetup] = [
     *(_s(f"Qwen/Qwen3-VL-{size}-Instruct", **{**_VL, "batch_size": 1, **kw}) for size, kw in (   # Qwen3-VL
         ("2B", {}), ("2B", {"lora_rank": 16}), ("4B", {"freeze_vision_tower": True, "grad_ckpt": True}),
         ("2B", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2)))))]
+        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2))))),
+    # LLaVA-OneVision (a 1024x768 image alone: 6 tiles and the base crop, 4,744 tokens; two a sample: 730 each)
+    *(_s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", **{**_VL, "batch_size": 1, **kw}) for size, kw in (
+        ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
+        ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True})))]
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
     f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
         ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
     _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
-    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")]
+    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")] + [
+    _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)
+    for size in ("0.5b", "7b")]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
             "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}
