@@ -69,6 +69,23 @@ class LearnedVision:
     backward: tuple[Event, ...] = ()      # after the last decoder layer's backward (none: the encoder runs no graph)
 
     @property
+    def forward_peak(self) -> int:
+        """The most bytes its forward holds at once (kept tensors, temporaries: those held past it stay), played as
+        the schedule plays it."""
+        live = peak = 0
+        temps: dict[int, int] = {}
+        for op, j, k, size, _label in self.forward:
+            if op == Op.KEEP:
+                live += self.pieces[j].tensors[k]
+            elif op == Op.TEMP:
+                temps[k] = size
+                live += size
+            elif op == Op.FREE:
+                live -= temps.pop(k)
+            peak = max(peak, live)
+        return peak
+
+    @property
     def described(self) -> str:
         """Its pieces and backward in words: "patch_embed, 32 encoder blocks, merger and its own ops; its backward
         after the decoder layers'"."""
