@@ -98,8 +98,17 @@ def step_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> l
     if r.setup.objective_spec.runs_trainer:     # TRL's trainers' steps: these moments of their batch, adjusted
         return objective_moments(r, act, ms, step_moments)
     held = _held(r, act, ms)
-    return [*_loss_moments(r, act, ms, held), *_layer_moments(r, act, held), *_embedding_moments(r, act, ms, held),
-            *_optimizer_moments(r, ms, held)]
+    return [*_vision_moments(act, held), *_loss_moments(r, act, ms, held), *_layer_moments(r, act, held),
+            *_embedding_moments(r, act, ms, held), *_optimizer_moments(r, ms, held)]
+
+
+def _vision_moments(act: ActivationProfile, h: _Held) -> list[Moment]:
+    """0. a vision-language step's vision side in forward: the micro-batch and the most its forward holds at once
+    (the crops' pixel values and their copies, the encoder's kept tensors: LLaVA-OneVision's many crops peak here)."""
+    v = act.vision
+    if v is None or v.side is None:
+        return []
+    return [Moment("forward", {**h.static, "activations": h.batch + v.side.forward_peak})]
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class _Held:
     post: int                   # --reshard-after-forward N: one layer's shards kept until its backward
     rs_prev: int                # FSDP2: the previous layer's reduce-scatter input
     grads: _LiveGrads
+    batch: int = 0              # a vision-language micro-batch's tensors (ids, pixel values), held the whole step
 
     @property
     def static_bytes(self) -> int:
@@ -137,6 +147,7 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
     fsdp = r.layout.shards_model_states
     costs = layer_costs(r, act)
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
+    batch = sum(act.vision.batch_tensors) if act.vision is not None else 0
     return _Held(
         static={
             "weights": ms.weights,
@@ -149,14 +160,15 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
         # layers that keep everything (not checkpointed) also keep their autocast weight copies
         full_layers=0 if act.offload else layers - act.checkpointed_layers(),   # offloaded: copies on the host
         # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
-        outside=act.embed_saved + act.shared_saved if not act.offload else
-        act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0,
+        outside=batch + (act.embed_saved + act.shared_saved if not act.offload else
+                         act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0),
         root_gathered=ms.fsdp_root_gathered if fsdp else 0,
         layer_gathered=layer_gathered,
         all_layers_gathered=layers * layer_gathered if fsdp and not r.method.reshard_after_forward else 0,
         post=post_forward_layer_bytes(r),       # --reshard-after-forward N: each layer's shards until its backward
         rs_prev=ms.fsdp_layer_reduce if fsdp and layers > 1 else 0,
         grads=_live_grads(r, ms),
+        batch=batch,
     )
 
 
@@ -190,7 +202,7 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
     if act.fused_ce is not None:
         head_copy = 0                # the loss's weight cast is freed at its end (counted in the forward's loss)
     gathered_fwd = h.root_gathered + h.all_layers_gathered + layers * h.post
-    saved_layers = act.device_layers_saved() + act.device_outside_saved
+    saved_layers = act.device_layers_saved() + act.device_outside_saved + h.batch
     moments = [Moment("forward", {
         **h.static,
         "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,

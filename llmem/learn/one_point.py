@@ -163,6 +163,9 @@ def run_point(setup, vision_checkpointing: bool = False) -> Reading:
                 if info["vision"]:
                     whole.append(True)
                     handle = None
+                    # where cuBLAS's workspace is made (the first matmul: the vision encoder's, before the decoder
+                    # layers'), marked by a 1-byte allocation the vision side reads (llmem.learn.vision_read)
+                    ledger.workspace_bytes, ledger.workspace_done = 1, False
                 else:
                     handle = stop_after_read_layer(info["layer"], ledger, stop_at)
                 info.pop("layer")

@@ -1,7 +1,8 @@
 """Reading a vision-language model's vision side from its whole step (llmem.learn.one_point runs the copy's whole
 backward when the model has one): the vision module's forward, cut into pieces by module (the patch embedding, the
 rotary table, each encoder block, the merger, the encoder's own ops ""), each piece's kept tensors (freed in
-backward: activations, the autocast copies of its trained weights) and the temporaries between them; and the
+backward: activations, the autocast copies of its trained weights) and the temporaries between them, the model's
+own temporaries around it (before the decoder layers) among them; and the
 backward after the last decoder layer's (the image features' gradient out of the scatter into the embeddings, the
 merger's and the blocks' backward), each allocation and free in order, each parameter's gradient named.
 
@@ -43,10 +44,15 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
             kept[key] = []
         return keys.index(key)
 
-    for a, key, size, phase, cat, module in rd.events:
+    first_layer = next((i for i, (a, _k, _n, phase, _c, module) in enumerate(rd.events)
+                        if a and phase == FORWARD and under(module, rd.layers_path)), len(rd.events))
+    for i, (a, key, size, phase, cat, module) in enumerate(rd.events):
         if phase != FORWARD:
             continue
-        if a and rd.holds(module) and cat == "cuda_workspaces":
+        if a and i < first_layer and _own_temporary(rd, module, cat, freed.get(key, (0, BACKWARD))[1]):
+            forward.append((Op.TEMP, -1, key, size, cat))
+            temps.add(key)
+        elif a and rd.holds(module) and cat == "cuda_workspaces":
             forward.append((Op.WORKSPACE, -1, 0, None, ""))
         elif a and rd.holds(module) and cat in _SIDE:
             j = piece_of(module)
@@ -57,13 +63,23 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
             else:
                 forward.append((Op.TEMP, j, key, size, cat))
                 temps.add(key)
-        elif not a and key in temps:
-            forward.append((Op.FREE, -1, key, None, ""))
+        elif not a and key in temps:       # (one freed once the layers have begun: held until the forward returns)
+            forward.append((Op.FREE if i < first_layer else Op.HELD, -1, key, None, ""))
     if not any(op != Op.WORKSPACE for op, *_ in forward):
         return None
     pieces = tuple(LearnedPiece(k or "encoder", k, tuple(n for n, _ in kept[k]),
                                 tuple(c for _, c in kept[k])) for k in keys)
     return LearnedVision(pieces, tuple(forward), _backward(rd, where, piece_of))
+
+
+def _own_temporary(rd: VisionReading, module: str, cat: str, freed_phase: int) -> bool:
+    """A tensor made before the decoder layers outside the vision modules and freed in forward: the model's own code
+    around the vision side (LLaVA-OneVision's get_image_features: the crops' pixel_values concatenated,
+    pack_image_features' unpadded and newline-joined tiles, which the model's output holds till it is dropped; the
+    features' concatenation and cast, the scatter's source, a local of the model's forward) and the token embeddings
+    the scatter replaces (made before the images' features): a temporary of the vision side's forward. What the
+    scatter keeps for backward is the embedding's (llmem.learn.layer_blocks)."""
+    return bool(module) and not rd.holds(module) and cat in _SIDE and freed_phase == FORWARD
 
 
 def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) -> tuple:

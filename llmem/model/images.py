@@ -1,11 +1,14 @@
 """Images as a vision-language model's processor turns them into inputs: the resized size, the patch grid the vision
 encoder sees (image_grid_thw, pixel_values' rows) and the visual tokens the language model sees.
 
-Two kinds of processor: Qwen2-VL's smart resize (any size, to multiples of patch x merge within its pixel bounds:
+Three kinds of processor: Qwen2-VL's smart resize (any size, to multiples of patch x merge within its pixel bounds:
 28 for Qwen2.5-VL, 32 for Qwen3-VL, which ships the same processor with 16-pixel patches; the tokens follow the
 image) and Gemma 3's fixed size (every image resized to the vision tower's image_size, 896x896, its
 projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the image; pan-and-scan, which would add
-crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled).
+crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled) and
+LLaVA-OneVision's anyres tiling (one image alone in its sample: the best of the grid pinpoints, its 384x384 tiles and
+the whole image resized as a base crop, the tiles' features unpadded and pooled down past 9 tiles' worth, a newline
+token closing each row; several images in a sample: each one padded square, one crop, no tiling).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -35,6 +38,8 @@ class ImageProcessorSpec:
     # every image resized to the model's vision_config.image_size, one tensor [3, size, size] per image in
     # pixel_values (Gemma 3); False: smart resize, pixel_values' rows the patches (Qwen)
     fixed_size: bool = False
+    # LLaVA-OneVision's anyres: crops of the tower's image_size, [images, crops, 3, size, size] in pixel_values
+    anyres: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -45,6 +50,9 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     "qwen3_vl": ImageProcessorSpec("qwen3_vl", "Qwen2VLImageProcessorFast", "Qwen--Qwen3-VL-8B-Instruct.json"),
     # Gemma 3's (its preprocessor_config.json: size 896x896, image_seq_length 256, do_pan_and_scan null: off)
     "gemma3": ImageProcessorSpec("gemma3", "Gemma3ImageProcessor", "google--gemma-3-4b-it.json", fixed_size=True),
+    # LLaVA-OneVision's (its preprocessor_config.json: size 384x384, the 36 grid pinpoints 384..2304 a side)
+    "llava_onevision": ImageProcessorSpec("llava_onevision", "LlavaOnevisionImageProcessor",
+                                          "llava-hf--llava-onevision-qwen2-0.5b-ov-hf.json", anyres=True),
 }
 
 
@@ -73,16 +81,19 @@ class ImageGrid:
     grid_w: int
     merge_size: int
     patch_values: int         # pixel_values' row width: 3 channels x temporal_patch_size x patch_size^2
+    crops: int = 1            # the tower's images for this one (anyres: the base crop and the tiles)
+    visual_tokens: int = 0    # its tokens where the patches do not give them (anyres); 0: patches // merge^2
+    original: tuple[int, int] = (0, 0)    # (height, width) as the processor takes it (anyres: image_sizes' row)
 
     @property
     def patches(self) -> int:
-        """The vision encoder's sequence for this image (pixel_values' rows)."""
-        return self.grid_t * self.grid_h * self.grid_w
+        """The vision encoder's sequence for this image (pixel_values' rows; its crops' patches)."""
+        return self.crops * self.grid_t * self.grid_h * self.grid_w
 
     @property
     def tokens(self) -> int:
         """The image's placeholder tokens in the language model's input: the merger joins merge_size^2 patches."""
-        return self.patches // (self.merge_size * self.merge_size)
+        return self.visual_tokens or self.patches // (self.merge_size * self.merge_size)
 
 
 @cache
@@ -128,20 +139,26 @@ def fixed_grid(config: dict) -> ImageGrid:
 
 
 def pixel_values_shape(processor: str, image: ImageGrid, images: int) -> tuple[int, ...]:
-    """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor) or
-    [patches, patch values] (Qwen's flattened patches)."""
+    """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor), [images,
+    crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each image's crops) or [patches, patch
+    values] (Qwen's flattened patches)."""
+    if PROCESSORS[processor].anyres:
+        return (images, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].fixed_size:
         return (images, 3, image.height, image.width)
     return (images * image.patches, image.patch_values)
 
 
 def image_grid(processor: str, height: int, width: int, max_pixels: int | None = None,
-               min_pixels: int | None = None, config: dict | None = None) -> ImageGrid:
+               min_pixels: int | None = None, config: dict | None = None, images_per_sample: int = 1) -> ImageGrid:
     """One image of `height` x `width` pixels as processor row `processor` gives it (max_pixels / min_pixels: the
     processor's bounds overridden, as its max_pixels / min_pixels keywords do; None: the shipped config's). A
     fixed-size processor sizes it by the model's `config` (its config.json) whatever its size (fixed_grid): a pixel
     bound changes nothing there (LLaMA-Factory's image_max_pixels scales the image down first, which the processor
-    then resizes to its one size all the same)."""
+    then resizes to its one size all the same). Anyres tiles it by the model's config (anyres_grid), the
+    pixel bounds scaling the image first as LLaMA-Factory does; a sample of several images takes one crop each."""
+    if PROCESSORS[processor].anyres:
+        return anyres_grid(config or {}, height, width, images_per_sample, max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -150,3 +167,69 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
     # an image is one temporal patch: the processor repeats the frame temporal_patch_size times
     return ImageGrid(h, w, 1, h // s.patch_size, w // s.patch_size, s.merge_size,
                      3 * s.temporal_patch_size * s.patch_size * s.patch_size)
+
+
+def select_best_resolution(height: int, width: int, pinpoints: list) -> tuple[int, int]:
+    """transformers' image_processing_utils.select_best_resolution: the (height, width) pinpoint keeping the most of
+    the image's pixels once it is scaled to fit, the least padding among equals."""
+    best, most, least_wasted = (0, 0), 0, math.inf
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - effective
+        if effective > most or (effective == most and wasted < least_wasted):
+            best, most, least_wasted = (h, w), effective, wasted
+    return best
+
+
+def prescaled(height: int, width: int, max_pixels: int | None, min_pixels: int | None) -> tuple[int, int]:
+    """The image as LLaMA-Factory's mm_plugin._preprocess_image hands it to the processor: scaled to fit
+    image_max_pixels (image_min_pixels), each side truncated (int(side * sqrt(bound / area)))."""
+    for bound, over in ((max_pixels, True), (min_pixels, False)):
+        if bound and (height * width > bound if over else height * width < bound):
+            factor = math.sqrt(bound / (height * width))
+            height, width = int(height * factor), int(width * factor)
+    return height, width
+
+
+def _unpadded_tokens(height: int, width: int, side: int, tiles_h: int, tiles_w: int, max_tiles: int) -> int:
+    """The tiles' tokens with a newline closing each row (LlavaOnevisionProcessor._get_unpadded_features, as the
+    model's pack_image_features makes them): the tiles' feature grid less the padding rows (columns) of the image's
+    letterbox, pooled bilinearly down to about max_tiles tiles' worth when over 1.1 times that."""
+    current_h, current_w = side * tiles_h, side * tiles_w
+    if width / height > current_w / current_h:
+        padding = (current_h - int(round(height * (current_w / width), 7))) // 2
+        current_h -= padding * 2
+    else:
+        padding = (current_w - int(round(width * (current_h / height), 7))) // 2
+        current_w -= padding * 2
+    ratio = math.sqrt(current_h * current_w / (max_tiles * side ** 2))
+    if ratio > 1.1:
+        current_h, current_w = int(current_h // ratio), int(current_w // ratio)
+    return current_h * current_w + current_h
+
+
+def anyres_grid(config: dict, height: int, width: int, images_per_sample: int = 1, max_pixels: int | None = None,
+                min_pixels: int | None = None) -> ImageGrid:
+    """One image as LLaVA-OneVision's processor gives it to the model of `config` (its config.json). Alone in its
+    sample (LlavaOnevisionImageProcessor._get_image_patches): the best grid pinpoint's tiles of the tower's
+    image_size and the whole image resized as a base crop (the model's image_size_to_num_patches), its tokens the base
+    crop's patches and the tiles' unpadded ones (LlavaOnevisionProcessor._get_number_of_features); beside other images
+    (batch_num_images > 1): padded square, one crop, its patches and one newline token (replace_image_token). The
+    "default" feature strategy drops one token an image, as the processor does."""
+    vision = config["vision_config"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    side = size // patch                        # the processor's sqrt(num_image_tokens): 729 tokens, 27 a side
+    height, width = prescaled(height, width, max_pixels, min_pixels)
+    if images_per_sample > 1:
+        crops, tokens = 1, side * side + 1
+    else:
+        best_h, best_w = select_best_resolution(height, width, config["image_grid_pinpoints"])
+        tiles_h, tiles_w = -(-best_h // size), -(-best_w // size)
+        # (transformers reads it with .strip("anyres_max_"), which leaves the same digits)
+        max_tiles = int(config.get("vision_aspect_ratio", "anyres_max_9").removeprefix("anyres_max_"))
+        crops = tiles_h * tiles_w + 1
+        tokens = side * side + _unpadded_tokens(height, width, side, best_h // size, best_w // size, max_tiles)
+    if config.get("vision_feature_select_strategy", "full") == "default":
+        tokens -= 1
+    return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, crops, tokens, (height, width))

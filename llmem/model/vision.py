@@ -2,8 +2,8 @@
 
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
-average pool of 4x4 patches, normed and projected; Qwen3-VL's deepstack mergers, which feed the language model's
-first layers, count with the tower, as LLaMA-Factory counts them) and a language
+average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Qwen3-VL's deepstack mergers,
+which feed the language model's first layers, count with the tower, as LLaMA-Factory counts them) and a language
 model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
 from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
 """
@@ -30,9 +30,10 @@ class VisionLanguageSpec:
     language_layers: str         # the language model's decoder layers (the anatomy's decoder layers)
     processor: str               # the image processor's row (llmem.model.images.PROCESSORS)
     modeling: str                # transformers' modeling module of the class (its checks patched on fake tensors)
-    image_start: str             # the config attributes of the tokens around each image's placeholder tokens
-    image_end: str
     special_tokens: tuple[str, ...]    # the config attributes of every multimodal token (no random text id is one)
+    # the config attributes of the tokens around each image's placeholder tokens ("": none, LLaVA's bare <image> run)
+    image_start: str = ""
+    image_end: str = ""
     image_token: str = "image_token_id"    # the config field holding the image placeholder token's id
     # the language model's position ids per token, passed to the forward (Qwen's multimodal RoPE: 3, t/h/w, from
     # the model's get_rope_index); 0: the model makes its own (an arange, inside the forward)
@@ -48,6 +49,14 @@ class VisionLanguageSpec:
     # the language model indexes its hidden states by the image tokens' bool mask [batch, tokens] (Qwen3-VL's deepstack:
     # hidden_states[visual_pos_masks, :] in its first layers), a count the trace answers (llmem.runtime.vision)
     image_mask_indexing: bool = False
+    # the forward takes each image's size as the processor read it (image_sizes [images, 2]) and each sample's image
+    # count (batch_num_images [batch]), which it reads on the host to cut and unpad the tiles (LLaVA-OneVision's anyres)
+    image_sizes: bool = False
+
+    @property
+    def wrap_tokens(self) -> int:
+        """The tokens around each image's placeholder run (its start and end tokens)."""
+        return 2 if self.image_start else 0
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -91,6 +100,18 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  image_start="boi_token_id", image_end="eoi_token_id",
                                  special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
                                  position_rows=0, token_types=True, forward_masks=2),
+    # transformers 5's LlavaOnevisionForConditionalGeneration: model.vision_tower (SiglipVisionModel: embeddings,
+    # encoder layers, post_layernorm, whose output the model never reads: it takes the last layer's hidden states),
+    # model.multi_modal_projector (LlavaOnevisionMultiModalProjector: linear, GELU, linear), model.image_newline (one
+    # vector closing each row of tiles: with the language model, as LLaVA-NeXT's train.py tunes it with
+    # mm_language_model), model.language_model (Qwen2Model), lm_head; no tokens around an image's <image> run
+    "llava_onevision": VisionLanguageSpec(architecture="LlavaOnevisionForConditionalGeneration",
+                                          vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                                          projector="model.multi_modal_projector",
+                                          language_layers="model.language_model.layers", processor="llava_onevision",
+                                          modeling="transformers.models.llava_onevision.modeling_llava_onevision",
+                                          special_tokens=("image_token_id", "video_token_id"), position_rows=0,
+                                          image_sizes=True),
 }
 
 

@@ -5,16 +5,17 @@ the vision-language flags to the model.
 The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
 processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
 image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image, each image one
-896x896 crop).
+896x896 crop; LLaVA-OneVision's: its base crop's and tiles' features with a newline token a row).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
-from llmem.model.images import ImageGrid, image_grid
+from llmem.model.images import ImageGrid, image_grid, pixel_values_shape
 from llmem.model.vision import VisionLanguageSpec, vision_spec
 from llmem.setup.images import parse_image_size, vision_options
 from llmem.setup.liger import applied_kernels
@@ -46,11 +47,13 @@ class VisionInputs:
 
     def batch_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> tuple[int, ...]:
         """The micro-batch's tensors on the device, in bytes: the token ids [batch, tokens] int64, pixel_values
-        fp32 (as the processor makes them; the patch embedding casts its own copy), the language model's position ids
+        fp32 (as the processor makes them, of pixel_values_shape; the patch embedding casts its own copy), the
+        language model's position ids
         [rows, batch, tokens] int64 where the forward takes them (get_rope_index's 3-D positions for Qwen) and the
         token_type_ids [batch, tokens] int64 where it takes them (Gemma 3)."""
         tokens = batch_size * self.language_tokens
-        return (tokens * 8, batch_size * self.patches * self.image.patch_values * 4,
+        pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample))
+        return (tokens * 8, pixels * 4,
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
                 *((tokens * 8,) if spec.token_types else ()))
 
@@ -61,8 +64,9 @@ class VisionInputs:
 
     def describe(self) -> str:
         img = self.image
+        crops = f" in {img.crops} crops" if img.crops > 1 else ""
         return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
-                f"{img.height}x{img.width}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
+                f"{img.height}x{img.width}{crops}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
                 f"visual tokens each; the language model runs {self.text_tokens:,} text + {self.visual_tokens:,} "
                 f"visual = {self.language_tokens:,} tokens per sample")
 
@@ -73,7 +77,8 @@ def vision_inputs(setup: TrainingSetup, anatomy: ModelAnatomy) -> VisionInputs |
     if spec is None or not setup.images_per_sample:
         return None
     height, width = parse_image_size(setup.image_size)
-    grid = image_grid(spec.processor, height, width, setup.max_pixels, config=anatomy.config)
+    grid = image_grid(spec.processor, height, width, setup.max_pixels, config=anatomy.config,
+                      images_per_sample=setup.images_per_sample)
     return VisionInputs(setup.images_per_sample, (height, width), grid, setup.seq_len)
 
 
@@ -122,9 +127,10 @@ def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | N
     for bad, what, fix in unwired:
         if bad:
             return f"{what} is not wired for it yet: {fix}"
-    if inputs.text_tokens < 2 * inputs.images_per_sample + 1:
+    wrap = vision_spec(model_type).wrap_tokens * inputs.images_per_sample
+    if inputs.text_tokens < wrap + 1:
         return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
-                f"tokens and a text token: give --seq-len >= {2 * inputs.images_per_sample + 1}")
+                f"tokens and a text token: give --seq-len >= {wrap + 1}")
     if setup.lora_rank and setup.freeze_language_model:
         return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
                 "model): drop one")

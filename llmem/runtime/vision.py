@@ -22,6 +22,9 @@ Its language model adds the deepstack features at the image tokens after each of
 (`image_mask_counts`, llmem.runtime.known_masks).
 Gemma 3 reads nothing on the host but the image tokens' count check (answered as above); its forward takes the
 processor's token_type_ids (1 on the image tokens: their bidirectional attention mask), made from the real ids.
+LLaVA-OneVision reads each image's size (image_sizes) and each sample's image count (batch_num_images) on the host,
+to count each image's crops, cut its tiles' features and unpad them (get_image_features, pack_image_features): both
+stay real, as Qwen's grid does, and so does what is computed from them alone.
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
 """
 
@@ -78,23 +81,27 @@ class VisionBatch:
     # the forward's other inputs from the ids, by keyword: Qwen's 3-D rope positions [3, batch, tokens], Gemma 3's
     # token_type_ids [batch, tokens] (1 on image tokens)
     extra: tuple[tuple[str, torch.Tensor], ...] = ()
+    # the forward's inputs it reads on the host, by keyword, kept real (LLaVA-OneVision's image_sizes, batch_num_images)
+    host: tuple[tuple[str, torch.Tensor], ...] = ()
+    visual_tokens: int = 0         # the image tokens of the whole micro-batch
 
 
 def _token_ids(cfg, spec: VisionLanguageSpec, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
     """Random text ids (none a special token) with each image's tokens placed after the first text token, as the
-    chat template writes them: the image's start token (Qwen's <|vision_start|>, Gemma's <start_of_image>), the image
-    token repeated the image's visual tokens, the end token (start and end count among the text tokens:
-    llmem.model.vision_inputs.step_refusal checks they fit)."""
-    start, end, image = (getattr(cfg, name) for name in (spec.image_start, spec.image_end, spec.image_token))
+    chat template writes them: the image's start token (Qwen's <|vision_start|>, Gemma's <start_of_image>; LLaVA has
+    none), the image token repeated the image's visual tokens, the end token (start and end count among the text
+    tokens: llmem.model.vision_inputs.step_refusal checks they fit)."""
+    image = getattr(cfg, spec.image_token)
     special = torch.tensor([getattr(cfg, name) for name in spec.special_tokens])
     ids = torch.randint(0, cfg.get_text_config().vocab_size, (batch_size, inputs.language_tokens))
     ids[torch.isin(ids, special)] = 0
-    cursor, tokens = 1, inputs.image.tokens
+    cursor, tokens, wrap = 1, inputs.image.tokens, spec.wrap_tokens // 2
     for _ in range(inputs.images_per_sample):
-        ids[:, cursor] = start
-        ids[:, cursor + 1:cursor + 1 + tokens] = image
-        ids[:, cursor + 1 + tokens] = end
-        cursor += tokens + 2
+        if wrap:
+            ids[:, cursor] = getattr(cfg, spec.image_start)
+            ids[:, cursor + 1 + tokens] = getattr(cfg, spec.image_end)
+        ids[:, cursor + wrap:cursor + wrap + tokens] = image
+        cursor += tokens + 2 * wrap
     return ids
 
 
@@ -114,26 +121,30 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
         extra.append(("position_ids", positions))
     if spec.token_types:           # the processor's mm_token_type_ids, int64, handed over as token_type_ids
         extra.append(("token_type_ids", is_image.long()))
+    # LlavaOnevisionImageProcessor's image_sizes (each image's (height, width), int64) and batch_num_images
+    host = (("image_sizes", torch.tensor([img.original] * images)),
+            ("batch_num_images", torch.tensor([inputs.images_per_sample] * batch_size))) if spec.image_sizes else ()
     return VisionBatch(ids, pixel_values_shape(spec.processor, img, images), batch_size * inputs.patches, grid,
-                       tuple(extra))
+                       tuple(extra), host, batch_size * inputs.visual_tokens)
 
 
 def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
     """(token ids, the forward's other inputs). Under the fake mode (`device` None): the ids, pixel values and
-    positions as fake tensors (allocated as on the device), the grid real. A real step (llmem measure): all of
+    positions as fake tensors (allocated as on the device), the grid and the host inputs real. A real step (llmem measure): all of
     them on `device`, as the trainer moves the collated batch there."""
     if device is None:
         def place(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype)
-        grid = batch.image_grid_thw
+        grid, host = batch.image_grid_thw, dict(batch.host)
     else:
         def place(t: torch.Tensor) -> torch.Tensor:
             return t.to(device)
         grid = place(batch.image_grid_thw) if batch.image_grid_thw is not None else None
+        host = {name: place(t) for name, t in batch.host}
     pixel_values = torch.randn(batch.pixel_shape, device=device)
     ids = place(batch.input_ids)
     return ids, {"pixel_values": pixel_values, **({"image_grid_thw": grid} if grid is not None else {}),
-                 **{name: place(t) for name, t in batch.extra}}
+                 **{name: place(t) for name, t in batch.extra}, **host}
 
 
 class _ImageMaskCounts(KnownMasks):
@@ -189,28 +200,22 @@ def index_tensors_stay_real(mode, seeds: tuple[torch.Tensor, ...]) -> Iterator[N
 def known_vision_values(hf_model: nn.Module, batch: VisionBatch, mode) -> Iterator[None]:
     """The checks the model makes on fake values answered: the image tokens' count against the features' rows (a
     fake sum; equal by construction, checked here on the real ids); where the vision code reads the grid's index
-    values on the host (Qwen2.5-VL), those computed on the real grid and returned where the model asks."""
+    values on the host (Qwen2.5-VL), those computed on the real grid and returned where the model asks; where it
+    reads its host inputs (LLaVA-OneVision's image sizes), those and what is computed from them alone kept real."""
     import importlib
 
     spec = vision_spec(hf_model.config.model_type)
     modeling = importlib.import_module(spec.modeling)
     image_tokens = int((batch.input_ids == getattr(hf_model.config, spec.image_token)).sum())
-    tokens_per_patch = _tokens_per_patch(hf_model.config)
-    if image_tokens != batch.patches * tokens_per_patch:
-        raise AssertionError(f"{image_tokens} image tokens for {batch.patches} patches")
+    if image_tokens != batch.visual_tokens:
+        raise AssertionError(f"{image_tokens} image tokens for {batch.visual_tokens} visual tokens")
     with contextlib.ExitStack() as stack:
         if spec.index_values:
             stack.enter_context(_qwen_index_values(modeling, hf_model, spec.index_values, batch, mode))
+        if batch.host:
+            stack.enter_context(index_tensors_stay_real(mode, tuple(t for _, t in batch.host)))
         stack.enter_context(patched(modeling, "torch_compilable_check", lambda *a, **k: None))
         yield
-
-
-def _tokens_per_patch(cfg) -> float:
-    """The image tokens one patch makes: 1 / merge^2 (Qwen's merger; Gemma 3's pool of its patches per token)."""
-    vc = cfg.vision_config
-    if getattr(vc, "spatial_merge_size", None):
-        return 1 / vc.spatial_merge_size ** 2
-    return cfg.mm_tokens_per_image / (vc.image_size // vc.patch_size) ** 2
 
 
 # transformers.vision_utils' functions of the images' grid, called as the Qwen vision encoders call them (grid, the

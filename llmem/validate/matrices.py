@@ -2,13 +2,17 @@
 
 - ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/validate/test_validate.py).
 - large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md), and
-  70B-405B scale-out rows (SCALEOUT_MATRIX: benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md).
-- gpu: for a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
+  70B-405B scale-out rows (SCALEOUT_MATRIX: benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md); in
+  llmem.validate.large_matrices.
+- gpu, float8: for a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one
+  device, and torchao's float8 training; in llmem.validate.gpu_matrices.
+- vlm, vlm-gpu: vision-language steps at real sizes (benchmarks/vlm_estimate.md, the GPU script).
 """
 
 from __future__ import annotations
 
 from llmem.setup.training import TrainingSetup
+from llmem.validate.gpu_matrices import FLOAT8_MATRIX, GPU_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports name rows by it
 from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.rows import bundled_peft_config
@@ -441,6 +445,15 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s("tiny-qwen3_vl", **_TINY_VL, **kw) for kw in (   # Qwen3-VL: deepstack features added in 3 of 4 layers
       {}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
       {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True})),
+    # LLaVA-OneVision (tiny, 384x384 crops of 64 patches): 448x448 takes 2x2 tiles and the base crop (336 tokens),
+    # 768x1152 2x3; 1536x1536's 4x4 tiles pooled to 9 tiles' worth, 768x1024's unpadded, two images a sample one crop
+    # each
+    *(_s("tiny-llava_onevision", **{**_TINY_VL, **kw}) for kw in (
+      {}, {"freeze_vision_tower": True}, {"freeze_projector": True},
+      {"freeze_language_model": True, "image_size": "768x1152"},     # (at 448x448: -3.6 % reserved, the layers')
+      {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
+      {"image_size": "1536x1536", "lora_rank": 8}, {"image_size": "768x1024", "lora_rank": 8},
+      {"image_size": "768x1152", "images_per_sample": 2})),
     # ... under DDP: the one-GPU step on each rank, the reducer's bucket copy of every trained gradient, the tower's too
     _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448"),
@@ -449,108 +462,11 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-gemma3", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448", lora_rank=8),
     _s("tiny-qwen3_vl", "ddp", 2, **_TINY_VL),
+    _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, lora_rank=8),
+    _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, freeze_vision_tower=True, grad_ckpt=True),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
-
-# For a real GPU (benchmarks/gpu_validation.sh): 125M to 8B, every method with ranks emulated on one device.
-GPU_MATRIX: list[TrainingSetup] = [
-    TrainingSetup(model=m, method=method, gpus=g, tp=tp, precision=prec, batch_size=b, seq_len=s_, gpu="H200",
-                  grad_ckpt=ckpt, optimizer=opt)
-    for (m, method, g, tp, prec, b, s_, ckpt, opt) in [
-        ("gpt2", "single", 1, None, "fp32", 4, 512, False, "adamw"),
-        ("gpt2", "single", 1, None, "bf16-mixed", 8, 1024, False, "adamw"),
-        ("gpt2", "ddp", 4, None, "bf16-mixed", 8, 1024, False, "adamw"),
-        ("facebook/opt-125m", "single", 1, None, "bf16", 8, 1024, False, "sgd"),
-        ("facebook/opt-350m", "single", 1, None, "bf16-mixed", 8, 1024, True, "adamw"),
-        ("facebook/opt-1.3b", "single", 1, None, "bf16-mixed", 4, 1024, False, "adamw"),
-        ("facebook/opt-1.3b", "fsdp", 4, None, "bf16-mixed", 4, 1024, False, "adamw"),
-        ("bigscience/bloom-560m", "single", 1, None, "bf16-mixed", 4, 512, False, "adamw"),
-        ("bigscience/bloom-1b1", "fsdp", 4, None, "bf16-mixed", 4, 512, True, "adamw"),
-        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16", 8, 2048, True, "adamw"),
-        ("Qwen/Qwen2.5-1.5B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
-        ("Qwen/Qwen2.5-1.5B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("Qwen/Qwen2.5-1.5B", "tp", 2, 2, "bf16-mixed", 2, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "sgd"),
-        ("meta-llama/Llama-3.2-1B", "ddp", 8, None, "bf16-mixed", 4, 2048, True, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "fsdp", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "zero2", 8, None, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "tp", 4, 4, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-1B", "fsdp+tp", 8, 2, "bf16-mixed", 4, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.2-3B", "single", 1, None, "bf16-mixed", 2, 2048, True, "adamw"),
-        ("meta-llama/Llama-3.2-3B", "fsdp", 8, None, "bf16-mixed", 2, 4096, True, "adamw"),
-        ("meta-llama/Llama-3.2-3B", "tp", 8, 8, "bf16", 2, 4096, False, "adamw"),
-        ("meta-llama/Llama-3.1-8B", "single", 1, None, "bf16", 1, 2048, True, "sgd"),
-        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw"),
-        ("meta-llama/Llama-3.1-8B", "fsdp", 8, None, "bf16-mixed", 2, 2048, False, "adamw"),
-        ("meta-llama/Llama-3.1-8B", "zero2", 8, None, "bf16-mixed", 1, 2048, True, "adamw"),
-        ("meta-llama/Llama-3.1-8B", "tp", 8, 8, "bf16-mixed", 1, 4096, False, "adamw"),
-        ("meta-llama/Llama-3.1-8B", "fsdp+tp", 8, 2, "bf16-mixed", 1, 4096, True, "adamw"),
-        ("mistralai/Mistral-7B-v0.1", "fsdp", 8, None, "bf16-mixed", 1, 4096, True, "adamw-fused"),
-        ("mistralai/Mistral-7B-v0.1", "fsdp+tp", 8, 4, "bf16-mixed", 1, 4096, False, "adamw"),
-        ("Qwen/Qwen2.5-0.5B", "single", 1, None, "bf16-mixed", 4, 2048, False, "adafactor"),
-        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16", 4, 2048, False, "lion"),
-        ("meta-llama/Llama-3.2-1B", "single", 1, None, "bf16-mixed", 4, 2048, False, "muon"),
-        ("meta-llama/Llama-3.2-1B", "fsdp", 2, None, "bf16-mixed", 4, 2048, False, "muon"),
-    ]
-] + [TrainingSetup(model="Qwen/Qwen2.5-0.5B", precision="bf16-mixed", batch_size=4, seq_len=2048, gpu="H200",
-                   optimizer_in_backward=True)]   # bitsandbytes' 8-bit states need bnb itself on a GPU: not here
-
-# the activation options on a real GPU (flash runs PyTorch's flash SDPA kernel; offload uses pinned memory)
-GPU_MATRIX += [
-    TrainingSetup(model=m, gpu="H200", precision=prec, batch_size=b, seq_len=s_, optimizer="adamw", **kw)
-    for (m, prec, b, s_, kw) in [
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"grad_ckpt": True, "ckpt_every": 2}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"fused_ce": True, "grad_ckpt": True}),
-        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"attn": "flash"}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True}),
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"packing": True}),
-        # issue 10's options: offload under checkpointing, peft's fp32 adapters on a bf16 base (and torchtune's
-        # bf16 ones), pure-bf16 bitsandbytes QLoRA, torchao NF4, a peft type through the learned path
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True, "grad_ckpt": True}),
-        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear"}),
-        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
-                                                      "adapter_dtype": "base"}),
-        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
-                                                      "quant_base": "nf4"}),
-        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
-                                                      "quant_base": "torchao-nf4", "adapter_dtype": "base"}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"peft_config": bundled_peft_config("oft-r32-q-v")}),
-        # torchtitan's op-level selective checkpointing (--ac-policy op): Llama (every other mm) and Qwen2 (addmm)
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"ac_policy": "op"}),
-        # issue 11's pieces that measure runs (the ranks emulated on the one device; --pp, --cp and --offload-param
-        # are traced only): torchtitan's TP with SequenceParallel + loss parallel, HSDP, reshard_after_forward=N
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp+tp", "gpus": 4, "tp": 2,
-                                                            "sequence_parallel": True, "loss_parallel": True}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp", "gpus": 4, "dp_replicate": 2}),
-        ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"method": "fsdp", "gpus": 4,
-                                                            "reshard_after_forward": 2}),
-        # issue 12's: TRL's DPO with its reference copy, KTO, GRPO with transformers' generate (beta 0 and 0.04)
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 2, 1024, {"objective": "dpo"}),
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 2, 1024, {"objective": "kto"}),
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 384, {"objective": "grpo", "num_generations": 4,
-                                                     "max_completion_length": 128}),
-        ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 384, {"objective": "grpo", "num_generations": 4,
-                                                     "max_completion_length": 128, "beta": 0.04}),
-    ]
-]
-
-# torchao's float8 training (--float8), traced with torchao's own Float8Linear (pip install 'llmem[float8]'): each
-# recipe on one GPU (the MLP's casts above the loss: the fused CE), FSDP2 with and without the float8 all-gather
-FLOAT8_MATRIX: list[TrainingSetup] = [
-    _s("tiny-llama", precision="bf16", optimizer="sgd", batch_size=2, seq_len=256, float8="tensorwise"),
-    *(_s("tiny-llama", precision="bf16", optimizer="sgd", batch_size=2, seq_len=512, fused_ce=True, float8=recipe)
-      for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp")),
-    _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=512, fused_ce=True,
-       float8="tensorwise", float8_all_gather=True),
-    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=512, float8="tensorwise",
-       float8_all_gather=True),
-    _s("tiny-llama", "fsdp", 4, precision="bf16-mixed", batch_size=2, seq_len=512, float8="rowwise"),
-]
 
 # Vision-language steps at real sizes, one GPU: vlm (benchmarks/vlm_estimate.md; images at and above LLaMA-Factory's
 # image_max_pixels 768 x 768), vlm-gpu (benchmarks/gpu_validation.sh: the CI rows, then the 3B / 7B where they fit)
@@ -572,12 +488,19 @@ VLM_MATRIX: list[TrainingSetup] = [
     *(_s(f"Qwen/Qwen3-VL-{size}-Instruct", **{**_VL, "batch_size": 1, **kw}) for size, kw in (   # Qwen3-VL
         ("2B", {}), ("2B", {"lora_rank": 16}), ("4B", {"freeze_vision_tower": True, "grad_ckpt": True}),
         ("2B", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2)))))]
+        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2))))),
+    # LLaVA-OneVision (a 1024x768 image alone: 6 tiles and the base crop, 4,744 tokens; two a sample: 730 each)
+    *(_s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", **{**_VL, "batch_size": 1, **kw}) for size, kw in (
+        ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
+        ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True})))]
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
     f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
         ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
     _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
-    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")]
+    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")] + [
+    _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)
+    for size in ("0.5b", "7b")]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
             "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

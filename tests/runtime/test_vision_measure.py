@@ -48,3 +48,17 @@ def test_qwen3_vl_measure_and_trace_agree(fields):
     real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
     assert 0 <= real.peak_allocated_bytes - fake.peak_allocated_bytes <= 16 * 2 * 256
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
+
+
+@pytest.mark.parametrize("fields", [{}, {"freeze_language_model": True}, {"lora_rank": 8, "grad_ckpt": True},
+                                    {"images_per_sample": 2}])
+def test_llava_onevision_measure_and_trace_agree(fields):
+    """LLaVA-OneVision (tiny): the real CPU step (its anyres crops cut, unpadded and joined with newline features by
+    the model from the real image_sizes and batch_num_images) against the trace, which keeps those two inputs real
+    on the host. The real step moves them to its device as the trainer does ([2, 2] and [2] int64: two 512-byte
+    blocks the trace does not count); its reserved within one 2 MiB segment."""
+    setup = TrainingSetup("tiny-llava_onevision", **{"images_per_sample": 1, "image_size": "768x1152",
+                                                     "batch_size": 2, "seq_len": 32, **fields})
+    real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
+    assert 0 <= real.peak_allocated_bytes - fake.peak_allocated_bytes <= 2 * 512
+    assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2

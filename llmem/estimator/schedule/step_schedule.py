@@ -154,6 +154,7 @@ class StepSchedule:
             sch.free_all(fwd.shared_keys)
         sch.free_all(fwd.cache)
         sch.free(fwd.logits)            # the model output is dropped before backward
+        self.vision.forward_returned()  # (with what a vision-language model's output holds)
 
     def backward(self, it: int) -> None:
         sch, f = self.sch, self.facts

@@ -28,6 +28,7 @@ class VisionEvents:
         self.side = self.vision.side if self.vision is not None else None
         self.pieces: tuple[LearnedPiece, ...] = self.side.pieces if self.side is not None else ()
         self.kept: list[list[int]] = []       # each piece's kept tensors' keys (by index)
+        self.held: list[int] = []             # the forward's temporaries held until the model's forward returns
         # the parameters the backward makes gradients for, by their name in the model (peft's prefix dropped)
         self.params: dict[str, ParamInfo] = {p.name.removeprefix(PEFT_PREFIX): p for p in self.f.root
                                              if p.name in self.f.vision_params}
@@ -59,9 +60,16 @@ class VisionEvents:
                 temps[k] = sch.alloc(size, label)
             elif op == Op.WORKSPACE:
                 self.step.ensure_workspace()
+            elif op == Op.HELD:
+                self.held.append(temps.pop(k))
             else:
                 sch.free(temps.pop(k))
         sch.free_all(list(temps.values()))
+
+    def forward_returned(self) -> None:
+        """The model's forward has returned and its output is dropped: the temporaries held past the decoder layers
+        (the image features its output keeps, the scatter's source) go."""
+        self.sch.free_all(self.held)
 
     def backward(self, it: int) -> list[int]:
         """The learned backward after the last decoder layer's: the scatter's, the merger's and the blocks' (with a

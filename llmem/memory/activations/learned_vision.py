@@ -24,6 +24,7 @@ class Op(StrEnum):
     GRAD = "grad"              # a parameter's gradient made (backward)
     LATE = "late"              # a temporary freed after the token embedding's gradient (backward)
     WORKSPACE = "workspace"    # cuBLAS's workspace made at the step's first matmul (the encoder's first linear)
+    HELD = "held"              # a temporary held until the model's forward returns (freed after the decoder layers)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class LearnedPiece:
 # an event: (Op, piece or -1, kept tensor index or temporary's tag, bytes or None, category or parameter name):
 # (KEEP, j, k, None, "") | (FREE_KEPT, j, k, None, "") | (TEMP, j, tag, size, category) | (FREE, -1, tag, None, "")
 # | (GRAD, j, 0, size, parameter name within the model) | (LATE, -1, tag, None, "") | (WORKSPACE, -1, 0, None, "")
+# | (HELD, -1, tag, None, "")
 Event = tuple
 
 
@@ -65,6 +67,23 @@ class LearnedVision:
     pieces: tuple[LearnedPiece, ...]
     forward: tuple[Event, ...]
     backward: tuple[Event, ...] = ()      # after the last decoder layer's backward (none: the encoder runs no graph)
+
+    @property
+    def forward_peak(self) -> int:
+        """The most bytes its forward holds at once (kept tensors, temporaries: those held past it stay), played as
+        the schedule plays it."""
+        live = peak = 0
+        temps: dict[int, int] = {}
+        for op, j, k, size, _label in self.forward:
+            if op == Op.KEEP:
+                live += self.pieces[j].tensors[k]
+            elif op == Op.TEMP:
+                temps[k] = size
+                live += size
+            elif op == Op.FREE:
+                live -= temps.pop(k)
+            peak = max(peak, live)
+        return peak
 
     @property
     def described(self) -> str:
