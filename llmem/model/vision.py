@@ -48,6 +48,10 @@ class VisionLanguageSpec:
     # the language model indexes its hidden states by the image tokens' bool mask [batch, tokens] (Qwen3-VL's deepstack:
     # hidden_states[visual_pos_masks, :] in its first layers), a count the trace answers (llmem.runtime.vision)
     image_mask_indexing: bool = False
+    # the tower's modules besides its blocks that FSDP2 makes units of their own, run before the blocks: those whose
+    # class the model names in `_no_split_modules` (Gemma 3's SiglipVisionEmbeddings), as accelerate's auto-wrap
+    # wraps them (llmem.runtime.distributed.vision_units; tests check the two against accelerate's policy)
+    leading_units: tuple[str, ...] = ()
 
 
 VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
@@ -90,7 +94,8 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  modeling="transformers.models.gemma3.modeling_gemma3",
                                  image_start="boi_token_id", image_end="eoi_token_id",
                                  special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
-                                 position_rows=0, token_types=True, forward_masks=2),
+                                 position_rows=0, token_types=True, forward_masks=2,
+                                 leading_units=("model.vision_tower.embeddings",)),
 }
 
 
@@ -132,6 +137,20 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
     if spec is None:
         return ()
     return (spec.vision,) if under(spec.projector, spec.vision) else (spec.vision, spec.projector)
+
+
+def tower_units(anatomy) -> tuple[str, ...]:
+    """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
+    encoder block (the class of every block is in the model's `_no_split_modules`, which accelerate's
+    fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
+    the root unit."""
+    spec = vision_spec(anatomy.model_type)
+    if spec is None:
+        return ()
+    prefix = spec.vision_blocks + "."
+    blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
+              if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
+    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}" for i in sorted(blocks)))
 
 
 def vision_root(model_type: str) -> str:
