@@ -119,5 +119,7 @@ class VisionEvents:
         for name, p in self.params.items():
             if p.trainable and name not in made:
                 self.step.flush_steps(it)
-                self.step.hand_over_grad(p, self.sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[
-                    p.name], "gradients"))
+                # FSDP2: the unsharded gradient in param_dtype, for the root's reduce-scatter (Gradients.make_unsharded)
+                size = f.params.unsharded[p.name] * f.gather_bytes if f.fsdp else \
+                    f.params.shard_numel[p.name] * f.params.element_bytes[p.name]
+                self.step.hand_over_grad(p, self.sch.alloc(size, "gradients"))
