@@ -26,8 +26,9 @@ if $PY -c "import torchao.float8" 2>/dev/null; then
     timeout 120 $PY -m llmem.cli validate --against measure --matrix float8 --device cuda --max-error 5 \
         --out "$out.float8.json" || status=$?
 fi
-# a vision-language step (Qwen2.5-VL: llmem.runtime.vision, its vision side learned by the estimate): tiny rows,
-# then the 3B and 7B at a 1024x768 image (not yet run on a device)
+# a vision-language step (Qwen2.5-VL: llmem.runtime.vision, its vision side learned by the estimate): tiny rows (one
+# GPU, DDP and FSDP2, the tower's blocks units of their own), then the 3B and 7B at a 1024x768 image, the 3B under
+# FSDP2 x 2 too (not yet run on a device)
 timeout 300 $PY -m llmem.cli validate --against measure --matrix vlm-gpu --device cuda --max-error 5 \
     --out "$out.vlm.json" || status=$?
 # the OOM boundary: the real step under a memory fraction, batch by batch, against the capacity-aware fit

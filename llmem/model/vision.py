@@ -52,6 +52,10 @@ class VisionLanguageSpec:
     # the forward takes each image's size as the processor read it (image_sizes [images, 2]) and each sample's image
     # count (batch_num_images [batch]), which it reads on the host to cut and unpad the tiles (LLaVA-OneVision's anyres)
     image_sizes: bool = False
+    # the tower's modules besides its blocks that FSDP2 makes units of their own, run before the blocks: those whose
+    # class the model names in `_no_split_modules` (SigLIP's SiglipVisionEmbeddings: Gemma 3, LLaVA-OneVision), as accelerate's auto-wrap
+    # wraps them (llmem.runtime.distributed.vision_units; tests check the two against accelerate's policy)
+    leading_units: tuple[str, ...] = ()
 
     @property
     def wrap_tokens(self) -> int:
@@ -99,7 +103,8 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  modeling="transformers.models.gemma3.modeling_gemma3",
                                  image_start="boi_token_id", image_end="eoi_token_id",
                                  special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"),
-                                 position_rows=0, token_types=True, forward_masks=2),
+                                 position_rows=0, token_types=True, forward_masks=2,
+                                 leading_units=("model.vision_tower.embeddings",)),
     # transformers 5's LlavaOnevisionForConditionalGeneration: model.vision_tower (SiglipVisionModel: embeddings,
     # encoder layers, post_layernorm, whose output the model never reads: it takes the last layer's hidden states),
     # model.multi_modal_projector (LlavaOnevisionMultiModalProjector: linear, GELU, linear), model.image_newline (one
@@ -111,7 +116,7 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                           language_layers="model.language_model.layers", processor="llava_onevision",
                                           modeling="transformers.models.llava_onevision.modeling_llava_onevision",
                                           special_tokens=("image_token_id", "video_token_id"), position_rows=0,
-                                          image_sizes=True),
+                                          image_sizes=True, leading_units=("model.vision_tower.embeddings",)),
 }
 
 
@@ -153,6 +158,20 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
     if spec is None:
         return ()
     return (spec.vision,) if under(spec.projector, spec.vision) else (spec.vision, spec.projector)
+
+
+def tower_units(anatomy) -> tuple[str, ...]:
+    """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
+    encoder block (the class of every block is in the model's `_no_split_modules`, which accelerate's
+    fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
+    the root unit."""
+    spec = vision_spec(anatomy.model_type)
+    if spec is None:
+        return ()
+    prefix = spec.vision_blocks + "."
+    blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
+              if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
+    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}" for i in sorted(blocks)))
 
 
 def vision_root(model_type: str) -> str:

@@ -99,22 +99,43 @@ def check_vision(setup: TrainingSetup, anatomy: ModelAnatomy) -> None:
 
 
 def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | None) -> str | None:
-    """What the vision-language step does not wire yet, in words with the fix (None: it runs). Wired (traced, and
-    estimated from what the trace learns: llmem.learn): one GPU, or DDP (each rank's one-GPU step beside the
-    reducer's buckets; FSDP2's units and DeepSpeed's partitions of a vision tower are not), the SFT loss on samples with
-    images, full fine-tuning (each part trained or frozen) or LoRA (--lora-rank) on the language model's layers,
-    gradient checkpointing of every layer."""
+    """What the vision-language step does not wire yet, in words with the fix (None: it runs): unwired_options, then
+    what the images need of the sequence."""
     if inputs is None:
         return "a text-only step is not wired: give --images-per-sample N and --image-size HxW"
+    refusal = unwired_options(setup, model_type)
+    if refusal is not None:
+        return refusal
+    wrap = vision_spec(model_type).wrap_tokens * inputs.images_per_sample
+    if inputs.text_tokens < wrap + 1:
+        return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
+                f"tokens and a text token: give --seq-len >= {wrap + 1}")
+    return None
+
+
+def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_method: bool = False) -> str | None:
+    """The first of `setup`'s options the vision-language step does not wire yet, in words with the fix (None: it
+    runs; `model_type` None: Liger's kernels refused whatever the model; `any_method`: its options alone, as a
+    what-if's for every layout it may run on, FSDP2's own refusals included). Wired (traced, and estimated from what
+    the trace learns: llmem.learn): one GPU, DDP (each rank's one-GPU step beside the reducer's buckets) or FSDP2
+    (fsdp / zero2: the tower's blocks units of their own, as accelerate's auto-wrap makes them: the schedule's
+    llmem.estimator.schedule.vision_units; DeepSpeed's partitions of a vision tower are not wired), the SFT loss on
+    samples with images, full fine-tuning (each part trained or frozen) or LoRA (--lora-rank) on the language
+    model's layers, gradient checkpointing of every layer. The planner asks it of its what-ifs
+    (llmem.planner.suggestions)."""
     spec = method_spec(setup.method)
-    unwired = [(not (spec.one_gpu or spec.gradient_buckets), f"--method {setup.method}",
-                "--method single or ddp"),
-               (setup.gpus > 1 and not spec.gradient_buckets, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp"),
+    fsdp2 = spec.shards_model_states and not spec.has_tp
+    kernels = applied_kernels(setup.liger, model_type) if model_type is not None else setup.liger != "none"
+    method = [] if any_method else [
+        (not (spec.one_gpu or spec.gradient_buckets or fsdp2), f"--method {setup.method}",
+         "--method single, ddp, fsdp or zero2"),
+        (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp")]
+    unwired = [*method, *_fsdp2_unwired(setup, any_method),
                (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
                (setup.packing, "--packing", "drop it"),
                (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),
                (bool(setup.peft_config), "--peft-config", "use --lora-rank R (adapters on the language model)"),
-               (bool(applied_kernels(setup.liger, model_type)), f"--liger {setup.liger}", "drop it"),
+               (bool(kernels), f"--liger {setup.liger}", "drop it"),
                (setup.offload_activations, "--offload-activations", "drop it"),
                (setup.fused_ce, "--fused-ce", "drop it"),
                (setup.compile, "--compile", "drop it"),
@@ -127,11 +148,20 @@ def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | N
     for bad, what, fix in unwired:
         if bad:
             return f"{what} is not wired for it yet: {fix}"
-    wrap = vision_spec(model_type).wrap_tokens * inputs.images_per_sample
-    if inputs.text_tokens < wrap + 1:
-        return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
-                f"tokens and a text token: give --seq-len >= {wrap + 1}")
     if setup.lora_rank and setup.freeze_language_model:
         return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
                 "model): drop one")
     return None
+
+
+def _fsdp2_unwired(setup: TrainingSetup, any_method: bool = False) -> list[tuple[bool, str, str]]:
+    """What FSDP2 (fsdp / zero2) does not wire yet for a vision-language step: HSDP, the other parallelisms, an int
+    reshard_after_forward (post-forward shards of the tower's units), CPUOffloadPolicy (each as (bad, flag, fix))."""
+    if not (any_method or method_spec(setup.method).shards_model_states):
+        return []
+    return [(setup.dp_replicate > 1, f"--dp-replicate {setup.dp_replicate}", "drop it (plain FSDP2)"),
+            (setup.pp > 1, f"--pp {setup.pp}", "drop it"), (setup.cp > 1, f"--cp {setup.cp}", "drop it"),
+            (setup.ep > 1, f"--ep {setup.ep}", "drop it"),
+            (setup.reshard_after_forward is not None, f"--reshard-after-forward {setup.reshard_after_forward}",
+             "drop it (fsdp reshards every unit, zero2 none)"),
+            (setup.offload_param, "--offload-param", "drop it")]

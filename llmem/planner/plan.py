@@ -129,10 +129,6 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     options = options or PlanOptions()
     setup, steps_note = with_fixed_steps(setup)     # GRPO's generation_batch_size: its steps per generation
     anatomy = anatomy or setup_anatomy(setup)
-    if vision_spec(anatomy.model_type) is not None:
-        raise LlmemError(f"llmem plan of a vision-language model ({anatomy.model_type}) is not wired yet: its step is "
-                         "estimated on one GPU at a given micro-batch (its vision side learned from the real code at "
-                         "that shape), not over the planner's layouts and batch sizes; use llmem estimate")
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
@@ -423,6 +419,12 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
                      "checkpointing assumed); the time model still uses the setup given")
     if setup.batch_size != setup_batch_multiple(setup) and setup.pp == 1:
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
+    if vision_spec(anatomy.model_type) is not None:
+        notes.append("a vision-language step: searched on one GPU, DDP and FSDP2 (fsdp / zero2: each vision block a "
+                     "unit of its own, as accelerate's auto-wrap makes it); its vision side is learned from the real "
+                     "code at each micro-batch searched (cached); the time model runs --seq-len tokens through "
+                     "every weight (the images' tokens and the tower's patches are not timed apart): its tokens/s "
+                     "rank the layouts, not the run's throughput")
     if setup.optimizer_in_backward and options.global_batch:
         notes.append("--optimizer-in-backward cannot accumulate gradients: each step is one micro-batch per GPU, "
                      "so --global-batch is reached only when it fits in one micro-batch x data-parallel ranks")

@@ -24,6 +24,7 @@ from torch import nn
 
 from llmem.errors import LlmemError
 from llmem.model.families import decoder_layers, tp_plan_of
+from llmem.model.vision import under, vision_spec
 from llmem.runtime.expert_parallel import efsdp_mesh_of, expert_placement, forward_prefetch
 from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
@@ -222,7 +223,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp: int, sequence_parallel:
 
 
 def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) -> None:
-    """fully_shard each decoder layer, then the root; under *-mixed FSDP2's MixedPrecisionPolicy (low-precision
+    """fully_shard a vision-language model's vision blocks (vision_units), each decoder layer, then the root; under *-mixed FSDP2's MixedPrecisionPolicy (low-precision
     parameters gathered, fp32 gradients reduced); under --offload-param its CPUOffloadPolicy (pinned, the default),
     on fake tensors only (`region`: the ledger's, for the host side). `reshard`: reshard_after_forward, an int N
     reshards each layer to N ranks after forward (its post-forward shards labelled gathered weights)."""
@@ -244,6 +245,8 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
         host = region(HOST) if region is not None else host
     with host:           # the sharded parameters: FSDPParam._init_sharded_param's .cpu().pin_memory()
         efsdp = efsdp_mesh_of(model)     # --ep: the routed experts on their own mesh (llmem.runtime.expert_parallel)
+        for unit in vision_units(model):   # a vision-language model's tower, as accelerate's auto-wrap shards it
+            fully_shard(unit, **kw)
         for layer in layer_list(model):
             placement = expert_placement(layer, efsdp) if efsdp is not None else None
             fully_shard(layer, **kw, **({"shard_placement_fn": placement} if placement else {}))
@@ -257,6 +260,20 @@ def apply_fsdp(model: nn.Module, mesh, setup, reshard: bool | int, region=None) 
         emulate_host_copies(model, region)
     if not isinstance(reshard, bool) and region is not None:
         label_post_forward_shards(model, region)
+
+
+def vision_units(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's FSDP2 units in its vision encoder, in module order: the modules there whose class
+    the model names in `_no_split_modules` (transformers gathers its sub-models' lists: Qwen2.5-VL's vision blocks,
+    Gemma 3's SigLIP encoder layers and its SiglipVisionEmbeddings), as accelerate's fsdp2_prepare_model wraps them
+    (fsdp2_prepare_auto_wrap_policy: transformer_auto_wrap_policy over `_no_split_modules`). The projector and the
+    rest of the tower stay in the root unit. [] for a text-only model."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    spec = vision_spec(getattr(lm.config, "model_type", ""))
+    if spec is None:
+        return []
+    classes = set(getattr(lm, "_no_split_modules", None) or ())
+    return [m for name, m in lm.named_modules() if under(name, spec.vision) and type(m).__name__ in classes]
 
 
 def own_units(model: nn.Module, setup) -> list[nn.Module]:

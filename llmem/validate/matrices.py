@@ -464,6 +464,16 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-qwen3_vl", "ddp", 2, **_TINY_VL),
     _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, lora_rank=8),
     _s("tiny-llava_onevision", "ddp", 2, **_TINY_VL, freeze_vision_tower=True, grad_ckpt=True),
+    # ... under FSDP2: each vision block a unit of its own (accelerate's auto-wrap of _no_split_modules; Gemma 3's
+    # SigLIP patch embedding too), gathered and reduced around the learned vision side (schedule/vision_units)
+    *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
+        ("tiny-qwen2_5_vl", "fsdp", {"freeze_vision_tower": True}), ("tiny-qwen2_5_vl", "fsdp", {"lora_rank": 8}),
+        ("tiny-qwen2_5_vl", "zero2", {}),
+        ("tiny-gemma3", "fsdp", {"freeze_vision_tower": True}), ("tiny-gemma3", "fsdp", {"lora_rank": 8}),
+        ("tiny-gemma3", "zero2", {}),
+        ("tiny-qwen3_vl", "fsdp", {"freeze_vision_tower": True}), ("tiny-qwen3_vl", "fsdp", {"lora_rank": 8}),
+        ("tiny-llava_onevision", "fsdp", {"freeze_vision_tower": True}),
+        ("tiny-llava_onevision", "fsdp", {"lora_rank": 8}))),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -500,7 +510,10 @@ VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_samp
     _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
     _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")] + [
     _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)
-    for size in ("0.5b", "7b")]
+    for size in ("0.5b", "7b")] + [
+    # FSDP2 over 2 ranks (the tower's blocks units of their own): LoRA, and the tower trained under a frozen LM
+    _s("Qwen/Qwen2.5-VL-3B-Instruct", "fsdp", 2, batch_size=1, grad_ckpt=True, **_VL, **kw)
+    for kw in ({"lora_rank": 16}, {"freeze_language_model": True})]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
             "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

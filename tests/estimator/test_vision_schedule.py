@@ -16,13 +16,31 @@ WEIGHT = "model.visual.blocks.0.mlp.up_proj.weight"
 class _Step:
     """What VisionEvents reaches through the step: its facts, its schedule, the gradient and workspace hooks."""
 
-    def __init__(self, side: LearnedVision) -> None:
+    def __init__(self, side: LearnedVision, units: tuple[str, ...] = ()) -> None:
         self.param = SimpleNamespace(name=WEIGHT, trainable=True)
-        act = SimpleNamespace(vision=VisionStep((80, 4000, 240), ("model.visual",), side))
-        self.facts = SimpleNamespace(act=act, root=[self.param], vision_params=frozenset({WEIGHT}))
+        act = SimpleNamespace(vision=VisionStep((80, 4000, 240), ("model.visual",), side, "model.visual", units))
+        self.facts = SimpleNamespace(act=act, root=[self.param], vision_params=frozenset({WEIGHT}), reshard=True,
+                                     vision_units={u: [self.param] for u in units})
         self.sch = Schedule()
         self.handed: list[tuple[str, int]] = []
         self.workspaces = 0
+        self.calls: list[tuple[str, object]] = []      # FSDP2's unit events, in order (the FsdpUnits stand-in's too)
+        self.live = SimpleNamespace(pending_rs=[])
+
+    def unshard_forward(self, key, unit) -> None:
+        self.calls.append(("unshard_forward", key))
+
+    def reshard_unit(self, key) -> None:
+        self.calls.append(("reshard", key))
+
+    def unshard_backward(self, key, unit) -> None:
+        self.calls.append(("unshard_backward", key))
+
+    def prefetch(self, key, unit) -> None:
+        self.calls.append(("prefetch", key))
+
+    def unit_post_backward(self, key, unit) -> None:
+        self.calls.append(("post_backward", key))
 
     def flush_steps(self, it: int) -> None:
         pass
@@ -56,7 +74,7 @@ def _sizes(sch: Schedule) -> list[int]:
 
 def test_forward_and_backward_play_the_learned_ops():
     step = _Step(_side())
-    ev = VisionEvents(step)
+    ev = VisionEvents(step, step)
     ev.batch()
     ev.forward()
     late = ev.backward(0)
@@ -67,3 +85,19 @@ def test_forward_and_backward_play_the_learned_ops():
                                 -32]                                 # freed after the embedding's gradient
     assert step.workspaces == 1 and step.handed == [(WEIGHT, step.sch.events[9][1])]
     assert step.sch.events[7][4] == "gathered_weights"
+
+
+def test_fsdp2_gathers_a_block_around_its_own_ops():
+    """FSDP2 with blocks.0 a unit of its own: its pre-forward (all-gather) at its first kept tensor, its post-forward
+    (reshard) when the next piece allocates, or at the tower's end; in backward its pre-backward at its gradient
+    (the first block to run backward: nothing before it to prefetch), its post-backward (reshard, reduce-scatter)
+    as the patch embedding's backward allocates; nothing left for the root's final callback."""
+    step = _Step(_side(), units=("model.visual.blocks.0",))
+    ev = VisionEvents(step, step)
+    ev.forward()
+    assert step.calls == [("unshard_forward", "model.visual.blocks.0"), ("reshard", "model.visual.blocks.0")]
+    # the unit is entered at the forward's second event (piece 1's temporary), after the patch embedding's kept one
+    step.calls.clear()
+    ev.backward(0)
+    ev.units.final_callback()
+    assert step.calls == [("unshard_backward", "model.visual.blocks.0"), ("post_backward", "model.visual.blocks.0")]

@@ -43,8 +43,7 @@ def test_the_trace_agrees_within_two_percent(flags):
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--method", "fsdp", "--gpus", "2"], "--method fsdp"),
-    (["--gpus", "2"], "--method fsdp"),                  # FSDP2: llmem's method on several GPUs by default
+    (["--method", "tp", "--gpus", "2"], "--method tp"),
     (["--method", "ds-zero2", "--gpus", "2"], "--method ds-zero2"),
 ])
 def test_what_is_not_wired_is_refused_in_one_line(capsys, argv, named):

@@ -58,7 +58,6 @@ def test_what_the_encoder_keeps_follows_autograd(fields, keeps, backward, monkey
 
 
 @pytest.mark.parametrize(("command", "says"), [
-    (["plan"], "llmem plan of a vision-language model (qwen2_5_vl) is not wired yet"),
     (["estimate", "--engine", "paper"], "--engine paper with images"),
 ])
 def test_what_is_not_wired_is_one_line(command, says, capsys):

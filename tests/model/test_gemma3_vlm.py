@@ -134,7 +134,7 @@ def test_pan_and_scan_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--attn", "flash"], "_supports_flash_attn is False"),
-    (["--method", "fsdp", "--gpus", "2"], "--method fsdp is not wired for it yet"),
+    (["--method", "tp", "--gpus", "2"], "--method tp is not wired for it yet"),
 ])
 def test_refusals_are_one_line(capsys, args, says):
     code = main(["estimate", "tiny-gemma3", "--images-per-sample", "1", "--image-size", "896x896", *args])

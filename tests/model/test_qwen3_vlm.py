@@ -183,8 +183,8 @@ def test_llamafactory_config_names_the_model(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--images-per-sample", "1", "--image-size", "10x2010"], "aspect ratio over 200"),
-    (["--images-per-sample", "1", "--image-size", "448x448", "--method", "fsdp", "--gpus", "2"],
-     "--method fsdp is not wired for it yet"),
+    (["--images-per-sample", "1", "--image-size", "448x448", "--method", "tp", "--gpus", "2"],
+     "--method tp is not wired for it yet"),
     (["--seq-len", "64"], "a text-only step is not wired"),
 ])
 def test_refusals_are_one_line(capsys, args, says):

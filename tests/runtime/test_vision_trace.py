@@ -132,7 +132,7 @@ def test_several_images_per_sample_and_samples():
 
 @pytest.mark.parametrize(("fields", "words"), [
     ({"images_per_sample": 0, "image_size": None}, "a text-only step is not wired"),
-    ({"gpus": 2, "method": "fsdp"}, "--method fsdp is not wired"),
+    ({"gpus": 2, "method": "tp"}, "--method tp is not wired"),
     ({"lora_rank": 8, "freeze_language_model": True}, "leaves nothing to train"),
     ({"packing": True}, "--packing is not wired"),
     ({"images_per_sample": 2, "seq_len": 4}, "give --seq-len >= 5"),

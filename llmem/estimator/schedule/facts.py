@@ -22,7 +22,7 @@ from llmem.memory.quant import QuantArgs, Transients, quant_args, transients
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
-from llmem.model.vision import PEFT_PREFIX
+from llmem.model.vision import PEFT_PREFIX, under
 from llmem.setup.layout import Layout
 from llmem.setup.optimizers import OptimizerSpec
 from llmem.setup.precision import Regime
@@ -131,10 +131,21 @@ class StepFacts:
         return frozenset(p.name for p in self.root if prefixes
                          and p.name.removeprefix(PEFT_PREFIX).startswith(prefixes))
 
-    @property
+    @cached_property
+    def vision_units(self) -> dict[str, list[ParamInfo]]:
+        """FSDP2 on a vision-language model: the tower's units (VisionStep.units, accelerate's auto-wrap of the
+        model's `_no_split_modules`: the encoder's blocks, Gemma 3's patch embedding) with their parameters, in
+        forward order; {} otherwise."""
+        vision = self.act.vision
+        if not self.fsdp or vision is None:
+            return {}
+        return {u: [p for p in self.root if under(p.name.removeprefix(PEFT_PREFIX), u)] for u in vision.units}
+
+    @cached_property
     def root_unit(self) -> list[ParamInfo]:
-        """The root FSDP2 unit's parameters: the root module's less those of the units of their own."""
-        own = {p.name for unit in self.own_units.values() for p in unit}
+        """The root FSDP2 unit's parameters: the root module's less those of the units of their own (the
+        embedding's and lm_head's under --shard-embeddings, a vision tower's)."""
+        own = {p.name for unit in (*self.own_units.values(), *self.vision_units.values()) for p in unit}
         return [p for p in self.root if p.name not in own] if own else self.root
 
 

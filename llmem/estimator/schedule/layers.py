@@ -171,6 +171,9 @@ class LayerEvents:
             step.prefetch(i - 1, self.f.unit(i - 1))     # backward prefetch of the next unit
         elif "embed" in self.f.own_units:                # --shard-embeddings: the embedding's unit (frozen too)
             step.prefetch("embed", self.f.own_units["embed"])
+        elif self.f.vision_units:     # a vision tower's last unit: before layer 0 in the post-forward order
+            last = list(self.f.vision_units)[-1]
+            step.prefetch(last, self.f.vision_units[last])
         per_block = fwd.layer_keys[i]
         copies = fwd.copies_by_layer[i]
         checkpointed = act.checkpointed(i)

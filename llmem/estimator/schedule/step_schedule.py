@@ -62,7 +62,7 @@ class StepSchedule:
         self.blocks = BlockEvents(self.facts, self.sch, self.state)
         self.layer_events = LayerEvents(self, self.state, self.blocks, self.units)
         self.head = HeadEvents(self, self.state)
-        self.vision = VisionEvents(self)     # a vision-language step's batch and vision side
+        self.vision = VisionEvents(self, self.units)    # a vision-language step's batch and vision side
         self.objective = objective_events(self, r) if trained else None   # TRL's trainers' steps
 
     def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
@@ -115,6 +115,7 @@ class StepSchedule:
         sch.phase = f"it{it}:forward"
         if self.objective is not None:    # forwards before the policy's own (KTO's KL sequences)
             self.objective.before_forward()
+        self.vision.units.cast_inputs()             # (FSDP2's cast of a vision-language batch's pixel values)
         self.unshard_forward(None, f.root_unit)     # the root is not resharded after forward (FSDP2 default)
         self.units.prefetch_forward(0)
         fwd = self.state.forward = ForwardLive()
@@ -122,7 +123,7 @@ class StepSchedule:
         if "embed" in f.own_units:
             self.own_forward("embed")
         self.vision.forward()
-        fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors]
+        fwd.embed_keys = [self.model_kept(n) for n in act.embed_tensors]
         if "embed" in f.own_units:
             self.own_post_forward("embed")
         if act.offload:
@@ -146,6 +147,7 @@ class StepSchedule:
         self.head_forward()
         if f.own_units:                 # the root's post-forward, after the loss: the lm_head's all-gather output
             self.release_forward_gathers()
+        self.vision.units.release_cast()
         sch.free(fwd.passed)            # the final norm has read the last layer's output
         sch.free_all(fwd.bias_cache)    # autocast exit clears its cache; saved weight copies stay referenced
         if act.offload and not act.grad_ckpt:
@@ -191,6 +193,7 @@ class StepSchedule:
         sch.free_all(fwd.shared_keys)
         if f.fsdp:
             self.units.root_post_backward()
+            self.vision.units.final_callback()     # a vision tower's units, after the root's
 
     def optimizer_step(self, it: int) -> None:
         """optimizer.step() (its states at the first step, its temporaries as its row describes them), then
@@ -198,6 +201,12 @@ class StepSchedule:
         self.sch.phase = f"it{it}:optimizer_step"
         self.sch.mark("optimizer step")
         self.optimizer.step(it)
+
+    def model_kept(self, size: int) -> int:
+        """A tensor the model's own ops keep for backward (the root's cast of a vision-language batch's pixel
+        values under FSDP2 is one it already made: llmem.estimator.schedule.vision_units)."""
+        cast = self.vision.units.take_cast(size, kept=True)
+        return cast if cast is not None else self.sch.alloc(size, "activations")
 
     # ------------------------------------------------------------------------------------------ the parts' steps
     def forward_layer(self, i: int) -> None:

@@ -8,7 +8,11 @@ custom_sharded_layers): each gathered around its forward (resharded after it, pe
 backward, the lm_head's reduce-scatter at its post-backward, the embedding's in the root's final callback after the
 root's (FSDPState._root_post_backward_final_callback runs the states in module order: its inputs need no gradient).
 
-Known Limitations: a unit is a decoder layer, the root, or under --shard-embeddings the embedding or the lm_head;
+A vision-language model's tower units (its encoder blocks: llmem.estimator.schedule.vision_units) are gathered and
+reduced by the vision side's events through the same operations.
+
+Known Limitations: a unit is a decoder layer, the root, a vision tower's block, or under --shard-embeddings the
+embedding or the lm_head;
 ZeRO's own gathering is llmem.estimator.deepspeed's.
 """
 
@@ -263,8 +267,12 @@ class FsdpUnits:
         copy-in loop's variable holds the last gradient (as at the root's). A frozen unit reduces nothing; a
         prefetch never waited on (a frozen embedding's, gathered by layer 0's backward) dies in
         finalize_backward."""
+        self.unit_post_backward(key, self.f.own_units[key])
+
+    def unit_post_backward(self, key: UnitKey, unit: list[ParamInfo]) -> None:
+        """own_post_backward's events for any unit whose gradients are held by name (`grads.root_unsharded`): a
+        unit of its own, a vision tower's (llmem.estimator.schedule.vision_units)."""
         sch, alloc, f, grads = self.sch, self.sch.alloc, self.f, self.grads.root_unsharded
-        unit = f.own_units[key]
         self.step.reshard_unit(key)
         sch.free_all(self.live.ag_out.pop(key, []))
         sch.free_all(self.live.pending_rs)

@@ -7,13 +7,17 @@ The forward and backward are the learned ones (llmem.memory.activations.learned_
 module): each piece's kept tensors with the temporaries between them, and under --grad-ckpt the encoder's blocks as
 checkpointing runs them (learned checkpointed: each keeps its input, its backward recomputes it first).
 
-Known Limitations: one GPU (the layouts' vision units are not laid out); learned at the set-up's own shape (a new
+Under FSDP2 the tower's units are gathered and reduced around these events (llmem.estimator.schedule.vision_units).
+
+Known Limitations: learned on one GPU (FSDP2's casts of each unit's inputs to param_dtype are not laid out); learned at the set-up's own shape (a new
 batch size or image size learns again).
 """
 
 from __future__ import annotations
 
 from llmem.estimator.schedule.hooks import StepHooks
+from llmem.estimator.schedule.units import FsdpUnits
+from llmem.estimator.schedule.vision_units import VisionUnits
 from llmem.memory.activations.learned_vision import LearnedPiece, Op
 from llmem.model.anatomy import ParamInfo
 from llmem.model.vision import PEFT_PREFIX
@@ -22,7 +26,7 @@ from llmem.model.vision import PEFT_PREFIX
 class VisionEvents:
     """The batch's tensors, and the vision side's forward and backward."""
 
-    def __init__(self, step: StepHooks) -> None:
+    def __init__(self, step: StepHooks, units: FsdpUnits) -> None:
         self.step, self.f, self.sch = step, step.facts, step.sch
         self.vision = self.f.act.vision
         self.side = self.vision.side if self.vision is not None else None
@@ -32,6 +36,7 @@ class VisionEvents:
         # the parameters the backward makes gradients for, by their name in the model (peft's prefix dropped)
         self.params: dict[str, ParamInfo] = {p.name.removeprefix(PEFT_PREFIX): p for p in self.f.root
                                              if p.name in self.f.vision_params}
+        self.units = VisionUnits(step, units, self.pieces)     # FSDP2's tower units (none without FSDP2)
 
     @property
     def has_backward(self) -> bool:
@@ -52,12 +57,17 @@ class VisionEvents:
         sch.mark("vision encoder")
         self.kept = [[] for _ in self.pieces]
         temps: dict[int, int] = {}
+        self.units.forward_start()
         for op, j, k, size, label in self.side.forward:
+            if op in (Op.KEEP, Op.TEMP):
+                self.units.forward_piece(j)
             if op == Op.KEEP:
                 piece = self.pieces[j]
-                self.kept[j].append(sch.alloc(piece.tensors[k], piece.categories[k]))
+                cast = self.units.take_cast(piece.tensors[k], kept=True)
+                self.kept[j].append(cast if cast is not None else sch.alloc(piece.tensors[k], piece.categories[k]))
             elif op == Op.TEMP:
-                temps[k] = sch.alloc(size, label)
+                cast = self.units.take_cast(size, kept=False)      # (the root's cast lives on: nothing to free here)
+                temps[k] = -1 if cast is not None else sch.alloc(size, label)
             elif op == Op.WORKSPACE:
                 self.step.ensure_workspace()
             elif op == Op.HELD:
@@ -65,6 +75,7 @@ class VisionEvents:
             else:
                 sch.free(temps.pop(k))
         sch.free_all(list(temps.values()))
+        self.units.leave_forward()
 
     def forward_returned(self) -> None:
         """The model's forward has returned and its output is dropped: the temporaries held past the decoder layers
@@ -83,6 +94,8 @@ class VisionEvents:
         late: list[int] = []
         made: set[str] = set()
         for op, j, k, size, label in self.side.backward:
+            if op in (Op.TEMP, Op.GRAD):
+                self.units.backward_piece(j)
             if op == Op.TEMP:
                 temps[k] = sch.alloc(size, label)
             elif op == Op.FREE:
@@ -96,6 +109,7 @@ class VisionEvents:
                 made.add(label)
             elif op == Op.LATE:
                 late.append(temps.pop(k))
+        self.units.leave_backward()
         self._unread_grads(made, it)
         for keys in self.kept:               # what the backward never read (the encoder's own index tensors)
             sch.free_all(keys)
@@ -113,5 +127,7 @@ class VisionEvents:
         for name, p in self.params.items():
             if p.trainable and name not in made:
                 self.step.flush_steps(it)
-                self.step.hand_over_grad(p, self.sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[
-                    p.name], "gradients"))
+                # FSDP2: the unsharded gradient in param_dtype, for the root's reduce-scatter (Gradients.make_unsharded)
+                size = f.params.unsharded[p.name] * f.gather_bytes if f.fsdp else \
+                    f.params.shard_numel[p.name] * f.params.element_bytes[p.name]
+                self.step.hand_over_grad(p, self.sch.alloc(size, "gradients"))

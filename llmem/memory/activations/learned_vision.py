@@ -113,7 +113,15 @@ class LearnedVision:
 class VisionStep:
     """A vision-language step as the schedule lays it out: the micro-batch's tensors on the device (ids,
     pixel_values, positions: llmem.model.vision_inputs), the vision modules (their parameters' name prefixes: the
-    encoder's, the projector's) and the vision side learned from the real code (None: not learned)."""
+    encoder's, the projector's), the vision side learned from the real code (None: not learned) and the tower's
+    FSDP2 units."""
     batch_tensors: tuple[int, ...]
     modules: tuple[str, ...]
     side: LearnedVision | None
+    root: str = ""                   # the module the side's pieces are named from (llmem.model.vision.vision_root)
+    units: tuple[str, ...] = ()      # the tower's FSDP2 units (llmem.model.vision.tower_units), in forward order
+
+    def unit_of(self, piece: LearnedPiece) -> str | None:
+        """The FSDP2 unit a piece runs in (its module is one), or None (the root unit's)."""
+        path = f"{self.root}.{piece.module}" if piece.module else self.root
+        return path if path in self.units else None

@@ -49,7 +49,7 @@ from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
-from llmem.model.vision import vision_modules, vision_spec
+from llmem.model.vision import tower_units, vision_modules, vision_root, vision_spec
 from llmem.model.vision_inputs import VisionInputs, vision_inputs
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
@@ -427,7 +427,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         mask_bytes=packed_mask_bytes(d) + _vision_mask_bytes(anatomy, setup, images),
         compiled=setup.compile,
         vision=VisionStep(_vision_batch_bytes(anatomy, setup, images), vision_modules(anatomy.model_type),
-                          learned_vision(r)) if setup.images_per_sample else None,
+                          learned_vision(r), vision_root(anatomy.model_type), tower_units(anatomy))
+        if setup.images_per_sample else None,
     )
 
 

@@ -42,9 +42,11 @@ from llmem.planner.suggestions.savers import (
     combined_savers,
     combined_suggestion,
     full_finetune_savers,
+    saver_candidates,
     saver_suggestion,
 )
 from llmem.planner.suggestions.sequence import sequence_knob, shorter_sequence_suggestion
+from llmem.planner.suggestions.vision import not_modelled
 from llmem.setup.layout import Layout
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
@@ -77,6 +79,13 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     alone = full_finetune_savers(setup, methods)
     combos = combined_savers(setup, alone, methods)
     menus = [m for m in adapter_menus(setup) if applied(setup, **dict(m.changes)) is not None]
+    # a vision-language step's unwired what-ifs: told, not searched
+    skipped = not_modelled(setup, [*((sv.kind, sv.flags, sv.changes) for sv in saver_candidates(setup)),
+                                   *((m.kind, m.flags, m.changes) for m in adapter_menus(setup)),
+                                   ("offload_optimizer", "--offload-optimizer", (("offload_optimizer", True),)),
+                                   *([("offload_param", "--offload-param", (("method", "fsdp"), ("offload_param", True)))]
+                                     if any(lay.shards_model_states for lay in layouts) else [])])
+    offload_optimizer = applied(setup, offload_optimizer=True) is not None
     fewer = objective_spec(setup.objective).generates
     tick = _ticker([sv.flags for sv in alone] + (["the cheap savers together"] if combos else []) + [
         "a shorter sequence", *(["fewer --num-generations"] if fewer else []), *(m.flags for m in menus),
@@ -102,7 +111,8 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
         out.append(menu_suggestion(savers, menu, setup, layouts, engine_note))
     # 4. optimizer states on the CPU; 5. FSDP2's CPU offload of the parameters, gradients and optimizer
     tick()
-    out.append(offload_optimizer_suggestion(savers, setup, layouts, engine_note))
+    if offload_optimizer:
+        out.append(offload_optimizer_suggestion(savers, setup, layouts, engine_note))
     tick()
     out.append(offload_param_suggestion(savers, setup, layouts, engine_note))
     # 6. more GPUs of the same type (then also with checkpointing)
@@ -111,7 +121,7 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     if ctx.options.ranking == "paper":
         out.append(suggestion_dict(CPU_OFFLOADING, "LLMem's Algorithm 1 recommends CPU offloading (heterogeneous "
                                    "training) when no method fits at batch 1", None))
-    return [x for x in out if x is not None]        # a what-if its objective refuses is not proposed
+    return [x for x in out if x is not None] + skipped   # a what-if its objective refuses is not proposed
 
 
 def _ticker(steps: list[str], progress: Callable[[str, int, int], None] | None) -> Callable[[], None]:

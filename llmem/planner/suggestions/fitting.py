@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from llmem.errors import LlmemError
+from llmem.model.vision_inputs import unwired_options
 from llmem.planner.engines import fits_within
 from llmem.planner.search import (
     CandidatePlan,
@@ -57,11 +58,21 @@ def supports(setup: TrainingSetup | None, method: MethodSpec) -> bool:
 
 def applied(setup: TrainingSetup, **changes) -> TrainingSetup | None:
     """`setup` with `changes`, or None where its validation refuses them (an option its objective does not take,
-    e.g. --fused-ce under GRPO): the what-if is then not proposed."""
+    e.g. --fused-ce under GRPO) or a vision-language step does not wire them (vision_refusal): the what-if is then
+    not proposed."""
     try:
-        return replace(setup, **changes)
+        changed = replace(setup, **changes)
     except LlmemError:
         return None
+    return None if vision_refusal(changed) else changed
+
+
+def vision_refusal(setup: TrainingSetup | None) -> str | None:
+    """Why a vision-language set-up's options are not modelled (llmem.model.vision_inputs.unwired_options, for any
+    layout); None for a text set-up or one that runs."""
+    if setup is None or not setup.images_per_sample:
+        return None
+    return unwired_options(setup, any_method=True)
 
 
 def screened_layouts(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout],

@@ -34,6 +34,11 @@ def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> lis
     """Ways to keep full fine-tuning with less memory, cheapest in time first: those already on are skipped, and so
     is one no method in `methods` supports (the support check decides). The savers tried together are
     `combined_savers`'."""
+    return [sv for sv in saver_candidates(setup) if any(supports(sv.apply(setup), m) for m in methods)]
+
+
+def saver_candidates(setup: TrainingSetup) -> list[Saver]:
+    """Every saver not already on, before the support check."""
     out: list[Saver] = []
     if not setup.fused_ce:
         out.append(Saver("fused_ce", (("fused_ce", True),), "--fused-ce",
@@ -55,7 +60,7 @@ def full_finetune_savers(setup: TrainingSetup, methods: list[MethodSpec]) -> lis
     if not setup.offload_activations:
         out.append(Saver("offload_activations", (("offload_activations", True),), "--offload-activations",
                          "saved activations to pinned host memory and back over PCIe"))
-    return [sv for sv in out if any(supports(sv.apply(setup), m) for m in methods)]
+    return out
 
 
 def combined_savers(setup: TrainingSetup, savers: list[Saver], methods: list[MethodSpec]
