@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared script for one GPU (sized for an H200: 58 configurations, 125M to 8B, every method with its ranks
-# emulated on the one device through a fake process group; the 43 of 2026-11 ran in under 8 minutes, the 15 since
-# (issues 10-12) are not timed on a device yet: check the timeout below; then up to 2 more for the OOM boundary
+# One prepared script for one GPU (sized for an H200: 61 configurations, 125M to 8B, every method with its ranks
+# emulated on the one device through a fake process group; the 43 of 2026-11 ran in under 8 minutes, the 18 since
+# (issues 10-12, 31: the chunked loss, Unsloth's checkpoint) are not timed on a device yet: check the timeout below; then up to 2 more for the OOM boundary
 # of benchmarks/oom_boundary.py). It measures the three counters
 # (max_memory_allocated, max_memory_reserved, NVML device-used) of the real training step and compares them with
 # the estimate. Results: benchmarks/results/gpu_<gpu>.json and .png (and copies under $OUT when it is set).
@@ -18,7 +18,7 @@ out=benchmarks/results/gpu_${gpu,,}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out.nvidia-smi.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$out.nvidia-smi.txt"
 status=0
-timeout 460 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
+timeout 500 $PY -m llmem.cli validate --against measure --matrix gpu --device cuda --max-error 5 \
     --out "$out.json" --plot "$out.png" || status=$?
 # torchao's float8 training (--float8, llmem.runtime.float8) where torchao is installed: the float8 matrix measured
 # (not yet run on a device: torch._scaled_mm's CUDA kernels, FSDP2's float8 all-gather on the fake process group)

@@ -64,6 +64,12 @@ GPU_MATRIX += [
         ("Qwen/Qwen2.5-0.5B", "bf16-mixed", 4, 2048, {"packing": True}),
         # issue 10's options: offload under checkpointing, peft's fp32 adapters on a bf16 base (and torchtune's
         # bf16 ones), pure-bf16 bitsandbytes QLoRA, torchao NF4, a peft type through the learned path
+        # torchtune's chunked output and loss (--output-chunks), with its optimizer-in-backward recipe; Unsloth's
+        # offloaded checkpoint (--ckpt-offload unsloth) under LoRA
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"output_chunks": 8}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"output_chunks": 8, "grad_ckpt": True,
+                                                       "optimizer_in_backward": True}),
+        ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"ckpt_offload": "unsloth", "lora_rank": 8}),
         ("meta-llama/Llama-3.2-1B", "bf16-mixed", 4, 2048, {"offload_activations": True, "grad_ckpt": True}),
         ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear"}),
         ("meta-llama/Llama-3.2-1B", "bf16", 4, 2048, {"lora_rank": 16, "lora_targets": "all-linear",
