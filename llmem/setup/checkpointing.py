@@ -96,8 +96,8 @@ CKPT_OFFLOADS: dict[str, CkptOffload] = {o.name: o for o in (
                 saves="Unsloth's smart offloading (use_gradient_checkpointing=\"unsloth\", unsloth_zoo 2026.10): each "
                       "checkpointed layer's input over 2 MiB copied to pinned host memory, copied back in backward "
                       "into two device staging buffers the size of the largest input (the second from the second "
-                      "step on, where more than 512 MiB is free); the last layer's input stays on the device from "
-                      "the second step on"),
+                      f"step on, where more than {UNSLOTH_DOUBLE_BUFFER_HEADROOM >> 20} MiB is free); the last "
+                      "layer's input stays on the device from the second step on"),
     CkptOffload(name="unsloth-single", function="unsloth_zoo/gradient_checkpointing.py:UnslothCheckpointFunction",
                 staging=1, min_bytes=UNSLOTH_MINIMUM_SIZE, keeps_last=True, bf16_store=True,
                 saves="--ckpt-offload unsloth with one staging buffer (UNSLOTH_DISABLE_DOUBLE_BUFFER=1, or an "

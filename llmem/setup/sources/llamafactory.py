@@ -69,15 +69,17 @@ def read(keys: Keys, r: Reading) -> None:
         r.set("use_muon", True, "optimizer", "muon", "LLaMA-Factory's Muon, modelled by torch.optim.Muon for the "
               "hidden matrices with AdamW for the rest")
     disabled = keys.get("disable_gradient_checkpointing", False)
+    checkpointed = not r.boolean("disable_gradient_checkpointing", disabled)
     r.set("disable_gradient_checkpointing" + ("" if "disable_gradient_checkpointing" in keys else " (default)"),
-          disabled, "grad_ckpt", not r.boolean("disable_gradient_checkpointing", disabled))
-    if _unsloth(r, keys):
-        pass
-    elif keys.get("use_unsloth_gc") and not r.boolean("disable_gradient_checkpointing", disabled):
+          disabled, "grad_ckpt", checkpointed)
+    unsloth_gc = keys.get("use_unsloth_gc")
+    if _unsloth(r, keys) or not checkpointed:
+        pass          # (use_unsloth: Unsloth's own checkpoint, whatever disable_gradient_checkpointing says)
+    elif unsloth_gc:
         # model_utils/checkpointing.py: get_unsloth_gradient_checkpointing_func, Unsloth's first offloaded checkpoint
-        r.set("use_unsloth_gc", keys.get("use_unsloth_gc"), "ckpt_offload", "unsloth-classic", "LLaMA-Factory's copy "
+        r.set("use_unsloth_gc", unsloth_gc, "ckpt_offload", "unsloth-classic", "LLaMA-Factory's copy "
               "of Unsloth_Offloaded_Gradient_Checkpointer: each layer's input to the host, back for its recompute")
-    elif not r.boolean("disable_gradient_checkpointing", disabled):
+    else:
         # prepare_model_for_training: gradient_checkpointing_kwargs={"use_reentrant": use_reentrant_gc}
         raw = keys.get("use_reentrant_gc", True)
         key = "use_reentrant_gc" + ("" if "use_reentrant_gc" in keys else " (default)")
