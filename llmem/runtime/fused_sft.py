@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 
 from llmem.runtime.build import causal_lm
+from llmem.runtime.losses import IGNORE_INDEX
 from llmem.runtime.objectives import (
     KnownMasks,
     OneProcessAccelerator,
@@ -35,8 +36,6 @@ from llmem.runtime.objectives import (
 )
 from llmem.setup.objectives import completion_tokens, loss_type_of, objective_notes, objective_spec
 
-IGNORE_INDEX = -100        # DataCollatorForLanguageModeling's label padding, the fused head's mask
-
 
 def sft_inputs(step) -> dict[str, torch.Tensor]:
     """DataCollatorForLanguageModeling's batch on the device: input_ids (the step's), labels (-100 on the first
@@ -45,7 +44,7 @@ def sft_inputs(step) -> dict[str, torch.Tensor]:
     setup = step.setup
     ids = step.input_ids
     labels = ids.clone()
-    labels[:, :setup.prompt_len] = IGNORE_INDEX
+    labels[:, :setup.prompt_len] = IGNORE_INDEX     # DataCollatorForLanguageModeling's label padding
     batch = {"input_ids": ids, "labels": labels}
     if step.position_ids is not None:
         batch["position_ids"] = step.position_ids
