@@ -156,6 +156,9 @@ class MemoryResult:
     # the job's loading, evaluation and saving phases (estimate only; in the JSON only when there are some)
     job_phases: list[JobPhase] = field(default_factory=list)
     job_notes: list[str] = field(default_factory=list)
+    # the job phase whose tensor bytes per GPU pass what the allocator may use (the largest such): the job runs out
+    # of memory there whatever the step's fit (in the JSON only when there is one)
+    job_over: JobPhase | None = None
 
     @property
     def reserved_on_device_bytes(self) -> int:
@@ -170,10 +173,16 @@ class MemoryResult:
                    key=lambda kv: kv[1])
 
     @property
-    def fits(self) -> bool:
+    def step_fits(self) -> bool:
+        """The training step completes on the device (its allocations, as the allocator decides OOM)."""
         if self.capacity_bytes:
             return self.oom is None
         return self.device_used_bytes <= self.gpu_memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The whole job fits: its step, and its loading, evaluation and saving phases."""
+        return self.step_fits and self.job_over is None
 
     def to_dict(self) -> dict:
         out = {}
@@ -188,6 +197,9 @@ class MemoryResult:
             elif f.name in ("job_phases", "job_notes"):
                 if value:
                     out[f.name] = [p.to_dict() for p in value] if f.name == "job_phases" else list(value)
+            elif f.name == "job_over":
+                if value is not None:
+                    out["job_over"], out["step_fits"] = value.to_dict(), self.step_fits
             elif not (f.name == "timeline" and value is None):
                 out[f.name] = copy.deepcopy(value)      # as dataclasses.asdict copies dicts and lists
         if any(p.name == EVAL_PHASE for p in self.job_phases):   # (added with the eval: earlier answers unchanged)

@@ -128,7 +128,9 @@ def memory_table(result: MemoryResult) -> Table:
     if result.reserved_on_device_bytes != result.peak_reserved_bytes:
         table.add_row("[bold]reserved on GPU[/]", format_bytes(result.reserved_on_device_bytes), "cache released")
     table.add_row("[bold]device_used[/]", format_bytes(result.device_used_bytes), "nvidia-smi")
-    verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
+    over = result.job_over
+    verdict = "[green]fits[/]" if result.fits else \
+        "[red]does not fit[/]" + (f" ({over.name})" if over is not None and result.step_fits else "")
     table.add_row("GPU memory", format_bytes(result.gpu_memory_bytes), verdict)
     return table
 
@@ -284,7 +286,8 @@ def _plan_rows(p: Plan, wide: bool) -> tuple[list[tuple[str, str]], list[list[st
         row += [_fmt_time(t.step_s if t else None), f"{t.tokens_per_s:,.0f}" if t else "-"]
         if paper:
             row.append(f"{c.eval:g}" if c.eval is not None else "-")
-        row.append("[green]yes[/]" if c.fits else ("[red]no[/] (batch 1)" if wide else "[red]no[/]"))
+        row.append("[green]yes[/]" if c.fits else f"[red]no[/] ({c.blocked_by})" if c.blocked_by
+                   else ("[red]no[/] (batch 1)" if wide else "[red]no[/]"))
         rows.append(row)
     return cols, rows
 
@@ -311,7 +314,7 @@ def plan_table(p: Plan, wide: bool | None = None):
     forces one)."""
     def build(w: bool) -> Table:
         cols, rows = _plan_rows(p, w)
-        caption = None if w or all(c.fits for c in p.candidates) else \
+        caption = None if w or all(c.max_batch_size >= 1 for c in p.candidates) else \
             "a layout that does not fit shows its memory at batch 1"
         return _table(cols, rows, w, caption)
 

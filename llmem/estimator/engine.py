@@ -22,7 +22,7 @@ from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.eval_phase import eval_notes, eval_phase
 from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
-from llmem.estimator.job_phases import job_notes, job_phases
+from llmem.estimator.job_phases import job_notes, job_phases, phase_over
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
@@ -146,6 +146,7 @@ def add_job_phases(result: MemoryResult, r: ResolvedSetup, ms: ModelStates, act:
     if evaluation is not None:        # between loading and saving, as the table lists them
         phases.insert(min(1, len(phases)), evaluation)
     result.job_phases = phases
+    result.job_over = phase_over(phases, allocator_bytes)
     if phases:
         result.job_notes = job_notes(phases, result.peak_allocated_bytes, allocator_bytes)
     result.job_notes += eval_notes(r)

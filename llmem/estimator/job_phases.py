@@ -63,7 +63,16 @@ from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.result import JobPhase
 from llmem.setup.deepspeed import param_partition_numel, partition_numel, sub_group_numels, zero_config
-from llmem.setup.job_phases import DS_ZERO3, DS_ZERO12, FSDP2, REPLICATED, load_path, phase_family, save_kind
+from llmem.setup.job_phases import (
+    DS_ZERO3,
+    DS_ZERO12,
+    FSDP2,
+    PHASE_FIXES,
+    REPLICATED,
+    load_path,
+    phase_family,
+    save_kind,
+)
 from llmem.setup.precision import F32
 from llmem.units import format_bytes
 
@@ -276,6 +285,13 @@ def job_phases(r: ResolvedSetup, ms: ModelStates) -> list[JobPhase]:
 PHASE_WORDS = {"load": "loading", "eval": "evaluation", "save": "saving"}
 
 
+def phase_over(phases: list[JobPhase], allocator_bytes: int) -> JobPhase | None:
+    """The phase whose tensor bytes per GPU pass what the allocator may use (the largest such; None: every phase
+    fits). Its tensors alone are over, so no allocator layout can hold them: the job runs out of memory there."""
+    over = [p for p in phases if p.device_bytes > allocator_bytes]
+    return max(over, key=lambda p: p.device_bytes) if over else None
+
+
 def _listed(words: list[str]) -> str:
     """"a", "a and b", "a, b and c"."""
     return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
@@ -292,7 +308,7 @@ def job_notes(phases: list[JobPhase], step_allocated_bytes: int, allocator_bytes
         if p.device_bytes > allocator_bytes:
             notes.append(f"{p.name} ({p.kind}) needs {format_bytes(p.device_bytes)} per GPU, more than the "
                          f"{format_bytes(allocator_bytes)} the allocator may use: the job runs out of memory there, "
-                         "whatever the step's fit")
+                         f"whatever the step's fit (so it does not fit): {PHASE_FIXES[p.name]}")
         elif p.device_bytes > step_allocated_bytes:
             notes.append(f"{p.name} ({p.kind}) peaks above the step: {format_bytes(p.device_bytes)} against "
                          f"{format_bytes(step_allocated_bytes)} per GPU")

@@ -41,9 +41,10 @@ from llmem.setup.training import TrainingSetup
 
 
 def fits_within(m: MemoryResult, limit: int) -> bool:
-    """Fits in `limit` bytes of device memory: as the allocator decides it where the engine replayed the step at
-    that limit (the llmem engine built with it), else device-used memory against the limit (the paper engine)."""
-    return m.fits if m.capacity_bytes else m.device_used_bytes <= limit
+    """The step fits in `limit` bytes of device memory: as the allocator decides it where the engine replayed the
+    step at that limit (the llmem engine built with it), else device-used memory against the limit (the paper
+    engine). The job's other phases do not depend on the batch: CandidatePlan.fits weighs them."""
+    return m.step_fits if m.capacity_bytes else m.device_used_bytes <= limit
 
 
 def out_of_memory_above(m: MemoryResult) -> bool:

@@ -65,6 +65,7 @@ from llmem.planner.search import (
     tokens_per_s_bound,
 )
 from llmem.planner.suggestions import suggest
+from llmem.planner.suggestions.job_phase import job_phase_suggestion
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
 from llmem.setup.expert_parallel import check_ep_model, check_expert_parallel
 from llmem.setup.generation import with_fixed_steps
@@ -308,6 +309,10 @@ def recommend(candidates: list[CandidatePlan], ranking: str) -> tuple[CandidateP
                                          f"{best.max_batch_size}; eval = "
                                          + EVAL_FORMULAS[best.layout.spec.paper_name] + ")")
     best = rank_by_time(candidates)
+    blocked = [c for c in candidates if c.blocked_by]
+    if best is None and blocked:
+        return best, "", (f"the step fits on {len(blocked)} layout(s), but the job runs out of memory in its "
+                          f"{blocked[0].blocked_by} phase; see the suggestions")
     if best is None:
         return best, "", "nothing fits at batch 1 on these GPUs; see the suggestions"
     piped = f" x {best.time.pp_microbatches} pipeline micro-batches" if best.layout.pp > 1 else ""
@@ -322,6 +327,9 @@ def what_would_fit(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout]
     can run it (screened by the quick bound: llmem.planner.suggestions.fitting), its progress after the layouts'."""
     if any(c.fits for c in candidates) or not layouts:
         return []
+    blocked = [c for c in candidates if c.blocked_by]
+    if blocked:      # the step fits: what blocks is a phase no step-side change (adapters, savers, GPUs) shrinks
+        return [job_phase_suggestion(blocked)]
     if progress:
         progress("looking for what would fit", len(layouts), total_steps)
     return suggest(ctx, setup, layouts, progress=progress and (

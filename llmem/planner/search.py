@@ -38,7 +38,15 @@ class CandidatePlan:
 
     @property
     def fits(self) -> bool:
-        return self.max_batch_size >= 1
+        """The step fits at batch 1 or more, and so do the job's loading, evaluation and saving phases (which no
+        batch changes)."""
+        return self.max_batch_size >= 1 and self.memory.job_over is None
+
+    @property
+    def blocked_by(self) -> str:
+        """The job phase that runs out of memory where the step fits ("" otherwise)."""
+        over = self.memory.job_over
+        return over.name if over is not None and self.max_batch_size >= 1 else ""
 
     @property
     def method(self) -> str:
@@ -63,6 +71,8 @@ class CandidatePlan:
             "step_time_s": t.step_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
             "time": t.to_dict() if t else None, "fits": self.fits,
         }
+        if self.blocked_by:
+            out["blocked_by"] = self.memory.job_over.to_dict()
         if self.eval is not None:
             out["eval"] = self.eval
         if self.offload_optimizer:

@@ -67,6 +67,17 @@ SAVE_KINDS: dict[str, PhaseRow] = {r.name: r for r in (
 )}
 
 
+# What a user changes where a phase of the job, not its step, runs out of the GPU's memory (a phase's peak does not
+# depend on the training batch: a smaller --batch-size never helps there)
+PHASE_FIXES = {
+    "load": "choose a loading path that keeps less on each GPU (--load-path; with FSDP2: cpu-ram-efficient or "
+            "meta-init)",
+    "eval": "move the kept tensors to the host more often (--eval-accumulation-steps N), keep the losses only "
+            "(--eval-keeps loss), or evaluate at a smaller --eval-batch-size",
+    "save": "save each rank's own shards (--save-kind sharded) rather than gathering the model",
+}
+
+
 def phase_family(setup) -> str | None:
     """The set-up's phase family (module docstring), None where its phases are not modelled."""
     spec = method_spec(setup.method)

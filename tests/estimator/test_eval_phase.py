@@ -174,3 +174,33 @@ def test_the_cli_flags_and_json(capsys):
 def test_steps_per_rank_round_up():
     from llmem.setup.eval_phase import eval_steps
     assert eval_steps(40, 4, 2) == 5 == ceil(40 / 8) and eval_steps(41, 4, 2) == 6
+
+
+def loss_only_eval_bytes(batch: int) -> int:
+    """The loss-only eval phase's peak on tiny-llama at eval batch `batch`, worked out as in the test above."""
+    t = batch * SEQ
+    casts = 2 * (EMBED + LAYERS * (4 * H * H + 3 * H * FFN))
+    return RESIDENT + 3 * t * 8 + casts + t * H * 4 + t * V * (2 + 4 + 4)
+
+
+def test_a_job_whose_eval_does_not_fit_does_not_fit():
+    """The answer is the whole job's: a step that fits beside an eval phase whose tensors alone pass what the
+    allocator may use does not fit (`fits` False, `step_fits` True, the phase named), and `--check` exits 1. The
+    boundary is the hand-worked eval bytes: a device 1 MiB larger than them (with the context) fits."""
+    context = 1 << 30                               # --cuda-context 1GiB: the allocator's share is the rest
+    eval_bytes = loss_only_eval_bytes(64)           # 64 x 256 tokens x 32,000 vocabulary: ~5.3 GB
+    step = run(eval_batch_size=64, gpu="A100-80GB")
+    assert step.peak_reserved_bytes < eval_bytes    # the step is far smaller than the eval
+    short = run(eval_batch_size=64, gpu="A100-80GB", gpu_memory=f"{context + eval_bytes - (1 << 20)}B",
+                cuda_context="1GiB")
+    assert (short.step_fits, short.fits) == (True, False)
+    assert (short.job_over.name, short.job_over.device_bytes) == ("eval", eval_bytes)
+    out = short.to_dict()
+    assert (out["fits"], out["step_fits"], out["job_over"]["name"]) == (False, True, "eval")
+    roomy = run(eval_batch_size=64, gpu="A100-80GB", gpu_memory=f"{context + eval_bytes + (1 << 20)}B",
+                cuda_context="1GiB")
+    assert roomy.fits and roomy.job_over is None and "job_over" not in roomy.to_dict()
+    args = ["estimate", "tiny-llama", "--seq-len", str(SEQ), "--eval-batch-size", "64", "--gpu", "A100-80GB",
+            "--cuda-context", "1GiB", "--check"]
+    assert main(args + ["--gpu-memory", f"{context + eval_bytes - (1 << 20)}B"]) == 1
+    assert main(args + ["--gpu-memory", f"{context + eval_bytes + (1 << 20)}B"]) == 0
