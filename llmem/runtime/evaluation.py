@@ -18,6 +18,7 @@ import torch
 
 from llmem.result import EVAL_PHASE, JobPhase
 from llmem.runtime.ledger import Ledger
+from llmem.runtime.losses import IGNORE_INDEX
 from llmem.runtime.replay import phase_tensor_peak
 from llmem.setup.eval_phase import EVAL_KEEPS, eval_runs, eval_unmodelled
 from llmem.units import format_bytes
@@ -58,7 +59,7 @@ def evaluation_loop(step, steps: int) -> None:
     setup, world = step.setup, step.layout.world_size
     keeps, batch_size, every = EVAL_KEEPS[setup.eval_keeps], setup.eval_batch_size, setup.eval_accumulation_steps
     step.runner.eval()
-    containers = [EvalLoopContainer(True, padding_index=-100) for _ in range(3)]   # losses, predictions, labels
+    containers = [EvalLoopContainer(True, padding_index=IGNORE_INDEX) for _ in range(3)]   # losses, predictions, labels
     loss = logits = labels = None
     for i in range(steps):
         ids = torch.zeros((batch_size, setup.seq_len), dtype=torch.int64, device=step.input_ids.device)

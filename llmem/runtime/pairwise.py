@@ -36,6 +36,7 @@ import torch
 
 from llmem.errors import LlmemError
 from llmem.runtime.build import causal_lm, vocab_size
+from llmem.runtime.losses import IGNORE_INDEX
 from llmem.runtime.objectives import (
     KnownMasks,
     OneProcessAccelerator,
@@ -160,7 +161,7 @@ def pairwise_inputs(step) -> dict[str, torch.Tensor]:
     batch = {"prompt_input_ids": ids(b, prompt), "prompt_attention_mask": ones(b, prompt)} if prompt else {}
     for side in ("chosen", "rejected"):
         labels = ids(b, seq)
-        labels[:, :prompt] = -100
+        labels[:, :prompt] = IGNORE_INDEX
         batch.update({f"{side}_input_ids": ids(b, seq), f"{side}_attention_mask": ones(b, seq),
                       f"{side}_labels": labels})
     return batch
