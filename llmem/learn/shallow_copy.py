@@ -29,7 +29,7 @@ from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.generation import plain_setup
 from llmem.setup.objectives import objective_spec
-from llmem.setup.sections import DeepSpeedConfig, ParallelismConfig
+from llmem.setup.sections import DeepSpeedConfig, JobConfig, ParallelismConfig
 
 
 def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
@@ -108,9 +108,11 @@ def learning_setup(r: ResolvedSetup, model_path: str, batch: int, seq: int):
     if setup.mixed and not r.regime.autocast:        # FSDP2's MixedPrecisionPolicy: everything computes in low
         precision = setup.precision_spec.compute_dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
         adapter_dtype = "base"
-    # one GPU: the layout's and DeepSpeed's sections at their defaults (a ZeRO bucket size or an HSDP degree of the
-    # user's set-up would be refused on it, whatever the cache held)
+    # one GPU: the layout's, DeepSpeed's and the job's sections at their defaults (a ZeRO bucket size, an HSDP degree
+    # or an FSDP2 / ZeRO-3 save kind of the user's set-up would be refused on it, whatever the cache held; the copy
+    # runs the step only)
     return replace(setup, model=model_path, parallelism=ParallelismConfig(), deepspeed=DeepSpeedConfig(),
+                   job=JobConfig(),
                    batch_size=batch, seq_len=seq, precision=precision, adapter_dtype=adapter_dtype, **LEARNING_RESETS)
 
 

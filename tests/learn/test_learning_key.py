@@ -11,16 +11,17 @@ from dataclasses import fields
 
 import pytest
 
+from llmem import estimate
 from llmem.learn.shallow_copy import LEARNING_RESETS
 from llmem.memory.activations.learned import KEYED_FIELDS, LAYER_FREE_FIELDS, learning_key
 from llmem.model.resolved import resolve
-from llmem.setup.sections import DeepSpeedConfig, ParallelismConfig
+from llmem.setup.sections import DeepSpeedConfig, JobConfig, ParallelismConfig
 from llmem.setup.training import FLAT_ORDER, TrainingSetup
 
 
 def test_every_field_is_keyed_reset_or_layer_free():
     reset = set(LEARNING_RESETS) | {f.name for f in fields(ParallelismConfig)} \
-        | {f.name for f in fields(DeepSpeedConfig)} | {"batch_size", "seq_len"}
+        | {f.name for f in fields(DeepSpeedConfig)} | {f.name for f in fields(JobConfig)} | {"batch_size", "seq_len"}
     unclassified = set(FLAT_ORDER) - set(KEYED_FIELDS) - set(LAYER_FREE_FIELDS) - reset
     assert not unclassified, f"classify for the learned activations' key: {sorted(unclassified)}"
     assert not set(LAYER_FREE_FIELDS) & set(KEYED_FIELDS)
@@ -57,3 +58,18 @@ def test_a_trainer_learned_file_is_not_read_for_the_plain_step(tmp_path):
     shared, fresh = tmp_path / "shared", tmp_path / "fresh"
     _estimate(shared, "--objective", "dpo")
     assert _estimate(shared) == _estimate(fresh)
+
+
+@pytest.mark.parametrize("method, gpus, save_kind", [("fsdp", 2, "sharded"), ("ds-zero3", 2, "gather-16bit")])
+def test_a_save_kind_of_a_sharded_method_learns_on_one_gpu(tmp_path, monkeypatch, method, gpus, save_kind):
+    """The learning copy runs the step on one GPU, the job's section at its defaults: an FSDP2 or ZeRO-3 save kind
+    (read from an axolotl / LLaMA-Factory file) refused the copy's set-up ("--save-kind sharded does not apply to
+    --method single") and so the whole estimate. The step is the same whatever the save kind."""
+    monkeypatch.setenv("LLMEM_LEARN", "always")
+    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path))
+    base = dict(model="tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=128, method=method, gpus=gpus)
+    saved = estimate(TrainingSetup(**base, save_kind=save_kind))
+    plain = estimate(TrainingSetup(**base))
+    assert (saved.peak_allocated_bytes, saved.peak_reserved_bytes) == (plain.peak_allocated_bytes,
+                                                                       plain.peak_reserved_bytes)
+    assert [p.kind for p in saved.job_phases if p.name == "save"] == [save_kind]
