@@ -121,6 +121,9 @@ class ObjectiveSpec:
     batch_multiple: int = 1
     # the causal-LM step (sft's batch, layers and options) with the loss through TRL's fused head (SFTTrainer)
     sft_step: bool = False
+    # the trainer turns the config's padding_free off with a warning and pads (DPOTrainer in trl 1.16: "temporarily
+    # unavailable after a refactor", dpo_trainer.py __init__)
+    padding_free_off: bool = False
 
     @property
     def runs_trainer(self) -> bool:
@@ -162,7 +165,8 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
                   head_outputs=SFT_HEAD_OUTPUTS, cli_command="sft", sft_step=True),
     ObjectiveSpec("dpo", "DPOTrainer", "preference pairs against a reference (TRL's DPOTrainer)", paired=True,
                   keeps_reference=True, loss_types=DPO_LOSS_TYPES, loss_type_list=True, max_length=1024, beta=0.1,
-                  fused_lm_head=True, disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo"),
+                  fused_lm_head=True, disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo",
+                  padding_free_off=True),
     ObjectiveSpec("kto", "KTOTrainer", "unpaired completions, desirable or not, against a reference (TRL's "
                   "KTOTrainer)", keeps_reference=True, loss_types=KTO_LOSS_TYPES, max_length=1024, beta=0.1,
                   fused_lm_head=True, disable_dropout=True, head_outputs=KTO_HEAD_OUTPUTS, kl_loss_types=("kto",),

@@ -165,13 +165,16 @@ LIGER = FeatureSupport("--liger", lambda c: bool(liger_kernels(c.setup.liger)), 
                       f"{', '.join(LIGER_FAMILIES)} only; drop --liger (--liger none with --from), or --liger "
                       "auto for Liger's patch where llmem models it"),
     _one_device_kernel("--liger"),
-    # (trl-sft: SFTTrainer applies Liger's layer kernels to sft's step, its own fused head for the loss)
-    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives but "
-            "trl-sft", lambda c: bool(c.setup.peft_config) or c.setup.quant_spec.quantised
+    # (TRL's fused-head trainers, trl-sft, dpo, kto, grpo, rloo: Liger's layer kernels applied to the model, their
+    # own fused head for the log-probs, Liger's fused cross-entropy turned off: e.g. dpo_trainer.py __init__)
+    Refusal("--peft-config, a quantised base, selective checkpointing, offloaded activations, TRL's objectives "
+            "without TRL's fused LM head (orpo, simpo, reward)", lambda c: bool(c.setup.peft_config)
+            or c.setup.quant_spec.quantised
             or c.setup.ac_policy != "full" or c.setup.offload_activations
-            or (c.setup.objective_spec.runs_trainer and not c.setup.objective_spec.sft_step),
-            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft or trl-sft, "
-            "full or no checkpointing, activations on the device): drop the --peft-config / quantised base / "
+            or (c.setup.objective_spec.runs_trainer and not c.setup.objective_spec.fused_lm_head),
+            "--liger is modelled on a full fine-tune or LoRA (--lora-rank) of an unquantised base (sft, or a TRL "
+            "trainer with its fused LM head: trl-sft, dpo, kto, grpo, rloo; full or no checkpointing, activations on "
+            "the device): drop the --peft-config / quantised base / "
             "--ac-policy / --offload-activations / --objective"),
 ))
 

@@ -277,6 +277,11 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128, objective="dpo"),
     _s("tiny-qwen2", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="dpo",
        loss_type="ipo", prompt_len=64),
+    # use_liger_kernel under TRL's fused-head trainers: Liger's layer kernels, its fused cross-entropy off
+    # (dpo_trainer.py / kto_trainer.py / grpo_trainer.py __init__)
+    *(_s("tiny-llama", precision="bf16-mixed", optimizer="sgd", objective=o, liger="auto", **kw)
+      for o, kw in (("dpo", {"batch_size": 2, "seq_len": 256}), ("kto", {"batch_size": 2, "seq_len": 256}),
+                    ("grpo", {"batch_size": 4, "seq_len": 16, "num_generations": 4, "max_completion_length": 4}))),
     # TRL's SFTTrainer (--objective trl-sft; llmem.estimator.fused_sft against its compute_loss traced): sft's step,
     # the loss from TRL's fused head; FSDP2, LoRA, Liger's kernels, ZeRO-3, Qwen2 with dft and a prompt's -100 labels
     *(_s(m, meth, g, precision="bf16-mixed", batch_size=b, seq_len=n, objective="trl-sft", **kw)

@@ -34,8 +34,8 @@ def test_sft_trainer_keeps_the_layer_kernels_and_its_own_head(tmp_path):
     got = _read(tmp_path, FULL + "use_liger_kernel: true\n")
     assert (got.setup.objective, got.setup.liger, got.setup.fused_ce) == ("trl-sft", "auto", False)
     (used,) = [u for u in got.record.used if u.key == "use_liger_kernel" and u.field == "fused_ce"]
-    assert "SFTTrainer's fused LM head" in used.note
-    with pytest.raises(LlmemError, match="refused by TRL's SFTTrainer"):
+    assert "TRL trainer's fused LM head" in used.note
+    with pytest.raises(LlmemError, match="refused by TRL's trainer"):
         _read(tmp_path, FULL + "use_liger_kernel: true\nliger_kernel_config:\n  fused_linear_cross_entropy: true\n")
 
 
@@ -44,6 +44,24 @@ def test_liger_kernel_config_turns_kernels_off(tmp_path):
                 "  fused_linear_cross_entropy: false\n  cross_entropy: true\n")
     assert got.setup.liger == "rms_norm,swiglu" and not got.setup.fused_ce
     assert [i.key for i in got.record.ignored] == ["liger_kernel_config.cross_entropy"]
+
+
+@pytest.mark.parametrize("keys, objective", [
+    ("beta: 0.1\nloss_type: apo_zero\npadding_free: true\n", "dpo"),
+    ("num_generations: 2\nmax_completion_length: 64\nmax_prompt_length: 64\n", "grpo"),
+])
+def test_trl_fused_head_trainers_keep_the_layer_kernels(tmp_path, keys, objective):
+    """TRL 1.16's DPO, KTO, GRPO and RLOO trainers do as SFTTrainer does (e.g. dpo_trainer.py __init__): Liger's
+    layer kernels on the model, fused_linear_cross_entropy forced off (their fused LM head computes the log-probs).
+    Both were refused ('--fused-ce with --objective dpo'); the alignment-handbook's SmolLM3 APO and open-r1's GRPO
+    recipes set use_liger_kernel. DPOTrainer also turns padding_free off with a warning (standard padding): read as
+    ignored, not as --packing."""
+    got = _read(tmp_path, FULL + keys + "use_liger_kernel: true\n")
+    s = got.setup
+    assert (s.objective, s.liger, s.fused_ce, s.packing) == (objective, "auto", False, False)
+    ignored = [i for i in got.record.ignored if i.key == "padding_free"]
+    assert [("padding_free" in keys, "turns padding_free off" in i.why) for i in ignored] == \
+        ([(True, True)] if "padding_free" in keys else [])
 
 
 def test_llamafactory_enable_liger_kernel(tmp_path):

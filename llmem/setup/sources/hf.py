@@ -86,20 +86,21 @@ def read_checkpointing(r: Reading, keys: Keys, default: bool) -> None:
 
 def read_liger(r: Reading, keys: Keys, fused_head: bool = False) -> None:
     """TrainingArguments' use_liger_kernel (apply_liger_kernel_to_<model>, fused_linear_cross_entropy on by default)
-    and liger_kernel_config. `fused_head`: TRL's SFTTrainer, which computes the loss with its own fused LM head and
-    turns fused_linear_cross_entropy off (refusing it when the config asks for it: sft_trainer.py __init__)."""
+    and liger_kernel_config. `fused_head`: a TRL trainer that computes its log-probs with its own fused LM head
+    (TRL 1.16's SFT, DPO, KTO, GRPO and RLOO trainers), which turns fused_linear_cross_entropy off and applies only
+    Liger's layer kernels (refusing it when the config asks for it: e.g. dpo_trainer.py __init__)."""
     if "use_liger_kernel" not in keys or not r.boolean("use_liger_kernel", keys.get("use_liger_kernel")):
         keys.get("liger_kernel_config")
         return
     config = keys.get("liger_kernel_config") or {}
     config = config if isinstance(config, dict) else {}
     if fused_head and config.get("fused_linear_cross_entropy"):
-        raise r.error("liger_kernel_config.fused_linear_cross_entropy", True, "is refused by TRL's SFTTrainer (it "
-                      "replaces the forward its fused LM head patches)", "drop it: SFTTrainer's own head computes "
+        raise r.error("liger_kernel_config.fused_linear_cross_entropy", True, "is refused by TRL's trainer (it "
+                      "replaces the forward its fused LM head patches)", "drop it: the trainer's own head computes "
                       "the loss")
     fused = bool(config.get("fused_linear_cross_entropy", True)) and not fused_head
     r.set("use_liger_kernel", True, "fused_ce", fused, LIGER_CE_NOTE if fused else
-          "fused_linear_cross_entropy off: SFTTrainer's fused LM head computes the loss" if fused_head else
+          "fused_linear_cross_entropy off: the TRL trainer's fused LM head computes the loss" if fused_head else
           "fused_linear_cross_entropy off")
     set_liger(r, "use_liger_kernel", True, [k for k in LIGER_DEFAULTS if config.get(k, True)])
     for name, on in config.items():

@@ -71,7 +71,7 @@ def read(keys: Keys, r: Reading) -> None:
     attn = keys.get("attn_implementation") or init.get("attn_implementation")
     if attn:
         read_attention(r, "attn_implementation", attn)
-    read_liger(r, keys, fused_head=objective_spec(objective).sft_step)
+    read_liger(r, keys, fused_head=objective_spec(objective).fused_lm_head)
     _dtypes(r, keys, init, trl)
     quantised = _quantisation(r, keys)
     _adapters(r, keys, quantised)
@@ -221,6 +221,10 @@ def trl_sequence(r: Reading, keys: Keys, trl: bool, objective: str) -> None:
               r.integer(key, raw, what="a sequence length"), note)
     for key in ("packing", "padding_free"):
         if key in keys and r.boolean(key, keys.get(key)):
+            if key == "padding_free" and objective_spec(objective).padding_free_off:
+                r.ignore(key, True, f"{objective_spec(objective).trainer} turns padding_free off in trl 1.16 (a "
+                         "warning, then standard padding): each pair padded", approximates=False)
+                continue
             r.set(key, True, "packing", True, "position_ids restart per sample" if key == "padding_free" else "")
     for key in ("packing_strategy", "eval_packing", "dataset_text_field", "dataset_name", "dataset_config"):
         keys.get(key)
