@@ -260,8 +260,12 @@ def quantize_base(model: nn.Module, setup, fake: bool) -> int:
 
 
 def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft.tuners.lora.bnb.Linear4bit / Linear8bitLt.forward (vanilla LoRA, adapters active)."""
+    """peft.tuners.lora.bnb.Linear4bit / Linear8bitLt.forward (vanilla LoRA, never merged here). Under peft's
+    disable_adapter() (TRL's reference forward of a LoRA policy: trl.trainer.utils.use_adapter(model, None)) it is
+    the base layer alone: no clone, no adapters."""
     result = self.base_layer(x, *args, **kwargs)
+    if self.disable_adapters:
+        return result
     if isinstance(self.base_layer, Linear4bitEmulated):
         result = result.clone()          # "defensively clone" (peft, for 4-bit)
     for active in self.active_adapters:
