@@ -392,6 +392,17 @@ def completion_tokens(setup) -> int:
     return setup.seq_len - max(setup.prompt_len, 1)
 
 
+def _quantised_adapters_note(setup, spec: ObjectiveSpec) -> list[str]:
+    """TRL 1.16's trainers cast a bitsandbytes-quantised model's trainable parameters to bf16 (`_is_quantized_model`:
+    model.is_loaded_in_4bit / 8bit, e.g. sft_trainer.py __init__); llmem keeps peft's fp32 adapters under *-mixed."""
+    if not setup.peft or not setup.quant_spec.bitsandbytes:
+        return []
+    return [f"TRL's {spec.trainer} casts the adapters of a bitsandbytes-quantised model to bf16 (their gradients and "
+            "optimizer states follow); llmem counts them in fp32 under *-mixed (an upper bound on the adapters' "
+            "own bytes, a few per cent of the step with LoRA), and the trace does too (its trainer's __init__ is not "
+            "run)"]
+
+
 def objective_notes(setup) -> list[str]:
     """What the estimate and the trace say about a preference objective's step (none for sft)."""
     spec = objective_spec(setup.objective)
@@ -402,7 +413,7 @@ def objective_notes(setup) -> list[str]:
     if spec.generates:
         return generation_notes(setup, reference_mode(setup), spec.scores_policy)
     if spec.sft_step:
-        return [sft_head_note(setup, spec)]
+        return [sft_head_note(setup, spec)] + _quantised_adapters_note(setup, spec)
     rows = spec.sequences_per_sample * setup.batch_size
     max_length = spec.max_length if setup.max_length is None else setup.max_length
     mode = reference_mode(setup)
