@@ -476,6 +476,19 @@ CI_MATRIX: list[TrainingSetup] = [
         ("tiny-llava_onevision", "fsdp", {"lora_rank": 8}),
         # (within 2 % once the vision side's temporaries outside its modules are held as the model holds them)
         ("tiny-gemma3", "zero2", {"lora_rank": 8}))),
+    # ... under DeepSpeed's engine: the module cast to bf16, ZeRO's buffers sized from the trained parameters (a
+    # frozen tower left whole under stages 1-2, partitioned under 3); HF's "auto" sizes (hidden 512: buckets of
+    # 512^2 elements, persistence 5,120) so that ZeRO-3 fetches the tower's matrices piece by piece
+    # (estimator/deepspeed_tower) and the buckets do not hide the step
+    *(_s(m, method, 2, **_TINY_VL, reduce_bucket_size="auto",
+         **({"prefetch_bucket_size": "auto", "param_persistence_threshold": "auto"} if method == "ds-zero3" else {}),
+         **kw) for m, method, kw in (
+        ("tiny-llava_onevision", "ds-zero1", {}),
+        ("tiny-gemma3", "ds-zero2", {}), ("tiny-llava_onevision", "ds-zero2", {}),
+        ("tiny-qwen2_5_vl", "ds-zero2", {"freeze_vision_tower": True}), ("tiny-qwen3_vl", "ds-zero2", {"lora_rank": 8}),
+        ("tiny-qwen2_5_vl", "ds-zero3", {}), ("tiny-qwen2_5_vl", "ds-zero3", {"freeze_vision_tower": True}),
+        ("tiny-qwen2_5_vl", "ds-zero3", {"grad_ckpt": True}), ("tiny-gemma3", "ds-zero3", {}),
+        ("tiny-qwen3_vl", "ds-zero3", {"freeze_vision_tower": True}))),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
