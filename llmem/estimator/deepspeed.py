@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from llmem.estimator.deepspeed_tower import ZeroTower, tower_units
+from llmem.estimator.deepspeed_tower import ZeroTower, ZeroVision, tower_units
 from llmem.estimator.schedule import StepFacts, StepSchedule
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.model.anatomy import ParamInfo
@@ -141,6 +141,8 @@ class DeepSpeedSchedule(StepSchedule):
                             for u in [*range(self.facts.layers), None, EMBED, *self.tower]}
         if self.tower:
             self.vision.units = ZeroTower(self, self.vision.pieces, self.tower)
+        elif vision is not None and vision.side is not None:
+            self.vision.units = ZeroVision(self, self.vision.pieces)
         self.zl = ZeroLive()              # what is live of the engine's own buffers and its coordinator
         # units whose parameters a prefetch gathers on their own: TRL's fused head reads lm_head.weight outside the
         # lm_head module (trl/trainer/utils.py maybe_gather_lm_head_ctx, GatheredParameters), as the trace shows

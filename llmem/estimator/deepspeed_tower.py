@@ -49,14 +49,35 @@ def tower_units(vision: VisionStep, params: list[ParamInfo]) -> dict[str, list[P
     return {path: unit for path, unit in units.items() if unit}
 
 
-class ZeroTower(VisionUnits):
-    """The tower's ZeRO-3 fetches and releases, called at the vision side's events (VisionUnits' interface; the
-    root's cast of FSDP2 has no counterpart: DeepSpeed casts no inputs). `step` is the DeepSpeedSchedule."""
+class ZeroVision(VisionUnits):
+    """The vision side under DeepSpeed's engine, stages 1-2 (no units): DeepSpeed casts no inputs (engine.forward
+    leaves them as given), the model casts the fp32 pixel values to the module's dtype itself as its image features
+    begin (Qwen's get_image_features `pixel_values.type(self.visual.dtype)`, SigLIP's patch embedding
+    `.to(dtype=target_dtype)`), before the tower's first op. Where the step keeps that cast for the patch
+    embedding's weight gradient (the learned model's own kept tensors), it is laid out there, not after the tower
+    with the rest of them. `step` is the DeepSpeedSchedule."""
+
+    def __init__(self, step, pieces: tuple[LearnedPiece, ...]) -> None:
+        super().__init__(step, step.units, pieces)
+        self.ds = step
+
+    def cast_inputs(self) -> None:
+        act = self.f.act
+        size = act.vision.batch_tensors[1] // 4 * self.ds.mb
+        if size in act.embed_tensors:
+            self.cast, self.cast_taken = self.step.sch.alloc(size, "activations"), False
+
+    def take_cast(self, size: int, kept: bool) -> int | None:
+        """The cast, as the model's own kept tensor of its size (the side's temporaries are its own)."""
+        return super().take_cast(size, kept) if kept else None
+
+
+class ZeroTower(ZeroVision):
+    """The tower's ZeRO-3 fetches and releases, called at the vision side's events (VisionUnits' interface)."""
 
     def __init__(self, step, pieces: tuple[LearnedPiece, ...], units: dict[str, list[ParamInfo]]) -> None:
-        super().__init__(step, step.units, pieces)
+        super().__init__(step, pieces)
         vision = self.f.act.vision
-        self.ds = step
         self.tower = units
         self.of_piece = [path if path in units else None for path in (piece_path(vision, p) for p in pieces)]
         self.order = list(units)              # forward order
