@@ -116,6 +116,7 @@ class ZeroLive:
     ref_units: dict = field(default_factory=dict)
     ref_flat: int = -1
     generating: bool = False          # inside generate: ZeRO-3's module hooks removed (remove_hooks)
+    pending: list = field(default_factory=list)   # (parameter, gradient key) made, its reduce hook not yet run
 
 
 class DeepSpeedSchedule(StepSchedule):
@@ -447,6 +448,9 @@ class DeepSpeedSchedule(StepSchedule):
         sch.phase = f"it{it}:backward"
         self.zl.bucket_filled = 0
         super().backward(it)
+        pending, self.zl.pending = self.zl.pending, []     # (a root gradient whose hook no flush reached)
+        for p, key in pending:
+            self.hand_over_grad(p, key)
         # gradients handed over whole (the fused loss's lm_head gradient)
         stolen = list(self.state.grads.grads.values())
         self.state.grads.grads.clear()
@@ -473,9 +477,21 @@ class DeepSpeedSchedule(StepSchedule):
     def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
         """AccumulateGrad's whole gradient in the module's dtype. ZeRO-1 keeps it until the step; under stages 2-3
         the reduce hook copies it into the IPG bucket at once (reduce_independent_p_g_buckets_and_remove_grads) and
-        it dies; a bucket that would overflow is reduced first."""
+        it dies; a bucket that would overflow is reduced first. A root parameter's (the lm_head's, the
+        embedding's) is made by its node while the node's inputs live (the loss's gradient): the hook, a
+        post-accumulate-grad hook, runs once the node has released them (flush_steps)."""
+        if root_unit:
+            self.zl.pending.append((p, self.sch.alloc(p.numel * self.mb, "gradients")))
+            return
         self.setup_buckets()
         self.hand_over_grad(p, self.sch.alloc(p.numel * self.mb, "gradients"))
+
+    def flush_steps(self, it: int) -> None:
+        """The reduce hooks of the root's gradients made so far (make_grad), then the PyTorch step's."""
+        pending, self.zl.pending = self.zl.pending, []
+        for p, key in pending:
+            self.hand_over_grad(p, key)
+        super().flush_steps(it)
 
     def setup_buckets(self) -> None:
         """Stages 1-2's setup_buckets at the backward's first gradient."""
