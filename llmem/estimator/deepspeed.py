@@ -24,6 +24,11 @@ invalidates the coordinator's trace, so no training step runs on a complete one 
 releases as the first does), and TRL's fused head keeps the lm_head it gathered for its backward, as the embedding,
 until the backward's last bucket is reduced (`head_to_epilogue`, in a step without a complete trace).
 
+A vision-language model (llmem.estimator.schedule.vision's events in this schedule): its batch laid out with the
+setup, its vision side's gradients handed to the reduce hook as the language model's are; under stage 3 its tower's
+pieces fetched and released as DeepSpeed's per-module hooks do (llmem.estimator.deepspeed_tower), the input
+embedding released as the tower starts and, when the tower runs a backward, fetched again after it.
+
 Known Limitations: one parameter group (HF's Trainer makes two, decay and no-decay: each padded to 2 x dp elements,
 a few bytes); ZeRO++ (hpZ, quantised weights / gradients), MiCS, AutoTP and the NVMe offload are not modelled; the
 stage-3 coordinator is modelled per decoder layer, not per leaf module (its prefetch and reuse-distance decisions
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from llmem.estimator.deepspeed_tower import ZeroTower, ZeroVision, tower_units
 from llmem.estimator.schedule import StepFacts, StepSchedule
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.model.anatomy import ParamInfo
@@ -50,6 +56,7 @@ from llmem.setup.deepspeed import (
     bucket_buffers,
     param_partition_numel,
     partition_gradient_numels,
+    partition_norm_numels,
     partition_numel,
     sub_group_numels,
     zero_config,
@@ -109,6 +116,7 @@ class ZeroLive:
     ref_units: dict = field(default_factory=dict)
     ref_flat: int = -1
     generating: bool = False          # inside generate: ZeRO-3's module hooks removed (remove_hooks)
+    pending: list = field(default_factory=list)   # (parameter, gradient key) made, its reduce hook not yet run
 
 
 class DeepSpeedSchedule(StepSchedule):
@@ -125,8 +133,17 @@ class DeepSpeedSchedule(StepSchedule):
         self.partition = partition_numel(trained, self.stage, self.dp)
         self.largest_numel = max(trained, default=0)
         self.in_partition = partition_gradient_numels(trained, self.stage, self.dp)
+        self.norm_numels = partition_norm_numels(trained, self.stage, self.dp)
+        # stage 3 on a vision-language model: its tower's pieces fetched as its hooks fetch them
+        vision = self.facts.act.vision
+        self.tower = tower_units(vision, self.facts.root) if self.stage == 3 and vision is not None and \
+            vision.side is not None else {}
         self.layer_numel = {u: sum(p.numel for p in self.unit_params(u))
-                            for u in [*range(self.facts.layers), None, EMBED]}
+                            for u in [*range(self.facts.layers), None, EMBED, *self.tower]}
+        if self.tower:
+            self.vision.units = ZeroTower(self, self.vision.pieces, self.tower)
+        elif vision is not None and vision.side is not None:
+            self.vision.units = ZeroVision(self, self.vision.pieces)
         self.zl = ZeroLive()              # what is live of the engine's own buffers and its coordinator
         # units whose parameters a prefetch gathers on their own: TRL's fused head reads lm_head.weight outside the
         # lm_head module (trl/trainer/utils.py maybe_gather_lm_head_ctx, GatheredParameters), as the trace shows
@@ -167,6 +184,7 @@ class DeepSpeedSchedule(StepSchedule):
             # the notes give; DeepSpeed's empty_cache calls around it leave the step only the buffer
             alloc(self.partition * self.dp * mb, "weights")
         offload = self.zero.offload_optimizer
+        self.vision.batch()               # a vision-language batch (ids, pixel_values, positions), made before the step
         if self.stage == 3:
             # the partition's gradient buffer (grad_partitions_flat_buffer; pinned host memory under the optimizer's
             # offload) and the one IPG bucket (__ipg_bucket_flat_buffer), both made at init
@@ -247,8 +265,11 @@ class DeepSpeedSchedule(StepSchedule):
     def unit_params(self, unit_key: int | str | None) -> list[ParamInfo]:
         """A unit's gathered parameters: a decoder layer's, the input embedding's (EMBED) or the rest of the root's
         (None: final norm, lm_head), persistent ones excepted."""
+        if isinstance(unit_key, str) and unit_key in self.tower:     # a vision tower's piece (deepspeed_tower)
+            return [p for p in self.tower[unit_key] if p.name not in self.persistent]
         if unit_key == EMBED or unit_key is None:
-            root = [p for p in self.facts.root if p.name not in self.persistent]
+            tower = {p.name for unit in self.tower.values() for p in unit}
+            root = [p for p in self.facts.root if p.name not in self.persistent and p.name not in tower]
             return [p for p in root if (is_embedding(p) and p.tied_to is None) == (unit_key == EMBED)]
         return [p for p in self.facts.unit(unit_key) if p.name not in self.persistent]
 
@@ -338,9 +359,32 @@ class DeepSpeedSchedule(StepSchedule):
 
     def forward_distance(self, i: int) -> int:
         """Elements fetched between a unit's forward and its backward: the layers above it twice and the head
-        (the embedding, i = -1: all of them)."""
+        (the embedding, i = -1: all of them, and a vision tower's pieces)."""
         above = sum(self.numel_of(j) for j in range(i + 1, self.facts.layers))
-        return 2 * above + self.numel_of(None)
+        tower = sum(self.numel_of(u) for u in self.tower) * 2 if i < 0 else 0
+        return 2 * above + self.numel_of(None) + tower
+
+    # a vision tower's pieces (llmem.estimator.deepspeed_tower), between the input embedding and decoder layer 0
+    def tower_order(self, backward: bool = False) -> list[str]:
+        if not self.tower:
+            return []
+        return self.vision.units.backward_order() if backward else list(self.tower)
+
+    def after_tower(self) -> list[int | None]:
+        return [*range(self.facts.layers), None]
+
+    def before_tower(self) -> list[str]:
+        return [EMBED]
+
+    def language_distance(self) -> int:
+        """Elements fetched from the tower's end to its backward: the decoder layers twice and the head."""
+        return self.forward_distance(-1) - sum(self.numel_of(u) for u in self.tower) * 2
+
+    def release_embedding(self) -> None:
+        self.release(EMBED, self.forward_distance(-1))
+
+    def gather_embedding(self) -> None:
+        self.gather(EMBED)
 
     # the PyTorch step's hooks, as stage 3 runs them (stages 1-2 gather nothing)
     def unshard_forward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
@@ -349,7 +393,7 @@ class DeepSpeedSchedule(StepSchedule):
         if unit_key is None:              # the model's forward starts with the input embedding
             self.zl.root_forwards += 1
             # the root module's fetch (no parameters of its own) prefetches from the embedding on
-            self.prefetch_after([EMBED, *range(self.facts.layers), None])
+            self.prefetch_after([EMBED, *self.tower_order(), *range(self.facts.layers), None])
             self.gather(EMBED)
             return
         if unit_key == 0:
@@ -377,13 +421,13 @@ class DeepSpeedSchedule(StepSchedule):
         super().backward_layer(i, it)
         if self.stage == 3:
             self.release(i, self.zero.max_reuse_distance)      # next used in the next step
-            if i == 0:
-                self.gather(EMBED)        # the embedding's backward follows
+            if i == 0 and not self.tower_order(backward=True):
+                self.gather(EMBED)        # the embedding's backward follows (after a vision tower's: deepspeed_tower)
 
     def unshard_backward(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         if self.stage == 3 and unit_key is not None:
             self.gather(unit_key)
-            self.prefetch_after([*range(unit_key - 1, -1, -1), EMBED])
+            self.prefetch_after([*range(unit_key - 1, -1, -1), *self.tower_order(backward=True), EMBED])
 
     def prefetch(self, unit_key: int | None, unit: list[ParamInfo]) -> None:
         return                            # stage 3 prefetches through its own coordinator (prefetch_after)
@@ -404,6 +448,9 @@ class DeepSpeedSchedule(StepSchedule):
         sch.phase = f"it{it}:backward"
         self.zl.bucket_filled = 0
         super().backward(it)
+        pending, self.zl.pending = self.zl.pending, []     # (a root gradient whose hook no flush reached)
+        for p, key in pending:
+            self.hand_over_grad(p, key)
         # gradients handed over whole (the fused loss's lm_head gradient)
         stolen = list(self.state.grads.grads.values())
         self.state.grads.grads.clear()
@@ -430,9 +477,21 @@ class DeepSpeedSchedule(StepSchedule):
     def make_grad(self, p: ParamInfo, root_unit: bool = False, low: int | None = None) -> None:
         """AccumulateGrad's whole gradient in the module's dtype. ZeRO-1 keeps it until the step; under stages 2-3
         the reduce hook copies it into the IPG bucket at once (reduce_independent_p_g_buckets_and_remove_grads) and
-        it dies; a bucket that would overflow is reduced first."""
+        it dies; a bucket that would overflow is reduced first. A root parameter's (the lm_head's, the
+        embedding's) is made by its node while the node's inputs live (the loss's gradient): the hook, a
+        post-accumulate-grad hook, runs once the node has released them (flush_steps)."""
+        if root_unit:
+            self.zl.pending.append((p, self.sch.alloc(p.numel * self.mb, "gradients")))
+            return
         self.setup_buckets()
         self.hand_over_grad(p, self.sch.alloc(p.numel * self.mb, "gradients"))
+
+    def flush_steps(self, it: int) -> None:
+        """The reduce hooks of the root's gradients made so far (make_grad), then the PyTorch step's."""
+        pending, self.zl.pending = self.zl.pending, []
+        for p, key in pending:
+            self.hand_over_grad(p, key)
+        super().flush_steps(it)
 
     def setup_buckets(self) -> None:
         """Stages 1-2's setup_buckets at the backward's first gradient."""
@@ -517,9 +576,9 @@ class DeepSpeedSchedule(StepSchedule):
             self.zl.grad_partition = -1
 
     def grad_norm(self) -> None:
-        """compute_grad_norm (on by default): get_grad_norm_direct takes each gradient this rank holds to
+        """compute_grad_norm (on by default): get_grad_norm_direct takes each gradient view of this rank's share to
         get_norm_dtype (fp64) for torch.linalg.vector_norm, one after the other."""
-        for n in self.in_partition:
+        for n in self.norm_numels:
             self.sch.free(self.sch.alloc(n * 8, "optimizer_temporaries"))
 
     def flat_step_temporaries(self, shape: tuple[int]) -> None:

@@ -31,6 +31,7 @@ from llmem.setup.deepspeed import (
     bucket_buffers,
     param_partition_numel,
     partition_gradient_numels,
+    partition_norm_numels,
     partition_numel,
     sub_group_numels,
     zero_config,
@@ -219,7 +220,7 @@ def zero_model_states(r: ResolvedSetup) -> ModelStates:
     biggest = max(groups, default=0)
     step = 0 if offload else max(biggest * (mb + F32) + (grads if zero.stage < 3 else 0),
                                  biggest * F32 + step_peak_bytes(r.optimizer.step_events([(biggest,)], F32, 1)),
-                                 8 * max(pieces, default=0))
+                                 8 * max(partition_norm_numels(numels, zero.stage, dp), default=0))
     buckets = bucket_buffers(zero) * zero.reduce_bucket_size * mb
     flattened = min(sum(numels), zero.reduce_bucket_size) * mb
     weights += sum(b.numel for b in r.anatomy.buffers) * mb    # an adapter's buffers, cast with the module, whole

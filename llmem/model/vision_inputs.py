@@ -119,7 +119,8 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
     what-if's for every layout it may run on, FSDP2's own refusals included). Wired (traced, and estimated from what
     the trace learns: llmem.learn): one GPU, DDP (each rank's one-GPU step beside the reducer's buckets) or FSDP2
     (fsdp / zero2: the tower's blocks units of their own, as accelerate's auto-wrap makes them: the schedule's
-    llmem.estimator.schedule.vision_units; DeepSpeed's partitions of a vision tower are not wired), the SFT loss on
+    llmem.estimator.schedule.vision_units) or DeepSpeed's engine (ds-zero1/2/3: ZeRO-3 fetching the tower's
+    pieces as its hooks do, llmem.estimator.deepspeed_tower), the SFT loss on
     samples with images, full fine-tuning (each part trained or frozen) or LoRA (--lora-rank) on the language
     model's layers, gradient checkpointing of every layer. The planner asks it of its what-ifs
     (llmem.planner.suggestions)."""
@@ -127,10 +128,12 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
     fsdp2 = spec.shards_model_states and not spec.has_tp
     kernels = applied_kernels(setup.liger, model_type) if model_type is not None else setup.liger != "none"
     method = [] if any_method else [
-        (not (spec.one_gpu or spec.gradient_buckets or fsdp2), f"--method {setup.method}",
-         "--method single, ddp, fsdp or zero2"),
+        (not (spec.one_gpu or spec.gradient_buckets or fsdp2 or spec.zero_stage is not None), f"--method {setup.method}",
+         "--method single, ddp, fsdp, zero2 or ds-zero1/2/3"),
         (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp")]
     unwired = [*method, *_fsdp2_unwired(setup, any_method),
+               (setup.offload_param and spec.zero_stage is not None, "--offload-param",
+                "drop it (ZeRO-3's parameter offload of a vision tower is not modelled)"),
                (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
                (setup.packing, "--packing", "drop it"),
                (setup.quant_spec.quantised, f"--quant-base {setup.quant_base}", "drop it"),

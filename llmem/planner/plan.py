@@ -429,7 +429,8 @@ def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy
         notes.append("--batch-size is ignored by plan: the largest micro-batch is searched")
     if vision_spec(anatomy.model_type) is not None:
         notes.append("a vision-language step: searched on one GPU, DDP and FSDP2 (fsdp / zero2: each vision block a "
-                     "unit of its own, as accelerate's auto-wrap makes it); its vision side is learned from the real "
+                     "unit of its own, as accelerate's auto-wrap makes it), and DeepSpeed's ds-zero1/2/3 when --method "
+                     "names them (ZeRO-3 fetching the tower's pieces as its hooks do); its vision side is learned from the real "
                      "code at each micro-batch searched (cached); the time model runs --seq-len tokens through "
                      "every weight (the images' tokens and the tower's patches are not timed apart): its tokens/s "
                      "rank the layouts, not the run's throughput")

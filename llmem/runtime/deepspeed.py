@@ -6,7 +6,9 @@ optimizer of the set-up's stage, on fake tensors, rank 0 of the layout on a fake
 The step is HF Trainer's under DeepSpeed: the model (fp32, as loaded), the set-up's torch optimizer over its trainable
 parameters (make_optimizer, passed as `optimizer=`), and a config built from the set-up (bf16 / fp16 / none, its
 `zero_optimization` block from llmem.setup.deepspeed, HF's gradient_clipping 1.0 and zero_allow_untested_optimizer);
-each iteration is `loss = engine(input_ids=ids, labels=ids).loss; engine.backward(loss); engine.step()`. The model,
+each iteration is `loss = engine(input_ids=ids, labels=ids).loss; engine.backward(loss); engine.step()` (a
+vision-language model's forward also takes the processor's pixel values, grid and positions: prepared_step's
+extra_inputs, llmem.runtime.vision). The model,
 the gradient checkpointing, peft and the CUDA kernels' emulation (fused SDPA, dropout mask) are prepared_step's.
 
 A TRL objective (--objective dpo / kto / orpo / simpo / reward) runs TRL's own loss (llmem.runtime.objective_steps)
@@ -65,6 +67,7 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.families import text_config
+from llmem.model.vision_inputs import vision_inputs
 from llmem.result import MemoryResult
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.patches import patched
@@ -248,7 +251,7 @@ class EngineStep:
     input_ids: torch.Tensor
     engine: object
     zero: object          # the ZeRO optimizer (DeepSpeedZeroOptimizer or DeepSpeedZeroOptimizer_Stage3)
-    extra_inputs: dict = field(default_factory=dict)   # a VLM's images (none: DeepSpeed runs text models only)
+    extra_inputs: dict = field(default_factory=dict)   # a VLM's images (llmem.runtime.vision), as the step hands them
 
 
 def _tensors(*values) -> list[torch.Tensor]:
@@ -492,6 +495,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
             roles = roles_box[0]
             roles.bind(step)
             extra = {} if prepared.position_ids is None else {"position_ids": prepared.position_ids}
+            extra.update(prepared.extra_inputs)      # a vision-language model's images, grid and 3-D positions
             hidden = text_config(prepared.model.config).hidden_size
             with labelled_regions(ledger, roles, step.zero), \
                     hf_deepspeed_config(setup, stage, hidden, prepared.layout.dp):
@@ -518,6 +522,9 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
             notes.append(reference_engine_note(stage, reference_mode(setup) == REF_COPY))
     anatomy = resolved.anatomy
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
+    images = vision_inputs(setup, resolved.base)     # a vision-language model's images (llmem.runtime.vision)
+    if images is not None:
+        notes.append(images.describe())
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
     if objective_spec(setup.objective).generates:     # GRPO's / RLOO's phases (llmem.runtime.generation)

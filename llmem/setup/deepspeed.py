@@ -152,6 +152,21 @@ def partition_gradient_numels(numels: list[int], stage: int, dp: int) -> list[in
     return out
 
 
+def partition_norm_numels(numels: list[int], stage: int, dp: int) -> list[int]:
+    """Element counts of the gradients rank 0's norm reads, in order: stages 1-2 the part of each trained parameter
+    inside its share of the flat buffer (averaged_gradients: get_flat_partition's views, from first_offset, the last
+    one cut at partition_size; a vision-language model's embedding, after its tower, straddles the share's end);
+    stage 3 its partition of each."""
+    if stage == 3:
+        return [param_partition_numel(n, dp) for n in numels]
+    share, out, start = flat_partition_numel(sum(numels), dp), [], 0
+    for n in numels:
+        if start < share:
+            out.append(min(n, share - start))
+        start += n
+    return out
+
+
 # What TRL's trainers under DeepSpeed's engine do not model yet: (applies to the set-up, flag, why)
 _NOT_TRL_UNDER_DEEPSPEED = (
     (lambda s, generates: generates and s.use_vllm, "--use-vllm",

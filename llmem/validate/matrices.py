@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from llmem.setup.methods import method_spec
 from llmem.setup.training import TrainingSetup
 from llmem.validate.gpu_matrices import FLOAT8_MATRIX, GPU_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports name rows by it
@@ -481,6 +482,19 @@ CI_MATRIX: list[TrainingSetup] = [
         ("tiny-llava_onevision", "fsdp", {"lora_rank": 8}),
         # (within 2 % once the vision side's temporaries outside its modules are held as the model holds them)
         ("tiny-gemma3", "zero2", {"lora_rank": 8}))),
+    # ... under DeepSpeed's engine: the module cast to bf16, ZeRO's buffers sized from the trained parameters (a
+    # frozen tower left whole under stages 1-2, partitioned under 3); HF's "auto" sizes (hidden 512: buckets of
+    # 512^2 elements, persistence 5,120) so that ZeRO-3 fetches the tower's matrices piece by piece
+    # (estimator/deepspeed_tower) and the buckets do not hide the step
+    *(_s(m, method, 2, **_TINY_VL, reduce_bucket_size="auto",
+         **({"prefetch_bucket_size": "auto", "param_persistence_threshold": "auto"} if method == "ds-zero3" else {}),
+         **kw) for m, method, kw in (
+        ("tiny-llava_onevision", "ds-zero1", {}),
+        ("tiny-gemma3", "ds-zero2", {}), ("tiny-llava_onevision", "ds-zero2", {}),
+        ("tiny-qwen2_5_vl", "ds-zero2", {"freeze_vision_tower": True}), ("tiny-qwen3_vl", "ds-zero2", {"lora_rank": 8}),
+        ("tiny-qwen2_5_vl", "ds-zero3", {}), ("tiny-qwen2_5_vl", "ds-zero3", {"freeze_vision_tower": True}),
+        ("tiny-qwen2_5_vl", "ds-zero3", {"grad_ckpt": True}), ("tiny-gemma3", "ds-zero3", {}),
+        ("tiny-qwen3_vl", "ds-zero3", {"freeze_vision_tower": True}))),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -511,7 +525,9 @@ VLM_MATRIX: list[TrainingSetup] = [
         ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
         ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
         ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True})))]
-VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample] + [_s(
+# (DeepSpeed's engine is measured inside the user's own launch, not by measure --device cuda: its rows left out)
+VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample
+                                       and method_spec(s.method).zero_stage is None] + [_s(
     f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
         ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
     _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [

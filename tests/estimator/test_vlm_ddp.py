@@ -44,7 +44,7 @@ def test_the_trace_agrees_within_two_percent(flags):
 
 @pytest.mark.parametrize("argv, named", [
     (["--method", "tp", "--gpus", "2"], "--method tp"),
-    (["--method", "ds-zero2", "--gpus", "2"], "--method ds-zero2"),
+    (["--method", "ds-zero3", "--gpus", "2", "--offload-param"], "--offload-param"),
 ])
 def test_what_is_not_wired_is_refused_in_one_line(capsys, argv, named):
     base = ["estimate", "tiny-qwen2_5_vl", "--images-per-sample", "1", "--image-size", "448x448", "--seq-len", "64"]

@@ -105,7 +105,6 @@ def test_the_trace_agrees_within_two_percent(model, flags):
 
 @pytest.mark.parametrize("argv, named", [
     (["--method", "fsdp+tp", "--gpus", "4", "--tp", "2"], "--method fsdp+tp"),
-    (["--method", "ds-zero2", "--gpus", "2"], "--method ds-zero2"),
     (["--gpus", "4", "--dp-replicate", "2"], "--dp-replicate 2"),
     (["--gpus", "2", "--offload-param"], "--offload-param"),
     (["--gpus", "4", "--reshard-after-forward", "2"], "--reshard-after-forward 2"),

@@ -209,8 +209,8 @@ def test_axolotl_config_names_the_model(tmp_path):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--images-per-sample", "1", "--image-size", "448x448", "--method", "ds-zero2", "--gpus", "2"],
-     "--method ds-zero2 is not wired for it yet"),
+    (["--images-per-sample", "1", "--image-size", "448x448", "--method", "tp", "--gpus", "2"],
+     "--method tp is not wired for it yet"),
     (["--seq-len", "64"], "a text-only step is not wired"),
     (["--images-per-sample", "1", "--image-size", "448"], "give the height and width in pixels as HxW"),
 ])

@@ -110,6 +110,7 @@ class VisionEvents:
             elif op == Op.LATE:
                 late.append(temps.pop(k))
         self.units.leave_backward()
+        self.units.backward_done()
         self._unread_grads(made, it)
         for keys in self.kept:               # what the backward never read (the encoder's own index tensors)
             sch.free_all(keys)

@@ -103,6 +103,9 @@ class VisionUnits:
             self.units.unit_post_backward(u, self.params(u))
             self.reduced.add(u)
 
+    def backward_done(self) -> None:
+        """The vision side's backward is done (FSDP2: its units' post-backward waits for the root's callback)."""
+
     def final_callback(self) -> None:
         """After the root's post-backward: each unit whose post-backward did not run (a leading unit, a unit
         without backward), in module order: resharded, a never-waited prefetch freed, its gradients reduced."""
