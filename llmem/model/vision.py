@@ -61,9 +61,10 @@ class VisionLanguageSpec:
     # real pixels) and drops all-zero padding frames by a bool mask over the frames, whose count it reads on the host
     # (Idefics3 / SmolVLM's get_image_features: `pixel_values[real_images_inds]`, `.tolist()` of the per-sample count)
     pixel_mask: bool = False
-    # FSDP2 is wired: the tower's `_no_split_modules` classes are its blocks (and the leading units). False: the model
-    # names a block's inner module instead (Idefics3's Idefics3VisionAttention), a unit layout not modelled
-    fsdp2_units: bool = True
+    # the module inside each block that the model's `_no_split_modules` names, which accelerate wraps as the block's
+    # FSDP2 unit ("": the block itself; Idefics3 / SmolVLM name their blocks' attention, Idefics3VisionAttention:
+    # "self_attn", the rest of each block in the root unit)
+    unit_in_block: str = ""
     # the image features are cast to the model's dtype (PreTrainedModel.dtype: its first parameter's, the tower's patch
     # embedding) and masked_scatter'ed into the text embeddings uncast (SmolVLMModel.forward): under *-mixed, where a
     # frozen part is held in the compute dtype and a trained one in fp32, a tower frozen beside trained embeddings (or
@@ -140,14 +141,14 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                    language_layers="model.text_model.layers", processor="idefics3",
                                    modeling="transformers.models.idefics3.modeling_idefics3",
                                    special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
-                                   fsdp2_units=False),
+                                   unit_in_block="self_attn"),
     # transformers 5's SmolVLMForConditionalGeneration (SmolVLM2): Idefics3's modules under SmolVLM's names
     "smolvlm": VisionLanguageSpec(architecture="SmolVLMForConditionalGeneration", vision="model.vision_model",
                                   vision_blocks="model.vision_model.encoder.layers", projector="model.connector",
                                   language_layers="model.text_model.layers", processor="smolvlm",
                                   modeling="transformers.models.smolvlm.modeling_smolvlm",
                                   special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
-                                  fsdp2_units=False, features_in_tower_dtype=True),
+                                  unit_in_block="self_attn", features_in_tower_dtype=True),
 }
 
 
@@ -193,16 +194,17 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
 
 def tower_units(anatomy) -> tuple[str, ...]:
     """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
-    encoder block (the class of every block is in the model's `_no_split_modules`, which accelerate's
-    fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
-    the root unit."""
+    encoder block, or the module in it its row names (unit_in_block) (the class of every block, or of that module, is
+    in the model's `_no_split_modules`, which accelerate's fsdp2_prepare_auto_wrap_policy wraps); () for a text-only
+    model. The rest of the tower and the projector are in the root unit."""
     spec = vision_spec(anatomy.model_type)
     if spec is None:
         return ()
     prefix = spec.vision_blocks + "."
     blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
               if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
-    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}" for i in sorted(blocks)))
+    inner = f".{spec.unit_in_block}" if spec.unit_in_block else ""
+    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}{inner}" for i in sorted(blocks)))
 
 
 def vision_root(model_type: str) -> str:

@@ -133,9 +133,7 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
     method = [] if any_method else [
         (not (spec.one_gpu or spec.gradient_buckets or fsdp2), f"--method {setup.method}",
          "--method single, ddp, fsdp or zero2"),
-        (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp"),
-        (fsdp2 and model_type is not None and not vision_spec(model_type).fsdp2_units, f"--method {setup.method}",
-         "--method single or ddp (FSDP2 units at the attention modules its _no_split_modules names are not modelled)")]
+        (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp")]
     unwired = [*method, *_fsdp2_unwired(setup, any_method),
                (bool(setup.objective_spec.trainer), f"--objective {setup.objective}", "--objective sft"),
                (setup.packing, "--packing", "drop it"),

@@ -491,6 +491,11 @@ CI_MATRIX: list[TrainingSetup] = [
         ("tiny-llava_onevision", "fsdp", {"lora_rank": 8}),
         # (within 2 % once the vision side's temporaries outside its modules are held as the model holds them)
         ("tiny-gemma3", "zero2", {"lora_rank": 8}))),
+    # Idefics3 / SmolVLM under FSDP2: each block's attention a unit (their _no_split_modules: Idefics3VisionAttention),
+    # the rest of the tower in the root unit (tiny-smolvlm under zero2: -8.1 % reserved, not a row)
+    *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
+        ("tiny-idefics3", "fsdp", {"freeze_vision_tower": True}), ("tiny-idefics3", "fsdp", {"lora_rank": 8}),
+        ("tiny-idefics3", "zero2", {}), ("tiny-smolvlm", "fsdp", {"lora_rank": 8}))),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 

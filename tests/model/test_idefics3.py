@@ -175,7 +175,7 @@ def test_batch_bytes_by_hand():
 
 
 @pytest.mark.parametrize(("model", "args", "says"), [
-    ("tiny-idefics3", ["--method", "fsdp", "--gpus", "2"], "--method fsdp is not wired for it yet"),
+    ("tiny-idefics3", ["--method", "ds-zero2", "--gpus", "2"], "--method ds-zero2 is not wired for it yet"),
     ("tiny-smolvlm", ["--freeze-vision-tower"], "casts the image features to the tower's dtype"),
     ("tiny-smolvlm", ["--freeze-language-model"], "casts the image features to the tower's dtype"),
     # 1024x768 takes 3 x 4 tiles: 31 marker tokens, which --seq-len 16 cannot hold
