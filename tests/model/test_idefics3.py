@@ -17,6 +17,7 @@ from llmem.model.catalog import catalog_file
 from llmem.model.images import PROCESSORS, image_grid, pixel_values_shape, resize_ratio, tiled_grid
 from llmem.model.vision import LANGUAGE, PROJECTOR, VISION, part_params
 from llmem.model.vision_inputs import vision_inputs
+from llmem.setup.sources import setup_from_file
 from llmem.setup.training import TrainingSetup
 
 np = pytest.importorskip("numpy")
@@ -172,6 +173,21 @@ def test_batch_bytes_by_hand():
     # ids [2, 272] int64, pixel_values [2, 13, 3, 128, 128] fp32, pixel_attention_mask [2, 13, 128, 128] int64
     assert vision_batch_bytes(load_anatomy(setup.model), setup) == (
         2 * 272 * 8, 2 * 13 * 3 * 128 * 128 * 4, 2 * 13 * 128 * 128 * 8)
+
+
+def test_axolotl_config_names_the_model(tmp_path):
+    """An axolotl SmolVLM2 config: its base_model and image_size read (the reader is the families' own)."""
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(f"base_model: {SMOL2}\nprocessor_type: AutoProcessor\nskip_prepare_dataset: true\n"
+                    "remove_unused_columns: false\nsample_packing: false\n"
+                    "datasets:\n  - path: HuggingFaceH4/llava-instruct-mix-vsft\n    type: chat_template\n"
+                    "sequence_len: 2048\nadapter: lora\nlora_r: 16\nlora_alpha: 32\n"
+                    "micro_batch_size: 1\nbf16: true\nimage_size: [768, 1024]\n")
+    setup = setup_from_file(path, images_per_sample=1).setup
+    assert (setup.model, setup.image_size, setup.lora_rank) == (SMOL2, "768x1024", 16)
+    # 384 px tiles: the width to 1536, the height int(1536 * 768 / 1024) = 1152: 3 x 4 tiles and the global frame,
+    # 81 tokens a frame ((384 / 14)^2 // 3^2 = 27^2 / 9)
+    assert vision_inputs(setup, load_anatomy(SMOL2)).image.tokens == 13 * 81
 
 
 @pytest.mark.parametrize(("model", "args", "says"), [
