@@ -8,7 +8,10 @@ projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the im
 crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled) and
 LLaVA-OneVision's anyres tiling (one image alone in its sample: the best of the grid pinpoints, its 384x384 tiles and
 the whole image resized as a base crop, the tiles' features unpadded and pooled down past 9 tiles' worth, a newline
-token closing each row; several images in a sample: each one padded square, one crop, no tiling).
+token closing each row; several images in a sample: each one padded square, one crop, no tiling) and Idefics3 /
+SmolVLM's tiles (the longest side resized to a fixed multiple of the tower's image_size, both sides rounded up to
+multiples of it, cut into image_size tiles plus the whole image resized to one: image_seq_len tokens a frame, the
+<fake_token_around_image>, <row_r_col_c>, <global-img> and newline tokens around them).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -26,6 +29,7 @@ from functools import cache
 from llmem.errors import LlmemError
 from llmem.model.catalog import catalog_file
 
+IDEFICS3_MAX_SIDE = 4096     # Idefics3 / SmolVLM's MAX_IMAGE_SIZE: no side resized past it
 MAX_ASPECT_RATIO = 200        # smart_resize raises ValueError beyond it ("absolute aspect ratio must be smaller than 200")
 
 
@@ -40,6 +44,8 @@ class ImageProcessorSpec:
     fixed_size: bool = False
     # LLaVA-OneVision's anyres: crops of the tower's image_size, [images, crops, 3, size, size] in pixel_values
     anyres: bool = False
+    # Idefics3 / SmolVLM's tiles of the tower's image_size and a global frame, [batch, frames, 3, size, size]
+    tiled: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -53,6 +59,13 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     # LLaVA-OneVision's (its preprocessor_config.json: size 384x384, the 36 grid pinpoints 384..2304 a side)
     "llava_onevision": ImageProcessorSpec("llava_onevision", "LlavaOnevisionImageProcessor",
                                           "llava-hf--llava-onevision-qwen2-0.5b-ov-hf.json", anyres=True),
+    # Idefics3's (Idefics3-8B-Llama3's preprocessor_config.json: max_image_size 364, size longest_edge 1456 = 4 x 364);
+    # SmolVLM v1 checkpoints (model_type idefics3) ship the same class at their tower's size (512 / 384, 4x that)
+    "idefics3": ImageProcessorSpec("idefics3", "Idefics3ImageProcessor", "HuggingFaceM4--Idefics3-8B-Llama3.json",
+                                   tiled=True),
+    # SmolVLM2's (SmolVLM2-2.2B-Instruct's preprocessor_config.json: max_image_size 384, size longest_edge 1536)
+    "smolvlm": ImageProcessorSpec("smolvlm", "SmolVLMImageProcessor", "HuggingFaceTB--SmolVLM2-2.2B-Instruct.json",
+                                  tiled=True),
 }
 
 
@@ -84,6 +97,9 @@ class ImageGrid:
     crops: int = 1            # the tower's images for this one (anyres: the base crop and the tiles)
     visual_tokens: int = 0    # its tokens where the patches do not give them (anyres); 0: patches // merge^2
     original: tuple[int, int] = (0, 0)    # (height, width) as the processor takes it (anyres: image_sizes' row)
+    # the processor's text tokens around the image's placeholder tokens, counted in the sample's text (Idefics3's
+    # <fake_token_around_image>, <row_r_col_c>, <global-img> and newlines; 0: none beyond the row's start / end)
+    marker_tokens: int = 0
 
     @property
     def patches(self) -> int:
@@ -142,7 +158,7 @@ def pixel_values_shape(processor: str, image: ImageGrid, images: int) -> tuple[i
     """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor), [images,
     crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each image's crops) or [patches, patch
     values] (Qwen's flattened patches)."""
-    if PROCESSORS[processor].anyres:
+    if PROCESSORS[processor].anyres or PROCESSORS[processor].tiled:
         return (images, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].fixed_size:
         return (images, 3, image.height, image.width)
@@ -159,6 +175,8 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
     pixel bounds scaling the image first as LLaMA-Factory does; a sample of several images takes one crop each."""
     if PROCESSORS[processor].anyres:
         return anyres_grid(config or {}, height, width, images_per_sample, max_pixels, min_pixels)
+    if PROCESSORS[processor].tiled:
+        return tiled_grid(config or {}, height, width, resize_ratio(processor), max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -233,3 +251,61 @@ def anyres_grid(config: dict, height: int, width: int, images_per_sample: int = 
     if config.get("vision_feature_select_strategy", "full") == "default":
         tokens -= 1
     return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, crops, tokens, (height, width))
+
+
+@cache
+def resize_ratio(processor: str) -> int:
+    """A tiled processor's resize target over its tile: size.longest_edge / max_image_size.longest_edge of the shipped
+    preprocessor_config.json (4: every image's longest side becomes 4 tiles)."""
+    raw = json.loads(catalog_file("processors", PROCESSORS[processor].config_file))
+    return raw["size"]["longest_edge"] // raw["max_image_size"]["longest_edge"]
+
+
+def _rescaled_to_longest(height: int, width: int, longest: int) -> tuple[int, int]:
+    """Idefics3ImageProcessor's resize (_resize_output_size_rescale_to_max_len, then the 4096 bound of
+    _resize_output_size_scale_below_upper_bound): the longest side set to `longest`, up or down, the other kept in
+    ratio and rounded up to even."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    if max(height, width) > IDEFICS3_MAX_SIDE:
+        aspect = width / height
+        if width >= height:
+            width, height = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE / aspect)
+        else:
+            height, width = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def tiled_grid(config: dict, height: int, width: int, ratio: int, max_pixels: int | None = None,
+               min_pixels: int | None = None) -> ImageGrid:
+    """One image as Idefics3 / SmolVLM's processor gives it to the model of `config` (its config.json): resized to a
+    longest side of `ratio` tiles (resize), its sides rounded up to whole tiles of the tower's image_size
+    (resize_for_vision_encoder: the short side through int(long / aspect) first), cut into rows x cols tiles plus
+    the whole image resized to one tile (split_images; no split when it fits one tile); image_seq_len = (image_size /
+    patch_size)^2 / scale_factor^2 <image> tokens a frame (the model's image_seq_len), and around them a
+    <fake_token_around_image> and a <row_r_col_c> a tile, a newline a row, then a newline, <fake_token_around_image>,
+    <global-img> before the global frame and <fake_token_around_image> after it (Idefics3Processor.
+    replace_image_token; a lone frame: fake, global, fake). The pixel bounds scale the image first as
+    LLaMA-Factory does. Each newline is counted as one token (a BPE vocabulary may merge the last two)."""
+    vision = config["vision_config"]
+    tile, patch, scale = vision["image_size"], vision["patch_size"], config.get("scale_factor", 2)
+    height, width = _rescaled_to_longest(*prescaled(height, width, max_pixels, min_pixels), ratio * tile)
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    rows, cols = (height // tile, width // tile) if height > tile or width > tile else (0, 0)
+    frames = rows * cols + 1
+    side = tile // patch
+    markers = 2 * rows * cols + rows + 4 if rows else 3
+    return ImageGrid(tile, tile, 1, side, side, scale, 3 * patch * patch, frames,
+                     frames * side * side // (scale * scale), (height, width), markers)

@@ -2,7 +2,8 @@
 
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
-average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Qwen3-VL's deepstack mergers,
+average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Idefics3 / SmolVLM's connector,
+a pixel shuffle of scale_factor^2 patches into one token and a linear; Qwen3-VL's deepstack mergers,
 which feed the language model's first layers, count with the tower, as LLaMA-Factory counts them) and a language
 model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
 from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
@@ -56,6 +57,19 @@ class VisionLanguageSpec:
     # class the model names in `_no_split_modules` (SigLIP's SiglipVisionEmbeddings: Gemma 3, LLaVA-OneVision), as accelerate's auto-wrap
     # wraps them (llmem.runtime.distributed.vision_units; tests check the two against accelerate's policy)
     leading_units: tuple[str, ...] = ()
+    # the forward takes the processor's pixel_attention_mask (int64 [batch, images, height, width], 1 on each frame's
+    # real pixels) and drops all-zero padding frames by a bool mask over the frames, whose count it reads on the host
+    # (Idefics3 / SmolVLM's get_image_features: `pixel_values[real_images_inds]`, `.tolist()` of the per-sample count)
+    pixel_mask: bool = False
+    # the module inside each block that the model's `_no_split_modules` names, which accelerate wraps as the block's
+    # FSDP2 unit ("": the block itself; Idefics3 / SmolVLM name their blocks' attention, Idefics3VisionAttention:
+    # "self_attn", the rest of each block in the root unit)
+    unit_in_block: str = ""
+    # the image features are cast to the model's dtype (PreTrainedModel.dtype: its first parameter's, the tower's patch
+    # embedding) and masked_scatter'ed into the text embeddings uncast (SmolVLMModel.forward): under *-mixed, where a
+    # frozen part is held in the compute dtype and a trained one in fp32, a tower frozen beside trained embeddings (or
+    # the reverse) fails in transformers itself
+    features_in_tower_dtype: bool = False
 
     @property
     def wrap_tokens(self) -> int:
@@ -117,6 +131,24 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                           modeling="transformers.models.llava_onevision.modeling_llava_onevision",
                                           special_tokens=("image_token_id", "video_token_id"), position_rows=0,
                                           image_sizes=True, leading_units=("model.vision_tower.embeddings",)),
+    # transformers 5's Idefics3ForConditionalGeneration (Idefics3-8B-Llama3, SmolVLM v1): model.vision_model
+    # (Idefics3VisionTransformer: SigLIP embeddings over any frame size, encoder layers, post_layernorm),
+    # model.connector (Idefics3Connector: pixel_shuffle by scale_factor, one bias-free linear), model.text_model (a
+    # Llama), lm_head; the processor writes <fake_token_around_image>, <row_r_col_c> / <global-img> and image_seq_len
+    # <image> tokens a frame: only <image> is in the config, the rest are text tokens to the model
+    "idefics3": VisionLanguageSpec(architecture="Idefics3ForConditionalGeneration", vision="model.vision_model",
+                                   vision_blocks="model.vision_model.encoder.layers", projector="model.connector",
+                                   language_layers="model.text_model.layers", processor="idefics3",
+                                   modeling="transformers.models.idefics3.modeling_idefics3",
+                                   special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
+                                   unit_in_block="self_attn"),
+    # transformers 5's SmolVLMForConditionalGeneration (SmolVLM2): Idefics3's modules under SmolVLM's names
+    "smolvlm": VisionLanguageSpec(architecture="SmolVLMForConditionalGeneration", vision="model.vision_model",
+                                  vision_blocks="model.vision_model.encoder.layers", projector="model.connector",
+                                  language_layers="model.text_model.layers", processor="smolvlm",
+                                  modeling="transformers.models.smolvlm.modeling_smolvlm",
+                                  special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
+                                  unit_in_block="self_attn", features_in_tower_dtype=True),
 }
 
 
@@ -162,16 +194,17 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
 
 def tower_units(anatomy) -> tuple[str, ...]:
     """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
-    encoder block (the class of every block is in the model's `_no_split_modules`, which accelerate's
-    fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
-    the root unit."""
+    encoder block, or the module in it its row names (unit_in_block) (the class of every block, or of that module, is
+    in the model's `_no_split_modules`, which accelerate's fsdp2_prepare_auto_wrap_policy wraps); () for a text-only
+    model. The rest of the tower and the projector are in the root unit."""
     spec = vision_spec(anatomy.model_type)
     if spec is None:
         return ()
     prefix = spec.vision_blocks + "."
     blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
               if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
-    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}" for i in sorted(blocks)))
+    inner = f".{spec.unit_in_block}" if spec.unit_in_block else ""
+    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}{inner}" for i in sorted(blocks)))
 
 
 def vision_root(model_type: str) -> str:

@@ -5,7 +5,9 @@ the vision-language flags to the model.
 The language model's sequence is the sample's text tokens (--seq-len) plus its images' placeholder tokens: the
 processor expands each image's one placeholder to as many image tokens as the merger makes (Qwen2.5-VL's processor:
 image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image, each image one
-896x896 crop; LLaVA-OneVision's: its base crop's and tiles' features with a newline token a row).
+896x896 crop; LLaVA-OneVision's: its base crop's and tiles' features with a newline token a row; Idefics3 /
+SmolVLM's: image_seq_len a frame, its tiles and the global frame; their <fake_token_around_image>, <row_r_col_c>,
+<global-img> and newline tokens count among the text tokens, as Qwen's start and end tokens do).
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ class VisionInputs:
         fp32 (as the processor makes them, of pixel_values_shape; the patch embedding casts its own copy), the
         language model's position ids
         [rows, batch, tokens] int64 where the forward takes them (get_rope_index's 3-D positions for Qwen) and the
-        token_type_ids [batch, tokens] int64 where it takes them (Gemma 3)."""
+        token_type_ids [batch, tokens] int64 where it takes them (Gemma 3), the pixel_attention_mask int64 [batch,
+        frames, height, width] where it takes it (Idefics3ImageProcessor.pad: one int64 a pixel)."""
         tokens = batch_size * self.language_tokens
         pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample))
         return (tokens * 8, pixels * 4,
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
-                *((tokens * 8,) if spec.token_types else ()))
+                *((tokens * 8,) if spec.token_types else ()),
+                *((pixels // 3 * 8,) if spec.pixel_mask else ()))
 
     def mask_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> int:
         """The bool [batch, 1, tokens, tokens] masks the model builds once per forward (spec.forward_masks), in
@@ -106,7 +110,7 @@ def step_refusal(setup: TrainingSetup, model_type: str, inputs: VisionInputs | N
     refusal = unwired_options(setup, model_type)
     if refusal is not None:
         return refusal
-    wrap = vision_spec(model_type).wrap_tokens * inputs.images_per_sample
+    wrap = max(vision_spec(model_type).wrap_tokens, inputs.image.marker_tokens) * inputs.images_per_sample
     if inputs.text_tokens < wrap + 1:
         return (f"--seq-len {inputs.text_tokens} cannot hold {inputs.images_per_sample} image(s)' start and end "
                 f"tokens and a text token: give --seq-len >= {wrap + 1}")
@@ -151,6 +155,12 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
     for bad, what, fix in unwired:
         if bad:
             return f"{what} is not wired for it yet: {fix}"
+    if (model_type is not None and vision_spec(model_type).features_in_tower_dtype and setup.mixed
+            and not setup.lora_rank and setup.freeze_vision_tower != setup.freeze_language_model):
+        return (f"--precision {setup.precision} with only one of the tower and the language model frozen: "
+                f"{model_type}'s forward casts the image features to the tower's dtype and masked_scatter refuses "
+                "them in embeddings of the other (transformers' SmolVLMModel.forward); use --precision bf16 or "
+                "freeze both or neither")
     if setup.lora_rank and setup.freeze_language_model:
         return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
                 "model): drop one")

@@ -25,6 +25,9 @@ processor's token_type_ids (1 on the image tokens: their bidirectional attention
 LLaVA-OneVision reads each image's size (image_sizes) and each sample's image count (batch_num_images) on the host,
 to count each image's crops, cut its tiles' features and unpad them (get_image_features, pack_image_features): both
 stay real, as Qwen's grid does, and so does what is computed from them alone.
+Idefics3 / SmolVLM take the processor's pixel_attention_mask beside [batch, frames, 3, size, size] pixel values, drop
+the all-zero padding frames by a bool mask and read each sample's count of real frames on the host: every frame the
+set-up makes is real, which `_RealFrames` answers (llmem.runtime.known_masks).
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
 """
 
@@ -42,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from llmem.model.images import pixel_values_shape
 from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
+from llmem.runtime.cuda import is_fake_tensor
 from llmem.runtime.known_masks import KnownMasks
 from llmem.runtime.patches import patched
 
@@ -124,8 +128,14 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
     # LlavaOnevisionImageProcessor's image_sizes (each image's (height, width), int64) and batch_num_images
     host = (("image_sizes", torch.tensor([img.original] * images)),
             ("batch_num_images", torch.tensor([inputs.images_per_sample] * batch_size))) if spec.image_sizes else ()
-    return VisionBatch(ids, pixel_values_shape(spec.processor, img, images), batch_size * inputs.patches, grid,
-                       tuple(extra), host, batch_size * inputs.visual_tokens)
+    shape = pixel_values_shape(spec.processor, img, images)
+    if spec.pixel_mask:
+        # Idefics3ImageProcessor pads each sample's frames into [batch, frames, 3, size, size] and writes its
+        # pixel_attention_mask [batch, frames, size, size] int64 (1 on every pixel of a whole tile)
+        shape = (batch_size, images // batch_size * img.crops, *shape[2:])
+        extra.append(("pixel_attention_mask", torch.ones((*shape[:2], *shape[3:]), dtype=torch.int64)))
+    return VisionBatch(ids, shape, batch_size * inputs.patches, grid, tuple(extra), host,
+                       batch_size * inputs.visual_tokens)
 
 
 def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
@@ -161,10 +171,32 @@ class _ImageMaskCounts(KnownMasks):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class _RealFrames(KnownMasks):
+    """Idefics3 / SmolVLM's get_image_features drops the padding frames (all-zero pixel values) by a bool mask over
+    the batch's frames (`pixel_values[real_images_inds]`, the pixel mask likewise) and splits the features by each
+    sample's count of real frames (`num_real_images_per_batch.tolist()`): every frame the set-up makes is real (its
+    samples hold the same images, none padded), so the mask is all true and each sample's count is its frames. Host
+    reads of a fake int answer the frames per sample, of a fake bool True (every patch of a whole tile is real)."""
+
+    def __init__(self, frames: int, per_sample: int) -> None:
+        super().__init__({(1, frames): frames})
+        self.per_sample = per_sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is _aten._local_scalar_dense.default and is_fake_tensor(args[0])
+                and not args[0].is_floating_point() and args[0].dtype != torch.bool):
+            return self.per_sample
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def image_mask_counts(hf_model: nn.Module, batch: VisionBatch) -> contextlib.AbstractContextManager:
     """The trace's answer to indexing by the image tokens' mask, where the model does it (its row's
-    image_mask_indexing), to enter inside the fake mode; a no-op elsewhere."""
+    image_mask_indexing), or by the real frames' mask (its row's pixel_mask: _RealFrames), to enter inside the fake
+    mode; a no-op elsewhere."""
     spec = vision_spec(hf_model.config.model_type)
+    if spec.pixel_mask:
+        batch_size, per_sample = batch.pixel_shape[:2]
+        return _RealFrames(batch_size * per_sample, per_sample)
     if not spec.image_mask_indexing:
         return contextlib.nullcontext()
     ids = batch.input_ids

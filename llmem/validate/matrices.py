@@ -460,6 +460,21 @@ CI_MATRIX: list[TrainingSetup] = [
       {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"grad_ckpt": True},
       {"image_size": "1536x1536", "lora_rank": 8}, {"image_size": "768x1024", "lora_rank": 8},
       {"image_size": "768x1152", "images_per_sample": 2})),
+    # Idefics3 / SmolVLM (tiny, 128 px tiles of 64 patches, pixel-shuffled to 16 / 4 tokens a frame): 448x448 takes
+    # 4 x 4 tiles and the global frame; LoRA at 256x384 (3 x 4 tiles; at 448x448 -4.5 % reserved), two 300x500
+    # images a sample; SmolVLM's tower and language model frozen together or under bf16 (its forward casts the
+    # features to the tower's dtype: one of them frozen under bf16-mixed is refused); DDP with a frozen tower
+    *(_s(m, **{**_TINY_VL, **kw}) for m, kw in (
+      ("tiny-idefics3", {}), ("tiny-idefics3", {"freeze_vision_tower": True}),
+      ("tiny-idefics3", {"freeze_projector": True}), ("tiny-idefics3", {"freeze_language_model": True}),
+      ("tiny-idefics3", {"lora_rank": 8, "image_size": "256x384"}),
+      ("tiny-idefics3", {"freeze_vision_tower": True, "grad_ckpt": True}),
+      ("tiny-idefics3", {"images_per_sample": 2, "image_size": "300x500"}),
+      ("tiny-smolvlm", {}), ("tiny-smolvlm", {"lora_rank": 8}),
+      ("tiny-smolvlm", {"precision": "bf16", "freeze_vision_tower": True}),
+      ("tiny-smolvlm", {"grad_ckpt": True, "image_size": "1000x300"}))),
+    _s("tiny-idefics3", "ddp", 2, **_TINY_VL, freeze_vision_tower=True, grad_ckpt=True),
+    _s("tiny-smolvlm", "ddp", 2, **_TINY_VL),
     # ... under DDP: the one-GPU step on each rank, the reducer's bucket copy of every trained gradient, the tower's too
     _s("tiny-qwen2_5_vl", "ddp", 2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
        image_size="448x448"),
@@ -495,6 +510,11 @@ CI_MATRIX: list[TrainingSetup] = [
         ("tiny-qwen2_5_vl", "ds-zero3", {}), ("tiny-qwen2_5_vl", "ds-zero3", {"freeze_vision_tower": True}),
         ("tiny-qwen2_5_vl", "ds-zero3", {"grad_ckpt": True}), ("tiny-gemma3", "ds-zero3", {}),
         ("tiny-qwen3_vl", "ds-zero3", {"freeze_vision_tower": True}))),
+    # Idefics3 / SmolVLM under FSDP2: each block's attention a unit (their _no_split_modules: Idefics3VisionAttention),
+    # the rest of the tower in the root unit (tiny-smolvlm under zero2: -8.1 % reserved, not a row)
+    *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
+        ("tiny-idefics3", "fsdp", {"freeze_vision_tower": True}), ("tiny-idefics3", "fsdp", {"lora_rank": 8}),
+        ("tiny-idefics3", "zero2", {}), ("tiny-smolvlm", "fsdp", {"lora_rank": 8}))),
 ]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
@@ -524,7 +544,16 @@ VLM_MATRIX: list[TrainingSetup] = [
     *(_s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", **{**_VL, "batch_size": 1, **kw}) for size, kw in (
         ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
         ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True})))]
+        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True}))),
+    # Idefics3 / SmolVLM (a 1024x768 image: 4 x 3 tiles and the global frame; 832 tokens on SmolVLM-256M's 512 px
+    # tiles, 1,053 on SmolVLM's 384 px, 2,197 on Idefics3's 364 px)
+    *(_s(model, **{**_VL, "batch_size": 1, **kw}) for model, kw in (
+        ("HuggingFaceTB/SmolVLM-256M-Instruct", {}), ("HuggingFaceTB/SmolVLM-256M-Instruct", {"lora_rank": 16}),
+        ("HuggingFaceTB/SmolVLM-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceTB/SmolVLM-Instruct", {"freeze_vision_tower": True, "grad_ckpt": True}),
+        ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True})))]
 # (DeepSpeed's engine is measured inside the user's own launch, not by measure --device cuda: its rows left out)
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample
                                        and method_spec(s.method).zero_stage is None] + [_s(
@@ -534,6 +563,8 @@ VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_samp
     _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")] + [
     _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)
     for size in ("0.5b", "7b")] + [
+    # (SmolVLM-256M alone: gpu_validation.sh gives the whole matrix 300 s; Idefics3-8B's rows are the vlm matrix's)
+    _s("HuggingFaceTB/SmolVLM-256M-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
     # FSDP2 over 2 ranks (the tower's blocks units of their own): LoRA, and the tower trained under a frozen LM
     _s("Qwen/Qwen2.5-VL-3B-Instruct", "fsdp", 2, batch_size=1, grad_ckpt=True, **_VL, **kw)
     for kw in ({"lora_rank": 16}, {"freeze_language_model": True})]

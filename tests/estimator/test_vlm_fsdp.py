@@ -25,7 +25,7 @@ from llmem.runtime.trace import trace
 from llmem.setup.training import user_setup
 
 TINY = {"qwen2_5_vl": "tiny-qwen2_5_vl", "qwen3_vl": "tiny-qwen3_vl", "gemma3": "tiny-gemma3",
-        "llava_onevision": "tiny-llava_onevision"}
+        "llava_onevision": "tiny-llava_onevision", "idefics3": "tiny-idefics3", "smolvlm": "tiny-smolvlm"}
 VL = dict(method="fsdp", gpus=2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
           image_size="448x448")
 
@@ -57,6 +57,10 @@ def test_the_units_are_accelerates_auto_wrap(model_type):
     spec = VISION_LANGUAGE[model_type]
     tower = [n for n in wrapped if n.startswith(spec.vision + ".")]
     order = [n for n, _ in model.named_modules()]
+    if spec.unit_in_block:
+        # Idefics3 / SmolVLM name their blocks' attention (Idefics3VisionAttention) in _no_split_modules: accelerate
+        # wraps each block's self_attn alone
+        assert tower == [f"{spec.vision_blocks}.{i}.self_attn" for i in range(4)]
     # the estimate's units (from the anatomy and the row), the trace's (from the built model), accelerate's
     assert list(tower_units(load_anatomy(name))) == sorted(tower, key=order.index)
     names = {m: n for n, m in model.named_modules()}
@@ -91,7 +95,26 @@ def test_each_blocks_unit_by_hand():
     assert sum(p.numel for p in f.root_unit) == r.anatomy.root_params - 4 * block
 
 
+def test_idefics3_attention_units_by_hand():
+    # tiny-idefics3's Idefics3VisionAttention: biased q, k, v and out projections, 4 * (128 * 128 + 128) = 66,048
+    # parameters, gathered in bf16; the blocks' norms and MLPs (2 * 2 * 128 + 128 * 344 + 344 + 344 * 128 + 128 =
+    # 89,048 each) stay in the root unit with the embeddings and the connector
+    attention, rest = 4 * (128 * 128 + 128), 2 * 2 * 128 + 128 * 344 + 344 + 344 * 128 + 128
+    assert (attention, rest) == (66_048, 89_048)
+    r, act = rank_step(resolve(user_setup(model="tiny-idefics3", **VL)))
+    f = step_facts(r, act)
+    assert list(f.vision_units) == [f"model.vision_model.encoder.layers.{i}.self_attn" for i in range(4)]
+    for unit in f.vision_units.values():
+        assert sum(p.numel for p in unit) == attention and f.gathered_bytes(unit) == 2 * attention
+    root = {p.name for p in f.root_unit}
+    assert "model.vision_model.encoder.layers.0.mlp.fc1.weight" in root
+    assert "model.connector.modality_projection.proj.weight" in root
+    assert sum(p.numel for p in f.root_unit) == r.anatomy.root_params - 4 * attention
+    assert sum(p.numel for p in f.root_unit if ".encoder.layers." in p.name) == 4 * rest
+
+
 @pytest.mark.parametrize("model, flags", [
+    ("tiny-idefics3", dict(lora_rank=8)),
     ("tiny-gemma3", dict(freeze_vision_tower=True)),
     ("tiny-qwen3_vl", dict(lora_rank=8)),
     ("tiny-gemma3", dict(method="zero2")),

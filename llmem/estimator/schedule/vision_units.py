@@ -16,7 +16,9 @@ and backward (llmem.estimator.schedule.vision), in the order torch's FSDP2 runs 
   order), where a prefetch never waited on dies (finalize_backward).
 
 Known Limitations: a piece's events stand for its module's ops (a block's pre-backward is laid out at its first
-allocation in backward, its post-backward at the next piece's); more than one leading unit is entered together.
+allocation in backward, its post-backward at the next piece's); more than one leading unit is entered together; a
+unit inside a block (Idefics3 / SmolVLM's attention, VisionStep.unit_of) is gathered for the whole block's forward
+and backward, not its attention's alone (its bf16 weights live through the block's MLP too).
 """
 
 from __future__ import annotations

@@ -122,6 +122,10 @@ class VisionStep:
     units: tuple[str, ...] = ()      # the tower's FSDP2 units (llmem.model.vision.tower_units), in forward order
 
     def unit_of(self, piece: LearnedPiece) -> str | None:
-        """The FSDP2 unit a piece runs in (its module is one), or None (the root unit's)."""
+        """The FSDP2 unit a piece runs in (its module is one, or holds one: Idefics3's blocks, whose attention is
+        the unit), or None (the root unit's). A unit inside a piece is taken as gathered for the whole piece's
+        forward and backward (its pre-forward at the piece's first allocation)."""
         path = f"{self.root}.{piece.module}" if piece.module else self.root
-        return path if path in self.units else None
+        if path in self.units:
+            return path
+        return next((u for u in self.units if piece.module and u.startswith(path + ".")), None)
