@@ -24,6 +24,9 @@ peak inside a block is its largest leaf's, here the block's); a piece's events s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from llmem.estimator.schedule.vision_units import VisionUnits
 from llmem.memory.activations.learned_vision import LearnedPiece, Op, VisionStep
 from llmem.model.anatomy import ParamInfo
@@ -92,14 +95,19 @@ class ZeroTower(ZeroVision):
         self.ds.release_embedding()
 
     def forward_piece(self, j: int) -> None:
-        if j < 0:
+        """Piece j's forward: its unit gathered (the running one's post-forward first), the later ones prefetched."""
+        self.enter_piece(j, self.leave_forward,
+                         lambda u: [*self.order[self.order.index(u) + 1:], *self.ds.after_tower()])
+
+    def enter_piece(self, j: int, leave: Callable[[], None], following: Callable[[Any], list]) -> None:
+        """The unit of piece j (-1: none) fetched where it is not the running one: `leave` runs the running one's
+        post-hook, then the unit is gathered and `following(unit)` (the units after it in this pass) prefetched."""
+        u = self.of_piece[j] if j >= 0 else None
+        if u is None or u == self.current:
             return
-        u = self.of_piece[j]
-        if u == self.current or u is None:
-            return
-        self.leave_forward()
+        leave()
         self.ds.gather(u)
-        self.ds.prefetch_after([*self.order[self.order.index(u) + 1:], *self.ds.after_tower()])
+        self.ds.prefetch_after(following(u))
         self.current = u
 
     def leave_forward(self) -> None:
@@ -116,16 +124,9 @@ class ZeroTower(ZeroVision):
 
     # ------------------------------------------------------------------------------------------ backward
     def backward_piece(self, j: int) -> None:
-        if j < 0:
-            return
-        u = self.of_piece[j]
-        if u == self.current or u is None:
-            return
-        self.leave_backward()
-        self.ds.gather(u)
-        earlier = self.order[:self.order.index(u)]
-        self.ds.prefetch_after([*reversed(earlier), *self.ds.before_tower()])
-        self.current = u
+        """Piece j's backward: its unit gathered again, the earlier ones prefetched in reverse."""
+        self.enter_piece(j, self.leave_backward,
+                         lambda u: [*reversed(self.order[:self.order.index(u)]), *self.ds.before_tower()])
 
     def leave_backward(self) -> None:
         """The running unit's post-backward: released (its next use is the next step's forward)."""
