@@ -44,7 +44,7 @@ class LayerCosts:
 def layer_costs(r: ResolvedSetup, act: ActivationProfile) -> LayerCosts:
     """Assign layer 0's parameters to the activation recipe's blocks and price each block."""
     anatomy, setup, layout, regime = r.anatomy, r.setup, r.layout, r.regime
-    layer0 = [p for p in anatomy.params if p.layer_index == 0 and p.trainable]
+    layer0 = [p for p in anatomy.layer0_params if p.trainable]
     owner = {p.name: block_owner(act.blocks, p.name) for p in layer0}
     n = len(act.blocks)
     grads = [0] * n
@@ -62,8 +62,8 @@ def layer_costs(r: ResolvedSetup, act: ActivationProfile) -> LayerCosts:
             copies[i] += tp_local_numel(p, layout) * regime.mm
     # a quantised base: the largest dequantisation its linears make in the block's backward (llmem.memory.quant)
     args = quant_args(setup, fsdp)
-    for p in anatomy.params:
-        if p.layer_index == 0 and is_quantised(p, setup.quant_base):
+    for p in anatomy.layer0_params:
+        if is_quantised(p, setup.quant_base):
             tr = transients(p.shape, setup.quant_base, args, 0, False, p.module_kind == "Conv1D")
             i = block_owner(act.blocks, p.name)
             quant[i] = max(quant[i], events_peak(tr.backward))
@@ -175,9 +175,9 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
 def _live_grads(r: ResolvedSetup, ms: ModelStates) -> _LiveGrads:
     anatomy, setup, layout = r.anatomy, r.setup, r.layout
     # gradients alive during backward for the root parameters (lm_head, final norm; embedding when tied)
-    head_params = [p for p in anatomy.params if p.layer_index is None and p.trainable
+    head_params = [p for p in anatomy.outside_layer_params if p.trainable
                    and (not is_embedding(p) or p.tied_to is not None)]
-    embed_params = [p for p in anatomy.params if p.layer_index is None and p.trainable and is_embedding(p)
+    embed_params = [p for p in anatomy.outside_layer_params if p.trainable and is_embedding(p)
                     and p.tied_to is None]
     if layout.shards_model_states:
         head_live = fsdp_unit_numel(head_params, layout) * setup.gather_bytes

@@ -37,7 +37,7 @@ class ParamFacts:
     buffers: list[ParamInfo]                       # an adapter's buffers there (ModelAnatomy.buffers)
     trainable: list[ParamInfo]
     by_layer: dict[int | None, list[ParamInfo]]    # decoder layer (None: embeddings, final norm, lm_head) -> params
-    element_bytes: dict[str, int]                  # per trained parameter: its gradient's and states' element bytes
+    element_bytes: dict[str, int]                  # per parameter: as the step holds it (a trained one: its gradient and states too)
     shard_numel: dict[str, int]                    # this rank's shard
     tp_local: dict[str, int]                       # the TP-local tensor
     unsharded: dict[str, int]                      # FSDP2's unsharded (padded) parameter; {} without FSDP
@@ -103,14 +103,14 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
 
 
 def _element_bytes(params: list[ParamInfo], setup) -> dict[str, int]:
-    """Each trained parameter's element bytes (worked out once per kind)."""
+    """Each parameter's element bytes as the step holds it (llmem.model.peft.element_bytes; worked out once per
+    kind: the schedules read it per parameter and layer)."""
     per_kind: dict[tuple, int] = {}
     out = {}
     for p in params:
-        if p.trainable:
-            if p.kind not in per_kind:
-                per_kind[p.kind] = element_bytes(p, setup)
-            out[p.name] = per_kind[p.kind]
+        if p.kind not in per_kind:
+            per_kind[p.kind] = element_bytes(p, setup)
+        out[p.name] = per_kind[p.kind]
     return out
 
 

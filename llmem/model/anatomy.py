@@ -142,6 +142,17 @@ class ModelAnatomy:
         other += self.vocab_size * self.hidden_size          # the lm_head matmul, tied or not
         return layer, other
 
+    @cached_property
+    def layer0_params(self) -> tuple[ParamInfo, ...]:
+        """Decoder layer 0's parameters (the activation recipes and moments price layer 0 for every layer; picked
+        once: a plan asks hundreds of times)."""
+        return tuple(p for p in self.params if p.layer_index == 0)
+
+    @cached_property
+    def outside_layer_params(self) -> tuple[ParamInfo, ...]:
+        """The parameters outside the decoder layers (embeddings, final norm, lm_head, a VLM's tower), picked once."""
+        return tuple(p for p in self.params if p.layer_index is None)
+
     @property
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embeddings, final norm, lm_head (FSDP's root unit)."""

@@ -90,6 +90,8 @@ class BlockEvents:
         F.linear's output itself: the recipe's tensor). Backward: the largest one's, what it leaves live while the
         block's input gradients are made (the caller frees them)."""
         quant_tmp = self.f.quant_tmp
+        if not quant_tmp:          # an unquantised base: nothing to dequantise (the common case, asked per block)
+            return
         if backward:
             sets = [quant_tmp[p.name].backward for p in params if p.name in quant_tmp]
             if sets:

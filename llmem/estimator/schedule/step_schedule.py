@@ -32,7 +32,6 @@ from llmem.estimator.states import fsdp_shards
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.memory.quant import storage_tensors
 from llmem.model.anatomy import ParamInfo
-from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding
 from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
@@ -88,7 +87,7 @@ class StepSchedule:
                                          fsdp_shards(f.layout), offloaded=f.cpu_offload):
                     sch.alloc(n, "weights")
             elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
-                sch.alloc(f.params.shard_numel[p.name] * element_bytes(p, f.setup), "weights")
+                sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[p.name], "weights")
         for b in f.params.buffers:                  # an adapter's buffers: whole on every rank, in their own dtype
             sch.alloc(b.own_bytes, "weights")
         if f.layout.spec.gradient_buckets:

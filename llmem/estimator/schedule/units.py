@@ -23,7 +23,6 @@ from llmem.estimator.post_forward import post_forward_param_bytes
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState, UnitKey
 from llmem.model.anatomy import ParamInfo
-from llmem.model.peft import element_bytes
 
 
 class FsdpUnits:
@@ -60,7 +59,7 @@ class FsdpUnits:
             if params.quantised[p.name]:   # its sharded storage (bitsandbytes' packed weight) copied as it is stored
                 keys.append(alloc(sum(params.gather_sizes[p.name]) // dp, "communication_buffers", ALL_GATHER))
                 continue
-            copy = alloc(params.unsharded[p.name] // dp * element_bytes(p, self.f.setup), "communication_buffers",
+            copy = alloc(params.unsharded[p.name] // dp * params.element_bytes[p.name], "communication_buffers",
                          ALL_GATHER)
             if params.cast_in[p.name]:
                 keys.append(alloc(sum(params.gather_sizes[p.name]) // dp, "communication_buffers", ALL_GATHER))

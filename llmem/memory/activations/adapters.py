@@ -112,8 +112,7 @@ def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, adapters_read:
     the adapters, activations as for the frozen base alone. bitsandbytes' MatMul8bitLt keeps its input
     (ctx.tensors) even for a frozen int8 weight."""
 
-    layer0 = [p for p in anatomy.params if p.layer_index == 0]
-    root = [p for p in anatomy.params if p.layer_index is None]
+    layer0, root = anatomy.layer0_params, anatomy.outside_layer_params
 
     def needed(params, keepers: tuple[str, ...], cast: bool) -> bool:
         for p in params:
@@ -191,9 +190,9 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
     Applied after with_trainability: the tensors it adds are all needed.
     """
     adapters = _LayerAdapters(anatomy, recipe, d.t, r, fp32_behind_quant, upcast)
-    for p in anatomy.params:
+    for p in anatomy.layer0_params:
         forward = _FORWARDS.get(adapter_part(p.name))
-        if p.layer_index == 0 and p.trainable and forward is not None:
+        if p.trainable and forward is not None:
             forward(adapters, p, block_owner(recipe.blocks, p.name))
     taken = adapters.taken
     blocks = tuple(Block(b.name, tuple(n for x, n in enumerate(b.tensors) if (j, x) not in taken) + tuple(a.kept),
@@ -419,9 +418,8 @@ def first_layer_skip(anatomy: ModelAnatomy, blocks: tuple[Block, ...]) -> int:
     """With a frozen embedding and no prompt (peft adapters in the layers), layer 0's input needs no gradient:
     autograd records nothing until the first trained parameter of layer 0 is used, so the blocks before it keep
     nothing (and their backward never runs)."""
-    if anatomy.peft is None or any(p.trainable and p.layer_index is None and is_embedding(p)
-                                   for p in anatomy.params):
+    if anatomy.peft is None or any(p.trainable and is_embedding(p) for p in anatomy.outside_layer_params):
         return 0
-    owners = [block_owner(blocks, p.name) for p in anatomy.params if p.layer_index == 0 and p.trainable]
+    owners = [block_owner(blocks, p.name) for p in anatomy.layer0_params if p.trainable]
     return min(owners, default=0)
 

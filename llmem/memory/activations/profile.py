@@ -351,7 +351,7 @@ def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Re
     transformers' enable_input_require_grads under checkpointing): [batch, seq_len, hidden] in the stream's dtype
     (prompt tuning's virtual tokens are concatenated after it). 0 when the embedding trains (its output has a
     graph already). `tokens`: the language model's per sample (sequence_tokens)."""
-    embeddings = [p for p in anatomy.params if is_embedding(p) and p.layer_index is None and p.shape
+    embeddings = [p for p in anatomy.outside_layer_params if is_embedding(p) and p.shape
                   and p.shape[0] == anatomy.vocab_size]
     if any(p.trainable for p in embeddings):
         return 0
@@ -409,7 +409,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         lm_head_kept=fused is None and any(
             p.trainable and is_lm_head(p) and (not is_adapter_param(p.name) or adapters_read_input(anatomy, adapted,
                                                                                                   upcast))
-            for p in anatomy.params),
+            for p in anatomy.outside_layer_params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)

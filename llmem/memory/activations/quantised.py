@@ -60,8 +60,8 @@ def int8_inputs_kept(anatomy: ModelAnatomy, blocks: tuple[Block, ...], t: int, r
     non-reentrant checkpointing cannot drop: one per block of int8 linears (linears of one block share it)."""
 
     per_block: dict[int, int] = {}
-    for p in anatomy.params:
-        if p.layer_index == 0 and is_quantised(p, "int8"):
+    for p in anatomy.layer0_params:
+        if is_quantised(p, "int8"):
             i = block_owner(blocks, p.name)
             size = t * p.in_features * quant_input_bytes(blocks[i], r, fp32_behind_quant)
             per_block[i] = max(per_block.get(i, 0), size)
@@ -84,8 +84,8 @@ def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regi
     keeps them (lora_A keeps its own cast). The attention output o_proj reads is SDPA's, already kept."""
     kept = dict.fromkeys(range(len(recipe.blocks)), 0)
 
-    for p in anatomy.params:
-        if p.layer_index == 0 and is_quantised(p, "int8"):
+    for p in anatomy.layer0_params:
+        if is_quantised(p, "int8"):
             i = block_owner(recipe.blocks, p.name)
             if quant_input_bytes(recipe.blocks[i], r, True) == F32:
                 kept[i] = max(kept[i], t * p.in_features * F32)
