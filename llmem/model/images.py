@@ -8,7 +8,10 @@ projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the im
 crops, is off in the processor's defaults and the published preprocessor_config.json, and is not modelled) and
 LLaVA-OneVision's anyres tiling (one image alone in its sample: the best of the grid pinpoints, its 384x384 tiles and
 the whole image resized as a base crop, the tiles' features unpadded and pooled down past 9 tiles' worth, a newline
-token closing each row; several images in a sample: each one padded square, one crop, no tiling).
+token closing each row; several images in a sample: each one padded square, one crop, no tiling) and Llama 3.2
+Vision's tiles (MllamaImageProcessor: the image resized into the best canvas of up to max_image_tiles tiles of the
+tower's image_size, 560x560, and always handed over as max_image_tiles tiles, the unused ones zero and masked; one
+<|image|> token in the text, the features entering the language model through its cross-attention layers).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -40,6 +43,8 @@ class ImageProcessorSpec:
     fixed_size: bool = False
     # LLaVA-OneVision's anyres: crops of the tower's image_size, [images, crops, 3, size, size] in pixel_values
     anyres: bool = False
+    # Llama 3.2 Vision's tiling: [batch, images, max_image_tiles, 3, size, size] in pixel_values, one token an image
+    tiled: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -53,6 +58,9 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     # LLaVA-OneVision's (its preprocessor_config.json: size 384x384, the 36 grid pinpoints 384..2304 a side)
     "llava_onevision": ImageProcessorSpec("llava_onevision", "LlavaOnevisionImageProcessor",
                                           "llava-hf--llava-onevision-qwen2-0.5b-ov-hf.json", anyres=True),
+    # Llama 3.2 Vision's (its preprocessor_config.json: size 560x560, max_image_tiles 4, do_pad / do_resize true)
+    "mllama": ImageProcessorSpec("mllama", "MllamaImageProcessor", "meta-llama--Llama-3.2-11B-Vision.json",
+                                 tiled=True),
 }
 
 
@@ -84,6 +92,9 @@ class ImageGrid:
     crops: int = 1            # the tower's images for this one (anyres: the base crop and the tiles)
     visual_tokens: int = 0    # its tokens where the patches do not give them (anyres); 0: patches // merge^2
     original: tuple[int, int] = (0, 0)    # (height, width) as the processor takes it (anyres: image_sizes' row)
+    # the tiles (high, wide) of the image's canvas, where the processor tiles it (Llama 3.2 Vision: its aspect ratio,
+    # read into aspect_ratio_ids and aspect_ratio_mask; `crops` is then max_image_tiles, the padded ones included)
+    canvas_tiles: tuple[int, int] = (0, 0)
 
     @property
     def patches(self) -> int:
@@ -138,10 +149,13 @@ def fixed_grid(config: dict) -> ImageGrid:
     return ImageGrid(size, size, 1, side, side, pool, 3 * patch * patch)
 
 
-def pixel_values_shape(processor: str, image: ImageGrid, images: int) -> tuple[int, ...]:
-    """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor), [images,
-    crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each image's crops) or [patches, patch
-    values] (Qwen's flattened patches)."""
+def pixel_values_shape(processor: str, image: ImageGrid, images: int, per_sample: int = 1) -> tuple[int, ...]:
+    """pixel_values' shape for `images` images alike, `per_sample` of them a sample: [images, 3, height, width] (a
+    fixed-size processor), [images, crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each
+    image's crops), [samples, per_sample, tiles, 3, height, width] (tiled: MllamaImageProcessor's
+    pad_batches_and_tiles) or [patches, patch values] (Qwen's flattened patches)."""
+    if PROCESSORS[processor].tiled:
+        return (images // per_sample, per_sample, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].anyres:
         return (images, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].fixed_size:
@@ -159,6 +173,8 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
     pixel bounds scaling the image first as LLaMA-Factory does; a sample of several images takes one crop each."""
     if PROCESSORS[processor].anyres:
         return anyres_grid(config or {}, height, width, images_per_sample, max_pixels, min_pixels)
+    if PROCESSORS[processor].tiled:
+        return tiled_grid(config or {}, height, width, max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -233,3 +249,37 @@ def anyres_grid(config: dict, height: int, width: int, images_per_sample: int = 
     if config.get("vision_feature_select_strategy", "full") == "default":
         tokens -= 1
     return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, crops, tokens, (height, width))
+
+
+def supported_aspect_ratios(max_tiles: int) -> list[tuple[int, int]]:
+    """transformers' mllama get_all_supported_aspect_ratios: every (a, b) of tiles with a * b <= max_tiles, in its
+    order (aspect_ratio_ids are 1 + an index into it)."""
+    return [(a, b) for a in range(1, max_tiles + 1) for b in range(1, max_tiles + 1) if a * b <= max_tiles]
+
+
+def optimal_canvas(height: int, width: int, max_tiles: int, tile: int) -> tuple[int, int]:
+    """transformers' mllama get_optimal_tiled_canvas: the (height, width) canvas of whole tiles the image is resized
+    into: the smallest upscale (scale >= 1) if any canvas allows one, else the largest downscale, the smallest area
+    among equals (scale: the smaller of the canvas's height and width ratios)."""
+    canvases = [(a * tile, b * tile) for a, b in supported_aspect_ratios(max_tiles)]
+    scales = [min(h / height, w / width) for h, w in canvases]
+    up = [x for x in scales if x >= 1]
+    chosen = min(up) if up else max(x for x in scales if x < 1)
+    return min((c for c, x in zip(canvases, scales, strict=True) if x == chosen), key=lambda c: c[0] * c[1])
+
+
+def tiled_grid(config: dict, height: int, width: int, max_pixels: int | None = None,
+               min_pixels: int | None = None) -> ImageGrid:
+    """One image as Llama 3.2 Vision's processor gives it to the model of `config` (its config.json):
+    MllamaImageProcessor.resize into optimal_canvas's tiles of the tower's image_size (the processor's size, 560),
+    then pad_batches_and_tiles stacks max_image_tiles tiles whatever the canvas (the model's
+    vision_config.max_num_tiles; the unused tiles zero, masked by aspect_ratio_mask). Each tile runs image_size /
+    patch_size patches a side through the tower (with its class token); the text holds one <|image|> token for it.
+    The pixel bounds scale the image first, as LLaMA-Factory's _preprocess_image does."""
+    vision = config["vision_config"]
+    size, patch, max_tiles = vision["image_size"], vision["patch_size"], vision.get("max_num_tiles", 4)
+    height, width = prescaled(height, width, max_pixels, min_pixels)
+    canvas_h, canvas_w = optimal_canvas(height, width, max_tiles, size)
+    side = size // patch
+    return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, max_tiles, 1, (height, width),
+                     (canvas_h // size, canvas_w // size))

@@ -3,8 +3,9 @@
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
 average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Qwen3-VL's deepstack mergers,
-which feed the language model's first layers, count with the tower, as LLaMA-Factory counts them) and a language
-model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
+which feed the language model's first layers, count with the tower, as LLaMA-Factory counts them; Llama 3.2
+Vision's linear from the tower's concatenated layers to the text width) and a language model (a decoder stack, whose
+layers are the anatomy's decoder layers; Llama 3.2 Vision's are of two kinds, some attending the image features). Each parameter belongs to one part, read
 from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
 """
 
@@ -56,6 +57,11 @@ class VisionLanguageSpec:
     # class the model names in `_no_split_modules` (SigLIP's SiglipVisionEmbeddings: Gemma 3, LLaVA-OneVision), as accelerate's auto-wrap
     # wraps them (llmem.runtime.distributed.vision_units; tests check the two against accelerate's policy)
     leading_units: tuple[str, ...] = ()
+    # the text config's list of the decoder layers that cross-attend to the image features instead of taking image
+    # tokens in the sequence (Llama 3.2 Vision's MllamaCrossAttentionDecoderLayer); "": none. The forward then takes
+    # the processor's aspect_ratio_ids [batch, images], aspect_ratio_mask [batch, images, tiles] and
+    # cross_attention_mask [batch, tokens, images, tiles] (int64)
+    cross_attention_layers: str = ""
 
     @property
     def wrap_tokens(self) -> int:
@@ -117,6 +123,19 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                           modeling="transformers.models.llava_onevision.modeling_llava_onevision",
                                           special_tokens=("image_token_id", "video_token_id"), position_rows=0,
                                           image_sizes=True, leading_units=("model.vision_tower.embeddings",)),
+    # transformers 5's MllamaForConditionalGeneration (Llama 3.2 Vision): model.vision_model (MllamaVisionModel: the
+    # tiles' patch embedding, a local transformer of 32 layers and a gated global one of 8, whose output is
+    # concatenated with 5 intermediate local layers' hidden states), model.multi_modal_projector (one biased linear
+    # 7680 -> text width), model.language_model (MllamaTextModel: self-attention layers and, at
+    # cross_attention_layers, gated cross-attention layers reading the projected tiles' states), lm_head untied.
+    # LLaMA-Factory's mllama row: vision_model_keys vision_model, projector_key multi_modal_projector
+    "mllama": VisionLanguageSpec(architecture="MllamaForConditionalGeneration", vision="model.vision_model",
+                                 vision_blocks="model.vision_model.transformer.layers",
+                                 projector="model.multi_modal_projector",
+                                 language_layers="model.language_model.layers", processor="mllama",
+                                 modeling="transformers.models.mllama.modeling_mllama",
+                                 special_tokens=("image_token_id",), position_rows=0,
+                                 cross_attention_layers="cross_attention_layers"),
 }
 
 

@@ -52,7 +52,8 @@ class VisionInputs:
         [rows, batch, tokens] int64 where the forward takes them (get_rope_index's 3-D positions for Qwen) and the
         token_type_ids [batch, tokens] int64 where it takes them (Gemma 3)."""
         tokens = batch_size * self.language_tokens
-        pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample))
+        pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample,
+                                              self.images_per_sample))
         return (tokens * 8, pixels * 4,
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
                 *((tokens * 8,) if spec.token_types else ()))
@@ -65,6 +66,9 @@ class VisionInputs:
     def describe(self) -> str:
         img = self.image
         crops = f" in {img.crops} crops" if img.crops > 1 else ""
+        if img.canvas_tiles[0]:     # tiled (Llama 3.2 Vision): its canvas's tiles, padded to the model's maximum
+            crops = (f" in a {img.canvas_tiles[0]}x{img.canvas_tiles[1]} canvas of tiles, handed over as "
+                     f"{img.crops} tiles")
         return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
                 f"{img.height}x{img.width}{crops}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
                 f"visual tokens each; the language model runs {self.text_tokens:,} text + {self.visual_tokens:,} "
