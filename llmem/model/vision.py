@@ -62,6 +62,9 @@ class VisionLanguageSpec:
     # the processor's aspect_ratio_ids [batch, images], aspect_ratio_mask [batch, images, tiles] and
     # cross_attention_mask [batch, tokens, images, tiles] (int64)
     cross_attention_layers: str = ""
+    # a second ModuleList of encoder blocks the tower runs after vision_blocks, FSDP2 units too (Llama 3.2 Vision's
+    # gated global transformer after its local one); "": none
+    later_blocks: str = ""
 
     @property
     def wrap_tokens(self) -> int:
@@ -135,6 +138,7 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  language_layers="model.language_model.layers", processor="mllama",
                                  modeling="transformers.models.mllama.modeling_mllama",
                                  special_tokens=("image_token_id",), position_rows=0,
+                                 later_blocks="model.vision_model.global_transformer.layers",
                                  cross_attention_layers="cross_attention_layers"),
 }
 
@@ -181,16 +185,23 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
 
 def tower_units(anatomy) -> tuple[str, ...]:
     """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
-    encoder block (the class of every block is in the model's `_no_split_modules`, which accelerate's
-    fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
+    encoder block and each later block (the class of every block is in the model's `_no_split_modules`, which
+    accelerate's fsdp2_prepare_auto_wrap_policy wraps); () for a text-only model. The rest of the tower and the projector are in
     the root unit."""
     spec = vision_spec(anatomy.model_type)
     if spec is None:
         return ()
-    prefix = spec.vision_blocks + "."
-    blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
-              if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
-    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}" for i in sorted(blocks)))
+    return (*spec.leading_units, *_blocks(anatomy, spec.vision_blocks), *_blocks(anatomy, spec.later_blocks))
+
+
+def _blocks(anatomy, blocks: str) -> tuple[str, ...]:
+    """The module paths of the blocks in the ModuleList `blocks` ("" none) that own parameters, in order."""
+    if not blocks:
+        return ()
+    prefix = blocks + "."
+    found = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
+             if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
+    return tuple(f"{blocks}.{i}" for i in sorted(found))
 
 
 def vision_root(model_type: str) -> str:

@@ -161,3 +161,19 @@ def test_estimate_refuses_two_kinds_of_layer_in_one_line(capsys, command):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("llmem: error: ") and err.count("\n") == 1, err
     assert "decoder layers of two kinds" in err and "2 of its 4 cross-attend" in err and "llmem trace" in err
+
+
+def test_llamafactory_config_reads_the_instruct_model(tmp_path):
+    """LLaMA-Factory's mllama template with its freeze and image switches: the model read with the base config, the
+    pixel bound and the frozen tower kept, the tiles sized from the bound-scaled image."""
+    from llmem.setup.sources import setup_from_file
+
+    path = tmp_path / "mllama.yaml"
+    path.write_text("model_name_or_path: meta-llama/Llama-3.2-11B-Vision-Instruct\nstage: sft\nfinetuning_type: lora\n"
+                    "lora_target: all\ntemplate: mllama\ncutoff_len: 2048\nfreeze_vision_tower: true\n"
+                    "image_max_pixels: 262144\nper_device_train_batch_size: 1\nbf16: true\n")
+    setup = setup_from_file(path, images_per_sample=1, image_size="1120x1120").setup
+    assert (setup.freeze_vision_tower, setup.max_pixels, setup.lora_rank > 0) == (True, 512 * 512, True)
+    inputs = vision_inputs(setup, load_anatomy(setup.model))
+    # 1120x1120 scaled to 512x512 first: one 560x560 tile upscales it (560 / 512 >= 1), the rest padding
+    assert inputs.image.original == (512, 512) and inputs.image.canvas_tiles == (1, 1)
