@@ -1,7 +1,7 @@
 """Images as a vision-language model's processor turns them into inputs: the resized size, the patch grid the vision
 encoder sees (image_grid_thw, pixel_values' rows) and the visual tokens the language model sees.
 
-Three kinds of processor: Qwen2-VL's smart resize (any size, to multiples of patch x merge within its pixel bounds:
+The kinds of processor: Qwen2-VL's smart resize (any size, to multiples of patch x merge within its pixel bounds:
 28 for Qwen2.5-VL, 32 for Qwen3-VL, which ships the same processor with 16-pixel patches; the tokens follow the
 image) and Gemma 3's fixed size (every image resized to the vision tower's image_size, 896x896, its
 projector pooling the patches to mm_tokens_per_image tokens: 256 whatever the image; pan-and-scan, which would add
@@ -11,7 +11,11 @@ the whole image resized as a base crop, the tiles' features unpadded and pooled 
 token closing each row; several images in a sample: each one padded square, one crop, no tiling) and Idefics3 /
 SmolVLM's tiles (the longest side resized to a fixed multiple of the tower's image_size, both sides rounded up to
 multiples of it, cut into image_size tiles plus the whole image resized to one: image_seq_len tokens a frame, the
-<fake_token_around_image>, <row_r_col_c>, <global-img> and newline tokens around them).
+<fake_token_around_image>, <row_r_col_c>, <global-img> and newline tokens around them) and Llama 3.2
+Vision's canvas of tiles (MllamaImageProcessor: the image resized into the best canvas of up to max_image_tiles
+tiles of the tower's image_size, 560x560, and always handed over as max_image_tiles tiles, the unused ones zero and
+masked; one <|image|> token in the text, the features entering the language model through its cross-attention
+layers).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -46,6 +50,9 @@ class ImageProcessorSpec:
     anyres: bool = False
     # Idefics3 / SmolVLM's tiles of the tower's image_size and a global frame, [batch, frames, 3, size, size]
     tiled: bool = False
+    # Llama 3.2 Vision's canvas of tiles: [batch, images, max_image_tiles, 3, size, size] in pixel_values, one token
+    # an image
+    canvas_tiled: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -66,6 +73,9 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     # SmolVLM2's (SmolVLM2-2.2B-Instruct's preprocessor_config.json: max_image_size 384, size longest_edge 1536)
     "smolvlm": ImageProcessorSpec("smolvlm", "SmolVLMImageProcessor", "HuggingFaceTB--SmolVLM2-2.2B-Instruct.json",
                                   tiled=True),
+    # Llama 3.2 Vision's (its preprocessor_config.json: size 560x560, max_image_tiles 4, do_pad / do_resize true)
+    "mllama": ImageProcessorSpec("mllama", "MllamaImageProcessor", "meta-llama--Llama-3.2-11B-Vision.json",
+                                 canvas_tiled=True),
 }
 
 
@@ -100,6 +110,9 @@ class ImageGrid:
     # the processor's text tokens around the image's placeholder tokens, counted in the sample's text (Idefics3's
     # <fake_token_around_image>, <row_r_col_c>, <global-img> and newlines; 0: none beyond the row's start / end)
     marker_tokens: int = 0
+    # the tiles (high, wide) of the image's canvas, where the processor tiles it (Llama 3.2 Vision: its aspect ratio,
+    # read into aspect_ratio_ids and aspect_ratio_mask; `crops` is then max_image_tiles, the padded ones included)
+    canvas_tiles: tuple[int, int] = (0, 0)
 
     @property
     def patches(self) -> int:
@@ -154,10 +167,13 @@ def fixed_grid(config: dict) -> ImageGrid:
     return ImageGrid(size, size, 1, side, side, pool, 3 * patch * patch)
 
 
-def pixel_values_shape(processor: str, image: ImageGrid, images: int) -> tuple[int, ...]:
-    """pixel_values' shape for `images` images alike: [images, 3, height, width] (a fixed-size processor), [images,
-    crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each image's crops) or [patches, patch
-    values] (Qwen's flattened patches)."""
+def pixel_values_shape(processor: str, image: ImageGrid, images: int, per_sample: int = 1) -> tuple[int, ...]:
+    """pixel_values' shape for `images` images alike, `per_sample` of them a sample: [images, 3, height, width] (a
+    fixed-size processor), [images, crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each
+    image's crops; tiled: Idefics3's frames), [samples, per_sample, tiles, 3, height, width] (a canvas of tiles:
+    MllamaImageProcessor's pad_batches_and_tiles) or [patches, patch values] (Qwen's flattened patches)."""
+    if PROCESSORS[processor].canvas_tiled:
+        return (images // per_sample, per_sample, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].anyres or PROCESSORS[processor].tiled:
         return (images, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].fixed_size:
@@ -177,6 +193,8 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
         return anyres_grid(config or {}, height, width, images_per_sample, max_pixels, min_pixels)
     if PROCESSORS[processor].tiled:
         return tiled_grid(config or {}, height, width, resize_ratio(processor), max_pixels, min_pixels)
+    if PROCESSORS[processor].canvas_tiled:
+        return canvas_grid(config or {}, height, width, max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -309,3 +327,37 @@ def tiled_grid(config: dict, height: int, width: int, ratio: int, max_pixels: in
     markers = 2 * rows * cols + rows + 4 if rows else 3
     return ImageGrid(tile, tile, 1, side, side, scale, 3 * patch * patch, frames,
                      frames * side * side // (scale * scale), (height, width), markers)
+
+
+def supported_aspect_ratios(max_tiles: int) -> list[tuple[int, int]]:
+    """transformers' mllama get_all_supported_aspect_ratios: every (a, b) of tiles with a * b <= max_tiles, in its
+    order (aspect_ratio_ids are 1 + an index into it)."""
+    return [(a, b) for a in range(1, max_tiles + 1) for b in range(1, max_tiles + 1) if a * b <= max_tiles]
+
+
+def optimal_canvas(height: int, width: int, max_tiles: int, tile: int) -> tuple[int, int]:
+    """transformers' mllama get_optimal_tiled_canvas: the (height, width) canvas of whole tiles the image is resized
+    into: the smallest upscale (scale >= 1) if any canvas allows one, else the largest downscale, the smallest area
+    among equals (scale: the smaller of the canvas's height and width ratios)."""
+    canvases = [(a * tile, b * tile) for a, b in supported_aspect_ratios(max_tiles)]
+    scales = [min(h / height, w / width) for h, w in canvases]
+    up = [x for x in scales if x >= 1]
+    chosen = min(up) if up else max(x for x in scales if x < 1)
+    return min((c for c, x in zip(canvases, scales, strict=True) if x == chosen), key=lambda c: c[0] * c[1])
+
+
+def canvas_grid(config: dict, height: int, width: int, max_pixels: int | None = None,
+               min_pixels: int | None = None) -> ImageGrid:
+    """One image as Llama 3.2 Vision's processor gives it to the model of `config` (its config.json):
+    MllamaImageProcessor.resize into optimal_canvas's tiles of the tower's image_size (the processor's size, 560),
+    then pad_batches_and_tiles stacks max_image_tiles tiles whatever the canvas (the model's
+    vision_config.max_num_tiles; the unused tiles zero, masked by aspect_ratio_mask). Each tile runs image_size /
+    patch_size patches a side through the tower (with its class token); the text holds one <|image|> token for it.
+    The pixel bounds scale the image first, as LLaMA-Factory's _preprocess_image does."""
+    vision = config["vision_config"]
+    size, patch, max_tiles = vision["image_size"], vision["patch_size"], vision.get("max_num_tiles", 4)
+    height, width = prescaled(height, width, max_pixels, min_pixels)
+    canvas_h, canvas_w = optimal_canvas(height, width, max_tiles, size)
+    side = size // patch
+    return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, max_tiles, 1, (height, width),
+                     canvas_tiles=(canvas_h // size, canvas_w // size))

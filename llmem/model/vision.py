@@ -3,10 +3,11 @@
 A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder (a stack of blocks over image
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
 average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Idefics3 / SmolVLM's connector,
-a pixel shuffle of scale_factor^2 patches into one token and a linear; Qwen3-VL's deepstack mergers,
-which feed the language model's first layers, count with the tower, as LLaMA-Factory counts them) and a language
-model (a decoder stack, whose layers are the anatomy's decoder layers). Each parameter belongs to one part, read
-from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
+a pixel shuffle of scale_factor^2 patches into one token and a linear; Llama 3.2 Vision's linear from the tower's
+concatenated layers to the text width; Qwen3-VL's deepstack mergers, which feed the language model's first layers,
+count with the tower, as LLaMA-Factory counts them) and a language model (a decoder stack, whose layers are the
+anatomy's decoder layers; Llama 3.2 Vision's are of two kinds, some attending the image features). Each parameter
+belongs to one part, read from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ class VisionLanguageSpec:
     # frozen part is held in the compute dtype and a trained one in fp32, a tower frozen beside trained embeddings (or
     # the reverse) fails in transformers itself
     features_in_tower_dtype: bool = False
+    # DeepSpeed's engine (ds-zero1/2/3) is modelled for the family (llmem.estimator.deepspeed_tower: the tower's blocks
+    # fetched whole); False where it is not (Idefics3 / SmolVLM, whose units are the blocks' attention: +18 % to +34 %
+    # over the trace under ds-zero2 / 3 on tiny-idefics3, refused)
+    deepspeed: bool = True
+    # the text config's list of the decoder layers that cross-attend to the image features instead of taking image
+    # tokens in the sequence (Llama 3.2 Vision's MllamaCrossAttentionDecoderLayer); "": none. The forward then takes
+    # the processor's aspect_ratio_ids [batch, images], aspect_ratio_mask [batch, images, tiles] and
+    # cross_attention_mask [batch, tokens, images, tiles] (int64)
+    cross_attention_layers: str = ""
+    # a second ModuleList of encoder blocks the tower runs after vision_blocks, FSDP2 units too (Llama 3.2 Vision's
+    # gated global transformer after its local one); "": none
+    later_blocks: str = ""
 
     @property
     def wrap_tokens(self) -> int:
@@ -141,14 +154,28 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                    language_layers="model.text_model.layers", processor="idefics3",
                                    modeling="transformers.models.idefics3.modeling_idefics3",
                                    special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
-                                   unit_in_block="self_attn"),
+                                   unit_in_block="self_attn", deepspeed=False),
     # transformers 5's SmolVLMForConditionalGeneration (SmolVLM2): Idefics3's modules under SmolVLM's names
     "smolvlm": VisionLanguageSpec(architecture="SmolVLMForConditionalGeneration", vision="model.vision_model",
                                   vision_blocks="model.vision_model.encoder.layers", projector="model.connector",
                                   language_layers="model.text_model.layers", processor="smolvlm",
                                   modeling="transformers.models.smolvlm.modeling_smolvlm",
                                   special_tokens=("image_token_id",), position_rows=0, pixel_mask=True,
-                                  unit_in_block="self_attn", features_in_tower_dtype=True),
+                                  unit_in_block="self_attn", deepspeed=False, features_in_tower_dtype=True),
+    # transformers 5's MllamaForConditionalGeneration (Llama 3.2 Vision): model.vision_model (MllamaVisionModel: the
+    # tiles' patch embedding, a local transformer of 32 layers and a gated global one of 8, whose output is
+    # concatenated with 5 intermediate local layers' hidden states), model.multi_modal_projector (one biased linear
+    # 7680 -> text width), model.language_model (MllamaTextModel: self-attention layers and, at
+    # cross_attention_layers, gated cross-attention layers reading the projected tiles' states), lm_head untied.
+    # LLaMA-Factory's mllama row: vision_model_keys vision_model, projector_key multi_modal_projector
+    "mllama": VisionLanguageSpec(architecture="MllamaForConditionalGeneration", vision="model.vision_model",
+                                 vision_blocks="model.vision_model.transformer.layers",
+                                 projector="model.multi_modal_projector",
+                                 language_layers="model.language_model.layers", processor="mllama",
+                                 modeling="transformers.models.mllama.modeling_mllama",
+                                 special_tokens=("image_token_id",), position_rows=0,
+                                 later_blocks="model.vision_model.global_transformer.layers",
+                                 cross_attention_layers="cross_attention_layers"),
 }
 
 
@@ -194,17 +221,26 @@ def vision_modules(model_type: str) -> tuple[str, ...]:
 
 def tower_units(anatomy) -> tuple[str, ...]:
     """A VLM's FSDP2 units in its vision tower (module paths, in forward order): its row's leading units, then each
-    encoder block, or the module in it its row names (unit_in_block) (the class of every block, or of that module, is
-    in the model's `_no_split_modules`, which accelerate's fsdp2_prepare_auto_wrap_policy wraps); () for a text-only
-    model. The rest of the tower and the projector are in the root unit."""
+    encoder block, or the module in it its row names (unit_in_block), then each later block (the class of every block,
+    or of that module, is in the model's `_no_split_modules`, which accelerate's fsdp2_prepare_auto_wrap_policy
+    wraps); () for a text-only model. The rest of the tower and the projector are in the root unit."""
     spec = vision_spec(anatomy.model_type)
     if spec is None:
         return ()
-    prefix = spec.vision_blocks + "."
-    blocks = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
-              if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
-    inner = f".{spec.unit_in_block}" if spec.unit_in_block else ""
-    return (*spec.leading_units, *(f"{spec.vision_blocks}.{i}{inner}" for i in sorted(blocks)))
+    return (*spec.leading_units, *_blocks(anatomy, spec.vision_blocks, spec.unit_in_block),
+            *_blocks(anatomy, spec.later_blocks, spec.unit_in_block))
+
+
+def _blocks(anatomy, blocks: str, inner: str = "") -> tuple[str, ...]:
+    """The module paths of the blocks in the ModuleList `blocks` ("" none) that own parameters, in order (each one's
+    `inner` module where it names one)."""
+    if not blocks:
+        return ()
+    prefix = blocks + "."
+    found = {int(name[len(prefix):].split(".")[0]) for p in anatomy.params
+             if (name := p.name.removeprefix(PEFT_PREFIX)).startswith(prefix)}
+    tail = f".{inner}" if inner else ""
+    return tuple(f"{blocks}.{i}{tail}" for i in sorted(found))
 
 
 def vision_root(model_type: str) -> str:

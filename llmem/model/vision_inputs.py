@@ -55,7 +55,8 @@ class VisionInputs:
         token_type_ids [batch, tokens] int64 where it takes them (Gemma 3), the pixel_attention_mask int64 [batch,
         frames, height, width] where it takes it (Idefics3ImageProcessor.pad: one int64 a pixel)."""
         tokens = batch_size * self.language_tokens
-        pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample))
+        pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample,
+                                              self.images_per_sample))
         return (tokens * 8, pixels * 4,
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
                 *((tokens * 8,) if spec.token_types else ()),
@@ -69,6 +70,9 @@ class VisionInputs:
     def describe(self) -> str:
         img = self.image
         crops = f" in {img.crops} crops" if img.crops > 1 else ""
+        if img.canvas_tiles[0]:     # tiled (Llama 3.2 Vision): its canvas's tiles, padded to the model's maximum
+            crops = (f" in a {img.canvas_tiles[0]}x{img.canvas_tiles[1]} canvas of tiles, handed over as "
+                     f"{img.crops} tiles")
         return (f"{self.images_per_sample} x {self.requested[0]}x{self.requested[1]} image(s) per sample, resized to "
                 f"{img.height}x{img.width}{crops}: {img.grid_h}x{img.grid_w} patches ({img.patches:,}) and {img.tokens:,} "
                 f"visual tokens each; the language model runs {self.text_tokens:,} text + {self.visual_tokens:,} "
@@ -134,7 +138,10 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
     method = [] if any_method else [
         (not (spec.one_gpu or spec.gradient_buckets or fsdp2 or spec.zero_stage is not None), f"--method {setup.method}",
          "--method single, ddp, fsdp, zero2 or ds-zero1/2/3"),
-        (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp")]
+        (setup.gpus > 1 and spec.one_gpu, f"--gpus {setup.gpus}", "--gpus 1 or --method ddp / fsdp"),
+        (spec.zero_stage is not None and model_type is not None and not vision_spec(model_type).deepspeed,
+         f"--method {setup.method}", f"--method single, ddp, fsdp or zero2 ({model_type} under DeepSpeed's engine is "
+                                     "not modelled)")]
     unwired = [*method, *_fsdp2_unwired(setup, any_method),
                (setup.offload_param and spec.zero_stage is not None, "--offload-param",
                 "drop it (ZeRO-3's parameter offload of a vision tower is not modelled)"),

@@ -149,7 +149,8 @@ class TrainingStep:
         with ctx, (offload.forward() if offload is not None else contextlib.nullcontext()):
             extra = {} if self.position_ids is None else {"position_ids": self.position_ids}
             extra.update(self.extra_inputs)
-            loss = self.runner(input_ids=ids, labels=ids, **extra).loss   # the output (and its logits) dies here
+            labels = extra.pop("labels", ids)     # (a vision batch's own labels where the collator masks tokens)
+            loss = self.runner(input_ids=ids, labels=labels, **extra).loss   # the output (and its logits) dies here
         if self.autocast_policy is not None:
             self.autocast_policy.cache.clear()
         self._phase("backward", it)

@@ -28,6 +28,9 @@ stay real, as Qwen's grid does, and so does what is computed from them alone.
 Idefics3 / SmolVLM take the processor's pixel_attention_mask beside [batch, frames, 3, size, size] pixel values, drop
 the all-zero padding frames by a bool mask and read each sample's count of real frames on the host: every frame the
 set-up makes is real, which `_RealFrames` answers (llmem.runtime.known_masks).
+Llama 3.2 Vision reads nothing on the host: its images' aspect-ratio ids and tile mask and the text's
+cross-attention mask are made by transformers' own processor functions from the real ids (`_tile_inputs`) and handed
+over as fake tensors of their shapes.
 The step itself is the real HF forward and backward (benchmarks/vlm_fake_step.py shows it bare).
 """
 
@@ -47,6 +50,7 @@ from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision
 from llmem.model.vision_inputs import VisionInputs
 from llmem.runtime.cuda import is_fake_tensor
 from llmem.runtime.known_masks import KnownMasks
+from llmem.runtime.losses import IGNORE_INDEX
 from llmem.runtime.patches import patched
 
 _aten = torch.ops.aten
@@ -125,10 +129,17 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
         extra.append(("position_ids", positions))
     if spec.token_types:           # the processor's mm_token_type_ids, int64, handed over as token_type_ids
         extra.append(("token_type_ids", is_image.long()))
+    if spec.cross_attention_layers:
+        extra.extend(_tile_inputs(ids, getattr(cfg, spec.image_token), inputs))
+    if getattr(cfg, spec.image_token) >= cfg.get_text_config().vocab_size:
+        # an image token the lm_head has no row for (Llama 3.2 Vision's <|image|>, 128256 = its vocab_size):
+        # labels of their own with it ignored, as the collators make them (LLaMA-Factory's IGNORE_INDEX on the
+        # prompt; the loss's bound check would refuse it)
+        extra.append(("labels", ids.masked_fill(is_image, IGNORE_INDEX)))
     # LlavaOnevisionImageProcessor's image_sizes (each image's (height, width), int64) and batch_num_images
     host = (("image_sizes", torch.tensor([img.original] * images)),
             ("batch_num_images", torch.tensor([inputs.images_per_sample] * batch_size))) if spec.image_sizes else ()
-    shape = pixel_values_shape(spec.processor, img, images)
+    shape = pixel_values_shape(spec.processor, img, images, inputs.images_per_sample)
     if spec.pixel_mask:
         # Idefics3ImageProcessor pads each sample's frames into [batch, frames, 3, size, size] and writes its
         # pixel_attention_mask [batch, frames, size, size] int64 (1 on every pixel of a whole tile)
@@ -136,6 +147,32 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
         extra.append(("pixel_attention_mask", torch.ones((*shape[:2], *shape[3:]), dtype=torch.int64)))
     return VisionBatch(ids, shape, batch_size * inputs.patches, grid, tuple(extra), host,
                        batch_size * inputs.visual_tokens)
+
+
+def _tile_inputs(ids: torch.Tensor, image_token: int, inputs: VisionInputs) -> list[tuple[str, torch.Tensor]]:
+    """Llama 3.2 Vision's per-image inputs as its processor makes them (int64): aspect_ratio_ids [batch, images] and
+    aspect_ratio_mask [batch, images, max tiles] (MllamaImageProcessorPil's convert_aspect_ratios_to_ids_np /
+    build_aspect_ratio_mask_np of each image's canvas tiles: the torchvision processor's twins, which need no
+    torchvision) and cross_attention_mask [batch, tokens, images, max tiles]
+    (MllamaProcessor's get_cross_attention_token_mask / convert_sparse_cross_attention_mask_to_dense: each image's
+    tiles seen from its <|image|> token on)."""
+    from transformers.models.mllama.image_processing_pil_mllama import (
+        build_aspect_ratio_mask_np,
+        convert_aspect_ratios_to_ids_np,
+    )
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    img, batch = inputs.image, ids.shape[0]
+    ratios = [[img.canvas_tiles] * inputs.images_per_sample] * batch
+    tiles = [[img.canvas_tiles[0] * img.canvas_tiles[1]] * inputs.images_per_sample] * batch
+    token_masks = [get_cross_attention_token_mask(row.tolist(), image_token) for row in ids]
+    cross = convert_sparse_cross_attention_mask_to_dense(token_masks, tiles, img.crops, ids.shape[1])
+    return [("aspect_ratio_ids", torch.from_numpy(convert_aspect_ratios_to_ids_np(ratios, img.crops)).long()),
+            ("aspect_ratio_mask", torch.from_numpy(build_aspect_ratio_mask_np(ratios, img.crops)).long()),
+            ("cross_attention_mask", torch.from_numpy(cross))]
 
 
 def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
