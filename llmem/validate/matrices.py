@@ -160,6 +160,12 @@ CI_MATRIX: list[TrainingSetup] = [
        lora_targets="all-linear"),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # ... around compiled layers (torchtune's OffloadActivations packs what the compiled Function saves): the
+    # layer's saved tensors on the host; torchtune's LoRA recipe (checkpointed input on the host, chunked loss)
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, compile=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, offload_activations=True, grad_ckpt=True,
+       compile=True, lora_rank=8, adapter_dtype="base", batch_size=1, seq_len=256),
     # offloading under checkpointing (torchtune's: the checkpointed layer inputs on the host until recompute)
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, offload_activations=True, batch_size=2,
        seq_len=256),
