@@ -26,7 +26,10 @@ compiled layer are refused (llmem.setup.support's COMPILE row). Offloaded activa
 trace ambient saved-tensor hooks (torch/_functorch/aot_autograd.py, "Deferring tensor pack/unpack hooks until
 runtime"), so torchtune's OffloadActivations (llmem.runtime.offload) packs each tensor the compiled layer's autograd
 Function saves (runtime_wrappers.py, ctx.save_for_backward) as it packs an eager op's, under checkpointing the
-layer's input only (the checkpoint's own hooks take the recompute's).
+layer's input only (the checkpoint's own hooks take the recompute's). Nor is torchao's NF4 base (torchtune's QLoRA):
+the emulated LinearNF4 (llmem.runtime.quant_kernels) is get_original_weight op for op, which dynamo traces into the
+layer's graph as it traces NF4Tensor's `to`; the partitioner keeps each base linear's dequantised weight for
+backward (tests/runtime/test_compile.py), one layer's worth at a time under checkpointing.
 """
 
 from __future__ import annotations
