@@ -47,8 +47,22 @@ _TT_8B_LORA = dict(_TT_8B, lora_rank=8, lora_alpha=16, lora_targets="q_proj,v_pr
 _CB = dict(model="meta-llama/Llama-2-7b-hf", method="fsdp", gpus=4, gpu="A100-40GB", precision="bf16",
            batch_size=4, seq_len=2048, grad_ckpt=True, lora_rank=8, attn="eager")
 
-COMPILE = ("torch.compile with activation offloading or a quantised base (--compile models the layers' compile "
-           "without them)")
+# torchtune's compile_loss of the chunked loss, as inductor runs it: its fused kernels read each bf16 chunk and write
+# its bf16 gradient; llmem runs the partitioned graphs op by op (llmem.runtime.compile), so each chunk's fp32 upcast
+# and softmax gradient are tensors of their own (three fp32 [chunk, vocab] at once in backward, 1.47 GiB at 1024 x
+# 128256 against the 0.25 GiB bf16 gradient: ~1.2 GiB over where the loss's backward is the peak)
+FUSED_LOSS = ("inductor's fused kernels for the compiled chunked loss (run op by op, each chunk's fp32 upcast and "
+              "gradient are tensors inductor never makes: ~1.2 GiB over at 1024 tokens x 128256)")
+# TT-16 against TT-15: every 8-bit AdamW keeps two uint8 states where AdamW keeps two bf16 ones
+EIGHT_BIT = ("the 8-bit optimizer the run used: the published drop from TT-15 (4.2 GiB) is 1.8 GiB short of 8-bit "
+             "AdamW's state saving (5.98 GiB over 3.21 B parameters: bitsandbytes or torchao; paged states are off "
+             "the counter altogether); not found")
+# TT-08 at the table's stated 2 x 2048 packed: the NF4 shard (25.12 GiB), the 126 checkpointed layer inputs
+# (2 x 2048 x 16384 bf16 each, 15.75 GiB) and one layer's gathered NF4 weights (3.19 B x 4.126 bits, 1.53 GiB), all
+# live at the last layer's forward, exceed the published 41.7 GiB
+TT08_SETTINGS = ("the settings: at 2 x 2048 the NF4 shard, the checkpointed layer inputs and one gathered layer "
+                 "alone (42.4 GiB) exceed the published 41.7 GiB; torchtune's 405B_qlora.yaml runs batch 1, "
+                 "unpacked, rank 16")
 # torchtune's compile_loss compiles a whole loss module unless it is the chunked one (--compile --output-chunks)
 LOSS_COMPILE = "torchtune's compile of the unchunked loss (compile_loss)"
 # --output-chunks (torchtune's chunked output) is not modelled with custom_sharded_layers' own lm_head unit: that
@@ -94,14 +108,14 @@ ROWS: tuple[PublishedRun, ...] = (
     PublishedRun("TT-14", "+ optimizer step in backward", "active", 23.1, "GiB",
                  dict(_TT_CKPT, optimizer_in_backward=True, compile=True, output_chunks=8)),
     PublishedRun("TT-15", "+ activation offloading", "active", 21.8, "GiB",
-                 dict(_TT_CKPT, optimizer_in_backward=True, offload_activations=True, output_chunks=8), (COMPILE,)),
+                 dict(_TT_CKPT, optimizer_in_backward=True, offload_activations=True, compile=True, output_chunks=8)),
     PublishedRun("TT-16", "+ 8-bit AdamW", "active", 17.6, "GiB",
                  dict(_TT_CKPT, optimizer="adamw-8bit", optimizer_in_backward=True, offload_activations=True,
-                      output_chunks=8), (COMPILE,)),
+                      compile=True, output_chunks=8), (EIGHT_BIT,)),
     PublishedRun("TT-17", "LoRA instead of the optimizer tricks", "active", 8.5, "GiB",
-                 dict(_TT_3B_LORA, output_chunks=8), (COMPILE,)),
+                 dict(_TT_3B_LORA, compile=True, output_chunks=8), (FUSED_LOSS,)),
     PublishedRun("TT-18", "QLoRA (torchao NF4) instead of LoRA", "active", 4.6, "GiB",
-                 dict(_TT_3B_LORA, quant_base="torchao-nf4", output_chunks=8), (COMPILE,)),
+                 dict(_TT_3B_LORA, quant_base="torchao-nf4", compile=True, output_chunks=8), (FUSED_LOSS,)),
     # 2. torchtune README, "Memory and training speed": 2 x 2048 packed, torch.compile on
     PublishedRun("TT-01", "8B full, RTX 4090", "n/s", 18.9, "GiB",
                  dict(_TT_8B, gpu="RTX4090", optimizer="paged-adamw-8bit", optimizer_in_backward=True, compile=True,
@@ -113,7 +127,8 @@ ROWS: tuple[PublishedRun, ...] = (
     PublishedRun("TT-04", "8B LoRA, A6000", "n/s", 30.3, "GiB", None,
                  ("the settings (about twice the RTX 4090 row's: not the recipe's defaults, not stated)",)),
     PublishedRun("TT-05", "8B QLoRA, RTX 4090", "n/s", 7.4, "GiB",
-                 dict(_TT_8B_LORA, gpu="RTX4090", quant_base="torchao-nf4", output_chunks=8), (COMPILE, NOT_STATED)),
+                 dict(_TT_8B_LORA, gpu="RTX4090", quant_base="torchao-nf4", compile=True, output_chunks=8),
+                 (FUSED_LOSS, NOT_STATED)),
     # llama3_1/70B_full with fsdp_cpu_offload (FSDP2's CPUOffloadPolicy, fused AdamW stepping on the host) and
     # custom_sharded_layers ['tok_embeddings', 'output'] (the embedding and the lm_head units of their own)
     PublishedRun("TT-06", "70B full, FSDP2 CPU offload, 8x A100", "n/s", 13.9, "GiB",
@@ -125,7 +140,7 @@ ROWS: tuple[PublishedRun, ...] = (
                       compile=True, output_chunks=8), (NOT_STATED,)),
     PublishedRun("TT-08", "405B QLoRA, FSDP2, 8x A100", "n/s", 44.8, "GB",
                  dict(_TT_8B_LORA, model="meta-llama/Llama-3.1-405B", method="fsdp", gpus=8, gpu="A100-80GB",
-                      quant_base="torchao-nf4", output_chunks=8), (COMPILE, NOT_STATED)),
+                      quant_base="torchao-nf4", compile=True, output_chunks=8), (TT08_SETTINGS, NOT_STATED)),
     # 3. torchtune tutorials: Llama-2-7B LoRA single device, 2 per batch, bf16, checkpointing, dropout 0.05
     PublishedRun("TT-19", "7B LoRA q, v r8", "reserved", 15.57, "GB", None, (SEQ_NOT_STATED,)),
     PublishedRun("TT-20", "7B LoRA all + output r8", "reserved", 15.87, "GB", None, (SEQ_NOT_STATED,)),

@@ -47,8 +47,11 @@ def quant_notes(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout | No
                  f", quantized_data / scalers / factors sharded by FSDP2 over {shards} GPUs and all-gathered per "
                  "layer in their own dtypes (fsdp_pre_all_gather), scaler_mean and the nf4 table replicated")
     if not bnb:
-        notes = [size + "; torchao's dequantisation (get_original_weight in eager mode: int64 nibble planes, "
-                 "about 7x the weight for a moment, in forward and again in backward) is modelled, not run",
+        notes = [size + ("; --compile: its dequantisation (get_original_weight) is ops of each compiled layer's "
+                         "graph, what it saves and allocates learned with the layer (the partitioned graphs run op by "
+                         "op: an upper bound of inductor's fused kernels)" if setup.compile else
+                         "; torchao's dequantisation (get_original_weight in eager mode: int64 nibble planes, about "
+                         "7x the weight for a moment, in forward and again in backward) is modelled, not run"),
                  f"torchtune's QLoRA (LoRALinear(quantize_base=True)): no prepare_model_for_kbit_training, so the "
                  f"embeddings, norms and output projection stay in {dtype}, and the adapters are in the model dtype"]
     else:

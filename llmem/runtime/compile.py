@@ -21,8 +21,15 @@ torchtune's other losses run eagerly. The
 estimate learns a compiled layer at the micro-batch's own shape (the partitioner's choices change with sizes) and
 reads it as one block, its backward one transient: its allocated peak is the trace's, its reserved one can be
 several per cent over at larger widths (+8.8 % on a 4-layer, 1024-wide Llama at 2 x 2048 in bf16; within 2 % on
-the CI rows). Selective checkpointing, offloaded activations, Liger's Functions and DeepSpeed's engine around a
-compiled layer are refused (llmem.setup.support's COMPILE row).
+the CI rows). Selective checkpointing, Liger's Functions and DeepSpeed's engine around a
+compiled layer are refused (llmem.setup.support's COMPILE row). Offloaded activations are not: AOTAutograd does not
+trace ambient saved-tensor hooks (torch/_functorch/aot_autograd.py, "Deferring tensor pack/unpack hooks until
+runtime"), so torchtune's OffloadActivations (llmem.runtime.offload) packs each tensor the compiled layer's autograd
+Function saves (runtime_wrappers.py, ctx.save_for_backward) as it packs an eager op's, under checkpointing the
+layer's input only (the checkpoint's own hooks take the recompute's). Nor is torchao's NF4 base (torchtune's QLoRA):
+the emulated LinearNF4 (llmem.runtime.quant_kernels) is get_original_weight op for op, which dynamo traces into the
+layer's graph as it traces NF4Tensor's `to`; the partitioner keeps each base linear's dequantised weight for
+backward (tests/runtime/test_compile.py), one layer's worth at a time under checkpointing.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ class ActivationOffload:
     Unlike torchtune (which tests isinstance(Parameter) only), views of parameters - the transposed weight a linear
     saves - stay too: copying a weight that stays on the device anyway would only add weight-sized transients.
 
+    The host copy keeps the saved tensor's layout (torchtune's `torch.empty_like(activation, device="cpu")`, then
+    `.to("cuda")`: the strides of a dense tensor preserved): a compiled layer's backward views its saved tensors as
+    the partitioned forward laid them out (SDPA's output in [b, s, heads, d] strides, llmem.runtime.compile).
     On fake tensors the host copy is a meta tensor made outside the fake mode (no device memory, nothing for the
     tracer to count) and the unpacked copy is a new device tensor (counted)."""
 
@@ -52,10 +55,10 @@ class ActivationOffload:
         if is_fake_tensor(t):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            with unset_fake_temporarily():
-                host = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            with unset_fake_temporarily():     # empty_like's layout: the strides kept where dense
+                host = torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
         else:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
         return (t.device, host)
 
@@ -64,6 +67,6 @@ class ActivationOffload:
             return packed
         device, host = packed
         if host.device.type == "meta":
-            return torch.empty(host.shape, dtype=host.dtype, device=device)
+            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         return host.to(device, non_blocking=True)
 

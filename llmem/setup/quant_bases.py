@@ -61,6 +61,10 @@ class QuantBaseSpec:
     # Params4bit, packed in the compute dtype: FSDP-QLoRA); torchao's NF4Tensor copies through its subclass (not
     # modelled)
     host_offload: bool = False
+    # torch.compile traces its dequantisation into each compiled layer's graph (torchao's NF4Tensor: a traceable
+    # subclass whose `to` is get_original_weight's torch ops, torchao/dtypes/nf4tensor.py); bitsandbytes' CUDA
+    # kernels are not laid out compiled
+    compiled: bool = False
     adapter_kind: str = "LoRA"       # what LoRA adapters on this base are called (QLoRA: LoRA on a 4-bit NF4 base)
     base_text: str = ""              # the setup record's words for it ("nf4 base")
     check: Callable[[Any, str], None] | None = None   # the precisions / adapter dtypes its recipe trains in
@@ -89,7 +93,8 @@ QUANT_BASES: dict[str, QuantBaseSpec] = {q.name: q for q in (
                   "(--lora-rank)", "bitsandbytes", True, kbit_prep=True, fsdp_shards=False, base_text="int8 base",
                   check=_check_int8),
     QuantBaseSpec("torchao-nf4", "--qlora-torchao", "frozen base in torchao's NF4Tensor (torchtune's QLoRA); needs "
-                  "adapters (--lora-rank)", "torchao", True, adapter_kind="QLoRA", base_text="torchao nf4 base",
+                  "adapters (--lora-rank)", "torchao", True, compiled=True, adapter_kind="QLoRA",
+                  base_text="torchao nf4 base",
                   check=_check_torchao),
 )}
 QUANTISED = tuple(name for name, q in QUANT_BASES.items() if q.quantised)

@@ -217,15 +217,19 @@ CKPT_OFFLOAD = FeatureSupport("--ckpt-offload", lambda c: c.setup.ckpt_offload_s
 ))
 
 # --compile: each decoder layer compiled (llmem.runtime.compile), its activations learned with the real compile
-# pipeline on a copy run on one GPU (llmem.learn): what that copy and the compiled layer cannot stand for is refused
+# pipeline on a copy run on one GPU (llmem.learn): what that copy and the compiled layer cannot stand for is refused.
+# Offloaded activations are not: torchtune's OffloadActivations hooks pack what the compiled layer's autograd
+# Function saves at run time (torch/_functorch/aot_autograd.py: saved-tensor hooks deferred until runtime); nor is
+# torchao's NF4 base, whose dequantisation dynamo traces into the layer's graph (QuantBaseSpec.compiled)
 COMPILE = FeatureSupport("--compile", lambda c: c.setup.compile, (
     _one_device_kernel("--compile"),
-    Refusal("a quantised base, selective checkpointing, offloaded activations, Liger, TRL's objectives",
-            lambda c: c.setup.quant_spec.quantised or AC_POLICIES[c.setup.ac_policy].selective
-            or c.setup.offload_activations or c.setup.liger != "none" or c.setup.objective_spec.runs_trainer,
-            "--compile is modelled on a full fine-tune or peft adapters of an unquantised base (sft, full or no "
-            "checkpointing, activations on the device, HF's modules): drop the quantised base / --ac-policy op / "
-            "--offload-activations / --liger / --objective, or drop --compile"),
+    Refusal("a bitsandbytes base, selective checkpointing, Liger, TRL's objectives",
+            lambda c: (c.setup.quant_spec.quantised and not c.setup.quant_spec.compiled)
+            or AC_POLICIES[c.setup.ac_policy].selective or c.setup.liger != "none"
+            or c.setup.objective_spec.runs_trainer,
+            "--compile is modelled on a full fine-tune or peft adapters of an unquantised or torchao NF4 base (sft, "
+            "full or no checkpointing, HF's modules): drop the bitsandbytes base (or use --qlora-torchao) / "
+            "--ac-policy op / --liger / --objective, or drop --compile"),
     Refusal("--float8", lambda c: c.setup.float8 != "none",
             "--compile with --float8 is not modelled (inductor fuses Float8Linear's casts, which the estimate lays "
             "out one by one): drop one of them"),

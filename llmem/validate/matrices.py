@@ -159,8 +159,20 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-qwen2", "fsdp", 2, precision="bf16-mixed", compile=True, grad_ckpt=True, batch_size=2, seq_len=256),
     _s("tiny-mistral", precision="bf16-mixed", compile=True, attn="flash", batch_size=2, seq_len=256, lora_rank=16,
        lora_targets="all-linear"),
+    # ... over torchao's NF4 base (the dequantisation in each layer's graph); torchtune's QLoRA recipe (checkpointed
+    # and offloaded, the chunked loss compiled)
+    _s("tiny-llama", precision="bf16", optimizer="sgd", quant_base="torchao-nf4", lora_rank=8, adapter_dtype="base",
+       compile=True, batch_size=2, seq_len=256),
+    _s("tiny-llama", precision="bf16", quant_base="torchao-nf4", lora_rank=8, adapter_dtype="base", compile=True,
+       grad_ckpt=True, offload_activations=True, output_chunks=8, batch_size=2, seq_len=256),
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, batch_size=2, seq_len=256),
     _s("gpt2", precision="bf16", optimizer="sgd", offload_activations=True, batch_size=4, seq_len=512),
+    # ... around compiled layers (torchtune's OffloadActivations packs what the compiled Function saves): the
+    # layer's saved tensors on the host; torchtune's LoRA recipe (checkpointed input on the host, chunked loss)
+    _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", offload_activations=True, compile=True, batch_size=2,
+       seq_len=256),
+    _s("tiny-llama", precision="bf16", optimizer="sgd", output_chunks=8, offload_activations=True, grad_ckpt=True,
+       compile=True, lora_rank=8, adapter_dtype="base", batch_size=1, seq_len=256),
     # offloading under checkpointing (torchtune's: the checkpointed layer inputs on the host until recompute)
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", grad_ckpt=True, offload_activations=True, batch_size=2,
        seq_len=256),

@@ -36,6 +36,22 @@ def test_a_keyed_field_changes_the_key(lora, changes):
     assert learning_key(resolve(TrainingSetup(**base))) != learning_key(resolve(TrainingSetup(**base, **changes)))
 
 
+def test_a_compiled_nf4_base_is_learned_under_its_own_key(monkeypatch):
+    """--compile over torchao's NF4 base: the dequantisation is ops of the compiled layer's graph, learned with it
+    (a key of its own: the unquantised compiled layer's file would miss them); eager, the schedule lays the
+    dequantisation out itself and the base is not learned (bitsandbytes' base under --compile is refused)."""
+    from llmem.memory.activations.learned import learning_need
+
+    monkeypatch.setenv("LLMEM_LEARN", "always")
+    base = dict(model="tiny-llama", precision="bf16", batch_size=2, seq_len=128, lora_rank=8, adapter_dtype="base")
+    nf4 = resolve(TrainingSetup(**base, quant_base="torchao-nf4", compile=True))
+    assert learning_need(nf4) == (True, "")
+    assert learning_key(nf4) != learning_key(resolve(TrainingSetup(**base, compile=True)))
+    for quant in ("torchao-nf4", "nf4"):
+        need, why = learning_need(resolve(TrainingSetup(**base, quant_base=quant)))
+        assert not need and why.startswith("a quantised base")
+
+
 def test_a_generation_objective_learns_the_plain_step():
     base = dict(model="tiny-llama", precision="bf16", batch_size=2, seq_len=128)
     grpo = TrainingSetup(**base, objective="grpo", num_generations=2, max_completion_length=64)

@@ -197,6 +197,27 @@ def test_offload_packs_activations_but_not_parameters_or_small_tensors():
         assert off.pack(act) is act                                 # after the lm_head: not offloaded
 
 
+def test_offload_gives_back_the_saved_layout():
+    """torchtune's host copy is `torch.empty_like(activation, device="cpu")` and comes back by `.to("cuda")`: a dense
+    tensor's strides survive (SDPA's output as [b, s, heads, d] in [b, heads, s, d] memory, which a compiled backward
+    views as saved); a non-dense slice comes back dense in its dimensions' order, as empty_like on real CPU
+    tensors makes it (checked here against torch.empty_like of a real tensor of that layout)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem.runtime.offload import ActivationOffload
+
+    off = ActivationOffload(None)
+    off.active = True
+    with FakeTensorMode():
+        out = torch.empty(2, 8, 256, 64).transpose(1, 2)           # strides (131072, 64, 16384, 1)
+        back = off.unpack(off.pack(out))
+        assert back.shape == out.shape and back.stride() == (131072, 64, 16384, 1)
+        sliced = out[:, :, :3]                                       # not dense
+        back = off.unpack(off.pack(sliced))
+    real = torch.empty(2, 8, 256, 64).transpose(1, 2)[:, :, :3]
+    assert back.stride() == torch.empty_like(real, device="cpu").stride() == (3 * 256 * 64, 64, 256 * 64, 1)
+
+
 def _live_activations_at_backward(setup: TrainingSetup) -> int:
 
     act = activation_profile(resolve(setup))

@@ -24,10 +24,15 @@ B, S = 2, 128
 TINY_LLAMA = Path(llmem.__file__).parent / "model" / "catalog" / "tiny" / "tiny-llama.json"
 
 
-def _saved_by_autograd(compiled: bool) -> list[int]:
+def _saved_by_autograd(compiled: bool, setup=None) -> list[int]:
     """The bytes of each storage autograd is handed to save in decoder layer 1's forward (bf16, SDPA), parameters
-    and the batch-free rotary cos / sin left out."""
+    and the batch-free rotary cos / sin left out; `setup`: its quantised base and adapters built as the step builds
+    them (torchao's NF4 emulation, peft)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmem.runtime.build import apply_peft, materialize
+    from llmem.runtime.distributed import layer_list
+    from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
 
     fields = json.loads(TINY_LLAMA.read_text())
     cfg = AutoConfig.for_model(**{k: v for k, v in fields.items() if k != "architectures"})
@@ -41,16 +46,23 @@ def _saved_by_autograd(compiled: bool) -> list[int]:
             saved[id(storage)] = storage.nbytes()
         return t
 
-    with FakeTensorMode():
-        torch.set_default_dtype(torch.bfloat16)
-        try:
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):      # built on the meta device, as the step builds it, then made fake
             model = AutoModelForCausalLM.from_config(cfg)
-        finally:
-            torch.set_default_dtype(torch.float32)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if setup is not None:
+        quantize_base(model, setup, fake=True)
+        model = apply_peft(model, setup)
+        wrap_quant_adapters(model, setup)
+    with FakeTensorMode():
+        materialize(model, "cpu")
         if compiled:
             compile_layers(model)
-        params = {id(p.untyped_storage()) for p in model.parameters()}
-        layer = model.model.layers[1]
+        params = {id(p.untyped_storage()) for p in model.parameters()} \
+            | {id(b.untyped_storage()) for b in model.buffers()}
+        layer = layer_list(model)[1]
         layer.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
         layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -58,8 +70,8 @@ def _saved_by_autograd(compiled: bool) -> list[int]:
     return sorted(saved.values())
 
 
-def _learned_kept(compiled: bool) -> list[int]:
-    r = resolve(user_setup(model="tiny-llama", batch_size=B, seq_len=S, precision="bf16", compile=compiled))
+def _learned_kept(compiled: bool, **fields) -> list[int]:
+    r = resolve(user_setup(model="tiny-llama", batch_size=B, seq_len=S, precision="bf16", compile=compiled, **fields))
     recipe = learned_activations(r).recipe(B, S)
     # CUDA's flash kernel's RNG seed and offset (8 and 16 bytes, the trace's emulation of the kernel) aside
     return sorted(int(n) for b in recipe.blocks for n in b.tensors if n >= 1024)
@@ -71,6 +83,24 @@ def test_a_compiled_layer_keeps_what_autograd_saves(monkeypatch):
     assert kept == _saved_by_autograd(compiled=True)
     # the partitioner recomputes what eager autograd keeps (the MLP's activation among them): less is kept
     assert sum(kept) < sum(_saved_by_autograd(compiled=False))
+
+
+def test_a_compiled_layer_over_torchao_nf4_keeps_what_autograd_saves(monkeypatch):
+    """torchtune's QLoRA compiled: dynamo traces the NF4 dequantisation into the layer's graph, and the partitioner
+    keeps each base linear's dequantised bf16 weight for backward (tiny-llama at 2 x 128 tokens: 4 x [512, 512] and
+    3 x [1376, 512], no [256, *] tensor of those sizes) on top of what the unquantised compiled layer keeps."""
+    monkeypatch.setenv("LLMEM_LEARN", "auto")
+    fields = dict(quant_base="torchao-nf4", lora_rank=8, adapter_dtype="base")
+    setup = user_setup(model="tiny-llama", batch_size=B, seq_len=S, precision="bf16", compile=True, **fields)
+    kept = _learned_kept(compiled=True, **fields)
+    saved = _saved_by_autograd(compiled=True, setup=setup)
+    assert kept == saved
+    dense = _saved_by_autograd(compiled=True, setup=user_setup(model="tiny-llama", batch_size=B, seq_len=S,
+                                                               precision="bf16", lora_rank=8, adapter_dtype="base"))
+    extra = list(saved)
+    for n in dense:
+        extra.remove(n)
+    assert sorted(extra) == [512 * 512 * 2] * 4 + [1376 * 512 * 2] * 3
 
 
 @pytest.mark.parametrize("flags, refused", [

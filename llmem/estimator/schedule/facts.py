@@ -174,9 +174,11 @@ def step_facts(r: ResolvedSetup, act: ActivationProfile, layers: int | None = No
         fsdp=fsdp, shards=layout.shard_degree, cpu_offload=cpu_offload(r), host_step=host_step,
         reshard=r.method.reshard_after_forward, post_forward_ranks=post_forward_ranks(r),
         gather_bytes=setup.gather_bytes, reduce_bytes=setup.reduce_bytes, quant_args=q_args,
-        quant_tmp={p.name: transients(p.shape, setup.quant_base, q_args, t, setup.compute_dtype == "float16",
-                                      p.module_kind == "Conv1D")
-                   for p in facts.kept if facts.quantised[p.name]},
+        # (none laid out in a compiled layer: its graph's dequantisation is learned with it, learning_need)
+        quant_tmp={} if act.compiled else {
+            p.name: transients(p.shape, setup.quant_base, q_args, t, setup.compute_dtype == "float16",
+                               p.module_kind == "Conv1D")
+            for p in facts.kept if facts.quantised[p.name]},
         fp32_behind_quant=fp32_behind_quant(setup.quant_base, r.regime),
         in_backward=setup.optimizer_in_backward and not host_step,
     )

@@ -39,12 +39,13 @@ LEARN_FORMAT = 2
 KEYED_FIELDS = ("model", "trust_remote_code", "method", "precision", "gpu", "lora_rank", "lora_alpha", "lora_targets",
                 "lora_dropout", "peft_config", "adapter_dtype", "attn", "packing", "ep", "ep_imbalance", "ac_policy",
                 "compile", "images_per_sample", "image_size", "max_pixels", "freeze_vision_tower", "freeze_projector",
-                "freeze_language_model", "grad_ckpt", "objective", "liger", "float8", "float8_all_gather")
+                "freeze_language_model", "grad_ckpt", "objective", "liger", "float8", "float8_all_gather",
+                "quant_base")
 # fields that change nothing a decoder layer keeps in the learning run, and why
 LAYER_FREE_FIELDS = {
     "gpu_memory": "the device's size", "cuda_context": "memory outside the allocator",
-    "quant_base": "a quantised base is not learned (learning_need)", "kbit_upcast": "a quantised base's",
-    "double_quant": "a quantised base's",
+    "kbit_upcast": "a bitsandbytes base's (not learned: learning_need)",
+    "double_quant": "a bitsandbytes base's (not learned: learning_need)",
     "loss_type": "the loss, after the layers", "precompute_ref_log_probs": "the reference's forward, no graph",
     "ref_dtype": "the reference copy's weights", "prompt_len": "which tokens the loss reads",
     "max_length": "a truncation --seq-len already holds", "beta": "a loss weight",
@@ -261,7 +262,9 @@ def learning_need(r: ResolvedSetup) -> tuple[bool, str]:
         return False, ""
     if r.layout.tp > 1:
         return False, "tensor parallelism (the copy runs on one GPU; its heads would not split the same way)"
-    if setup.quant_spec.quantised:
+    # a quantised base compiled with the layer (torchao's NF4): its dequantisation is ops of the layer's graph,
+    # learned with it (the schedule lays out no transients of its own then: StepFacts.quant_tmp)
+    if setup.quant_spec.quantised and not (setup.compile and setup.quant_spec.compiled):
         return False, ("a quantised base (the schedule lays out bitsandbytes' transients itself; the emulated "
                        "kernels' buffers are not told apart from the layer's tensors yet)")
     if anatomy.peft is not None and _uneven(r):
@@ -284,7 +287,7 @@ def learning_key(r: ResolvedSetup) -> dict:
     memo = (id(r.base), id(r.anatomy), setup.peft_config, setup.lora_rank, setup.lora_alpha, setup.lora_targets, setup.lora_dropout,
             setup.precision, setup.adapter_dtype, setup.attn, setup.packing, setup.trust_remote_code, r.regime,
             r.gpu.compute_capability, r.layout.ep, setup.ep_imbalance, setup.ac_policy, own_shape(setup),
-            vision_fields(setup), setup.objective, setup.liger, setup.float8, setup.float8_all_gather)
+            vision_fields(setup), setup.objective, setup.liger, setup.float8, setup.float8_all_gather, setup.quant_base)
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is r.base and hit[1] is r.anatomy:
         return hit[2]
@@ -315,6 +318,8 @@ def _learning_key(r: ResolvedSetup) -> dict:
             **({"ac_policy": setup.ac_policy} if AC_POLICIES[setup.ac_policy].selective else {}),
             # --compile: the layers compiled (llmem.runtime.compile), learned at the micro-batch's own shape
             **({"compile": list(own_shape(setup))} if setup.compile else {}),
+            # ... over a quantised base whose dequantisation is compiled with the layer (learning_need)
+            **({"quant_base": setup.quant_base} if setup.quant_spec.quantised else {}),
             # a vision-language step: its images and frozen parts, learned at the micro-batch's own shape
             **({"vision": [*vision_fields(setup), *own_shape(setup)]} if setup.images_per_sample else {}),
             # a TRL trainer's step runs in the learning copy (disable_dropout_in_model, its collator's batch)

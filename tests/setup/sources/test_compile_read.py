@@ -33,12 +33,12 @@ def test_torchtune_compile_off_stays_off(tmp_path):
     assert not {k for k in approximate(fs) if k.startswith("compile")}
 
 
-def test_compile_with_a_quantised_base_is_kept_as_an_ignored_key(tmp_path):
+def test_torchtune_qlora_compile_is_each_layer_compiled_over_the_nf4_base(tmp_path):
+    """torchtune's QLoRA recipe compiles its layers over torchao's NF4Tensor weights (the dequantisation traced into
+    each layer's graph): read as --compile, not an ignored key."""
     fs = _torchtune(tmp_path, "qlora-single-device.yaml", "compile: True")
-    assert fs.setup.compile is False                      # the layers run eagerly in the estimate
-    ignored = {i.key: i.why for i in fs.record.ignored}
-    assert ignored["compile"].startswith("--compile is modelled on a full fine-tune or peft adapters")
-    assert "compile" in approximate(fs)
+    assert fs.setup.compile is True and fs.setup.quant_base == "torchao-nf4"
+    assert "compile" not in {i.key for i in fs.record.ignored}
 
 
 def _titan_without_float8() -> str:
