@@ -20,7 +20,9 @@ tensors where the device map says, the host by default):
   modifier_rank=0) to copy it in.
 
 Saving (what HF's Trainer runs at a checkpoint: the model, then the optimizer; the step's weights and optimizer
-states stay on the GPU throughout, gradients freed by zero_grad(set_to_none=True)):
+states stay on the GPU throughout, and so do DDP's gradient buckets (the Reducer's, for the module's lifetime) and
+the cuBLAS workspace (made at the first matmul, kept by the allocator for its handle); gradients freed by
+zero_grad(set_to_none=True)):
 - `save_pretrained_from_device`: rank 0's save_pretrained (safetensors copies each tensor of a shard to the host and
   keeps it until the shard is written; shards of 50 GB, transformers 5's max_shard_size) and torch.save of the
   optimizer's state dict (one storage copied to the host at a time).
@@ -89,7 +91,8 @@ class PhaseBytes:
     trained_bytes: int             # the trained parameters (peft: the adapters), as stored
     trained_16bit_bytes: int       # ... in the compute dtype (ZeRO-3's consolidated adapters)
     largest_param_bytes: int       # one parameter, as stored
-    largest_unit_bytes: int        # FSDP2: one unit's parameters (a decoder layer, an embedding, the tail)
+    largest_unit_bytes: int        # FSDP2: the parameters moved whole at once (a decoder layer, or the embedding
+                                   # and the tail together: fsdp2_prepare_model_units)
     largest_module_16bit_bytes: int   # DeepSpeed: one module's own parameters, 16-bit (GatheredParameters' unit)
     fsdp_shard_bytes: int          # FSDP2: this rank's padded dim-0 shards of every parameter, as stored
     zero3_partition_16bit_bytes: int  # ZeRO-3: this rank's 16-bit partitions (ceil(numel / dp) each)
@@ -97,7 +100,8 @@ class PhaseBytes:
     optimizer_shard_bytes: int     # FSDP2: the states of this rank's shards
     largest_state_bytes: int       # one state tensor, unsharded
     zero_flat_bytes: int           # DeepSpeed: the largest fp32 flat partition a rank's torch.save copies at once
-    resident_bytes: int            # the step's weights and optimizer states on one GPU between steps
+    resident_bytes: int            # what the step keeps on one GPU between steps: weights, optimizer states, DDP's
+                                   # buckets and cuBLAS's workspace (as eval_phase's)
     cpu_offload: bool = False      # FSDP2's CPUOffloadPolicy: the sharded parameters live on the host
 
 
@@ -121,7 +125,8 @@ def _fsdp2_resident(b: PhaseBytes) -> tuple[int, int]:
 
 def fsdp2_prepare_from_host(b: PhaseBytes) -> tuple[int, int]:
     """fsdp2_prepare_model without cpu_ram_efficient_loading: the model on every rank's host; _move_states_to_device
-    puts one unit's tensors whole on the GPU, FSDPParam keeps this rank's shard of them."""
+    puts one unit's tensors whole on the GPU, FSDPParam keeps this rank's shard of them (the whole ones die as
+    fully_shard returns, the embedding's and the output's not: see fsdp2_prepare_model_units)."""
     device, host = _fsdp2_resident(b)
     return device + b.largest_unit_bytes, host + b.ranks_per_node * b.model_bytes
 
@@ -231,17 +236,14 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
     states = [r.optimizer.states(p.shape, element_bytes(p, s)) for p in trained]
     shard_numel = [ceil(p.shape[0] / shard_ranks) * prod(p.shape[1:]) if p.shape else 1 for p in params]
     modules: dict[str, int] = defaultdict(int)
-    units: dict[object, int] = defaultdict(int)
-    for p, nbytes in zip(params, stored, strict=True):
+    for p in params:
         modules[p.name.rsplit(".", 1)[0]] += p.numel * b16
-        root_unit = p.name if p.module_kind.endswith("Embedding") else "tail"   # accelerate's embed and tail units
-        units[p.layer_index if p.layer_index is not None else root_unit] += nbytes
     return PhaseBytes(
         ranks_per_node=min(r.layout.gpus_per_node, r.layout.world_size), shard_ranks=shard_ranks,
         model_bytes=sum(stored), model_16bit_bytes=r.anatomy.total_params * b16,
         trained_bytes=sum(p.numel * element_bytes(p, s) for p in trained),
         trained_16bit_bytes=r.anatomy.trainable_params * b16,
-        largest_param_bytes=max(stored, default=0), largest_unit_bytes=max(units.values(), default=0),
+        largest_param_bytes=max(stored, default=0), largest_unit_bytes=fsdp2_prepare_model_units(params, stored),
         largest_module_16bit_bytes=max(modules.values(), default=0),
         fsdp_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)),
         zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
@@ -250,8 +252,37 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
                                   for p, n in zip(params, shard_numel, strict=True) if p.trainable),
         largest_state_bytes=max((max(st, default=0) for st in states), default=0),
         zero_flat_bytes=_zero_flat_bytes(r, [p.numel for p in trained], shard_ranks),
-        resident_bytes=ms.weights + ms.optimizer_states,
+        resident_bytes=between_steps_bytes(r, ms),
         cpu_offload=s.fsdp_cpu_offload)
+
+
+def between_steps_bytes(r: ResolvedSetup, ms: ModelStates) -> int:
+    """What the step keeps on one GPU between steps, where a checkpoint is saved: the weights, the optimizer's
+    states, cuBLAS's workspace (the allocator keeps it from the first matmul), DDP's Reducer buckets (the module's
+    lifetime), and under ZeRO-3 the gradient partitions' buffer and the IPG bucket (llmem.estimator.moments'
+    zero_moments holds them through the step; ZeRO-1/2's are the backward's only)."""
+    held = ms.weights + ms.optimizer_states + r.gpu.cublas_workspace_bytes
+    stage = r.method.zero_stage
+    if stage is None:
+        return held + ms.ddp_buckets
+    return held + (ms.gradients + ms.ddp_buckets if stage == 3 else 0)
+
+
+def fsdp2_prepare_model_units(params, stored: list[int]) -> int:
+    """The most parameter bytes accelerate's fsdp2_prepare_model (accelerate 1.16 utils/fsdp_utils.py) has whole on
+    the GPU at once when it shards a host model: a decoder layer's (its whole tensors die as its fully_shard
+    returns), or the parameters outside the layers together: it reads `input_weight` / `output_weight` (the
+    embedding's and the output's parameters) before carving the embedding unit and the tail [final norm, lm_head],
+    and those locals keep the parameters fully_shard moved to the device whole until preparation returns, so the
+    tail's are moved while the embedding's are still held (traced: llmem.runtime.loading)."""
+    layers: dict[int, int] = defaultdict(int)
+    outside = 0
+    for p, nbytes in zip(params, stored, strict=True):
+        if p.layer_index is None:
+            outside += nbytes
+        else:
+            layers[p.layer_index] += nbytes
+    return max(max(layers.values(), default=0), outside)
 
 
 def _zero_flat_bytes(r: ResolvedSetup, numels: list[int], dp: int) -> int:

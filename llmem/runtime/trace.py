@@ -18,12 +18,14 @@ from collections.abc import Callable
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.model.vision_inputs import vision_inputs
-from llmem.result import MemoryResult
+from llmem.result import EVAL_PHASE, MemoryResult
 from llmem.runtime.evaluation import eval_job_phase, eval_trace_notes, eval_traced, evaluation_loop
+from llmem.runtime.job_trace import load_phases, phase_trace_notes
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.pipeline import fresh_sharding_cache
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
+from llmem.runtime.saving import run_save, save_job_phase, save_run
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.eval_phase import kept_steps
@@ -80,7 +82,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
         from llmem.runtime.deepspeed import deepspeed_step
 
         result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
-        result.job_notes = eval_trace_notes(setup, [])
+        result.job_notes = eval_trace_notes(setup, []) + phase_trace_notes(setup, [])
         return result, details
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
@@ -106,13 +108,21 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                 say("evaluating")
                 roles.on_phase("eval", iterations)
                 evaluation_loop(step, kept_steps(setup, step.layout.world_size))
+            traced_save, host_before_save = save_run(setup) is not None, ledger.host_now
+            if traced_save:
+                say("saving a checkpoint")
+                run_save(step, ledger, roles)
             roles.finish()
             ledger.enabled = False
             resolved = step.resolved
             managed = getattr(step.optimizer, "outside_allocator_bytes", 0)
             del step
     say("replaying the allocator")
+    node_ranks = min(resolved.layout.gpus_per_node, resolved.layout.world_size)
+    saved = [save_job_phase(ledger, setup, host_before_save, node_ranks)] if traced_save else []
     job = eval_job_phase(ledger, setup, step_events) if traced_eval else []
+    ledger.events = ledger.events[:step_events]
+    job = load_phases(setup, progress=say) + job + saved
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(resolved.layout, setup, "trace")
@@ -125,7 +135,8 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     result.job_phases = job
-    result.job_notes = eval_trace_notes(setup, job)
+    result.job_notes = eval_trace_notes(setup, [p for p in job if p.name == EVAL_PHASE]) + \
+        phase_trace_notes(setup, job)
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 
