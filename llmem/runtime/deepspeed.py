@@ -66,6 +66,7 @@ from llmem.errors import LlmemError
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.families import text_config
 from llmem.result import MemoryResult
+from llmem.runtime.ds_saving import ds_save_job_phase, ds_save_traced, run_ds_save
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.patches import patched
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
@@ -452,6 +453,17 @@ def notes_of(setup: TrainingSetup, world_size: int, stage: int, fake: bool) -> l
     return notes
 
 
+def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, hooks: StepHooks,
+                    say: Callable[[str], None]) -> tuple[int, int] | None:
+    """The checkpoint HF Trainer saves after the iterations, where traced (llmem.runtime.ds_saving): its host
+    bytes (rank 0's consolidation, the node's checkpoint), None where not traced."""
+    if not ds_save_traced(step.setup):
+        return None
+    say("saving a checkpoint")
+    node_ranks = min(prepared.layout.gpus_per_node, prepared.layout.world_size)
+    return run_ds_save(step.engine, ledger, hooks.on_phase, step.setup, node_ranks)
+
+
 def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
                    cuda_kernels: bool = True, fake: bool = True) -> tuple[MemoryResult, TraceDetails]:
     """Run `iterations` steps of DeepSpeed's engine for a ds-zero set-up (rank 0 of its GPUs on a fake process
@@ -501,12 +513,15 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
                     trl_step.bind(step.engine)
                     run_objective(trl_step, iterations, say)
                     del trl_step
+                step_events, saved_host = len(ledger.events), save_checkpoint(step, prepared, ledger, hooks, say)
             roles.finish()
             ledger.enabled = False
             resolved = prepared.resolved
             world = prepared.layout.world_size
             del step, prepared
     say("replaying the allocator")
+    saved = [ds_save_job_phase(ledger, setup, saved_host)] if saved_host is not None else []
+    ledger.events = ledger.events[:step_events]      # the step's answer: its iterations
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
@@ -520,6 +535,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
+    result.job_phases = saved
     if objective_spec(setup.objective).generates:     # GRPO's / RLOO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 

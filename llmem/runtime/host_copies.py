@@ -8,7 +8,7 @@ The trace's tensors are all fake cpu tensors, so `t.to("cpu")` of a "GPU" tensor
 - `Tensor.to` / `Tensor.cuda` / `Module.to` towards "cuda" runs on the fake cpu device; from a host tensor it is a
   real copy (a device allocation), as `model.to(device)` and FSDP2's `_move_states_to_device` make one;
 - a factory (`torch.empty`, `empty_like`, ...) given device "cuda" makes a device tensor, one given "cpu" a host
-  tensor (to_empty's, DCP's read buffers).
+  tensor (to_empty's, DCP's read buffers), but under DeepSpeed, whose CPU accelerator names the device "cpu".
 Everything else runs as the step runs it. A new storage made by an op on host tensors (a host clone) is counted as
 a device allocation: the paths traced here make none (their host tensors are copies and views only).
 """
@@ -62,9 +62,10 @@ def _on_cpu(args: tuple, kwargs: dict, where: int | None) -> tuple[tuple, dict]:
 class HostAndDevice(TorchFunctionMode):
     """The copies between host and device on the one fake device (module docstring)."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, host_factories: bool = True) -> None:
         super().__init__()
         self.ledger = ledger
+        self.factories = _FACTORIES if host_factories else frozenset()
 
     def _copy(self, func, args: tuple, kwargs: dict, to_host: bool):
         led = self.ledger
@@ -92,7 +93,7 @@ class HostAndDevice(TorchFunctionMode):
                 if (kind == "cpu") != host:               # a copy across: host <- device, or device <- host
                     return self._copy(func, args, kwargs, to_host=kind == "cpu")
             return func(*args, **kwargs)
-        if func in _FACTORIES:
+        if func in self.factories:
             kind = _device_type(kwargs.get("device"))
             if kind in ("cpu", "cuda"):
                 kwargs = {**kwargs, "device": "cpu"}
@@ -102,9 +103,10 @@ class HostAndDevice(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def host_and_device(ledger: Ledger) -> Iterator[None]:
-    """Run the block with the host <-> device copies made (module docstring)."""
-    with HostAndDevice(ledger):
+def host_and_device(ledger: Ledger, host_factories: bool = True) -> Iterator[None]:
+    """Run the block with the host <-> device copies made (module docstring). host_factories=False: a factory
+    given "cpu" is the device's (DeepSpeed's CPU accelerator names its device "cpu": llmem.runtime.deepspeed)."""
+    with HostAndDevice(ledger, host_factories):
         yield
 
 

@@ -5,8 +5,7 @@ iterations (llmem.runtime.saving.run_save)."""
 from __future__ import annotations
 
 from llmem.result import JobPhase
-from llmem.runtime.loading import load_phases, load_run
-from llmem.runtime.saving import save_run
+from llmem.runtime.loading import load_phases, phases_untraced
 from llmem.setup.job_phases import load_path, save_kind
 from llmem.setup.methods import method_spec
 from llmem.units import format_bytes
@@ -17,28 +16,33 @@ __all__ = ["load_phases", "phase_trace_notes"]
 UNTRACED = {
     "cpu-ram-efficient": "accelerate's fsdp2_load_full_state_dict moves each full tensor to the mesh's device type, "
                          "which on the fake mesh is the host's: its broadcast buffer cannot be told from the host copy",
-    "zero-init": "DeepSpeed's zero.Init and engine run in llmem.runtime.deepspeed's own trace, without the phases",
+    "deepspeed-load": "llmem.runtime.deepspeed's engine is handed the model built whole on the fake device; "
+                      "zero.Init's partitioning at construction and the engine's move are not run",
 }
 
 
 def _untraced(name: str, kind: str, setup) -> str:
+    why = phases_untraced(setup)
+    if why is not None:
+        return f"{name} ({kind}) is not traced under {why}: the estimate's phase is analytic"
     why = UNTRACED.get(kind)
-    if why is None and method_spec(setup.method).zero_stage is not None:
-        why = UNTRACED["zero-init"]
-    return f"{name} ({kind}) is not traced: {why or 'its framework code does not run on the fake tensors here'}"
+    if why is None and name == "load" and method_spec(setup.method).zero_stage is not None:
+        why = UNTRACED["deepspeed-load"]
+    return f"{name} ({kind}) is not traced: {why or 'the trace does not run this path (yet)'}; the estimate's " \
+        "phase is analytic"
 
 
 def phase_trace_notes(setup, job: list[JobPhase]) -> list[str]:
     """One note per loading / saving phase: traced (device bytes per GPU, host bytes per node) or not and why."""
     notes = []
     traced = {p.name: p for p in job}
-    for name, row, runs in (("load", load_path(setup), load_run(setup)), ("save", save_kind(setup), save_run(setup))):
+    for name, row in (("load", load_path(setup)), ("save", save_kind(setup))):
         if row is None:
             continue
         phase = traced.get(name)
         if phase is not None:
             notes.append(f"{name} ({row.name}) traced: {format_bytes(phase.device_bytes)} of tensors per GPU at its "
                          f"peak, {format_bytes(phase.host_bytes)} of host tensors per node")
-        elif runs is None:
+        else:
             notes.append(_untraced(name, row.name, setup))
     return notes

@@ -121,10 +121,28 @@ LOAD_RUNS: dict[tuple[str, str], Callable] = {
 }
 
 
+def phases_untraced(setup) -> str | None:
+    """Why the trace runs neither the loading nor the saving code for the set-up (None: it runs them where a path
+    is in LOAD_RUNS / SAVE_RUNS): set-ups whose model or trainer the phases' code paths were not checked against."""
+    from llmem.model.resolved import resolve
+    from llmem.model.vision import vision_spec
+
+    for why, applies in (("torch.compile", setup.compile), ("float8 training", setup.float8 != "none"),
+                         (f"--objective {setup.objective} (TRL's trainer)", setup.objective_spec.runs_trainer),
+                         ("offloading to the host", setup.offload_param or setup.steps_on_host),
+                         ("--shard-embeddings", setup.shard_embeddings),
+                         ("--peft-config (adapter types other than LoRA)", bool(setup.peft_config))):
+        if applies:
+            return why
+    if vision_spec(resolve(setup).anatomy.model_type) is not None:
+        return "a vision-language model"
+    return None
+
+
 def load_run(setup) -> Callable | None:
     """What the trace runs for the set-up's loading path (None: not traced)."""
     family, row = phase_family(setup), load_path(setup)
-    if family is None or row is None or setup.offload_param or setup.shard_embeddings or setup.float8 != "none":
+    if family is None or row is None or phases_untraced(setup) is not None:
         return None
     return LOAD_RUNS.get((row.name, family))
 

@@ -32,6 +32,7 @@ import torch
 from llmem.result import JobPhase
 from llmem.runtime.host_copies import host_and_device
 from llmem.runtime.ledger import HOST, PHASE_CODES, Ledger
+from llmem.runtime.loading import phases_untraced
 from llmem.runtime.patches import accelerate_logging_without_state, collectives_waited_in_place, patched
 from llmem.runtime.replay import phase_tensor_peak
 from llmem.setup.job_phases import FSDP2, REPLICATED, phase_family, save_kind
@@ -67,7 +68,7 @@ def _torch_save(ledger: Ledger, obj, f=None, *args, **kwargs) -> None:
 
 
 @contextlib.contextmanager
-def _writes_stubbed(ledger: Ledger) -> Iterator[None]:
+def writes_stubbed(ledger: Ledger) -> Iterator[None]:
     """safetensors, torch.save and DCP write nothing; the host copies they make are made (module docstring)."""
     import safetensors.torch as st
     import torch.distributed.checkpoint as dcp
@@ -131,7 +132,7 @@ EVERY_RANK_SAVES = frozenset({("sharded", FSDP2)})
 def save_run(setup) -> Callable | None:
     """What the trace runs for the set-up's saving kind (None: not traced)."""
     family, row = phase_family(setup), save_kind(setup)
-    if family is None or row is None or setup.offload_param or setup.steps_on_host:
+    if family is None or row is None or phases_untraced(setup) is not None:
         return None
     return SAVE_RUNS.get((row.name, family))
 
@@ -140,7 +141,7 @@ def run_save(step, ledger: Ledger, roles) -> None:
     """The saving code on the traced step (after its iterations), under the ledger's save phase."""
     run = save_run(step.setup)
     roles.on_phase(SAVE_PHASE, 0)
-    with tempfile.TemporaryDirectory() as output_dir, _writes_stubbed(ledger), accelerate_logging_without_state(), \
+    with tempfile.TemporaryDirectory() as output_dir, writes_stubbed(ledger), accelerate_logging_without_state(), \
             collectives_waited_in_place(), host_and_device(ledger):
         run(step, output_dir)
 

@@ -82,7 +82,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
         from llmem.runtime.deepspeed import deepspeed_step
 
         result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
-        result.job_notes = eval_trace_notes(setup, []) + phase_trace_notes(setup, [])
+        result.job_notes = eval_trace_notes(setup, []) + phase_trace_notes(setup, result.job_phases)
         return result, details
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
