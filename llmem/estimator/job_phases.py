@@ -42,7 +42,8 @@ zero_grad(set_to_none=True)):
   it takes accelerate's get_state_dict (the whole module cloned on every rank) before peft keeps the adapters.
 
 Known limitations: the phases are analytic, from the frameworks' code as read (transformers 5.25, accelerate 1.16,
-torch 2.13, DeepSpeed 0.19, peft 0.21), not replayed through the allocator model nor traced on fake tensors;
+torch 2.13, DeepSpeed 0.19, peft 0.21), not replayed through the allocator model (`llmem trace` runs the loading and
+saving code on fake tensors where it can: llmem.runtime.loading, saving, ds_saving);
 device bytes are tensor bytes (no allocator rounding or cache, no CUDA context). The checkpoint is taken to be read in
 the dtype the step stores each parameter (an fp32 upcast of a bf16 checkpoint adds one parameter's copy at a time,
 not counted). Host bytes are the phase's own: file pages of a memory-mapped safetensors checkpoint (the OS's page
@@ -334,7 +335,7 @@ def job_notes(phases: list[JobPhase], step_allocated_bytes: int, allocator_bytes
     names = [p.name for p in phases]
     are = "phases are" if len(names) > 1 else "phase is"
     notes = [f"{_listed(names)} {are} analytic (the frameworks' {_listed([PHASE_WORDS[n] for n in names])} code as "
-             "read, not replayed or traced): tensor bytes per GPU, host RAM per node"]
+             "read; llmem trace runs it on fake tensors where it can): tensor bytes per GPU, host RAM per node"]
     for p in phases:
         if p.device_bytes > allocator_bytes:
             notes.append(f"{p.name} ({p.kind}) needs {format_bytes(p.device_bytes)} per GPU, more than the "
