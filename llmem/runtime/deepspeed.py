@@ -113,7 +113,7 @@ def engine_config(setup: TrainingSetup, stage: int, hidden_size: int, dp: int) -
 
 
 @contextlib.contextmanager
-def _environment(world_size: int) -> Iterator[None]:
+def ds_environment(world_size: int) -> Iterator[None]:
     """RANK_ENV, the world size, and DS_ACCELERATOR=cpu (DeepSpeed's CPU accelerator, without its detection)."""
     values = {**RANK_ENV, "WORLD_SIZE": str(world_size), "DS_ACCELERATOR": "cpu"}
     saved = {k: os.environ.get(k) for k in values}
@@ -166,7 +166,7 @@ def cpu_accelerator() -> Iterator[object]:
 
 
 @contextlib.contextmanager
-def _fresh_comm_state() -> Iterator[None]:
+def fresh_comm_state() -> Iterator[None]:
     """deepspeed.comm keeps its backend (cdb) and deepspeed.utils.groups its process groups in module globals: each
     run starts without them and leaves none behind (the fake process group they refer to is destroyed)."""
     from deepspeed.comm import comm
@@ -491,7 +491,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
         hooks = StepHooks(on_phase=lambda ph, it: roles_box[0].on_phase(ph, it), region=ledger.region)
         with prepared_step(setup, fake=fake, fake_mode=fake_mode, hooks=hooks, cuda_kernels=cuda_kernels and fake,
                            before_model=start_tracking, progress=say) as prepared, \
-                _environment(prepared.layout.world_size), cpu_accelerator() as accelerator, _fresh_comm_state(), \
+                ds_environment(prepared.layout.world_size), cpu_accelerator() as accelerator, fresh_comm_state(), \
                 deepspeed_patches(ledger, accelerator, gpu.memory_bytes, fake):
             trl_step = None
             if setup.objective_spec.runs_trainer:   # TRL's trainer __init__ (its reference engine), before the policy's

@@ -65,7 +65,7 @@ def run_ds_save(engine, ledger: Ledger, on_phase: Callable[[str, int], None], se
     run = DS_SAVE_RUNS[save_kind(setup).name, phase_family(setup)]
     on_phase(SAVE_PHASE, 0)
     with tempfile.TemporaryDirectory() as output_dir, writes_stubbed(ledger), \
-            host_and_device(ledger, host_factories=False):
+            host_and_device(ledger, device_named_cpu=True):
         before = ledger.host_now
         ledger.host_peaks[PHASE_CODES[SAVE_PHASE]] = before
         if run is not None:

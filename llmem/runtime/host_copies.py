@@ -8,7 +8,8 @@ The trace's tensors are all fake cpu tensors, so `t.to("cpu")` of a "GPU" tensor
 - `Tensor.to` / `Tensor.cuda` / `Module.to` towards "cuda" runs on the fake cpu device; from a host tensor it is a
   real copy (a device allocation), as `model.to(device)` and FSDP2's `_move_states_to_device` make one;
 - a factory (`torch.empty`, `empty_like`, ...) given device "cuda" makes a device tensor, one given "cpu" a host
-  tensor (to_empty's, DCP's read buffers), but under DeepSpeed, whose CPU accelerator names the device "cpu".
+  tensor (to_empty's, DCP's read buffers); under DeepSpeed, whose CPU accelerator names the device "cpu", only
+  `.cpu()` is a copy to the host.
 Everything else runs as the step runs it. A new storage made by an op on host tensors (a host clone) is counted as
 a device allocation: the paths traced here make none (their host tensors are copies and views only).
 """
@@ -62,10 +63,11 @@ def _on_cpu(args: tuple, kwargs: dict, where: int | None) -> tuple[tuple, dict]:
 class HostAndDevice(TorchFunctionMode):
     """The copies between host and device on the one fake device (module docstring)."""
 
-    def __init__(self, ledger: Ledger, host_factories: bool = True) -> None:
+    def __init__(self, ledger: Ledger, device_named_cpu: bool = False) -> None:
         super().__init__()
         self.ledger = ledger
-        self.factories = _FACTORIES if host_factories else frozenset()
+        self.device_named_cpu = device_named_cpu
+        self.factories = frozenset() if device_named_cpu else _FACTORIES
 
     def _copy(self, func, args: tuple, kwargs: dict, to_host: bool):
         led = self.ledger
@@ -81,6 +83,8 @@ class HostAndDevice(TorchFunctionMode):
             t = args[0]
             if func is torch.Tensor.to:
                 kind, where = _target(args, kwargs)
+                if self.device_named_cpu and kind == "cpu":     # DeepSpeed's .to(its device's name)
+                    kind = "cuda"
             else:
                 kind, where = ("cpu" if func is torch.Tensor.cpu else "cuda"), None
                 args, kwargs = (t,), {k: v for k, v in kwargs.items() if k == "memory_format"}
@@ -103,10 +107,11 @@ class HostAndDevice(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def host_and_device(ledger: Ledger, host_factories: bool = True) -> Iterator[None]:
-    """Run the block with the host <-> device copies made (module docstring). host_factories=False: a factory
-    given "cpu" is the device's (DeepSpeed's CPU accelerator names its device "cpu": llmem.runtime.deepspeed)."""
-    with HostAndDevice(ledger, host_factories):
+def host_and_device(ledger: Ledger, device_named_cpu: bool = False) -> Iterator[None]:
+    """Run the block with the host <-> device copies made (module docstring). device_named_cpu: DeepSpeed's CPU
+    accelerator names its device "cpu" (llmem.runtime.deepspeed), so a factory or a `.to` given "cpu" is the
+    device's; only `.cpu()` copies to the host (what DeepSpeed's and transformers' ZeRO-3 code calls for it)."""
+    with HostAndDevice(ledger, device_named_cpu):
         yield
 
 

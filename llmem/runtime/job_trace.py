@@ -1,5 +1,5 @@
-"""What `llmem trace` says of the job's loading and saving phases: traced (llmem.runtime.loading, saving), or not
-and why. The loading phase is traced in a run of its own (`load_phases`), the saving phase after the step's
+"""What `llmem trace` says of the job's loading and saving phases: traced (llmem.runtime.loading, saving,
+ds_loading, ds_saving), or not and why. The loading phase is traced in a run of its own (`load_phases`), the saving phase after the step's
 iterations (llmem.runtime.saving.run_save)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ __all__ = ["load_phases", "phase_trace_notes"]
 UNTRACED = {
     "cpu-ram-efficient": "accelerate's fsdp2_load_full_state_dict moves each full tensor to the mesh's device type, "
                          "which on the fake mesh is the host's: its broadcast buffer cannot be told from the host copy",
-    "deepspeed-load": "llmem.runtime.deepspeed's engine is handed the model built whole on the fake device; "
-                      "zero.Init's partitioning at construction and the engine's move are not run",
+    "deepspeed-load": "DeepSpeed's engine moving the whole module (no zero.Init), and peft's adapters over a "
+                      "zero.Init model, are not run (llmem.runtime.ds_loading runs zero.Init without adapters)",
 }
 
 

@@ -19,6 +19,7 @@ from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.model.vision_inputs import vision_inputs
 from llmem.result import EVAL_PHASE, MemoryResult
+from llmem.runtime.ds_loading import zero_init_load
 from llmem.runtime.evaluation import eval_job_phase, eval_trace_notes, eval_traced, evaluation_loop
 from llmem.runtime.job_trace import load_phases, phase_trace_notes
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
@@ -82,6 +83,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
         from llmem.runtime.deepspeed import deepspeed_step
 
         result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
+        result.job_phases = zero_init_load(setup, progress) + result.job_phases
         result.job_notes = eval_trace_notes(setup, []) + phase_trace_notes(setup, result.job_phases)
         return result, details
     say = progress or (lambda msg: None)
