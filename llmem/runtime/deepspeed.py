@@ -454,9 +454,9 @@ def notes_of(setup: TrainingSetup, world_size: int, stage: int, fake: bool) -> l
 
 
 def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, hooks: StepHooks,
-                    say: Callable[[str], None]) -> tuple[int, int] | None:
-    """The checkpoint HF Trainer saves after the iterations, where traced (llmem.runtime.ds_saving): its host
-    bytes (rank 0's consolidation, the node's checkpoint), None where not traced."""
+                    say: Callable[[str], None]) -> tuple[int, ...] | None:
+    """The checkpoint HF Trainer saves after the iterations, where traced (llmem.runtime.ds_saving): the host
+    bytes per node of each of its parts, None where not traced."""
     if not ds_save_traced(step.setup):
         return None
     say("saving a checkpoint")
