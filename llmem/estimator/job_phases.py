@@ -101,6 +101,9 @@ class PhaseBytes:
     optimizer_shard_bytes: int     # FSDP2: the states of this rank's shards
     largest_state_bytes: int       # one state tensor, unsharded
     zero_flat_bytes: int           # DeepSpeed: the largest fp32 flat partition a rank's torch.save copies at once
+    tied_bytes: int                # the parameters with a tied alias (an untied lm_head: none), as stored: FSDP2's
+    tied_shard_bytes: int          # state dicts have one entry per name and copy each ... and their FSDP2 shards
+    stateless_grads_bytes: int     # FSDP2, an optimizer without state (SGD): the trained shards' zero gradients
     resident_bytes: int            # what the step keeps on one GPU between steps: weights, optimizer states, DDP's
                                    # buckets and cuBLAS's workspace (as eval_phase's)
     cpu_offload: bool = False      # FSDP2's CPUOffloadPolicy: the sharded parameters live on the host
@@ -170,17 +173,22 @@ def save_pretrained_from_device(b: PhaseBytes) -> tuple[int, int]:
 def fsdp2_full_state_dict(b: PhaseBytes) -> tuple[int, int]:
     """_gather_state_dict(cpu_offload=True, ranks_only=(0,)): each parameter, then each optimizer state,
     all-gathered whole on every GPU in turn; rank 0 keeps all of them on its host (the model's, then the
-    optimizer's)."""
-    gathered = max(b.largest_param_bytes, b.largest_state_bytes)
-    return b.resident_bytes + gathered, max(b.model_bytes, b.optimizer_bytes)
+    optimizer's). The model state dict has an entry per name and _iterate_state_dict copies each: a tied weight
+    twice (torch/distributed/_state_dict_utils.py, no memo)."""
+    gathered = max(b.largest_param_bytes, b.largest_state_bytes, b.stateless_grads_bytes)
+    return b.resident_bytes + gathered, max(b.model_bytes + b.tied_bytes, b.optimizer_bytes)
 
 
 def fsdp2_sharded_state_dict(b: PhaseBytes) -> tuple[int, int]:
-    """_offload_state_dict_to_cpu: each rank copies its model shards, then its optimizer's, to the host (already
-    host tensors under CPUOffloadPolicy: no copy)."""
+    # get_optimizer_state_dict's _init_optim_state (torch/distributed/checkpoint/state_dict.py): an optimizer with
+    # no state yet (SGD without momentum never has one) gets `param.grad = torch.zeros_like(param)` for every
+    # trained parameter and a step at lr 0 before its state dict is read: stateless_grads_bytes on the GPU at once
+    """_offload_state_dict_to_cpu: each rank copies its model shards (a tied weight's twice, one per name), then its
+    optimizer's, to the host (already host tensors under CPUOffloadPolicy: no copy)."""
+    device = b.resident_bytes + b.stateless_grads_bytes
     if b.cpu_offload:
-        return b.resident_bytes, 0
-    return b.resident_bytes, b.ranks_per_node * max(b.fsdp_shard_bytes, b.optimizer_shard_bytes)
+        return device, 0
+    return device, b.ranks_per_node * max(b.fsdp_shard_bytes + b.tied_shard_bytes, b.optimizer_shard_bytes)
 
 
 def deepspeed_save_checkpoint(b: PhaseBytes) -> tuple[int, int]:
@@ -247,6 +255,11 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
         largest_param_bytes=max(stored, default=0), largest_unit_bytes=fsdp2_prepare_model_units(params, stored),
         largest_module_16bit_bytes=max(modules.values(), default=0),
         fsdp_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)),
+        tied_bytes=sum(nbytes for p, nbytes in zip(params, stored, strict=True) if p.tied_to is not None),
+        tied_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)
+                             if p.tied_to is not None),
+        stateless_grads_bytes=0 if family != FSDP2 or any(map(sum, states)) else
+        sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True) if p.trainable),
         zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
         optimizer_bytes=sum(map(sum, states)),
         optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), element_bytes(p, s)))

@@ -134,3 +134,25 @@ def test_the_cli_refuses_in_one_line_with_exit_2(capsys):
     assert main(["estimate", "tiny-llama", "--load-path", "lazy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmem: error: unknown --load-path 'lazy': choose one of") and "\n" not in err
+
+
+# tiny-qwen3 (llmem/model/catalog/tiny/tiny-qwen3.json): hidden 512, 8 query heads and 4 key-value heads of 64,
+# intermediate 1536, 4 layers, vocab 16000, the lm_head tied to the embedding
+Q_EMBED = 16000 * 512
+Q_LAYER = 512 * 512 + 2 * 512 * 256 + 512 * 512 + 3 * 512 * 1536 + 2 * 512 + 2 * 64   # attention, MLP, norms
+Q_P = Q_EMBED + 4 * Q_LAYER + 512                                                    # 20,780,032
+
+
+def test_fsdp2_state_dicts_copy_a_tied_weight_twice_and_init_a_stateless_optimizer():
+    """get_model_state_dict has one entry per name (embed_tokens.weight and lm_head.weight) and _iterate_state_dict
+    copies each; get_optimizer_state_dict's _init_optim_state gives SGD (no state) a zero gradient per trained
+    parameter before reading it. Both traced: tests/runtime/test_phase_trace.py."""
+    result = estimate(TrainingSetup(model="tiny-qwen3", method="fsdp", gpus=GPUS, seq_len=64, optimizer="sgd"))
+    assert result.setup.total_params == Q_P == 20_780_032
+    save = {p.name: p for p in result.job_phases}["save"]
+    shard = Q_P * 4 // GPUS                     # every dim 0 divides by 8
+    assert save.host_bytes == GPUS * (shard + Q_EMBED * 4 // GPUS) == 115_888_128
+    assert save.device_bytes == shard + WORKSPACE + shard     # the weights, cuBLAS's workspace, the zero gradients
+    full = {p.name: p for p in estimate(TrainingSetup(model="tiny-qwen3", method="fsdp", gpus=GPUS, seq_len=64,
+                                                      optimizer="sgd", save_kind="full")).job_phases}["save"]
+    assert full.host_bytes == (Q_P + Q_EMBED) * 4 == 115_888_128
