@@ -104,6 +104,8 @@ class PhaseBytes:
     tied_bytes: int                # the parameters with a tied alias (an untied lm_head: none), as stored: FSDP2's
     tied_shard_bytes: int          # state dicts have one entry per name and copy each ... and their FSDP2 shards
     stateless_grads_bytes: int     # FSDP2, an optimizer without state (SGD): the trained shards' zero gradients
+                                   # (torch/distributed/checkpoint/state_dict.py _init_optim_state: zeros_like each
+                                   # trained parameter, a step at lr 0, before the state dict is read)
     resident_bytes: int            # what the step keeps on one GPU between steps: weights, optimizer states, DDP's
                                    # buckets and cuBLAS's workspace (as eval_phase's)
     cpu_offload: bool = False      # FSDP2's CPUOffloadPolicy: the sharded parameters live on the host
@@ -180,11 +182,9 @@ def fsdp2_full_state_dict(b: PhaseBytes) -> tuple[int, int]:
 
 
 def fsdp2_sharded_state_dict(b: PhaseBytes) -> tuple[int, int]:
-    # get_optimizer_state_dict's _init_optim_state (torch/distributed/checkpoint/state_dict.py): an optimizer with
-    # no state yet (SGD without momentum never has one) gets `param.grad = torch.zeros_like(param)` for every
-    # trained parameter and a step at lr 0 before its state dict is read: stateless_grads_bytes on the GPU at once
     """_offload_state_dict_to_cpu: each rank copies its model shards (a tied weight's twice, one per name), then its
-    optimizer's, to the host (already host tensors under CPUOffloadPolicy: no copy)."""
+    optimizer's, to the host (already host tensors under CPUOffloadPolicy: no copy). get_optimizer_state_dict's
+    _init_optim_state first gives an optimizer with no state (SGD) a zero gradient per trained parameter."""
     device = b.resident_bytes + b.stateless_grads_bytes
     if b.cpu_offload:
         return device, 0

@@ -453,6 +453,16 @@ def notes_of(setup: TrainingSetup, world_size: int, stage: int, fake: bool) -> l
     return notes
 
 
+def _checked_stage(setup: TrainingSetup, iterations) -> int:
+    """The set-up's ZeRO stage, once its iterations and its DeepSpeed options are checked."""
+    check_iterations(iterations)
+    stage = method_spec(setup.method).zero_stage
+    if stage is None:
+        raise LlmemError(f"deepspeed_step runs the ds-zero methods, not {setup.method}")
+    check_deepspeed_setup(setup)
+    return stage
+
+
 def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, hooks: StepHooks,
                     say: Callable[[str], None]) -> tuple[int, ...] | None:
     """The checkpoint HF Trainer saves after the iterations, where traced (llmem.runtime.ds_saving): the host
@@ -465,17 +475,16 @@ def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, ho
 
 
 def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
-                   cuda_kernels: bool = True, fake: bool = True) -> tuple[MemoryResult, TraceDetails]:
+                   cuda_kernels: bool = True, fake: bool = True,
+                   save: bool = False) -> tuple[MemoryResult, TraceDetails]:
     """Run `iterations` steps of DeepSpeed's engine for a ds-zero set-up (rank 0 of its GPUs on a fake process
     group) with every allocation in the ledger; the allocator replay gives reserved; engine "trace".
 
     fake=False runs on real CPU tensors, the cross-check of the fake run (seconds for a model of a few million
-    parameters; the CPU's bf16 matmuls of backward are slow: 40 s a step for tiny-llama at seq 256)."""
-    check_iterations(iterations)
-    stage = method_spec(setup.method).zero_stage
-    if stage is None:
-        raise LlmemError(f"deepspeed_step runs the ds-zero methods, not {setup.method}")
-    check_deepspeed_setup(setup)
+    parameters; the CPU's bf16 matmuls of backward are slow: 40 s a step for tiny-llama at seq 256). save (fake
+    only): HF Trainer's checkpoint saved after the iterations where traced (llmem.runtime.ds_saving), its phase in
+    the result's job_phases."""
+    stage = _checked_stage(setup, iterations)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -513,7 +522,8 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
                     trl_step.bind(step.engine)
                     run_objective(trl_step, iterations, say)
                     del trl_step
-                step_events, saved_host = len(ledger.events), save_checkpoint(step, prepared, ledger, hooks, say)
+                step_events = len(ledger.events)
+                saved_host = save_checkpoint(step, prepared, ledger, hooks, say) if save and fake else None
             roles.finish()
             ledger.enabled = False
             resolved = prepared.resolved

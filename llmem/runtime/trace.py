@@ -63,29 +63,28 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
 
 
 def trace(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
-          cuda_kernels: bool = True) -> MemoryResult:
+          cuda_kernels: bool = True, job_phases: bool = True) -> MemoryResult:
     """Trace `iterations` real training steps of `setup` on fake tensors (rank 0 of the layout) and return what a
     CUDA GPU would show: peak allocated / reserved, device used, and the breakdown at peak allocated.
 
-    cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs)."""
+    cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs).
+    job_phases=False leaves the loading and saving phases out (the step's numbers are the same either way: the
+    validation matrix compares the step alone)."""
     if setup.pp > 1:         # each pipeline stage in turn (llmem.runtime.pipeline)
         return trace_stages(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
-    return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
+    return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels,
+                              job_phases=job_phases)[0]
 
 
 def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                        progress: Callable[[str], None] | None = None,
-                       cuda_kernels: bool = True, pp_rank: int = 0) -> tuple[MemoryResult, TraceDetails]:
+                       cuda_kernels: bool = True, pp_rank: int = 0,
+                       job_phases: bool = True) -> tuple[MemoryResult, TraceDetails]:
     """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak);
-    under --pp, pipeline rank `pp_rank`'s stage."""
+    under --pp, pipeline rank `pp_rank`'s stage. job_phases: trace's."""
     check_iterations(iterations)
     if method_spec(setup.method).zero_stage is not None:     # DeepSpeed's own engine runs the step
-        from llmem.runtime.deepspeed import deepspeed_step
-
-        result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
-        result.job_phases = zero_init_load(setup, progress) + result.job_phases
-        result.job_notes = eval_trace_notes(setup, []) + phase_trace_notes(setup, result.job_phases)
-        return result, details
+        return _deepspeed_trace(setup, iterations, progress, cuda_kernels, job_phases)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -110,7 +109,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                 say("evaluating")
                 roles.on_phase("eval", iterations)
                 evaluation_loop(step, kept_steps(setup, step.layout.world_size))
-            traced_save, host_before_save = save_run(setup) is not None, ledger.host_now
+            traced_save, host_before_save = job_phases and save_run(setup) is not None, ledger.host_now
             if traced_save:
                 say("saving a checkpoint")
                 run_save(step, ledger, roles)
@@ -124,7 +123,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     saved = [save_job_phase(ledger, setup, host_before_save, node_ranks)] if traced_save else []
     job = eval_job_phase(ledger, setup, step_events) if traced_eval else []
     ledger.events = ledger.events[:step_events]
-    job = load_phases(setup, progress=say) + job + saved
+    job = (load_phases(setup, progress=say) if job_phases else []) + job + saved
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(resolved.layout, setup, "trace")
@@ -138,12 +137,27 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     result.job_phases = job
     result.job_notes = eval_trace_notes(setup, [p for p in job if p.name == EVAL_PHASE]) + \
-        phase_trace_notes(setup, job)
+        (phase_trace_notes(setup, job) if job_phases else [])
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 
         result.phases = traced_phases(series)
     return result, trace_details(ledger, series, wall)
+
+
+def _deepspeed_trace(setup: TrainingSetup, iterations: int, progress, cuda_kernels: bool,
+                     job_phases: bool) -> tuple[MemoryResult, TraceDetails]:
+    """DeepSpeed's own engine runs the step (llmem.runtime.deepspeed, its checkpoint saved after it), ZeRO-3's
+    zero-init loading in a run of its own (llmem.runtime.ds_loading)."""
+    from llmem.runtime.deepspeed import deepspeed_step
+
+    result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels,
+                                     save=job_phases)
+    result.job_notes = eval_trace_notes(setup, [])
+    if job_phases:
+        result.job_phases = zero_init_load(setup, progress) + result.job_phases
+        result.job_notes += phase_trace_notes(setup, result.job_phases)
+    return result, details
 
 
 def trace_stages(setup, *, iterations: int = 2, progress=None, cuda_kernels: bool = True):

@@ -124,3 +124,13 @@ def test_a_trace_after_the_deepspeed_phases_is_unchanged():
     after = trace(single)
     assert (after.peak_allocated_bytes, after.peak_reserved_bytes, after.components, after.job_phases) == \
         (before.peak_allocated_bytes, before.peak_reserved_bytes, before.components, before.job_phases)
+
+
+@pytest.mark.parametrize("kw", [{"method": "fsdp", "gpus": 2}, {"method": "ds-zero3", "gpus": 2}], ids=str)
+def test_the_step_is_the_same_without_the_phases(kw):
+    """job_phases=False (the validation matrix's) runs no loading or saving code: the same step, no phases."""
+    setup = TrainingSetup(model="tiny-llama", seq_len=64, **kw)
+    plain, phased = trace(setup, job_phases=False), trace(setup)
+    assert not plain.job_phases and {p.name for p in phased.job_phases} == {"load", "save"}
+    assert (plain.peak_allocated_bytes, plain.peak_reserved_bytes, plain.components) == \
+        (phased.peak_allocated_bytes, phased.peak_reserved_bytes, phased.components)
