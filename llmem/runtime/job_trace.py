@@ -14,8 +14,9 @@ __all__ = ["load_phases", "phase_trace_notes"]
 
 # Paths the trace does not run, and why (what was tried)
 UNTRACED = {
-    "cpu-ram-efficient": "accelerate's fsdp2_load_full_state_dict moves each full tensor to the mesh's device type, "
-                         "which on the fake mesh is the host's: its broadcast buffer cannot be told from the host copy",
+    "cpu-ram-efficient": "accelerate's fsdp2_prepare_model moves the host model to meta (Module._apply cannot swap "
+                         "fake parameters for meta ones) and fsdp2_load_full_state_dict moves each full tensor to the "
+                         "mesh's device type, which on the fake mesh is the host's",
     "deepspeed-load": "DeepSpeed's engine moving the whole module (no zero.Init), and peft's adapters over a "
                       "zero.Init model, are not run (llmem.runtime.ds_loading runs zero.Init without adapters)",
 }
@@ -32,8 +33,9 @@ def _untraced(name: str, kind: str, setup) -> str:
         "phase is analytic"
 
 
-def phase_trace_notes(setup, job: list[JobPhase]) -> list[str]:
-    """One note per loading / saving phase: traced (device bytes per GPU, host bytes per node) or not and why."""
+def phase_trace_notes(setup, job: list[JobPhase], save_why: str | None = None) -> list[str]:
+    """One note per loading / saving phase: traced (device bytes per GPU, host bytes per node) or not and why
+    (`save_why`: why the step's save could not run, llmem.runtime.saving.optimizer_unsaved)."""
     notes = []
     traced = {p.name: p for p in job}
     for name, row in (("load", load_path(setup)), ("save", save_kind(setup))):
@@ -43,6 +45,8 @@ def phase_trace_notes(setup, job: list[JobPhase]) -> list[str]:
         if phase is not None:
             notes.append(f"{name} ({row.name}) traced: {format_bytes(phase.device_bytes)} of tensors per GPU at its "
                          f"peak, {format_bytes(phase.host_bytes)} of host tensors per node")
+        elif name == "save" and save_why is not None:
+            notes.append(f"save ({row.name}) is not traced: {save_why}; the estimate's phase is analytic")
         else:
             notes.append(_untraced(name, row.name, setup))
     return notes

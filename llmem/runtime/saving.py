@@ -137,6 +137,14 @@ def save_run(setup) -> Callable | None:
     return SAVE_RUNS.get((row.name, family))
 
 
+def optimizer_unsaved(optimizer) -> str | None:
+    """Why the saving code cannot run on the step's optimizer (None: it can): llmem's wrappers (the optimizer in
+    backward, Muon beside AdamW) have no torch state_dict for torch.save or get_optimizer_state_dict to read."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return None
+    return f"its optimizer ({type(optimizer).__name__}, llmem's wrapper) has no torch state_dict"
+
+
 def run_save(step, ledger: Ledger, roles) -> None:
     """The saving code on the traced step (after its iterations), under the ledger's save phase."""
     run = save_run(step.setup)

@@ -26,7 +26,7 @@ from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.pipeline import fresh_sharding_cache
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
-from llmem.runtime.saving import run_save, save_job_phase, save_run
+from llmem.runtime.saving import optimizer_unsaved, run_save, save_job_phase, save_run
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.eval_phase import kept_steps
@@ -109,7 +109,9 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                 say("evaluating")
                 roles.on_phase("eval", iterations)
                 evaluation_loop(step, kept_steps(setup, step.layout.world_size))
-            traced_save, host_before_save = job_phases and save_run(setup) is not None, ledger.host_now
+            unsaved = optimizer_unsaved(step.optimizer)
+            traced_save = job_phases and save_run(setup) is not None and unsaved is None
+            host_before_save = ledger.host_now
             if traced_save:
                 say("saving a checkpoint")
                 run_save(step, ledger, roles)
@@ -137,7 +139,7 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     result.job_phases = job
     result.job_notes = eval_trace_notes(setup, [p for p in job if p.name == EVAL_PHASE]) + \
-        (phase_trace_notes(setup, job) if job_phases else [])
+        (phase_trace_notes(setup, job, unsaved) if job_phases else [])
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 

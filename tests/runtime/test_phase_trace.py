@@ -111,7 +111,7 @@ def test_a_set_up_outside_the_traced_paths_says_so():
     result = trace(TrainingSetup(model="tiny-llama", seq_len=64, method="fsdp", gpus=2,
                                  load_path="cpu-ram-efficient"))
     assert [p.name for p in result.job_phases] == ["save"]
-    assert any(n.startswith("load (cpu-ram-efficient) is not traced: accelerate's fsdp2_load_full_state_dict")
+    assert any(n.startswith("load (cpu-ram-efficient) is not traced: accelerate's fsdp2_prepare_model moves")
                for n in result.job_notes)
 
 
@@ -134,3 +134,11 @@ def test_the_step_is_the_same_without_the_phases(kw):
     assert not plain.job_phases and {p.name for p in phased.job_phases} == {"load", "save"}
     assert (plain.peak_allocated_bytes, plain.peak_reserved_bytes, plain.components) == \
         (phased.peak_allocated_bytes, phased.peak_reserved_bytes, phased.components)
+
+
+def test_an_optimizer_without_a_state_dict_leaves_the_save_untraced():
+    """llmem's optimizer in backward (per-parameter optimizers in hooks) has no torch state_dict to save."""
+    result = trace(TrainingSetup(model="tiny-llama", seq_len=64, optimizer_in_backward=True))
+    assert [p.name for p in result.job_phases] == ["load"]
+    assert "save (full) is not traced: its optimizer (InBackwardOptimizer, llmem's wrapper) has no torch " \
+           "state_dict; the estimate's phase is analytic" in result.job_notes
