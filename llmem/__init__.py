@@ -63,11 +63,12 @@ def estimate(model: str | TrainingSetup, *, engine: str = "llmem", m_base: str |
     return _estimate(setup)
 
 
-def trace(model: str | TrainingSetup, **options: Any) -> MemoryResult:
-    """The real training step on fake tensors, replayed through a model of the CUDA caching allocator."""
+def trace(model: str | TrainingSetup, *, job_phases: bool = True, **options: Any) -> MemoryResult:
+    """The real training step on fake tensors, replayed through a model of the CUDA caching allocator, and the
+    job's loading and saving code where it runs on them (job_phases=False: the step alone)."""
     from llmem.runtime.trace import trace as _trace
 
-    return _trace(_setup(model, options))
+    return _trace(_setup(model, options), job_phases=job_phases)
 
 
 def measure(model: str | TrainingSetup, **options: Any) -> MemoryResult:

@@ -20,7 +20,9 @@ tensors where the device map says, the host by default):
   modifier_rank=0) to copy it in.
 
 Saving (what HF's Trainer runs at a checkpoint: the model, then the optimizer; the step's weights and optimizer
-states stay on the GPU throughout, gradients freed by zero_grad(set_to_none=True)):
+states stay on the GPU throughout, and so do DDP's gradient buckets (the Reducer's, for the module's lifetime) and
+the cuBLAS workspace (made at the first matmul, kept by the allocator for its handle); gradients freed by
+zero_grad(set_to_none=True)):
 - `save_pretrained_from_device`: rank 0's save_pretrained (safetensors copies each tensor of a shard to the host and
   keeps it until the shard is written; shards of 50 GB, transformers 5's max_shard_size) and torch.save of the
   optimizer's state dict (one storage copied to the host at a time).
@@ -40,7 +42,8 @@ states stay on the GPU throughout, gradients freed by zero_grad(set_to_none=True
   it takes accelerate's get_state_dict (the whole module cloned on every rank) before peft keeps the adapters.
 
 Known limitations: the phases are analytic, from the frameworks' code as read (transformers 5.25, accelerate 1.16,
-torch 2.13, DeepSpeed 0.19, peft 0.21), not replayed through the allocator model nor traced on fake tensors;
+torch 2.13, DeepSpeed 0.19, peft 0.21), not replayed through the allocator model (`llmem trace` runs the loading and
+saving code on fake tensors where it can: llmem.runtime.loading, saving, ds_saving);
 device bytes are tensor bytes (no allocator rounding or cache, no CUDA context). The checkpoint is taken to be read in
 the dtype the step stores each parameter (an fp32 upcast of a bf16 checkpoint adds one parameter's copy at a time,
 not counted). Host bytes are the phase's own: file pages of a memory-mapped safetensors checkpoint (the OS's page
@@ -89,7 +92,8 @@ class PhaseBytes:
     trained_bytes: int             # the trained parameters (peft: the adapters), as stored
     trained_16bit_bytes: int       # ... in the compute dtype (ZeRO-3's consolidated adapters)
     largest_param_bytes: int       # one parameter, as stored
-    largest_unit_bytes: int        # FSDP2: one unit's parameters (a decoder layer, an embedding, the tail)
+    largest_unit_bytes: int        # FSDP2: the parameters moved whole at once (a decoder layer, or the embedding
+                                   # and the tail together: fsdp2_prepare_model_units)
     largest_module_16bit_bytes: int   # DeepSpeed: one module's own parameters, 16-bit (GatheredParameters' unit)
     fsdp_shard_bytes: int          # FSDP2: this rank's padded dim-0 shards of every parameter, as stored
     zero3_partition_16bit_bytes: int  # ZeRO-3: this rank's 16-bit partitions (ceil(numel / dp) each)
@@ -97,7 +101,13 @@ class PhaseBytes:
     optimizer_shard_bytes: int     # FSDP2: the states of this rank's shards
     largest_state_bytes: int       # one state tensor, unsharded
     zero_flat_bytes: int           # DeepSpeed: the largest fp32 flat partition a rank's torch.save copies at once
-    resident_bytes: int            # the step's weights and optimizer states on one GPU between steps
+    tied_bytes: int                # the parameters with a tied alias (an untied lm_head: none), as stored: FSDP2's
+    tied_shard_bytes: int          # state dicts have one entry per name and copy each ... and their FSDP2 shards
+    stateless_grads_bytes: int     # FSDP2, an optimizer without state (SGD): the trained shards' zero gradients
+                                   # (torch/distributed/checkpoint/state_dict.py _init_optim_state: zeros_like each
+                                   # trained parameter, a step at lr 0, before the state dict is read)
+    resident_bytes: int            # what the step keeps on one GPU between steps: weights, optimizer states, DDP's
+                                   # buckets and cuBLAS's workspace (as eval_phase's)
     cpu_offload: bool = False      # FSDP2's CPUOffloadPolicy: the sharded parameters live on the host
 
 
@@ -121,7 +131,8 @@ def _fsdp2_resident(b: PhaseBytes) -> tuple[int, int]:
 
 def fsdp2_prepare_from_host(b: PhaseBytes) -> tuple[int, int]:
     """fsdp2_prepare_model without cpu_ram_efficient_loading: the model on every rank's host; _move_states_to_device
-    puts one unit's tensors whole on the GPU, FSDPParam keeps this rank's shard of them."""
+    puts one unit's tensors whole on the GPU, FSDPParam keeps this rank's shard of them (the whole ones die as
+    fully_shard returns, the embedding's and the output's not: see fsdp2_prepare_model_units)."""
     device, host = _fsdp2_resident(b)
     return device + b.largest_unit_bytes, host + b.ranks_per_node * b.model_bytes
 
@@ -164,17 +175,20 @@ def save_pretrained_from_device(b: PhaseBytes) -> tuple[int, int]:
 def fsdp2_full_state_dict(b: PhaseBytes) -> tuple[int, int]:
     """_gather_state_dict(cpu_offload=True, ranks_only=(0,)): each parameter, then each optimizer state,
     all-gathered whole on every GPU in turn; rank 0 keeps all of them on its host (the model's, then the
-    optimizer's)."""
-    gathered = max(b.largest_param_bytes, b.largest_state_bytes)
-    return b.resident_bytes + gathered, max(b.model_bytes, b.optimizer_bytes)
+    optimizer's). The model state dict has an entry per name and _iterate_state_dict copies each: a tied weight
+    twice (torch/distributed/_state_dict_utils.py, no memo)."""
+    gathered = max(b.largest_param_bytes, b.largest_state_bytes, b.stateless_grads_bytes)
+    return b.resident_bytes + gathered, max(b.model_bytes + b.tied_bytes, b.optimizer_bytes)
 
 
 def fsdp2_sharded_state_dict(b: PhaseBytes) -> tuple[int, int]:
-    """_offload_state_dict_to_cpu: each rank copies its model shards, then its optimizer's, to the host (already
-    host tensors under CPUOffloadPolicy: no copy)."""
+    """_offload_state_dict_to_cpu: each rank copies its model shards (a tied weight's twice, one per name), then its
+    optimizer's, to the host (already host tensors under CPUOffloadPolicy: no copy). get_optimizer_state_dict's
+    _init_optim_state first gives an optimizer with no state (SGD) a zero gradient per trained parameter."""
+    device = b.resident_bytes + b.stateless_grads_bytes
     if b.cpu_offload:
-        return b.resident_bytes, 0
-    return b.resident_bytes, b.ranks_per_node * max(b.fsdp_shard_bytes, b.optimizer_shard_bytes)
+        return device, 0
+    return device, b.ranks_per_node * max(b.fsdp_shard_bytes + b.tied_shard_bytes, b.optimizer_shard_bytes)
 
 
 def deepspeed_save_checkpoint(b: PhaseBytes) -> tuple[int, int]:
@@ -231,27 +245,58 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
     states = [r.optimizer.states(p.shape, element_bytes(p, s)) for p in trained]
     shard_numel = [ceil(p.shape[0] / shard_ranks) * prod(p.shape[1:]) if p.shape else 1 for p in params]
     modules: dict[str, int] = defaultdict(int)
-    units: dict[object, int] = defaultdict(int)
-    for p, nbytes in zip(params, stored, strict=True):
+    for p in params:
         modules[p.name.rsplit(".", 1)[0]] += p.numel * b16
-        root_unit = p.name if p.module_kind.endswith("Embedding") else "tail"   # accelerate's embed and tail units
-        units[p.layer_index if p.layer_index is not None else root_unit] += nbytes
     return PhaseBytes(
         ranks_per_node=min(r.layout.gpus_per_node, r.layout.world_size), shard_ranks=shard_ranks,
         model_bytes=sum(stored), model_16bit_bytes=r.anatomy.total_params * b16,
         trained_bytes=sum(p.numel * element_bytes(p, s) for p in trained),
         trained_16bit_bytes=r.anatomy.trainable_params * b16,
-        largest_param_bytes=max(stored, default=0), largest_unit_bytes=max(units.values(), default=0),
+        largest_param_bytes=max(stored, default=0), largest_unit_bytes=fsdp2_prepare_model_units(params, stored),
         largest_module_16bit_bytes=max(modules.values(), default=0),
         fsdp_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)),
+        tied_bytes=sum(nbytes for p, nbytes in zip(params, stored, strict=True) if p.tied_to is not None),
+        tied_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)
+                             if p.tied_to is not None),
+        stateless_grads_bytes=0 if family != FSDP2 or any(map(sum, states)) else
+        sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True) if p.trainable),
         zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
         optimizer_bytes=sum(map(sum, states)),
         optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), element_bytes(p, s)))
                                   for p, n in zip(params, shard_numel, strict=True) if p.trainable),
         largest_state_bytes=max((max(st, default=0) for st in states), default=0),
         zero_flat_bytes=_zero_flat_bytes(r, [p.numel for p in trained], shard_ranks),
-        resident_bytes=ms.weights + ms.optimizer_states,
+        resident_bytes=between_steps_bytes(r, ms),
         cpu_offload=s.fsdp_cpu_offload)
+
+
+def between_steps_bytes(r: ResolvedSetup, ms: ModelStates) -> int:
+    """What the step keeps on one GPU between steps, where a checkpoint is saved: the weights, the optimizer's
+    states, cuBLAS's workspace (the allocator keeps it from the first matmul), DDP's Reducer buckets (the module's
+    lifetime), and under ZeRO-3 the gradient partitions' buffer and the IPG bucket (llmem.estimator.moments'
+    zero_moments holds them through the step; ZeRO-1/2's are the backward's only)."""
+    held = ms.weights + ms.optimizer_states + r.gpu.cublas_workspace_bytes
+    stage = r.method.zero_stage
+    if stage is None:
+        return held + ms.ddp_buckets
+    return held + (ms.gradients + ms.ddp_buckets if stage == 3 else 0)
+
+
+def fsdp2_prepare_model_units(params, stored: list[int]) -> int:
+    """The most parameter bytes accelerate's fsdp2_prepare_model (accelerate 1.16 utils/fsdp_utils.py) has whole on
+    the GPU at once when it shards a host model: a decoder layer's (its whole tensors die as its fully_shard
+    returns), or the parameters outside the layers together: it reads `input_weight` / `output_weight` (the
+    embedding's and the output's parameters) before carving the embedding unit and the tail [final norm, lm_head],
+    and those locals keep the parameters fully_shard moved to the device whole until preparation returns, so the
+    tail's are moved while the embedding's are still held (traced: llmem.runtime.loading)."""
+    layers: dict[int, int] = defaultdict(int)
+    outside = 0
+    for p, nbytes in zip(params, stored, strict=True):
+        if p.layer_index is None:
+            outside += nbytes
+        else:
+            layers[p.layer_index] += nbytes
+    return max(max(layers.values(), default=0), outside)
 
 
 def _zero_flat_bytes(r: ResolvedSetup, numels: list[int], dp: int) -> int:
@@ -303,7 +348,7 @@ def job_notes(phases: list[JobPhase], step_allocated_bytes: int, allocator_bytes
     names = [p.name for p in phases]
     are = "phases are" if len(names) > 1 else "phase is"
     notes = [f"{_listed(names)} {are} analytic (the frameworks' {_listed([PHASE_WORDS[n] for n in names])} code as "
-             "read, not replayed or traced): tensor bytes per GPU, host RAM per node"]
+             "read; llmem trace runs it on fake tensors where it can): tensor bytes per GPU, host RAM per node"]
     for p in phases:
         if p.device_bytes > allocator_bytes:
             notes.append(f"{p.name} ({p.kind}) needs {format_bytes(p.device_bytes)} per GPU, more than the "

@@ -69,6 +69,7 @@ from llmem.memory.activations.profile import activation_notes
 from llmem.model.families import text_config
 from llmem.model.vision_inputs import vision_inputs
 from llmem.result import MemoryResult
+from llmem.runtime.ds_saving import ds_save_job_phase, ds_save_traced, run_ds_save
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.patches import patched
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
@@ -115,7 +116,7 @@ def engine_config(setup: TrainingSetup, stage: int, hidden_size: int, dp: int) -
 
 
 @contextlib.contextmanager
-def _environment(world_size: int) -> Iterator[None]:
+def ds_environment(world_size: int) -> Iterator[None]:
     """RANK_ENV, the world size, and DS_ACCELERATOR=cpu (DeepSpeed's CPU accelerator, without its detection)."""
     values = {**RANK_ENV, "WORLD_SIZE": str(world_size), "DS_ACCELERATOR": "cpu"}
     saved = {k: os.environ.get(k) for k in values}
@@ -168,7 +169,7 @@ def cpu_accelerator() -> Iterator[object]:
 
 
 @contextlib.contextmanager
-def _fresh_comm_state() -> Iterator[None]:
+def fresh_comm_state() -> Iterator[None]:
     """deepspeed.comm keeps its backend (cdb) and deepspeed.utils.groups its process groups in module globals: each
     run starts without them and leaves none behind (the fake process group they refer to is destroyed)."""
     from deepspeed.comm import comm
@@ -455,18 +456,38 @@ def notes_of(setup: TrainingSetup, world_size: int, stage: int, fake: bool) -> l
     return notes
 
 
-def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
-                   cuda_kernels: bool = True, fake: bool = True) -> tuple[MemoryResult, TraceDetails]:
-    """Run `iterations` steps of DeepSpeed's engine for a ds-zero set-up (rank 0 of its GPUs on a fake process
-    group) with every allocation in the ledger; the allocator replay gives reserved; engine "trace".
-
-    fake=False runs on real CPU tensors, the cross-check of the fake run (seconds for a model of a few million
-    parameters; the CPU's bf16 matmuls of backward are slow: 40 s a step for tiny-llama at seq 256)."""
+def _checked_stage(setup: TrainingSetup, iterations) -> int:
+    """The set-up's ZeRO stage, once its iterations and its DeepSpeed options are checked."""
     check_iterations(iterations)
     stage = method_spec(setup.method).zero_stage
     if stage is None:
         raise LlmemError(f"deepspeed_step runs the ds-zero methods, not {setup.method}")
     check_deepspeed_setup(setup)
+    return stage
+
+
+def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, hooks: StepHooks,
+                    say: Callable[[str], None]) -> tuple[int, ...] | None:
+    """The checkpoint HF Trainer saves after the iterations, where traced (llmem.runtime.ds_saving): the host
+    bytes per node of each of its parts, None where not traced."""
+    if not ds_save_traced(step.setup):
+        return None
+    say("saving a checkpoint")
+    node_ranks = min(prepared.layout.gpus_per_node, prepared.layout.world_size)
+    return run_ds_save(step.engine, ledger, hooks.on_phase, step.setup, node_ranks)
+
+
+def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
+                   cuda_kernels: bool = True, fake: bool = True,
+                   save: bool = False) -> tuple[MemoryResult, TraceDetails]:
+    """Run `iterations` steps of DeepSpeed's engine for a ds-zero set-up (rank 0 of its GPUs on a fake process
+    group) with every allocation in the ledger; the allocator replay gives reserved; engine "trace".
+
+    fake=False runs on real CPU tensors, the cross-check of the fake run (seconds for a model of a few million
+    parameters; the CPU's bf16 matmuls of backward are slow: 40 s a step for tiny-llama at seq 256). save (fake
+    only): HF Trainer's checkpoint saved after the iterations where traced (llmem.runtime.ds_saving), its phase in
+    the result's job_phases."""
+    stage = _checked_stage(setup, iterations)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -482,7 +503,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
         hooks = StepHooks(on_phase=lambda ph, it: roles_box[0].on_phase(ph, it), region=ledger.region)
         with prepared_step(setup, fake=fake, fake_mode=fake_mode, hooks=hooks, cuda_kernels=cuda_kernels and fake,
                            before_model=start_tracking, progress=say) as prepared, \
-                _environment(prepared.layout.world_size), cpu_accelerator() as accelerator, _fresh_comm_state(), \
+                ds_environment(prepared.layout.world_size), cpu_accelerator() as accelerator, fresh_comm_state(), \
                 deepspeed_patches(ledger, accelerator, gpu.memory_bytes, fake):
             trl_step = None
             if setup.objective_spec.runs_trainer:   # TRL's trainer __init__ (its reference engine), before the policy's
@@ -505,12 +526,16 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
                     trl_step.bind(step.engine)
                     run_objective(trl_step, iterations, say)
                     del trl_step
+                step_events = len(ledger.events)
+                saved_host = save_checkpoint(step, prepared, ledger, hooks, say) if save and fake else None
             roles.finish()
             ledger.enabled = False
             resolved = prepared.resolved
             world = prepared.layout.world_size
             del step, prepared
     say("replaying the allocator")
+    saved = [ds_save_job_phase(ledger, setup, saved_host)] if saved_host is not None else []
+    ledger.events = ledger.events[:step_events]      # the step's answer: its iterations
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
@@ -527,6 +552,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
         notes.append(images.describe())
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
+    result.job_phases = saved
     if objective_spec(setup.objective).generates:     # GRPO's / RLOO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 

@@ -7,7 +7,8 @@ reports every op; on real tensors (measure) a TorchDispatchMode does.
 
 Host memory on the one fake device: a storage born inside `region(HOST)` (FSDP2's CPUOffloadPolicy: the sharded
 parameters and gradients, llmem.runtime.distributed) is registered without a key, so it never reaches the device's
-events, nor does any view of it.
+events, nor does any view of it. Its bytes are tallied apart (`host_now`, and `host_peaks` per phase: the job's
+loading and saving phases count the host copies they make, llmem.runtime.host_copies).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every r
 
 PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
                "generation": 4, "scoring": 5,    # GRPO's phases before its forward (llmem.runtime.generation)
-               "eval": 6}                        # the job's eval after the iterations (llmem.runtime.evaluation)
+               "eval": 6,                        # the job's eval after the iterations (llmem.runtime.evaluation)
+               "load": 7, "save": 8}             # the job's loading and saving (llmem.runtime.loading, saving)
 STEP_FIRST_PHASES = ("forward", "generation")   # the phase an iteration starts with
 # the phases in which the model runs
 MODEL_PHASES = frozenset(PHASE_CODES[p] for p in ("forward", "backward", "generation", "scoring", "eval"))
@@ -68,6 +70,9 @@ class Ledger:
         self.streams: dict[int, int] = {}
         self.started = False
         self.enabled = True
+        self.host_live: dict[int, int] = {}    # id(host storage) -> bytes (region HOST)
+        self.host_now = 0
+        self.host_peaks: dict[int, int] = {}   # phase code -> the host bytes live at their largest in it
 
     # -------------------------------------------------------------- categories and context
     def category_now(self) -> str:
@@ -138,9 +143,25 @@ class Ledger:
         def callback(_ref, self=self, sid=sid):
             key = self.sid_key.pop(sid, None)
             self.refs.pop(sid, None)
+            self.host_now -= self.host_live.pop(sid, 0)
             if key is not None:
                 self._free(key)
         return callback
+
+    def _host_alloc(self, sid: int, nbytes: int) -> None:
+        """A host storage: tallied apart from the device's events (the phase's host peak)."""
+        self.host_live[sid] = nbytes
+        self.host_now += nbytes
+        self.host_peaks[self.phase] = max(self.host_peaks.get(self.phase, 0), self.host_now)
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s storage was born on the host (region HOST)."""
+        for local in local_tensors(t):
+            try:
+                return id(local.untyped_storage()) in self.host_live
+            except (RuntimeError, NotImplementedError):
+                return False
+        return False
 
     def track_storage(self, st, dim0: bool = False, category: str | None = None) -> int | None:
         """Register a storage the first time it is seen. Returns its live key (None if 0 bytes or skipped)."""
@@ -155,6 +176,8 @@ class Ledger:
         self.refs[sid] = weakref.ref(st, self._finalizer(sid))
         on_host = (category or self.category_now()) == HOST
         key = self._alloc(n, category) if n > 0 and not on_host else None
+        if on_host and n > 0:
+            self._host_alloc(sid, n)
         self.sid_key[sid] = key
         return key
 

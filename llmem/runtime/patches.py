@@ -178,3 +178,15 @@ def flash_kernel_attention() -> Iterator[str]:
         for iface, mapping in saved:
             iface._global_mapping.clear()
             iface._global_mapping.update(mapping)
+
+
+@contextlib.contextmanager
+def accelerate_logging_without_state() -> Iterator[None]:
+    """accelerate's fsdp_utils logs through its MultiProcessAdapter, which refuses to log before an Accelerator
+    (its PartialState) exists; the trace runs those functions without one: a plain logger for the block."""
+    import logging
+
+    from accelerate.utils import fsdp_utils
+
+    with patched(fsdp_utils, "logger", logging.getLogger("llmem.accelerate")):
+        yield

@@ -225,7 +225,7 @@ def check_host_bytes(resolved: ResolvedSetup, fake: bool, device_type: str) -> N
                          "model, or llmem estimate (nothing allocated)")
 
 
-def _meta_model(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, pp_rank: int):
+def meta_model_stage(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, pp_rank: int):
     """The model on the meta device: its pipeline stage, its dtype, quantised base, adapters. (model, split, low)"""
     with quiet():
         model = meta_model_for(setup)
@@ -443,7 +443,7 @@ def prepared_step(setup, *, fake: bool, device: str | torch.device = "cpu", cuda
     check_host_bytes(resolved, fake, device.type)
     layout, spec = resolved.layout, resolved.method
 
-    model, split, low = _meta_model(setup, resolved, fake, pp_rank)
+    model, split, low = meta_model_stage(setup, resolved, fake, pp_rank)
     autocast_dtype = low if (setup.mixed and spec.autocast_under_mixed) else None
     on_cuda = device.type == "cuda"
     sharded = spec.shards_model_states or spec.has_tp

@@ -18,12 +18,15 @@ from collections.abc import Callable
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.model.vision_inputs import vision_inputs
-from llmem.result import MemoryResult
+from llmem.result import EVAL_PHASE, MemoryResult
+from llmem.runtime.ds_loading import zero_init_load
 from llmem.runtime.evaluation import eval_job_phase, eval_trace_notes, eval_traced, evaluation_loop
+from llmem.runtime.job_trace import load_phases, phase_trace_notes
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.pipeline import fresh_sharding_cache
 from llmem.runtime.quant_kernels import emulation_note
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
+from llmem.runtime.saving import optimizer_unsaved, run_save, save_job_phase, save_run
 from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.eval_phase import kept_steps
@@ -60,28 +63,28 @@ def method_notes(layout: Layout, setup: TrainingSetup, engine: str) -> list[str]
 
 
 def trace(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
-          cuda_kernels: bool = True) -> MemoryResult:
+          cuda_kernels: bool = True, job_phases: bool = True) -> MemoryResult:
     """Trace `iterations` real training steps of `setup` on fake tensors (rank 0 of the layout) and return what a
     CUDA GPU would show: peak allocated / reserved, device used, and the breakdown at peak allocated.
 
-    cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs)."""
+    cuda_kernels=False keeps the CPU dispatcher's SDPA choice (for cross-checks against real CPU runs).
+    job_phases=False leaves the loading and saving phases out (the step's numbers are the same either way: the
+    validation matrix compares the step alone)."""
     if setup.pp > 1:         # each pipeline stage in turn (llmem.runtime.pipeline)
         return trace_stages(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
-    return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)[0]
+    return trace_with_details(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels,
+                              job_phases=job_phases)[0]
 
 
 def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                        progress: Callable[[str], None] | None = None,
-                       cuda_kernels: bool = True, pp_rank: int = 0) -> tuple[MemoryResult, TraceDetails]:
+                       cuda_kernels: bool = True, pp_rank: int = 0,
+                       job_phases: bool = True) -> tuple[MemoryResult, TraceDetails]:
     """The trace, and what its result leaves out (TraceDetails: per-phase peaks, the allocations at the peak);
-    under --pp, pipeline rank `pp_rank`'s stage."""
+    under --pp, pipeline rank `pp_rank`'s stage. job_phases: trace's."""
     check_iterations(iterations)
     if method_spec(setup.method).zero_stage is not None:     # DeepSpeed's own engine runs the step
-        from llmem.runtime.deepspeed import deepspeed_step
-
-        result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels)
-        result.job_notes = eval_trace_notes(setup, [])
-        return result, details
+        return _deepspeed_trace(setup, iterations, progress, cuda_kernels, job_phases)
     say = progress or (lambda msg: None)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     t0 = time.perf_counter()
@@ -106,13 +109,23 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
                 say("evaluating")
                 roles.on_phase("eval", iterations)
                 evaluation_loop(step, kept_steps(setup, step.layout.world_size))
+            unsaved = optimizer_unsaved(step.optimizer)
+            traced_save = job_phases and save_run(setup) is not None and unsaved is None
+            host_before_save = ledger.host_now
+            if traced_save:
+                say("saving a checkpoint")
+                run_save(step, ledger, roles)
             roles.finish()
             ledger.enabled = False
             resolved = step.resolved
             managed = getattr(step.optimizer, "outside_allocator_bytes", 0)
             del step
     say("replaying the allocator")
+    node_ranks = min(resolved.layout.gpus_per_node, resolved.layout.world_size)
+    saved = [save_job_phase(ledger, setup, host_before_save, node_ranks)] if traced_save else []
     job = eval_job_phase(ledger, setup, step_events) if traced_eval else []
+    ledger.events = ledger.events[:step_events]
+    job = (load_phases(setup, progress=say) if job_phases else []) + job + saved
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
     notes = method_notes(resolved.layout, setup, "trace")
@@ -125,12 +138,28 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     result.job_phases = job
-    result.job_notes = eval_trace_notes(setup, job)
+    result.job_notes = eval_trace_notes(setup, [p for p in job if p.name == EVAL_PHASE]) + \
+        (phase_trace_notes(setup, job, unsaved) if job_phases else [])
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 
         result.phases = traced_phases(series)
     return result, trace_details(ledger, series, wall)
+
+
+def _deepspeed_trace(setup: TrainingSetup, iterations: int, progress, cuda_kernels: bool,
+                     job_phases: bool) -> tuple[MemoryResult, TraceDetails]:
+    """DeepSpeed's own engine runs the step (llmem.runtime.deepspeed, its checkpoint saved after it), ZeRO-3's
+    zero-init loading in a run of its own (llmem.runtime.ds_loading)."""
+    from llmem.runtime.deepspeed import deepspeed_step
+
+    result, details = deepspeed_step(setup, iterations=iterations, progress=progress, cuda_kernels=cuda_kernels,
+                                     save=job_phases)
+    result.job_notes = eval_trace_notes(setup, [])
+    if job_phases:
+        result.job_phases = zero_init_load(setup, progress) + result.job_phases
+        result.job_notes += phase_trace_notes(setup, result.job_phases)
+    return result, details
 
 
 def trace_stages(setup, *, iterations: int = 2, progress=None, cuda_kernels: bool = True):

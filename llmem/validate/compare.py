@@ -79,7 +79,7 @@ def compare_one(setup: TrainingSetup, against: str, device: str | None = None) -
         if against == "trace":
             from llmem.runtime.trace import trace  # the real step: torch's runtime, imported when it runs
 
-            truth = trace(setup)
+            truth = trace(setup, job_phases=False)       # the rows compare the step
         else:
             from llmem.runtime.measure import measure
 

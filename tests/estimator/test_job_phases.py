@@ -19,6 +19,10 @@ GPUS = 8
 FP32_SHARD = P * 4 // GPUS                        # every dim 0 divides by 8: FSDP2 pads nothing (22,710,528)
 ADAMW_SHARD = 2 * FP32_SHARD                      # exp_avg, exp_avg_sq in fp32
 MIB = 2**20
+KIB = 2**10
+# cuBLAS's workspace, kept by the allocator from the first matmul on: the default GPU's (pre-Hopper, CUDA 12's
+# CUBLAS_WORKSPACE_CONFIG :4096:8 and :16:8 sizes: 2 x 4096 KiB + 8 x 16 KiB)
+WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB
 
 
 def phases(**kw) -> dict[str, dict]:
@@ -33,10 +37,11 @@ def test_the_hand_count_is_the_models():
 
 def test_fsdp2_loading_both_paths():
     default = phases(method="fsdp")["load"]
-    # accelerate's default (no cpu_ram_efficient_loading): 8 fp32 host copies; on the GPU this rank's shards and the
-    # largest unit moved whole by fully_shard: the tail [final norm, lm_head]
+    # accelerate's default (no cpu_ram_efficient_loading): 8 fp32 host copies; on the GPU this rank's shards and what
+    # fsdp2_prepare_model holds whole at once: the embedding (its `input_weight` local keeps the parameter fully_shard
+    # moved to the GPU) while the tail [final norm, lm_head] is moved whole (traced: tests/runtime/test_phase_trace.py)
     assert (default["kind"], default["host_bytes"]) == ("cpu", GPUS * P * 4)
-    assert default["device_bytes"] == FP32_SHARD + (EMBED + H) * 4 == 88_248_576
+    assert default["device_bytes"] == FP32_SHARD + (EMBED + EMBED + H) * 4 == 153_784_576
     efficient = phases(method="fsdp", load_path="cpu-ram-efficient")["load"]
     # one host copy per node; one parameter (the 65.5 MB embedding or lm_head) broadcast whole at a time
     assert efficient["host_bytes"] == P * 4
@@ -44,13 +49,14 @@ def test_fsdp2_loading_both_paths():
 
 
 def test_fsdp2_saving_sharded_and_full():
-    resident = FP32_SHARD + ADAMW_SHARD             # weights and AdamW's states between steps (gradients freed)
+    # weights and AdamW's states between steps (gradients freed), and cuBLAS's workspace
+    resident = FP32_SHARD + ADAMW_SHARD + WORKSPACE
     sharded = phases(method="fsdp")["save"]         # accelerate's FSDP2 default: SHARDED_STATE_DICT
     assert sharded["kind"] == "sharded" and sharded["device_bytes"] == resident
     assert sharded["host_bytes"] == GPUS * ADAMW_SHARD      # each rank's optimizer shards copied to the host
     full = phases(method="fsdp", save_kind="full")["save"]
     # each parameter and state all-gathered whole in turn (the largest: 65.5 MB); rank 0 keeps the full optimizer
-    assert full["device_bytes"] == resident + EMBED * 4 == 133_667_584
+    assert full["device_bytes"] == resident + EMBED * 4 == 142_187_264
     assert full["host_bytes"] == 2 * P * 4 == 363_368_448
 
 
@@ -68,10 +74,12 @@ def test_zero3_loading_with_and_without_zero_init():
 
 def test_zero3_saving_sharded_and_16bit_gather():
     # between steps: 16-bit partitions, the 9 RMSNorm weights (512 elements each, under the 1e5 persistence
-    # threshold) kept whole in 16 bits, fp32 master partitions and AdamW's two fp32 states
-    resident = P * 2 // GPUS + 9 * H * 2 + FP32_SHARD + ADAMW_SHARD
+    # threshold) kept whole in 16 bits, fp32 master partitions and AdamW's two fp32 states; cuBLAS's workspace; and
+    # what stage 3 keeps through the step: the 16-bit gradient partitions' buffer and the IPG bucket
+    # (reduce_bucket_size 5e8 elements in 16 bits)
+    resident = P * 2 // GPUS + 9 * H * 2 + FP32_SHARD + ADAMW_SHARD + WORKSPACE + P * 2 // GPUS + 5 * 10**8 * 2
     sharded = phases(method="ds-zero3")["save"]        # DeepSpeed's default: no 16-bit gather
-    assert sharded["kind"] == "sharded" and sharded["device_bytes"] == resident == 79_496_064
+    assert sharded["kind"] == "sharded" and sharded["device_bytes"] == resident == 1_099_371_008
     assert sharded["host_bytes"] == GPUS * FP32_SHARD   # each rank's fp32 flat partition, one storage at a time
     gather = phases(method="ds-zero3", save_kind="gather-16bit")["save"]
     assert gather["device_bytes"] == resident + EMBED * 2    # one module's own parameters gathered at a time
@@ -126,3 +134,25 @@ def test_the_cli_refuses_in_one_line_with_exit_2(capsys):
     assert main(["estimate", "tiny-llama", "--load-path", "lazy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmem: error: unknown --load-path 'lazy': choose one of") and "\n" not in err
+
+
+# tiny-qwen3 (llmem/model/catalog/tiny/tiny-qwen3.json): hidden 512, 8 query heads and 4 key-value heads of 64,
+# intermediate 1536, 4 layers, vocab 16000, the lm_head tied to the embedding
+Q_EMBED = 16000 * 512
+Q_LAYER = 512 * 512 + 2 * 512 * 256 + 512 * 512 + 3 * 512 * 1536 + 2 * 512 + 2 * 64   # attention, MLP, norms
+Q_P = Q_EMBED + 4 * Q_LAYER + 512                                                    # 20,780,032
+
+
+def test_fsdp2_state_dicts_copy_a_tied_weight_twice_and_init_a_stateless_optimizer():
+    """get_model_state_dict has one entry per name (embed_tokens.weight and lm_head.weight) and _iterate_state_dict
+    copies each; get_optimizer_state_dict's _init_optim_state gives SGD (no state) a zero gradient per trained
+    parameter before reading it. Both traced: tests/runtime/test_phase_trace.py."""
+    result = estimate(TrainingSetup(model="tiny-qwen3", method="fsdp", gpus=GPUS, seq_len=64, optimizer="sgd"))
+    assert result.setup.total_params == Q_P == 20_780_032
+    save = {p.name: p for p in result.job_phases}["save"]
+    shard = Q_P * 4 // GPUS                     # every dim 0 divides by 8
+    assert save.host_bytes == GPUS * (shard + Q_EMBED * 4 // GPUS) == 115_888_128
+    assert save.device_bytes == shard + WORKSPACE + shard     # the weights, cuBLAS's workspace, the zero gradients
+    full = {p.name: p for p in estimate(TrainingSetup(model="tiny-qwen3", method="fsdp", gpus=GPUS, seq_len=64,
+                                                      optimizer="sgd", save_kind="full")).job_phases}["save"]
+    assert full.host_bytes == (Q_P + Q_EMBED) * 4 == 115_888_128

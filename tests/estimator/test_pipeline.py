@@ -251,7 +251,7 @@ def test_trace_and_measure_refuse_what_the_estimate_refuses(command, argv, capsy
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the refusal")
 
-    monkeypatch.setattr(llmem.runtime.step, "_meta_model", built)
+    monkeypatch.setattr(llmem.runtime.step, "meta_model_stage", built)
     assert main([command, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llmem: error: --pp with "), err

@@ -37,7 +37,9 @@ def test_the_eval_leaves_the_traced_step_as_it_was():
     assert (evaluating.peak_allocated_bytes, evaluating.peak_reserved_bytes, evaluating.components) == \
         (plain.peak_allocated_bytes, plain.peak_reserved_bytes, plain.components)
     assert eval_bytes(evaluating) > evaluating.peak_allocated_bytes      # 8 x 256 tokens of fp32 logits, twice
-    assert evaluating.to_dict()["job_peak"]["phase"] == "eval" and "job_phases" not in plain.to_dict()
+    assert evaluating.to_dict()["job_peak"]["phase"] == "eval"
+    assert [p.name for p in plain.job_phases] == ["load", "save"]          # (llmem.runtime.loading, saving)
+    assert [p.name for p in evaluating.job_phases] == ["load", "eval", "save"]
     assert evaluating.job_notes[0].startswith("eval traced after the step")
 
 
