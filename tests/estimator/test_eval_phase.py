@@ -9,6 +9,7 @@ import json
 from math import ceil
 
 import pytest
+from eval_bytes import loss_only_eval_bytes
 
 from llmem import estimate
 from llmem.cli import main
@@ -174,13 +175,6 @@ def test_the_cli_flags_and_json(capsys):
 def test_steps_per_rank_round_up():
     from llmem.setup.eval_phase import eval_steps
     assert eval_steps(40, 4, 2) == 5 == ceil(40 / 8) and eval_steps(41, 4, 2) == 6
-
-
-def loss_only_eval_bytes(batch: int) -> int:
-    """The loss-only eval phase's peak on tiny-llama at eval batch `batch`, worked out as in the test above."""
-    t = batch * SEQ
-    casts = 2 * (EMBED + LAYERS * (4 * H * H + 3 * H * FFN))
-    return RESIDENT + 3 * t * 8 + casts + t * H * 4 + t * V * (2 + 4 + 4)
 
 
 def test_a_job_whose_eval_does_not_fit_does_not_fit():

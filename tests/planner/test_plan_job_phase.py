@@ -5,9 +5,10 @@ suggestion is the eval's own remedy, not the step-side what-ifs."""
 
 from __future__ import annotations
 
+from eval_bytes import SEQ, loss_only_eval_bytes
+
 from llmem.planner.plan import plan
 from llmem.setup.training import TrainingSetup
-from tests.estimator.test_eval_phase import SEQ, loss_only_eval_bytes
 
 CONTEXT = 1 << 30
 

@@ -120,6 +120,9 @@ class VisionStep:
     side: LearnedVision | None
     root: str = ""                   # the module the side's pieces are named from (llmem.model.vision.vision_root)
     units: tuple[str, ...] = ()      # the tower's FSDP2 units (llmem.model.vision.tower_units), in forward order
+    # the module inside each block that is the block's unit (the row's unit_in_block: Idefics3's "self_attn"; "": the
+    # block itself)
+    unit_in_block: str = ""
 
     def unit_of(self, piece: LearnedPiece) -> str | None:
         """The FSDP2 unit a piece runs in (its module is one, or holds one: Idefics3's blocks, whose attention is
@@ -128,4 +131,5 @@ class VisionStep:
         path = f"{self.root}.{piece.module}" if piece.module else self.root
         if path in self.units:
             return path
-        return next((u for u in self.units if piece.module and u.startswith(path + ".")), None)
+        inner = f"{path}.{self.unit_in_block}" if self.unit_in_block and piece.module else ""
+        return inner if inner in self.units else None

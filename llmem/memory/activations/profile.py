@@ -427,7 +427,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         mask_bytes=packed_mask_bytes(d) + _vision_mask_bytes(anatomy, setup, images),
         compiled=setup.compile,
         vision=VisionStep(_vision_batch_bytes(anatomy, setup, images), vision_modules(anatomy.model_type),
-                          learned_vision(r), vision_root(anatomy.model_type), tower_units(anatomy))
+                          learned_vision(r), vision_root(anatomy.model_type), tower_units(anatomy),
+                          vision_spec(anatomy.model_type).unit_in_block)
         if setup.images_per_sample else None,
     )
 
