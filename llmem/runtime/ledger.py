@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
+from llmem.runtime.host_reads import answer_host_reads
 
 PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
                "generation": 4, "scoring": 5,    # GRPO's phases before its forward (llmem.runtime.generation)
@@ -275,7 +276,9 @@ class TracingFakeMode(FakeTensorMode):
             return args[0]
         led = self.ledger
         if led is None or self._depth:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            answer_host_reads(func, args, out)    # peft's module-dropout draws, VB-LoRA's inf check
+            return out
         prev = led.op_category
         cat = led.before_op(func, args)
         self._depth = 1
@@ -284,6 +287,7 @@ class TracingFakeMode(FakeTensorMode):
         finally:
             self._depth = 0
         if out is not NotImplemented:
+            answer_host_reads(func, args, out)
             if cat is not None:
                 led.op_category = cat
                 try:

@@ -46,6 +46,7 @@ from llmem.runtime.build import (
     install_model_dtype_loss,
     low_dtype,
     materialize,
+    materialize_adapter_tensors,
     materialize_prompt_tokens,
     meta_model_for,
     packed_position_ids,
@@ -337,6 +338,7 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
             from llmem.runtime.float8 import rewrap_float8_weights
             rewrap_float8_weights(model)
         materialize_prompt_tokens(model, "cpu")
+        materialize_adapter_tensors(model, "cpu")
         collect_after_dora(model, stack)
         return apply_method(model, layout, mesh, setup, region, fake_pg=True)
     if sharded:   # shard on meta, then allocate only the local shards
