@@ -270,7 +270,11 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     lora_dropout = float(getattr(config, "lora_dropout", 0.0) or 0.0)
     data_free = data_free_note(peft_model)
     # a data-free build (LoRA's MiCA freezes lora_B) is learned from the real code, not the hand recipe
-    exact = peft_type in PEFT_EXACT_TYPES and not (use_dora and lora_dropout > 0) and data_free is None
+    # LoRA's variants other than DoRA (BD-LoRA's block-diagonal factors, aLoRA, ...: peft's LoraLayer.lora_variant
+    # per adapter, DoRA's among them when use_dora) have no hand model either
+    variants = {type(v) for m in base.modules() for v in (getattr(m, "lora_variant", None) or {}).values()}
+    exact = (peft_type in PEFT_EXACT_TYPES and not (use_dora and lora_dropout > 0) and data_free is None
+             and len(variants) <= int(use_dora))
     per_layer = {sum(1 for p in params if p.layer_index == i and p.trainable) for i in range(anatomy.num_layers)}
     if exact and len(per_layer) > 1:
         exact = False
