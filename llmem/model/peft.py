@@ -218,6 +218,29 @@ def _kind(config) -> str:
     return str(getattr(config.peft_type, "value", config.peft_type))
 
 
+def host_index_tensors(model) -> list[tuple[str, object, str]]:
+    """(name, tensor, the module's class name) of the real tensors peft's tuner layers hold in the plain dicts named in their
+    `other_param_names`: FourierFT's `indices`, WaveFT's `waveft_indices`, SHiRA's `shira_indices` (made on the host
+    at get_peft_model; peft/tuners/tuners_utils.py `_move_adapter_to_device_of_base_layer` moves only ModuleDict /
+    ParameterDict / BufferDict). On the GPU each forward copies them to the base's device (FourierFT, WaveFT: the
+    copies kept by index_put's backward, all layers' alive at the peak) or keeps the copy (SHiRA's
+    `get_delta_weight`): the estimate counts them as buffers of their module, the trace allocates their copies
+    (llmem.runtime.adapter_host_tensors)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: list[tuple[str, object, str]] = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in getattr(module, "other_param_names", ()):
+            held = module.__dict__.get(attr)
+            for key, t in (held.items() if isinstance(held, dict) else ()):
+                if getattr(t, "device", None) is not None and t.device.type != "meta" \
+                        and type(t).__name__ != "FakeTensor" and hasattr(t, "untyped_storage"):
+                    out.append((f"{module_name}.{attr}.{key}", t, type(module).__name__))
+    return out
+
+
 def _peft_name(name: str) -> str:
     """peft's wrapper names -> the base model's names (q_proj.base_layer.weight -> q_proj.weight)."""
     return name.replace(".base_layer.", ".")
@@ -233,7 +256,8 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
         return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True,
+    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=2,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -248,7 +272,8 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     peft_model = apply_peft_config(base_model, config_text, upcast)
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
-    buffers = tuple(replace(b, name=_peft_name(b.name)) for b in added_buffers(base, own_buffers))
+    buffers = tuple(replace(b, name=_peft_name(b.name))
+                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base)))
     grad: dict[str, bool] = {}
     seen: set[int] = set()
     for module_name, module in base.named_modules():

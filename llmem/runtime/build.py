@@ -175,26 +175,6 @@ def materialize_prompt_tokens(model: nn.Module, device) -> None:
             tokens[name] = torch.arange(ids.numel(), dtype=ids.dtype, device=device)
 
 
-def materialize_adapter_tensors(model: nn.Module, device) -> None:
-    """peft tuner layers that keep tensors in plain dicts named in their `other_param_names` (FourierFT's `indices`,
-    WaveFT's `waveft_indices`: torch.randperm's real host tensors, made at get_peft_model; peft/tuners/tuners_utils.py
-    `_move_adapter_to_device_of_base_layer` moves only ModuleDict / ParameterDict / BufferDict, so each forward
-    copies them to the base's device with `.to(spectrum.device)`): made on the step's device (fake ones under
-    FakeTensorMode), so that the fake step's ops take them."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in model.modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        for name in getattr(module, "other_param_names", ()):
-            held = module.__dict__.get(name)
-            if not isinstance(held, dict):
-                continue
-            for key, t in list(held.items()):
-                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != "meta":
-                    held[key] = torch.zeros(t.shape, dtype=t.dtype, device=device)
-
-
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Replace every meta parameter / buffer by an uninitialised tensor on `device` (a fake one when called under
     FakeTensorMode), keeping tied parameters tied and floating parameters in `dtype` when given."""

@@ -114,3 +114,34 @@ def test_unshare_gives_the_read_layer_its_own_modules_over_the_same_tensors():
     x = torch.randn(2, 4)
     layers[1](x).sum().backward()                 # autograd accumulates into the one shared leaf
     assert shared.weight.grad is not None
+
+
+def test_shira_trainable_and_host_indices_by_hand():
+    # peft/tuners/shira/layer.py update_layer: shira_weight [r * (in + out)] per module, and shira_indices
+    # [2, r * (in + out)] (torch.where of the mask, .to(torch.int)) held in a plain dict, kept on the GPU by
+    # get_delta_weight: counted as buffers of the module
+    n = 32 * (IN + OUT)
+    a = _anatomy("shira-r32-q-v")
+    assert _trainable(a) == MODULES * n == 262_144
+    indices = [b for b in a.buffers if ".shira_indices." in b.name]
+    assert len(indices) == MODULES and {(b.shape, b.dtype) for b in indices} == {((2, n), "int32")}
+    assert sum(b.own_bytes for b in indices) == MODULES * 2 * n * 4
+
+
+def test_waveft_and_fourierft_indices_are_int64_buffers():
+    # torch.randperm's int64 positions, stacked as [2, n_frequency] (fourierft/layer.py, waveft/layer.py)
+    for name, n in (("fourierft-q-v", 1000), ("waveft-q-v", 5000)):
+        found = [b for b in _anatomy(name).buffers if "indices" in b.name]
+        assert len(found) == MODULES and {(b.shape, b.dtype) for b in found} == {((2, n), "int64")}
+    assert _trainable(_anatomy("waveft-q-v")) == MODULES * 5000
+
+
+def test_fake_sparse_mask_keeps_the_mask_entries():
+    from llmem.runtime.ledger import TracingFakeMode
+
+    with TracingFakeMode(allow_non_fake_inputs=True):
+        values = torch.ones(5, requires_grad=True)
+        delta = torch.sparse_coo_tensor(torch.zeros(2, 5, dtype=torch.long), values * 2, (4, 4),
+                                        check_invariants=False)
+        (torch.zeros(4, 4) + delta).sum().backward()      # SparseCooTensorWithDimsAndTensorsBackward0
+        assert values.grad.shape == (5,)
