@@ -180,14 +180,17 @@ def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
     config = peft_config_from_text(text)
     try:
         return _get_peft_model(model, config, autocast_adapter_dtype, data_free=False)
-    except LlmemError as exc:
-        if "base weights' values" not in str(exc):
-            raise
+    except ReadsWeightValues:
+        pass
     # peft's own empty-weights build (its value-reading inits skip on meta adapters), SHiRA's mask on the host
     data_free_config(config)
     peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
     setattr(peft_model, DATA_FREE_ATTR, f"peft type {_kind(config)}: {DATA_FREE_NOTE}")
     return peft_model
+
+
+class ReadsWeightValues(LlmemError):
+    """peft's initialisation of this config read the base weights' values (which the meta device has not)."""
 
 
 def _get_peft_model(model, config, autocast_adapter_dtype: bool, data_free: bool):
@@ -206,7 +209,7 @@ def _get_peft_model(model, config, autocast_adapter_dtype: bool, data_free: bool
         first = first_line(exc)
         if "meta" in first or "incompatible tensor type" in first:
             # FRoD's projections, SHiRA's mask, LoRA's MiCA read the weights' values at get_peft_model
-            raise LlmemError(f"peft's {_kind(config)} initialises its adapters from the base weights' values "
+            raise ReadsWeightValues(f"peft's {_kind(config)} initialises its adapters from the base weights' values "
                              f"({first[:120]}); llmem builds models from shapes alone (the meta device) and "
                              "peft's data-free build (low_cpu_mem_usage) reads them too: no estimate or trace for "
                              "this config") from None

@@ -14,16 +14,15 @@ The estimate says so in its notes (DATA_FREE_NOTE)."""
 
 from __future__ import annotations
 
-import torch
-
 DATA_FREE_ATTR = "llmem_data_free"       # set on a peft model built by this path: the note
 DATA_FREE_NOTE = ("built data-free: its initialisation reads the base weights' values, which a model built from "
                   "shapes (the meta device) has not; the adapters have peft's shapes, dtypes and trainable set, "
                   "their initial values are not computed")
 
 
-def host_mask(base_layer, r: int, **_kwargs) -> torch.Tensor:
+def host_mask(base_layer, r: int, **_kwargs):
     """A SHiRA mask (peft/tuners/shira/mask_functions.py's contract: [out, in], r * (in + out) ones) on the host."""
+    import torch  # (an estimate from a cached anatomy imports no torch)
     from peft.tuners.tuners_utils import _get_in_out_features
 
     in_features, out_features = _get_in_out_features(base_layer)
