@@ -20,6 +20,7 @@ from llmem.learn.points import (
     layer_of,
     unit_of,
 )
+from llmem.learn.unshare import unshare_layer
 from llmem.model.families import decoder_layers
 from llmem.model.sharding import MATMUL_KINDS
 from llmem.model.vision import vision_modules, vision_root, vision_spec
@@ -279,12 +280,8 @@ def model_info(step) -> dict:
         raise LearnError(f"{type(model).__name__} has no list of decoder layers to learn from")
     layers_path, layers = found
     layer = layers[READ_LAYER]
+    unshare_layer(list(layers), READ_LAYER)      # peft's cross-layer adapters: the read layer's own module objects
     modules = dict(layer.named_modules())
-    others = {id(m) for i, other in enumerate(layers) if i != READ_LAYER for m in other.modules()}
-    shared = sorted(n for n, m in modules.items() if id(m) in others)
-    if shared:     # the module tracker names a shared module once: its ops could not be told apart by layer
-        raise LearnError(f"decoder layers share modules ({shared[0]}: peft's cross-layer adapters): one layer's "
-                         "allocations cannot be told apart from another's")
     units: set[str] = set()
     for pname, _p in layer.named_parameters():
         path = pname.rsplit(".", 1)[0] if "." in pname else ""

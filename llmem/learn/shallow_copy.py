@@ -24,6 +24,7 @@ from llmem.memory.activations.learned import (
     remember,
 )
 from llmem.model.families import LAYERS_FIELDS, family_of
+from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
 from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.checkpointing import AC_POLICIES
@@ -58,15 +59,41 @@ def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None = None) -
     with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(shallow_config(r.base.config, LEARN_DEPTH)))
+        peft_folder = shallow_peft_config(r, Path(folder))
         readings: list[Reading] = []
         for b, s in points:          # each point checked against the first as it comes: a refusal costs two runs
+            copy_setup = learning_setup(r, str(path), b, s)
+            if peft_folder is not None:
+                copy_setup = replace(copy_setup, peft_config=str(peft_folder))
             with learning_ep(r.setup.ep, r.setup.ep_imbalance):   # --ep: the EP forward, all-to-alls emulated
-                readings.append(run_point(learning_setup(r, str(path), b, s),
-                                          vision_checkpointing=vision_checkpointing(r)))
+                readings.append(run_point(copy_setup, vision_checkpointing=vision_checkpointing(r)))
             check_alike(readings, points)
     sizes = fit_sizes(readings, points)
     return read_layer(readings[0], sizes, points, time.perf_counter() - t0,
                       selective=AC_POLICIES[r.setup.ac_policy].selective)
+
+
+# peft config fields that count the decoder layers an adapter spans: adaption prompt's adapter_layers (its
+# adapters on the top N layers, peft/tuners/adaption_prompt/model.py refuses N above the model's depth) and prompt
+# learning's num_layers (the past key values made per layer; peft fills it from the model's config when unset)
+LAYER_COUNT_FIELDS = ("adapter_layers", "num_layers")
+
+
+def shallow_peft_config(r: ResolvedSetup, folder: Path) -> Path | None:
+    """The --peft-config as the copy takes it, written under `folder`: a layer count that spans every decoder layer
+    of the model cut to the copy's LEARN_DEPTH (one that spans fewer adapts the layers unevenly, which learning
+    refuses). None when the config has no such field (the user's config is taken as it is)."""
+    if not r.setup.peft_config:
+        return None
+    fields = json.loads(read_peft_config(r.setup.peft_config)[0])
+    found = [n for n in LAYER_COUNT_FIELDS if isinstance(fields.get(n), int) and fields[n] == r.anatomy.num_layers]
+    if not found:
+        return None
+    fields.update(dict.fromkeys(found, LEARN_DEPTH))
+    out = folder / "peft"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps(fields))
+    return out
 
 
 def vision_checkpointing(r: ResolvedSetup) -> bool:

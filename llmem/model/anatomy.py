@@ -7,7 +7,7 @@ dimensions that activations depend on. Nothing is allocated.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property, lru_cache
 from math import prod
@@ -195,13 +195,15 @@ def _layer_index(name: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def added_buffers(model, before: set[int]) -> tuple[ParamInfo, ...]:
+def added_buffers(model, before: set[int], extra: Sequence[tuple] = ()) -> tuple[ParamInfo, ...]:
     """The buffers of `model` (the built model, peft's layers in it) that are not among `before` (ids of the buffers
     it had before the adapter was applied), as frozen ParamInfo rows: what an adapter registers (OSF's SVD
-    factors)."""
+    factors); then `extra` (name, tensor, its module's class name): tensors the adapter holds outside its buffers that the step keeps on the
+    device as one (llmem.model.peft.host_index_tensors)."""
     layers = decoder_layers(model)
     prefix = (layers[0] if layers else "") + "."
-    out: list[ParamInfo] = []
+    out: list[ParamInfo] = [ParamInfo(full, tuple(t.shape), str(t.dtype).replace("torch.", ""), kind,
+                                      _layer_index(full, prefix), None, False) for full, t, kind in extra]
     for module_name, module in model.named_modules():
         for bname, b in module.named_buffers(recurse=False):
             if b is None or id(b) in before:

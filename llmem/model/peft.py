@@ -16,6 +16,7 @@ from pathlib import Path
 from llmem.errors import LlmemError, first_line
 from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, added_buffers, inventory, read_or_build
 from llmem.model.config import build_meta_model, resolve_config
+from llmem.model.peft_data_free import DATA_FREE_ATTR, DATA_FREE_NOTE, data_free_config, data_free_note
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup, lora_target_regex
 
@@ -173,29 +174,74 @@ def peft_config_from_text(text: str):
 
 
 def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
-    """get_peft_model(model, config) on the (meta) model: the adapters and the trainable set as peft makes them."""
+    """get_peft_model(model, config) on the (meta) model: the adapters and the trainable set as peft makes them.
+    A config whose initialisation reads the base weights' values is built data-free (llmem.model.peft_data_free;
+    the model's DATA_FREE_ATTR says so)."""
+    config = peft_config_from_text(text)
+    try:
+        return _get_peft_model(model, config, autocast_adapter_dtype, data_free=False)
+    except ReadsWeightValues:
+        pass
+    # peft's own empty-weights build (its value-reading inits skip on meta adapters), SHiRA's mask on the host
+    data_free_config(config)
+    peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
+    setattr(peft_model, DATA_FREE_ATTR, f"peft type {_kind(config)}: {DATA_FREE_NOTE}")
+    return peft_model
+
+
+class ReadsWeightValues(LlmemError):
+    """peft's initialisation of this config read the base weights' values (which the meta device has not)."""
+
+
+def _get_peft_model(model, config, autocast_adapter_dtype: bool, data_free: bool):
+    """peft's get_peft_model, its failures as one line (`data_free`: low_cpu_mem_usage, the adapters on meta)."""
     from peft import get_peft_model
 
-    config = peft_config_from_text(text)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
+            return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype,
+                                  low_cpu_mem_usage=data_free)
     except ImportError as exc:      # e.g. AdaMSS: "scikit-learn is required for AdaMSS. Please install it with: ..."
         raise LlmemError(f"peft's {_kind(config)} needs a package that is not installed: {first_line(exc, 200)}") \
             from None
     except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError) as exc:
         first = first_line(exc)
-        if "meta" in first:         # FRoD, SHIRA, LoRA's "mica" init read the weights' values at get_peft_model
-            raise LlmemError(f"peft's {_kind(config)} initialises its adapters from the base weights' values "
-                             f"({first[:120]}); llmem builds models from shapes alone (the meta device) and cannot "
-                             "build it: no estimate or trace for this config") from None
+        if "meta" in first or "incompatible tensor type" in first:
+            # FRoD's projections, SHiRA's mask, LoRA's MiCA read the weights' values at get_peft_model
+            raise ReadsWeightValues(f"peft's {_kind(config)} initialises its adapters from the base weights' values "
+                             f"({first[:120]}); llmem builds models from shapes alone (the meta device) and "
+                             "peft's data-free build (low_cpu_mem_usage) reads them too: no estimate or trace for "
+                             "this config") from None
         raise LlmemError(f"peft cannot apply this {_kind(config)} config to the model: {first[:200]}") from None
 
 
 def _kind(config) -> str:
     """A peft config's type as peft names it (PeftType.LORA -> LORA)."""
     return str(getattr(config.peft_type, "value", config.peft_type))
+
+
+def host_index_tensors(model) -> list[tuple[str, object, str]]:
+    """(name, tensor, the module's class name) of the real tensors peft's tuner layers hold in the plain dicts named in their
+    `other_param_names`: FourierFT's `indices`, WaveFT's `waveft_indices`, SHiRA's `shira_indices` (made on the host
+    at get_peft_model; peft/tuners/tuners_utils.py `_move_adapter_to_device_of_base_layer` moves only ModuleDict /
+    ParameterDict / BufferDict). On the GPU each forward copies them to the base's device (FourierFT, WaveFT: the
+    copies kept by index_put's backward, all layers' alive at the peak) or keeps the copy (SHiRA's
+    `get_delta_weight`): the estimate counts them as buffers of their module, the trace allocates their copies
+    (llmem.runtime.adapter_host_tensors)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: list[tuple[str, object, str]] = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in getattr(module, "other_param_names", ()):
+            held = module.__dict__.get(attr)
+            for key, t in (held.items() if isinstance(held, dict) else ()):
+                if getattr(t, "device", None) is not None and t.device.type != "meta" \
+                        and type(t).__name__ != "FakeTensor" and hasattr(t, "untyped_storage"):
+                    out.append((f"{module_name}.{attr}.{key}", t, type(module).__name__))
+    return out
 
 
 def _peft_name(name: str) -> str:
@@ -213,7 +259,8 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
         return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True,
+    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=2,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -228,7 +275,8 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     peft_model = apply_peft_config(base_model, config_text, upcast)
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
-    buffers = tuple(replace(b, name=_peft_name(b.name)) for b in added_buffers(base, own_buffers))
+    buffers = tuple(replace(b, name=_peft_name(b.name))
+                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base)))
     grad: dict[str, bool] = {}
     seen: set[int] = set()
     for module_name, module in base.named_modules():
@@ -248,7 +296,13 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     use_dora = bool(getattr(config, "use_dora", False))
     notes: list[str] = []
     lora_dropout = float(getattr(config, "lora_dropout", 0.0) or 0.0)
-    exact = peft_type in PEFT_EXACT_TYPES and not (use_dora and lora_dropout > 0)
+    data_free = data_free_note(peft_model)
+    # a data-free build (LoRA's MiCA freezes lora_B) is learned from the real code, not the hand recipe
+    # LoRA's variants other than DoRA (BD-LoRA's block-diagonal factors, aLoRA, ...: peft's LoraLayer.lora_variant
+    # per adapter, DoRA's among them when use_dora) have no hand model either
+    variants = {type(v) for m in base.modules() for v in (getattr(m, "lora_variant", None) or {}).values()}
+    exact = (peft_type in PEFT_EXACT_TYPES and not (use_dora and lora_dropout > 0) and data_free is None
+             and len(variants) <= int(use_dora))
     per_layer = {sum(1 for p in params if p.layer_index == i and p.trainable) for i in range(anatomy.num_layers)}
     if exact and len(per_layer) > 1:
         exact = False
@@ -258,6 +312,8 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
         kind = "DoRA with lora_dropout" if use_dora else peft_type
         notes.append(f"peft type {kind}: trainable set from peft itself; no hand-written activation model (the "
                      "estimate learns them from peft's real code, llmem.runtime.learn)")
+    if data_free is not None:
+        notes.append(data_free)
     if json.loads(config_text).get("prompt_tuning_init") == "TEXT":
         notes.append("prompt_tuning_init TEXT needs a tokenizer: RANDOM initialisation used (same memory)")
     info = PeftInfo(peft_type, lora_dropout=lora_dropout, use_dora=use_dora,

@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
+from llmem.runtime.fake_sparse import SPARSE_MASK, fake_sparse_mask
+from llmem.runtime.host_reads import answer_host_reads
 
 PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
                "generation": 4, "scoring": 5,    # GRPO's phases before its forward (llmem.runtime.generation)
@@ -296,9 +298,13 @@ class TracingFakeMode(FakeTensorMode):
         if func is _PIN_MEMORY:
             # a fake tensor has no host memory to pin (FakeTensorMode has no kernel for it): the tensor as it is
             return args[0]
+        if func is SPARSE_MASK:     # the fake kernel's result has no entries (llmem.runtime.fake_sparse)
+            return fake_sparse_mask(self.__torch_dispatch__, types, *args)
         led = self.ledger
         if led is None or self._depth:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            answer_host_reads(func, args, out)    # peft's module-dropout draws, VB-LoRA's inf check
+            return out
         prev = led.op_category
         cat = led.before_op(func, args)
         self._depth = 1
@@ -307,6 +313,7 @@ class TracingFakeMode(FakeTensorMode):
         finally:
             self._depth = 0
         if out is not NotImplemented:
+            answer_host_reads(func, args, out)
             if cat is not None:
                 led.op_category = cat
                 try:

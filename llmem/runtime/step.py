@@ -34,6 +34,7 @@ from llmem.memory.activations.loss import loss_logits_bytes
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.model.vision import frozen_parts
+from llmem.runtime.adapter_host_tensors import adapter_index_tensors, hold_index_copies
 from llmem.runtime.build import (
     apply_peft,
     cast_frozen,
@@ -324,6 +325,7 @@ def _enter_fake_mode(stack: contextlib.ExitStack, setup: TrainingSetup, fake: bo
         stack.enter_context(hf_untraced_masks(packed=packing and not setup.attention_spec.varlen_packing))
         stack.enter_context(grouped_mm_meta_any_float())
         stack.enter_context(fake_mode)
+        stack.enter_context(adapter_index_tensors(fake_mode, model))   # FourierFT's / WaveFT's / SHiRA's indices
         if images is not None:
             from llmem.runtime.vision import image_mask_counts
             stack.enter_context(image_mask_counts(causal_lm(model), images))
@@ -338,6 +340,7 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
             from llmem.runtime.float8 import rewrap_float8_weights
             rewrap_float8_weights(model)
         materialize_prompt_tokens(model, "cpu")
+        hold_index_copies(model, stack)       # FourierFT's / WaveFT's / SHiRA's index tensors on the device
         collect_after_dora(model, stack)
         return apply_method(model, layout, mesh, setup, region, fake_pg=True)
     if sharded:   # shard on meta, then allocate only the local shards

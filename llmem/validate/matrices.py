@@ -19,6 +19,11 @@ from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa:
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
 
+# peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
+PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
+                     "lokr-r32-q-v", "fourierft-q-v", "lora-mica-r32-q-v", "adaption-prompt-4", "tinylora-q-v",
+                     "unilora-q-v", "lora-bd-r14-mlp", "waveft-q-v", "shira-r32-q-v")
+
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
 # all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, Muon, bitsandbytes'
 # 8-bit AdamW (paged and not) and paged 32-bit AdamW, torchao's 8-bit / 4-bit / fp8 AdamW, optimizer in backward;
@@ -226,6 +231,13 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
       for name in ("oft-r32-q-v", "delora-r32-q-v", "c3a-q-v", "miss-r64-q-v", "hira-r32-q-v", "osf-q-v")),
     _s("tiny-mistral", precision="bf16", batch_size=2, seq_len=384, peft_config=bundled_peft_config("road2-q-v")),
+    # learned too: the cross-layer adapters (one module object shared by the layers, llmem.learn.unshare), LyCORIS'
+    # module-dropout draw (llmem.runtime.host_reads), FourierFT's host indices, MiCA built data-free
+    # (llmem.model.peft_data_free), adaption prompt's layer count cut for the copy, TinyLoRA / UniLoRA's shared vectors,
+    # BD-LoRA (a LoRA variant the hand recipe does not model), WaveFT's and SHiRA's host indices
+    # (llmem.runtime.adapter_host_tensors; SHiRA built data-free, its sparse delta: llmem.runtime.fake_sparse)
+    *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
+      for name in PEFT_LEARNED_ROWS),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, grad_ckpt=True,
        peft_config=bundled_peft_config("oft-r32-q-v")),
     _s("tiny-qwen3", precision="bf16", batch_size=2, seq_len=384),

@@ -208,10 +208,12 @@ def unevenly_adapted(r: ResolvedSetup) -> bool:
     """peft adapts the decoder layers differently (layers_to_transform, layer patterns): one layer read cannot stand
     for all. Compared by the modules each layer's trained parameters adapt (peft names them
     <module>.<adapter part>.default...): an adapter part shared between layers (Lily's, held by the first layer)
-    leaves the others adapting the same modules through their own parts."""
+    leaves the others adapting the same modules through their own parts; the buffers peft adds count as adapting
+    their module too (TinyLoRA's and UniLoRA's trained vectors are one list held by the first layer's module, the
+    other layers' modules adapt through their own projection buffers)."""
     per_layer: dict[int, set[str]] = {i: set() for i in range(r.anatomy.num_layers)}
-    for p in r.anatomy.params:
-        found = _layer_and_rest(p.name) if p.trainable and p.layer_index is not None else None
+    for p in (*(q for q in r.anatomy.params if q.trainable), *r.anatomy.buffers):
+        found = _layer_and_rest(p.name) if p.layer_index is not None else None
         if found is not None and found[0] in per_layer:
             per_layer[found[0]].add(_adapted_module(found[1]))
     return len({frozenset(v) for v in per_layer.values()}) > 1
