@@ -477,6 +477,24 @@ def save_checkpoint(step: EngineStep, prepared: TrainingStep, ledger: Ledger, ho
     return run_ds_save(step.engine, ledger, hooks.on_phase, step.setup, node_ranks)
 
 
+def _trace_notes(setup: TrainingSetup, resolved, world: int, stage: int, fake: bool) -> list[str]:
+    """What a DeepSpeed trace says of its step: the engine's, the activations', the optimizer's, TRL's trainer code
+    and what the run emulates of it, the model's positions and layers, a vision-language model's images."""
+    notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
+    if setup.objective_spec.runs_trainer:         # TRL's trainer code and what the run emulates of it
+        from llmem.runtime.objective_steps import objective_trace_notes
+
+        notes += objective_trace_notes(setup)
+        if setup.objective_spec.keeps_reference:    # (SFTTrainer has none to say of)
+            notes.append(reference_engine_note(stage, reference_mode(setup) == REF_COPY))
+    anatomy = resolved.anatomy
+    notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
+    images = vision_inputs(setup, resolved.base)     # a vision-language model's images (llmem.runtime.vision)
+    if images is not None:
+        notes.append(images.describe())
+    return notes
+
+
 def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Callable[[str], None] | None = None,
                    cuda_kernels: bool = True, fake: bool = True,
                    save: bool = False) -> tuple[MemoryResult, TraceDetails]:
@@ -538,18 +556,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     ledger.events = ledger.events[:step_events]      # the step's answer: its iterations
     series = replay_ledger(ledger, expandable_segments=setup.expandable_segments)
     wall = time.perf_counter() - t0
-    notes = notes_of(setup, world, stage, fake) + activation_notes(setup) + setup.optimizer_spec.notes("trace", False)
-    if setup.objective_spec.runs_trainer:         # TRL's trainer code and what the run emulates of it
-        from llmem.runtime.objective_steps import objective_trace_notes
-
-        notes += objective_trace_notes(setup)
-        if setup.objective_spec.keeps_reference:    # (SFTTrainer has none to say of)
-            notes.append(reference_engine_note(stage, reference_mode(setup) == REF_COPY))
-    anatomy = resolved.anatomy
-    notes += [n for n in (anatomy.positions_note(setup.seq_len), anatomy.varied_layers_note) if n is not None]
-    images = vision_inputs(setup, resolved.base)     # a vision-language model's images (llmem.runtime.vision)
-    if images is not None:
-        notes.append(images.describe())
+    notes = _trace_notes(setup, resolved, world, stage, fake)
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
     result.job_phases = saved
