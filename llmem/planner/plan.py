@@ -67,6 +67,7 @@ from llmem.planner.search import (
 from llmem.planner.suggestions import suggest
 from llmem.planner.suggestions.job_phase import job_phase_suggestion
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
+from llmem.search import BATCH_CAP
 from llmem.setup.expert_parallel import check_ep_model, check_expert_parallel
 from llmem.setup.generation import with_fixed_steps
 from llmem.setup.gpus import GpuSpec, resolve_gpu
@@ -130,12 +131,13 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     options = options or PlanOptions()
     setup, steps_note = with_fixed_steps(setup)     # GRPO's generation_batch_size: its steps per generation
     anatomy = anatomy or setup_anatomy(setup)
+    options, cap_note = vision_batch_cap(setup, anatomy, options)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
     ctx = PlanContext(anatomy, gpu, options, engine, limit)
     layouts = plan_layouts(ctx, setup)
-    notes = plan_notes(setup, gpu, options, anatomy) + ([steps_note] if steps_note else [])
+    notes = plan_notes(setup, gpu, options, anatomy) + [n for n in (steps_note, cap_note) if n]
     total_steps = len(layouts) + 1
     search = LayoutSearch(ctx, setup, layouts, notes, progress, total_steps)
     search.run()
@@ -409,6 +411,26 @@ def fits_note(gpu: GpuSpec, options: PlanOptions) -> str:
         return f"fits: device-used memory <= {limit} (engine paper)"
     return (f"fits: the step's allocations complete within {limit} less the CUDA context, as PyTorch decides OOM "
             f"(the allocator releases its cache and retries when full); engine {options.engine}")
+
+
+# A vision-language step's batch search stops at this many images per GPU unless --max-batch says otherwise: its
+# vision side is learned from the real code at each micro-batch searched, and that run's host memory grows faster
+# than the images (tiny-qwen2_5_vl at 448x448: 0.4 GB at 16 images, 2.2 GB at 256; a plan searching up to
+# BATCH_CAP took 24 GB and was killed)
+VISION_BATCH_IMAGES = 64
+
+
+def vision_batch_cap(setup: TrainingSetup, anatomy: ModelAnatomy,
+                     options: PlanOptions) -> tuple[PlanOptions, str | None]:
+    """The plan's options with the batch search capped at VISION_BATCH_IMAGES images per GPU for a vision-language
+    step where --max-batch is the default (a user's --max-batch stands), and the note saying so."""
+    if vision_spec(anatomy.model_type) is None or not setup.images_per_sample or options.batch_cap != BATCH_CAP:
+        return options, None
+    cap = max(1, VISION_BATCH_IMAGES // setup.images_per_sample)
+    return replace(options, batch_cap=cap), (
+        f"the batch search stops at {cap} sample(s) a GPU ({VISION_BATCH_IMAGES} images): the vision side is learned "
+        "from the real code at each micro-batch searched, and that run's host memory grows faster than its images; "
+        "--max-batch N searches further")
 
 
 def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy: ModelAnatomy) -> list[str]:

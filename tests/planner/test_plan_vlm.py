@@ -54,3 +54,19 @@ def test_a_plan_every_layout_refuses_says_why_in_one_line(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--packing is not wired" in err, err
+
+
+def test_the_batch_search_of_a_vision_step_stops_at_64_images():
+    """The vision side is learned at each micro-batch searched, and that run's host memory grows faster than its
+    images (a tiny VLM's plan searching to the 4,096 cap was killed at 24 GB): the search stops at 64 images a GPU,
+    said in a note, unless --max-batch is given; a text model keeps the cap."""
+    from llmem.planner.plan import VISION_BATCH_IMAGES, vision_batch_cap
+    from llmem.search import BATCH_CAP
+
+    vlm = load_anatomy("tiny-qwen2_5_vl")
+    two = TrainingSetup("tiny-qwen2_5_vl", images_per_sample=2, image_size="448x448", seq_len=64)
+    options, note = vision_batch_cap(two, vlm, PlanOptions())
+    assert VISION_BATCH_IMAGES == 64 and options.batch_cap == 32 and "stops at 32 sample(s)" in note
+    assert vision_batch_cap(two, vlm, PlanOptions(batch_cap=8)) == (PlanOptions(batch_cap=8), None)
+    text = TrainingSetup("tiny-llama", seq_len=64)
+    assert vision_batch_cap(text, load_anatomy("tiny-llama"), PlanOptions())[0].batch_cap == BATCH_CAP
