@@ -105,6 +105,14 @@ class JobPhase:
 EVAL_PHASE = "eval"            # the job's evaluation phase (llmem.estimator.eval_phase)
 
 
+def phase_over(phases: list[JobPhase], allocator_bytes: int) -> JobPhase | None:
+    """The phase whose tensor bytes per GPU pass what the allocator may use (the largest such; None: every phase
+    fits). Its tensors alone are over, so no allocator layout can hold them: the job runs out of memory there
+    (MemoryResult.job_over, from the estimate's phases and the trace's alike)."""
+    over = [p for p in phases if p.device_bytes > allocator_bytes]
+    return max(over, key=lambda p: p.device_bytes) if over else None
+
+
 # The phases of a step with phases as the report groups them: GRPO's weight sync to vLLM (under FSDP2), generation
 # and scoring, then its training (forward, backward, optimizer step)
 PHASE_GROUPS = {"weight_sync": "weight_sync", "generation": "generation", "scoring": "scoring",

@@ -22,7 +22,7 @@ from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.eval_phase import eval_notes, eval_phase
 from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
-from llmem.estimator.job_phases import job_notes, job_phases, phase_over
+from llmem.estimator.job_phases import job_notes, job_phases
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
@@ -41,7 +41,7 @@ from llmem.memory.capacity import AtCapacity, Fit, at_capacity, capacity_notes, 
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.model.vision import vision_spec
-from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases
+from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases, phase_over
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup

@@ -330,12 +330,6 @@ def job_phases(r: ResolvedSetup, ms: ModelStates) -> list[JobPhase]:
 PHASE_WORDS = {"load": "loading", "eval": "evaluation", "save": "saving"}
 
 
-def phase_over(phases: list[JobPhase], allocator_bytes: int) -> JobPhase | None:
-    """The phase whose tensor bytes per GPU pass what the allocator may use (the largest such; None: every phase
-    fits). Its tensors alone are over, so no allocator layout can hold them: the job runs out of memory there."""
-    over = [p for p in phases if p.device_bytes > allocator_bytes]
-    return max(over, key=lambda p: p.device_bytes) if over else None
-
 
 def _listed(words: list[str]) -> str:
     """"a", "a and b", "a, b and c"."""

@@ -68,14 +68,14 @@ from llmem.errors import LlmemError
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.families import text_config
 from llmem.model.vision_inputs import vision_inputs
-from llmem.result import MemoryResult
+from llmem.result import MemoryResult, phase_over
 from llmem.runtime.ds_saving import ds_save_job_phase, ds_save_traced, run_ds_save
 from llmem.runtime.ledger import Ledger, StepRoles, TracingFakeMode, tracking
 from llmem.runtime.patches import patched
 from llmem.runtime.replay import TraceDetails, build_result, replay_ledger, trace_details
 from llmem.runtime.step import StepHooks, TrainingStep, check_iterations, prepared_step
 from llmem.setup.deepspeed import reference_engine_note, zero_config
-from llmem.setup.gpus import resolve_gpu
+from llmem.setup.gpus import outside_allocator_bytes, resolve_gpu
 from llmem.setup.methods import method_spec
 from llmem.setup.objectives import REF_COPY, objective_spec, reference_mode
 from llmem.setup.training import TrainingSetup
@@ -560,6 +560,7 @@ def deepspeed_step(setup: TrainingSetup, *, iterations: int = 2, progress: Calla
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series)
     result.job_phases = saved
+    result.job_over = phase_over(saved, gpu.memory_bytes - outside_allocator_bytes(gpu, world))
     if objective_spec(setup.objective).generates:     # GRPO's / RLOO's phases (llmem.runtime.generation)
         from llmem.runtime.generation import traced_phases
 

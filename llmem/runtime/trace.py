@@ -18,7 +18,7 @@ from collections.abc import Callable
 from llmem.memory.activations.profile import activation_notes
 from llmem.model.moe import routing_notes
 from llmem.model.vision_inputs import vision_inputs
-from llmem.result import EVAL_PHASE, MemoryResult
+from llmem.result import EVAL_PHASE, MemoryResult, phase_over
 from llmem.runtime.ds_loading import zero_init_load
 from llmem.runtime.evaluation import eval_job_phase, eval_trace_notes, eval_traced, evaluation_loop
 from llmem.runtime.job_trace import load_phases, phase_trace_notes
@@ -31,7 +31,7 @@ from llmem.runtime.step import StepHooks, check_iterations, prepared_step
 from llmem.setup.context_parallel import cp_note
 from llmem.setup.eval_phase import kept_steps
 from llmem.setup.expert_parallel import ep_note
-from llmem.setup.gpus import resolve_gpu
+from llmem.setup.gpus import outside_allocator_bytes, resolve_gpu
 from llmem.setup.layout import Layout
 from llmem.setup.methods import method_spec
 from llmem.setup.objectives import objective_notes, objective_spec
@@ -138,6 +138,8 @@ def trace_with_details(setup: TrainingSetup, *, iterations: int = 2,
     notes.append(f"trace: {len(ledger.events)} allocator events, {wall:.1f} s")
     result = build_result("trace", ledger, resolved.record(), gpu, notes, series, managed)
     result.job_phases = job
+    # the job's fit weighs the traced phases as the estimate's (llmem.result.phase_over)
+    result.job_over = phase_over(job, gpu.memory_bytes - outside_allocator_bytes(gpu, resolved.layout.world_size))
     result.job_notes = eval_trace_notes(setup, [p for p in job if p.name == EVAL_PHASE]) + \
         (phase_trace_notes(setup, job, unsaved) if job_phases else [])
     if objective_spec(setup.objective).generates:     # GRPO's phases (llmem.runtime.generation)

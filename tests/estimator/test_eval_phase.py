@@ -198,3 +198,18 @@ def test_a_job_whose_eval_does_not_fit_does_not_fit():
             "--cuda-context", "1GiB", "--check"]
     assert main(args + ["--gpu-memory", f"{context + eval_bytes - (1 << 20)}B"]) == 1
     assert main(args + ["--gpu-memory", f"{context + eval_bytes + (1 << 20)}B"]) == 0
+
+
+def test_the_traces_fit_weighs_its_traced_eval_alike():
+    """`llmem trace` runs the eval (llmem.runtime.evaluation): its answer's fit weighs the traced phase as the
+    estimate's does (llmem.result.phase_over), at the same hand-worked boundary."""
+    from llmem import trace
+
+    context, eval_bytes = 1 << 30, loss_only_eval_bytes(64)
+    base = dict(model="tiny-llama", seq_len=SEQ, eval_batch_size=64, gpu="A100-80GB", cuda_context="1GiB")
+    short = trace(TrainingSetup(**base, gpu_memory=f"{context + eval_bytes - (8 << 20)}B"), job_phases=False)
+    (traced,) = [p for p in short.job_phases if p.name == "eval"]
+    assert abs(traced.device_bytes - eval_bytes) < 4 << 20                # within the trace's rounding of the estimate
+    assert (short.step_fits, short.fits, short.job_over.name) == (True, False, "eval")
+    roomy = trace(TrainingSetup(**base, gpu_memory=f"{context + eval_bytes + (8 << 20)}B"), job_phases=False)
+    assert roomy.fits and roomy.job_over is None
