@@ -9,6 +9,7 @@ import json
 import warnings
 
 import pytest
+from llamafactory_vlm import estimate_from_yaml
 
 from llmem.cli import main
 from llmem.memory.activations.learned import LEARN_ENV
@@ -180,14 +181,10 @@ def test_batch_bytes_by_hand():
 def test_llamafactory_config_names_the_model(tmp_path, capsys, monkeypatch, processor):
     """LLaMA-Factory's image_max_pixels (768 x 768, its default) scales a 1024x768 image to 886x665 first."""
     monkeypatch.setenv(LEARN_ENV, "auto")
-    path = tmp_path / "llava.yaml"
-    path.write_text(f"model_name_or_path: {SMALL}\nstage: sft\nfinetuning_type: lora\nlora_target: all\n"
-                    "template: llava_next\ncutoff_len: 8192\nfreeze_vision_tower: true\nimage_max_pixels: 589824\n"
-                    "per_device_train_batch_size: 1\nbf16: true\n")
-    code = main(["estimate", "--from", str(path), "--images-per-sample", "1", "--image-size", "1024x768", "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    out = json.loads(captured.out)
+    out = estimate_from_yaml(tmp_path, capsys, "llava.yaml",
+                             f"model_name_or_path: {SMALL}\nstage: sft\nfinetuning_type: lora\nlora_target: all\n"
+                             "template: llava_next\ncutoff_len: 8192\nfreeze_vision_tower: true\n"
+                             "image_max_pixels: 589824\nper_device_train_batch_size: 1\nbf16: true\n")
     assert out["setup"]["max_pixels"] == 768 * 768
     _, sizes, tokens = _processed(processor, [(886, 665)])
     assert sizes == [[886, 665]]

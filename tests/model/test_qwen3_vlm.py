@@ -5,9 +5,8 @@ bytes worked out by hand."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from llamafactory_vlm import estimate_from_yaml
 from qwen_processor import processed, qwen_processor
 
 from llmem.cli import main
@@ -167,14 +166,10 @@ def test_llamafactory_config_names_the_model(tmp_path, capsys, monkeypatch):
     """LLaMA-Factory's qwen3_vl template and image_max_pixels through --from: the processor's bound (--max-pixels),
     the tower and projector frozen by its defaults."""
     monkeypatch.setenv(LEARN_ENV, "auto")
-    path = tmp_path / "qwen3vl.yaml"
-    path.write_text("model_name_or_path: Qwen/Qwen3-VL-2B-Instruct\nstage: sft\nfinetuning_type: lora\n"
-                    "lora_target: all\ntemplate: qwen3_vl\ncutoff_len: 1024\nimage_max_pixels: 262144\n"
-                    "per_device_train_batch_size: 1\nbf16: true\n")
-    code = main(["estimate", "--from", str(path), "--images-per-sample", "1", "--image-size", "1024x768", "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    out = json.loads(captured.out)
+    out = estimate_from_yaml(tmp_path, capsys, "qwen3vl.yaml",
+                             "model_name_or_path: Qwen/Qwen3-VL-2B-Instruct\nstage: sft\nfinetuning_type: lora\n"
+                             "lora_target: all\ntemplate: qwen3_vl\ncutoff_len: 1024\nimage_max_pixels: 262144\n"
+                             "per_device_train_batch_size: 1\nbf16: true\n")
     assert out["setup"]["max_pixels"] == 262_144
     # 1024x768 bounded to 262,144 px: beta = sqrt(786,432 / 262,144) = sqrt(3); floor(1024 / beta / 32) * 32 = 576,
     # floor(768 / beta / 32) * 32 = 416: 36 x 26 patches, 234 tokens
