@@ -61,8 +61,9 @@ from dataclasses import dataclass
 from functools import partial
 from math import ceil, prod
 
+from llmem.estimator.identity_cache import IdentityCache
+from llmem.estimator.param_facts import element_bytes_by_name
 from llmem.estimator.states import ModelStates
-from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.result import JobPhase
 from llmem.setup.deepspeed import param_partition_numel, partition_numel, sub_group_numels, zero_config
@@ -240,32 +241,34 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
     s, params, family = r.setup, r.anatomy.params, phase_family(r.setup)
     shard_ranks = r.layout.shard_degree if family == FSDP2 else r.layout.dp
     b16 = s.compute_bytes
-    stored = [p.numel * element_bytes(p, s) for p in params]
-    trained = [p for p in params if p.trainable]
-    states = [r.optimizer.states(p.shape, element_bytes(p, s)) for p in trained]
+    by_name = element_bytes_by_name(r.anatomy, s)
+    eb = [by_name[p.name] for p in params]
+    stored = [p.numel * n for p, n in zip(params, eb, strict=True)]
+    trained = [(p, n) for p, n in zip(params, eb, strict=True) if p.trainable]
+    states = [r.optimizer.states(p.shape, n) for p, n in trained]
     shard_numel = [ceil(p.shape[0] / shard_ranks) * prod(p.shape[1:]) if p.shape else 1 for p in params]
+    shard_bytes = [n * e for n, e in zip(shard_numel, eb, strict=True)]
     modules: dict[str, int] = defaultdict(int)
     for p in params:
         modules[p.name.rsplit(".", 1)[0]] += p.numel * b16
     return PhaseBytes(
         ranks_per_node=min(r.layout.gpus_per_node, r.layout.world_size), shard_ranks=shard_ranks,
         model_bytes=sum(stored), model_16bit_bytes=r.anatomy.total_params * b16,
-        trained_bytes=sum(p.numel * element_bytes(p, s) for p in trained),
+        trained_bytes=sum(p.numel * n for p, n in trained),
         trained_16bit_bytes=r.anatomy.trainable_params * b16,
         largest_param_bytes=max(stored, default=0), largest_unit_bytes=fsdp2_prepare_model_units(params, stored),
         largest_module_16bit_bytes=max(modules.values(), default=0),
-        fsdp_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)),
+        fsdp_shard_bytes=sum(shard_bytes),
         tied_bytes=sum(nbytes for p, nbytes in zip(params, stored, strict=True) if p.tied_to is not None),
-        tied_shard_bytes=sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True)
-                             if p.tied_to is not None),
+        tied_shard_bytes=sum(n for p, n in zip(params, shard_bytes, strict=True) if p.tied_to is not None),
         stateless_grads_bytes=0 if family != FSDP2 or any(map(sum, states)) else
-        sum(n * element_bytes(p, s) for p, n in zip(params, shard_numel, strict=True) if p.trainable),
+        sum(n for p, n in zip(params, shard_bytes, strict=True) if p.trainable),
         zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
         optimizer_bytes=sum(map(sum, states)),
-        optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), element_bytes(p, s)))
-                                  for p, n in zip(params, shard_numel, strict=True) if p.trainable),
+        optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), e))
+                                  for p, n, e in zip(params, shard_numel, eb, strict=True) if p.trainable),
         largest_state_bytes=max((max(st, default=0) for st in states), default=0),
-        zero_flat_bytes=_zero_flat_bytes(r, [p.numel for p in trained], shard_ranks),
+        zero_flat_bytes=_zero_flat_bytes(r, [p.numel for p, _ in trained], shard_ranks),
         resident_bytes=between_steps_bytes(r, ms),
         cpu_offload=s.fsdp_cpu_offload)
 
@@ -312,8 +315,19 @@ def _zero_flat_bytes(r: ResolvedSetup, numels: list[int], dp: int) -> int:
     return part * F32
 
 
+# the set-ups of one plan's searches: a search estimates one set-up at several batches, whose phases are the same
+_PHASES: IdentityCache[list[JobPhase]] = IdentityCache(64)
+
+
 def job_phases(r: ResolvedSetup, ms: ModelStates) -> list[JobPhase]:
-    """The loading and saving phases of the set-up (none where llmem.setup.job_phases models none)."""
+    """The loading and saving phases of the set-up (none where llmem.setup.job_phases models none); worked out once
+    per set-up less its micro-batch shape, which no phase reads (`ms`: the model states, which do not read it
+    either)."""
+    key = (r.setup.shape_free, r.layout, r.gpu)
+    return list(_PHASES.get(r.anatomy, key, lambda: _phases_of(r, ms)))
+
+
+def _phases_of(r: ResolvedSetup, ms: ModelStates) -> list[JobPhase]:
     family = phase_family(r.setup)
     if family is None:
         return []

@@ -14,7 +14,7 @@ from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.quant import is_quantised
-from llmem.model.anatomy import ParamInfo
+from llmem.model.anatomy import ModelAnatomy, ParamInfo
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
@@ -26,6 +26,7 @@ from llmem.model.sharding import (
     tp_local_numel,
 )
 from llmem.setup.float8 import gathered_in_float8
+from llmem.setup.training import TrainingSetup
 
 # the set-ups of one plan's searches (each layout's, at two depths for drafts, a pipeline's stages); the oldest goes
 KEPT_SET_UPS = 64
@@ -52,6 +53,7 @@ class ParamFacts:
 
 
 _KEPT: IdentityCache[ParamFacts] = IdentityCache(KEPT_SET_UPS)
+_BY_NAME: IdentityCache[dict[str, int]] = IdentityCache(KEPT_SET_UPS)
 
 
 def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
@@ -86,7 +88,7 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
     return ParamFacts(
         kept=kept, buffers=[b for b in anatomy.buffers if b.layer_index is None or b.layer_index < layers],
         trainable=trainable, by_layer=by_layer,
-        element_bytes=_element_bytes(anatomy.params, setup),
+        element_bytes=element_bytes_by_name(anatomy, setup),
         shard_numel={n: f[0] for n, f in facts.items()},
         tp_local={n: f[1] for n, f in facts.items()},
         unsharded={n: f[2] for n, f in facts.items()} if fsdp else {},
@@ -102,9 +104,14 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
     )
 
 
-def _element_bytes(params: list[ParamInfo], setup) -> dict[str, int]:
+def element_bytes_by_name(anatomy: ModelAnatomy, setup: TrainingSetup) -> dict[str, int]:
     """Each parameter's element bytes as the step holds it (llmem.model.peft.element_bytes; worked out once per
-    kind: the schedules read it per parameter and layer)."""
+    kind, and kept per set-up less its shape: the schedules and the job's phases read it per parameter and layer).
+    Read-only by contract, as ParamFacts."""
+    return _BY_NAME.get(anatomy, setup.shape_free, lambda: _element_bytes_of(anatomy.params, setup))
+
+
+def _element_bytes_of(params: tuple[ParamInfo, ...], setup: TrainingSetup) -> dict[str, int]:
     per_kind: dict[tuple, int] = {}
     out = {}
     for p in params:

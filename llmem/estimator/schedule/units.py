@@ -18,11 +18,16 @@ ZeRO's own gathering is llmem.estimator.deepspeed's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from llmem.estimator.events import ALL_GATHER, REDUCE_SCATTER
 from llmem.estimator.post_forward import post_forward_param_bytes
 from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState, UnitKey
 from llmem.model.anatomy import ParamInfo
+
+T = TypeVar("T")
 
 
 class FsdpUnits:
@@ -31,6 +36,17 @@ class FsdpUnits:
     def __init__(self, step: StepHooks, state: StepState) -> None:
         self.step, self.f, self.sch = step, step.facts, step.sch
         self.live, self.grads = state.units, state.grads
+        # sums over a unit's parameters, per (what, unit identity): a unit is gathered and reduced in each iteration
+        self._sums: dict[tuple[str, int], tuple[list[ParamInfo], object]] = {}
+
+    def unit_sum(self, what: str, unit: list[ParamInfo], work_out: Callable[[], T]) -> T:
+        """`work_out()` for `unit`, worked out once in this schedule (the unit is held beside its value, so its
+        identity cannot pass to another list while the value is kept)."""
+        key = (what, id(unit))
+        got = self._sums.get(key)
+        if got is None or got[0] is not unit:
+            got = self._sums[key] = (unit, work_out())
+        return got[1]   # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------------------ all-gather
     def all_gather(self, unit: list[ParamInfo]) -> int:
@@ -42,10 +58,12 @@ class FsdpUnits:
             inputs = self.copies_from_host(unit)
         else:
             shards = params.shard_of[unit[0].name] if unit else self.f.shards      # one FSDP2 group's mesh
-            cast = sum(sum(params.gather_sizes[p.name]) for p in unit if params.cast_in[p.name]) // shards
+            cast = self.unit_sum("cast", unit, lambda: sum(sum(params.gather_sizes[p.name]) for p in unit
+                                                           if params.cast_in[p.name])) // shards
             cast = 0 if self.from_post_forward(unit) else cast
             inputs = [alloc(cast, "communication_buffers", ALL_GATHER)] if cast else []
-        out = alloc(self.f.gathered_bytes(unit), "communication_buffers", ALL_GATHER)
+        out = alloc(self.unit_sum("gathered", unit, lambda: self.f.gathered_bytes(unit)), "communication_buffers",
+                    ALL_GATHER)
         self.sch.free_all(inputs)
         return out
 
@@ -80,7 +98,8 @@ class FsdpUnits:
 
     def copy_out(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None:
         alloc = self.sch.alloc
-        keys = [alloc(n, "gathered_weights") for p in unit for n in self.f.params.gather_sizes[p.name]]
+        sizes = self.unit_sum("outputs", unit, lambda: [n for p in unit for n in self.f.params.gather_sizes[p.name]])
+        keys = [alloc(n, "gathered_weights") for n in sizes]
         self.live.gathered.setdefault(unit_key, []).extend(keys)
         self.live.gathered_by.setdefault(unit_key, []).append(keys)
 
@@ -182,7 +201,7 @@ class FsdpUnits:
             return
         self.step.reshard_unit(i)
         sch.free_all(self.live.pending_rs)
-        rs_bytes = f.unit_bytes(unit, f.reduce_bytes, True)
+        rs_bytes = self.unit_sum("reduced", unit, lambda: f.unit_bytes(unit, f.reduce_bytes, True))
         rs_in = alloc(rs_bytes, "communication_buffers")
         sch.free_all(self.grads.layer_unsharded)
         self.sharded_grads(alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER))
