@@ -137,8 +137,13 @@ def cases(api, only: set[str]) -> list[tuple[str, str, object]]:
     return out
 
 
-def dump(folder: Path, only: set[str]) -> int:
+def dump(folder: Path, only: set[str], plan_workers: int | None = None) -> int:
     api = _api()
+    if plan_workers is not None:            # the plans' searches side by side (a checkout with PlanOptions.workers)
+        from llmem.planner.options import PlanOptions
+
+        searched = api["plan"]
+        api["plan"] = lambda s: searched(s, plan_options=PlanOptions(workers=plan_workers))
     folder.mkdir(parents=True, exist_ok=True)
     todo = cases(api, only)
     print(f"llmem from {api['module']}: {len(todo)} cases -> {folder}", flush=True)
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("dump")
     d.add_argument("folder", type=Path)
     d.add_argument("--only", default="estimate,paper,trace,plan")
+    d.add_argument("--plan-workers", type=int, default=None, help="plan with PlanOptions(workers=N)")
     c = sub.add_parser("diff")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--strict", action="store_true", help="keys added after count as differences")
     args = ap.parse_args(argv)
     if args.cmd == "dump":
-        return dump(args.folder, set(args.only.split(",")))
+        return dump(args.folder, set(args.only.split(",")), args.plan_workers)
     return diff(args.before, args.after, args.setup_from_estimate, args.noise, args.strict)
 
 

@@ -126,7 +126,8 @@ def _plan(work: Work, q: Query) -> dict:
 
     args, setup, source = q.setup("plan", drop=PLAN_DROPS)
     with q.named():
-        options = plan_options_from_args(args, setup, source)
+        # one process per plan: the server's plan lane bounds its processes and kills one past its time limit
+        options = replace(plan_options_from_args(args, setup, source), workers=1)
     with q.named(), file_model(source):
         p = llmem.plan(setup, plan_options=options)
     return {"plan": p.to_dict(), "command": q.command("plan", setup, source, drop=PLAN_DROPS),

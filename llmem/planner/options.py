@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmem.errors import LlmemError
+from llmem.planner.side_by_side import available_cpus
 from llmem.planner.timing import DEFAULT_INTER_NODE_GBPS, DEFAULT_MFU
 from llmem.search import BATCH_CAP
 from llmem.units import parse_bytes, parse_count, parse_fraction
@@ -28,6 +29,16 @@ def _flag(default: Any, help: str, flag: str, *, parse=None, cli_default: Any = 
     return field(default=default, metadata={"flag": flag, "help": help, "parse": parse, "choices": choices,
                                             "cli_default": default if cli_default is ... else cli_default,
                                             "type": type, "metavar": metavar})
+
+
+def parse_workers(text: str | int) -> int:
+    """--workers: a count, or auto (every CPU this process may use)."""
+    if str(text) == "auto":
+        return available_cpus()
+    try:
+        return int(text)
+    except ValueError:
+        raise LlmemError(f"--workers takes a number of processes or auto, got {text!r}") from None
 
 
 @dataclass
@@ -51,6 +62,9 @@ class PlanOptions:
     layouts: str = _flag("all", "all: dp x tp, HSDP, pipeline, context- and expert-parallel layouts (default); "
                          "dp-tp: without pipeline, context and expert parallelism", "--layouts",
                          choices=LAYOUT_SCOPES)
+    workers: int = _flag(1, "processes the plan's independent searches run on side by side (default auto: every "
+                         "CPU this process may use; 1: in turn)", "--workers", parse=parse_workers, metavar="N",
+                         cli_default="auto")
     methods: tuple[str, ...] | None = None       # from --method: plan only this method
     tp: int | None = None                        # from --tp: only this tensor-parallel degree
 
@@ -71,5 +85,7 @@ class PlanOptions:
             raise LlmemError(f"--dataset-tokens must be >= 1, got {self.dataset_tokens}")
         if self.layouts not in LAYOUT_SCOPES:
             raise LlmemError(f"unknown --layouts {self.layouts!r}: choose {' or '.join(LAYOUT_SCOPES)}")
+        if self.workers < 1:
+            raise LlmemError(f"--workers must be >= 1 (or auto), got {self.workers}")
         if self.batch_cap < 1:
             raise LlmemError(f"--max-batch must be >= 1, got {self.batch_cap}")

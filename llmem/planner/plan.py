@@ -37,6 +37,7 @@ import heapq
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
@@ -64,6 +65,7 @@ from llmem.planner.search import (
     screened,
     tokens_per_s_bound,
 )
+from llmem.planner.side_by_side import side_by_side
 from llmem.planner.suggestions import suggest
 from llmem.planner.suggestions.job_phase import job_phase_suggestion
 from llmem.planner.timing import HOST_ADAMW_PARAMS_PER_S, PCIE_GBPS, peak_flops_per_s
@@ -182,34 +184,60 @@ class LayoutSearch:
         plain = [(i, lay) for i, lay in enumerate(self.layouts) if not screened(lay) or not _screens(ctx, setup)]
         rest = [(i, lay) for i, lay in enumerate(self.layouts) if (i, lay) not in plain]
         self.bounds = {i: tokens_per_s_bound(ctx, setup, lay, at_cap=True) for i, lay in rest}   # no estimate: cheap
-        for i, layout in plain:
-            self.search(i, layout)
+        self.search_all(plain)
         self.search_screened(rest)
         if not any(c.fits for c in self.found.values()):    # searched only if nothing fits
-            for i, layout in self.deferred:
-                self.search(i, layout)
+            self.search_all(self.deferred)
         else:
             self.pruned += [layout.label for _, layout in self.deferred]
 
+    def search_all(self, layouts: list[tuple[int, Layout]]) -> None:
+        """Layouts whose searches do not depend on each other's answers, side by side on the plan's workers
+        (llmem.planner.side_by_side), recorded in their order."""
+        def done(k: int, count: int) -> None:
+            if self.progress:
+                self.progress(f"searched {layouts[k][1].label}", len(self.found) + count, self.total_steps)
+
+        outcomes = side_by_side([partial(self.searched, layout) for _, layout in layouts], self.ctx.options.workers,
+                                done=done)
+        for (i, layout), outcome in zip(layouts, outcomes, strict=True):
+            self.record(i, layout, outcome)
+
     def search(self, i: int, layout: Layout) -> None:
-        """One layout's largest batch (and, under GRPO --use-vllm colocate, its vLLM utilization), timed."""
-        ctx, setup = self.ctx, self.setup
+        """One layout's search, here."""
         if self.progress:
             self.progress(f"searching {layout.label}", len(self.found), self.total_steps)
+        self.record(i, layout, self.searched(layout))
+
+    def searched(self, layout: Layout) -> tuple[CandidatePlan | None, VllmChoice | None, LlmemError | None]:
+        """One layout's largest batch (and, under GRPO --use-vllm colocate, its vLLM utilization), timed; or the
+        set-up's refusal there. Changes nothing of the search's (`record` keeps it)."""
+        ctx, setup = self.ctx, self.setup
+        choice = None
         try:
             if searches_utilization(setup):     # GRPO --use-vllm colocate: its utilization searched too
-                c, _, self.vllm_choices[layout.label] = choose_utilization(ctx, setup, layout)
+                c, _, choice = choose_utilization(ctx, setup, layout)
             else:
                 c = ctx.search(setup, layout)
         except LlmemError as exc:
-            (self.skipped if i in self.bounds and not _fixed(setup) else self.notes).append(
-                f"{layout.label} skipped: {exc}")
-            self.failures.setdefault(str(exc), []).append(layout)
-            return
-        if layout.label not in self.vllm_choices:    # choose_utilization timed it at its utilization
+            return None, None, exc
+        if choice is None:                       # choose_utilization timed it at its utilization
             attach_time(ctx, c, setup)
         if ctx.options.ranking == "paper":
             c.eval = paper_eval(layout, c.max_batch_size)
+        return c, choice, None
+
+    def record(self, i: int, layout: Layout,
+               outcome: tuple[CandidatePlan | None, VllmChoice | None, LlmemError | None]) -> None:
+        """A layout's search as the plan keeps it: its candidate (and vLLM choice), or its refusal told."""
+        c, choice, exc = outcome
+        if exc is not None:
+            (self.skipped if i in self.bounds and not _fixed(self.setup) else self.notes).append(
+                f"{layout.label} skipped: {exc}")
+            self.failures.setdefault(str(exc), []).append(layout)
+            return
+        if choice is not None:
+            self.vllm_choices[layout.label] = choice
         self.found[i] = c
 
     def search_screened(self, rest: list[tuple[int, Layout]]) -> None:

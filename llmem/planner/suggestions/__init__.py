@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from llmem.paper.algorithm1 import CPU_OFFLOADING
 from llmem.planner.engines import LlmemEngine
 from llmem.planner.search import PlanContext
+from llmem.planner.side_by_side import side_by_side
 from llmem.planner.suggestions.adapters import (
     ADAPTER_VARIANTS,
     LORA_RANK,
@@ -67,7 +69,8 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
     optimizer step in backward, checkpointing every 2nd / every layer, activation offloading, the cheap ones
     together as each method allows them), a shorter sequence, the LoRA and QLoRA settings that fit, optimizer
     offload, more GPUs. Each is searched over every layout in `layouts` (default: every layout of the plan on
-    setup.gpus GPUs) that can run it. `progress(description, done, total)` is told as each what-if begins."""
+    setup.gpus GPUs) that can run it, side by side on the plan's workers (PlanOptions.workers).
+    `progress(description, done, total)` is told as each what-if is done."""
     if layouts is None:
         layouts = plan_layouts(ctx, setup.gpus, setup.gpus_per_node)
     # the paper's equations model none of the savers: they are always priced by the llmem estimator
@@ -86,50 +89,49 @@ def suggest(ctx: PlanContext, setup: TrainingSetup, layouts: list[Layout] | None
                                    *([("offload_param", "--offload-param", (("method", "fsdp"), ("offload_param", True)))]
                                      if any(lay.shards_model_states for lay in layouts) else [])])
     offload_optimizer = applied(setup, offload_optimizer=True) is not None
-    fewer = objective_spec(setup.objective).generates
-    tick = _ticker([sv.flags for sv in alone] + (["the cheap savers together"] if combos else []) + [
-        "a shorter sequence", *(["fewer --num-generations"] if fewer else []), *(m.flags for m in menus),
-        "optimizer offload", "--offload-param", "more GPUs"], progress)
-    out: list[dict | None] = []
+    # each what-if: (what it tries, its search, how many searches it runs: the longest are handed out first)
+    tasks: list[tuple[str, Callable[[], list[dict | None]], int]] = []
     # 1. full fine-tuning kept: each memory saver alone, then the cheap ones together (as each method allows)
-    for saver in alone:
-        tick()
-        out.append(saver_suggestion(savers, saver, setup, layouts, engine_note))
+    tasks += [(sv.flags, partial(_one, saver_suggestion, savers, sv, setup, layouts, engine_note), 1) for sv in alone]
     if combos:
-        tick()
-        out.append(combined_suggestion(savers, combos, setup, layouts, engine_note))
+        tasks.append(("the cheap savers together",
+                      partial(_one, combined_suggestion, savers, combos, setup, layouts, engine_note), 1))
     # 2. the longest sequence (a generation objective's: completion) that fits at the smallest batch, and under a
     # generation objective fewer completions (the per-GPU batch is a multiple of what num_generations asks)
-    tick()
-    out.append(shorter_sequence_suggestion(ctx, setup, layouts))
-    if fewer:
-        tick()
-        out.append(generations_suggestion(ctx, setup, layouts))
+    tasks.append(("a shorter sequence", partial(_one, shorter_sequence_suggestion, ctx, setup, layouts), 1))
+    if objective_spec(setup.objective).generates:
+        tasks.append(("fewer --num-generations", partial(_one, generations_suggestion, ctx, setup, layouts), 1))
     # 3. adapters over a frozen base (LoRA), and over a 4-bit base (QLoRA): the settings that fit
-    for menu in menus:
-        tick()
-        out.append(menu_suggestion(savers, menu, setup, layouts, engine_note))
+    tasks += [(m.flags, partial(_one, menu_suggestion, savers, m, setup, layouts, engine_note), len(ADAPTER_VARIANTS))
+              for m in menus]
     # 4. optimizer states on the CPU; 5. FSDP2's CPU offload of the parameters, gradients and optimizer
-    tick()
     if offload_optimizer:
-        out.append(offload_optimizer_suggestion(savers, setup, layouts, engine_note))
-    tick()
-    out.append(offload_param_suggestion(savers, setup, layouts, engine_note))
+        tasks.append(("optimizer offload",
+                      partial(_one, offload_optimizer_suggestion, savers, setup, layouts, engine_note), 1))
+    tasks.append(("--offload-param", partial(_one, offload_param_suggestion, savers, setup, layouts, engine_note), 1))
     # 6. more GPUs of the same type (then also with checkpointing)
-    tick()
-    out += more_gpus_suggestions(ctx, setup, layouts)
+    tasks.append(("more GPUs", partial(more_gpus_suggestions, ctx, setup, layouts), 1))
+    out = [x for got in _searched(tasks, ctx.options.workers, progress) for x in got]
     if ctx.options.ranking == "paper":
         out.append(suggestion_dict(CPU_OFFLOADING, "LLMem's Algorithm 1 recommends CPU offloading (heterogeneous "
                                    "training) when no method fits at batch 1", None))
     return [x for x in out if x is not None] + skipped   # a what-if its objective refuses is not proposed
 
 
-def _ticker(steps: list[str], progress: Callable[[str, int, int], None] | None) -> Callable[[], None]:
-    """A call per what-if as it begins: tells `progress` which of `steps` it is."""
-    done = iter(range(len(steps)))
+def _one(search: Callable[..., dict | None], *args) -> list[dict | None]:
+    return [search(*args)]
 
-    def tick() -> None:
-        i = next(done)
-        if progress:
-            progress(f"what would fit: {steps[i]}", i, len(steps))
-    return tick
+
+def _searched(tasks: list[tuple[str, Callable[[], list[dict | None]], int]], workers: int,
+              progress: Callable[[str, int, int], None] | None) -> list[list[dict | None]]:
+    """The what-ifs' suggestions in order, searched side by side (llmem.planner.side_by_side) on `workers`
+    processes, the longest handed out first; `progress` told as each is done."""
+    first = sorted(range(len(tasks)), key=lambda i: -tasks[i][2])
+    if progress:
+        progress(f"what would fit: {tasks[first[0]][0]}", 0, len(tasks))
+
+    def done(i: int, count: int) -> None:
+        if progress and count < len(tasks):      # (the last is the plan's own "done")
+            progress(f"what would fit: {tasks[i][0]} done", count, len(tasks))
+
+    return side_by_side([search for _, search, _ in tasks], workers, first=first, done=done)
