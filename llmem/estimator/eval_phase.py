@@ -3,9 +3,11 @@ node while HF Trainer's `evaluate` runs between steps (transformers 5.25 trainer
 from the code as read; llmem.setup.eval_phase says whether the set-up evaluates and what each eval step keeps.
 Pure arithmetic over `EvalBytes`, which `eval_bytes` reads once from the resolved set-up.
 
-What stays on the GPU: the model's weights and the optimizer's states (the training loop evaluates after
-optimizer.step and zero_grad(set_to_none=True): no gradients), DDP's buckets, cuBLAS's workspace (made at the
-step's first matmul, kept); what the eval step adds:
+What stays on the GPU is what the step keeps between steps, as a checkpoint's save finds it
+(llmem.estimator.job_phases.between_steps_bytes: the training loop evaluates after optimizer.step and
+zero_grad(set_to_none=True)): the model's weights and the optimizer's states, DDP's buckets, cuBLAS's workspace
+(made at the step's first matmul, kept), under ZeRO-3 its gradient partitions and IPG bucket (ZeRO-1/2 release
+theirs at the end of backward: stage_1_and_2.py _release_ipg_buffers); what the eval step adds:
 - `inference_forward`: prediction_step's forward under no_grad at --eval-batch-size (compute_loss with the labels:
   the model's own ForCausalLMLoss): the batch; per decoder layer, the residual stream in and out and two adjacent
   blocks' tensors (what the layer's ops make, freed once the next block has used them, as
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from llmem.estimator.generation import policy_gathered_bytes
+from llmem.estimator.job_phases import between_steps_bytes
 from llmem.estimator.states import ModelStates
 from llmem.memory.activations.profile import ActivationProfile, effective_attention
 from llmem.memory.quant import events_peak, is_quantised, quant_args, transients
@@ -62,7 +65,7 @@ BATCH_TENSORS = 3        # input_ids, attention_mask, labels [eval batch, seq] i
 class EvalBytes:
     """The bytes the eval phase is made of, on one GPU (`host_*`: on one rank's host)."""
     ranks_per_node: int
-    resident_bytes: int            # the step's weights, optimizer states, DDP buckets and cuBLAS workspace
+    resident_bytes: int            # what the step keeps between steps (job_phases.between_steps_bytes)
     batch_bytes: int               # the eval batch's input_ids, attention_mask and labels
     layer_gathered_bytes: int      # FSDP2: units gathered while a decoder layer runs (0 without FSDP2)
     head_gathered_bytes: int       # ... while the head runs (the root's forward: the last layer's output buffer too)
@@ -200,7 +203,7 @@ def eval_bytes(r: ResolvedSetup, ms: ModelStates, act: ActivationProfile) -> Eva
     local = local_kept_bytes(r)
     return EvalBytes(
         ranks_per_node=min(r.layout.gpus_per_node, world),
-        resident_bytes=ms.weights + ms.optimizer_states + ms.ddp_buckets + r.gpu.cublas_workspace_bytes,
+        resident_bytes=between_steps_bytes(r, ms),
         batch_bytes=BATCH_TENSORS * t * INT64,
         # the unsharded units (zero2: every layer once gathered) and one unit's all-gather output: the next
         # layer's prefetch while a layer runs, the last layer's until the root's post-forward

@@ -213,3 +213,18 @@ def test_the_traces_fit_weighs_its_traced_eval_alike():
     assert (short.step_fits, short.fits, short.job_over.name) == (True, False, "eval")
     roomy = trace(TrainingSetup(**base, gpu_memory=f"{context + eval_bytes + (8 << 20)}B"), job_phases=False)
     assert roomy.fits and roomy.job_over is None
+
+
+def _eval_device_bytes(**kw) -> int:
+    return next(p.device_bytes for p in run(eval_samples=100, **kw).job_phases if p.name == "eval")
+
+
+def test_zero2_eval_holds_no_ipg_bucket():
+    """ZeRO-1/2 release their IPG buckets at the end of backward (deepspeed stage_1_and_2.py
+    _release_ipg_buffers), so the eval between steps holds none: its peak does not move with reduce_bucket_size,
+    while the step's backward holds the bucket (its bf16 elements: 2 bytes each)."""
+    small, large = 100_000_000, 500_000_000
+    at = {rb: _eval_device_bytes(method="ds-zero2", gpus=2, reduce_bucket_size=rb) for rb in (small, large)}
+    assert at[small] == at[large]
+    steps = {rb: run(method="ds-zero2", gpus=2, reduce_bucket_size=rb).peak_allocated_bytes for rb in (small, large)}
+    assert steps[large] - steps[small] >= 2 * (large - small) * 9 // 10
