@@ -26,7 +26,7 @@ from llmem.model.sharding import (
     tp_local_numel,
 )
 from llmem.setup.float8 import gathered_in_float8
-from llmem.setup.training import TrainingSetup
+from llmem.setup.training import FLAT_ORDER, SHAPE_FIELDS, TrainingSetup
 
 # the set-ups of one plan's searches (each layout's, at two depths for drafts, a pipeline's stages); the oldest goes
 KEPT_SET_UPS = 64
@@ -54,12 +54,17 @@ class ParamFacts:
 
 _KEPT: IdentityCache[ParamFacts] = IdentityCache(KEPT_SET_UPS)
 _BY_NAME: IdentityCache[dict[str, int]] = IdentityCache(KEPT_SET_UPS)
+# set-up fields that decide what the activations keep and no parameter's fact (tests/estimator/test_param_facts.py
+# checks each): set-ups that differ only in them (a plan's savers, an adapter menu's variants) share their facts
+ACTIVATION_ONLY_FIELDS = ("grad_ckpt", "ckpt_every", "fused_ce", "offload_activations")
+_FACTS_FIELDS = tuple(n for n in FLAT_ORDER if n not in SHAPE_FIELDS and n not in ACTIVATION_ONLY_FIELDS)
 
 
 def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
     """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (worked out
-    once per set-up less its shape: the trained anatomy is compared by identity, which `r.with_shape` keeps)."""
-    key = (r.setup.shape_free, r.layout, layers, tuple(b.params for b in blocks))
+    once per set-up less its shape and its activation-only fields: the trained anatomy is compared by identity,
+    which `r.with_shape` keeps)."""
+    key = (tuple(getattr(r.setup, n) for n in _FACTS_FIELDS), r.layout, layers, tuple(b.params for b in blocks))
     return _KEPT.get(r.anatomy, key, lambda: _work_out(r, blocks, layers))
 
 
