@@ -34,6 +34,10 @@ PLANS = [
     "Qwen/Qwen2.5-72B --gpu H100-80GB --gpus 16 --gpus-per-node 8 --seq-len 4096",
     "meta-llama/Llama-3.1-405B --gpu H100-80GB --gpus 512 --seq-len 4096",
     "Qwen/Qwen2.5-7B --objective grpo --gpu H100-80GB --gpus 8",
+    # the two plans in which nothing fits, their searches in turn (the rows above run them side by side on every
+    # CPU: --workers auto, the default)
+    "meta-llama/Llama-3.1-70B --gpu H100-80GB --gpus 8 --seq-len 4096 --workers 1",
+    "Qwen/Qwen2.5-72B --gpu H100-80GB --gpus 16 --gpus-per-node 8 --seq-len 4096 --workers 1",
 ]
 
 

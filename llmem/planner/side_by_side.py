@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
+from multiprocessing.pool import MaybeEncodingError
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -46,18 +47,26 @@ def side_by_side(tasks: Sequence[Callable[[], T]], workers: int, first: Sequence
     (default: as given; the longest first keeps the workers busy to the end); `done(index, count)` is called here as
     each task is done (`count` done so far)."""
     order = list(first) if first is not None else list(range(len(tasks)))
-    if workers <= 1 or len(tasks) <= 1 or not can_fork():
-        results: dict[int, T] = {}
-        for i in order:
-            results[i] = tasks[i]()
-            if done:
-                done(i, len(results))
-        return [results[i] for i in range(len(tasks))]
+    if workers > 1 and len(tasks) > 1 and can_fork():
+        try:
+            return _forked(tasks, min(workers, len(tasks)), order, done)
+        except (OSError, MaybeEncodingError):    # no process to fork (a limit), an answer pickle cannot carry
+            pass
+    results: dict[int, T] = {}
+    for i in order:
+        results[i] = tasks[i]()
+        if done:
+            done(i, len(results))
+    return [results[i] for i in range(len(tasks))]
+
+
+def _forked(tasks: Sequence[Callable[[], T]], workers: int, order: list[int],
+            done: Callable[[int, int], None] | None) -> list[T]:
     global _TASKS
     _TASKS = tasks
+    results: dict[int, T] = {}
     try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), initializer=_enter_worker) as pool:
-            results = {}
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_enter_worker) as pool:
             for i, value in pool.imap_unordered(_run, order):
                 results[i] = value
                 if done:

@@ -70,3 +70,13 @@ def test_plan_side_by_side_is_the_plan_in_turn():
     beside = plan(setup, PlanOptions(layouts="dp-tp", workers=3)).to_dict()
     assert alone["recommended"]["method"] is None and len(alone["suggestions"]) >= 8
     assert json.dumps(beside, sort_keys=True) == json.dumps(alone, sort_keys=True)
+
+
+def _unpicklable():
+    return lambda: os.getpid()
+
+
+@linux
+def test_an_answer_pickle_cannot_carry_is_worked_out_here():
+    got = side_by_side([_pid, _unpicklable], 2)
+    assert got[0] == os.getpid() and got[1]() == os.getpid()     # the fork's answers dropped, both run here
