@@ -40,8 +40,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from llmem.errors import LlmemError
+from llmem.memory.activations.learned import learning_need
 from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.moe import moe_facts
+from llmem.model.resolved import resolve
 from llmem.model.vision import vision_spec
 from llmem.paper.algorithm1 import CPU_OFFLOADING, EVAL_FORMULAS
 from llmem.planner.engines import MemoryEngine, memory_engine
@@ -134,6 +136,7 @@ def plan(setup: TrainingSetup, options: PlanOptions | None = None, *, anatomy: M
     setup, steps_note = with_fixed_steps(setup)     # GRPO's generation_batch_size: its steps per generation
     anatomy = anatomy or setup_anatomy(setup)
     options, cap_note = vision_batch_cap(setup, anatomy, options)
+    options = in_turn_when_learned(setup, anatomy, options)
     gpu = resolve_gpu(setup.gpu, setup.gpu_memory, setup.cuda_context)
     limit = limit_bytes(gpu, options.headroom)
     engine = memory_engine(options.engine, anatomy, gpu, options.m_base_bytes, limit)
@@ -459,6 +462,19 @@ def vision_batch_cap(setup: TrainingSetup, anatomy: ModelAnatomy,
         f"the batch search stops at {cap} sample(s) a GPU ({VISION_BATCH_IMAGES} images): the vision side is learned "
         "from the real code at each micro-batch searched, and that run's host memory grows faster than its images; "
         "--max-batch N searches further")
+
+
+def in_turn_when_learned(setup: TrainingSetup, anatomy: ModelAnatomy, options: PlanOptions) -> PlanOptions:
+    """The plan's searches in turn where its activations are learned (a vision-language step, --compile, a family
+    or peft type without a recipe: llmem.learn runs the real model at each set-up and batch): side by side, each
+    worker would learn again what another learned, at seconds of CPU and a torch process's memory each."""
+    if options.workers <= 1:
+        return options
+    try:
+        learns, _ = learning_need(resolve(replace(setup, method="single", gpus=1, tp=1), anatomy))
+    except LlmemError:         # not a one-GPU set-up: the layouts' searches tell what is wrong with it
+        return options
+    return replace(options, workers=1) if learns else options
 
 
 def plan_notes(setup: TrainingSetup, gpu: GpuSpec, options: PlanOptions, anatomy: ModelAnatomy) -> list[str]:

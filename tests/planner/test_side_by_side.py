@@ -80,3 +80,19 @@ def _unpicklable():
 def test_an_answer_pickle_cannot_carry_is_worked_out_here():
     got = side_by_side([_pid, _unpicklable], 2)
     assert got[0] == os.getpid() and got[1]() == os.getpid()     # the fork's answers dropped, both run here
+
+
+def test_a_plan_whose_activations_are_learned_searches_in_turn(monkeypatch):
+    """A vision-language step learns its vision side at each set-up and batch (llmem.learn, torch): side by side
+    each worker would learn it again, so such a plan runs its searches in turn; a text model's keeps its workers
+    (learning as users get it: the tests' default is never)."""
+    monkeypatch.setenv("LLMEM_LEARN", "auto")
+    from llmem.model.anatomy import setup_anatomy
+    from llmem.planner.plan import in_turn_when_learned
+
+    def workers(**kw) -> int:
+        setup = TrainingSetup(**kw)
+        return in_turn_when_learned(setup, setup_anatomy(setup), PlanOptions(workers=4)).workers
+
+    assert workers(model="tiny-qwen2_5_vl", gpus=2, seq_len=64, images_per_sample=1, image_size="448x448") == 1
+    assert workers(model="tiny-llama", gpus=2, seq_len=64) == 4
