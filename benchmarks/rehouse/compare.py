@@ -123,7 +123,10 @@ def case_key(prefix: str, setup) -> str:
     return f"{prefix}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-def cases(api, only: set[str]) -> list[tuple[str, str, object]]:
+PLAN_SETS = ("ci", "speed", "scale")
+
+
+def cases(api, only: set[str], plan_sets: tuple[str, ...] = PLAN_SETS) -> list[tuple[str, str, object]]:
     out = []
     for name in MATRICES:
         for s in api[name]:
@@ -131,13 +134,15 @@ def cases(api, only: set[str]) -> list[tuple[str, str, object]]:
                 if engine in only:
                     out.append((engine, case_key(name, s), s))
     if "plan" in only:
-        out += [("plan", case_key("ci", s), s) for s in api["ci"]]
-        out += [("plan", case_key("speed", s), s) for s in plan_speed_setups(api["TrainingSetup"])]
-        out += [("plan", case_key("scale", s), s) for s in plan_scale_setups(api["TrainingSetup"])]
+        setups = {"ci": lambda: api["ci"], "speed": lambda: plan_speed_setups(api["TrainingSetup"]),
+                  "scale": lambda: plan_scale_setups(api["TrainingSetup"])}
+        for name in plan_sets:        # in the order given
+            out += [("plan", case_key(name, s), s) for s in setups[name]()]
     return out
 
 
-def dump(folder: Path, only: set[str], plan_workers: int | None = None) -> int:
+def dump(folder: Path, only: set[str], plan_workers: int | None = None,
+         plan_sets: tuple[str, ...] = PLAN_SETS) -> int:
     api = _api()
     if plan_workers is not None:            # the plans' searches side by side (a checkout with PlanOptions.workers)
         from llmem.planner.options import PlanOptions
@@ -145,7 +150,7 @@ def dump(folder: Path, only: set[str], plan_workers: int | None = None) -> int:
         searched = api["plan"]
         api["plan"] = lambda s: searched(s, plan_options=PlanOptions(workers=plan_workers))
     folder.mkdir(parents=True, exist_ok=True)
-    todo = cases(api, only)
+    todo = cases(api, only, plan_sets)
     print(f"llmem from {api['module']}: {len(todo)} cases -> {folder}", flush=True)
     t0 = time.perf_counter()
     for n, (engine, key, setup) in enumerate(todo, 1):
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("folder", type=Path)
     d.add_argument("--only", default="estimate,paper,trace,plan")
     d.add_argument("--plan-workers", type=int, default=None, help="plan with PlanOptions(workers=N)")
+    d.add_argument("--plan-sets", default=",".join(PLAN_SETS), help="the plans dumped, in this order")
     c = sub.add_parser("diff")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--strict", action="store_true", help="keys added after count as differences")
     args = ap.parse_args(argv)
     if args.cmd == "dump":
-        return dump(args.folder, set(args.only.split(",")), args.plan_workers)
+        return dump(args.folder, set(args.only.split(",")), args.plan_workers, tuple(args.plan_sets.split(",")))
     return diff(args.before, args.after, args.setup_from_estimate, args.noise, args.strict)
 
 
