@@ -225,6 +225,9 @@ def _grpo(r: Reading, keys: Keys) -> None:
     for key in ("steps_per_generation", "generation_batch_size"):
         if key in keys:
             r.set(key, keys.get(key), key, r.integer(key, keys.get(key)))
+    if r.integer("num_iterations", keys.get("num_iterations", 1)) > 1:
+        r.ignore("num_iterations", keys.get("num_iterations"), "each generation batch trained on several times "
+                 "(the old policy's log-probs scored too) is not modelled: one iteration's step stands in")
     if "use_vllm" not in keys or not r.boolean("use_vllm", keys.get("use_vllm")):
         return
     r.set("use_vllm", True, "use_vllm", True, "vLLM's pool modelled, not run (llmem.memory.vllm)")
@@ -242,7 +245,8 @@ def _grpo(r: Reading, keys: Keys) -> None:
         raw = keys.get("vllm_max_model_len")
         r.set("vllm_max_model_len", raw, "vllm_max_model_length", r.integer("vllm_max_model_len", raw))
     if (keys.get("sleep_level") or 0) > 0:
-        r.set("sleep_level", keys.get("sleep_level"), "vllm_enable_sleep_mode", True, "vLLM sleeps while training")
+        r.set("sleep_level", keys.get("sleep_level"), "vllm_enable_sleep_mode", True, "vLLM sleeps while training "
+              "(level 1 moves its weights to the host, 2 drops them: either frees the device, as TRL's level 2)")
     if (keys.get("vllm_tensor_parallel_size") or 1) != 1:
         r.ignore("vllm_tensor_parallel_size", keys.get("vllm_tensor_parallel_size"), "vLLM's own tensor parallelism "
                  "is not modelled: its pool is estimated unsplit (an upper bound)")
@@ -330,9 +334,9 @@ def _dtypes(r: Reading, keys: Keys) -> None:
                     "torch_dtype for another)")
     bf16 = r.boolean("bf16", keys.get("bf16")) if "bf16" in keys else weights == "bf16"
     fp16 = r.boolean("fp16", keys.get("fp16")) if "fp16" in keys else weights != "bf16" and not bf16
-    compute = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    compute = "bf16" if bf16 else "fp16" if fp16 else weights      # no autocast: the weights' own dtype
     r.note_used("bf16 / fp16" + ("" if "bf16" in keys or "fp16" in keys else " (from torch_dtype)"),
-                f"{bf16} / {fp16}", f"autocast in {compute}" if compute != "fp32" else "no autocast")
+                f"{bf16} / {fp16}", f"autocast in {compute}" if bf16 or fp16 else "no autocast")
     r.dtype(compute=compute, weights=weights, kbit_upcast=False)
 
 

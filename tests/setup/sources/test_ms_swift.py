@@ -216,3 +216,40 @@ def test_what_llmem_cannot_model_is_refused_naming_the_key(tmp_path, capsys, ext
 ])
 def test_detection(text, fmt):
     assert detect_format(Path("x.yaml"), yaml.safe_load(text)) == fmt
+
+
+@pytest.mark.parametrize("rlhf, extra, objective, batch", [
+    ("kto", "", "kto", 2),
+    ("orpo", "", "orpo", 2),
+    ("simpo", "", "simpo", 2),
+    ("cpo", "loss_type: simpo\n", "simpo", 2),          # rlhf_args.py _init_simpo: simpo is CPO's simpo loss
+])
+def test_the_preference_trainers(tmp_path, rlhf, extra, objective, batch):
+    path = _write(tmp_path, f"rlhf_type: {rlhf}\nmodel: Qwen/Qwen3-8B\nmax_length: 1024\n"
+                            f"per_device_train_batch_size: {batch}\n" + extra)
+    s = setup_from_file(path).setup
+    assert (s.objective, s.batch_size, s.max_length) == (objective, batch, 1024)
+
+
+def test_cpo_with_its_own_loss_is_refused(tmp_path):
+    path = _write(tmp_path, "rlhf_type: cpo\nmodel: Qwen/Qwen3-8B\nmax_length: 1024\n")
+    with pytest.raises(LlmemError, match="rlhf_type = 'cpo' is not a trainer llmem models"):
+        setup_from_file(path)
+
+
+@pytest.mark.parametrize("dtype, flags, precision", [
+    ("bfloat16", "bf16: false\nfp16: false\n", "bf16"),     # no autocast: the bf16 weights train as they are
+    ("float32", "fp16: false\n", "fp32"),
+])
+def test_explicit_mixed_precision_switches(tmp_path, dtype, flags, precision):
+    path = _write(tmp_path, f"model: Qwen/Qwen3-8B\ntuner_type: full\ntorch_dtype: {dtype}\nmax_length: 512\n" + flags)
+    assert setup_from_file(path).setup.precision == precision
+
+
+def test_lora_on_a_vision_language_model_with_images(tmp_path):
+    """ms-swift's defaults put LoRA on the language model's linears only (get_multimodal_target_regex), which is
+    llmem's all-linear on a VLM: the parts' switches say nothing more under LoRA."""
+    path = _write(tmp_path, "model: Qwen/Qwen2.5-VL-3B-Instruct\nfreeze_vit: true\nmax_length: 1024\n")
+    got = setup_from_file(path, images_per_sample=2, image_size="448x448")
+    assert (got.setup.lora_rank, got.setup.lora_targets, got.setup.images_per_sample) == (8, "all-linear", 2)
+    assert _used(got, "freeze_vit").note == "LoRA: the base is frozen whatever it says"
