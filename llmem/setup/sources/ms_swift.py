@@ -125,7 +125,7 @@ def read(keys: Keys, r: Reading) -> None:
     else:
         r.note_used("attn_impl (default)", None, "transformers picks sdpa where the model has it (llmem's default)")
     read_liger(r, keys, fused_head=False)
-    _packing(r, keys)
+    _packing(r, keys, objective)
     optimizer = keys.get("optimizer")
     if optimizer in ("multimodal", "lorap"):
         r.note_used("optimizer", optimizer, "AdamW with its own learning rates per part: the same states")
@@ -308,17 +308,30 @@ def _logits_to_keep(r: Reading, keys: Keys) -> None:
     raw = keys.get("use_logits_to_keep")
     if raw is not None and not r.boolean("use_logits_to_keep", raw):
         r.note_used("use_logits_to_keep", raw, "the whole sequence's logits, as llmem's sft step")
+    elif str(keys.get("loss_scale")) == "all":      # swift pt's default (pretrain_args.py): every token labelled
+        r.note_used("loss_scale", "all", "every token labelled: logits_to_keep keeps them all, as llmem's sft step")
     elif not r.values.get("fused_ce"):
         r.ignore("use_logits_to_keep" + ("" if raw is not None else " (ms-swift's default)"), raw, "ms-swift "
                  "computes the logits of the labelled (response) tokens only (prepare_logits_to_keep): the whole "
                  "sequence's stand in (an upper bound; use_logits_to_keep false is the run llmem models)")
 
 
-def _packing(r: Reading, keys: Keys) -> None:
+# SftArguments._check_padding_free: the attention implementations packing / padding_free run with
+FLASH_IMPLS = ("flash_attn", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def _packing(r: Reading, keys: Keys, objective: str) -> None:
     """packing turns padding_free on (sft_args.py _check_padding_free): the batch's samples in one row, position_ids
-    restarting per sample."""
+    restarting per sample; ms-swift refuses it without flash attention, and under rlhf_type other than grpo, dpo,
+    kto and gkd (rlhf_args.py _check_padding_free)."""
     for key in ("packing", "padding_free"):
         if key in keys and r.boolean(key, keys.get(key)):
+            if keys.get("attn_impl") not in FLASH_IMPLS:
+                raise r.error(key, keys.get(key), "needs flash attention (ms-swift's _check_padding_free refuses "
+                              f"attn_impl {keys.get('attn_impl')})", "add attn_impl: flash_attn")
+            if "rlhf_type" in keys and objective not in ("grpo", "dpo", "kto"):
+                raise r.error(key, keys.get(key), f"is refused by ms-swift under rlhf_type {keys.get('rlhf_type')}",
+                              "set it false")
             r.set(key, True, "packing", True, "flash attention over the samples laid end to end")
             return
 
@@ -369,7 +382,11 @@ def _lora(r: Reading, keys: Keys, quantised: bool) -> bool:
     and freeze_aligner hold (get_multimodal_target_regex). Whether the targets are all-linear."""
     rank = r.integer("lora_rank", keys.get("lora_rank", 8), what="a LoRA rank")
     regex = keys.get("target_regex")
-    targets = f"re:{regex}" if regex else targets_text(keys.get("target_modules", ["all-linear"]))
+    raw_targets = keys.get("target_modules", ["all-linear"])
+    if "all-embedding" in (raw_targets if isinstance(raw_targets, list) else str(raw_targets).split(",")):
+        raise r.error("target_modules", raw_targets, "puts LoRA on the embeddings (get_target_modules' "
+                      "all-embedding), which llmem does not model", "drop all-embedding")
+    targets = f"re:{regex}" if regex else targets_text(raw_targets)
     save = keys.get("modules_to_save") or []
     save = [save] if isinstance(save, str) else [str(m) for m in save]
     aliases = [m for m in save if m in ("all-embedding", "all-norm")]

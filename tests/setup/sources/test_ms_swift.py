@@ -42,7 +42,7 @@ def test_lora_sft_on_one_gpu():
     assert [i.key for i in got.record.approximations] == ["use_logits_to_keep (ms-swift's default)"]
 
 
-@pytest.mark.parametrize("extra", ["use_logits_to_keep: false\n", "use_liger_kernel: true\n"])
+@pytest.mark.parametrize("extra", ["use_logits_to_keep: false\n", "use_liger_kernel: true\n", "loss_scale: all\n"])
 def test_the_whole_logits_are_the_run_without_logits_to_keep(tmp_path, extra):
     """use_logits_to_keep false: every position's logits, as llmem's sft; Liger's fused cross-entropy: none."""
     got = setup_from_file(_write(tmp_path, "model: Qwen/Qwen3-8B\nmax_length: 512\n" + extra))
@@ -201,6 +201,9 @@ def test_a_ray_launch_names_its_gpus(tmp_path):
     ("tuner_backend: unsloth\n", "tuner_backend"),
     ("micro_batch_size: 2\ntensor_model_parallel_size: 1\n", "micro_batch_size"),
     ("quant_bits: 4\n", "quant_bits"),
+    ("packing: true\n", "packing"),
+    ("target_modules: [all-linear, all-embedding]\n", "target_modules"),                                   # sft_args.py: needs flash attention
+    ("rlhf_type: orpo\npadding_free: true\nattn_impl: flash_attn\n", "padding_free"),
 ])
 def test_what_llmem_cannot_model_is_refused_naming_the_key(tmp_path, capsys, extra, key):
     path = _write(tmp_path, "model: Qwen/Qwen3-8B\nmax_length: 512\n" + extra)
