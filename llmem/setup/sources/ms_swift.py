@@ -37,7 +37,7 @@ from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues, read_deepspeed
 from llmem.setup.sources.files import find_reference, load
 from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
 from llmem.setup.sources.hf import read_attention, read_deepspeed_ref, read_liger, read_optimizer
-from llmem.setup.sources.reading import UNSLOTH_KERNELS_NOTE, Keys, Reading
+from llmem.setup.sources.reading import Keys, Reading
 from llmem.setup.sources.trl import batch_note
 
 MARKS = ("tuner_type", "train_type", "rlhf_type")
@@ -116,7 +116,7 @@ def read(keys: Keys, r: Reading) -> None:
         raise r.error(tuner_key, tuner, "is a tuner llmem does not model (it models lora and full)",
                       "estimate tuner_type lora or full")
     batch = r.integer("per_device_train_batch_size", keys.get("per_device_train_batch_size", 1), what="a micro-batch")
-    objective = _objective(r, keys, tuner, batch)
+    objective = _objective(r, keys, batch)
     _sequence(r, keys, objective)
     _checkpointing(r, keys)
     attn = keys.get("attn_impl")
@@ -159,16 +159,16 @@ def _refusals(r: Reading, keys: Keys) -> None:
         raise r.error("task_type", task, "trains a head llmem does not model (it models causal_lm)",
                       "estimate task_type causal_lm")
     if str(keys.get("tuner_backend", "peft")).lower() != "peft":
-        raise r.error("tuner_backend", keys.get("tuner_backend"), f"loads the model through Unsloth "
-                      f"({UNSLOTH_KERNELS_NOTE.split(' are ')[0]}), which llmem does not model",
-                      "estimate tuner_backend peft")
+        raise r.error("tuner_backend", keys.get("tuner_backend"), "loads and patches the model through Unsloth "
+                      "(load_by_unsloth: its offloaded checkpoint and Triton kernels), which llmem does not model "
+                      "for ms-swift", "estimate tuner_backend peft")
     quant = keys.get("quant_method")
     if quant is not None and str(quant).lower() != "bnb":
         raise r.error("quant_method", quant, "is a quantisation llmem does not model (it models bitsandbytes)",
                       "use quant_method bnb with quant_bits 4 or 8")
 
 
-def _objective(r: Reading, keys: Keys, tuner: str, batch: int) -> str:
+def _objective(r: Reading, keys: Keys, batch: int) -> str:
     """The trainer: `swift sft` (no rlhf_type) or `swift rlhf`'s (rlhf_args.py), as llmem's --objective."""
     if "rlhf_type" not in keys:
         r.set("per_device_train_batch_size" + ("" if "per_device_train_batch_size" in keys else " (default)"),
