@@ -120,8 +120,8 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
             g.add_argument(_flag(f, opt), dest=_dest(f), action=_Given, type=_typed(opt.type), default=default,
                            metavar=opt.metavar or _metavar(f.name, opt.type), help=opt.help)
     groups[MODEL].add_argument("--from", dest="from_files", action="append", default=None, metavar="FILE",
-                               help="read the set-up from a training config: axolotl, LLaMA-Factory, TRL / "
-                               "TrainingArguments, torchtune or accelerate YAML, DeepSpeed JSON, torchtitan TOML "
+                               help="read the set-up from a training config: axolotl, LLaMA-Factory, ms-swift, "
+                               "TRL / TrainingArguments, torchtune or accelerate YAML, DeepSpeed JSON, torchtitan TOML "
                                "(repeat to add the accelerate config it is launched with); flags override the file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

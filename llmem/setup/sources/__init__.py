@@ -1,6 +1,6 @@
 """Training configs users already have, read into a TrainingSetup (`llmem estimate / plan / trace --from FILE`,
-`llmem.setup_from_file`): axolotl, LLaMA-Factory, TRL / TrainingArguments and torchtune YAML, accelerate config YAML,
-DeepSpeed JSON (alone or referenced) and torchtitan TOML. The format is told from the content (READERS, in order:
+`llmem.setup_from_file`): axolotl, LLaMA-Factory, ms-swift, TRL / TrainingArguments and torchtune YAML, accelerate
+config YAML, DeepSpeed JSON (alone or referenced) and torchtitan TOML. The format is told from the content (READERS, in order:
 the first whose `detect` accepts the mapping), one module per framework; every key used or ignored is recorded
 (record.SourceRecord) and command-line fields override the file's.
 
@@ -24,7 +24,7 @@ from llmem.setup.layout import DEFAULT_GPUS_PER_NODE
 from llmem.setup.local_gpus import local_gpus
 from llmem.setup.methods import METHODS, canonical_method
 from llmem.setup.quant_bases import quant_base_spec
-from llmem.setup.sources import accelerate, axolotl, llamafactory, torchtitan, torchtune, trl
+from llmem.setup.sources import accelerate, axolotl, llamafactory, ms_swift, torchtitan, torchtune, trl
 from llmem.setup.sources.deepspeed import STAGE_NOTES, STANDIN_NOTE, STANDINS, read_deepspeed
 from llmem.setup.sources.files import load
 from llmem.setup.sources.fsdp import FSDP1_NOTE
@@ -73,10 +73,11 @@ READERS: dict[str, Reader] = {rd.name: rd for rd in (
     Reader("accelerate", "accelerate config YAML", accelerate.detect, lambda k, r, c: accelerate.read(k, r)),
     Reader("axolotl", "axolotl YAML", axolotl.detect, lambda k, r, c: axolotl.read(k, r, c.bf16_capable)),
     Reader("llamafactory", "LLaMA-Factory YAML", llamafactory.detect, lambda k, r, c: llamafactory.read(k, r)),
+    Reader("ms-swift", "ms-swift YAML", ms_swift.detect, lambda k, r, c: ms_swift.read(k, r)),
     Reader("trl", "TRL / TrainingArguments YAML or JSON", trl.detect, lambda k, r, c: trl.read(k, r)),
 )}
-EXPECTED = ("an axolotl, LLaMA-Factory, TRL / TrainingArguments, torchtune or accelerate YAML, a DeepSpeed JSON or a "
-            "torchtitan TOML")
+EXPECTED = ("an axolotl, LLaMA-Factory, ms-swift, TRL / TrainingArguments, torchtune or accelerate YAML, a DeepSpeed "
+            "JSON or a torchtitan TOML")
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,6 @@ class UnreadSchema:
 
 
 UNREAD_SCHEMAS = (
-    # ms-swift's BaseArguments.tuner_type (4.x; train_type in 3.x) and RLHFArguments.rlhf_type
-    UnreadSchema("an ms-swift config", ("tuner_type", "train_type", "rlhf_type")),
     # LLaMA-Factory's v1 schema (llamafactory/v1/config): ModelArguments.model / template, its plugin configs
     UnreadSchema("a LLaMA-Factory v1 config", ("dist_config", "peft_config", "optim_config", "train_dataset"),
                  ("model", "template")),
@@ -249,7 +248,8 @@ def _vision_without_images(values: dict, used: list[Used], ignored: list) -> Non
 def _reentrant_not_expressed(values: dict, used: list[Used], ignored: list, notes: list[str]) -> None:
     """A file's reentrant checkpoint where llmem models only the non-reentrant one (TrainingSetup's
     _check_ckpt_reentrant), or where the framework turns it off itself (LLaMA-Factory under FSDP2, accelerate's
-    fsdp_version 2: prepare_model_for_training sets use_reentrant_gc False; under FSDP1 it stays)."""
+    fsdp_version 2: prepare_model_for_training sets use_reentrant_gc False; under FSDP1 it stays; ms-swift under plain
+    DDP: _fix_gradient_checkpointing)."""
     if not values.get("ckpt_reentrant"):
         return
     if not values.get("grad_ckpt", True):      # --no-grad-ckpt over the file: no checkpoint, reentrant or not
@@ -259,9 +259,12 @@ def _reentrant_not_expressed(values: dict, used: list[Used], ignored: list, note
     refused = reentrant_refusal(values.get)
     spec = METHODS[canonical_method(values.get("method", "single"))]
     fsdp2 = spec.shards_model_states and spec.zero_stage is None and FSDP1_NOTE not in notes
+    plain_ddp = not spec.one_gpu and not spec.shards_model_states and spec.zero_stage is None
     for u in [u for u in used if u.field == "ckpt_reentrant"]:
         if u.key.startswith("use_reentrant_gc") and fsdp2:      # the run's own checkpoint: no approximation
             why, approximates = "LLaMA-Factory sets use_reentrant_gc False under FSDP2 (prepare_model_for_training)", False
+        elif u.key == ms_swift.REENTRANT_DEFAULT and plain_ddp:
+            why, approximates = ms_swift.DDP_NOTE, False
         elif refused is not None:
             why, approximates = (f"the reentrant checkpoint with {refused[0]} is not modelled ({refused[1]}): "
                                  "estimated as the non-reentrant one"), True

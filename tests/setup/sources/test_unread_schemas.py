@@ -1,7 +1,7 @@
 """Configs of frameworks llmem has no reader for are refused by name, never read with another framework's defaults:
-an ms-swift YAML (BaseArguments.tuner_type / 3.x's train_type, RLHFArguments.rlhf_type) carries TrainingArguments'
-keys and was taken for a TRL config with its own keys ignored; LLaMA-Factory's v1 schema (model, template and
-plugin configs) likewise."""
+LLaMA-Factory's v1 schema (model, template and plugin configs) carries TrainingArguments' keys and would be taken for
+a TRL config with its own keys ignored. An ms-swift YAML (BaseArguments.tuner_type / 3.x's train_type,
+RLHFArguments.rlhf_type), once refused here alike, has its own reader (llmem.setup.sources.ms_swift): never TRL's."""
 
 from __future__ import annotations
 
@@ -29,11 +29,12 @@ peft_config:
 
 
 @pytest.mark.parametrize("mark, value", [("tuner_type", "lora"), ("train_type", "full"), ("rlhf_type", "dpo")])
-def test_ms_swift_is_refused_by_name(tmp_path, mark, value):
+def test_ms_swift_is_read_by_its_own_reader(tmp_path, mark, value):
     path = tmp_path / "sft.yaml"
     path.write_text(SWIFT.format(mark=mark, value=value))
-    with pytest.raises(LlmemError, match="an ms-swift config, which llmem does not read"):
-        setup_from_file(path, model="Qwen/Qwen2.5-7B")
+    got = setup_from_file(path, model="Qwen/Qwen2.5-7B")
+    assert got.record.files[0][1] == "ms-swift"
+    assert got.setup.grad_ckpt is True      # ms-swift's default (TrainArgumentsMixin), not TrainingArguments' False
 
 
 def test_llamafactory_v1_is_refused_by_name(tmp_path):
