@@ -86,10 +86,14 @@ def _to_json(obj) -> str:
 _TRACE_WALL = re.compile(r"^(trace: \d+ allocator events), [0-9.]+ s$")
 
 
+# how long learning the activations took (a note of every engine whose activations are learned): not a result
+_LEARN_WALL = re.compile(r"learned in [0-9.]+ s")
+
+
 def _normalise(engine: str, data: dict) -> dict:
     if engine == "trace":
         data["notes"] = [_TRACE_WALL.sub(r"\1", n) for n in data.get("notes", [])]
-    return data
+    return json.loads(_LEARN_WALL.sub("learned in (wall time) s", json.dumps(data)))
 
 
 def plan_speed_setups(TrainingSetup) -> list:
