@@ -18,9 +18,9 @@ _QLORA = dict(lora_rank=16, lora_targets="all-linear", quant_base="nf4")
 TRL_QLORA_ROWS: list[TrainingSetup] = [
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="trl-sft", **_QLORA),
     _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, objective="trl-sft", **_QLORA),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=128, objective="dpo", **_QLORA),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="dpo", **_QLORA),
     _s("tiny-llama", precision="bf16", batch_size=2, seq_len=256, objective="dpo", **_QLORA),
-    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="kto", **_QLORA),
+    _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=128, objective="kto", **_QLORA),
     _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, objective="orpo", lora_rank=8,
        lora_targets="all-linear", quant_base="nf4"),
 ]

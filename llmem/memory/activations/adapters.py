@@ -278,7 +278,14 @@ class _LayerAdapters:
         # the base linear's output: fp32 from a bitsandbytes linear reading fp32, else the matmul dtype
         out_bytes = F32 if self.fp32_behind_quant and in_bytes == F32 else r.mm
         pre: list[tuple[int, float]] = [(t * out_f * out_bytes, i + Lora.BASE_OUTPUT)]
-        if r.autocast:
+        # peft's bitsandbytes LoRA layer under autocast (here only behind the kbit upcast's fp32 stream:
+        # adapter_regime) casts nothing itself (lora/bnb.py `requires_conversion`): a low-precision input (o_proj's,
+        # the attention output) reaches lora_A as it is, which keeps that very tensor
+        as_is = self.fp32_behind_quant and in_bytes != F32
+        if r.autocast and as_is:
+            if dropout > 0:
+                mine += [t * in_f * r.mm, t * in_f * MASK]
+        elif r.autocast:
             if in_bytes != F32:
                 pre.append((t * in_f * F32, i + Lora.INPUT_COPY))   # x.to(fp32), until the forward returns
             if dropout > 0:                                   # fp32 dropout output, until lora_A cast it
@@ -289,8 +296,9 @@ class _LayerAdapters:
         elif dropout > 0:
             mine += [t * in_f * r.mm, t * in_f * MASK]
         mine.append(t * rank * r.mm)
-        if r.autocast:   # backward: lora_A's input gradient, back through the two casts (fp32, then low)
-            a.back = max(a.back, t * in_f * (2 * r.mm + F32))
+        if r.autocast:   # backward: lora_A's input gradient, back through the casts (fp32, then low; bnb: its own)
+            casts = (0 if as_is else F32) if self.fp32_behind_quant else r.mm + F32
+            a.back = max(a.back, t * in_f * (r.mm + casts))
         last = i + len(mine) - 1
         moved = self.handoff(name, j)
         if moved:                                  # the sum is the tensor a later block keeps
