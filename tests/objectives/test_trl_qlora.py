@@ -110,3 +110,20 @@ def test_refusal_is_one_line_exit_2(capsys):
                  "--precision", "bf16-mixed"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "peft_module_casting_to_bf16" in err
+
+
+def test_bf16_adapters_over_an_fp32_stream_keep_their_own_bf16_copy():
+    """fp32 (no autocast): peft's bitsandbytes LoRA layer casts the fp32 input down to TRL's bf16 adapters
+    (`_cast_input_dtype`), so o_proj's lora_A keeps a bf16 copy [t, hidden] and lora_B a bf16 [t, rank]; with peft's
+    fp32 adapters (sft: no TRL cast) lora_A keeps the fp32 input itself and lora_B an fp32 [t, rank]. tiny-llama:
+    2 x 256 tokens, hidden 512, rank 16."""
+    from llmem.memory.activations.profile import activation_profile
+
+    t, hidden, rank = 2 * 256, 512, 16
+
+    def o_proj(objective: str) -> tuple[int, ...]:
+        setup = qlora(objective=objective, precision="fp32", seq_len=256)
+        return next(b.tensors for b in activation_profile(resolve(setup)).blocks if b.name == "o_proj")
+
+    assert o_proj("trl-sft") == (t * hidden * 2, t * rank * 2)
+    assert o_proj("sft") == (t * rank * 4,)
