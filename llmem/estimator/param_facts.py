@@ -133,5 +133,5 @@ def _kind_facts(p: ParamInfo, setup, layout, fsdp: bool) -> tuple:
     quantised = is_quantised(p, setup.quant_base)
     return (local_numel(p, layout), tp_local_numel(p, layout), fsdp_unit_numel([p], layout) if fsdp else 0,
             fsdp_gathered_tensors(p, setup, layout) if fsdp else [],
-            (setup.mixed and not quantised and setup.stored_bytes(p.trainable) != setup.gather_bytes)
+            (setup.mixed and not quantised and element_bytes(p, setup) != setup.gather_bytes)
             or gathered_in_float8(setup, p), quantised, local_shape(p, layout), param_shard_degree(p, layout))

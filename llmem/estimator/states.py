@@ -162,8 +162,8 @@ def _autocast_copies(r: ResolvedSetup) -> tuple[int, int]:
     for p, count in param_kinds(r.anatomy.params):
         if not (p.module_kind in MATMUL_KINDS or is_lm_head(p)):
             continue
-        if not p.trainable and (setup.stored_bytes(False) == regime.mm or is_quantised(p, setup.quant_base)):
-            continue                 # a frozen weight stored in the compute dtype (or quantised) needs no cast
+        if element_bytes(p, setup) == regime.mm or is_quantised(p, setup.quant_base):
+            continue                 # a weight stored in the compute dtype (or quantised) needs no cast
         n = count * tp_local_numel(p, r.layout) * regime.mm
         if p.name.endswith("bias"):
             biases += n

@@ -14,10 +14,24 @@ from functools import lru_cache
 from pathlib import Path
 
 from llmem.errors import LlmemError, first_line
-from llmem.model.anatomy import ModelAnatomy, ParamInfo, PeftInfo, added_buffers, inventory, read_or_build
+from llmem.model.anatomy import (
+    DTYPE_BYTES,
+    ModelAnatomy,
+    ParamInfo,
+    PeftInfo,
+    added_buffers,
+    inventory,
+    read_or_build,
+)
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.peft_data_free import DATA_FREE_ATTR, DATA_FREE_NOTE, data_free_config, data_free_note
 from llmem.model.sharding import MATMUL_KINDS, is_lm_head
+from llmem.setup.objectives import (
+    CAST_EXEMPT,
+    QUANTISED_ADAPTER_DTYPE,
+    cast_by_trainer,
+    casts_quantised_adapters,
+)
 from llmem.setup.training import LORA_ALL_LINEAR, TrainingSetup, lora_target_regex
 
 PEFT_EXACT_TYPES = ("LORA", "IA3", "PROMPT_TUNING")   # activation models written for these (llmem.memory.activations)
@@ -27,10 +41,22 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
     """`anatomy` (the base model's) as `setup` trains it (cached per model and adapter settings)."""
     upcast = setup.adapter_dtype == "fp32"
     if setup.peft_config:
-        return peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0], upcast)
-    if setup.lora_rank:
-        return with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout, upcast)
-    return anatomy
+        trained = peft_anatomy(setup.model, setup.trust_remote_code, read_peft_config(setup.peft_config)[0], upcast)
+    elif setup.lora_rank:
+        trained = with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout, upcast)
+    else:
+        return anatomy
+    return trainer_cast(trained) if casts_quantised_adapters(setup) else trained
+
+
+@lru_cache(maxsize=64)
+def trainer_cast(anatomy: ModelAnatomy) -> ModelAnatomy:
+    """The trained anatomy after TRL's QLoRA cast (llmem.setup.objectives.casts_quantised_adapters): every trained
+    parameter bf16 but the one the trainer exempts by name (`param.data = param.data.to(torch.bfloat16)` over
+    model.named_parameters() with requires_grad, e.g. trl/trainer/sft_trainer.py __init__)."""
+    return replace(anatomy, params=tuple(
+        replace(p, dtype=QUANTISED_ADAPTER_DTYPE) if p.trainable and CAST_EXEMPT not in p.name else p
+        for p in anatomy.params))
 
 
 # The dtype a trained anatomy gives each trained parameter (ParamInfo.dtype) is the one peft gives it on a bf16 base
@@ -47,9 +73,12 @@ def element_bytes(p: ParamInfo, setup: TrainingSetup) -> int:
     the parameter's dtype): frozen ones as TrainingSetup.stored_bytes says; trained ones in the precision's
     param_bytes, except peft's fp32 ones under pure fp16/bf16 (LOW_DTYPE's rule). Under *-mixed and fp32 every
     trained parameter is fp32: llmem builds the adapters on the fp32 model (the masters *-mixed names) before the
-    frozen base is cast to the compute dtype, so --adapter-dtype base changes nothing there."""
+    frozen base is cast to the compute dtype, so --adapter-dtype base changes nothing there. TRL's QLoRA cast makes
+    them bf16 whatever the precision (llmem.setup.objectives.cast_by_trainer)."""
     if not p.trainable:
         return setup.stored_bytes(False)
+    if cast_by_trainer(setup, p.name):      # TRL's QLoRA cast (trainer_cast): the parameter, its gradient and states
+        return DTYPE_BYTES[QUANTISED_ADAPTER_DTYPE]
     if setup.peft and setup.precision_spec.low_precision and not setup.mixed and p.dtype == "float32":
         return 4
     return setup.param_bytes

@@ -28,6 +28,7 @@ from llmem.errors import LlmemError
 from llmem.memory.quant import AO_QUANT_UNIT, NESTED_BLOCK, NF4_BLOCK, check_quantisable, quant_layout
 from llmem.model.anatomy import ParamInfo
 from llmem.setup.methods import METHODS
+from llmem.setup.objectives import CAST_EXEMPT, QUANTISED_ADAPTER_DTYPE
 from llmem.units import ceil_div
 
 
@@ -328,6 +329,20 @@ def wrap_quant_adapters(model: nn.Module, setup=None) -> int:
             module.__class__ = cls
             swapped += 1
     return swapped
+
+
+def trainer_adapter_cast(model: nn.Module) -> int:
+    """TRL's QLoRA cast, as the trainers' __init__ runs it after get_peft_model (trl/trainer/sft_trainer.py,
+    dpo_trainer.py, kto_trainer.py, ...: `if _is_quantized_model: for name, param in model.named_parameters(): if
+    param.requires_grad and "lora_magnitude_vector" not in name: param.data = param.data.to(torch.bfloat16)`;
+    llmem.setup.objectives.cast_by_trainer says where). The Parameter objects stay, so the optimizer built after
+    holds bf16 parameters and keeps bf16 states; returns how many were cast."""
+    cast = 0
+    for name, param in model.named_parameters():
+        if param.requires_grad and CAST_EXEMPT not in name:
+            param.data = param.data.to(getattr(torch, QUANTISED_ADAPTER_DTYPE))
+            cast += 1
+    return cast
 
 
 def emulation_note(setup) -> str:

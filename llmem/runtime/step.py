@@ -76,10 +76,11 @@ from llmem.runtime.patches import (
     hf_untraced_masks,
     quiet,
 )
-from llmem.runtime.quant_kernels import quantize_base, wrap_quant_adapters
+from llmem.runtime.quant_kernels import quantize_base, trainer_adapter_cast, wrap_quant_adapters
 from llmem.setup.context_parallel import local_seq_len
 from llmem.setup.layout import Layout
 from llmem.setup.liger import applied_kernels
+from llmem.setup.objectives import casts_quantised_adapters
 from llmem.setup.training import TrainingSetup
 from llmem.units import format_bytes
 
@@ -250,6 +251,8 @@ def meta_model_stage(setup: TrainingSetup, resolved: ResolvedSetup, fake: bool, 
         cast_frozen(model, setup)
     if setup.quant_spec.quantised:
         wrap_quant_adapters(model, setup)
+    if casts_quantised_adapters(setup):   # TRL's trainer __init__: the adapters of a bitsandbytes model in bf16
+        trainer_adapter_cast(model)
     return model, split, low
 
 

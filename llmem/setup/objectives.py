@@ -124,6 +124,17 @@ class ObjectiveSpec:
     # the trainer turns the config's padding_free off with a warning and pads (DPOTrainer in trl 1.16: "temporarily
     # unavailable after a refactor", dpo_trainer.py __init__)
     padding_free_off: bool = False
+    # TRL's QLoRA cast in the trainer's __init__ (sft_trainer.py, dpo_trainer.py, kto_trainer.py, grpo_trainer.py,
+    # rloo_trainer.py, reward_trainer.py: `if _is_quantized_model`, model.is_loaded_in_4bit or is_loaded_in_8bit,
+    # which only bitsandbytes' quantizers set): after get_peft_model every trainable parameter but DoRA's
+    # lora_magnitude_vector becomes bf16 (`param.data = param.data.to(torch.bfloat16)`), whatever args.bf16 says;
+    # trl.experimental's ORPO / CPO trainers do not (they run peft_module_casting_to_bf16 instead)
+    casts_quantised_adapters: bool = False
+    # trl.experimental's ORPO / CPO trainers given a peft_config on a bitsandbytes model (orpo_trainer.py __init__):
+    # peft's prepare_model_for_kbit_training (the fp32 upcast of the unquantised frozen parameters) before
+    # get_peft_model (fp32 adapters, peft's autocast_adapter_dtype), then under args.bf16 on a 4-bit model
+    # peft_module_casting_to_bf16 (trl/experimental/utils.py: the embeddings and lm_head back to bf16)
+    prepares_kbit: bool = False
 
     @property
     def runs_trainer(self) -> bool:
@@ -162,41 +173,60 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {o.name: o for o in (
     # the sequence as it reaches the model (SFTConfig's max_length truncation, or packing's rows: no max_length row)
     ObjectiveSpec("trl-sft", "SFTTrainer", "one model's causal-LM loss through TRL's fused LM head (TRL's "
                   "SFTTrainer)", loss_types=SFT_LOSS_TYPES, fused_lm_head=True,
-                  head_outputs=SFT_HEAD_OUTPUTS, cli_command="sft", sft_step=True),
+                  head_outputs=SFT_HEAD_OUTPUTS, cli_command="sft", sft_step=True, casts_quantised_adapters=True),
     ObjectiveSpec("dpo", "DPOTrainer", "preference pairs against a reference (TRL's DPOTrainer)", paired=True,
                   keeps_reference=True, loss_types=DPO_LOSS_TYPES, loss_type_list=True, max_length=1024, beta=0.1,
                   fused_lm_head=True, disable_dropout=True, head_outputs=DPO_HEAD_OUTPUTS, cli_command="dpo",
-                  padding_free_off=True),
+                  padding_free_off=True, casts_quantised_adapters=True),
     ObjectiveSpec("kto", "KTOTrainer", "unpaired completions, desirable or not, against a reference (TRL's "
                   "KTOTrainer)", keeps_reference=True, loss_types=KTO_LOSS_TYPES, max_length=1024, beta=0.1,
                   fused_lm_head=True, disable_dropout=True, head_outputs=KTO_HEAD_OUTPUTS, kl_loss_types=("kto",),
-                  cli_command="kto", batch_multiple=2),
+                  cli_command="kto", batch_multiple=2, casts_quantised_adapters=True),
     # trl.experimental's ORPOTrainer / CPOTrainer (loss_type simpo): chosen + rejected in one forward, the loss
     # (the chosen rows' NLL and the log-prob gathers) on the full logits, no reference (llmem.estimator.pairwise)
     ObjectiveSpec("orpo", "ORPOTrainer", "preference pairs, odds ratio plus the chosen NLL, no reference (TRL's "
                   "ORPOTrainer)", paired=True, max_length=1024, beta=0.1, disable_dropout=True,
-                  trainer_module="trl.experimental.orpo", full_logits=True),
+                  trainer_module="trl.experimental.orpo", full_logits=True, prepares_kbit=True),
     ObjectiveSpec("simpo", "CPOTrainer", "preference pairs, length-normalised margin, no reference (TRL's "
                   "CPOTrainer, loss_type simpo)", paired=True, loss_types=SIMPO_LOSS_TYPES, max_length=1024,
-                  beta=0.1, disable_dropout=True, trainer_module="trl.experimental.cpo", full_logits=True),
+                  beta=0.1, disable_dropout=True, trainer_module="trl.experimental.cpo", full_logits=True,
+                  prepares_kbit=True),
     # RewardTrainer: a sequence-classification model (score head, num_labels=1), chosen + rejected in one forward,
     # -logsigmoid(r_chosen - r_rejected)
     ObjectiveSpec("reward", "RewardTrainer", "a reward model's pairwise loss on a scalar head (TRL's "
                   "RewardTrainer)", paired=True, max_length=1024, disable_dropout=True, scalar_head=True,
-                  cli_command="reward"),
+                  cli_command="reward", casts_quantised_adapters=True),
     # GRPOTrainer with transformers' generate (llmem.setup.generation): generation, scoring (the reference when
     # beta > 0), then the policy's forward over prompt + completion through TRL's fused head (log-probs, entropy)
     ObjectiveSpec("grpo", "GRPOTrainer", "completions generated per prompt, group-relative advantages, a reference "
                   "when beta > 0 (TRL's GRPOTrainer)", keeps_reference=True, loss_types=GRPO_LOSS_TYPES,
                   beta=GENERATION_DEFAULTS["grpo"].beta, fused_lm_head=True, head_outputs=("log_probs", "entropy"),
-                  cli_command="grpo", generates=True),
+                  cli_command="grpo", generates=True, casts_quantised_adapters=True),
     # RLOOTrainer (trl 1.16, rloo_trainer.py) with transformers' generate: GRPO's phases, the scoring phase running
     # the policy (old_logps) and then the reference (beta 0.05 by default) under no_grad; no loss_type
     ObjectiveSpec("rloo", "RLOOTrainer", "completions generated per prompt, leave-one-out baselines, a reference "
                   "when beta > 0 (TRL's RLOOTrainer)", keeps_reference=True,
                   beta=GENERATION_DEFAULTS["rloo"].beta, fused_lm_head=True, head_outputs=("log_probs", "entropy"),
-                  cli_command="rloo", generates=True, scores_policy=True, sequence_logps=True),
+                  cli_command="rloo", generates=True, scores_policy=True, sequence_logps=True,
+                  casts_quantised_adapters=True),
 )}
+
+
+# TRL's QLoRA cast (ObjectiveSpec.casts_quantised_adapters): the dtype it gives the trained parameters, and the one
+# it leaves alone by name (DoRA's magnitude vector: its updates can be smaller than bf16 can represent, trl#7268)
+QUANTISED_ADAPTER_DTYPE = "bfloat16"
+CAST_EXEMPT = "lora_magnitude_vector"
+
+
+def casts_quantised_adapters(setup) -> bool:
+    """The set-up's TRL trainer casts its trained parameters to bf16: a casting trainer (its row), a bitsandbytes
+    base (the is_loaded_in_4bit / is_loaded_in_8bit the trainer reads) and peft's adapters on it."""
+    return objective_spec(setup.objective).casts_quantised_adapters and setup.quant_spec.bitsandbytes and setup.peft
+
+
+def cast_by_trainer(setup, name: str) -> bool:
+    """Whether TRL's QLoRA cast makes the trained parameter `name` bf16 (every one but CAST_EXEMPT's)."""
+    return casts_quantised_adapters(setup) and CAST_EXEMPT not in name
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
@@ -268,7 +298,6 @@ _NOT_WITH_PREFERENCE = (
     ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
     ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
     ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
-    ("quant_base", "none", "a quantised base", "QLoRA under DPO is not modelled yet"),
 )
 PREFERENCE_METHODS = TRL_METHODS          # the layouts the preference step is modelled under (FSDP2 included)
 PREFERENCE_ATTENTIONS = ("sdpa", "eager", "flash")
@@ -308,6 +337,7 @@ def check_objective(setup) -> None:
                          "drop --ref-dtype")
     _check_lengths(setup, spec)
     refuse_unmodelled(setup, _NOT_WITH_PREFERENCE)
+    _check_quantised_base(setup, spec)
     check_trainer_layout(setup, PREFERENCE_METHODS, PREFERENCE_ATTENTIONS)
     if kl_sequences(setup) and setup.batch_size < 2:
         raise LlmemError(f"--objective {spec.name} with loss_type {loss_type_of(setup)} needs --batch-size >= 2 "
@@ -315,6 +345,28 @@ def check_objective(setup) -> None:
     if not spec.paired and setup.batch_size % 2:
         raise LlmemError(f"--objective {spec.name}: llmem lays out half desirable, half undesirable completions; "
                          f"use an even --batch-size (got {setup.batch_size})")
+
+
+def _check_quantised_base(setup, spec: ObjectiveSpec) -> None:
+    """A quantised base under a preference objective: bitsandbytes' (TRL loads it through transformers' quantizer;
+    torchao's NF4Tensor is torchtune's), and under ORPO / CPO what their own QLoRA preparation (prepares_kbit) does."""
+    quant = setup.quant_spec
+    if not quant.quantised:
+        return
+    if not quant.bitsandbytes:
+        raise LlmemError(f"{quant.flag} with --objective {spec.name}: TRL's {spec.trainer} loads a quantised model "
+                         "through transformers' bitsandbytes quantizer (torchao's NF4Tensor is torchtune's QLoRA); "
+                         "use --qlora or --load-in-8bit")
+    if not spec.prepares_kbit:
+        return
+    if not setup.kbit_upcast:
+        raise LlmemError(f"--no-kbit-upcast with --objective {spec.name}: TRL's {spec.trainer} runs peft's "
+                         "prepare_model_for_kbit_training on a quantised base given a peft_config; drop "
+                         "--no-kbit-upcast")
+    if quant.loaded_in_4bit and setup.compute_dtype == "bfloat16":     # args.bf16
+        raise LlmemError(f"{quant.flag} with --objective {spec.name} in bf16 is not modelled: TRL's {spec.trainer} "
+                         "casts a 4-bit model's embeddings and lm_head back to bf16 after the kbit upcast "
+                         "(peft_module_casting_to_bf16), under fp32 norms; use --load-in-8bit, or fp16 / fp32")
 
 
 def _check_lengths(setup, spec: ObjectiveSpec) -> None:
@@ -393,14 +445,16 @@ def completion_tokens(setup) -> int:
 
 
 def _quantised_adapters_note(setup, spec: ObjectiveSpec) -> list[str]:
-    """TRL 1.16's trainers cast a bitsandbytes-quantised model's trainable parameters to bf16 (`_is_quantized_model`:
-    model.is_loaded_in_4bit / 8bit, e.g. sft_trainer.py __init__); llmem keeps peft's fp32 adapters under *-mixed."""
-    if not setup.peft or not setup.quant_spec.bitsandbytes:
-        return []
-    return [f"TRL's {spec.trainer} casts the adapters of a bitsandbytes-quantised model to bf16 (their gradients and "
-            "optimizer states follow); llmem counts them in fp32 under *-mixed (an upper bound on the adapters' "
-            "own bytes, a few per cent of the step with LoRA), and the trace does too (its trainer's __init__ is not "
-            "run)"]
+    """What TRL's trainer does to a bitsandbytes-quantised model's adapters, as the estimate and the trace model it."""
+    if casts_quantised_adapters(setup):
+        return [f"TRL's {spec.trainer} casts a bitsandbytes-quantised model's trained parameters to bf16 after "
+                "get_peft_model (`_is_quantized_model` in its __init__, whatever the precision; DoRA's magnitude "
+                "vector excepted): the adapters, their gradients and optimizer states are bf16, in the estimate as in "
+                "the trace (which applies the same cast), and autocast makes no copies of them"]
+    if spec.prepares_kbit and setup.peft and setup.quant_spec.bitsandbytes:
+        return [f"TRL's {spec.trainer} runs peft's prepare_model_for_kbit_training on the quantised model (its "
+                "embeddings, norms and lm_head upcast to fp32) and keeps peft's fp32 adapters (no bf16 cast)"]
+    return []
 
 
 def objective_notes(setup) -> list[str]:
@@ -409,7 +463,7 @@ def objective_notes(setup) -> list[str]:
     if not spec.runs_trainer:
         return []
     if spec.full_logits or spec.scalar_head:
-        return _pairwise_notes(setup, spec)
+        return _pairwise_notes(setup, spec) + _quantised_adapters_note(setup, spec)
     if spec.generates:
         return generation_notes(setup, reference_mode(setup), spec.scores_policy)
     if spec.sft_step:
@@ -436,7 +490,7 @@ def objective_notes(setup) -> list[str]:
             f"the log-probs of the {completion_tokens(setup)} completion tokens per sequence from TRL's fused LM head "
             f"(tiles of {FUSED_TOKEN_CHUNK} tokens x {FUSED_VOCAB_CHUNK} vocabulary columns, no [tokens, vocab] "
             f"logits); loss_type {loss_type_of(setup)} (per-pair scalars); dropout off (disable_dropout)",
-            f"reference: {reference}"]
+            f"reference: {reference}"] + _quantised_adapters_note(setup, spec)
 
 
 def sft_head_note(setup, spec: ObjectiveSpec) -> str:

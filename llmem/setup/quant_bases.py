@@ -65,6 +65,9 @@ class QuantBaseSpec:
     # subclass whose `to` is get_original_weight's torch ops, torchao/dtypes/nf4tensor.py); bitsandbytes' CUDA
     # kernels are not laid out compiled
     compiled: bool = False
+    # transformers' bitsandbytes 4-bit quantizer sets model.is_loaded_in_4bit (quantizer_bnb_4bit.py), which
+    # trl.experimental's ORPO / CPO trainers read for peft_module_casting_to_bf16 (the 8-bit one: is_loaded_in_8bit)
+    loaded_in_4bit: bool = False
     adapter_kind: str = "LoRA"       # what LoRA adapters on this base are called (QLoRA: LoRA on a 4-bit NF4 base)
     base_text: str = ""              # the setup record's words for it ("nf4 base")
     check: Callable[[Any, str], None] | None = None   # the precisions / adapter dtypes its recipe trains in
@@ -88,7 +91,7 @@ QUANT_BASES: dict[str, QuantBaseSpec] = {q.name: q for q in (
     QuantBaseSpec("none", "", "an unquantised frozen base", "", False),
     QuantBaseSpec("nf4", "--qlora", "frozen base in bitsandbytes' 4-bit NF4 (QLoRA); needs adapters (--lora-rank)",
                   "bitsandbytes", True, kbit_prep=True, double_quant_optional=True, host_offload=True,
-                  adapter_kind="QLoRA", base_text="nf4 base"),
+                  loaded_in_4bit=True, adapter_kind="QLoRA", base_text="nf4 base"),
     QuantBaseSpec("int8", "--load-in-8bit", "frozen base in bitsandbytes' LLM.int8 (Linear8bitLt); needs adapters "
                   "(--lora-rank)", "bitsandbytes", True, kbit_prep=True, fsdp_shards=False, base_text="int8 base",
                   check=_check_int8),

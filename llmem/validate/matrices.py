@@ -18,6 +18,7 @@ from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports
 from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
+from llmem.validate.trl_qlora_rows import TRL_QLORA_ROWS
 
 # peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
 PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
@@ -335,6 +336,7 @@ CI_MATRIX: list[TrainingSetup] = [
        grad_ckpt=True),
     _s("tiny-llama", "zero2", 2, precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=128,
        objective="orpo"),
+    *TRL_QLORA_ROWS,      # QLoRA under TRL's trainers, their bf16 cast of the adapters (llmem.validate.trl_qlora_rows)
     # TP as torchtitan applies it: SequenceParallel norms and a sequence-sharded residual stream, the loss on the
     # vocab-sharded logits under loss_parallel(); pure bf16, autocast, FSDP2 over TP, and with checkpointing
     _s("tiny-llama", "tp", 2, precision="bf16", optimizer="sgd", batch_size=2, seq_len=256, sequence_parallel=True,

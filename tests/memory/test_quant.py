@@ -465,3 +465,22 @@ def test_planner_qlora_menus():
         for m in menus.values():
             replace(base, **dict(m.changes))
     assert adapter_menus(TrainingSetup(model="tiny-llama", lora_rank=8, quant_base="nf4")) == []
+
+
+def test_bnb_lora_under_autocast_keeps_the_attention_output_itself():
+    """peft's bitsandbytes LoRA layer casts nothing under autocast (lora/bnb.py `requires_conversion`): behind the
+    kbit upcast's fp32 stream, o_proj's lora_A reads the bf16 attention output as it is and keeps that tensor, so
+    the o_proj block keeps only lora_B's input [t, rank] bf16; peft's plain lora.Linear casts the input to the fp32
+    adapter and autocast casts it back for lora_A, which keeps that bf16 copy [t, hidden] too. tiny-llama: 2 x 256
+    tokens, hidden 512, rank 16."""
+    from llmem.memory.activations.profile import activation_profile
+
+    t, hidden, rank = 2 * 256, 512, 16
+
+    def o_proj(**kw) -> tuple[int, ...]:
+        setup = TrainingSetup(model="tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=rank,
+                              lora_targets="all-linear", **kw)
+        return next(b.tensors for b in activation_profile(resolve(setup)).blocks if b.name == "o_proj")
+
+    assert o_proj(quant_base="nf4") == (t * rank * 2,)
+    assert o_proj() == (t * hidden * 2, t * rank * 2)

@@ -180,15 +180,16 @@ def test_from_reads_a_trl_sft_config_as_trl_sft(tmp_path):
 def test_trl_casts_a_bitsandbytes_models_adapters_note():
     """TRL 1.16's SFTTrainer casts a bitsandbytes-quantised model's trainable parameters to bf16
     (sft_trainer.py: `if _is_quantized_model: param.data = param.data.to(torch.bfloat16)`); the answer says that
-    llmem keeps them fp32, and says nothing where no bitsandbytes base is quantised."""
+    the estimate and the trace hold them in bf16, and says nothing where no bitsandbytes base is quantised."""
     from llmem.setup.objectives import objective_notes
 
     base = dict(model="tiny-llama", objective="trl-sft", precision="bf16-mixed", lora_rank=16, batch_size=2,
                 seq_len=256)
 
     def said(**kw) -> bool:
-        return any("casts the adapters of a bitsandbytes-quantised model to bf16" in n
+        return any("casts a bitsandbytes-quantised model's trained parameters to bf16" in n
                    for n in objective_notes(TrainingSetup(**base | kw)))
 
     assert said(quant_base="nf4") and said(quant_base="int8", precision="fp32")
+    assert said(quant_base="nf4", objective="dpo", seq_len=128) and said(quant_base="int8", objective="kto")
     assert not said() and not said(quant_base="torchao-nf4", precision="bf16", adapter_dtype="base")

@@ -69,9 +69,9 @@ class StepFacts:
         return sum(sum(self.params.gather_sizes[p.name]) for p in unit)
 
     def casts(self, p: ParamInfo) -> bool:
-        """Autocast makes a low-precision copy of this weight (a frozen one stored in that dtype needs none, nor
-        does a quantised one: bitsandbytes dequantises it itself)."""
-        return p.trainable or (self.setup.stored_bytes(False) != self.regime.mm and not self.params.quantised[p.name])
+        """Autocast makes a low-precision copy of this weight (one stored in that dtype needs none: a frozen one, or
+        a trained one TRL's QLoRA cast made bf16; nor does a quantised one: bitsandbytes dequantises it itself)."""
+        return self.params.element_bytes[p.name] != self.regime.mm and not self.params.quantised[p.name]
 
     def cast_weights(self, params: list[ParamInfo]) -> list[ParamInfo]:
         """The weights whose autocast copies a block's linears keep for backward (none outside autocast, nor in a

@@ -171,7 +171,7 @@ def adapters_read_input(anatomy: ModelAnatomy, r: Regime, upcast: bool = False) 
 
 
 def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime,
-                  fp32_behind_quant: bool = False, upcast: bool = False) -> LayerRecipe:
+                  fp32_behind_quant: bool = False, upcast: bool = False, downcast: int = 0) -> LayerRecipe:
     """What peft's adapters keep for backward, per block, in forward order (peft's lora/layer.py, ia3/layer.py).
 
     LoRA, `result + lora_B(lora_A(dropout(x.to(adapter dtype)))) * scaling`: lora_B keeps its input (lora_A's
@@ -186,10 +186,12 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
     `upcast` (adapters_upcast: fp32 adapters on a pure fp16/bf16 base): lora_A keeps peft's fp32 copy of the input
     (or, with dropout, the fp32 dropout output and its mask; the copy lives until the forward returns), lora_B its
     fp32 input; lora_B's output, its scaled copy and the sum with the base output are fp32, the sum cast back to the
-    base's dtype; IA3 as under autocast (fp32 vectors).
+    base's dtype; IA3 as under autocast (fp32 vectors). `downcast` (llmem.memory.activations.quantised
+    .quant_adapters_downcast: TRL's bf16 adapters over an fp32 input outside autocast, its value the adapters' bytes
+    per element): LoRA as under `upcast`, the copy, lora_A's output and the adapter's outputs in the adapters' dtype.
     Applied after with_trainability: the tensors it adds are all needed.
     """
-    adapters = _LayerAdapters(anatomy, recipe, d.t, r, fp32_behind_quant, upcast)
+    adapters = _LayerAdapters(anatomy, recipe, d.t, r, fp32_behind_quant, upcast, downcast)
     for p in anatomy.layer0_params:
         forward = _FORWARDS.get(adapter_part(p.name))
         if p.trainable and forward is not None:
@@ -214,9 +216,10 @@ class _LayerAdapters:
     """with_adapters' pass over layer 0's adapter parameters: each adapted module's forward adds to its block."""
 
     def __init__(self, anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regime, fp32_behind_quant: bool,
-                 upcast: bool) -> None:
+                 upcast: bool, downcast: int = 0) -> None:
         self.anatomy, self.blocks, self.t, self.r = anatomy, recipe.blocks, t, r
         self.fp32_behind_quant, self.upcast = fp32_behind_quant, upcast
+        self.downcast = downcast                      # the adapters' bytes when narrower than their input (0)
         self.dropout = anatomy.peft.lora_dropout if anatomy.peft is not None else 0.0
         self.dora = anatomy.peft is not None and anatomy.peft.use_dora
         self.added = [_Added() for _ in recipe.blocks]
@@ -258,9 +261,9 @@ class _LayerAdapters:
             # backward of the two magnitude multiplies: the incoming gradient times base_result / lora_result
             # (for the vectors, before their sum), and the gradients of base_result and lora_result [t, out]
             a.back = max(a.back, 3 * t * out_f * (F32 if r.autocast or self.upcast else r.mm))
-        elif self.upcast:
+        elif self.upcast or self.downcast:
             kept, temps, back = upcast_lora_forward(t, in_f, out_f, rank, r, i, self.dropout,
-                                                    self.handoff(p.name, j))
+                                                    self.handoff(p.name, j), self.downcast or F32)
             a.kept += kept + self.trailing
             a.temps += temps
             a.back = max(a.back, back - block.transient)   # the base's input gradient comes after: not on top
@@ -275,7 +278,14 @@ class _LayerAdapters:
         # the base linear's output: fp32 from a bitsandbytes linear reading fp32, else the matmul dtype
         out_bytes = F32 if self.fp32_behind_quant and in_bytes == F32 else r.mm
         pre: list[tuple[int, float]] = [(t * out_f * out_bytes, i + Lora.BASE_OUTPUT)]
-        if r.autocast:
+        # peft's bitsandbytes LoRA layer under autocast (here only behind the kbit upcast's fp32 stream:
+        # adapter_regime) casts nothing itself (lora/bnb.py `requires_conversion`): a low-precision input (o_proj's,
+        # the attention output) reaches lora_A as it is, which keeps that very tensor
+        as_is = self.fp32_behind_quant and in_bytes != F32
+        if r.autocast and as_is:
+            if dropout > 0:
+                mine += [t * in_f * r.mm, t * in_f * MASK]
+        elif r.autocast:
             if in_bytes != F32:
                 pre.append((t * in_f * F32, i + Lora.INPUT_COPY))   # x.to(fp32), until the forward returns
             if dropout > 0:                                   # fp32 dropout output, until lora_A cast it
@@ -286,8 +296,9 @@ class _LayerAdapters:
         elif dropout > 0:
             mine += [t * in_f * r.mm, t * in_f * MASK]
         mine.append(t * rank * r.mm)
-        if r.autocast:   # backward: lora_A's input gradient, back through the two casts (fp32, then low)
-            a.back = max(a.back, t * in_f * (2 * r.mm + F32))
+        if r.autocast:   # backward: lora_A's input gradient, back through the casts (fp32, then low; bnb: its own)
+            casts = (0 if as_is else F32) if self.fp32_behind_quant else r.mm + F32
+            a.back = max(a.back, t * in_f * (r.mm + casts))
         last = i + len(mine) - 1
         moved = self.handoff(name, j)
         if moved:                                  # the sum is the tensor a later block keeps
@@ -336,8 +347,8 @@ class _LayerAdapters:
 _FORWARDS = {LORA_A: _LayerAdapters.lora_a, IA3_L: _LayerAdapters.ia3}
 
 
-def upcast_lora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, dropout: float, moved: int
-                        ) -> tuple[list[int], list[Temp], int]:
+def upcast_lora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, dropout: float, moved: int,
+                        adapter_bytes: int = F32) -> tuple[list[int], list[Temp], int]:
     """One LoRA-adapted linear with fp32 adapters on a pure low-precision base (peft's lora/layer.py Linear.forward:
     `x = self._cast_input_dtype(x, lora_A.weight.dtype)`, `result = result + lora_B(lora_A(dropout(x))) * scaling`,
     `result.to(torch_result_dtype)`), as (kept tensors from index i, forward temporaries, backward transient).
@@ -346,11 +357,14 @@ def upcast_lora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: 
     instead, the copy a temporary until the forward returns), lora_A's fp32 output, and `moved` (the cast-back sum,
     when a later block keeps the module's output). Temporaries, in the order the forward makes them: the base
     output (until the sum is made), lora_B's fp32 output (freed once scaled), its scaled copy (freed after the sum),
-    the fp32 sum (freed once cast back) and the cast (the module's output, handed on when no block keeps it)."""
-    base, wide = t * out_f * r.mm, t * out_f * F32
-    copy = t * in_f * F32
+    the fp32 sum (freed once cast back) and the cast (the module's output, handed on when no block keeps it).
+    `adapter_bytes` below the input's (TRL's bf16 adapters over an fp32 input, peft's bitsandbytes LoRA layer:
+    `x = self._cast_input_dtype(x, lora_A.weight.dtype)`, `output.to(expected_dtype)`): the same tensors, the copy,
+    lora_A's output and the adapter's outputs in the adapters' dtype."""
+    base, wide = t * out_f * r.mm, t * out_f * adapter_bytes
+    copy = t * in_f * adapter_bytes
     kept = [copy, t * in_f * MASK] if dropout > 0 else [copy]   # lora_A's input (the dropout's output and mask)
-    kept.append(t * rank * F32)                                 # lora_B's input
+    kept.append(t * rank * adapter_bytes)                       # lora_B's input
     last = i + len(kept) - 1
     temps = [(base, i + Lora.BASE_OUTPUT, last + Lora.BASE_OUTPUT_FREED)]
     if dropout > 0:
@@ -366,7 +380,7 @@ def upcast_lora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: 
     # backward, above what is kept: the gradient for the base output (cast to its dtype) stays while the fp32
     # gradients of the sum and of lora_B's output are made, then lora_A's fp32 input gradient (its fp32 input is
     # freed as that node runs, before the cast back and the base linear's input gradient)
-    return kept, temps, t * out_f * r.mm + max(2 * wide, t * in_f * F32)
+    return kept, temps, t * out_f * r.mm + max(2 * wide, t * in_f * adapter_bytes)
 
 
 def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, upcast: bool = False

@@ -37,6 +37,7 @@ from llmem.memory.activations.quantised import (
     adapter_regime,
     fp32_behind_quant,
     int8_inputs_kept,
+    quant_adapters_downcast,
     quant_adapters_upcast,
     with_fp32_mlp,
     with_int8_inputs,
@@ -386,11 +387,12 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     adapted = adapter_regime(setup.quant_base, regime)    # what peft's bitsandbytes LoRA layers cast
     # fp32 adapters on a pure low-precision base (peft's bitsandbytes LoRA layers cast alike outside autocast)
     upcast = adapters_upcast(anatomy, setup, adapted) or quant_adapters_upcast(anatomy, setup, adapted)
+    downcast = quant_adapters_downcast(anatomy, setup, adapted)     # TRL's bf16 adapters over an fp32 input
     if learned is None and any(not p.trainable for p in anatomy.params):   # learned: as peft runs already
-        recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, adapted, upcast),
+        recipe = with_trainability(anatomy, recipe, adapters_read_input(anatomy, adapted, upcast or bool(downcast)),
                                    frozen_base=not exact, quant_base="none" if behind_fp32 else setup.quant_base)
     if learned is None and exact and any(".lora_A." in p.name or ".ia3_l." in p.name for p in anatomy.params):
-        recipe = with_adapters(anatomy, recipe, d, adapted, behind_fp32, upcast)
+        recipe = with_adapters(anatomy, recipe, d, adapted, behind_fp32, upcast, downcast)
     int8_kept: Sizes = ()
     if setup.quant_spec.quantised and quant_layout(setup.quant_base).keeps_inputs:
         int8_kept = int8_inputs_kept(anatomy, recipe.blocks, d.t, regime, behind_fp32)
@@ -407,8 +409,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         # the lm_head keeps its input for its own weight's gradient, or LoRA's lora_A reads it (not under autocast
         # or with fp32 adapters on a bf16 base: lora_A keeps its own copy, llmem.estimator.schedule.head)
         lm_head_kept=fused is None and any(
-            p.trainable and is_lm_head(p) and (not is_adapter_param(p.name) or adapters_read_input(anatomy, adapted,
-                                                                                                  upcast))
+            p.trainable and is_lm_head(p) and (not is_adapter_param(p.name) or adapters_read_input(
+                anatomy, adapted, upcast or bool(downcast)))
             for p in anatomy.outside_layer_params),
         first_layer_skip=first_layer_skip(anatomy, recipe.blocks),
         per_layer_saved=sum(b.saved for b in recipe.blocks),

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from llmem.memory.activations.blocks import Block, Dims, LayerRecipe, Sizes, block_owner
 from llmem.memory.quant import is_quantised
-from llmem.model.anatomy import ModelAnatomy
+from llmem.model.anatomy import DTYPE_BYTES, ModelAnatomy
 from llmem.setup.precision import F32, Regime
 from llmem.setup.quant_bases import quant_base_spec
 
@@ -42,6 +42,17 @@ def quant_adapters_upcast(anatomy: ModelAnatomy, setup, r: Regime) -> bool:
     with the dequantisation (llmem.estimator.schedule.blocks.BlockEvents.dequantise)."""
     return (setup.quant_spec.bitsandbytes and setup.precision_spec.low_precision and not setup.mixed
             and r.mm != F32 and any(p.trainable and p.layer_index is not None and p.dtype == "float32" for p in anatomy.params))
+
+
+def quant_adapters_downcast(anatomy: ModelAnatomy, setup, r: Regime) -> int:
+    """TRL's bf16 adapters (llmem.setup.objectives.cast_by_trainer) in peft's bitsandbytes LoRA layers over an
+    fp32 input outside autocast (fp32, or pure bf16 / fp16 behind the kbit upcast's fp32 stream): lora/bnb.py's
+    `requires_conversion` casts the input down to the adapters' dtype for lora_A (`_cast_input_dtype`), the adapter
+    runs in it and its output is cast back up before the sum. The adapters' bytes per element (0: not so)."""
+    if not setup.quant_spec.bitsandbytes or r.autocast or r.mm != F32:
+        return 0
+    return min((DTYPE_BYTES[p.dtype] for p in anatomy.params if p.trainable and p.layer_index is not None
+                and DTYPE_BYTES.get(p.dtype, F32) < F32), default=0)
 
 
 def quant_input_bytes(block: Block, r: Regime, fp32_behind_quant: bool) -> int:
