@@ -18,6 +18,7 @@ from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports
 from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
+from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, INTERNVL_VLM_ROWS
 
 # peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
 PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
@@ -539,7 +540,7 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
         ("tiny-idefics3", "fsdp", {"freeze_vision_tower": True}), ("tiny-idefics3", "fsdp", {"lora_rank": 8}),
         ("tiny-idefics3", "zero2", {}), ("tiny-smolvlm", "fsdp", {"lora_rank": 8}))),
-]
+    *INTERNVL_CI_ROWS]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
 
@@ -577,7 +578,8 @@ VLM_MATRIX: list[TrainingSetup] = [
         ("HuggingFaceTB/SmolVLM-Instruct", {"freeze_vision_tower": True, "grad_ckpt": True}),
         ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
         ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
-        ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True})))]
+        ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True}))),
+    *INTERNVL_VLM_ROWS]
 # (DeepSpeed's engine is measured inside the user's own launch, not by measure --device cuda: its rows left out)
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample
                                        and method_spec(s.method).zero_stage is None] + [_s(
