@@ -10,8 +10,10 @@ import json
 import warnings
 
 import pytest
+from llamafactory_vlm import estimate_from_yaml
 
 from llmem.cli import main
+from llmem.memory.activations.learned import LEARN_ENV
 from llmem.memory.activations.profile import vision_batch_bytes
 from llmem.model.anatomy import load_anatomy
 from llmem.model.catalog import catalog_file
@@ -223,3 +225,16 @@ def test_a_sequence_too_short_for_the_image_markers_is_one_line(capsys):
     code = main(["estimate", "tiny-internvl", "--images-per-sample", "2", "--image-size", "448x448", "--seq-len", "4"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("llmem: error: ") and err.count("\n") == 1 and "give --seq-len >= 5" in err, err
+
+
+def test_llamafactory_full_finetune_through_estimate(tmp_path, capsys, monkeypatch):
+    """`llmem estimate --from` a LLaMA-Factory full fine-tune of InternVL3-1B: its defaults freeze the tower and the
+    projector; 1024x768 scaled to 262,144 px first is 591x443 (int(side x sqrt(1 / 3))), whose 0.7496 lies nearest
+    3 / 4: 12 tiles and the thumbnail, 13 x 256 = 3,328 tokens."""
+    monkeypatch.setenv(LEARN_ENV, "auto")          # (the suite turns learning off; the vision side is learned)
+    out = estimate_from_yaml(tmp_path, capsys, "internvl3_full_sft.yaml",
+                             f"model_name_or_path: {IVL_1B}\nstage: sft\nfinetuning_type: full\ntemplate: intern_vl\n"
+                             "cutoff_len: 1024\nimage_max_pixels: 262144\nper_device_train_batch_size: 1\nbf16: true\n")
+    assert out["setup"]["freeze_vision_tower"] and out["setup"]["freeze_projector"]
+    assert not out["setup"]["freeze_language_model"]
+    assert any("in 13 crops" in note and "3,328 visual tokens" in note for note in out["notes"])
