@@ -15,7 +15,10 @@ multiples of it, cut into image_size tiles plus the whole image resized to one: 
 Vision's canvas of tiles (MllamaImageProcessor: the image resized into the best canvas of up to max_image_tiles
 tiles of the tower's image_size, 560x560, and always handed over as max_image_tiles tiles, the unused ones zero and
 masked; one <|image|> token in the text, the features entering the language model through its cross-attention
-layers).
+layers) and InternVL's crops (GotOcr2ImageProcessor under InternVLProcessor's crop_to_patches: the image resized to
+the grid of the tower's image_size tiles, min_patches..max_patches of them, whose aspect ratio is closest to its own,
+and a thumbnail of the whole image where the grid has more than one tile; image_seq_length <IMG_CONTEXT> tokens a
+tile between <img> and </img>).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -53,6 +56,9 @@ class ImageProcessorSpec:
     # Llama 3.2 Vision's canvas of tiles: [batch, images, max_image_tiles, 3, size, size] in pixel_values, one token
     # an image
     canvas_tiled: bool = False
+    # InternVL's crops (GotOcr2ImageProcessor.crop_image_to_patches): tiles of the tower's image_size and a thumbnail,
+    # every image's stacked into one [tiles, 3, size, size] pixel_values for the batch
+    crop_tiled: bool = False
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -76,6 +82,10 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     # Llama 3.2 Vision's (its preprocessor_config.json: size 560x560, max_image_tiles 4, do_pad / do_resize true)
     "mllama": ImageProcessorSpec("mllama", "MllamaImageProcessor", "meta-llama--Llama-3.2-11B-Vision.json",
                                  canvas_tiled=True),
+    # InternVL's (InternVL3-1B-hf's preprocessor_config.json: GotOcr2ImageProcessorFast, size 448x448, min_patches
+    # 1, max_patches 12, crop_to_patches false there but set true by InternVLProcessor's images_kwargs)
+    "internvl": ImageProcessorSpec("internvl", "GotOcr2ImageProcessorFast", "OpenGVLab--InternVL3-1B-hf.json",
+                                   crop_tiled=True),
 }
 
 
@@ -171,7 +181,10 @@ def pixel_values_shape(processor: str, image: ImageGrid, images: int, per_sample
     """pixel_values' shape for `images` images alike, `per_sample` of them a sample: [images, 3, height, width] (a
     fixed-size processor), [images, crops, 3, height, width] (anyres: LlavaOnevisionImageProcessor stacks each
     image's crops; tiled: Idefics3's frames), [samples, per_sample, tiles, 3, height, width] (a canvas of tiles:
-    MllamaImageProcessor's pad_batches_and_tiles) or [patches, patch values] (Qwen's flattened patches)."""
+    MllamaImageProcessor's pad_batches_and_tiles), [images x tiles, 3, height, width] (InternVLProcessor's crops,
+    concatenated over the batch's images) or [patches, patch values] (Qwen's flattened patches)."""
+    if PROCESSORS[processor].crop_tiled:
+        return (images * image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].canvas_tiled:
         return (images // per_sample, per_sample, image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].anyres or PROCESSORS[processor].tiled:
@@ -195,6 +208,8 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
         return tiled_grid(config or {}, height, width, resize_ratio(processor), max_pixels, min_pixels)
     if PROCESSORS[processor].canvas_tiled:
         return canvas_grid(config or {}, height, width, max_pixels, min_pixels)
+    if PROCESSORS[processor].crop_tiled:
+        return crop_grid(config or {}, height, width, tile_bounds(processor), max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -361,3 +376,49 @@ def canvas_grid(config: dict, height: int, width: int, max_pixels: int | None = 
     side = size // patch
     return ImageGrid(size, size, 1, side, side, 1, 3 * patch * patch, max_tiles, 1, (height, width),
                      canvas_tiles=(canvas_h // size, canvas_w // size))
+
+
+@cache
+def tile_bounds(processor: str) -> tuple[int, int]:
+    """A crop-tiling processor's (min_patches, max_patches) from its shipped preprocessor_config.json."""
+    raw = json.loads(catalog_file("processors", PROCESSORS[processor].config_file))
+    return raw["min_patches"], raw["max_patches"]
+
+
+def closest_tile_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """transformers' got_ocr2 get_optimal_tiled_canvas: the (columns, rows) grid of min_tiles..max_tiles tiles
+    (get_all_supported_aspect_ratios' order: by tile count, stably) whose columns / rows is closest to width / height;
+    among equals the later (more tiles) while the image's area exceeds half the grid's."""
+    grids = sorted(((c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
+                    if min_tiles <= c * r <= max_tiles), key=lambda g: g[0] * g[1])
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), math.inf
+    for cols, rows in grids:
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def crop_grid(config: dict, height: int, width: int, bounds: tuple[int, int], max_pixels: int | None = None,
+              min_pixels: int | None = None) -> ImageGrid:
+    """One image as InternVL's processor gives it to the model of `config` (its config.json): GotOcr2ImageProcessor's
+    crop_image_to_patches (InternVLProcessor sets crop_to_patches) resizes it to closest_tile_grid's tiles of the
+    tower's image_size and adds a thumbnail (the whole image resized to one tile) where the grid has more than one
+    (get_number_of_image_patches); bounds are (min_patches, max_patches), max_patches 1 taking one resized tile. Each
+    tile runs (image_size / patch_size)^2 patches and the class token through the tower, whose patches the model's
+    pixel_shuffle joins by (1 / downsample_ratio)^2 into image_seq_length tokens; the processor writes <img>, those
+    <IMG_CONTEXT> tokens for every tile, </img> (InternVLProcessor.replace_image_token: two text tokens an image).
+    The pixel bounds scale the image first, as LLaMA-Factory's _preprocess_image does."""
+    vision = config["vision_config"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    # (a [height, width] pair in InternVLVisionConfig; square in every published config)
+    size, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (size, patch))
+    height, width = prescaled(height, width, max_pixels, min_pixels)
+    min_tiles, max_tiles = bounds
+    cols, rows = closest_tile_grid(height, width, size, min_tiles, max_tiles) if max_tiles > 1 else (1, 1)
+    tiles = cols * rows + 1 if cols * rows > 1 else 1
+    side, merge = size // patch, round(1 / config.get("downsample_ratio", 0.5))
+    return ImageGrid(size, size, 1, side, side, merge, 3 * patch * patch, tiles, 0, (height, width), marker_tokens=2)

@@ -4,7 +4,7 @@ A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
 average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Idefics3 / SmolVLM's connector,
 a pixel shuffle of scale_factor^2 patches into one token and a linear; Llama 3.2 Vision's linear from the tower's
-concatenated layers to the text width; Qwen3-VL's deepstack mergers, which feed the language model's first layers,
+concatenated layers to the text width; InternVL's pixel shuffle of 2x2 patches, a LayerNorm and a two-layer MLP; Qwen3-VL's deepstack mergers, which feed the language model's first layers,
 count with the tower, as LLaMA-Factory counts them) and a language model (a decoder stack, whose layers are the
 anatomy's decoder layers; Llama 3.2 Vision's are of two kinds, some attending the image features). Each parameter
 belongs to one part, read from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
@@ -176,6 +176,19 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                  special_tokens=("image_token_id",), position_rows=0,
                                  later_blocks="model.vision_model.global_transformer.layers",
                                  cross_attention_layers="cross_attention_layers"),
+    # transformers 5's InternVLForConditionalGeneration (InternVL3 -hf): model.vision_tower (InternVLVisionModel:
+    # embeddings with a class token, encoder.layer of InternVLVisionLayer, its final layernorm an Identity under
+    # use_mean_pooling), model.multi_modal_projector (InternVLMultiModalProjector: a LayerNorm over the pixel-shuffled
+    # patches, linear, GELU, linear), model.language_model (Qwen2Model), lm_head; every image's tiles stacked into
+    # one pixel_values; the processor writes <img>, image_seq_length <IMG_CONTEXT> a tile, </img>: only
+    # <IMG_CONTEXT> is in the config, <img> and </img> are text tokens to the model. LLaMA-Factory's internvl row:
+    # vision_model_keys vision_tower, projector_key multi_modal_projector
+    "internvl": VisionLanguageSpec(architecture="InternVLForConditionalGeneration", vision="model.vision_tower",
+                                   vision_blocks="model.vision_tower.encoder.layer",
+                                   projector="model.multi_modal_projector",
+                                   language_layers="model.language_model.layers", processor="internvl",
+                                   modeling="transformers.models.internvl.modeling_internvl",
+                                   special_tokens=("image_token_id",), position_rows=0),
 }
 
 

@@ -7,7 +7,8 @@ processor expands each image's one placeholder to as many image tokens as the me
 image_grid_thw.prod() // merge_size**2 per image; Gemma 3's: image_seq_length, 256, per image, each image one
 896x896 crop; LLaVA-OneVision's: its base crop's and tiles' features with a newline token a row; Idefics3 /
 SmolVLM's: image_seq_len a frame, its tiles and the global frame; their <fake_token_around_image>, <row_r_col_c>,
-<global-img> and newline tokens count among the text tokens, as Qwen's start and end tokens do).
+<global-img> and newline tokens count among the text tokens, as Qwen's start and end tokens do; InternVL's:
+image_seq_length <IMG_CONTEXT> a tile, its tiles and thumbnail, between <img> and </img>, two text tokens).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa:
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
 from llmem.validate.trl_qlora_rows import TRL_QLORA_ROWS
+from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, VL_SHAPE, VLM_MATRIX
 
 # peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
 PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
@@ -541,58 +542,25 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
         ("tiny-idefics3", "fsdp", {"freeze_vision_tower": True}), ("tiny-idefics3", "fsdp", {"lora_rank": 8}),
         ("tiny-idefics3", "zero2", {}), ("tiny-smolvlm", "fsdp", {"lora_rank": 8}))),
-]
+    *INTERNVL_CI_ROWS]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
 
-# Vision-language steps at real sizes, one GPU: vlm (benchmarks/vlm_estimate.md; images at and above LLaMA-Factory's
-# image_max_pixels 768 x 768), vlm-gpu (benchmarks/gpu_validation.sh: the CI rows, then the 3B / 7B where they fit)
-_VL = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768"}
-VLM_MATRIX: list[TrainingSetup] = [
-    *(_s("Qwen/Qwen2.5-VL-7B-Instruct", batch_size=1, **_VL, **kw) for kw in (
-        {"lora_rank": 16}, {"lora_rank": 16, "grad_ckpt": True}, {"freeze_language_model": True, "grad_ckpt": True},
-        {"freeze_vision_tower": True, "grad_ckpt": True})),
-    *(_s("Qwen/Qwen2.5-VL-3B-Instruct", batch_size=2, **{**_VL, "seq_len": 256, "images_per_sample": 2,
-                                                          "image_size": "1280x720"}, grad_ckpt=True, **kw)
-      for kw in ({}, {"lora_rank": 16})),
-    # Gemma 3 (every image one 896x896 crop: 4,096 patches, 256 tokens)
-    *(_s(f"google/gemma-3-{size}-it", **{**_VL, **kw}) for size, kw in (
-        ("4b", {"batch_size": 1, "lora_rank": 16}), ("4b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
-        ("4b", {"batch_size": 1, "freeze_vision_tower": True, "grad_ckpt": True}),
-        ("4b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        ("12b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
-        ("27b", {"batch_size": 1, "images_per_sample": 2, "lora_rank": 16, "grad_ckpt": True}))),
-    *(_s(f"Qwen/Qwen3-VL-{size}-Instruct", **{**_VL, "batch_size": 1, **kw}) for size, kw in (   # Qwen3-VL
-        ("2B", {}), ("2B", {"lora_rank": 16}), ("4B", {"freeze_vision_tower": True, "grad_ckpt": True}),
-        ("2B", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2))))),
-    # LLaVA-OneVision (a 1024x768 image alone: 6 tiles and the base crop, 4,744 tokens; two a sample: 730 each)
-    *(_s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", **{**_VL, "batch_size": 1, **kw}) for size, kw in (
-        ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
-        ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
-        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True}))),
-    # Idefics3 / SmolVLM (a 1024x768 image: 4 x 3 tiles and the global frame; 832 tokens on SmolVLM-256M's 512 px
-    # tiles, 1,053 on SmolVLM's 384 px, 2,197 on Idefics3's 364 px)
-    *(_s(model, **{**_VL, "batch_size": 1, **kw}) for model, kw in (
-        ("HuggingFaceTB/SmolVLM-256M-Instruct", {}), ("HuggingFaceTB/SmolVLM-256M-Instruct", {"lora_rank": 16}),
-        ("HuggingFaceTB/SmolVLM-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
-        ("HuggingFaceTB/SmolVLM-Instruct", {"freeze_vision_tower": True, "grad_ckpt": True}),
-        ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
-        ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
-        ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True})))]
+# Vision-language steps at real sizes: vlm (llmem.validate.vlm_matrices), vlm-gpu (benchmarks/gpu_validation.sh: the
+# CI rows, then the 3B / 7B where they fit)
 # (DeepSpeed's engine is measured inside the user's own launch, not by measure --device cuda: its rows left out)
 VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_sample
                                        and method_spec(s.method).zero_stage is None] + [_s(
-    f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **_VL, **kw) for size, kw in (
+    f"Qwen/Qwen2.5-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, **VL_SHAPE, **kw) for size, kw in (
         ("3B", {"lora_rank": 16}), ("3B", {"freeze_vision_tower": True}), ("7B", {"lora_rank": 16}))] + [
-    _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
-    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL) for size in ("2B", "8B")] + [
-    _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)
+    _s("google/gemma-3-4b-it", batch_size=1, grad_ckpt=True, lora_rank=16, **VL_SHAPE)] + [
+    _s(f"Qwen/Qwen3-VL-{size}-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **VL_SHAPE) for size in ("2B", "8B")] + [
+    _s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", batch_size=1, grad_ckpt=True, lora_rank=16, **VL_SHAPE)
     for size in ("0.5b", "7b")] + [
     # (SmolVLM-256M alone: gpu_validation.sh gives the whole matrix 300 s; Idefics3-8B's rows are the vlm matrix's)
-    _s("HuggingFaceTB/SmolVLM-256M-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **_VL)] + [
+    _s("HuggingFaceTB/SmolVLM-256M-Instruct", batch_size=1, grad_ckpt=True, lora_rank=16, **VL_SHAPE)] + [
     # FSDP2 over 2 ranks (the tower's blocks units of their own): LoRA, and the tower trained under a frozen LM
-    _s("Qwen/Qwen2.5-VL-3B-Instruct", "fsdp", 2, batch_size=1, grad_ckpt=True, **_VL, **kw)
+    _s("Qwen/Qwen2.5-VL-3B-Instruct", "fsdp", 2, batch_size=1, grad_ckpt=True, **VL_SHAPE, **kw)
     for kw in ({"lora_rank": 16}, {"freeze_language_model": True})]
 
 MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,

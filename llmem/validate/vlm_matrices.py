@@ -1,0 +1,72 @@
+"""Vision-language rows llmem.validate.matrices imports: the vlm matrix (every family at real sizes, one GPU), and
+InternVL's CI rows (added once matrices.py was full).
+
+- INTERNVL_CI_ROWS: tiny-internvl (112 px tiles of 8 x 8 patches and a class token, pixel-shuffled to 16 tokens a
+  tile); 448x448 takes 3 x 3 tiles and the thumbnail (160 image tokens), 300x500 3 x 2 and the thumbnail. Each part
+  frozen, LoRA, the frozen tower under checkpointing, two images a sample, DDP, FSDP2 (each InternVLVisionLayer a
+  unit: the model's _no_split_modules), DeepSpeed ZeRO-3 with HF's "auto" sizes.
+- INTERNVL_VLM_ROWS: InternVL3-1B / 2B / 8B at 1024x768 (4 x 3 tiles and the thumbnail: 3,328 tokens).
+"""
+
+from __future__ import annotations
+
+from llmem.setup.training import TrainingSetup
+from llmem.validate.rows import row as _s
+
+_TINY = dict(precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1, image_size="448x448")
+_ZERO3_AUTO = dict(reduce_bucket_size="auto", prefetch_bucket_size="auto", param_persistence_threshold="auto")
+
+INTERNVL_CI_ROWS: list[TrainingSetup] = [
+    *(_s("tiny-internvl", **{**_TINY, **kw}) for kw in (
+        {}, {"freeze_vision_tower": True}, {"freeze_projector": True}, {"freeze_language_model": True},
+        {"lora_rank": 8}, {"freeze_vision_tower": True, "grad_ckpt": True},
+        {"images_per_sample": 2, "image_size": "300x500"})),
+    _s("tiny-internvl", "ddp", 2, **_TINY),
+    _s("tiny-internvl", "fsdp", 2, **_TINY, lora_rank=8),
+    _s("tiny-internvl", "zero2", 2, **_TINY),
+    _s("tiny-internvl", "ds-zero3", 2, **_TINY, **_ZERO3_AUTO),
+]
+
+_VL = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768", "batch_size": 1}
+INTERNVL_VLM_ROWS: list[TrainingSetup] = [
+    _s(f"OpenGVLab/InternVL3-{size}-hf", **{**_VL, **kw}) for size, kw in (
+        ("1B", {}), ("1B", {"lora_rank": 16}), ("2B", {"lora_rank": 16, "grad_ckpt": True}),
+        ("2B", {"freeze_language_model": True, "grad_ckpt": True}),
+        ("8B", {"lora_rank": 16, "grad_ckpt": True}), ("8B", {"freeze_vision_tower": True, "grad_ckpt": True}))]
+
+# Vision-language steps at real sizes, one GPU: the vlm matrix (benchmarks/vlm_estimate.md; images at and above
+# LLaMA-Factory's image_max_pixels 768 x 768)
+VL_SHAPE = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768"}
+VLM_MATRIX: list[TrainingSetup] = [
+    *(_s("Qwen/Qwen2.5-VL-7B-Instruct", batch_size=1, **VL_SHAPE, **kw) for kw in (
+        {"lora_rank": 16}, {"lora_rank": 16, "grad_ckpt": True}, {"freeze_language_model": True, "grad_ckpt": True},
+        {"freeze_vision_tower": True, "grad_ckpt": True})),
+    *(_s("Qwen/Qwen2.5-VL-3B-Instruct", batch_size=2, **{**VL_SHAPE, "seq_len": 256, "images_per_sample": 2,
+                                                          "image_size": "1280x720"}, grad_ckpt=True, **kw)
+      for kw in ({}, {"lora_rank": 16})),
+    # Gemma 3 (every image one 896x896 crop: 4,096 patches, 256 tokens)
+    *(_s(f"google/gemma-3-{size}-it", **{**VL_SHAPE, **kw}) for size, kw in (
+        ("4b", {"batch_size": 1, "lora_rank": 16}), ("4b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
+        ("4b", {"batch_size": 1, "freeze_vision_tower": True, "grad_ckpt": True}),
+        ("4b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        ("12b", {"batch_size": 1, "lora_rank": 16, "grad_ckpt": True}),
+        ("27b", {"batch_size": 1, "images_per_sample": 2, "lora_rank": 16, "grad_ckpt": True}))),
+    *(_s(f"Qwen/Qwen3-VL-{size}-Instruct", **{**VL_SHAPE, "batch_size": 1, **kw}) for size, kw in (   # Qwen3-VL
+        ("2B", {}), ("2B", {"lora_rank": 16}), ("4B", {"freeze_vision_tower": True, "grad_ckpt": True}),
+        ("2B", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        *((z, {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": n}) for z, n in (("4B", 1), ("8B", 1), ("32B", 2))))),
+    # LLaVA-OneVision (a 1024x768 image alone: 6 tiles and the base crop, 4,744 tokens; two a sample: 730 each)
+    *(_s(f"llava-hf/llava-onevision-qwen2-{size}-ov-hf", **{**VL_SHAPE, "batch_size": 1, **kw}) for size, kw in (
+        ("0.5b", {}), ("0.5b", {"lora_rank": 16}),
+        ("0.5b", {"batch_size": 2, "images_per_sample": 2, "freeze_language_model": True, "grad_ckpt": True}),
+        ("7b", {"lora_rank": 16, "grad_ckpt": True}), ("7b", {"freeze_vision_tower": True, "grad_ckpt": True}))),
+    # Idefics3 / SmolVLM (a 1024x768 image: 4 x 3 tiles and the global frame; 832 tokens on SmolVLM-256M's 512 px
+    # tiles, 1,053 on SmolVLM's 384 px, 2,197 on Idefics3's 364 px)
+    *(_s(model, **{**VL_SHAPE, "batch_size": 1, **kw}) for model, kw in (
+        ("HuggingFaceTB/SmolVLM-256M-Instruct", {}), ("HuggingFaceTB/SmolVLM-256M-Instruct", {"lora_rank": 16}),
+        ("HuggingFaceTB/SmolVLM-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceTB/SmolVLM-Instruct", {"freeze_vision_tower": True, "grad_ckpt": True}),
+        ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
+        ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True}))),
+    *INTERNVL_VLM_ROWS]
