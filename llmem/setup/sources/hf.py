@@ -33,6 +33,17 @@ def set_liger(r: Reading, key: str, raw: Any, kernels: list[str]) -> None:
             r.set(key, raw, "liger", ",".join(merged), LIGER_NOTE.format(kernels=", ".join(chosen)))
 
 
+def read_bnb_4bit(r: Reading, keys: Keys, double_key: str, double_default: bool, default_label: str) -> None:
+    """A bitsandbytes 4-bit base's BitsAndBytesConfig options: the quant type (FP4 is stored as NF4 is) and the
+    double quantisation under the framework's `double_key`, its default as the framework sets it."""
+    qtype = str(keys.get("bnb_4bit_quant_type", "nf4")).lower()
+    if qtype != "nf4":
+        r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4", approximates=False)
+    double = r.boolean(double_key, keys.get(double_key, double_default))
+    r.set(double_key + ("" if double_key in keys else f" ({default_label})"), double, "double_quant", double)
+    keys.get("bnb_4bit_quant_storage")
+
+
 def read_optimizer(r: Reading, key: str, raw: Any) -> None:
     row = HF_OPTIMIZERS.get(str(raw).strip().lower())
     if row is None:

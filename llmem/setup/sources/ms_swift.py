@@ -36,7 +36,13 @@ from llmem.setup.sources.adapters import Lora, apply_lora, targets_text
 from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues, read_deepspeed
 from llmem.setup.sources.files import find_reference, load
 from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
-from llmem.setup.sources.hf import read_attention, read_deepspeed_ref, read_liger, read_optimizer
+from llmem.setup.sources.hf import (
+    read_attention,
+    read_bnb_4bit,
+    read_deepspeed_ref,
+    read_liger,
+    read_optimizer,
+)
 from llmem.setup.sources.reading import Keys, Reading
 from llmem.setup.sources.trl import batch_note
 
@@ -365,14 +371,8 @@ def _quantisation(r: Reading, keys: Keys) -> bool:
         r.set("quant_bits", bits, "quant_base", "int8", "bitsandbytes LLM.int8")
         return True
     r.set("quant_bits", bits, "quant_base", "nf4", "bitsandbytes 4-bit")
-    qtype = str(keys.get("bnb_4bit_quant_type", "nf4")).lower()
-    if qtype != "nf4":
-        r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4", approximates=False)
-    double = r.boolean("bnb_4bit_use_double_quant", keys.get("bnb_4bit_use_double_quant", True))
-    r.set("bnb_4bit_use_double_quant" + ("" if "bnb_4bit_use_double_quant" in keys else " (default)"), double,
-          "double_quant", double)
-    for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
-        keys.get(key)
+    read_bnb_4bit(r, keys, "bnb_4bit_use_double_quant", True, "default")
+    keys.get("bnb_4bit_compute_dtype")
     return True
 
 

@@ -19,6 +19,7 @@ from llmem.setup.sources.deepspeed import GA_NOTE, TrainerValues
 from llmem.setup.sources.evaluation import read_trainer_eval
 from llmem.setup.sources.hf import (
     read_attention,
+    read_bnb_4bit,
     read_checkpointing,
     read_liger,
     read_optimizer,
@@ -253,13 +254,7 @@ def _dtypes(r: Reading, keys: Keys, init: Keys, trl: bool) -> None:
 def _quantisation(r: Reading, keys: Keys) -> bool:
     if keys.get("load_in_4bit"):
         r.set("load_in_4bit", True, "quant_base", "nf4", "bitsandbytes 4-bit")
-        qtype = str(keys.get("bnb_4bit_quant_type", "nf4")).lower()
-        if qtype != "nf4":
-            r.ignore("bnb_4bit_quant_type", qtype, "FP4 is stored as NF4 is: modelled as nf4", approximates=False)
-        nested = r.boolean("use_bnb_nested_quant", keys.get("use_bnb_nested_quant", False))
-        r.set("use_bnb_nested_quant" + ("" if "use_bnb_nested_quant" in keys else " (TRL's default)"), nested,
-              "double_quant", nested)
-        keys.get("bnb_4bit_quant_storage")
+        read_bnb_4bit(r, keys, "use_bnb_nested_quant", False, "TRL's default")
         return True
     if keys.get("load_in_8bit"):
         r.set("load_in_8bit", True, "quant_base", "int8", "bitsandbytes LLM.int8")
