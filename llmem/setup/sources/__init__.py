@@ -93,9 +93,10 @@ class UnreadSchema:
 
 
 UNREAD_SCHEMAS = (
-    # LLaMA-Factory's v1 schema (llamafactory/v1/config): ModelArguments.model / template, its plugin configs
-    UnreadSchema("a LLaMA-Factory v1 config", ("dist_config", "peft_config", "optim_config", "train_dataset"),
-                 ("model", "template")),
+    # LLaMA-Factory's v1 schema (llamafactory/v1/config): ModelArguments.model (and model_class, template), its
+    # plugin configs (dist_config, peft_config, kernel_config, ...) and DataArguments.train_dataset
+    UnreadSchema("a LLaMA-Factory v1 config", ("dist_config", "peft_config", "optim_config", "kernel_config",
+                                               "train_dataset", "model_class"), ("model",)),
 )
 
 

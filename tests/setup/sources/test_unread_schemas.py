@@ -37,9 +37,28 @@ def test_ms_swift_is_read_by_its_own_reader(tmp_path, mark, value):
     assert got.setup.grad_ckpt is True      # ms-swift's default (TrainArgumentsMixin), not TrainingArguments' False
 
 
-def test_llamafactory_v1_is_refused_by_name(tmp_path):
+# LLaMA-Factory's own v1 examples (examples/v1/train_lora/train_lora_sft.yaml) name no template
+LF_V1_EXAMPLE = """model: Qwen/Qwen3-4B
+model_class: llm
+peft_config:
+  name: lora
+  r: 16
+kernel_config:
+  name: auto
+dist_config:
+  name: fsdp2
+train_dataset: data/v1_sft_demo.yaml
+micro_batch_size: 1
+cutoff_len: 2048
+"""
+
+
+@pytest.mark.parametrize("text", [LF_V1, LF_V1_EXAMPLE], ids=["template", "example"])
+def test_llamafactory_v1_is_refused_by_name(tmp_path, text):
+    """Refused as LLaMA-Factory's, not read as TRL's (its LoRA in peft_config ignored) nor taken for
+    Megatron-SWIFT's (micro_batch_size beside a model string)."""
     path = tmp_path / "v1.yaml"
-    path.write_text(LF_V1)
+    path.write_text(text)
     with pytest.raises(LlmemError, match="a LLaMA-Factory v1 config"):
         setup_from_file(path, model="Qwen/Qwen2.5-7B")
 
