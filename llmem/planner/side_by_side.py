@@ -4,9 +4,10 @@ order given. The workers never print; the caller is told as each search is done.
 
 The answers do not depend on it: a search reads only what the plan had worked out when the workers started, and an
 engine's caches keep answers, not choices (the same set-up gives the same estimate whichever process works it out
-first). A search's refusal (LlmemError) or failure comes back as an exception raised here. The searches run in turn in this process instead on one CPU, with `workers` 1 (`llmem serve`: a server's
-threads and fork do not mix), where fork is not the platform's way to start a process (macOS, Windows), and inside a
-worker.
+first). A search's refusal (LlmemError) or failure comes back as an exception raised here. The searches run in turn
+in this process instead with `workers` 1 (one CPU; `llmem serve`, whose threads and fork do not mix), where fork is
+not the platform's way to start a process (macOS, Windows), inside a worker, and where the fork fails or an answer
+cannot be pickled back.
 
 Known Limitations: a worker's caches die with it, so two searches in different workers that meet the same set-up
 each work it out; the plan's CPU time grows by that (measured in benchmarks/cli_timing.md) while its wall time falls.
