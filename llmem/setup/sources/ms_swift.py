@@ -39,6 +39,7 @@ from llmem.setup.sources.fsdp import read_fsdp_config, strategy_from_options
 from llmem.setup.sources.hf import (
     read_attention,
     read_bnb_4bit,
+    read_checkpointing,
     read_deepspeed_ref,
     read_liger,
     read_optimizer,
@@ -276,29 +277,13 @@ def _sequence(r: Reading, keys: Keys, objective: str) -> None:
 
 
 def _checkpointing(r: Reading, keys: Keys) -> None:
-    on = r.boolean("gradient_checkpointing", keys.get("gradient_checkpointing", True))
-    r.set("gradient_checkpointing" + ("" if "gradient_checkpointing" in keys else " (ms-swift's default)"),
-          keys.get("gradient_checkpointing", True), "grad_ckpt", on)
-    kwargs = keys.get("gradient_checkpointing_kwargs") or {}
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError:
-            kwargs = None
-    if not isinstance(kwargs, dict):
-        raise r.error("gradient_checkpointing_kwargs", keys.get("gradient_checkpointing_kwargs"), "is not a mapping",
-                      'write e.g. {"use_reentrant": false}')
-    if not on:
-        return
-    if "use_reentrant" in kwargs:
-        key = "gradient_checkpointing_kwargs.use_reentrant"
-        if r.boolean(key, kwargs["use_reentrant"]):
-            r.set(key, True, "ckpt_reentrant", True, "torch's reentrant checkpoint: each layer's forward under no_grad")
-        else:
-            r.note_used(key, False, "the non-reentrant checkpoint")
-        return
-    r.set(REENTRANT_DEFAULT, True, "ckpt_reentrant", True, "trainers/mixin.py _fix_gradient_checkpointing: the "
-          "reentrant checkpoint on one GPU and under DeepSpeed or FSDP")
+    """gradient_checkpointing and its kwargs as TrainingArguments reads them (hf.read_checkpointing), on unless told
+    not to (TrainArgumentsMixin, trainers/arguments.py:135); without use_reentrant in the kwargs, the reentrant
+    checkpoint trainers/mixin.py _fix_gradient_checkpointing patches in."""
+    read_checkpointing(r, keys, default=True)
+    if r.values["grad_ckpt"] and not any(u.key.endswith("_kwargs.use_reentrant") for u in r.used):
+        r.set(REENTRANT_DEFAULT, True, "ckpt_reentrant", True, "trainers/mixin.py _fix_gradient_checkpointing: the "
+              "reentrant checkpoint on one GPU and under DeepSpeed or FSDP")
 
 
 # the entry build() drops under plain DDP, where _fix_gradient_checkpointing picks the non-reentrant checkpoint
