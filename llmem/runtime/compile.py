@@ -16,12 +16,12 @@ kernels included; `llmem measure` refuses --compile (its op tracker is a dispatc
 Known limitations: inductor's generated kernels fuse chains of pointwise ops, whose intermediates then never exist,
 and plan their buffers' reuse; run op by op, each op's output is a tensor of its own until its last use (FX frees it
 there). The saved tensors are exact; the transients inside a layer's forward and backward are an upper bound of the
-compiled ones. The loss is compiled only as torchtune compiles its chunked one (compile_loss); torchtitan's and
-torchtune's other losses run eagerly. The
-estimate learns a compiled layer at the micro-batch's own shape (the partitioner's choices change with sizes) and
-reads it as one block, its backward one transient: its allocated peak is the trace's, its reserved one can be
-several per cent over at larger widths (+8.8 % on a 4-layer, 1024-wide Llama at 2 x 2048 in bf16; within 2 % on
-the CI rows). Selective checkpointing, Liger's Functions and DeepSpeed's engine around a
+compiled ones. The loss is compiled only as torchtune compiles its chunked one (compile_loss), and laid out as
+inductor's generated code allocates it (llmem.runtime.compiled_loss); torchtitan's and torchtune's other losses run
+eagerly. The estimate learns a compiled layer at the micro-batch's own shape (the partitioner's choices change with
+sizes) and reads it as one block, its backward one transient: its allocated peak is the trace's, its reserved one
+can be several per cent over at larger widths (+8.8 % on a 4-layer, 1024-wide Llama at 2 x 2048 in bf16; within 2 %
+on the CI rows). Selective checkpointing, Liger's Functions and DeepSpeed's engine around a
 compiled layer are refused (llmem.setup.support's COMPILE row). Offloaded activations are not: AOTAutograd does not
 trace ambient saved-tensor hooks (torch/_functorch/aot_autograd.py, "Deferring tensor pack/unpack hooks until
 runtime"), so torchtune's OffloadActivations (llmem.runtime.offload) packs each tensor the compiled layer's autograd
@@ -90,10 +90,15 @@ def compile_layers(model: nn.Module, fake: bool = True):
 
 def compile_loss(loss_fn, fake: bool = True) -> None:
     """torchtune's training.compile_loss for CEWithChunkedOutputLoss (--compile with --output-chunks): its
-    compute_cross_entropy (one chunk's upcast and cross-entropy) compiled, the chunking left eager; on fake tensors
-    its partitioned graphs run op by op, as the layers' do."""
-    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy,
-                                                  backend=_inductor_partitioned if fake else "inductor")
+    compute_cross_entropy (one chunk's upcast and cross-entropy) compiled, the chunking left eager. On fake tensors
+    it allocates what inductor's generated code for it allocates (llmem.runtime.compiled_loss: one fused kernel
+    each way, no [tokens, vocab] fp32 tensor), where the layers' graphs run op by op."""
+    if fake:
+        from llmem.runtime.compiled_loss import compiled_chunk_loss
+
+        loss_fn.compute_cross_entropy = compiled_chunk_loss(loss_fn)
+    else:
+        loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy, backend="inductor")
 
 
 def _one_graph_for_every_layer(layers: int):

@@ -48,6 +48,15 @@ def test_peaks_by_hand():
     assert ChunkedOutput(batch=1, seq_chunks=(4,), hidden=H, vocab=V, mm=4).forward_peak_bytes == 4 * V * (4 + 4)
 
 
+def test_compiled_peaks_by_hand():
+    """The loss compiled (inductor's fused kernels): forward, only the 20 tokens' bf16 logits (2,000 B); backward,
+    at a first-size chunk's kernel, every chunk's logits or gradient (2,000 B) and its own gradient (8 x 50 x 2 =
+    800 B)."""
+    c = ChunkedOutput(batch=2, seq_chunks=(4, 4, 2), hidden=H, vocab=V, mm=2, compiled=True)
+    assert c.forward_peak_bytes == 2_000
+    assert c.backward_peak_bytes == 2_000 + 800
+
+
 class _Order(TorchDispatchMode):
     """The backward's order: each matmul, and each logits gradient (the cast back to bf16) made and freed."""
 
@@ -112,12 +121,12 @@ def test_more_chunks_than_tokens_refused():
         TrainingSetup(model="tiny-llama", seq_len=4, output_chunks=8)
 
 
-def test_compiled_loss_partition_is_the_one_laid_out():
+def test_compiled_loss_partition_saves_what_is_laid_out():
     """torchtune's compile_loss (--compile --output-chunks) through the installed torch's inductor decompositions and
     min-cut partitioner, on fake tensors: the forward saves the chunk's bf16 logits, its labels and two [chunk, 1]
-    fp32 tensors (row maxima, log-sum-exp) and makes four [chunk, vocab] fp32 tensors; the backward makes one bool
-    and eight fp32 [chunk, vocab] tensors and the bf16 gradient: what chunked_head's compiled_forward and
-    compiled_backward lay out."""
+    fp32 tensors (row maxima, log-sum-exp), what chunked_head's compiled_forward keeps. Run op by op its graphs would
+    make four [chunk, vocab] fp32 tensors forward and a bool and eight fp32 ones backward; inductor's fused kernels
+    make none of them (tests/runtime/test_compiled_loss.py reads its code), as compiled_backward lays it out."""
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -50,56 +50,25 @@ class ChunkedOutputEvents:
             sch.free_all(live.logits)
 
     def compiled_forward(self, n: int) -> list[int]:
-        """compute_cross_entropy's partitioned forward graph run op by op (llmem.runtime.compile), as inductor's
-        decompositions and min-cut partitioner make it for `cross_entropy(logits.float(), labels, reduction="sum")`:
-        the upcast, the row maxima, x - max, its exp and their sum, the log of it, the log-softmax, the picked
-        log-probabilities (the per-token tensors of a few bytes a token and the scalars left out). Returns the keys
-        of what it saves besides the logits and labels: the row maxima and the log-sum-exp ([n, 1] fp32)."""
-        sch, alloc, nv = self.sch, self.sch.alloc, n * self.f.act.chunked.vocab * F32
-        upcast = alloc(nv, "logits_and_loss")
-        maxima = alloc(n * F32, "logits_and_loss")
-        shifted = alloc(nv, "logits_and_loss")
-        sch.free(upcast)
-        sch.free(alloc(nv, "logits_and_loss"))        # exp, freed once summed
-        lse = alloc(n * F32, "logits_and_loss")
-        log_softmax = alloc(nv, "logits_and_loss")
-        sch.free(shifted)
-        sch.free(log_softmax)                          # gathered at the labels
-        return [maxima, lse]
+        """compute_cross_entropy compiled, as inductor's generated forward allocates (llmem.runtime.compiled_loss):
+        one fused kernel, no [n, vocab] tensor. Returns the keys of what it saves besides the logits and labels:
+        the row maxima and the log-sum-exp ([n, 1] fp32; the loss scalar left out)."""
+        alloc = self.sch.alloc
+        return [alloc(n * F32, "logits_and_loss"), alloc(n * F32, "logits_and_loss")]
 
     def compiled_backward(self, k: int) -> int:
-        """compute_cross_entropy's partitioned backward graph for chunk `k`, op by op: the one-hot of the labels
-        (a bool [n, vocab] compare, then -1.0 / 0 in fp32) times the incoming gradient, the softmax recomputed from
-        the saved logits (upcast, minus the maxima and the log-sum-exp, exp; the logits freed once upcast), the
-        gradient sum(one-hot) x softmax subtracted, cast to the model's dtype. Returns the gradient's key."""
+        """compute_cross_entropy's compiled backward for chunk `k`, as inductor's generated code allocates: an
+        [n, 1] fp32 temporary and the gradient in the logits' dtype (the upcast's backward fused in), then what the
+        forward saved released, the chunk's logits with it. Returns the gradient's key."""
         sch, alloc = self.sch, self.sch.alloc
         c, live = self.f.act.chunked, self.state.forward.chunked
         n = c.token_chunks[k]
-        nv = n * c.vocab * F32
-        iota = alloc(c.vocab * LABEL_BYTES, "logits_and_loss")    # int64 0..vocab-1
-        eq = alloc(n * c.vocab, "logits_and_loss")     # the labels against it (bool)
-        sch.free(iota)
-        onehot = alloc(nv, "logits_and_loss")        # where(eq, -1.0, 0)
-        sch.free(eq)
-        scaled = alloc(nv, "logits_and_loss")        # times the incoming gradient
-        sch.free(onehot)
-        upcast = alloc(nv, "logits_and_loss")
-        sch.free(live.logits[k])
-        shifted = alloc(nv, "logits_and_loss")
-        sch.free(upcast)
-        log_softmax = alloc(nv, "logits_and_loss")
-        sch.free(shifted)
+        temporary = alloc(n * F32, "logits_and_loss")
+        grad = alloc(n * c.vocab * c.mm, "logits_and_loss")
+        sch.free(temporary)
         sch.free_all(live.saved[k])
-        softmax = alloc(nv, "logits_and_loss")
-        sch.free(log_softmax)
-        product = alloc(nv, "logits_and_loss")
-        sch.free(softmax)
-        grad = alloc(nv, "logits_and_loss")
-        sch.free(scaled)
-        sch.free(product)
-        cast = alloc(n * c.vocab * c.mm, "logits_and_loss")
-        sch.free(grad)
-        return cast
+        sch.free(live.logits[k])
+        return grad
 
     def loss_backward(self) -> None:
         """Every chunk's loss backward, newest chunk first, before any matmul's: nll_loss's fp32 gradient,

@@ -121,8 +121,9 @@ class ChunkedOutput:
     hidden: int
     vocab: int
     mm: int                        # the model's dtype: the logits' and their gradients'
-    # torchtune's compile_loss: compute_cross_entropy compiled (upcast and cross-entropy of one chunk, inductor's
-    # min-cut partition): the chunk's logits, its row maxima and log-sum-exp kept, no fp32 log-softmax
+    # torchtune's compile_loss: compute_cross_entropy compiled (upcast and cross-entropy of one chunk in one fused
+    # kernel each way, llmem.runtime.compiled_loss): the chunk's logits, its row maxima and log-sum-exp kept, no fp32
+    # [chunk, vocab] tensor
     compiled: bool = False
 
     @property
@@ -145,8 +146,8 @@ class ChunkedOutput:
         """The loss's tensor bytes at its forward peak, the last chunk's cross-entropy: every chunk's logits, every
         log-softmax, the last chunk's upcast (the lm_head's input is the head's saved tensors)."""
         t = sum(self.token_chunks)
-        if self.compiled:    # the partitioned forward run op by op: two [chunk, vocab] fp32 tensors at once
-            return t * self.vocab * self.mm + 2 * self.token_chunks[-1] * self.vocab * F32
+        if self.compiled:    # inductor's fused kernel: no [chunk, vocab] tensor besides the logits
+            return t * self.vocab * self.mm
         return t * self.vocab * (self.mm + F32) + self.token_chunks[-1] * self.vocab * self.upcast_bytes
 
     @property
@@ -156,8 +157,8 @@ class ChunkedOutput:
         backward ran, all the logits gradients (the lm_head's matmuls then free them one by one)."""
         v, t = self.vocab, sum(self.token_chunks)
         peaks = [t * v * self.mm]
-        if self.compiled:    # the other chunks' logits or gradients, three fp32 [chunk, vocab] tensors at once
-            return max(peaks + [(t - n) * v * self.mm + 3 * n * v * F32 for n in self.token_chunks])
+        if self.compiled:    # at chunk k's fused backward: every chunk's logits or gradient, and chunk k's both
+            return max(peaks + [(t + n) * v * self.mm for n in self.token_chunks])
         for k, n in enumerate(self.token_chunks):
             later = sum(self.token_chunks[k + 1:])
             kept = sum(self.token_chunks[:k + 1])

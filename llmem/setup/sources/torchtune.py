@@ -275,9 +275,14 @@ def _distributed(r: Reading, keys: Keys) -> None:
     _custom_sharded_layers(r, keys.get("custom_sharded_layers"))
     keys.sub("tensor_parallel_plan")
     if keys.get("compile"):     # training.compile_model: each decoder layer, inside its checkpoint wrapper
-        r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)")
-        r.ignore("compile (the loss)", True, "training.compile_loss compiles the loss too: not modelled (the loss "
-                 "runs eagerly in the estimate)")
+        # training.compile_loss: the chunked loss's compute_cross_entropy (llmem.runtime.compiled_loss), or the
+        # whole of another loss, which llmem runs eagerly
+        chunked = "output_chunks" in r.values
+        r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)"
+              + (" and the chunked loss's cross-entropy (training.compile_loss)" if chunked else ""))
+        if not chunked:
+            r.ignore("compile (the loss)", True, "training.compile_loss compiles the loss too: not modelled "
+                     "beside an unchunked loss (the loss runs eagerly in the estimate)")
     if "quantizer" in keys:     # qat_distributed / qat_lora_finetune_distributed
         r.ignore("quantizer._component_", keys.sub("quantizer").get("_component_"), "quantization-aware training "
                  "(torchao's fake-quantised weights and activations in every forward) is not modelled: the "

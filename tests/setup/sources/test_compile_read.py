@@ -1,8 +1,8 @@
 """torch.compile as each framework's config turns it on: torchtune's `compile: True` (training.compile_model: each
 decoder layer, and compile_loss: the loss) and torchtitan's `[compile]` (apply_compile on each block; components
-default to the model and the loss) read as --compile with the loss's compile said to be not modelled; where
---compile is not modelled with the rest of the file's set-up, the key stays ignored (the layers run eagerly),
-not a refused file; the Trainer's whole-model `torch_compile` is not --compile."""
+default to the model and the loss) read as --compile, the loss's compile modelled for torchtune's chunked loss and
+said to be not modelled otherwise; where --compile is not modelled with the rest of the file's set-up, the key
+stays ignored (the layers run eagerly), not a refused file; the Trainer's whole-model `torch_compile` is not --compile."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def test_torchtune_compile_is_each_layer_compiled(tmp_path):
     assert fs.setup.compile is True
     used = {u.key: u.field for u in fs.record.used}
     assert used["compile"] == "compile"
+    # its CEWithChunkedOutputLoss: compile_loss compiles compute_cross_entropy, modelled (llmem.runtime.compiled_loss)
+    assert fs.setup.output_chunks > 0 and "compile (the loss)" not in approximate(fs)
+
+
+def test_torchtune_compile_of_an_unchunked_loss_is_said_to_run_eagerly(tmp_path):
+    _torchtune(tmp_path, "full-single-device.yaml", "compile: True")
+    text = (tmp_path / "full-single-device.yaml").read_text().replace(
+        "torchtune.modules.loss.CEWithChunkedOutputLoss", "torch.nn.CrossEntropyLoss")
+    (tmp_path / "full-single-device.yaml").write_text(text)
+    fs = setup_from_file(tmp_path / "full-single-device.yaml")
+    assert fs.setup.compile is True and fs.setup.output_chunks == 0
     assert "compile (the loss)" in approximate(fs)
 
 
