@@ -6,7 +6,7 @@ TORCH_PIN = torch==2.13.0
 
 .PHONY: install demo test test-slow lint bench validate
 
-$(BIN)/llmem: pyproject.toml setup.py llmem/memory/native_replay.c
+$(BIN)/llmem: pyproject.toml setup.py llmem/memory/native_replay.c llmem/estimator/native_events.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q $(TORCH_PIN)

@@ -57,8 +57,8 @@ def estimate(setup: TrainingSetup, anatomy: ModelAnatomy | None = None, gpu: Gpu
     """Per-GPU peak memory of one training step: the three PyTorch counters and their breakdown.
 
     `anatomy`: the base model's (loaded from setup.model when None); `gpu`: the GPU (from setup.gpu). `draft`
-    extrapolates from shallower replays (4 and 8 layers): a few times faster, reserved less exact; searches use it
-    and confirm with the full one.
+    extrapolates from shallower replays (4 and 8 layers): a few times faster, reserved less exact, with no notes nor
+    moments (a search reads its bytes only, and confirms with the full one).
     """
     return estimate_resolved(resolve(setup, anatomy, gpu), draft=draft)
 
@@ -82,7 +82,7 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         moments = []       # the moments explain a whole-model step: not written for a stage
         whole = functools.cache(lambda: stage_whole(r, top))
     else:
-        moments = step_moments(r, act, ms)
+        moments = [] if draft else step_moments(r, act, ms)    # a search's drafts are read for their bytes only
         rep, whole = step_replay(r, act, draft, verdict, shared)
     context = outside_allocator_bytes(r.gpu, r.layout.world_size)
     limit = r.gpu.memory_bytes if limit_bytes is None else limit_bytes
@@ -120,8 +120,8 @@ def estimate_resolved(r: ResolvedSetup, *, draft: bool = False, states: ModelSta
         components=components,
         setup=record,
         peak_phase=rep.peak_phase,
-        notes=estimate_notes(r, act, host) + capacity_notes(cap, rep.peak_reserved_bytes, managed,
-                                                            ms.optimizer_states_outside_allocator),
+        notes=[] if draft else estimate_notes(r, act, host) + capacity_notes(
+            cap, rep.peak_reserved_bytes, managed, ms.optimizer_states_outside_allocator),
         moments=[{"phase": m.phase, "allocated_bytes": m.total, "components": dict(m.components)} for m in moments],
         capacity_bytes=cap.capacity_bytes,
         capped_reserved_bytes=cap.reserved_bytes,

@@ -6,6 +6,7 @@ depths and extrapolated, since identical layers add the same bytes to every phas
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 
 from llmem.memory.phase_replay import components_at, phase_peaks
@@ -22,19 +23,90 @@ class LiveBytesOver(Exception):
         self.live_bytes = live_bytes
 
 
-@dataclass
-class Schedule:
+class EventLog:
+    """The allocations and frees a schedule's builder makes, in order, and its live tensor bytes: the Python
+    reference of the compiled twin in `native_events.c`, which Schedule builds on where it was built (a builder
+    calls alloc and free once per tensor: ~2.7 million times in a 70B plan; tests/estimator/test_native_events.py
+    holds the two to the same events, keys, bytes and errors). `LLMEM_NATIVE_EVENTS=off` uses this one."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, int, int, str]] = []    # (±1, key, size, stream, component)
+        self.min_bytes = 1                 # smaller tensors are left out (see StepSchedule)
+        # built only to learn whether the live tensors pass this many bytes: alloc raises LiveBytesOver once they do
+        self.stop_above_bytes: int | None = None
+        self.live_bytes = 0                # the live tensors' bytes after the last event
+        self.peak_live_bytes = 0           # their largest sum so far (tensor_peak_bytes)
+        self._live: dict[int, tuple[int, int, int, int, str]] = {}   # key -> its alloc event
+        self._next = 0
+
+    def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
+        key = self._next
+        self._next = key + 1
+        if size < self.min_bytes:
+            return -1
+        event = (1, key, size, stream, component)
+        self.events.append(event)
+        self._live[key] = event
+        live = self.live_bytes = self.live_bytes + size
+        if live > self.peak_live_bytes:
+            self.peak_live_bytes = live
+            if self.stop_above_bytes is not None and live > self.stop_above_bytes:
+                raise LiveBytesOver(live)
+        return key
+
+    def alloc_many(self, sizes, component: str) -> list[int]:
+        """Each size allocated in order (on the default stream); their keys."""
+        return [self.alloc(n, component) for n in sizes]
+
+    def play_block(self, plan, component: str) -> list[int]:
+        """A block plan's operations in order (llmem.estimator.schedule.blocks.block_plan): (0, size, _) a kept
+        tensor, (1, size, tag) a temporary, (2, _, tag) that temporary freed. Returns the kept tensors' keys."""
+        keys: list[int] = []
+        temps: dict[int, int] = {}
+        for op, n, tag in plan:
+            if op == 0:
+                keys.append(self.alloc(n, component))
+            elif op == 1:
+                temps[tag] = self.alloc(n, component)
+            else:
+                self.free(temps.pop(tag))
+        return keys
+
+    def size_of(self, key: int) -> int:
+        """Bytes of a live tensor (0 for -1: one below min_bytes, never laid out)."""
+        return self._live[key][2] if key >= 0 else 0
+
+    def free(self, key: int) -> None:
+        if key >= 0:
+            _, _, size, _, component = self._live.pop(key)
+            self.events.append((-1, key, size, DEFAULT, component))
+            self.live_bytes -= size
+
+    def free_all(self, keys: list[int]) -> None:
+        for k in keys:
+            self.free(k)
+        keys.clear()
+
+
+try:
+    from llmem.estimator import native_events as _NATIVE
+except ImportError:          # no C compiler at install time: the Python reference serves
+    _NATIVE = None           # type: ignore[assignment]
+if _NATIVE is not None and os.environ.get("LLMEM_NATIVE_EVENTS", "").lower() not in ("off", "0", "no"):
+    _NATIVE.set_live_bytes_over(LiveBytesOver)
+    _LogBase: type = _NATIVE.EventLog
+else:
+    _LogBase = EventLog
+
+
+class Schedule(_LogBase):       # type: ignore[misc, valid-type]
     """Allocation events, grouped in phases, with the component each tensor belongs to."""
-    events: list[tuple[int, int, int, int, str]] = field(default_factory=list)  # (±1, key, size, stream, component)
-    phase_starts: list[tuple[int, str]] = field(default_factory=list)          # (first event index, phase)
-    marks: list[tuple[int, str]] = field(default_factory=list)   # (first event index, where: "layer 3", "loss")
-    min_bytes: int = 1                 # smaller tensors are left out (see StepSchedule)
-    # built only to learn whether the live tensors pass this many bytes: alloc raises LiveBytesOver once they do
-    stop_above_bytes: int | None = None
-    live_bytes: int = 0                # the live tensors' bytes after the last event
-    peak_live_bytes: int = 0           # their largest sum so far (tensor_peak_bytes)
-    _live: dict[int, tuple[int, int, int, int, str]] = field(default_factory=dict)   # key -> its alloc event
-    _next: int = 0
+
+    def __init__(self, min_bytes: int = 1) -> None:
+        super().__init__()
+        self.min_bytes = min_bytes
+        self.phase_starts: list[tuple[int, str]] = []       # (first event index, phase)
+        self.marks: list[tuple[int, str]] = []   # (first event index, where: "layer 3", "loss")
 
     @property
     def phase(self) -> str:
@@ -52,36 +124,6 @@ class Schedule:
         """The mark in force at event `index` ("" before the first)."""
         at = bisect.bisect_right(self.marks, (index, "\uffff")) - 1
         return self.marks[at][1] if at >= 0 else ""
-
-    def alloc(self, size: int, component: str, stream: int = DEFAULT) -> int:
-        key = self._next
-        self._next = key + 1
-        if size < self.min_bytes:
-            return -1
-        event = (1, key, size, stream, component)
-        self.events.append(event)
-        self._live[key] = event
-        live = self.live_bytes = self.live_bytes + size
-        if live > self.peak_live_bytes:
-            self.peak_live_bytes = live
-            if self.stop_above_bytes is not None and live > self.stop_above_bytes:
-                raise LiveBytesOver(live)
-        return key
-
-    def size_of(self, key: int) -> int:
-        """Bytes of a live tensor (0 for -1: one below min_bytes, never laid out)."""
-        return self._live[key][2] if key >= 0 else 0
-
-    def free(self, key: int) -> None:
-        if key >= 0:
-            _, _, size, _, component = self._live.pop(key)
-            self.events.append((-1, key, size, DEFAULT, component))
-            self.live_bytes -= size
-
-    def free_all(self, keys: list[int]) -> None:
-        for k in keys:
-            self.free(k)
-        keys.clear()
 
 
 @dataclass(frozen=True)

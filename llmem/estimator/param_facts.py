@@ -60,11 +60,17 @@ ACTIVATION_ONLY_FIELDS = ("grad_ckpt", "ckpt_every", "fused_ce", "offload_activa
 _FACTS_FIELDS = tuple(n for n in FLAT_ORDER if n not in SHAPE_FIELDS and n not in ACTIVATION_ONLY_FIELDS)
 
 
+def activation_free_key(setup: TrainingSetup) -> tuple:
+    """The set-up's values less its shape and its activation-only fields: what its parameters' facts and its model
+    states (llmem.planner.engines) are worked out from."""
+    return tuple(getattr(setup, n) for n in _FACTS_FIELDS)
+
+
 def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
     """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (worked out
     once per set-up less its shape and its activation-only fields: the trained anatomy is compared by identity,
     which `r.with_shape` keeps)."""
-    key = (tuple(getattr(r.setup, n) for n in _FACTS_FIELDS), r.layout, layers, tuple(b.params for b in blocks))
+    key = (activation_free_key(r.setup), r.layout, layers, tuple(b.params for b in blocks))
     return _KEPT.get(r.anatomy, key, lambda: _work_out(r, blocks, layers))
 
 

@@ -28,6 +28,7 @@ from llmem.estimator.engine import (
     quick_peak_allocated,
     step_verdict,
 )
+from llmem.estimator.param_facts import activation_free_key
 from llmem.estimator.shared_replays import SharedReplays
 from llmem.estimator.states import ModelStates, model_states
 from llmem.memory.capacity import Fit
@@ -101,6 +102,7 @@ class LlmemEngine(MemoryEngine):
     def __init__(self, anatomy: ModelAnatomy, gpu: GpuSpec, limit_bytes: int | None = None) -> None:
         super().__init__(anatomy, gpu, limit_bytes)
         self._prepared: dict[tuple, tuple[ResolvedSetup, ModelStates]] = {}
+        self._states: dict[tuple, ModelStates] = {}
         self._resolved: dict[tuple, ResolvedSetup] = {}
         # a plan's what-ifs meet the same set-up more than once (one saver's search, another's screen): kept
         self._answers: dict[tuple, MemoryResult | int | Fit] = {}
@@ -122,7 +124,12 @@ class LlmemEngine(MemoryEngine):
         got = self._prepared.get(key)
         if got is None:
             r = self.resolved(setup, layout)
-            got = self._prepared[key] = (r, model_states(r))
+            # the states do not read the activation-only fields (an adapter menu's variants share them)
+            states_key = activation_free_key(r.setup)
+            states = self._states.get(states_key)
+            if states is None:
+                states = self._states[states_key] = model_states(r)
+            got = self._prepared[key] = (r, states)
         r, states = got
         return r.with_shape(setup.batch_size, setup.seq_len), states
 

@@ -114,3 +114,27 @@ def test_activation_only_fields_share_the_facts_and_lay_out_the_same_events(kw):
         assert _events(other) == shared, variant
         ran += 1
     assert ran >= 1
+
+
+@pytest.mark.parametrize("kw", [*SETUPS, dict(method="zero2", gpus=4), dict(method="ds-zero3", gpus=4, lora_rank=8)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_activation_only_fields_leave_the_model_states_as_they_are(kw):
+    """The planner's engine keeps one set-up's model states for every resolved set-up of the same
+    activation_free_key (an adapter menu's variants): each variant's states, worked out on their own, equal the
+    base's."""
+    from llmem.estimator.states import model_states
+
+    base = TrainingSetup(model="tiny-llama", gpu="A100-80GB", seq_len=128, batch_size=2, **kw)
+    r = resolve(base)
+    want = model_states(r)
+    ran = 0
+    for variant in ACTIVATION_VARIANTS:
+        try:
+            other = resolve(replace(base, **variant))
+        except LlmemError:
+            continue
+        if param_facts.activation_free_key(other.setup) != param_facts.activation_free_key(r.setup):
+            continue        # resolved to other values: another key, not shared
+        assert model_states(other) == want, variant
+        ran += 1
+    assert ran >= 1

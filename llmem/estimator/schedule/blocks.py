@@ -53,12 +53,13 @@ class BlockEvents:
         tensors (by index) that exist already (selective checkpointing's stored outputs, handed back to the
         recompute), with their keys."""
         alloc = self.sch.alloc
-        given = given or {}
+        if not given:        # (the event log plays the block in one call)
+            if not b.temps:
+                return self.sch.alloc_many(b.tensors, "activations")
+            return self.sch.play_block(self.plan(b), "activations")
         if not b.temps:
             return [given[k] if k in given else alloc(n, "activations") for k, n in enumerate(b.tensors)]
-        plan = self.plans.get(id(b))
-        if plan is None:
-            plan = self.plans[id(b)] = block_plan(b)
+        plan = self.plan(b)
         keys: list[int] = []
         temps: dict[int, int] = {}
         for op, n, k in plan:
@@ -69,6 +70,12 @@ class BlockEvents:
             else:
                 self.sch.free(temps.pop(k))
         return keys
+
+    def plan(self, b: Block) -> BlockOps:
+        plan = self.plans.get(id(b))
+        if plan is None:
+            plan = self.plans[id(b)] = block_plan(b)
+        return plan
 
     def play(self, events) -> list[int]:
         """A quantised linear's transient events (llmem.memory.quant); returns the keys they leave allocated."""

@@ -97,9 +97,8 @@ class FsdpUnits:
         return list(groups.values())
 
     def copy_out(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None:
-        alloc = self.sch.alloc
         sizes = self.unit_sum("outputs", unit, lambda: [n for p in unit for n in self.f.params.gather_sizes[p.name]])
-        keys = [alloc(n, "gathered_weights") for n in sizes]
+        keys = self.sch.alloc_many(sizes, "gathered_weights")
         self.live.gathered.setdefault(unit_key, []).extend(keys)
         self.live.gathered_by.setdefault(unit_key, []).append(keys)
 
@@ -164,8 +163,7 @@ class FsdpUnits:
 
     def reshard_unit(self, unit_key: UnitKey) -> None:
         self.live.gathered_by.pop(unit_key, None)
-        for k in self.live.gathered.pop(unit_key, []):
-            self.sch.free(k)
+        self.sch.free_all(self.live.gathered.pop(unit_key, []))
 
     # ------------------------------------------------------------------------------------------ post-forward shards
     def reshard_to_post_forward(self, i: int) -> None:
