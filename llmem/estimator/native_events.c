@@ -86,6 +86,8 @@ static PyObject *alloc_one(EventLog *self, PyObject *size_obj, PyObject *compone
     if (key_obj == NULL)
         return NULL;
     PyObject *event = PyTuple_Pack(5, plus_one, key_obj, size_obj, stream, component);
+    if (event != NULL)
+        PyObject_GC_UnTrack(event);     /* ints and a str: no cycle through it (CPython untracks such tuples too) */
     if (event == NULL || PyList_Append(self->events, event) < 0 || PyDict_SetItem(self->live, key_obj, event) < 0) {
         Py_XDECREF(event);
         Py_DECREF(key_obj);
@@ -170,6 +172,7 @@ static int free_one(EventLog *self, PyObject *key_obj) {
     Py_DECREF(event);
     if (freed == NULL)
         return -1;
+    PyObject_GC_UnTrack(freed);
     int failed = PyList_Append(self->events, freed);
     Py_DECREF(freed);
     if (failed < 0)

@@ -115,22 +115,25 @@ class StageSchedule(StepSchedule):
         return replace(super().step_facts(r, act, layers), reshard=False)
 
     def build(self, iterations: int = 2) -> Schedule:
-        self.setup_phase()
-        for it in range(iterations):
-            if it == 0:
-                self.recv_buffers()
-            self.accumulating = False
-            for kind, c, k in self.actions:
-                if kind == "F":
-                    self.forward_microbatch(it, c, k)
-                else:
-                    self.backward_microbatch(it, c, k)
-            if self.facts.fsdp:
-                self.reduce_grads()
-            self.sch.free_all(self.last_output)
-            self.last_output = []
-            self.optimizer_step(it)
-        return self.sch
+        try:
+            self.setup_phase()
+            for it in range(iterations):
+                if it == 0:
+                    self.recv_buffers()
+                self.accumulating = False
+                for kind, c, k in self.actions:
+                    if kind == "F":
+                        self.forward_microbatch(it, c, k)
+                    else:
+                        self.backward_microbatch(it, c, k)
+                if self.facts.fsdp:
+                    self.reduce_grads()
+                self.sch.free_all(self.last_output)
+                self.last_output = []
+                self.optimizer_step(it)
+            return self.sch
+        finally:
+            self.drop_parts()
 
     def recv_buffers(self) -> None:
         """_initialize_pp_stages: each stage's forward recv buffers of every micro-batch (stages in order), then the

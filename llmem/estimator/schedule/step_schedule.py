@@ -70,12 +70,26 @@ class StepSchedule:
 
     # ------------------------------------------------------------------------------------------ the recipe
     def build(self, iterations: int = 2) -> Schedule:
-        self.setup_phase()
-        for it in range(iterations):
-            self.forward(it)
-            self.backward(it)
-            self.optimizer_step(it)
-        return self.sch
+        try:
+            self.setup_phase()
+            for it in range(iterations):
+                self.forward(it)
+                self.backward(it)
+                self.optimizer_step(it)
+            return self.sch
+        finally:
+            self.drop_parts()
+
+    def drop_parts(self) -> None:
+        """Cut the parts' references back to this builder (the hooks they call): built (or abandoned at
+        LiveBytesOver), the builder is then no cycle, and its schedule's events are freed as soon as the caller
+        drops them rather than at the cyclic garbage collector's next pass (a fifth of a plan's time went there).
+        The parts' own values stay readable."""
+        parts = [v for v in vars(self).values() if hasattr(v, "__dict__")]
+        parts += [v for part in parts for v in vars(part).values() if hasattr(v, "__dict__")]    # (a part's part)
+        for part in parts:
+            for name in [n for n, v in vars(part).items() if v is self]:
+                delattr(part, name)
 
     def setup_phase(self) -> None:
         """Parameters (bitsandbytes' storage for a quantised base) and DDP's gradient buckets."""
