@@ -86,6 +86,9 @@ if TYPE_CHECKING:
     from llmem.model.anatomy import ModelAnatomy
 
 VLLM_SIDE_STREAMS = (REF_ALL_GATHER + 1, REF_ALL_GATHER + 2)    # vLLM's packed broadcast streams, its own
+# the hand recipes' block holding the attention core (llmem.memory.activations.recipes): the cache is updated as it
+# starts (LlamaAttention.forward: past_key_values.update after RoPE, before attention_interface)
+ATTENTION_BLOCK = "attention"
 MODELLED_DECODE_STEPS = 64      # longer completions: this many decode steps laid out, the cache growing in strides
 
 
@@ -116,7 +119,16 @@ def generation_kv_bytes(r: ResolvedSetup) -> int:
     sampled token is never fed)."""
     setup = r.setup
     kv, d = attention_dims(r.anatomy)
-    return kv_cache_bytes(r.anatomy.num_layers, generation_rows(setup), kv, d, setup.seq_len - 1, r.regime.mm)
+    return kv_cache_bytes(r.anatomy.num_layers, generation_rows(setup), kv, d, setup.seq_len - 1, kv_dtype_bytes(r))
+
+
+def kv_dtype_bytes(r: ResolvedSetup) -> int:
+    """The DynamicCache's dtype: k_proj's and v_proj's output. Under autocast (or pure low precision) the compute
+    dtype; bitsandbytes' Linear4bit / Linear8bitLt return their input's dtype (`out.to(inp_dtype)`,
+    bitsandbytes/nn/modules.py), the input_layernorm's output, the residual stream's (fp32 behind
+    prepare_model_for_kbit_training's fp32 norms), and peft's LoRA sum keeps it (llmem.memory.activations.quantised
+    quant_input_bytes: a norm-fed block)."""
+    return r.regime.res if r.setup.quant_spec.bitsandbytes else r.regime.mm
 
 
 class GenerationEvents(PreferenceEvents):
@@ -131,7 +143,7 @@ class GenerationEvents(PreferenceEvents):
         self.chunks = self.gen_rows // self.b   # its scoring chunks of --batch-size (steps_per_generation)
         self.scores_old = scores_old_policy(setup)
         kv, d = attention_dims(r.anatomy)
-        self.kv_token_bytes = self.gen_rows * kv * d * s.facts.regime.mm   # one layer's K (or V), one token
+        self.kv_token_bytes = self.gen_rows * kv * d * kv_dtype_bytes(r)   # one layer's K (or V), one token
         self.iteration = 0
         self.step_batch: list[int] = []
         self.loss_inputs: list[int] = []
@@ -303,17 +315,20 @@ class GenerationEvents(PreferenceEvents):
         cached: list[int] = []
         for i in range(s.facts.layers):
             s.unshard_forward(i, s.facts.unit(i))     # FSDP2: every forward gathers each layer (zero2: once)
-            previous: list[int] = []
-            for blk, params in zip(act.blocks, s.facts.params.layer_blocks[i], strict=True):
-                for prm in self.cast_weights(regime, "cached", params):
-                    cached.append(alloc(s.facts.params.tp_local[prm.name] * regime.mm, "gathered_weights"))
-                current = [alloc(n, "activations") for n in blk.tensors]
-                sch.free_all(previous)
-                previous = current
-            for kv in (0, 1):                       # DynamicLayer.update: the cache's keys, then its values
-                new = alloc(self.kv_token_bytes * total, "activations")
-                free(cache[i][kv])
-                cache[i][kv] = new
+            updated: list[bool] = []
+
+            def update(b, i=i, updated=updated) -> None:     # DynamicLayer.update: the keys, then the values
+                if b is not None and b.name != ATTENTION_BLOCK or updated:
+                    return
+                updated.append(True)
+                for kv in (0, 1):
+                    new = alloc(self.kv_token_bytes * total, "activations")
+                    free(cache[i][kv])
+                    cache[i][kv] = new
+            previous, pending = self.no_grad_blocks(i, act.blocks, regime, "cached", cached, self.gen_rows * tokens,
+                                                    adapters=True, before=update)
+            update(None)       # a learned layer without the recipes' attention block: the update at its end
+            self.dequantise(pending, self.gen_rows * tokens, adapters=True)    # the layer's last linears (the MLP's)
             out = alloc(self.gen_rows * tokens * h * regime.res, "activations")
             sch.free_all(previous)
             free(stream)

@@ -404,7 +404,7 @@ class PreferenceEvents:
         casts = "per_use" if copy and self.ref_bytes == F32 else "none"
         if copy:
             self.reference_unshard()
-        self.no_grad_forward(self.ref_regime, casts, reference_head(self.r), policy=not copy)
+        self.no_grad_forward(self.ref_regime, casts, reference_head(self.r), policy=not copy, adapters=False)
         if copy:
             self.reference_post_forward()
 
@@ -438,15 +438,17 @@ class PreferenceEvents:
         self.ref_ag_out = -1
 
     def no_grad_forward(self, regime: Regime, casts: str, head: FusedHead, workspace: bool = False,
-                        policy: bool = True) -> None:
+                        policy: bool = True, adapters: bool = True) -> None:
         """A forward under no_grad: embedding, decoder layers (two adjacent blocks' tensors live), the final norm,
         the fused head; nothing survives but the per-sequence log-probs (a few bytes). Autocast's casts of the
         weights: "per_use" (frozen fp32 weights: made and freed at each matmul), "cached" (the policy's trained
         fp32 weights: autocast's cache holds them until the forward returns) or "none". The `policy`'s FSDP2 units
-        are gathered as in its own forward (the root kept gathered, each layer resharded after it)."""
+        are gathered as in its own forward (the root kept gathered, each layer resharded after it), its quantised
+        linears dequantised (`adapters` False: under peft's disable_adapter())."""
         s = self.s
         sch, alloc, free = s.sch, s.sch.alloc, s.sch.free
         t, h = self.rows * self.seq, s.facts.hidden_size
+        rows = t if policy else -1          # the tokens the policy's quantised linears run on (-1: the copy's)
         # the reference's own ZeRO-3 engine gathers its modules (DeepSpeed: llmem.estimator.deepspeed)
         ref_fetch = s.reference_fetch if not policy else (lambda where: None)
         if policy:
@@ -461,17 +463,8 @@ class PreferenceEvents:
             if policy:
                 s.unshard_forward(i, s.facts.unit(i))
             ref_fetch(i)
-            previous: list[int] = []
-            for b, params in zip(s.facts.act.blocks, s.facts.params.layer_blocks[i], strict=True):
-                for p in self.cast_weights(regime, casts, params):
-                    key = alloc(s.facts.params.tp_local[p.name] * regime.mm, "gathered_weights")
-                    if casts == "cached":
-                        cached.append(key)
-                    else:
-                        free(key)
-                current = [alloc(n, "activations") for n in b.tensors]
-                sch.free_all(previous)
-                previous = current
+            previous, pending = self.no_grad_blocks(i, s.facts.act.blocks, regime, casts, cached, rows, adapters)
+            self.dequantise(pending, rows, adapters)
             out = alloc(t * h * regime.res, "activations")      # the layer's output, the next one's input
             sch.free_all(previous)
             free(stream)
@@ -488,6 +481,38 @@ class PreferenceEvents:
         ref_fetch("end")
         free(norm_out)
         sch.free_all(cached)                                    # autocast's exit clears its cache
+
+    def no_grad_blocks(self, i: int, blocks, regime: Regime, casts: str, cached: list[int], tokens: int,
+                       adapters: bool, before=None) -> tuple[list[int], tuple | None]:
+        """Layer `i`'s blocks under no_grad: autocast's casts of their weights (`casts`, "cached" ones appended to
+        `cached`), each block's tensors (two adjacent blocks' live), and a quantised base's dequantisation of a
+        block's linears while the next block's tensors are made, as in the training forward
+        (llmem.estimator.schedule.layers.forward_blocks); `before(block)` runs before a block's tensors are made.
+        Returns the last block's tensors and its linears, still to run (`dequantise`)."""
+        sch, alloc = self.s.sch, self.s.sch.alloc
+        previous: list[int] = []
+        pending = None
+        for b, params in zip(blocks, self.s.facts.params.layer_blocks[i], strict=True):
+            if before is not None:
+                before(b)
+            for p in self.cast_weights(regime, casts, params):
+                key = alloc(self.s.facts.params.tp_local[p.name] * regime.mm, "gathered_weights")
+                if casts == "cached":
+                    cached.append(key)
+                else:
+                    sch.free(key)
+            current = [alloc(n, "activations") for n in b.tensors]
+            self.dequantise(pending, tokens, adapters)
+            sch.free_all(previous)
+            previous, pending = current, (params, b)
+        return previous, pending
+
+    def dequantise(self, pending: tuple | None, tokens: int, adapters: bool) -> None:
+        """A quantised base's linears of one block (`pending`: its params and block) under no_grad over `tokens` rows
+        x tokens (bitsandbytes' MatMul4Bit path: generate's rows >= 2; -1: not the policy's linears, nothing);
+        `adapters` False: peft's disable_adapter() (TRL's reference of a LoRA policy), the base layer alone."""
+        if pending is not None and tokens > 0:
+            self.s.blocks.dequantise(pending[0], False, pending[1], tokens, adapters)
 
     def cast_weights(self, regime: Regime, casts: str, params) -> list:
         """The weights a no-grad forward's matmuls cast to the compute dtype."""

@@ -56,3 +56,14 @@ def reads_module_input(name: str, shape: tuple[int, ...]) -> bool:
     ([1, in])."""
     part = adapter_part(name)
     return part is LORA_A or part is IA3_L and shape[0] == 1
+
+
+# peft's LoRA on an nn.Embedding (peft/tuners/lora/layer.py Embedding): `embed_tokens.lora_embedding_A.default`
+# [r, num_embeddings] and `embed_tokens.lora_embedding_B.default` [embedding_dim, r], nn.Parameters in ParameterDicts
+EMBEDDING_A = ".lora_embedding_A."
+EMBEDDING_B = ".lora_embedding_B."
+
+
+def is_embedding_adapter(name: str) -> bool:
+    """A parameter of peft's LoRA on an embedding (its A or B)."""
+    return EMBEDDING_A in name or EMBEDDING_B in name

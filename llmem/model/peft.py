@@ -25,7 +25,7 @@ from llmem.model.anatomy import (
 )
 from llmem.model.config import build_meta_model, resolve_config
 from llmem.model.peft_data_free import DATA_FREE_ATTR, DATA_FREE_NOTE, data_free_config, data_free_note
-from llmem.model.sharding import MATMUL_KINDS, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
 from llmem.setup.objectives import (
     CAST_EXEMPT,
     QUANTISED_ADAPTER_DTYPE,
@@ -98,14 +98,15 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
     peft's target_modules as one string). `dropout`: peft's lora_dropout; `upcast`: peft's autocast_adapter_dtype
     (the adapters' dtype on a low-precision base: LOW_DTYPE's rule)."""
     dtype = "float32" if upcast else LOW_DTYPE
-    targeted = _lora_targeted(anatomy, targets)
+    targeted, embedded = _lora_targeted(anatomy, targets)
     params: list[ParamInfo] = []
     for p in anatomy.params:
         params.append(replace(p, trainable=False))
+        if p.name in embedded:     # peft's lora.Embedding (a tied weight stays the base's, shared with lm_head)
+            params += embedding_lora_params(p, rank, dtype)
         if p.name not in targeted:
             continue
-        # peft wraps the output layer when named (its all-linear leaves it out): the adapters as peft makes them;
-        # the support check (llmem.setup.support) then says why no engine models them
+        # peft wraps the output layer when named (its all-linear leaves it out): the adapters as peft makes them
         module = "lm_head" if is_lm_head(p) else p.name.rsplit(".", 1)[0]
         params.append(ParamInfo(f"{module}.lora_A.default.weight", (rank, p.in_features), dtype, "Linear",
                                 p.layer_index, None))
@@ -114,38 +115,54 @@ def with_lora(anatomy: ModelAnatomy, rank: int, targets: str = "q_proj,v_proj", 
     return replace(anatomy, params=tuple(params), peft=PeftInfo("LORA", lora_dropout=dropout))
 
 
-def _lora_targeted(anatomy: ModelAnatomy, targets: str) -> set[str]:
-    """The weights --lora-targets adapts: the decoder layers' linears so named (or every one: all-linear) and the
-    lm_head when named; under "re:PATTERN" those whose module's full name re.fullmatch-es it (peft's
-    check_target_module_exists on a string target_modules), which must lie in the decoder layers or be the lm_head."""
+def embedding_lora_params(p: ParamInfo, rank: int, dtype: str) -> list[ParamInfo]:
+    """peft's LoRA on an nn.Embedding [num_embeddings, embedding_dim] (peft/tuners/lora/layer.py Embedding.update_layer):
+    lora_embedding_A [r, num_embeddings] and lora_embedding_B [embedding_dim, r], nn.Parameters in ParameterDicts."""
+    module = p.name.rsplit(".", 1)[0]
+    return [ParamInfo(f"{module}.lora_embedding_A.default", (rank, p.shape[0]), dtype, "ParameterDict", None, None),
+            ParamInfo(f"{module}.lora_embedding_B.default", (p.shape[1], rank), dtype, "ParameterDict", None, None)]
+
+
+def _lora_targeted(anatomy: ModelAnatomy, targets: str) -> tuple[set[str], set[str]]:
+    """The weights --lora-targets adapts: the decoder layers' linears so named (or every one: all-linear), the
+    lm_head and the input embeddings when named (by their module's own name: embed_tokens, peft's suffix match);
+    under "re:PATTERN" those whose module's full name re.fullmatch-es it (peft's check_target_module_exists on a
+    string target_modules), which must lie in the decoder layers or be the lm_head or an input embedding. Returns
+    the linears' weights and the embeddings' weights adapted."""
     pattern = lora_target_regex(targets)
     layers = {p.name: p for p in anatomy.params if p.name.endswith(".weight") and p.layer_index is not None
               and p.module_kind in MATMUL_KINDS}
     heads = {p.name: p for p in anatomy.params if is_lm_head(p) and len(p.shape) == 2}
+    embeds = {p.name: p for p in anatomy.params if p.layer_index is None and is_embedding(p) and len(p.shape) == 2
+              and p.name.endswith(".weight")}
     if pattern is not None:
         modules = {p.name.rsplit(".", 1)[0] for p in anatomy.params if re.fullmatch(pattern, p.name.rsplit(".", 1)[0])}
-        weight_of = {n.rsplit(".", 1)[0]: n for n in (*layers, *(h for h in heads if h.startswith("lm_head")))}
+        weight_of = {n.rsplit(".", 1)[0]: n for n in (*layers, *(h for h in heads if h.startswith("lm_head")),
+                                                       *embeds)}
         outside = sorted(modules - set(weight_of))
-        if outside:      # an embedding, a norm, a vision block: peft adapts or refuses it, llmem models neither
-            raise LlmemError(f"--lora-targets {targets} matches {outside[0]}, not a linear of the decoder layers nor "
-                             "the lm_head (which llmem adapts); narrow the pattern")
+        if outside:      # a norm, a vision block: peft adapts or refuses it, llmem models neither
+            raise LlmemError(f"--lora-targets {targets} matches {outside[0]}, not a linear of the decoder layers, "
+                             "the lm_head nor an input embedding (which llmem adapts); narrow the pattern")
         found = {weight_of[m] for m in modules}
         if not found:
             raise LlmemError(f"--lora-targets {targets} matches no linear module of {anatomy.name} (peft "
                              "re.fullmatch-es the whole name, e.g. model.layers.0.self_attn.q_proj)")
-        return found
+        return found - set(embeds), found & set(embeds)
     wanted = set(lora_target_names(targets))
     if not wanted:
         raise LlmemError("--lora-targets is empty: give module names (e.g. q_proj,v_proj) or all-linear")
-    short = {n: n.rsplit(".", 2)[-2] for n in layers}
+    short = {n: n.rsplit(".", 2)[-2] for n in (*layers, *embeds)}
     found = {n for n in layers if LORA_ALL_LINEAR in wanted or short[n] in wanted}
     found |= set(heads) if "lm_head" in wanted else set()
-    missing = wanted - {short[n] for n in found if n in layers} - ({"lm_head"} if heads else set()) - {LORA_ALL_LINEAR}
+    embedded = {n for n in embeds if short[n] in wanted}      # peft's all-linear leaves the embeddings alone
+    missing = wanted - {short[n] for n in found | embedded if n in short} - ({"lm_head"} if heads else set()) \
+        - {LORA_ALL_LINEAR}
     if missing:
-        names = sorted(set(short.values()))
+        names = sorted({short[n] for n in layers})
+        embedding = f"; its input embedding {', '.join(sorted(short[n] for n in embeds))}" if embeds else ""
         raise LlmemError(f"--lora-targets {', '.join(sorted(missing))} not found in {anatomy.name}: "
-                         f"its layers' linear modules are {', '.join(names)} (or use all-linear)")
-    return found
+                         f"its layers' linear modules are {', '.join(names)} (or use all-linear){embedding}")
+    return found, embedded
 
 
 PEFT_CONFIG_MAX_BYTES = 1 << 20     # adapter_config.json files are a few KiB

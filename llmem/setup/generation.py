@@ -85,7 +85,6 @@ _NOT_WITH_GENERATION = (
     ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
     ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
     ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
-    ("quant_base", "none", "a quantised base", "QLoRA under GRPO / RLOO is not modelled yet"),
     ("precompute_ref_log_probs", False, "--precompute-ref-log-probs", "GRPOTrainer and RLOOTrainer score the reference per step"),
     ("ref_dtype", "policy", "--ref-dtype", "GRPOTrainer and RLOOTrainer load the reference in the policy's "
                                            "dtype"),
@@ -202,6 +201,23 @@ def check_generation(setup) -> None:
     if b < 0:
         raise LlmemError(f"--beta must be >= 0 (0 drops the reference model), got {b}")
     check_trainer_layout(setup, GENERATION_METHODS, GENERATION_ATTENTIONS)
+
+
+def check_generating_quantised(setup) -> None:
+    """A bitsandbytes base under GRPO / RLOO (TRL casts the adapters to bf16; generate runs the 4-bit model as
+    training does): what is not modelled of it, one line each."""
+    quant = setup.quant_spec
+    if not quant.quantised:
+        return
+    if setup.use_vllm:
+        raise LlmemError(f"{quant.flag} with --use-vllm under --objective {setup.objective} is not modelled (vLLM's "
+                         "engine holds the base in its own dtype, and the weight sync merges the adapters into the "
+                         "quantised linears): drop --use-vllm to generate with transformers")
+    if quant.loaded_in_4bit and generation_rows(setup) == 1:
+        # bitsandbytes' matmul_4bit: a single row under no_grad (A.numel() == A.shape[-1]) takes gemv_4bit
+        raise LlmemError(f"{quant.flag} with one completion per GPU under --objective {setup.objective}: "
+                         "bitsandbytes' gemv_4bit decode kernel (one row, no dequantised weight) is not modelled; "
+                         "give --batch-size x --steps-per-generation >= 2")
 
 
 def check_generation_batch(setup, config_class: str, g: int) -> None:

@@ -42,6 +42,7 @@ from llmem.setup.generation import (
     GENERATION_DEFAULTS,
     GRPO_LOSS_TYPES,
     TRL_METHODS,
+    check_generating_quantised,
     check_generation,
     check_no_generation_options,
     check_trainer_layout,
@@ -308,6 +309,8 @@ def check_objective(setup) -> None:
     spec = objective_spec(setup.objective)
     if spec.generates:
         check_generation(setup)
+        _check_quantised_base(setup, spec)
+        check_generating_quantised(setup)
         return
     check_no_generation_options(setup)
     if not spec.runs_trainer:

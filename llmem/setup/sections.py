@@ -230,9 +230,9 @@ class AdaptersConfig:
     base under them (QLoRA, LLM.int8, torchao's NF4)."""
     lora_rank: int = option(0, "LoRA adapters of this rank (base frozen); 0: full fine-tuning", ADAPTERS, type=int)
     lora_alpha: int = option(16, "LoRA alpha (scaling; no effect on memory)", ADAPTERS, type=int)
-    lora_targets: str = option("q_proj,v_proj", "modules to adapt, comma-separated, or all-linear, or re:PATTERN "
-                               "(peft's string form: the modules whose full name the pattern matches; default "
-                               "q_proj,v_proj)", ADAPTERS)
+    lora_targets: str = option("q_proj,v_proj", "modules to adapt (the layers' linears, lm_head, embed_tokens), "
+                               "comma-separated, or all-linear, or re:PATTERN (peft's string form: the modules "
+                               "whose full name the pattern matches; default q_proj,v_proj)", ADAPTERS)
     lora_dropout: float = option(0.0, "LoRA dropout on the adapters' input (default 0)", ADAPTERS, type=float)
     peft_config: str | None = option(None, "adapter_config.json (or its folder) applied with peft: LoRA, DoRA, IA3, "
                                      "prompt/prefix tuning", ADAPTERS, metavar="PATH")

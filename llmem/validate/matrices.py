@@ -63,6 +63,12 @@ CI_MATRIX: list[TrainingSetup] = [
     _s("tiny-llama", "fsdp", 2, precision="bf16-mixed", batch_size=2, seq_len=256, lora_rank=16,
        lora_targets="all-linear"),
     _s("tiny-llama", precision="fp32", batch_size=2, seq_len=256, lora_rank=8),
+    # LoRA on the input embedding (peft's lora.Embedding): its kept matmul operands, the embedding output's graph,
+    # AccumulateGrad's copies of the transposed gradients; autocast, pure bf16 checkpointed, FSDP2's root unit
+    *(_s("tiny-llama", meth, g, precision=p, batch_size=2, seq_len=n, lora_rank=8, grad_ckpt=ckpt,
+         lora_targets="embed_tokens,q_proj,v_proj")
+      for meth, g, p, n, ckpt in (("single", 1, "bf16-mixed", 128, False), ("single", 1, "bf16", 256, True),
+                                  ("fsdp", 2, "bf16-mixed", 256, False))),
     # optimizers: short sequences, so the optimizer step is the peak or close to it
     _s("tiny-llama", precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),
     _s("tiny-llama", "ddp", 2, precision="bf16-mixed", optimizer="adafactor", batch_size=1, seq_len=64),

@@ -49,8 +49,18 @@ def test_every_projection_is_all_linear():
         [p.name for p in with_lora(anatomy, 4, "all-linear").params]
 
 
+def test_a_pattern_may_name_the_input_embedding():
+    """peft's lora.Embedding on model.embed_tokens: A [8, 32000] and B [512, 8] beside the frozen weight."""
+    params = with_lora(load_anatomy("tiny-llama"), 8, r"re:model\.embed_tokens|model\.layers\.0\.self_attn\.q_proj").params
+    assert {(p.name, p.shape) for p in params if p.trainable} == {
+        ("model.embed_tokens.lora_embedding_A.default", (8, 32000)),
+        ("model.embed_tokens.lora_embedding_B.default", (512, 8)),
+        ("model.layers.0.self_attn.q_proj.lora_A.default.weight", (8, 512)),
+        ("model.layers.0.self_attn.q_proj.lora_B.default.weight", (512, 8))}
+
+
 @pytest.mark.parametrize("targets, message", [
-    (r"re:model\.embed_tokens|model\.layers\.0\.self_attn\.q_proj", "matches model.embed_tokens, not a linear"),
+    (r"re:model\.norm|model\.layers\.0\.self_attn\.q_proj", "matches model.norm, not a linear"),
     ("re:q_proj", "matches no linear module"),          # peft matches the whole name: nothing is just q_proj
     (r"re:model\.layers\.\d+\.input_layernorm", "not a linear of the decoder layers"),
 ])

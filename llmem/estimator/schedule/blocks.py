@@ -90,12 +90,14 @@ class BlockEvents:
                 self.sch.free(keys.pop(tag))
         return keys
 
-    def dequantise(self, params: list[ParamInfo], backward: bool, block: Block | None = None) -> None:
+    def dequantise(self, params: list[ParamInfo], backward: bool, block: Block | None = None, tokens: int = 0,
+                   adapters: bool = True) -> None:
         """Forward: each quantised linear's transients, one after the other, then (bitsandbytes nf4) its output in
         the compute dtype, its cast back to the input dtype (Linear4bit returns the input's dtype) and, in peft's
         4-bit LoRA layer, the clone of it that the adapter's output is added into (torchao's LinearNF4 returns
         F.linear's output itself: the recipe's tensor). Backward: the largest one's, what it leaves live while the
-        block's input gradients are made (the caller frees them)."""
+        block's input gradients are made (the caller frees them). `tokens`: the rows x tokens the linears run on
+        (0: the step's); `adapters` False: peft's disable_adapter() (the base layer alone, no clone)."""
         quant_tmp = self.f.quant_tmp
         if not quant_tmp:          # an unquantised base: nothing to dequantise (the common case, asked per block)
             return
@@ -111,13 +113,13 @@ class BlockEvents:
             if block is None or not quant_layout(self.f.setup.quant_base).casts_output:
                 self.sch.free_all(keys)
                 continue
-            self.cast_output(p, block, keys)
+            self.cast_output(p, block, keys, tokens or self.f.t, adapters)
 
-    def cast_output(self, p: ParamInfo, block: Block, keys: list[int]) -> None:
+    def cast_output(self, p: ParamInfo, block: Block, keys: list[int], tokens: int, adapters: bool = True) -> None:
         """The output of `p`'s quantised linear as bitsandbytes' Linear4bit returns it (QuantLayout.casts_output: its
         dequantised weight `keys` die with gemm_4bit, the output is cast to its input's dtype, peft clones it)."""
         sch, alloc, mm = self.sch, self.sch.alloc, self.f.quant_args.dtype_bytes
-        rows = self.f.t * p.out_features                 # elements of the linear's output
+        rows = tokens * p.out_features                   # elements of the linear's output
         out = alloc(rows * mm, "activations")
         sch.free_all(keys)                               # the dequantised weight dies with gemm_4bit
         in_bytes = quant_input_bytes(block, self.f.regime, self.f.fp32_behind_quant)
@@ -125,7 +127,7 @@ class BlockEvents:
             cast = alloc(rows * in_bytes, "activations")   # .to(inp_dtype)
             sch.free(out)
             out = cast
-        if p.name in self.f.params.adapted:
+        if adapters and p.name in self.f.params.adapted:
             clone = alloc(rows * in_bytes, "activations")  # result.clone()
             sch.free(out)
             total = alloc(rows * in_bytes, "activations")  # result + lora_B(lora_A(x)) * scaling

@@ -12,6 +12,7 @@ from __future__ import annotations
 from llmem.estimator.events import Schedule
 from llmem.estimator.schedule.facts import StepFacts
 from llmem.estimator.schedule.state import StepState
+from llmem.model.adapter_params import is_embedding_adapter
 from llmem.model.anatomy import ParamInfo
 from llmem.model.sharding import MATMUL_KINDS, is_embedding
 
@@ -81,4 +82,4 @@ class Gradients:
         self.live.root_unsharded.clear()
         self.live.layer_unsharded.clear()
         return [p for p in self.f.root if p.trainable and (not is_embedding(p) or p.tied_to is not None)
-                and p.name not in self.f.vision_params]
+                and p.name not in self.f.vision_params and not is_embedding_adapter(p.name)]

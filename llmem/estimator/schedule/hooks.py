@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from llmem.estimator.events import Schedule
+from llmem.estimator.schedule.blocks import BlockEvents
 from llmem.estimator.schedule.facts import StepFacts
 from llmem.estimator.schedule.state import UnitKey
 from llmem.model.anatomy import ParamInfo
@@ -19,6 +20,7 @@ from llmem.model.anatomy import ParamInfo
 class StepHooks(Protocol):
     facts: StepFacts
     sch: Schedule           # the events written so far: alloc, free, mark, phase
+    blocks: BlockEvents     # a block's tensors and a quantised base's dequantisation (the no-grad forwards')
 
     # ------------------------------------------------------------------------------- FSDP2 units (ZeRO-3's)
     def unshard_forward(self, unit_key: UnitKey, unit: list[ParamInfo]) -> None: ...

@@ -20,6 +20,7 @@ from llmem.estimator.events import Schedule
 from llmem.estimator.objective_steps import objective_events
 from llmem.estimator.objectives import objective_view
 from llmem.estimator.schedule.blocks import BlockEvents
+from llmem.estimator.schedule.embedding_adapter import embedding_adapter_backward
 from llmem.estimator.schedule.facts import SMALL_TENSOR_BYTES, StepFacts, step_facts
 from llmem.estimator.schedule.gradients import Gradients
 from llmem.estimator.schedule.head import HeadEvents
@@ -29,6 +30,7 @@ from llmem.estimator.schedule.state import ForwardLive, StepState, UnitKey
 from llmem.estimator.schedule.units import FsdpUnits
 from llmem.estimator.schedule.vision import VisionEvents
 from llmem.estimator.states import fsdp_shards
+from llmem.memory.activations.embedding_adapter import embedding_adapters
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.memory.quant import storage_tensors
 from llmem.model.anatomy import ParamInfo
@@ -63,6 +65,8 @@ class StepSchedule:
         self.head = HeadEvents(self, self.state)
         self.vision = VisionEvents(self, self.units)    # a vision-language step's batch and vision side
         self.objective = objective_events(self, r) if trained else None   # TRL's trainers' steps
+        # peft's LoRA on the input embedding (llmem.estimator.schedule.embedding_adapter)
+        self.embed_adapters = embedding_adapters(r.anatomy, r.setup, r.regime, self.facts.t, self.facts.fsdp)
 
     def step_facts(self, r: ResolvedSetup, act: ActivationProfile, layers: int | None) -> StepFacts:
         """The step's facts (an engine that runs its own way adjusts them)."""
@@ -195,10 +199,12 @@ class StepSchedule:
         # (a vision-language model's: the scatter's backward makes it, then the merger's and the vision encoder's
         # backward run before the embedding's own: llmem.estimator.schedule.vision)
         late = self.vision.backward(it)
+        adapters = self.embed_adapters
         stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") \
-            if embeds and not self.vision.has_backward else -1
+            if (embeds or adapters) and not self.vision.has_backward else -1
         for p in embeds:
             self.make_grad(p, root_unit=True)
+        embedding_adapter_backward(self, adapters, f.regime.res)
         self.flush_steps(it)
         sch.free(stream_grad)
         sch.free_all(late)

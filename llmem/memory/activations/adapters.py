@@ -18,6 +18,7 @@ from llmem.model.adapter_params import (
     adapted_module,
     adapter_part,
     is_adapter_param,
+    is_embedding_adapter,
     partner,
     reads_module_input,
 )
@@ -431,8 +432,9 @@ def dora_forward(t: int, in_f: int, out_f: int, rank: int, r: Regime, i: int, up
 def first_layer_skip(anatomy: ModelAnatomy, blocks: tuple[Block, ...]) -> int:
     """With a frozen embedding and no prompt (peft adapters in the layers), layer 0's input needs no gradient:
     autograd records nothing until the first trained parameter of layer 0 is used, so the blocks before it keep
-    nothing (and their backward never runs)."""
-    if anatomy.peft is None or any(p.trainable and is_embedding(p) for p in anatomy.outside_layer_params):
+    nothing (and their backward never runs); with peft's LoRA on the embedding its output has a graph."""
+    if anatomy.peft is None or any(p.trainable and (is_embedding(p) or is_embedding_adapter(p.name))
+                                   for p in anatomy.outside_layer_params):
         return 0
     owners = [block_owner(blocks, p.name) for p in anatomy.layer0_params if p.trainable]
     return min(owners, default=0)

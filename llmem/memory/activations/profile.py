@@ -23,6 +23,7 @@ from llmem.memory.activations.blocks import (
     packed_mask_bytes,
 )
 from llmem.memory.activations.context_parallel import with_ring_attention
+from llmem.memory.activations.embedding_adapter import embedding_adapter_kept, embedding_adapters
 from llmem.memory.activations.float8 import with_float8
 from llmem.memory.activations.learned import (
     learned_recipe,
@@ -45,7 +46,7 @@ from llmem.memory.activations.quantised import (
 from llmem.memory.activations.recipes import recipe_for
 from llmem.memory.activations.selective import SelectiveLayer, selective_layer
 from llmem.memory.quant import quant_layout
-from llmem.model.adapter_params import is_adapter_param
+from llmem.model.adapter_params import is_adapter_param, is_embedding_adapter
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
@@ -350,11 +351,12 @@ def activation_notes(setup: TrainingSetup) -> list[str]:
 def embedding_leaf_bytes(anatomy: ModelAnatomy, setup: TrainingSetup, regime: Regime, tokens: int) -> int:
     """The token embedding's output when the embedding is frozen (made a leaf that requires grad by
     transformers' enable_input_require_grads under checkpointing): [batch, seq_len, hidden] in the stream's dtype
-    (prompt tuning's virtual tokens are concatenated after it). 0 when the embedding trains (its output has a
-    graph already). `tokens`: the language model's per sample (sequence_tokens)."""
+    (prompt tuning's virtual tokens are concatenated after it). 0 when the embedding trains, or peft's LoRA on it
+    (its output has a graph already). `tokens`: the language model's per sample (sequence_tokens)."""
     embeddings = [p for p in anatomy.outside_layer_params if is_embedding(p) and p.shape
                   and p.shape[0] == anatomy.vocab_size]
-    if any(p.trainable for p in embeddings):
+    if any(p.trainable for p in embeddings) or any(p.trainable and is_embedding_adapter(p.name)
+                                                   for p in anatomy.outside_layer_params):
         return 0
     embedded = tokens - virtual_tokens(anatomy)    # a VLM's image tokens are embedded too
     return setup.batch_size * embedded * anatomy.hidden_size * regime.res
@@ -403,6 +405,11 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned_selective(r),
                                 learning_failure(r) or "") if selective else None
     loss = loss_logits(setup, d, regime)
+    # peft's LoRA on the input embedding: its matmul's operands, kept until the embedding's backward (a learned
+    # recipe's embedding side has them already)
+    embed = recipe.embed + (embedding_adapter_kept(embedding_adapters(anatomy, setup, regime, d.t,
+                                                                      r.layout.shards_model_states))
+                            if learned is None else ())
     return ActivationProfile(
         selective=selective, loss=loss,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime, d.s) if setup.grad_ckpt else 0,
@@ -417,8 +424,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
         + (selective.kept_bytes(recipe.blocks) if selective is not None else 0),
         int8_kept=int8_kept,
-        embed_saved=sum(recipe.embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
-        embed_tensors=recipe.embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
+        embed_saved=sum(embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
+        embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
                    loss.chunked.backward_peak_bytes if loss.chunked is not None else
                    loss_peak_bytes(d, loss.element_bytes, loss.nll_cast) + (d.t * d.vocab * regime.mm if config_value(

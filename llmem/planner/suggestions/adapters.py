@@ -82,7 +82,7 @@ def menu_suggestion(ctx: PlanContext, menu: AdapterMenu, setup: TrainingSetup, l
     """Every variant of the menu that fits, with its largest batch and speed; the fastest is the suggestion (None
     where the set-up's objective refuses the menu)."""
     base = applied(setup, **dict(menu.changes))
-    if base is None:          # the objective refuses the menu (e.g. QLoRA under GRPO): not proposed
+    if base is None:          # the objective refuses the menu (e.g. torchao's NF4 under TRL's trainers): not proposed
         return None
     if menu.sharded is not None:
         layouts = [lay for lay in layouts if lay.shards_model_states == menu.sharded]
