@@ -439,6 +439,8 @@ class StepRoles:
             led.relabel(list(self._states()), "optimizer_states")
         if phase == "optimizer_step":
             led.relabel([p.grad for p in step.model.parameters()], "gradients")
+            if led.mod_tracker is not None:     # the backward is over: the tracker's grad hooks let go
+                led.mod_tracker.release_backward_hooks()
         led.skip_scalars = phase == "optimizer_step" and not self.device_scalars
         led.in_logits = phase == "backward"
         led.phase = PHASE_CODES[phase]
@@ -450,17 +452,47 @@ class StepRoles:
 
 def _eager_mod_tracker():
     """torch's ModTracker, its module hooks left out of what dynamo traces: a compiled layer's own modules run inside
-    its graph, tracked as the layer (llmem.runtime.compile)."""
+    its graph, tracked as the layer (llmem.runtime.compile).
+
+    Its forward pre-hook hands a module's inputs to register_multi_grad_hook, whose "all" mode keeps the inputs'
+    autograd nodes (torch/autograd/graph.py `grad_fns`) in the hook it sets on each input, which its node holds: a
+    cycle through C++ that Python's collector cannot see, so every such node outlives the step, and with it the
+    leaves its edges reach (an adapter's step with checkpointing: the embedding's output, made a leaf by
+    enable_input_require_grads, and its .grad, one more kept each iteration, where the run without the tracker frees
+    them with the graph). The pre-hook's handles are kept and removed once the backward is over
+    (`release_backward_hooks`), which breaks the cycles."""
+    import torch.distributed._tools.mod_tracker as mod_tracker
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class EagerModTracker(ModTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backward_hooks: list = []      # the pre-hook's multi-grad hooks of this step
+
         def _fw_pre_hook(self, mod, input):
-            if not torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():
+                return
+            register = mod_tracker.register_multi_grad_hook
+
+            def kept(tensors, fn, **kwargs):
+                handle = register(tensors, fn, **kwargs)
+                self.backward_hooks.append(handle)
+                return handle
+
+            mod_tracker.register_multi_grad_hook = kept
+            try:
                 super()._fw_pre_hook(mod, input)
+            finally:
+                mod_tracker.register_multi_grad_hook = register
 
         def _fw_post_hook(self, mod, input, output):
             if not torch.compiler.is_compiling():
                 super()._fw_post_hook(mod, input, output)
+
+        def release_backward_hooks(self) -> None:
+            for handle in self.backward_hooks:
+                handle.remove()
+            self.backward_hooks.clear()
 
     return EagerModTracker()
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 
-# DistributedDataParallel's reducer (torch/nn/parallel/distributed.py): the first bucket is capped at
-# dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the others at bucket_cap_mb=25
-DDP_FIRST_BUCKET_BYTES = 1024**2
+# DistributedDataParallel's bucket_cap_mb=25 (torch/nn/parallel/distributed.py): the buckets the reducer rebuilds
+# after the first backward, which the time model's last all-reduce reads (the memory's buckets:
+# llmem.estimator.ddp_buckets)
 DDP_BUCKET_CAP_BYTES = 25 * 1024**2
 
 # MethodSpec.tensor_parallel

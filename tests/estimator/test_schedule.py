@@ -31,19 +31,17 @@ def test_block_plan_lays_temporaries_between_kept_tensors():
     assert block_plan(b) == [(1, 5, 0), (0, 10, -1), (2, 0, 0), (0, 20, -1), (1, 7, 1), (2, 0, 1)]
 
 
-def test_ddp_buckets_in_reverse_parameter_order():
-    """tiny-llama fp32 under DDP: the reducer's first bucket closes at 1 MiB (the lm_head, 32000 x 512 x 4 B), then
-    buckets of 25 MiB: the final norm, layers 3 and 2 (12,652,544 B each: q, k, v, o 512 x 512, gate, up, down
-    512 x 1376, two norms), then layer 1's two norms (registered after its MLP) and its down_proj reach 25 MiB; the
-    rest (the embedding included) is the last."""
+def test_ddp_buckets_one_per_dtype_as_ddp_builds_them():
+    """tiny-llama fp32 under DDP(model) with its defaults: the reducer's initial limits are [sys.maxsize]
+    (find_unused_parameters=False), so every trained gradient shares one bucket: the embedding and lm_head
+    (32000 x 512 x 4 B each), four layers of 12,652,544 B (q, k, v, o 512 x 512, gate, up, down 512 x 1376, two
+    norms) and the final norm."""
     sch = _schedule(precision="fp32", method="ddp", gpus=2)
     sch.setup_phase()
     buckets = [size for sign, _k, size, _s, comp in sch.sch.events if comp == "communication_buffers"]
     layer = 3 * 512 * 1376 * 4 + 4 * 512 * 512 * 4 + 2 * 512 * 4
     assert layer == 12_652_544
-    total = 2 * 32000 * 512 * 4 + 4 * layer + 512 * 4
-    second = 512 * 4 + 2 * layer + 2 * 512 * 4 + 512 * 1376 * 4   # 28,129,280
-    assert buckets == [32000 * 512 * 4, second, total - 32000 * 512 * 4 - second]
+    assert buckets == [2 * 32000 * 512 * 4 + 4 * layer + 512 * 4]
 
 
 def test_fsdp_collectives_run_on_their_streams():

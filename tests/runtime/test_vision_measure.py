@@ -70,13 +70,18 @@ def test_idefics3_measure_and_trace_agree(fields):
     by the real per-sample counts it reads) against the trace, which answers them as every frame real
     (llmem.runtime.vision._RealFrames). The real step on the CPU never copies the collated batch to the device
     (`.to("cpu")` returns it) where the trace allocates it as on a GPU: the trace is higher by at most the
-    pixel_attention_mask, [2, frames, 128, 128] int64 (13 frames an image at 256x384); the reserved alike."""
+    pixel_attention_mask, [2, frames, 128, 128] int64 (13 frames an image at 256x384). The reserved peaks are within
+    one small-pool segment (2 MiB): the live tensors at the second step's start are the same (frozen tower under
+    checkpointing: 195 tensors, 153,214,976 B), but the trace's batch on the device places the blocks otherwise; once
+    the trace's ModTracker leak was fixed, the real step opens a 2 MiB segment for a 704,512 B optimizer temporary in
+    its second step that the trace's fits in a freed block (396,361,728 / 394,264,576 B; both 396,361,728 B with the
+    leak)."""
     setup = TrainingSetup("tiny-idefics3", **{"images_per_sample": 1, **fields}, image_size="256x384", batch_size=2,
                           seq_len=64)
     real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
     mask_bytes = 2 * setup.images_per_sample * 13 * 128 * 128 * 8
     assert 0 < fake.peak_allocated_bytes - real.peak_allocated_bytes <= mask_bytes
-    assert real.peak_reserved_bytes == fake.peak_reserved_bytes
+    assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
 @pytest.mark.parametrize("fields", [{}, {"freeze_vision_tower": True}, {"lora_rank": 8, "grad_ckpt": True},

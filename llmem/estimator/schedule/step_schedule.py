@@ -16,6 +16,7 @@ llmem.estimator.pipeline).
 
 from __future__ import annotations
 
+from llmem.estimator.ddp_buckets import reducer_bucket_bytes
 from llmem.estimator.events import Schedule
 from llmem.estimator.objective_steps import objective_events
 from llmem.estimator.objectives import objective_view
@@ -36,7 +37,6 @@ from llmem.memory.quant import storage_tensors
 from llmem.model.anatomy import ParamInfo
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding
-from llmem.setup.methods import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES
 
 
 class StepSchedule:
@@ -113,15 +113,12 @@ class StepSchedule:
         self.vision.batch()
 
     def ddp_buckets(self) -> None:
-        """The reducer's buckets, filled in reverse parameter order: the first one capped at 1 MiB."""
-        f = self.facts
-        cap, filled = DDP_FIRST_BUCKET_BYTES, 0
-        for p in reversed(f.params.trainable):
-            filled += f.params.shard_numel[p.name] * f.params.element_bytes[p.name]
-            if filled >= cap:
-                self.sch.alloc(filled, "communication_buffers")
-                cap, filled = DDP_BUCKET_CAP_BYTES, 0
-        self.sch.alloc(filled, "communication_buffers")
+        """The reducer's buckets as DDP's constructor allocates them (llmem.estimator.ddp_buckets: one per dtype,
+        the trained parameters' element width standing for their dtype)."""
+        params = self.facts.params
+        sizes = [params.shard_numel[p.name] * params.element_bytes[p.name] for p in params.trainable]
+        for size in reducer_bucket_bytes(sizes, [params.element_bytes[p.name] for p in params.trainable]):
+            self.sch.alloc(size, "communication_buffers")
 
     def forward(self, it: int) -> None:
         sch, alloc, f = self.sch, self.sch.alloc, self.facts
