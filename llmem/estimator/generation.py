@@ -304,7 +304,7 @@ class GenerationEvents(PreferenceEvents):
         for i in range(s.facts.layers):
             s.unshard_forward(i, s.facts.unit(i))     # FSDP2: every forward gathers each layer (zero2: once)
             previous: list[int] = []
-            for blk, params in zip(act.blocks, s.facts.params.layer_blocks[i], strict=True):
+            for blk, params in zip(act.blocks_of(i), s.facts.params.layer_blocks[i], strict=True):
                 for prm in self.cast_weights(regime, "cached", params):
                     cached.append(alloc(s.facts.params.tp_local[prm.name] * regime.mm, "gathered_weights"))
                 current = [alloc(n, "activations") for n in blk.tensors]

@@ -462,7 +462,7 @@ class PreferenceEvents:
                 s.unshard_forward(i, s.facts.unit(i))
             ref_fetch(i)
             previous: list[int] = []
-            for b, params in zip(s.facts.act.blocks, s.facts.params.layer_blocks[i], strict=True):
+            for b, params in zip(s.facts.act.blocks_of(i), s.facts.params.layer_blocks[i], strict=True):
                 for p in self.cast_weights(regime, casts, params):
                     key = alloc(s.facts.params.tp_local[p.name] * regime.mm, "gathered_weights")
                     if casts == "cached":
