@@ -40,11 +40,8 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.memory.capacity import AtCapacity, Fit, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
-from llmem.model.vision import vision_spec
 from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases, phase_over
-from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
-from llmem.setup.liger import applied_kernels
 from llmem.setup.objectives import objective_spec
 from llmem.setup.training import TrainingSetup
 
@@ -280,41 +277,9 @@ def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
     (llmem.memory.activations.context_parallel), the activations learned where no recipe has them, --ep's
     refused without them."""
     r = rank_tokens(r)
-    check_layer_kinds(r)
     learn_if_needed(r)
     check_learned_required(r)
     return r, activation_profile(r)
-
-
-# what the estimate does not lay out over decoder layers of two kinds (Llama 3.2 Vision's cross-attention layers
-# among its self-attention ones), checked in order: (on, what, the fix)
-_TWO_KINDS_UNMODELLED = (
-    (lambda r: not r.setup.images_per_sample, "a step without images (MllamaTextModel skips its cross-attention "
-     "layers then)", "give --images-per-sample"),
-    (lambda r: r.layout.pp > 1, "--pp", "drop --pp"),
-    (lambda r: r.layout.cp > 1, "--cp", "drop --cp"),
-    (lambda r: AC_POLICIES[r.setup.ac_policy].selective, "--ac-policy op", "use --ac-policy full"),
-    (lambda r: r.setup.compile, "--compile", "drop --compile"),
-    (lambda r: bool(applied_kernels(r.setup.liger, r.anatomy.model_type)), "--liger", "drop --liger"),
-    (lambda r: r.setup.float8 != "none", "--float8", "drop --float8"),
-    (lambda r: r.setup.offload_activations or r.setup.ckpt_offload_spec.active, "offloaded activations",
-     "drop --offload-activations / --ckpt-offload"),
-)
-
-
-def check_layer_kinds(r: ResolvedSetup) -> None:
-    """A language model whose decoder layers are of two kinds (Llama 3.2 Vision's cross-attention layers, which read
-    the image features, among its self-attention ones: its row's cross_attention_layers) is laid out layer by layer
-    with each kind's learned blocks (ActivationProfile.blocks_of); the options whose recipes rewrite one layer kind
-    only are refused with it. `llmem trace` runs its real step with any of them."""
-    spec = vision_spec(r.anatomy.model_type)
-    if spec is None or not spec.cross_attention_layers:
-        return
-    for on, what, fix in _TWO_KINDS_UNMODELLED:
-        if on(r):
-            raise LlmemError(f"{r.anatomy.name}: the estimate does not model {what} over decoder layers of two kinds "
-                             f"(cross-attention and self-attention): {fix}, or use llmem trace, which runs its real "
-                             "step")
 
 
 # the options whose activations only learning has: (flag, what the learned run is), checked in order

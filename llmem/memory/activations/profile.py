@@ -443,6 +443,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned_selective(r),
                                 learning_failure(r) or "") if selective else None
     loss = loss_logits(setup, d, regime)
+    cross = learned_cross_blocks(r)
     return ActivationProfile(
         selective=selective, loss=loss,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime, d.s) if setup.grad_ckpt else 0,
@@ -473,7 +474,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
                           vision_spec(anatomy.model_type).unit_in_block,
                           bool(vision_spec(anatomy.model_type).cross_attention_layers))
         if setup.images_per_sample else None,
-        cross_blocks=learned_cross_blocks(r), cross_layers=cross_attention_layers(anatomy),
+        # (the cross-attention layers' own blocks are learned: without them, every layer the fallback recipe's)
+        cross_blocks=cross, cross_layers=cross_attention_layers(anatomy) if cross else frozenset(),
         graphless_layers=graphless_layers(anatomy, setup),
     )
 
