@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 
+from llmem.cli import main
 from llmem.model.anatomy import load_anatomy
 from llmem.model.catalog import catalog_file
 from llmem.model.catalog.variants import variant_entry
@@ -220,3 +221,29 @@ def test_llamafactory_config_reads_the_instruct_model(tmp_path):
     inputs = vision_inputs(setup, load_anatomy(setup.model))
     # 1120x1120 scaled to 512x512 first: one 560x560 tile upscales it (560 / 512 >= 1), the rest padding
     assert inputs.image.original == (512, 512) and inputs.image.canvas_tiles == (1, 1)
+
+
+def test_both_kinds_come_back_from_the_disk_cache(learned_tiny):
+    from llmem.memory.activations.learned import LearnedActivations
+
+    again = LearnedActivations.from_json(json.loads(json.dumps(learned_tiny.to_json())))
+    assert again.cross_blocks == learned_tiny.cross_blocks and again.blocks == learned_tiny.blocks
+    assert again.cross_recipe_blocks(4, 60) == learned_tiny.cross_recipe_blocks(4, 60)
+
+
+def test_plan_answers_with_its_layouts(monkeypatch, capsys):
+    """`llmem plan` searches the layouts a vision-language step is wired for; its answer at the batch it found is the
+    full estimate's of that set-up (the planner confirms with one)."""
+    from llmem.estimator.engine import estimate
+    from llmem.memory.activations.learned import LEARN_ENV
+    from llmem.validate.rows import row
+
+    monkeypatch.setenv(LEARN_ENV, "auto")          # (the suite turns learning off; the vision side is learned)
+    images = {"images_per_sample": 1, "image_size": "448x448", "seq_len": 64}
+    assert main(["plan", "tiny-mllama", "--gpu", "H100-80GB", "--gpus", "2", "--max-batch", "2", "--json",
+                 "--images-per-sample", "1", "--image-size", "448x448", "--seq-len", "64"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert {m["method"] for m in answer["methods"]} == {"ddp", "fsdp", "zero2"}
+    best = answer["recommended"]
+    setup = row("tiny-mllama", best["method"], 2, batch_size=best["micro_batch_size"], **images)
+    assert best["fits"] and best["peak_reserved_bytes"] == estimate(setup).peak_reserved_bytes
