@@ -63,7 +63,7 @@ _FACTS_FIELDS = tuple(n for n in FLAT_ORDER if n not in SHAPE_FIELDS and n not i
 def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int,
                 cross: tuple[tuple[Block, ...], frozenset[int]] = ((), frozenset())) -> ParamFacts:
     """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (`cross`: the
-    blocks of the decoder layers of a second kind and those layers, ActivationProfile.cross_blocks / cross_layers)
+    blocks of the decoder layers of a second kind and those layers, ActivationProfile.kinds)
     (worked out once per set-up less its shape and its activation-only fields: the trained anatomy is compared by
     identity, which `r.with_shape` keeps)."""
     key = (tuple(getattr(r.setup, n) for n in _FACTS_FIELDS), r.layout, layers, tuple(b.params for b in blocks),

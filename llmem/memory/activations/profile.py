@@ -70,6 +70,21 @@ from llmem.setup.training import TrainingSetup
 
 
 @dataclass(frozen=True)
+class LayerKinds:
+    """Decoder layers of a second kind (Llama 3.2 Vision's cross-attention layers among its self-attention ones,
+    learned: LearnedActivations.cross_blocks): their blocks and which layers are of that kind (the profile's `blocks`
+    are every other layer's), and the leading layers that run without a graph (before the first cross-attention
+    layer, nothing below it trained: they keep nothing and run no backward; graphless_layers)."""
+    cross_blocks: tuple[Block, ...] = ()
+    cross_layers: frozenset[int] = frozenset()
+    graphless_layers: int = 0
+
+    @property
+    def cross_saved(self) -> int:
+        return sum(b.saved for b in self.cross_blocks)
+
+
+@dataclass(frozen=True)
 class ActivationProfile:
     """What the forward keeps, and the transient peaks around it, in bytes per GPU."""
     per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
@@ -104,35 +119,25 @@ class ActivationProfile:
     # partitioner chose, learned with the layer), not autocast's cached casts the schedule makes
     compiled: bool = False
     vision: VisionStep | None = None   # a vision-language step: its batch, vision modules and learned vision side
-    # decoder layers of a second kind (Llama 3.2 Vision's cross-attention layers, learned: learned.cross_blocks): their
-    # blocks and the layers that are of that kind; `blocks` are every other layer's
-    cross_blocks: tuple[Block, ...] = ()
-    cross_layers: frozenset[int] = frozenset()
-    # the leading decoder layers that run without a graph (before the first cross-attention layer, nothing below it
-    # trained: they keep nothing and run no backward; graphless_layers)
-    graphless_layers: int = 0
+    kinds: LayerKinds = LayerKinds()   # decoder layers of two kinds (Llama 3.2 Vision's): the second kind's
 
     def skipped(self, layer: int) -> int:
         """The leading blocks of decoder layer `layer` that keep nothing (their inputs need no gradient): every block
         of a graphless layer, layer 0's before its first adapter (first_layer_skip)."""
-        if layer < self.graphless_layers:
+        if layer < self.kinds.graphless_layers:
             return len(self.blocks_of(layer))
         return self.first_layer_skip if layer == 0 else 0
 
     def blocks_of(self, layer: int) -> tuple[Block, ...]:
         """Decoder layer `layer`'s blocks: its kind's."""
-        return self.cross_blocks if layer in self.cross_layers else self.blocks
+        return self.kinds.cross_blocks if layer in self.kinds.cross_layers else self.blocks
 
     def saved_of(self, layer: int) -> int:
         """What decoder layer `layer` keeps for backward, not checkpointed (its input included; none in a graphless
         layer)."""
-        if layer < self.graphless_layers:
+        if layer < self.kinds.graphless_layers:
             return 0
-        return self.cross_saved if layer in self.cross_layers else self.per_layer_saved
-
-    @property
-    def cross_saved(self) -> int:
-        return sum(b.saved for b in self.cross_blocks)
+        return self.kinds.cross_saved if layer in self.kinds.cross_layers else self.per_layer_saved
 
     @property
     def loss_bytes(self) -> int:
@@ -163,7 +168,7 @@ class ActivationProfile:
         """Bytes kept for backward by the first `layers` decoder layers at the end of the forward."""
         n = self.layers if layers is None else layers
         ck = self.checkpointed_layers(n)
-        if not self.cross_layers:
+        if not self.kinds.cross_layers:
             return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
         return ck * self.checkpoint_saved + sum(self.saved_of(i) for i in range(n) if not self.checkpointed(i))
 
@@ -475,8 +480,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
                           bool(vision_spec(anatomy.model_type).cross_attention_layers))
         if setup.images_per_sample else None,
         # (the cross-attention layers' own blocks are learned: without them, every layer the fallback recipe's)
-        cross_blocks=cross, cross_layers=cross_attention_layers(anatomy) if cross else frozenset(),
-        graphless_layers=graphless_layers(anatomy, setup),
+        kinds=LayerKinds(cross, cross_attention_layers(anatomy), graphless_layers(anatomy, setup)) if cross else
+        LayerKinds(),
     )
 
 
