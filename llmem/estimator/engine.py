@@ -40,7 +40,6 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.memory.capacity import AtCapacity, Fit, at_capacity, capacity_notes, resident_managed_bytes
 from llmem.model.anatomy import ModelAnatomy
 from llmem.model.resolved import ResolvedSetup, resolve
-from llmem.model.vision import vision_spec
 from llmem.result import COMPONENTS, MemoryResult, OutOfMemory, PhaseMemory, grouped_phases, phase_over
 from llmem.setup.gpus import GpuSpec, outside_allocator_bytes
 from llmem.setup.objectives import objective_spec
@@ -278,24 +277,9 @@ def rank_step(r: ResolvedSetup) -> tuple[ResolvedSetup, ActivationProfile]:
     (llmem.memory.activations.context_parallel), the activations learned where no recipe has them, --ep's
     refused without them."""
     r = rank_tokens(r)
-    check_layer_kinds(r)
     learn_if_needed(r)
     check_learned_required(r)
     return r, activation_profile(r)
-
-
-def check_layer_kinds(r: ResolvedSetup) -> None:
-    """A language model whose decoder layers are of two kinds (Llama 3.2 Vision's cross-attention layers, which read
-    the image features, among its self-attention ones: its row's cross_attention_layers) is refused: the schedule
-    lays out one layer recipe, read from one layer, as every layer's. `llmem trace` runs its real step."""
-    spec = vision_spec(r.anatomy.model_type)
-    if spec is None or not spec.cross_attention_layers:
-        return
-    text = r.anatomy.config.get("text_config", r.anatomy.config)
-    crossing = len(text.get(spec.cross_attention_layers) or ())
-    raise LlmemError(f"{r.anatomy.name}: the estimate does not model decoder layers of two kinds yet ({crossing} of "
-                     f"its {r.anatomy.num_layers} cross-attend to the image features): use llmem trace, which runs "
-                     "its real step")
 
 
 # the options whose activations only learning has: (flag, what the learned run is), checked in order

@@ -135,6 +135,7 @@ class _Held:
     rs_prev: int                # FSDP2: the previous layer's reduce-scatter input
     grads: _LiveGrads
     batch: int = 0              # a vision-language micro-batch's tensors (ids, pixel values), held the whole step
+    vision_kept: int = 0        # a vision side's kept tensors, held until its backward (after the decoder layers')
 
     @property
     def static_bytes(self) -> int:
@@ -148,6 +149,10 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
     costs = layer_costs(r, act)
     layer_gathered = ms.fsdp_layer_gathered if fsdp else 0
     batch = sum(act.vision.batch_tensors) if act.vision is not None else 0
+    # a vision side with a backward keeps its pieces' tensors until it runs, after the decoder layers' (and, with
+    # cross-attention layers, after the embedding's too): outside the layers at every backward moment
+    side = act.vision.side if act.vision is not None else None
+    vision_kept = sum(sum(p.tensors) for p in side.pieces) if side is not None and side.backward else 0
     return _Held(
         static={
             "weights": ms.weights,
@@ -160,7 +165,7 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
         # layers that keep everything (not checkpointed) also keep their autocast weight copies
         full_layers=0 if act.offload else layers - act.checkpointed_layers(),   # offloaded: copies on the host
         # on the device during backward (offloaded: what the checkpoints' partials and AccumulateGrad hold)
-        outside=batch + (act.embed_saved + act.shared_saved if not act.offload else
+        outside=batch + vision_kept + (act.embed_saved + act.shared_saved if not act.offload else
                          act.shared_saved + act.embed_leaf_bytes if act.grad_ckpt else 0),
         root_gathered=ms.fsdp_root_gathered if fsdp else 0,
         layer_gathered=layer_gathered,
@@ -168,7 +173,7 @@ def _held(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates) -> _Held:
         post=post_forward_layer_bytes(r),       # --reshard-after-forward N: each layer's shards until its backward
         rs_prev=ms.fsdp_layer_reduce if fsdp and layers > 1 else 0,
         grads=_live_grads(r, ms),
-        batch=batch,
+        batch=batch, vision_kept=vision_kept,
     )
 
 
@@ -202,7 +207,7 @@ def _loss_moments(r: ResolvedSetup, act: ActivationProfile, ms: ModelStates, h: 
     if act.fused_ce is not None:
         head_copy = 0                # the loss's weight cast is freed at its end (counted in the forward's loss)
     gathered_fwd = h.root_gathered + h.all_layers_gathered + layers * h.post
-    saved_layers = act.device_layers_saved() + act.device_outside_saved + h.batch
+    saved_layers = act.device_layers_saved() + act.device_outside_saved + h.batch + h.vision_kept
     moments = [Moment("forward", {
         **h.static,
         "gathered_weights": gathered_fwd + ms.autocast_weight_copies + ms.autocast_bias_copies,

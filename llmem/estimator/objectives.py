@@ -463,7 +463,7 @@ class PreferenceEvents:
             if policy:
                 s.unshard_forward(i, s.facts.unit(i))
             ref_fetch(i)
-            previous, pending = self.no_grad_blocks(i, s.facts.act.blocks, regime, casts, cached, rows, adapters)
+            previous, pending = self.no_grad_blocks(i, s.facts.act.blocks_of(i), regime, casts, cached, rows, adapters)
             self.dequantise(pending, rows, adapters)
             out = alloc(t * h * regime.res, "activations")      # the layer's output, the next one's input
             sch.free_all(previous)

@@ -66,15 +66,19 @@ def activation_free_key(setup: TrainingSetup) -> tuple:
     return tuple(getattr(setup, n) for n in _FACTS_FIELDS)
 
 
-def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
-    """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (worked out
-    once per set-up less its shape and its activation-only fields: the trained anatomy is compared by identity,
-    which `r.with_shape` keeps)."""
-    key = (activation_free_key(r.setup), r.layout, layers, tuple(b.params for b in blocks))
-    return _KEPT.get(r.anatomy, key, lambda: _work_out(r, blocks, layers))
+def param_facts(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int,
+                cross: tuple[tuple[Block, ...], frozenset[int]] = ((), frozenset())) -> ParamFacts:
+    """The facts of `r`'s parameters in its first `layers` layers, with their activation `blocks` (`cross`: the
+    blocks of the decoder layers of a second kind and those layers, ActivationProfile.kinds)
+    (worked out once per set-up less its shape and its activation-only fields: the trained anatomy is compared by
+    identity, which `r.with_shape` keeps)."""
+    key = (activation_free_key(r.setup), r.layout, layers, tuple(b.params for b in blocks),
+           tuple(b.params for b in cross[0]), cross[1])
+    return _KEPT.get(r.anatomy, key, lambda: _work_out(r, blocks, layers, cross))
 
 
-def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> ParamFacts:
+def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int,
+              cross: tuple[tuple[Block, ...], frozenset[int]]) -> ParamFacts:
     anatomy, setup, layout = r.anatomy, r.setup, r.layout
     kept = [p for p in anatomy.params if p.layer_index is None or p.layer_index < layers]
     trainable = [p for p in kept if p.trainable]
@@ -83,13 +87,15 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int) -> Param
         by_layer.setdefault(p.layer_index, []).append(p)
     fsdp = layout.shards_model_states
     layer_blocks: dict[int, list[list[ParamInfo]]] = {}
-    owner: dict[tuple, int] = {}       # per kind: a block's weights are named alike in every layer
+    owner: dict[tuple, int] = {}       # per kind: a block's weights are named alike in every layer of a kind
     for i in range(layers):
-        groups: list[list[ParamInfo]] = [[] for _ in blocks]
+        crossing = i in cross[1]
+        own = cross[0] if crossing else blocks
+        groups: list[list[ParamInfo]] = [[] for _ in own]
         for p in by_layer.get(i, []):
-            if p.kind not in owner:
-                owner[p.kind] = block_owner(blocks, p.name)
-            groups[owner[p.kind]].append(p)
+            if (p.kind, crossing) not in owner:
+                owner[p.kind, crossing] = block_owner(own, p.name)
+            groups[owner[p.kind, crossing]].append(p)
         layer_blocks[i] = groups
     per_kind: dict[tuple, tuple] = {}
     for p in kept:

@@ -196,7 +196,7 @@ def run_point(setup, vision_checkpointing: bool = False) -> Reading:
     events = until_read_layer_done(whole_step, info["layers_path"])
     vision = VisionReading(info["vision"]["module"], info["layers_path"], whole_step,
                            {k: n for k, n in grads.items() if k is not None}, info["vision"]["modules"],
-                           info["vision"]["blocks"]) if info["vision"] else None
+                           info["vision"]["blocks"], info["vision"]["after_embedding"]) if info["vision"] else None
     return Reading(events, info["layers_path"], info["units"], info["casts"], info["outer"], info["leaves"],
                    ledger.saved_ops, vision)
 
@@ -305,7 +305,8 @@ def model_info(step) -> dict:
         return ".".join(p for p in (lm_path, path) if p)
     spec = vision_spec(model_type)
     vision = {"module": full(vision_root(model_type)), "modules": tuple(map(full, vision_modules(model_type))),
-              "blocks": full(spec.vision_blocks)} if spec is not None else None
+              "blocks": full(spec.vision_blocks), "after_embedding": bool(spec.cross_attention_layers)} \
+        if spec is not None else None
     return {"layers_path": layers_path, "units": tuple(sorted(units)), "casts": casts, "outer": outer,
             "leaves": leaves, "vision": vision, "layer": layer}
 

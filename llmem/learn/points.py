@@ -54,6 +54,10 @@ class VisionReading:
     # the modules the vision side runs (the vision encoder, the projector when it is not inside it: Gemma 3's)
     modules: tuple[str, ...] = ()
     blocks: str = ""                                     # the encoder's list of blocks (a piece each)
+    # the image features reach the decoder layers through cross-attention, not the token embeddings (Llama 3.2
+    # Vision): autograd runs the embedding's backward (later in forward, a higher sequence number) before the
+    # projector's, so the vision side's backward is read after it
+    after_embedding: bool = False
 
     def holds(self, module: str) -> bool:
         """A module path inside the vision side."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from llmem.learn.fit import check_alike, fit_sizes
 from llmem.learn.layer_blocks import read_layer
 from llmem.learn.one_point import run_point
-from llmem.learn.points import LEARN_DEPTH, POINTS, LearnError, Reading
+from llmem.learn.points import LEARN_DEPTH, POINTS, READ_LAYER, LearnError, Reading
 from llmem.memory.activations.learned import (
     LearnedActivations,
     cached,
@@ -26,6 +26,7 @@ from llmem.memory.activations.learned import (
 from llmem.model.families import LAYERS_FIELDS, family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
+from llmem.model.vision import vision_spec
 from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.generation import plain_setup
@@ -52,13 +53,33 @@ def learned_activations(r: ResolvedSetup) -> LearnedActivations | None:
 
 def learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None = None) -> LearnedActivations:
     """Run the copy at `points` (POINTS; under --compile the micro-batch's own shape alone) and fit what its layers
-    keep (not cached: learned_activations caches)."""
+    keep (not cached: learned_activations caches). Decoder layers of two kinds (Llama 3.2 Vision's cross-attention
+    layers among its self-attention ones): two copies, layer 1 a cross-attention layer in the first (its layer 0 a
+    self-attention one, as the model's first layer is: the embedding, the vision side and the head are read there)
+    and a self-attention one in the second (its layer 0 cross-attends, so the vision side still reaches the loss)."""
+    field = cross_attention_field(r)
+    if not field:
+        return _learn(r, points, shallow_config(r.base.config, LEARN_DEPTH))
+    crossing = _learn(r, points, shallow_config(r.base.config, LEARN_DEPTH, {field: [READ_LAYER]}))
+    plain = _learn(r, points, shallow_config(r.base.config, LEARN_DEPTH, {field: [READ_LAYER - 1]}))
+    return replace(crossing, blocks=plain.blocks, cross_blocks=crossing.blocks,
+                   seconds=round(crossing.seconds + plain.seconds, 2))
+
+
+def cross_attention_field(r: ResolvedSetup) -> str:
+    """The text config's field listing the decoder layers that cross-attend to the image features (the VLM row's
+    cross_attention_layers), "" when the layers are of one kind."""
+    spec = vision_spec(r.anatomy.model_type)
+    return spec.cross_attention_layers if spec is not None else ""
+
+
+def _learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None, config: dict) -> LearnedActivations:
     shape = own_shape(r.setup)
     points = points or ((shape,) if shape is not None else POINTS)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
         path = Path(folder) / "config.json"
-        path.write_text(json.dumps(shallow_config(r.base.config, LEARN_DEPTH)))
+        path.write_text(json.dumps(config))
         peft_folder = shallow_peft_config(r, Path(folder))
         readings: list[Reading] = []
         for b, s in points:          # each point checked against the first as it comes: a refusal costs two runs
@@ -104,9 +125,10 @@ def vision_checkpointing(r: ResolvedSetup) -> bool:
     return r.setup.grad_ckpt and bool(r.setup.images_per_sample)
 
 
-def shallow_config(config: dict, depth: int) -> dict:
+def shallow_config(config: dict, depth: int, text_fields: dict | None = None) -> dict:
     """The model's own config with `depth` decoder layers: the layer count of the text config (multimodal configs
-    nest it) and the per-layer lists as long as it (attention kinds per layer) cut to `depth`."""
+    nest it) and the per-layer lists as long as it (attention kinds per layer) cut to `depth`; `text_fields` set on
+    the text config last (the copy's cross-attention layers)."""
     out = copy.deepcopy(config)
     holder = out.get("text_config") if isinstance(out.get("text_config"), dict) else out
     name = next((n for n in LAYERS_FIELDS if isinstance(holder.get(n), int)), None)
@@ -118,6 +140,7 @@ def shallow_config(config: dict, depth: int) -> dict:
             holder[k] = v[:depth]
     holder[name] = depth
     holder.update(family_of(str(holder.get("model_type", out.get("model_type")))).learn_copy)   # layer 1 a routed one
+    holder.update(text_fields or {})
     return out
 
 

@@ -91,8 +91,11 @@ def _backward(rd: VisionReading, where: dict[int, tuple[int, int]], piece_of) ->
     backward = [i for i, (a, _k, _n, phase, _c, _m) in enumerate(events) if phase == BACKWARD]
     if not any(events[i][0] and rd.holds(events[i][5]) for i in backward):
         return ()
-    # after the last decoder layer's backward: the scatter's (the model's own ops), then the vision module's
+    # after the last decoder layer's backward: the scatter's (the model's own ops), then the vision module's; with
+    # cross-attention after the token embedding's too (the schedule's), from the vision side's first allocation
     start = max((i for i in backward if events[i][0] and under(events[i][5], rd.layers_path)), default=backward[0]) + 1
+    if rd.after_embedding:
+        start = next((i for i in backward if i >= start and events[i][0] and rd.holds(events[i][5])), start)
     ops: list[tuple] = []
     temps: set[int] = set()
     for a, key, size, phase, cat, module in events[start:]:

@@ -344,11 +344,13 @@ def run_engine(step: EngineStep, extra: dict, offload, iterations: int, phase: C
     """HF Trainer's training_step under DeepSpeed: forward (the loss), engine.backward, engine.step (which zeroes
     the gradients). `offload`: --offload-activations' saved-tensor hooks around the forward (or None)."""
     engine, ids = step.engine, step.input_ids
+    extra = dict(extra)
+    labels = extra.pop("labels", ids)      # (a vision batch's own labels where the collator masks tokens)
     for it in range(iterations):
         say(f"iteration {it + 1}/{iterations}")
         phase("forward", it)
         with offload.forward() if offload is not None else contextlib.nullcontext():
-            loss = engine(input_ids=ids, labels=ids, **extra).loss
+            loss = engine(input_ids=ids, labels=labels, **extra).loss
         phase("backward", it)
         engine.backward(loss)
         del loss

@@ -6,6 +6,13 @@ InternVL's CI rows (added once matrices.py was full).
   frozen, LoRA, the frozen tower under checkpointing, two images a sample, DDP, FSDP2 (each InternVLVisionLayer a
   unit: the model's _no_split_modules), DeepSpeed ZeRO-3 with HF's "auto" sizes.
 - INTERNVL_VLM_ROWS: InternVL3-1B / 2B / 8B at 1024x768 (4 x 3 tiles and the thumbnail: 3,328 tokens).
+- MLLAMA_CI_ROWS: tiny-mllama (Llama 3.2 Vision's two kinds of decoder layer: layers 1 and 3 of 4 cross-attend to
+  the image features; 112 px tiles of 8 x 8 patches and a class token); 448x448 takes 2 x 2 tiles, one <|image|>
+  token. The full step, the tower or the language model frozen (the layers below the first cross-attention layer
+  then run without a graph), LoRA, the frozen tower under checkpointing, two images a sample, DDP, FSDP2 (each
+  encoder block of the local and the global transformer a unit), DeepSpeed ZeRO-3.
+- MLLAMA_VLM_ROWS: Llama-3.2-11B-Vision at 560x560 (one tile of 40 x 40 patches and a class token, padded to 4
+  tiles: 6,404 vision tokens a cross-attention layer reads, 1 <|image|> token), and two 1120x1120 images a sample.
 """
 
 from __future__ import annotations
@@ -27,12 +34,29 @@ INTERNVL_CI_ROWS: list[TrainingSetup] = [
     _s("tiny-internvl", "ds-zero3", 2, **_TINY, **_ZERO3_AUTO),
 ]
 
+MLLAMA_CI_ROWS: list[TrainingSetup] = [
+    *(_s("tiny-mllama", **{**_TINY, **kw}) for kw in (
+        {}, {"freeze_vision_tower": True}, {"freeze_language_model": True}, {"lora_rank": 8},
+        {"freeze_vision_tower": True, "grad_ckpt": True}, {"images_per_sample": 2, "image_size": "300x500"})),
+    _s("tiny-mllama", "ddp", 2, **_TINY, freeze_vision_tower=True, grad_ckpt=True),
+    _s("tiny-mllama", "fsdp", 2, **_TINY),
+    _s("tiny-mllama", "fsdp", 2, **_TINY, lora_rank=8),
+    _s("tiny-mllama", "ds-zero3", 2, **_TINY),
+]
+
 _VL = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768", "batch_size": 1}
 INTERNVL_VLM_ROWS: list[TrainingSetup] = [
     _s(f"OpenGVLab/InternVL3-{size}-hf", **{**_VL, **kw}) for size, kw in (
         ("1B", {}), ("1B", {"lora_rank": 16}), ("2B", {"lora_rank": 16, "grad_ckpt": True}),
         ("2B", {"freeze_language_model": True, "grad_ckpt": True}),
         ("8B", {"lora_rank": 16, "grad_ckpt": True}), ("8B", {"freeze_vision_tower": True, "grad_ckpt": True}))]
+
+_MLLAMA = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "560x560", "batch_size": 1}
+MLLAMA_VLM_ROWS: list[TrainingSetup] = [
+    _s("meta-llama/Llama-3.2-11B-Vision", **{**_MLLAMA, **kw}) for kw in (
+        {"lora_rank": 16}, {"lora_rank": 16, "grad_ckpt": True}, {"freeze_vision_tower": True, "grad_ckpt": True},
+        {"freeze_language_model": True, "grad_ckpt": True},
+        {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": 2, "image_size": "1120x1120", "batch_size": 2})]
 
 # Vision-language steps at real sizes, one GPU: the vlm matrix (benchmarks/vlm_estimate.md; images at and above
 # LLaMA-Factory's image_max_pixels 768 x 768)
@@ -69,4 +93,4 @@ VLM_MATRIX: list[TrainingSetup] = [
         ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
         ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
         ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True}))),
-    *INTERNVL_VLM_ROWS]
+    *INTERNVL_VLM_ROWS, *MLLAMA_VLM_ROWS]

@@ -106,3 +106,33 @@ def test_a_projector_beside_the_encoder_and_a_tied_embedding():
                             (Op.GRAD, 1, 0, 8, "model.vision_tower.encoder.layers.0.mlp.fc1.weight"),
                             (Op.FREE_KEPT, 1, 0, None, ""),
                             (Op.LATE, -1, 6, None, ""))
+
+
+def test_cross_attention_reads_the_vision_backward_after_the_embedding():
+    """Llama 3.2 Vision's layout: the projected image features reach the decoder layers through cross-attention, so
+    autograd runs the token embedding's backward (its forward ran after the tower's: a higher sequence number)
+    before the projector's. The embedding's events are the schedule's; the vision side's backward is read from its
+    first allocation (after_embedding), where a scatter's model would stop at the embedding's gradient."""
+    events = [
+        (True, 1, 100, F, ACT, "model.vision_model.patch_embedding"),
+        (True, 2, 40, F, ACT, "model.multi_modal_projector"),
+        (True, 3, 300, F, ACT, "model.language_model.layers.0"),
+        (True, 4, 300, B, ACT, "model.language_model.layers.0.cross_attn.k_proj"),   # the features' gradient
+        (False, 3, 0, B, ACT, ""),
+        (True, 5, 1000, B, "gradients", "model.language_model.embed_tokens"),         # the embedding's: the schedule's
+        (True, 6, 16, B, "gradients", "model.multi_modal_projector"),
+        (False, 4, 0, B, ACT, ""),
+        (False, 2, 0, B, ACT, ""),
+        (True, 7, 8, B, "gradients", "model.vision_model.patch_embedding"),
+        (False, 1, 0, B, ACT, ""),
+    ]
+    grads = {5: "model.language_model.embed_tokens.weight", 6: "model.multi_modal_projector.weight",
+             7: "model.vision_model.patch_embedding.weight"}
+    reading = VisionReading("model", "model.language_model.layers", events, grads,
+                            ("model.vision_model", "model.multi_modal_projector"), "model.vision_model.transformer.layers")
+    assert read_vision(reading).backward == ()        # as a scatter's model reads it: stopped at the embedding's
+    reading.after_embedding = True
+    assert read_vision(reading).backward == ((Op.GRAD, 1, 0, 16, "model.multi_modal_projector.weight"),
+                                             (Op.FREE_KEPT, 1, 0, None, ""),
+                                             (Op.GRAD, 0, 0, 8, "model.vision_model.patch_embedding.weight"),
+                                             (Op.FREE_KEPT, 0, 0, None, ""))

@@ -162,7 +162,7 @@ def step_facts(r: ResolvedSetup, act: ActivationProfile, layers: int | None = No
     """The facts of `r`'s step over its first `layers` decoder layers (all of them by default)."""
     anatomy, setup, layout = r.anatomy, r.setup, r.layout
     depth = anatomy.num_layers if layers is None else layers
-    facts = param_facts(r, act.blocks, depth)
+    facts = param_facts(r, act.blocks, depth, (act.kinds.cross_blocks, act.kinds.cross_layers))
     fsdp = layout.shards_model_states
     t = setup.batch_size * sequence_tokens(anatomy, setup)
     q_args = quant_args(setup, fsdp)

@@ -3,7 +3,10 @@ kept, autocast's weight copies, a quantised base's dequantisation), what activat
 (--ac-policy op) and offloading keep of it, and its backward (the recompute, the blocks' gradients and backward
 transients, the unit's reduce-scatter).
 
-Known Limitations: the layers are alike (the first `layers` of them are laid out, llmem.estimator.engine
+Each layer is laid out with its kind's blocks (ActivationProfile.blocks_of: Llama 3.2 Vision's cross-attention
+layers have blocks of their own).
+
+Known Limitations: the layers of a kind are alike (the first `layers` of them are laid out, llmem.estimator.engine
 extrapolates); layer 0's first blocks (before its first adapter) run without a graph.
 """
 
@@ -42,7 +45,7 @@ class LayerEvents:
         if checkpointed:
             # a checkpointed layer's forward keeps nothing: its dequantised weights reuse the memory its
             # intermediate tensors free, so they are laid out before them
-            for b, params in zip(act.blocks, blocks_params, strict=True):
+            for b, params in zip(act.blocks_of(i), blocks_params, strict=True):
                 self.blocks.dequantise(params, backward=False, block=b)
         per_block, copies = self.forward_blocks(i, blocks_params, checkpointed)
         out = -1
@@ -71,9 +74,9 @@ class LayerEvents:
         per_block: list[list[int]] = []
         copies: list[list[int]] = []
         pending = None
-        for j, (b, params) in enumerate(zip(act.blocks, blocks_params, strict=True)):
+        for j, (b, params) in enumerate(zip(act.blocks_of(i), blocks_params, strict=True)):
             copies.append(self.weight_copies(params))
-            if i == 0 and j < act.first_layer_skip:    # computed without a graph: nothing kept
+            if j < act.skipped(i):    # computed without a graph: nothing kept
                 sch.free_all(self.blocks.forward(b))
                 per_block.append([])
             else:
@@ -81,7 +84,7 @@ class LayerEvents:
                 if checkpointed and act.selective is not None:
                     self.selective_forward(i, j, per_block)
             if len(per_block) > 1 and (self.f.offloaded(i) or checkpointed
-                                       and self.f.gathered_input(act.blocks[j - 1])):
+                                       and self.f.gathered_input(act.blocks_of(i)[j - 1])):
                 sch.free_all(per_block[-2])   # on the host by now / read (see gathered_input)
             if not checkpointed and pending is not None:
                 self.blocks.dequantise(*pending)    # a block's linears run while what their outputs feed is made
@@ -153,7 +156,7 @@ class LayerEvents:
         """--ac-policy op, block j of layer i's recompute: the stored tensors are handed back (not made again), the
         others made with the block's temporaries among them; the stored outputs the recompute reads die once read
         (the rest at the layer's backward end)."""
-        b, fwd = self.f.act.blocks[j], self.state.forward
+        b, fwd = self.f.act.blocks_of(i)[j], self.state.forward
         stored = fwd.sac_keys[i]
         keys = self.blocks.forward(b, {k: stored.pop((jj, k)) for jj, k in list(stored) if jj == j})
         read = [e for e in fwd.sac_extra[i] if e[0] == j and e[2]]
@@ -186,7 +189,7 @@ class LayerEvents:
                 self.offload.reload(i)
             per_block, copies = self.recompute(i, blocks_params)
         self.state.grads.layer_unsharded.clear()
-        for j in reversed(range(len(act.blocks))):
+        for j in reversed(range(len(act.blocks_of(i)))):
             self.backward_block(i, j, it, per_block, copies, checkpointed)
         if checkpointed:
             sch.free(fwd.ckpt_keys.pop(i, -1))
@@ -204,7 +207,7 @@ class LayerEvents:
         unpacked = sch.alloc(act.recompute_input_bytes, "activations") if act.recompute_input_bytes else -1
         copies = [[sch.alloc(n, "gathered_weights") for n in self.f.cast_bytes(params)] for params in blocks_params]
         per_block = []
-        for j, (b, params) in enumerate(zip(act.blocks, blocks_params, strict=True)):
+        for j, (b, params) in enumerate(zip(act.blocks_of(i), blocks_params, strict=True)):
             per_block.append(self.blocks.forward(b) if act.selective is None else self.selective_recompute(i, j))
             self.blocks.dequantise(params, backward=False, block=b)
         sch.free(unpacked)     # the unpack hook's arguments die when the recompute returns
@@ -216,16 +219,16 @@ class LayerEvents:
         freed."""
         sch, act, step = self.sch, self.f.act, self.step
         blocks_params = self.f.params.layer_blocks[i]
-        if self.f.offloaded(i) and (i > 0 or j >= act.first_layer_skip):   # back from the host for backward
-            per_block[j] = [sch.alloc(n, "activations") for n in act.blocks[j].tensors]
+        if self.f.offloaded(i) and j >= act.skipped(i):   # back from the host for backward
+            per_block[j] = [sch.alloc(n, "activations") for n in act.blocks_of(i)[j].tensors]
             copies[j] = [sch.alloc(n, "gathered_weights") for n in self.f.cast_bytes(blocks_params[j])]
         for p in blocks_params[j]:
             if p.trainable:
                 step.flush_steps(it)     # in backward: the previous weight's hook has run (one node each)
                 step.make_grad(p)
-        if i > 0 or j >= act.first_layer_skip or checkpointed:   # layer 0: no gradient before its first adapter
+        if j >= act.skipped(i) or checkpointed:   # no gradient before layer 0's first adapter, in a graphless layer
             self.blocks.dequantise(blocks_params[j], backward=True)
-            tmp = self.blocks.backward_transient(act.blocks[j])
+            tmp = self.blocks.backward_transient(act.blocks_of(i)[j])
             sch.free_all(self.state.quant_live)
             sch.free_all(tmp)
         sch.free_all(per_block[j])

@@ -194,16 +194,22 @@ class StepSchedule:
         if embeds and "embed" in f.own_units:     # its pre-backward hook, on the embedding's output
             self.unshard_backward("embed", f.own_units["embed"])
         # (a vision-language model's: the scatter's backward makes it, then the merger's and the vision encoder's
-        # backward run before the embedding's own: llmem.estimator.schedule.vision)
-        late = self.vision.backward(it)
+        # backward run before the embedding's own: llmem.estimator.schedule.vision; with cross-attention layers
+        # instead the embedding's runs first, from layer 0's input gradient, and the vision side's after it)
+        after = self.vision.after_embedding
+        if after:       # (the tower's own embeddings' gradients are its backward's, made after this one)
+            embeds = [p for p in embeds if p.name not in f.vision_params]
+        late = [] if after else self.vision.backward(it)
         adapters = self.embed_adapters
         stream_grad = sch.alloc(f.t * f.hidden_size * f.regime.res, "activations") \
-            if (embeds or adapters) and not self.vision.has_backward else -1
+            if (embeds or adapters) and (after or not self.vision.has_backward) else -1
         for p in embeds:
             self.make_grad(p, root_unit=True)
         embedding_adapter_backward(self, adapters, f.regime.res)
         self.flush_steps(it)
         sch.free(stream_grad)
+        if after:
+            late = self.vision.backward(it)
         sch.free_all(late)
         sch.free_all(fwd.embed_keys)
         sch.free_all(fwd.shared_keys)

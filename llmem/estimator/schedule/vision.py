@@ -39,6 +39,11 @@ class VisionEvents:
         self.units = VisionUnits(step, units, self.pieces)     # FSDP2's tower units (none without FSDP2)
 
     @property
+    def after_embedding(self) -> bool:
+        """Its backward runs after the token embedding's (Llama 3.2 Vision's cross-attention: VisionStep)."""
+        return self.vision is not None and self.vision.after_embedding
+
+    @property
     def has_backward(self) -> bool:
         """The vision side runs a backward: its script holds the scatter's (the embeddings' gradient included)."""
         return self.side is not None and bool(self.side.backward)

@@ -25,7 +25,7 @@ from llmem.memory.activations.selective import SelectiveLayer, hand_selective_re
 from llmem.model.families import family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.vision import vision_spec
+from llmem.model.vision import cross_attention_layers, vision_spec
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.objectives import objective_spec
 
@@ -133,12 +133,20 @@ class LearnedActivations:
     read_layer: int = 1              # the layer read (the others' differences are checked against it)
     selective: LearnedSelective | None = None   # learned for --ac-policy op only
     vision: LearnedVision | None = None         # a vision-language model's vision side
+    # the decoder layers of a second kind (Llama 3.2 Vision's cross-attention layers, at its text config's
+    # cross_attention_layers), read from layer 1 of a copy where it is one; `blocks` are then the other kind's
+    # (its self-attention layers'); (): the layers are of one kind
+    cross_blocks: tuple[LearnedBlock, ...] = ()
 
     def recipe(self, b: int, s: int) -> LayerRecipe:
         """The layer recipe at micro-batch b and seq_len s (the set-up's tokens per sample, before any virtual
         tokens: the fit includes them)."""
         return LayerRecipe(tuple(blk.at(b, s) for blk in self.blocks), tuple(poly_at(p, b, s) for p in self.embed),
                            tuple(poly_at(p, b, s) for p in self.head), tuple(poly_at(p, b, s) for p in self.shared))
+
+    def cross_recipe_blocks(self, b: int, s: int) -> tuple[Block, ...]:
+        """The cross-attention layers' blocks at micro-batch b and seq_len s (() for layers of one kind)."""
+        return tuple(blk.at(b, s) for blk in self.cross_blocks)
 
     @property
     def note(self) -> str:
@@ -151,8 +159,12 @@ class LearnedActivations:
         else:
             fit = "--compile: at the micro-batch's own shape, whose sizes decide what the partitioner saves"
         vision = (f"; its vision side read whole ({self.vision.described})" if self.vision is not None else "")
+        read = (f"decoder layer {self.read_layer} read as every layer's" if not self.cross_blocks else
+                f"decoder layer {self.read_layer} read twice, on a copy where it is a self-attention layer and on one "
+                f"where it cross-attends to the image features ({len(self.cross_blocks)} blocks), each as every "
+                "layer's of its kind")
         return (f"activations learned from the real code on a {self.depth}-layer copy at points {pts} (batch x "
-                f"tokens; {fit}), decoder layer {self.read_layer} read as every layer's{vision}; "
+                f"tokens; {fit}), {read}{vision}; "
                 f"{len(self.blocks)} blocks, learned in {self.seconds:.1f} s" + (
                     f"; under --ac-policy op it keeps the outputs of {self.selective.described}"
                     if self.selective is not None else ""))
@@ -160,9 +172,8 @@ class LearnedActivations:
     # ------------------------------------------------------------------------------------------ JSON (the disk cache)
     def to_json(self) -> dict:
         enc = _encode
-        return {"blocks": [{"name": b.name, "params": list(b.params), "tensors": [enc(p) for p in b.tensors],
-                            "temps": [[enc(p), a, f] for p, a, f in b.temps],
-                            "transients": [enc(p) for p in b.transients]} for b in self.blocks],
+        return {"blocks": [_block_json(b) for b in self.blocks],
+                **({"cross_blocks": [_block_json(b) for b in self.cross_blocks]} if self.cross_blocks else {}),
                 "embed": [enc(p) for p in self.embed], "head": [enc(p) for p in self.head],
                 "shared": [enc(p) for p in self.shared], "depth": self.depth,
                 "points": [list(p) for p in self.points], "seconds": self.seconds, "read_layer": self.read_layer,
@@ -172,15 +183,26 @@ class LearnedActivations:
     @staticmethod
     def from_json(d: dict) -> LearnedActivations:
         dec = _decode
-        blocks = tuple(LearnedBlock(b["name"], tuple(b["params"]), tuple(dec(p) for p in b["tensors"]),
-                                    tuple((dec(p), float(a), float(f)) for p, a, f in b["temps"]),
-                                    tuple(dec(p) for p in b["transients"])) for b in d["blocks"])
+        blocks = tuple(map(_block_from, d["blocks"]))
         return LearnedActivations(blocks, tuple(dec(p) for p in d["embed"]), tuple(dec(p) for p in d["head"]),
                                   tuple(dec(p) for p in d["shared"]), int(d["depth"]),
                                   tuple((int(b), int(s)) for b, s in d["points"]), float(d["seconds"]),
                                   int(d.get("read_layer", 1)),
                                   LearnedSelective.from_json(d["selective"]) if "selective" in d else None,
-                                  LearnedVision.from_json(d["vision"]) if "vision" in d else None)
+                                  LearnedVision.from_json(d["vision"]) if "vision" in d else None,
+                                  tuple(map(_block_from, d.get("cross_blocks", []))))
+
+
+def _block_json(b: LearnedBlock) -> dict:
+    return {"name": b.name, "params": list(b.params), "tensors": [_encode(p) for p in b.tensors],
+            "temps": [[_encode(p), a, f] for p, a, f in b.temps], "transients": [_encode(p) for p in b.transients]}
+
+
+def _block_from(b: dict) -> LearnedBlock:
+    dec = _decode
+    return LearnedBlock(b["name"], tuple(b["params"]), tuple(dec(p) for p in b["tensors"]),
+                        tuple((dec(p), float(a), float(f)) for p, a, f in b["temps"]),
+                        tuple(dec(p) for p in b["transients"]))
 
 
 def _encode(p: Poly) -> list[str]:
@@ -210,13 +232,16 @@ def unevenly_adapted(r: ResolvedSetup) -> bool:
     <module>.<adapter part>.default...): an adapter part shared between layers (Lily's, held by the first layer)
     leaves the others adapting the same modules through their own parts; the buffers peft adds count as adapting
     their module too (TinyLoRA's and UniLoRA's trained vectors are one list held by the first layer's module, the
-    other layers' modules adapt through their own projection buffers)."""
+    other layers' modules adapt through their own projection buffers). Layers of two kinds (Llama 3.2 Vision's
+    cross-attention ones) are compared within their kind (each kind is read from a layer of its own)."""
     per_layer: dict[int, set[str]] = {i: set() for i in range(r.anatomy.num_layers)}
     for p in (*(q for q in r.anatomy.params if q.trainable), *r.anatomy.buffers):
         found = _layer_and_rest(p.name) if p.layer_index is not None else None
         if found is not None and found[0] in per_layer:
             per_layer[found[0]].add(_adapted_module(found[1]))
-    return len({frozenset(v) for v in per_layer.values()}) > 1
+    crossing = cross_attention_layers(r.anatomy)
+    return any(len({frozenset(v) for i, v in per_layer.items() if (i in crossing) == kind}) > 1
+               for kind in (False, True))
 
 
 def _adapted_module(rel: str) -> str:
@@ -452,6 +477,13 @@ def learned_recipe(r: ResolvedSetup) -> LayerRecipe | None:
     recipes then). Learning itself is llmem.learn's (a floor above the runtime, started by the estimator)."""
     learned = learned_for(r)
     return learned.recipe(r.setup.batch_size, r.setup.seq_len) if learned is not None else None
+
+
+def learned_cross_blocks(r: ResolvedSetup) -> tuple[Block, ...]:
+    """The learned blocks of the decoder layers of a second kind (Llama 3.2 Vision's cross-attention layers) at the
+    set-up's micro-batch shape; () when the layers are of one kind or nothing was learned."""
+    learned = learned_for(r)
+    return learned.cross_recipe_blocks(r.setup.batch_size, r.setup.seq_len) if learned is not None else ()
 
 
 def learned_vision(r: ResolvedSetup) -> LearnedVision | None:

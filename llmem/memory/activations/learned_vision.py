@@ -123,6 +123,10 @@ class VisionStep:
     # the module inside each block that is the block's unit (the row's unit_in_block: Idefics3's "self_attn"; "": the
     # block itself)
     unit_in_block: str = ""
+    # its backward runs after the token embedding's (the features reach the decoder layers through cross-attention:
+    # Llama 3.2 Vision; llmem.learn.points.VisionReading.after_embedding), not before it (a scatter into the
+    # embeddings, whose backward runs the vision side's first)
+    after_embedding: bool = False
 
     def unit_of(self, piece: LearnedPiece) -> str | None:
         """The FSDP2 unit a piece runs in (its module is one, or holds one: Idefics3's blocks, whose attention is

@@ -26,6 +26,7 @@ from llmem.memory.activations.context_parallel import with_ring_attention
 from llmem.memory.activations.embedding_adapter import embedding_adapter_kept, embedding_adapters
 from llmem.memory.activations.float8 import with_float8
 from llmem.memory.activations.learned import (
+    learned_cross_blocks,
     learned_recipe,
     learned_selective,
     learned_vision,
@@ -51,7 +52,15 @@ from llmem.model.anatomy import ModelAnatomy
 from llmem.model.families import family_of
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding, is_lm_head
-from llmem.model.vision import tower_units, vision_modules, vision_root, vision_spec
+from llmem.model.vision import (
+    LANGUAGE,
+    cross_attention_layers,
+    part_of,
+    tower_units,
+    vision_modules,
+    vision_root,
+    vision_spec,
+)
 from llmem.model.vision_inputs import VisionInputs, vision_inputs
 from llmem.setup.attention import ATTENTIONS, AttentionSpec
 from llmem.setup.checkpointing import AC_POLICIES
@@ -59,6 +68,21 @@ from llmem.setup.float8 import FLOAT8_RECIPES
 from llmem.setup.liger import AUTO, applied_kernels
 from llmem.setup.precision import Regime
 from llmem.setup.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class LayerKinds:
+    """Decoder layers of a second kind (Llama 3.2 Vision's cross-attention layers among its self-attention ones,
+    learned: LearnedActivations.cross_blocks): their blocks and which layers are of that kind (the profile's `blocks`
+    are every other layer's), and the leading layers that run without a graph (before the first cross-attention
+    layer, nothing below it trained: they keep nothing and run no backward; graphless_layers)."""
+    cross_blocks: tuple[Block, ...] = ()
+    cross_layers: frozenset[int] = frozenset()
+    graphless_layers: int = 0
+
+    @property
+    def cross_saved(self) -> int:
+        return sum(b.saved for b in self.cross_blocks)
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,25 @@ class ActivationProfile:
     # partitioner chose, learned with the layer), not autocast's cached casts the schedule makes
     compiled: bool = False
     vision: VisionStep | None = None   # a vision-language step: its batch, vision modules and learned vision side
+    kinds: LayerKinds = LayerKinds()   # decoder layers of two kinds (Llama 3.2 Vision's): the second kind's
+
+    def skipped(self, layer: int) -> int:
+        """The leading blocks of decoder layer `layer` that keep nothing (their inputs need no gradient): every block
+        of a graphless layer, layer 0's before its first adapter (first_layer_skip)."""
+        if layer < self.kinds.graphless_layers:
+            return len(self.blocks_of(layer))
+        return self.first_layer_skip if layer == 0 else 0
+
+    def blocks_of(self, layer: int) -> tuple[Block, ...]:
+        """Decoder layer `layer`'s blocks: its kind's."""
+        return self.kinds.cross_blocks if layer in self.kinds.cross_layers else self.blocks
+
+    def saved_of(self, layer: int) -> int:
+        """What decoder layer `layer` keeps for backward, not checkpointed (its input included; none in a graphless
+        layer)."""
+        if layer < self.kinds.graphless_layers:
+            return 0
+        return self.kinds.cross_saved if layer in self.kinds.cross_layers else self.per_layer_saved
 
     @property
     def loss_bytes(self) -> int:
@@ -126,7 +169,9 @@ class ActivationProfile:
         """Bytes kept for backward by the first `layers` decoder layers at the end of the forward."""
         n = self.layers if layers is None else layers
         ck = self.checkpointed_layers(n)
-        return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
+        if not self.kinds.cross_layers:
+            return ck * self.checkpoint_saved + (n - ck) * self.per_layer_saved
+        return ck * self.checkpoint_saved + sum(self.saved_of(i) for i in range(n) if not self.checkpointed(i))
 
     @property
     def embed_leaf_apart(self) -> bool:
@@ -405,11 +450,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     selective = selective_layer(anatomy, recipe.blocks, d, regime, attn, learned_selective(r),
                                 learning_failure(r) or "") if selective else None
     loss = loss_logits(setup, d, regime)
-    # peft's LoRA on the input embedding: its matmul's operands, kept until the embedding's backward (a learned
-    # recipe's embedding side has them already)
-    embed = recipe.embed + (embedding_adapter_kept(embedding_adapters(anatomy, setup, regime, d.t,
-                                                                      r.layout.shards_model_states))
-                            if learned is None else ())
+    embed = recipe.embed if learned is not None else recipe.embed + _embedding_adapter_side(r, d, regime)
+    cross = learned_cross_blocks(r)
     return ActivationProfile(
         selective=selective, loss=loss,
         embed_leaf_bytes=embedding_leaf_bytes(anatomy, setup, regime, d.s) if setup.grad_ckpt else 0,
@@ -437,9 +479,35 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         compiled=setup.compile,
         vision=VisionStep(_vision_batch_bytes(anatomy, setup, images), vision_modules(anatomy.model_type),
                           learned_vision(r), vision_root(anatomy.model_type), tower_units(anatomy),
-                          vision_spec(anatomy.model_type).unit_in_block)
+                          vision_spec(anatomy.model_type).unit_in_block,
+                          bool(vision_spec(anatomy.model_type).cross_attention_layers))
         if setup.images_per_sample else None,
+        # (the cross-attention layers' own blocks are learned: without them, every layer the fallback recipe's)
+        kinds=LayerKinds(cross, cross_attention_layers(anatomy), graphless_layers(anatomy, setup)) if cross else
+        LayerKinds(),
     )
+
+
+def _embedding_adapter_side(r: ResolvedSetup, d: Dims, regime: Regime) -> Sizes:
+    """peft's LoRA on the input embedding: its matmul's operands, kept until the embedding's backward (a learned
+    recipe's embedding side has them already)."""
+    return embedding_adapter_kept(embedding_adapters(r.anatomy, r.setup, regime, d.t, r.layout.shards_model_states))
+
+
+def graphless_layers(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
+    """The decoder layers before the first cross-attention layer (Llama 3.2 Vision's) when nothing below it trains: a
+    frozen token embedding and frozen layers, without checkpointing (whose enable_input_require_grads makes the
+    embedding's output require grad). Autograd records nothing there (MllamaTextModel's stream needs no gradient
+    until a cross-attention layer reads the trained image features), so they keep nothing. 0 otherwise."""
+    crossing = cross_attention_layers(anatomy)
+    if not crossing or setup.grad_ckpt:
+        return 0
+    first = min(crossing)
+    spec = vision_spec(anatomy.model_type)
+    below = (p for p in anatomy.params if p.trainable and part_of(spec, p.name) == LANGUAGE and (
+        p.layer_index is not None and p.layer_index < first or p.layer_index is None and is_embedding(p)))
+    return 0 if any(below) else first
+
 
 
 def vision_mask_bytes(anatomy: ModelAnatomy, setup: TrainingSetup) -> int:
