@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from published_configs import CONFIGS as SHARED
+from published_configs import SKIP_REASON, present
 
 from llmem.errors import LlmemError
 from llmem.setup.sources import setup_from_file
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "configs"
+needs_configs = pytest.mark.skipif(not present(), reason=SKIP_REASON)
 EVAL_FIELDS = ("eval_batch_size", "eval_keeps", "eval_accumulation_steps", "eval_samples")
 
 
@@ -73,6 +75,7 @@ def test_llamafactory_val_size_count_and_compute_accuracy(tmp_path):
     assert _eval(got) == (2, "token-ids", None, 200)
 
 
+@needs_configs
 def test_llamafactory_example_evaluates_a_share_of_the_data():
     got = setup_from_file([SHARED / "llamafactory/examples/train_qlora/llama3_lora_sft_bitsandbytes.yaml"],
                           model="tiny-llama")
@@ -80,12 +83,14 @@ def test_llamafactory_example_evaluates_a_share_of_the_data():
     assert _eval(got) == (1, "loss", None, None)
 
 
+@needs_configs
 def test_axolotl_val_set_size_turns_the_eval_on_at_the_micro_batch():
     got = setup_from_file([SHARED / "axolotl/examples/llama-3/fft-8b.yaml"], model="tiny-llama")
     # val_set_size: 0.05, micro_batch_size: 1, no eval_batch_size
     assert _eval(got) == (1, "loss", None, None)
 
 
+@needs_configs
 def test_axolotl_without_a_validation_set_does_not_evaluate():
     got = setup_from_file([SHARED / "axolotl/examples/llama-3/qlora.yml"], model="tiny-llama")   # val_set_size: 0
     assert _eval(got) == (None, "loss", None, None)

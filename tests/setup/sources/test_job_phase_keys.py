@@ -4,11 +4,13 @@ the key is kept as one with no effect on the step, never a refusal."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import pytest
+from published_configs import CONFIGS as SHARED
+from published_configs import SKIP_REASON, present
 
 from llmem.setup.sources import setup_from_file
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "configs"
+pytestmark = pytest.mark.skipif(not present(), reason=SKIP_REASON)
 
 
 def _read(*names: str, **overrides):
