@@ -15,6 +15,7 @@ each work it out; the plan's CPU time grows by that (measured in benchmarks/cli_
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -66,6 +67,9 @@ def _forked(tasks: Sequence[Callable[[], T]], workers: int, order: list[int],
     global _TASKS
     _TASKS = tasks
     results: dict[int, T] = {}
+    # the plan's objects, inherited by the fork, left out of every collection (the parent's too) until the workers
+    # are done: a worker's collector then neither walks nor copies them (gc.freeze, Python's advice before fork)
+    gc.freeze()
     try:
         with multiprocessing.get_context("fork").Pool(workers, initializer=_enter_worker) as pool:
             for i, value in pool.imap_unordered(_run, order):
@@ -74,6 +78,7 @@ def _forked(tasks: Sequence[Callable[[], T]], workers: int, order: list[int],
                     done(i, len(results))
     finally:
         _TASKS = ()
+        gc.unfreeze()
     return [results[i] for i in range(len(tasks))]
 
 
