@@ -39,6 +39,7 @@ MLLAMA_CI_ROWS: list[TrainingSetup] = [
         {}, {"freeze_vision_tower": True}, {"freeze_language_model": True}, {"lora_rank": 8},
         {"freeze_vision_tower": True, "grad_ckpt": True}, {"images_per_sample": 2, "image_size": "300x500"})),
     _s("tiny-mllama", "ddp", 2, **_TINY, freeze_vision_tower=True, grad_ckpt=True),
+    _s("tiny-mllama", "ddp", 2, **_TINY),     # everything trained: one bucket per dtype (llmem.estimator.ddp_buckets)
     _s("tiny-mllama", "fsdp", 2, **_TINY),
     _s("tiny-mllama", "fsdp", 2, **_TINY, lora_rank=8),
     _s("tiny-mllama", "ds-zero3", 2, **_TINY),
