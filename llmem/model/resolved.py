@@ -128,10 +128,11 @@ def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gp
     peft builds), not from the options: their kind, rank and the modules they adapt."""
     resolved = replace(setup, model=anatomy.name, parallelism=setup.parallelism.recorded(layout), gpu=gpu.name,
                        attn=setup.attn if anatomy.supports_sdpa else setup.attention_spec.without_sdpa)
-    kind, rank, targets, virtual = _adapters(anatomy, setup)
+    kind, rank, targets, saved, virtual = _adapters(anatomy, setup)
     return SetupRecord(resolved, anatomy.model_type, anatomy.total_params, anatomy.trainable_params, layout.dp,
                        layout.nodes, gpu.memory_bytes, gpu.cuda_context_bytes, layout=layout.label, adapter=kind,
-                       adapter_rank=rank, adapter_targets=targets, virtual_tokens=virtual, attn_requested=setup.attn)
+                       adapter_rank=rank, adapter_targets=targets, saved_modules=saved, virtual_tokens=virtual,
+                       attn_requested=setup.attn)
 
 
 _PEFT_KINDS = {"LORA": "LoRA", "IA3": "IA3", "PROMPT_TUNING": "prompt tuning", "PREFIX_TUNING": "prefix tuning",
@@ -139,26 +140,29 @@ _PEFT_KINDS = {"LORA": "LoRA", "IA3": "IA3", "PROMPT_TUNING": "prompt tuning", "
                "OFT": "OFT", "VERA": "VeRA"}
 
 
-def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup) -> tuple[str, int, tuple[str, ...], int]:
-    """(kind, rank, adapted module names, virtual tokens) of the trained anatomy's peft adapters; ("", 0, (), 0)
-    for full fine-tuning."""
+def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup
+              ) -> tuple[str, int, tuple[str, ...], tuple[str, ...], int]:
+    """(kind, rank, adapted module names, modules_to_save's names, virtual tokens) of the trained anatomy's peft
+    adapters; ("", 0, (), (), 0) for full fine-tuning."""
     info = anatomy.peft
     if info is None:
-        return "", 0, (), 0
+        return "", 0, (), (), 0
     kind = "DoRA" if info.use_dora else _PEFT_KINDS.get(info.peft_type, info.peft_type)
     if kind == "LoRA":
         kind = setup.quant_spec.adapter_kind      # QLoRA on a 4-bit NF4 base
-    rank, targets = 0, []
+    rank, targets, saved = 0, [], []
     for p in anatomy.params:
         parts = p.name.split(".")
         if not p.trainable or "default" not in parts:
             continue
         at = parts.index("default")        # peft's adapter name: <module>.<adapter part>.default[.weight]
-        if at >= 2 and parts[at - 2] not in targets:
-            targets.append(parts[at - 2])
+        # peft's ModulesToSaveWrapper: <module>.modules_to_save.default.*, a whole trained copy, not an adapter
+        names = saved if parts[at - 1] == "modules_to_save" else targets
+        if at >= 2 and parts[at - 2] not in names:
+            names.append(parts[at - 2])
         if not rank and parts[at - 1] == "lora_A" and len(p.shape) == 2:
             rank = p.shape[0]
-    return kind, rank, tuple(targets), info.num_virtual_tokens
+    return kind, rank, tuple(targets), tuple(saved), info.num_virtual_tokens
 
 
 def assemble(setup: TrainingSetup, base: ModelAnatomy, gpu: GpuSpec, layout: Layout) -> ResolvedSetup:

@@ -26,6 +26,7 @@ class SetupRecord:
     adapter: str = ""                     # what trains besides nothing: "LoRA", "QLoRA", "DoRA", "IA3", ...; "" (full)
     adapter_rank: int = 0                 # LoRA / DoRA rank (0: not a low-rank adapter)
     adapter_targets: tuple[str, ...] = ()  # the adapted modules' names (q_proj, v_proj, ...)
+    saved_modules: tuple[str, ...] = ()    # peft's modules_to_save: modules trained whole beside the adapters
     virtual_tokens: int = 0               # prompt tuning: prepended embeddings
     attn_requested: str = ""              # --attn as asked (setup.attn is the kernel that runs)
 
@@ -46,6 +47,8 @@ class SetupRecord:
                    adapter_rank=self.adapter_rank or None, adapter_targets=list(self.adapter_targets),
                    virtual_tokens=self.virtual_tokens, attn_requested=self.attn_requested or self.setup.attn,
                    attn_kernel=self.setup.attn, description=self.describe())
+        if self.saved_modules:          # (only where set: the answers without them keep their keys)
+            out["saved_modules"] = list(self.saved_modules)
         out.update(later)
         return out
 
@@ -81,6 +84,8 @@ class SetupRecord:
             kind += f" ({self.virtual_tokens} virtual tokens)"
         if self.adapter_targets:
             kind += " on " + ", ".join(self.adapter_targets)
+        if self.saved_modules:
+            kind += "; " + ", ".join(self.saved_modules) + " trained whole (modules_to_save)"
         return kind
 
     def trainable_text(self) -> str:

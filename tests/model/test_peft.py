@@ -53,6 +53,29 @@ def test_lora_config_from_save_pretrained(tmp_path):
     assert r.setup.peft_config == path
 
 
+def test_modules_to_save_are_named_apart_from_the_adapted_modules(tmp_path):
+    """peft's modules_to_save train a whole copy of each module (ModulesToSaveWrapper), beside LoRA's adapters: the
+    record names them apart, as peft's own model on the meta device wraps them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import ModulesToSaveWrapper
+    from transformers import AutoModelForCausalLM
+
+    from llmem.model.config import resolve_config
+
+    config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    path = _save(tmp_path, "lora-save", config)
+    record = estimate(_setup(peft_config=path)).setup
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(resolve_config("tiny-llama")[1]), config)
+    wrapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+    assert record.saved_modules == tuple(sorted(wrapped)) == ("lm_head",)
+    assert record.adapter_targets == ("q_proj", "v_proj")
+    assert record.adapter_text().endswith("on q_proj, v_proj; lm_head trained whole (modules_to_save)")
+    assert record.to_dict()["saved_modules"] == ["lm_head"]
+    assert "saved_modules" not in estimate(_setup(lora_rank=8)).setup.to_dict()
+
+
 def test_peft_lora_config_equals_lora_options(tmp_path):
     """The same LoRA through two paths: the anatomy peft builds from a saved config, and --lora-rank's analytic
     with_lora. Same trainable set, same activations, same counters."""
