@@ -114,26 +114,22 @@ class StageSchedule(StepSchedule):
         requires_gradient_sync / reshard_after_backward False for every backward (backward_maybe_with_nosync)."""
         return replace(super().step_facts(r, act, layers), reshard=False)
 
-    def build(self, iterations: int = 2) -> Schedule:
-        try:
-            self.setup_phase()
-            for it in range(iterations):
-                if it == 0:
-                    self.recv_buffers()
-                self.accumulating = False
-                for kind, c, k in self.actions:
-                    if kind == "F":
-                        self.forward_microbatch(it, c, k)
-                    else:
-                        self.backward_microbatch(it, c, k)
-                if self.facts.fsdp:
-                    self.reduce_grads()
-                self.sch.free_all(self.last_output)
-                self.last_output = []
-                self.optimizer_step(it)
-            return self.sch
-        finally:
-            self.drop_parts()
+    def lay_out(self, iterations: int) -> None:
+        self.setup_phase()
+        for it in range(iterations):
+            if it == 0:
+                self.recv_buffers()
+            self.accumulating = False
+            for kind, c, k in self.actions:
+                if kind == "F":
+                    self.forward_microbatch(it, c, k)
+                else:
+                    self.backward_microbatch(it, c, k)
+            if self.facts.fsdp:
+                self.reduce_grads()
+            self.sch.free_all(self.last_output)
+            self.last_output = []
+            self.optimizer_step(it)
 
     def recv_buffers(self) -> None:
         """_initialize_pp_stages: each stage's forward recv buffers of every micro-batch (stages in order), then the
@@ -154,8 +150,8 @@ class StageSchedule(StepSchedule):
         sch.phase = f"it{it}:forward"
         sch.mark(f"stage {split.index} micro-batch {k} forward")
         fwd = self.state.forward = ForwardLive()
-        fwd.embed_keys = [alloc(n, "activations") for n in act.embed_tensors] if split.embedding else []
-        fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]   # each stage's rotary cos/sin
+        fwd.embed_keys = sch.alloc_many(act.embed_tensors, "activations") if split.embedding else []
+        fwd.shared_keys = sch.alloc_many(act.shared_tensors, "activations")   # each stage's rotary cos/sin
         self.ensure_workspace()
         if self.facts.root:
             self.unshard_forward(None, self.facts.root)

@@ -74,15 +74,19 @@ class StepSchedule:
 
     # ------------------------------------------------------------------------------------------ the recipe
     def build(self, iterations: int = 2) -> Schedule:
+        """The step's schedule, laid out once (the builder's parts are let go of after it: drop_parts)."""
         try:
-            self.setup_phase()
-            for it in range(iterations):
-                self.forward(it)
-                self.backward(it)
-                self.optimizer_step(it)
+            self.lay_out(iterations)
             return self.sch
         finally:
             self.drop_parts()
+
+    def lay_out(self, iterations: int) -> None:
+        self.setup_phase()
+        for it in range(iterations):
+            self.forward(it)
+            self.backward(it)
+            self.optimizer_step(it)
 
     def drop_parts(self) -> None:
         """Cut the parts' references back to this builder (the hooks they call): built (or abandoned at
@@ -146,7 +150,7 @@ class StepSchedule:
             fwd.embed_keys.append(alloc(act.embed_leaf_bytes, "activations") if act.embed_leaf_bytes else -1)
         if f.ckpt_offload is not None and not act.embed_leaf_bytes:   # a trained embedding's output: layer 0's input
             fwd.passed = alloc(f.ckpt_offload.input_bytes, "activations")
-        fwd.shared_keys = [alloc(n, "activations") for n in act.shared_tensors]
+        fwd.shared_keys = sch.alloc_many(act.shared_tensors, "activations")
         mask_key = alloc(act.mask_bytes, "activations") if act.mask_bytes else -1
         if not f.own_units:             # (the embedding's unit: at layer 0's first matmul, once it is gathered)
             self.ensure_workspace()
