@@ -325,8 +325,8 @@ class GenerationEvents(PreferenceEvents):
                     new = alloc(self.kv_token_bytes * total, "activations")
                     free(cache[i][kv])
                     cache[i][kv] = new
-            previous, pending = self.no_grad_blocks(i, act.blocks_of(i), regime, "cached", cached, self.gen_rows * tokens,
-                                                    adapters=True, before=update)
+            previous, pending = self.no_grad_blocks(i, act.blocks_of(i), regime, "cached", cached,
+                                                    self.gen_rows * tokens, adapters=True, before=update)
             update(None)       # a learned layer without the recipes' attention block: the update at its end
             self.dequantise(pending, self.gen_rows * tokens, adapters=True)    # the layer's last linears (the MLP's)
             out = alloc(self.gen_rows * tokens * h * regime.res, "activations")

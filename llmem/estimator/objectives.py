@@ -328,7 +328,7 @@ class PreferenceEvents:
         # the recipe's final norm tensors; its last one, the lm_head's input (kept for a trained lm_head's weight
         # gradient), is not kept: the fused head copies the label tokens instead
         kept = act.head_tensors[:-1] if act.lm_head_kept else act.head_tensors
-        self.head_keys = [alloc(n, "activations") for n in kept]
+        self.head_keys = sch.alloc_many(kept, "activations")
         if labels:
             self.labels = alloc(self.rows * self.seq * INT64, "logits_and_loss")
         norm_out = alloc(self.rows * self.seq * s.facts.hidden_size * head.out_bytes, "activations")
@@ -501,7 +501,7 @@ class PreferenceEvents:
                     cached.append(key)
                 else:
                     sch.free(key)
-            current = [alloc(n, "activations") for n in b.tensors]
+            current = sch.alloc_many(b.tensors, "activations")
             self.dequantise(pending, tokens, adapters)
             sch.free_all(previous)
             previous, pending = current, (params, b)

@@ -102,10 +102,10 @@ class PairwiseEvents(PreferenceEvents):
         # score's weight) for the score (the causal-LM recipe's head leaves it out: the logits dwarf it)
         norm_out = -1
         if self.scalar and regime.autocast and regime.res != regime.mm:
-            self.head_keys = [alloc(n, "activations") for n in act.head_tensors[:-1]]
+            self.head_keys = sch.alloc_many(act.head_tensors[:-1], "activations")
             norm_out = alloc(s.facts.t * s.facts.hidden_size * regime.res, "activations")
         else:
-            self.head_keys = [alloc(n, "activations") for n in act.head_tensors]
+            self.head_keys = sch.alloc_many(act.head_tensors, "activations")
         f = s.facts
         self.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
                           if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)] if regime.autocast else []

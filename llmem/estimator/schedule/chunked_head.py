@@ -104,7 +104,7 @@ class ChunkedOutputEvents:
         c, live = f.act.chunked, self.state.forward.chunked
         self.loss_backward()
         fwd = self.state.forward
-        fwd.head_keys += [alloc(n, "activations") for n in fwd.head_offloaded]   # offloaded: unpacked
+        fwd.head_keys += sch.alloc_many(fwd.head_offloaded, "activations")   # offloaded: unpacked
         head_params = step.head_backward_params()
         head_mm = [p for p in head_params if is_lm_head(p)]
         inputs: list[int] = []

@@ -93,7 +93,7 @@ class HeadEvents:
         f, sch, alloc, fwd = self.f, self.sch, self.sch.alloc, self.state.forward
         act, regime, tv, tp = f.act, f.regime, f.tv, f.layout.tp
         sch.mark("lm_head and loss")
-        fwd.head_keys = [alloc(n, "activations") for n in act.head_tensors]
+        fwd.head_keys = sch.alloc_many(act.head_tensors, "activations")
         fwd.head_offloaded = []
         if act.offload:   # the final norm's tensors go to the host; the lm_head's input stays (not offloaded)
             fwd.head_offloaded = list(act.head_tensors[:-1] if act.lm_head_input else act.head_tensors)
@@ -302,7 +302,7 @@ class HeadEvents:
             step.unshard_backward("head", f.own_units["head"])
             step.prefetch(f.layers - 1, f.unit(f.layers - 1))
         head_params = step.head_backward_params()
-        fwd.head_keys += [alloc(n, "activations") for n in fwd.head_offloaded]   # offloaded: unpacked
+        fwd.head_keys += sch.alloc_many(fwd.head_offloaded, "activations")   # offloaded: unpacked
         if f.act.fused_ce is not None:
             grad_in, stolen = fwd.fused_grads
             for p in head_params:

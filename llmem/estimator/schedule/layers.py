@@ -122,7 +122,7 @@ class LayerEvents:
         if checkpointed:
             # (the layer's output, the next layer's kept input, exists before its intermediates die)
             out = sch.alloc(act.ckpt_input_bytes, "activations")
-            fwd.int8_keys[i] = [sch.alloc(n, "activations") for n in act.int8_kept]
+            fwd.int8_keys[i] = sch.alloc_many(act.int8_kept, "activations")
             if not act.offload and self.offload is None:
                 fwd.ckpt_keys[i] = out
         for keys in per_block:
@@ -205,7 +205,7 @@ class LayerEvents:
         # offloaded: the unpack hook copies the input back first (when the recompute keeps it as it is, it is
         # the first block's first tensor)
         unpacked = sch.alloc(act.recompute_input_bytes, "activations") if act.recompute_input_bytes else -1
-        copies = [[sch.alloc(n, "gathered_weights") for n in self.f.cast_bytes(params)] for params in blocks_params]
+        copies = [sch.alloc_many(self.f.cast_bytes(params), "gathered_weights") for params in blocks_params]
         per_block = []
         for j, (b, params) in enumerate(zip(act.blocks_of(i), blocks_params, strict=True)):
             per_block.append(self.blocks.forward(b) if act.selective is None else self.selective_recompute(i, j))
@@ -220,8 +220,8 @@ class LayerEvents:
         sch, act, step = self.sch, self.f.act, self.step
         blocks_params = self.f.params.layer_blocks[i]
         if self.f.offloaded(i) and j >= act.skipped(i):   # back from the host for backward
-            per_block[j] = [sch.alloc(n, "activations") for n in act.blocks_of(i)[j].tensors]
-            copies[j] = [sch.alloc(n, "gathered_weights") for n in self.f.cast_bytes(blocks_params[j])]
+            per_block[j] = sch.alloc_many(act.blocks_of(i)[j].tensors, "activations")
+            copies[j] = sch.alloc_many(self.f.cast_bytes(blocks_params[j]), "gathered_weights")
         for p in blocks_params[j]:
             if p.trainable:
                 step.flush_steps(it)     # in backward: the previous weight's hook has run (one node each)

@@ -112,7 +112,7 @@ class FsdpUnits:
             cast = alloc(sum(params.gather_sizes[p.name]), "communication_buffers") if params.cast_in[p.name] else -1
             sch.free(prev)
             prev = cast
-            keys += [alloc(n, "gathered_weights") for n in params.gather_sizes[p.name]]
+            keys += sch.alloc_many(params.gather_sizes[p.name], "gathered_weights")
         sch.free(prev)
         self.live.gathered.setdefault(unit_key, []).extend(keys)
         self.live.gathered_by.setdefault(unit_key, []).append(keys)
