@@ -74,8 +74,17 @@ class Worker:
         self.process = context.Process(target=_worker_main, args=(child, place), daemon=True, name="llmem-serve")
         self.process.start()
         child.close()
+        self._kill_lock = threading.Lock()
+        self._killed = False
 
     def kill(self) -> None:
+        """Once, whoever asks first: a stop (the signal handler's close()) and the request thread that sees its
+        worker die both kill it. Connection.close() is not thread-safe: two closes at once closed its descriptor
+        twice (EBADF in the signal handler, or worse, a descriptor opened meanwhile by another thread)."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
         self.process.kill()
         self.process.join(5)
         self.conn.close()

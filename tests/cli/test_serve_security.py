@@ -355,3 +355,45 @@ def test_the_pages_bounds_on_layers_and_gpus(client, uploads):
     r = client.post("/api/estimate", json={"model": "tiny-llama", "gpus": "2", "method": "fsdp", "seq_len": "64"})
     assert r.status_code == 200
     assert _leftovers(uploads) == []
+
+
+def test_a_worker_killed_from_two_threads_at_once_closes_its_pipe_once():
+    """A stop's close() (in the signal handler) and the request thread that sees its worker die both kill it, at
+    the same moment: its pipe is closed once (two closes at once raised EBADF in CI's SIGTERM test)."""
+    from llmem.cli.serve_pool import Worker
+
+    class Pipe:
+        closes = 0
+
+        def close(self):
+            Pipe.closes += 1
+            time.sleep(0.05)
+
+    class Process:
+        def __init__(self, **kwargs):
+            pass
+
+        def start(self):
+            pass
+
+        def kill(self):
+            pass
+
+        def join(self, timeout):
+            time.sleep(0.2)                 # both killers are inside kill() before either closes
+
+    class Context:
+        def Pipe(self):
+            return Pipe(), Pipe()
+
+        def Process(self, **kwargs):
+            return Process(**kwargs)
+
+    w = Worker(Context(), place=None)
+    Pipe.closes = 0                         # the child end, closed by the parent once the worker started
+    killers = [threading.Thread(target=w.kill) for _ in range(2)]
+    for t in killers:
+        t.start()
+    for t in killers:
+        t.join()
+    assert Pipe.closes == 1
