@@ -62,8 +62,6 @@ EIGHT_BIT = ("the 8-bit optimizer the run used: the published drop from TT-15 (4
 TT08_SETTINGS = ("the settings: at 2 x 2048 the NF4 shard, the checkpointed layer inputs and one gathered layer "
                  "alone (42.4 GiB) exceed the published 41.7 GiB; torchtune's 405B_qlora.yaml runs batch 1, "
                  "unpacked, rank 16")
-# torchtune's compile_loss compiles a whole loss module unless it is the chunked one (--compile --output-chunks)
-LOSS_COMPILE = "torchtune's compile of the unchunked loss (compile_loss)"
 # --output-chunks (torchtune's chunked output) is not modelled with custom_sharded_layers' own lm_head unit: that
 # row keeps the whole logits
 CHUNKED_CE = "torchtune's CEWithChunkedOutputLoss with the lm_head's own FSDP2 unit"
@@ -99,7 +97,7 @@ ROWS: tuple[PublishedRun, ...] = (
     # 1. torchtune README, "Optimization flags": Llama-3.2-3B full fine-tune, bf16, 2 x 4096 (packed), A100 80GB
     PublishedRun("TT-09", "3B full, baseline (unpacked)", "active", 25.5, "GiB", None, (SEQ_NOT_STATED,)),
     PublishedRun("TT-10", "3B full, + packed", "active", 60.0, "GiB", _TT_PACKED),
-    PublishedRun("TT-11", "+ torch.compile", "active", 51.0, "GiB", dict(_TT_PACKED, compile=True), (LOSS_COMPILE,)),
+    PublishedRun("TT-11", "+ torch.compile", "active", 51.0, "GiB", dict(_TT_PACKED, compile=True)),
     PublishedRun("TT-12", "+ chunked cross entropy", "active", 42.9, "GiB",
                  dict(_TT_PACKED, compile=True, output_chunks=8)),
     PublishedRun("TT-13", "+ activation checkpointing", "active", 24.9, "GiB",
@@ -133,7 +131,7 @@ ROWS: tuple[PublishedRun, ...] = (
     PublishedRun("TT-06", "70B full, FSDP2 CPU offload, 8x A100", "n/s", 13.9, "GiB",
                  dict(_TT_8B, model="meta-llama/Llama-3.1-70B", method="fsdp", gpus=8, gpu="A100-80GB",
                       optimizer="adamw-fused", offload_param=True, compile=True, shard_embeddings=True),
-                 (LOSS_COMPILE, CHUNKED_CE, NOT_STATED)),
+                 (CHUNKED_CE, NOT_STATED)),
     PublishedRun("TT-07", "70B LoRA, FSDP2, 8x A100", "n/s", 27.6, "GiB",
                  dict(_TT_8B_LORA, model="meta-llama/Llama-3.1-70B", method="fsdp", gpus=8, gpu="A100-80GB",
                       compile=True, output_chunks=8), (NOT_STATED,)),

@@ -50,6 +50,15 @@ UNMODELLED_RECIPES = {
     "grpo_samples": "dev/grpo_full_finetune_distributed (generation and a reference model in every step)",
 }
 
+# The recipes that keep what training.compile_loss returns (`self._loss_fn = training.compile_loss(self._loss_fn)`,
+# torchtune 0.3.1 to 0.6.1: lora_finetune_single_device.py, knowledge_distillation_*.py): an unchunked loss runs
+# compiled whole. The others call it and drop its value (full_finetune_single_device.py:294,
+# full_finetune_distributed.py:345, lora_finetune_distributed.py:303, qat_distributed.py:310 in 0.6.1):
+# torch.compile(module) returns a new OptimizedModule and leaves the module as it was, so their unchunked loss runs
+# eagerly. A CEWithChunkedOutputLoss is compiled in place (its compute_cross_entropy replaced) either way.
+LOSS_COMPILE_KEPT = ("lora_finetune_single_device", "knowledge_distillation_single_device",
+                     "knowledge_distillation_distributed")
+
 # torchtune 0.6.1's recipes that do not train (recipes/eleuther_eval.py, generate.py, quantize.py, dev/generate_v2*)
 NOT_TRAINING = ("eleuther_eval", "generate", "quantize", "dev/generate_v2", "dev/generate_v2_distributed")
 
@@ -78,7 +87,7 @@ def read(keys: Keys, r: Reading, text: str) -> None:
         why = "is not a builder of torchtune " + TORCHTUNE_VERSION if row is None else \
             "has dimensions no catalog model has"
         r.ignore("model._component_", component, f"torchtune's {base} {why}: give MODEL on the command line")
-    _recipe(r, text)
+    recipe = _recipe(r, text)
     batch = r.integer("batch_size", keys.get("batch_size", 1), what="a micro-batch")
     loss_type = _preference_loss(str(keys.sub("loss").get("_component_", "")))
     r.set("batch_size", keys.get("batch_size", 1), "batch_size", batch, batch_note("dpo" if loss_type else "sft"))
@@ -119,6 +128,7 @@ def read(keys: Keys, r: Reading, text: str) -> None:
         _lora(r, model, qlora)
     _loss(r, keys.sub("loss"))
     _distributed(r, keys)
+    _compile(r, keys, recipe)
     keys.get("ac_mode")
     r.not_read(keys)
 
@@ -132,11 +142,12 @@ def _refuse_unmodelled(r: Reading, keys: Keys) -> None:
                           "give the set-up with flags (llmem estimate MODEL --lora-rank ... --objective ...)")
 
 
-def _recipe(r: Reading, text: str) -> None:
-    """The file's documented launch line, `tune run [--nproc_per_node N] RECIPE --config NAME`."""
+def _recipe(r: Reading, text: str) -> str:
+    """The file's documented launch line, `tune run [--nproc_per_node N] RECIPE --config NAME`: its recipe ("" when
+    the file has none)."""
     match = TUNE_RUN.search(text)
     if match is None:
-        return
+        return ""
     words = match.group("args").split()
     recipe = next((w for w in words if not w.startswith("-") and not w.isdigit()), "")
     nproc = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--nproc_per_node"), None)
@@ -152,6 +163,28 @@ def _recipe(r: Reading, text: str) -> None:
     elif recipe:
         r.method, r.gpus = "single", 1
         r.note_used("# tune run", match.group("args").strip(), f"{recipe}: one GPU")
+    return recipe
+
+
+def _compile(r: Reading, keys: Keys, recipe: str) -> None:
+    """`compile: True`: training.compile_model (each decoder layer, inside its checkpoint wrapper) and
+    training.compile_loss: the chunked loss's compute_cross_entropy (llmem.runtime.compiled_loss); an unchunked loss
+    compiled whole only by the recipes that keep compile_loss's value (LOSS_COMPILE_KEPT), which llmem does not
+    model (it runs the loss eagerly, as the other recipes do)."""
+    if not keys.get("compile"):
+        return
+    chunked = "output_chunks" in r.values
+    r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)"
+          + (" and the chunked loss's cross-entropy (training.compile_loss)" if chunked else ""))
+    if chunked:
+        return
+    if recipe and recipe not in LOSS_COMPILE_KEPT:
+        r.note_used("compile (the loss)", True, f"the loss runs eagerly, as estimated: {recipe} calls training.compile_loss "
+                    "and drops the compiled copy it returns")
+        return
+    r.ignore("compile (the loss)", True, ("" if recipe else "if the recipe keeps what training.compile_loss "
+             "returns (lora_finetune_single_device does): ") + "the unchunked loss runs compiled whole, not "
+             "modelled (the loss runs eagerly in the estimate)")
 
 
 def _optimizer(r: Reading, keys: Keys) -> None:
@@ -274,15 +307,6 @@ def _distributed(r: Reading, keys: Keys) -> None:
         r.method = "fsdp+tp"
     _custom_sharded_layers(r, keys.get("custom_sharded_layers"))
     keys.sub("tensor_parallel_plan")
-    if keys.get("compile"):     # training.compile_model: each decoder layer, inside its checkpoint wrapper
-        # training.compile_loss: the chunked loss's compute_cross_entropy (llmem.runtime.compiled_loss), or the
-        # whole of another loss, which llmem runs eagerly
-        chunked = "output_chunks" in r.values
-        r.set("compile", True, "compile", True, "each decoder layer compiled (training.compile_model)"
-              + (" and the chunked loss's cross-entropy (training.compile_loss)" if chunked else ""))
-        if not chunked:
-            r.ignore("compile (the loss)", True, "training.compile_loss compiles the loss too: not modelled "
-                     "beside an unchunked loss (the loss runs eagerly in the estimate)")
     if "quantizer" in keys:     # qat_distributed / qat_lora_finetune_distributed
         r.ignore("quantizer._component_", keys.sub("quantizer").get("_component_"), "quantization-aware training "
                  "(torchao's fake-quantised weights and activations in every forward) is not modelled: the "

@@ -28,13 +28,40 @@ def test_torchtune_compile_is_each_layer_compiled(tmp_path):
     assert fs.setup.output_chunks > 0 and "compile (the loss)" not in approximate(fs)
 
 
-def test_torchtune_compile_of_an_unchunked_loss_is_said_to_run_eagerly(tmp_path):
-    _torchtune(tmp_path, "full-single-device.yaml", "compile: True")
-    text = (tmp_path / "full-single-device.yaml").read_text().replace(
-        "torchtune.modules.loss.CEWithChunkedOutputLoss", "torch.nn.CrossEntropyLoss")
-    (tmp_path / "full-single-device.yaml").write_text(text)
-    fs = setup_from_file(tmp_path / "full-single-device.yaml")
+def _unchunked(tmp_path, name: str, launch: str | None = None):
+    """`name` with compile on, torch.nn.CrossEntropyLoss for its loss and (`launch`) its `tune run` recipe
+    replaced."""
+    _torchtune(tmp_path, name, "compile: True")
+    text = (tmp_path / name).read_text().replace("torchtune.modules.loss.CEWithChunkedOutputLoss",
+                                                 "torch.nn.CrossEntropyLoss")
+    if launch is not None:          # "": no launch line at all
+        text = "\n".join(line for line in text.splitlines() if "tune run" not in line) + "\n"
+        text += f"# tune run {launch}\n" if launch else ""
+    (tmp_path / name).write_text(text)
+    return setup_from_file(tmp_path / name)
+
+
+def test_torchtune_full_recipes_run_an_unchunked_loss_eagerly_under_compile(tmp_path):
+    """full_finetune_single_device calls training.compile_loss(self._loss_fn) and drops what it returns: for a loss
+    other than the chunked one, torch.compile(module) returns a new module and leaves the recipe's own as it was (the
+    two checked here), so the loss runs eagerly, as the estimate runs it: no approximation."""
+    import torch
+
+    loss = torch.nn.CrossEntropyLoss()
+    compiled = torch.compile(loss)
+    assert compiled is not loss and type(loss) is torch.nn.CrossEntropyLoss and loss.forward.__self__ is loss
+    fs = _unchunked(tmp_path, "full-single-device.yaml")
     assert fs.setup.compile is True and fs.setup.output_chunks == 0
+    assert "compile (the loss)" not in approximate(fs)
+    assert any(u.key == "compile (the loss)" and "eagerly" in u.note for u in fs.record.used)
+
+
+def test_torchtune_lora_single_device_compiles_an_unchunked_loss_whole_not_modelled(tmp_path):
+    """lora_finetune_single_device keeps compile_loss's value (self._loss_fn = ...): the whole loss compiled, which
+    llmem does not model: said so; without a `tune run` line the recipe is unknown: said so too."""
+    fs = _unchunked(tmp_path, "full-single-device.yaml", "lora_finetune_single_device --config x")
+    assert "compile (the loss)" in approximate(fs)
+    fs = _unchunked(tmp_path, "full-single-device.yaml", "")
     assert "compile (the loss)" in approximate(fs)
 
 
