@@ -17,7 +17,7 @@ tensors where the device map says, the host by default):
   to 16 bits and moves it whole to its GPU (_configure_distributed_model) before ZeRO partitions anything.
 - `zero_init_then_rank0_loads`: zero.Init partitions each module as it is built; rank 0 reads the checkpoint into
   host memory and _load_state_dict_into_zero3_model gathers one module at a time (GatheredParameters,
-  modifier_rank=0) to copy it in.
+  modifier_rank=0) to copy it in; a tied lm_head's own partition is still held then (see the function).
 
 Saving (what HF's Trainer runs at a checkpoint: the model, then the optimizer; the step's weights and optimizer
 states stay on the GPU throughout, and so do DDP's gradient buckets (the Reducer's, for the module's lifetime) and
@@ -98,6 +98,7 @@ class PhaseBytes:
     largest_module_16bit_bytes: int   # DeepSpeed: one module's own parameters, 16-bit (GatheredParameters' unit)
     fsdp_shard_bytes: int          # FSDP2: this rank's padded dim-0 shards of every parameter, as stored
     zero3_partition_16bit_bytes: int  # ZeRO-3: this rank's 16-bit partitions (ceil(numel / dp) each)
+    zero3_tied_partition_16bit_bytes: int   # ... of the parameters with a tied alias (zero_init_then_rank0_loads)
     optimizer_bytes: int           # the optimizer's states of every trained parameter, unsharded
     optimizer_shard_bytes: int     # FSDP2: the states of this rank's shards
     largest_state_bytes: int       # one state tensor, unsharded
@@ -161,8 +162,16 @@ def deepspeed_engine_moves_module(b: PhaseBytes) -> tuple[int, int]:
 
 def zero_init_then_rank0_loads(b: PhaseBytes) -> tuple[int, int]:
     """zero.Init: each module partitioned as it is built; rank 0 merges the checkpoint into one host state dict and
-    each module is gathered whole (GatheredParameters, modifier_rank=0) to be copied into."""
-    return b.zero3_partition_16bit_bytes + b.largest_module_16bit_bytes, b.model_16bit_bytes
+    each module is gathered whole (GatheredParameters, modifier_rank=0) to be copied into.
+
+    A tied weight is partitioned twice: zero.Init partitions the lm_head's own weight as nn.Linear builds it, then
+    tie_weights replaces it with the embedding's. The replaced parameter is kept alive by a reference cycle
+    (DeepSpeed 0.19 partition_parameters.py _convert_to_deepspeed_param sets param.all_gather, param.partition, ...
+    to closures over the parameter itself), so its partition is freed only by Python's cyclic garbage collector,
+    whose passes follow the interpreter's allocation counts, not the load: counted through it, as the trace finds
+    it (tiny-qwen3 ZeRO-3 x 2: 8.19 MB, the orphan's 4,096,000 bf16 elements)."""
+    return (b.zero3_partition_16bit_bytes + b.zero3_tied_partition_16bit_bytes + b.largest_module_16bit_bytes,
+            b.model_16bit_bytes)
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -264,6 +273,8 @@ def phase_bytes(r: ResolvedSetup, ms: ModelStates) -> PhaseBytes:
         stateless_grads_bytes=0 if family != FSDP2 or any(map(sum, states)) else
         sum(n for p, n in zip(params, shard_bytes, strict=True) if p.trainable),
         zero3_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params) * b16,
+        zero3_tied_partition_16bit_bytes=sum(param_partition_numel(p.numel, shard_ranks) for p in params
+                                             if p.tied_to is not None) * b16,
         optimizer_bytes=sum(map(sum, states)),
         optimizer_shard_bytes=sum(sum(r.optimizer.states((n,), e))
                                   for p, n, e in zip(params, shard_numel, eb, strict=True) if p.trainable),

@@ -72,6 +72,23 @@ def test_zero3_loading_with_and_without_zero_init():
     assert (no_init["device_bytes"], no_init["host_bytes"]) == (P * 2, GPUS * P * 4)
 
 
+# tiny-qwen3 (llmem/model/catalog/tiny/tiny-qwen3.json): hidden 512, intermediate 1536, 8 / 4 heads of 64, q / k
+# norms, 4 layers, vocab 16000, tied embeddings
+QWEN3_EMBED = 16000 * 512
+QWEN3_P = QWEN3_EMBED + 4 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536 + 2 * 512 + 2 * 64) + 512
+
+
+def test_zero3_zero_init_holds_a_tied_lm_heads_own_partition():
+    """zero.Init partitions the lm_head's own weight as it is built; tie_weights replaces it, and the replaced
+    parameter lives on in a reference cycle (DeepSpeed's closures over it) until Python's cyclic collector runs:
+    its partition is held through the load (the trace finds it: tests/runtime/test_phase_trace.py)."""
+    assert QWEN3_P == 20_780_032
+    result = estimate(TrainingSetup(model="tiny-qwen3", gpus=GPUS, seq_len=64, method="ds-zero3"))
+    load = {p.name: p for p in result.job_phases}["load"]
+    # every dim divides by 8: this rank's 16-bit partitions, the embedding gathered whole, the orphan's partition
+    assert load.device_bytes == QWEN3_P * 2 // GPUS + QWEN3_EMBED * 2 + QWEN3_EMBED * 2 // GPUS == 23_627_008
+
+
 def test_zero3_saving_sharded_and_16bit_gather():
     # between steps: 16-bit partitions, the 9 RMSNorm weights (512 elements each, under the 1e5 persistence
     # threshold) kept whole in 16 bits, fp32 master partitions and AdamW's two fp32 states; cuBLAS's workspace; and

@@ -25,6 +25,7 @@ SETUPS = [
     {"method": "ds-zero3", "gpus": GPUS, "lora_rank": 8},                     # the adapters consolidated
     {"method": "ds-zero2", "gpus": GPUS},                                     # ZeRO-2's full save on every rank
     {"model": "tiny-qwen3", "method": "fsdp", "gpus": GPUS, "optimizer": "sgd"},   # tied; a stateless optimizer
+    {"model": "tiny-qwen3", "method": "ds-zero3", "gpus": GPUS},              # zero.Init of a tied model
 ]
 LORA = 4 * 2 * (8 * H + H * 8)      # LoRA r=8 on q_proj and v_proj of 4 layers: 65,536 parameters
 
@@ -57,7 +58,13 @@ def test_the_traced_bytes_match_the_hand_count(pair):
     """The trace's own numbers against the config, independently of the estimate."""
     kw, traced, _ = pair
     phases = by_name(traced)
-    if kw.get("model") == "tiny-qwen3":
+    if kw.get("model") == "tiny-qwen3" and kw["method"] == "ds-zero3":
+        # zero.Init: its 20,780,032 parameters' 16-bit partitions, the embedding gathered whole, and the lm_head's
+        # own partition, made before tie_weights replaced it and not freed by the load (a reference cycle)
+        # (the trace rounds each of its 48 partitions up to 512 bytes)
+        assert 0 <= phases["load"].device_bytes - (20_780_032 * 2 // GPUS + 16000 * 512 * 2 * (1 + 1 / GPUS)) \
+            < 48 * 512
+    elif kw.get("model") == "tiny-qwen3":
         # its 20,780,032 parameters' fp32 shards, the tied embedding's twice (one per name), copied to each host
         assert phases["save"].host_bytes == GPUS * (20_780_032 + 16000 * 512) * 4 // GPUS
     elif kw == {}:
