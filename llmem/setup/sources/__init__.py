@@ -31,9 +31,11 @@ from llmem.setup.sources.fsdp import FSDP1_NOTE
 from llmem.setup.sources.reading import Dtypes, Keys, Reading, resolve_precision
 from llmem.setup.sources.record import FileSetup, Ignored, SourceRecord, Used
 from llmem.setup.support import (
+    CKPT_OFFLOAD,
     COMPILE,
     DEEPSPEED,
     FLOAT8,
+    FUSED_CE,
     LIGER,
     OUTPUT_CHUNKS,
     check_support,
@@ -203,9 +205,10 @@ def _stand_in(setup: TrainingSetup, values: dict[str, Any], overrides: dict[str,
 
 def _kernels_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list,
                            overrides: dict[str, Any]) -> TrainingSetup:
-    """A file's Liger kernels, float8 linears or torch.compile where llmem does not model them with the rest of its
-    set-up (adapters, a quantised base, DeepSpeed, ...): kept as ignored keys (what stands in said), not a refused
-    set-up; one given on the command line stays (and is refused)."""
+    """A file's Liger kernels, float8 linears, torch.compile, chunked output, fused loss or offloaded checkpoint where
+    llmem does not model them with the rest of its set-up (adapters, a quantised base, DeepSpeed, tensor
+    parallelism, ...): kept as ignored keys (what stands in said), not a refused set-up; one given on the command
+    line stays (and is refused)."""
     for offs, row, stand_in in _KERNEL_CHOICES:
         why = feature_refusal(row, setup, METHODS[setup.method])
         if why is None or any(f in overrides for f in offs):
@@ -217,6 +220,8 @@ def _kernels_not_expressed(setup: TrainingSetup, used: list[Used], ignored: list
     return setup
 
 
+PHASE_OF_FIELD = {"load_path": "loading", "save_kind": "saving"}
+
 # (the fields and their off values, the support row saying why they are not modelled with the set-up, what stands
 # in), in order
 _KERNEL_CHOICES = (
@@ -224,6 +229,9 @@ _KERNEL_CHOICES = (
     ({"float8": "none", "float8_all_gather": False}, FLOAT8, "bf16 linears stand in for Float8Linear"),
     ({"compile": False}, COMPILE, "the layers run eagerly in the estimate"),
     ({"output_chunks": 0}, OUTPUT_CHUNKS, "the whole logits and transformers' loss stand in (an upper bound)"),
+    ({"fused_ce": False}, FUSED_CE, "the whole logits and transformers' loss stand in (an upper bound)"),
+    ({"ckpt_offload": "none"}, CKPT_OFFLOAD, "torch's checkpoint, each layer's input kept on the device, stands in "
+     "(an upper bound)"),
 )
 
 
@@ -319,7 +327,7 @@ def _phases_not_expressed(values: dict, used: list[Used], ignored: list, overrid
             continue
         for u in [u for u in used if u.field == field]:
             used.remove(u)
-            ignored.append(Ignored(u.file, u.key, u.raw, f"the job's {field.split('_')[0]}ing phase is not modelled "
+            ignored.append(Ignored(u.file, u.key, u.raw, f"the job's {PHASE_OF_FIELD[field]} phase is not modelled "
                                    f"for this set-up ({setup.method}, its --{field.replace('_', '-')} {value}): the "
                                    "step's memory is unchanged", approximates=False))
 
