@@ -24,7 +24,13 @@ from llmem.model.anatomy import (
     read_or_build,
 )
 from llmem.model.config import build_meta_model, resolve_config
-from llmem.model.peft_data_free import DATA_FREE_ATTR, DATA_FREE_NOTE, data_free_config, data_free_note
+from llmem.model.peft_data_free import (
+    DATA_FREE_ATTR,
+    DATA_FREE_NOTE,
+    data_free_build,
+    data_free_config,
+    data_free_note,
+)
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
 from llmem.setup.objectives import (
     CAST_EXEMPT,
@@ -197,16 +203,35 @@ def read_peft_config(path: str) -> tuple[str, dict]:
     return text, fields
 
 
+# peft config settings llmem does not model, per peft type: (field, why). FRoD's runtime_offload_base_weight moves
+# the adapted modules' base weights to the host (peft/tuners/frod/layer.py `Linear._apply` after every .to(),
+# `forward` before the adapted weight is rebuilt): the GPU then holds none of them, which the anatomy (every base
+# parameter on the device) cannot say
+UNMODELLED_SETTINGS = {"FROD": (("runtime_offload_base_weight", "moves the adapted modules' base weights to the "
+                                 "host during training"),)}
+
+
+def check_modelled(fields: dict) -> None:
+    """LlmemError for a config setting UNMODELLED_SETTINGS lists, set."""
+    for field, why in UNMODELLED_SETTINGS.get(str(fields.get("peft_type")), ()):
+        if fields.get(field):
+            raise LlmemError(f"peft's {fields['peft_type']} with {field} true {why}, which llmem does not model: "
+                             f"set \"{field}\": false in adapter_config.json (those weights then stay on the GPU)")
+
+
 def peft_config_from_text(text: str):
     """The peft config object (peft's own class for its peft_type). Prompt tuning initialised from text needs a
     tokenizer; memory does not depend on the initial values, so RANDOM is used instead."""
     from peft import PeftConfig
 
     fields = json.loads(text)
+    check_modelled(fields)
     if fields.get("task_type") is None:
         fields["task_type"] = "CAUSAL_LM"
     if fields.get("prompt_tuning_init") == "TEXT":
         fields["prompt_tuning_init"] = "RANDOM"
+    if fields.get("progressbar"):         # FRoD's tqdm over its projections: a display setting
+        fields["progressbar"] = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -230,7 +255,8 @@ def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
         pass
     # peft's own empty-weights build (its value-reading inits skip on meta adapters), SHiRA's mask on the host
     data_free_config(config)
-    peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
+    with data_free_build(_kind(config)):
+        peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
     setattr(peft_model, DATA_FREE_ATTR, f"peft type {_kind(config)}: {DATA_FREE_NOTE}")
     return peft_model
 
@@ -290,6 +316,52 @@ def host_index_tensors(model) -> list[tuple[str, object, str]]:
     return out
 
 
+def tuner_buffers(peft_model, seen: set[int]) -> tuple[ParamInfo, ...]:
+    """The buffers peft's tuner registers on itself, outside the base model (FRoD's projections shared per target
+    category: FrodModel's frod_V [in, in], frod_s_indices [2, nnz], frod_s_size [2], peft/tuners/frod/model.py
+    `_init_frod_projections`; model.to(device) moves them with the model), as frozen rows named from the tuner
+    (base_model.frod_V...) outside the decoder layers; `seen`: ids of the buffers already listed (updated)."""
+    tuner = peft_model.base_model
+    out: list[ParamInfo] = []
+    for module_name, module in tuner.named_modules(prefix="base_model"):
+        for bname, b in module.named_buffers(recurse=False):
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(ParamInfo(f"{module_name}.{bname}", tuple(b.shape), str(b.dtype).replace("torch.", ""),
+                                 type(module).__name__, None, None, False))
+    return tuple(out)
+
+
+# the BufferDicts of peft's tuners whose values the forward reads on the host: FRoD's frod_s_size (`.tolist()` of
+# the sparse S's size every forward, peft/tuners/frod/layer.py `_get_frod_tensors`); kept real in the fake step
+HOST_READ_BUFFERS = ("frod_s_size",)
+# the BufferDicts of peft's tuners made in the base layer's dtype: FRoD's U per module and V per target category
+# (peft/tuners/frod/layer.py update_layer `U.to(dtype)`, dtype the base weight's; frod/model.py
+# `v_matrix.to(dtype=example_weight.dtype)`): stored as the frozen base is (TrainingSetup.stored_bytes)
+BASE_DTYPE_BUFFERS = ("frod_U", "frod_V")
+
+
+def buffer_dicts(model, names: tuple[str, ...]) -> list[tuple[object, str, object]]:
+    """(module, key, tensor) of the buffers held by the modules of `model` (a peft model) named `names` or under
+    one (FrodModel.frod_s_size is a ModuleDict of a BufferDict per target category)."""
+    return [(module, key, b) for name, module in model.named_modules() if any(n in names for n in name.split("."))
+            for key, b in module._buffers.items() if b is not None]
+
+
+def host_read_buffers(model) -> list[tuple[object, str, object]]:
+    """buffer_dicts of HOST_READ_BUFFERS."""
+    return buffer_dicts(model, HOST_READ_BUFFERS)
+
+
+def buffer_bytes(b: ParamInfo, setup: TrainingSetup) -> int:
+    """Bytes of an adapter's buffer (ModelAnatomy.buffers) on the device: its own dtype's (the anatomy is built
+    on a bf16 base), or the frozen base's where peft makes it in the base layer's dtype (BASE_DTYPE_BUFFERS)."""
+    if any(part in BASE_DTYPE_BUFFERS for part in b.name.split(".")):
+        return b.numel * setup.stored_bytes(False)
+    return b.own_bytes
+
+
 def _peft_name(name: str) -> str:
     """peft's wrapper names -> the base model's names (q_proj.base_layer.weight -> q_proj.weight)."""
     return name.replace(".base_layer.", ".")
@@ -305,8 +377,9 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
         return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
-    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart)
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=2,
+    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart;
+    # 3: the buffers a tuner registers on itself, FRoD's)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=3,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -322,7 +395,8 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
     buffers = tuple(replace(b, name=_peft_name(b.name))
-                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base)))
+                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base))) \
+        + tuner_buffers(peft_model, own_buffers)
     grad: dict[str, bool] = {}
     seen: set[int] = set()
     for module_name, module in base.named_modules():

@@ -17,7 +17,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 
-from llmem.model.peft import host_index_tensors
+from llmem.model.peft import host_index_tensors, host_read_buffers
+from llmem.runtime.build import materialize
 from llmem.runtime.patches import patched
 from llmem.runtime.vision import index_tensors_stay_real
 
@@ -34,7 +35,8 @@ def _real_mask(ix) -> bool:
 def adapter_index_tensors(mode, model: nn.Module) -> Iterator[None]:
     """Under the fake mode `mode` (entered): the tuner layers' host index tensors (and what is computed from them
     alone) stay real, and a real boolean mask indexing a tensor is turned into its real positions first."""
-    seeds = tuple(t for _name, t, _kind in host_index_tensors(model))
+    seeds = tuple(t for _name, t, _kind in host_index_tensors(model)) \
+        + tuple(t for _module, _key, t in host_read_buffers(model))
     if not seeds:
         yield
         return
@@ -58,3 +60,13 @@ def hold_index_copies(model: nn.Module, stack: contextlib.ExitStack) -> None:
     the step's stack closes."""
     copies = [torch.empty(t.shape, dtype=t.dtype) for _name, t, _kind in host_index_tensors(model)]
     stack.callback(copies.clear)
+
+
+def materialize_keeping_host_reads(model: nn.Module) -> None:
+    """The model materialised on the fake device (llmem.runtime.build.materialize) but for the buffers whose values
+    peft's forward reads on the host (llmem.model.peft.HOST_READ_BUFFERS: FRoD's sparse sizes), kept real: the
+    ledger counts them with the weights as the GPU holds them."""
+    kept = host_read_buffers(model)
+    materialize(model, "cpu")
+    for module, key, t in kept:
+        module._buffers[key] = t
