@@ -342,6 +342,20 @@ HOST_READ_BUFFERS = ("frod_s_size",)
 BASE_DTYPE_BUFFERS = ("frod_U", "frod_V")
 
 
+# per peft type, the adapter parts one decoder layer holds for every layer that each layer's tuner layer reads through
+# a view of the weight: Lily's lily_B (peft/tuners/lily/layer.py forward: `lily_B.weight.reshape(num_B, -1, ...)`),
+# which autocast casts at every use (its cast cache keeps the casts of leaf tensors only, aten/src/ATen/
+# autocast_mode.cpp cached_cast), so every layer makes its own copy, read with the learned layer; Lily's lily_A is
+# called as a module: its leaf weight's copy is cached from the first layer on, as the schedule lays it out
+VIEW_READ_PARTS = {"LILY": ("lily_B",)}
+
+
+def view_read_part(anatomy: ModelAnatomy, p: ParamInfo) -> bool:
+    """Whether `p` is one of the VIEW_READ_PARTS of the anatomy's peft type."""
+    parts = VIEW_READ_PARTS.get(anatomy.peft.peft_type, ()) if anatomy.peft is not None else ()
+    return any(f".{part}." in p.name for part in parts)
+
+
 def buffer_dicts(model, names: tuple[str, ...]) -> list[tuple[object, str, object]]:
     """(module, key, tensor) of the buffers held by the modules of `model` (a peft model) named `names` or under
     one (FrodModel.frod_s_size is a ModuleDict of a BufferDict per target category)."""
