@@ -32,6 +32,7 @@ from llmem.model.peft_data_free import (
     data_free_note,
 )
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.setup.methods import method_spec
 from llmem.setup.objectives import (
     CAST_EXEMPT,
     QUANTISED_ADAPTER_DTYPE,
@@ -52,6 +53,10 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
         trained = with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout, upcast)
     else:
         return anatomy
+    if trained.host_params and not method_spec(setup.method).plain_tensors:
+        raise LlmemError(f"peft's {trained.peft.peft_type} runtime_offload_base_weight moves base weights to the host "
+                         f"with weight.data = ...cpu(), which --method {setup.method} (sharded or DeepSpeed "
+                         "parameters) is not modelled with: use single or ddp, or set it false in the config")
     return trainer_cast(trained) if casts_quantised_adapters(setup) else trained
 
 
@@ -203,29 +208,12 @@ def read_peft_config(path: str) -> tuple[str, dict]:
     return text, fields
 
 
-# peft config settings llmem does not model, per peft type: (field, why). FRoD's runtime_offload_base_weight moves
-# the adapted modules' base weights to the host (peft/tuners/frod/layer.py `Linear._apply` after every .to(),
-# `forward` before the adapted weight is rebuilt): the GPU then holds none of them, which the anatomy (every base
-# parameter on the device) cannot say
-UNMODELLED_SETTINGS = {"FROD": (("runtime_offload_base_weight", "moves the adapted modules' base weights to the "
-                                 "host during training"),)}
-
-
-def check_modelled(fields: dict) -> None:
-    """LlmemError for a config setting UNMODELLED_SETTINGS lists, set."""
-    for field, why in UNMODELLED_SETTINGS.get(str(fields.get("peft_type")), ()):
-        if fields.get(field):
-            raise LlmemError(f"peft's {fields['peft_type']} with {field} true {why}, which llmem does not model: "
-                             f"set \"{field}\": false in adapter_config.json (those weights then stay on the GPU)")
-
-
 def peft_config_from_text(text: str):
     """The peft config object (peft's own class for its peft_type). Prompt tuning initialised from text needs a
     tokenizer; memory does not depend on the initial values, so RANDOM is used instead."""
     from peft import PeftConfig
 
     fields = json.loads(text)
-    check_modelled(fields)
     if fields.get("task_type") is None:
         fields["task_type"] = "CAUSAL_LM"
     if fields.get("prompt_tuning_init") == "TEXT":
@@ -356,6 +344,24 @@ def view_read_part(anatomy: ModelAnatomy, p: ParamInfo) -> bool:
     return any(f".{part}." in p.name for part in parts)
 
 
+def host_offloaded_weights(model) -> list[str]:
+    """The base weights (names in `model`, a peft model or its base) peft keeps on the host while training: FRoD's
+    runtime_offload_base_weight (peft/tuners/frod/layer.py Linear: `_apply` moves the adapted module's base weight
+    back to the host after every model.to(), `forward` before it rebuilds the adapted weight from U, S, V) where the
+    forward skips the base layer (one adapter, no dropout: `skip_base_layer`; with frod_dropout the forward moves
+    the weight to the device, where it stays)."""
+    from torch import nn
+
+    out = []
+    for name, module in model.named_modules():
+        offload = getattr(module, "runtime_offload_base_weight", None)
+        dropouts = getattr(module, "frod_dropout", None)
+        if isinstance(offload, dict) and any(offload.values()) and isinstance(dropouts, nn.ModuleDict) \
+                and all(isinstance(d, nn.Identity) for d in dropouts.values()):
+            out.append(f"{name}.base_layer.weight")
+    return out
+
+
 def buffer_dicts(model, names: tuple[str, ...]) -> list[tuple[object, str, object]]:
     """(module, key, tensor) of the buffers held by the modules of `model` (a peft model) named `names` or under
     one (FrodModel.frod_s_size is a ModuleDict of a BufferDict per target category)."""
@@ -417,8 +423,11 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
         for pname, p in module.named_parameters(recurse=False):
             grad.setdefault(f"{module_name}.{pname}" if module_name else pname, p.requires_grad)
             seen.add(id(p))
+    host = {_peft_name(n) for n in host_offloaded_weights(base)}
     params = [replace(p, name=_peft_name(p.name), trainable=grad[p.name],
                       tied_to=_peft_name(p.tied_to) if p.tied_to else None) for p in anatomy.params]
+    host_params = tuple(p for p in params if p.name in host)
+    params = [p for p in params if p.name not in host]
     for module_name, module in peft_model.named_modules():   # prompt encoders live outside the base model
         for pname, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
@@ -454,4 +463,4 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
                     num_virtual_tokens=int(getattr(config, "num_virtual_tokens", 0) or 0)
                     if peft_type == "PROMPT_TUNING" else 0, exact=exact, notes=tuple(notes))
     return replace(anatomy, params=tuple(params), tied_names=tuple(_peft_name(n) for n in anatomy.tied_names),
-                   peft=info, buffers=buffers)
+                   peft=info, buffers=buffers, host_params=host_params)

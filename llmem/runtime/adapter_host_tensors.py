@@ -17,8 +17,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 
-from llmem.model.peft import host_index_tensors, host_read_buffers
+from llmem.model.peft import host_index_tensors, host_offloaded_weights, host_read_buffers
 from llmem.runtime.build import materialize
+from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
 from llmem.runtime.vision import index_tensors_stay_real
 
@@ -70,3 +71,17 @@ def materialize_keeping_host_reads(model: nn.Module) -> None:
     materialize(model, "cpu")
     for module, key, t in kept:
         module._buffers[key] = t
+
+
+def offload_base_weights(model: nn.Module, region) -> None:
+    """FRoD's runtime_offload_base_weight in the fake step: the adapted modules' base weights made again inside
+    `region(HOST)` (host tensors, no device event), where peft's Linear._apply leaves them after model.to(device)
+    (llmem.model.peft.host_offloaded_weights); the fake device is the host's type, so peft's own move is a no-op."""
+    names = host_offloaded_weights(model)
+    if not names or region is None:
+        return
+    with region(HOST):
+        for name in names:
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            old = module.weight
+            module._parameters["weight"] = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=False)

@@ -38,6 +38,7 @@ from llmem.runtime.adapter_host_tensors import (
     adapter_index_tensors,
     hold_index_copies,
     materialize_keeping_host_reads,
+    offload_base_weights,
 )
 from llmem.runtime.build import (
     apply_peft,
@@ -342,6 +343,7 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
     """The model's parameters allocated (fake cpu, or real on `device`) and the method applied; the runner."""
     if fake:
         materialize_keeping_host_reads(model)     # FRoD's sparse sizes stay real (read on the host)
+        offload_base_weights(model, region)       # FRoD's runtime_offload_base_weight: on the host
         if setup.float8_all_gather:     # torchao's float8 weights for FSDP2 (llmem.runtime.float8)
             from llmem.runtime.float8 import rewrap_float8_weights
             rewrap_float8_weights(model)

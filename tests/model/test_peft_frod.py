@@ -1,6 +1,6 @@
 """peft's FRoD built data-free (llmem.model.peft_data_free.frod_on_meta) against peft's own FRoD on a small model
 with real random weights, its trainable set by hand, the buffers it makes in the base's dtype, its sparse S's
-coalesce on fake tensors, and the setting llmem refuses (runtime_offload_base_weight)."""
+coalesce on fake tensors, and runtime_offload_base_weight (the adapted base weights on the host)."""
 
 from __future__ import annotations
 
@@ -96,9 +96,29 @@ def test_fake_coalesce_keeps_the_entries_as_a_real_run():
     assert fake == real == (5, (2, 5), (5,))
 
 
-def test_frod_runtime_offload_is_refused_in_one_line(tmp_path):
-    (tmp_path / "adapter_config.json").write_text(json.dumps(FROD | {"runtime_offload_base_weight": True}))
+def _frod_anatomy(tmp_path, **fields):
+    tmp_path.mkdir()
+    (tmp_path / "adapter_config.json").write_text(json.dumps(FROD | fields))
     setup = TrainingSetup(model="tiny-llama", peft_config=str(tmp_path), gpu="H100-80GB")
+    return trained_anatomy(load_anatomy("tiny-llama"), setup)
+
+
+def test_frod_runtime_offload_keeps_the_adapted_base_weights_on_the_host(tmp_path):
+    # peft/tuners/frod/layer.py Linear._apply / forward: the q_proj and v_proj base weights of the 4 layers
+    # ([512, 512] each) on the host; the model's parameter count unchanged
+    kept = _frod_anatomy(tmp_path / "on", runtime_offload_base_weight=False)
+    off = _frod_anatomy(tmp_path / "off", runtime_offload_base_weight=True)
+    assert sorted(p.name for p in off.host_params) == sorted(
+        f"model.layers.{i}.self_attn.{m}.weight" for i in range(4) for m in ("q_proj", "v_proj"))
+    assert sum(p.numel for p in kept.params) - sum(p.numel for p in off.params) == 8 * 512 * 512
+    assert off.total_params == kept.total_params and not kept.host_params
+    # with dropout the forward runs the base layer, which moves its weight to the device for good
+    assert not _frod_anatomy(tmp_path / "drop", runtime_offload_base_weight=True, frod_dropout=0.1).host_params
+
+
+def test_frod_runtime_offload_refused_under_sharded_parameters(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps(FROD | {"runtime_offload_base_weight": True}))
+    setup = TrainingSetup(model="tiny-llama", peft_config=str(tmp_path), gpu="H100-80GB", method="fsdp", gpus=2)
     with pytest.raises(LlmemError, match="runtime_offload_base_weight") as info:
         trained_anatomy(load_anatomy("tiny-llama"), setup)
-    assert "\n" not in str(info.value) and "false" in str(info.value)
+    assert "\n" not in str(info.value)
