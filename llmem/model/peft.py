@@ -54,9 +54,9 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
     else:
         return anatomy
     if trained.host_params and not method_spec(setup.method).plain_tensors:
-        raise LlmemError(f"peft's {trained.peft.peft_type} runtime_offload_base_weight moves base weights to the host "
-                         f"with weight.data = ...cpu(), which --method {setup.method} (sharded or DeepSpeed "
-                         "parameters) is not modelled with: use single or ddp, or set it false in the config")
+        raise LlmemError(f"peft's {trained.peft.peft_type} runtime_offload_base_weight (base weights moved to the "
+                         f"host by weight.data = weight.data.cpu()) is not modelled over --method {setup.method}'s "
+                         "sharded or DeepSpeed parameters: use single or ddp, or set it false in the config")
     return trainer_cast(trained) if casts_quantised_adapters(setup) else trained
 
 
@@ -398,7 +398,7 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
     # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart;
-    # 3: the buffers a tuner registers on itself, FRoD's)
+    # 3: the buffers a tuner registers on itself and the host parameters, FRoD's)
     return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=3,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
