@@ -398,8 +398,8 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
     # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart;
-    # 3: the buffers a tuner registers on itself and the host parameters, FRoD's)
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=3,
+    # 3, 4: the buffers a tuner registers on itself, the host parameters and their note, FRoD's)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=4,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -457,6 +457,10 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
                      "estimate learns them from peft's real code, llmem.runtime.learn)")
     if data_free is not None:
         notes.append(data_free)
+    if host_params:      # FRoD's runtime_offload_base_weight (host_offloaded_weights)
+        notes.append(f"peft type {peft_type}: runtime_offload_base_weight keeps the base weights of the "
+                     f"{len(host_params)} adapted modules ({sum(p.numel for p in host_params):,} parameters) on the "
+                     "host while training: not counted on the GPU")
     if json.loads(config_text).get("prompt_tuning_init") == "TEXT":
         notes.append("prompt_tuning_init TEXT needs a tokenizer: RANDOM initialisation used (same memory)")
     info = PeftInfo(peft_type, lora_dropout=lora_dropout, use_dora=use_dora,

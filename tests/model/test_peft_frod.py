@@ -112,6 +112,7 @@ def test_frod_runtime_offload_keeps_the_adapted_base_weights_on_the_host(tmp_pat
         f"model.layers.{i}.self_attn.{m}.weight" for i in range(4) for m in ("q_proj", "v_proj"))
     assert sum(p.numel for p in kept.params) - sum(p.numel for p in off.params) == 8 * 512 * 512
     assert off.total_params == kept.total_params and not kept.host_params
+    assert any("(2,097,152 parameters) on the host" in n for n in off.peft.notes)
     # with dropout the forward runs the base layer, which moves its weight to the device for good
     assert not _frod_anatomy(tmp_path / "drop", runtime_offload_base_weight=True, frod_dropout=0.1).host_params
 
