@@ -324,6 +324,9 @@ def tuner_buffers(peft_model, seen: set[int]) -> tuple[ParamInfo, ...]:
 # the BufferDicts of peft's tuners whose values the forward reads on the host: FRoD's frod_s_size (`.tolist()` of
 # the sparse S's size every forward, peft/tuners/frod/layer.py `_get_frod_tensors`); kept real in the fake step
 HOST_READ_BUFFERS = ("frod_s_size",)
+# the BufferDicts whose values peft's forward depends on: FRoD's sparse S, its size and its positions (frod/model.py:
+# a seeded randperm of the off-diagonal ones); a model materialised for a real step keeps peft's values
+VALUED_BUFFERS = (*HOST_READ_BUFFERS, "frod_s_indices")
 # the BufferDicts of peft's tuners made in the base layer's dtype: FRoD's U per module and V per target category
 # (peft/tuners/frod/layer.py update_layer `U.to(dtype)`, dtype the base weight's; frod/model.py
 # `v_matrix.to(dtype=example_weight.dtype)`): stored as the frozen base is (TrainingSetup.stored_bytes)
@@ -367,6 +370,11 @@ def buffer_dicts(model, names: tuple[str, ...]) -> list[tuple[object, str, objec
     one (FrodModel.frod_s_size is a ModuleDict of a BufferDict per target category)."""
     return [(module, key, b) for name, module in model.named_modules() if any(n in names for n in name.split("."))
             for key, b in module._buffers.items() if b is not None]
+
+
+def valued_buffers(model) -> list[tuple[object, str, object]]:
+    """buffer_dicts of VALUED_BUFFERS."""
+    return buffer_dicts(model, VALUED_BUFFERS)
 
 
 def host_read_buffers(model) -> list[tuple[object, str, object]]:

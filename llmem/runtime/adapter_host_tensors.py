@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 
-from llmem.model.peft import host_index_tensors, host_offloaded_weights, host_read_buffers
+from llmem.model.peft import host_index_tensors, host_offloaded_weights, host_read_buffers, valued_buffers
 from llmem.runtime.build import materialize
 from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
@@ -85,3 +85,14 @@ def offload_base_weights(model: nn.Module, region) -> None:
             module = model.get_submodule(name.rsplit(".", 1)[0])
             old = module.weight
             module._parameters["weight"] = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=False)
+
+
+@contextlib.contextmanager
+def valued_buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Around model.to_empty(device) for a real step: the buffers whose values peft's forward depends on
+    (llmem.model.peft.VALUED_BUFFERS: FRoD's sparse S's size and positions) get peft's values back."""
+    kept = valued_buffers(model)
+    yield
+    with torch.no_grad():
+        for module, key, t in kept:
+            module._buffers[key].copy_(t)

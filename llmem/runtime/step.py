@@ -39,6 +39,7 @@ from llmem.runtime.adapter_host_tensors import (
     hold_index_copies,
     materialize_keeping_host_reads,
     offload_base_weights,
+    valued_buffers_kept,
 )
 from llmem.runtime.build import (
     apply_peft,
@@ -353,7 +354,7 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
         return apply_method(model, layout, mesh, setup, region, fake_pg=True)
     if sharded:   # shard on meta, then allocate only the local shards
         apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), valued_buffers_kept(model):     # FRoD's sparse S: peft's positions
         warnings.simplefilter("ignore")
         model.to_empty(device=device)
     tie_if_needed(model)
