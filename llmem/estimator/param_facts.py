@@ -15,7 +15,7 @@ from llmem.estimator.states import fsdp_gathered_tensors
 from llmem.memory.activations.blocks import Block, block_owner
 from llmem.memory.quant import is_quantised
 from llmem.model.anatomy import ModelAnatomy, ParamInfo
-from llmem.model.peft import element_bytes
+from llmem.model.peft import element_bytes, view_read_part
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
     fsdp_unit_numel,
@@ -50,6 +50,7 @@ class ParamFacts:
     vocab_parallel: set[str]                       # vocab-sharded embeddings under TP
     shapes: dict[str, tuple[int, ...]]             # per trained parameter: its local shape
     shard_of: dict[str, int]                       # FSDP2's shards of dim 0 (a routed expert's over efsdp under --ep)
+    shared_parts: frozenset[str] = frozenset()     # cross-layer adapter parts one layer holds (shared_parts)
 
 
 _KEPT: IdentityCache[ParamFacts] = IdentityCache(KEPT_SET_UPS)
@@ -118,7 +119,23 @@ def _work_out(r: ResolvedSetup, blocks: tuple[Block, ...], layers: int,
                         and p.shape[0] == anatomy.vocab_size},
         shapes={p.name: facts[p.name][6] for p in trainable},
         shard_of={n: f[7] for n, f in facts.items()},
+        shared_parts=shared_parts(anatomy),
     )
+
+
+def shared_parts(anatomy: ModelAnatomy) -> frozenset[str]:
+    """The trained parameters of a peft model learned from the real code (PeftInfo.exact False) that one decoder
+    layer holds for every layer and every layer reads through a view (llmem.model.peft.VIEW_READ_PARTS: Lily's B,
+    shared by all layers, peft/tuners/lily/model.py; the first layer's name is theirs): no other layer has a
+    parameter of their kind, and each layer's autocast copy of them is learned with the layer."""
+    if anatomy.peft is None or anatomy.peft.exact or anatomy.num_layers < 2:
+        return frozenset()
+    layers_of: dict[tuple, set[int]] = {}
+    for p in anatomy.params:
+        if p.trainable and p.layer_index is not None:
+            layers_of.setdefault(p.kind, set()).add(p.layer_index)
+    return frozenset(p.name for p in anatomy.params if p.trainable and p.layer_index is not None
+                     and layers_of[p.kind] == {p.layer_index} and view_read_part(anatomy, p))
 
 
 def element_bytes_by_name(anatomy: ModelAnatomy, setup: TrainingSetup) -> dict[str, int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from llmem.errors import LlmemError
 from llmem.memory.quant import check_quantisable, gathered_tensors, is_quantised, quant_args, storage_bytes
 from llmem.model.anatomy import ParamInfo
-from llmem.model.peft import element_bytes
+from llmem.model.peft import buffer_bytes, element_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import (
     MATMUL_KINDS,
@@ -262,7 +262,7 @@ def model_states(r: ResolvedSetup) -> ModelStates:
     local = {p.kind: local_numel(p, layout) for p, _ in kinds}
     pb = {p.kind: element_bytes(p, setup) for p, _ in kinds if p.trainable}   # a gradient in its parameter's dtype
     weights = sum(n * param_storage_bytes(p, setup, local[p.kind], layout) for p, n in kinds) \
-        + sum(b.own_bytes for b in r.anatomy.buffers)          # an adapter's buffers: whole on every rank
+        + sum(buffer_bytes(b, setup) for b in r.anatomy.buffers)      # an adapter's buffers: whole on every rank
     grads = sum(n * local[p.kind] * pb[p.kind] for p, n in kinds if p.trainable)
     opt_states, opt_temp, opt_outside = _optimizer_bytes(r, trainable)
     ddp_buckets = grads if r.method.gradient_buckets else 0   # gradient_as_bucket_view=False: a second copy

@@ -98,11 +98,15 @@ class ModelAnatomy:
     # beside the weights and never sharded (FSDP2 and ZeRO shard parameters only); the base model's own buffers
     # (rotary inv_freq) are below what the estimate counts and are not listed
     buffers: tuple[ParamInfo, ...] = ()
+    # frozen parameters an adapter keeps on the host while training (FRoD's runtime_offload_base_weight: the base
+    # weights of the modules it adapts, llmem.model.peft.host_offloaded_weights): part of the model, not of the
+    # device's memory (the rows are not in `params`)
+    host_params: tuple[ParamInfo, ...] = ()
 
     @cached_property
     def total_params(self) -> int:
         """(summed once: every schedule and time model of a plan reads it)"""
-        return sum(p.numel for p in self.params)
+        return sum(p.numel for p in self.params) + sum(p.numel for p in self.host_params)
 
     @cached_property
     def trainable_params(self) -> int:
@@ -256,7 +260,7 @@ def inventory(model, name: str) -> ModelAnatomy:
 # ---------------------------------------------------------------------------------- the anatomy as a file (no torch)
 _PARAM_FIELDS = tuple(f.name for f in fields(ParamInfo))
 _SCALAR_FIELDS = tuple(f.name for f in fields(ModelAnatomy)
-                       if f.name not in ("params", "config", "peft", "buffers"))
+                       if f.name not in ("params", "config", "peft", "buffers", "host_params"))
 
 
 def anatomy_text(anatomy: ModelAnatomy, made_with: dict[str, str]) -> str:
@@ -272,6 +276,8 @@ def anatomy_text(anatomy: ModelAnatomy, made_with: dict[str, str]) -> str:
         return ",\n".join(json.dumps([getattr(p, name) for name in _PARAM_FIELDS], **compact) for p in params)
 
     buffers = ['"buffers":[', rows(anatomy.buffers), "],"] if anatomy.buffers else []   # only where an adapter has any
+    if anatomy.host_params:                                                             # ... and host parameters
+        buffers += ['"host_params":[', rows(anatomy.host_params), "],"]
     return "\n".join([json.dumps(head, **compact)[:-1] + ",",
                       f'"config":{json.dumps(tagged(anatomy.config), **compact)},', *buffers, '"params":[',
                       rows(anatomy.params), "]}"]) + "\n"
@@ -291,7 +297,7 @@ def anatomy_from_text(text: str, made_with: dict[str, str] | None = None) -> Mod
 
     peft = data["peft"]
     return ModelAnatomy(**{name: untagged(data[name]) for name in _SCALAR_FIELDS}, params=rows("params"),
-                        buffers=rows("buffers"), config=untagged(data["config"]),
+                        buffers=rows("buffers"), host_params=rows("host_params"), config=untagged(data["config"]),
                         peft=None if peft is None else PeftInfo(**{k: untagged(v) for k, v in peft.items()}))
 
 

@@ -24,8 +24,15 @@ from llmem.model.anatomy import (
     read_or_build,
 )
 from llmem.model.config import build_meta_model, resolve_config
-from llmem.model.peft_data_free import DATA_FREE_ATTR, DATA_FREE_NOTE, data_free_config, data_free_note
+from llmem.model.peft_data_free import (
+    DATA_FREE_ATTR,
+    DATA_FREE_NOTE,
+    data_free_build,
+    data_free_config,
+    data_free_note,
+)
 from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.setup.methods import method_spec
 from llmem.setup.objectives import (
     CAST_EXEMPT,
     QUANTISED_ADAPTER_DTYPE,
@@ -46,6 +53,10 @@ def trained_anatomy(anatomy: ModelAnatomy, setup: TrainingSetup) -> ModelAnatomy
         trained = with_lora(anatomy, setup.lora_rank, setup.lora_targets, setup.lora_dropout, upcast)
     else:
         return anatomy
+    if trained.host_params and not method_spec(setup.method).plain_tensors:
+        raise LlmemError(f"peft's {trained.peft.peft_type} runtime_offload_base_weight (base weights moved to the "
+                         f"host by weight.data = weight.data.cpu()) is not modelled over --method {setup.method}'s "
+                         "sharded or DeepSpeed parameters: use single or ddp, or set it false in the config")
     return trainer_cast(trained) if casts_quantised_adapters(setup) else trained
 
 
@@ -207,6 +218,8 @@ def peft_config_from_text(text: str):
         fields["task_type"] = "CAUSAL_LM"
     if fields.get("prompt_tuning_init") == "TEXT":
         fields["prompt_tuning_init"] = "RANDOM"
+    if fields.get("progressbar"):         # FRoD's tqdm over its projections: a display setting
+        fields["progressbar"] = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -230,7 +243,8 @@ def apply_peft_config(model, text: str, autocast_adapter_dtype: bool):
         pass
     # peft's own empty-weights build (its value-reading inits skip on meta adapters), SHiRA's mask on the host
     data_free_config(config)
-    peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
+    with data_free_build(_kind(config)):
+        peft_model = _get_peft_model(model, config, autocast_adapter_dtype, data_free=True)
     setattr(peft_model, DATA_FREE_ATTR, f"peft type {_kind(config)}: {DATA_FREE_NOTE}")
     return peft_model
 
@@ -290,6 +304,92 @@ def host_index_tensors(model) -> list[tuple[str, object, str]]:
     return out
 
 
+def tuner_buffers(peft_model, seen: set[int]) -> tuple[ParamInfo, ...]:
+    """The buffers peft's tuner registers on itself, outside the base model (FRoD's projections shared per target
+    category: FrodModel's frod_V [in, in], frod_s_indices [2, nnz], frod_s_size [2], peft/tuners/frod/model.py
+    `_init_frod_projections`; model.to(device) moves them with the model), as frozen rows named from the tuner
+    (base_model.frod_V...) outside the decoder layers; `seen`: ids of the buffers already listed (updated)."""
+    tuner = peft_model.base_model
+    out: list[ParamInfo] = []
+    for module_name, module in tuner.named_modules(prefix="base_model"):
+        for bname, b in module.named_buffers(recurse=False):
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(ParamInfo(f"{module_name}.{bname}", tuple(b.shape), str(b.dtype).replace("torch.", ""),
+                                 type(module).__name__, None, None, False))
+    return tuple(out)
+
+
+# the BufferDicts of peft's tuners whose values the forward reads on the host: FRoD's frod_s_size (`.tolist()` of
+# the sparse S's size every forward, peft/tuners/frod/layer.py `_get_frod_tensors`); kept real in the fake step
+HOST_READ_BUFFERS = ("frod_s_size",)
+# the BufferDicts whose values peft's forward depends on: FRoD's sparse S, its size and its positions (frod/model.py:
+# a seeded randperm of the off-diagonal ones); a model materialised for a real step keeps peft's values
+VALUED_BUFFERS = (*HOST_READ_BUFFERS, "frod_s_indices")
+# the BufferDicts of peft's tuners made in the base layer's dtype: FRoD's U per module and V per target category
+# (peft/tuners/frod/layer.py update_layer `U.to(dtype)`, dtype the base weight's; frod/model.py
+# `v_matrix.to(dtype=example_weight.dtype)`): stored as the frozen base is (TrainingSetup.stored_bytes)
+BASE_DTYPE_BUFFERS = ("frod_U", "frod_V")
+
+
+# per peft type, the adapter parts one decoder layer holds for every layer that each layer's tuner layer reads through
+# a view of the weight: Lily's lily_B (peft/tuners/lily/layer.py forward: `lily_B.weight.reshape(num_B, -1, ...)`),
+# which autocast casts at every use (its cast cache keeps the casts of leaf tensors only, aten/src/ATen/
+# autocast_mode.cpp cached_cast), so every layer makes its own copy, read with the learned layer; Lily's lily_A is
+# called as a module: its leaf weight's copy is cached from the first layer on, as the schedule lays it out
+VIEW_READ_PARTS = {"LILY": ("lily_B",)}
+
+
+def view_read_part(anatomy: ModelAnatomy, p: ParamInfo) -> bool:
+    """Whether `p` is one of the VIEW_READ_PARTS of the anatomy's peft type."""
+    parts = VIEW_READ_PARTS.get(anatomy.peft.peft_type, ()) if anatomy.peft is not None else ()
+    return any(f".{part}." in p.name for part in parts)
+
+
+def host_offloaded_weights(model) -> list[str]:
+    """The base weights (names in `model`, a peft model or its base) peft keeps on the host while training: FRoD's
+    runtime_offload_base_weight (peft/tuners/frod/layer.py Linear: `_apply` moves the adapted module's base weight
+    back to the host after every model.to(), `forward` before it rebuilds the adapted weight from U, S, V) where the
+    forward skips the base layer (one adapter, no dropout: `skip_base_layer`; with frod_dropout the forward moves
+    the weight to the device, where it stays)."""
+    from torch import nn
+
+    out = []
+    for name, module in model.named_modules():
+        offload = getattr(module, "runtime_offload_base_weight", None)
+        dropouts = getattr(module, "frod_dropout", None)
+        if isinstance(offload, dict) and any(offload.values()) and isinstance(dropouts, nn.ModuleDict) \
+                and all(isinstance(d, nn.Identity) for d in dropouts.values()):
+            out.append(f"{name}.base_layer.weight")
+    return out
+
+
+def buffer_dicts(model, names: tuple[str, ...]) -> list[tuple[object, str, object]]:
+    """(module, key, tensor) of the buffers held by the modules of `model` (a peft model) named `names` or under
+    one (FrodModel.frod_s_size is a ModuleDict of a BufferDict per target category)."""
+    return [(module, key, b) for name, module in model.named_modules() if any(n in names for n in name.split("."))
+            for key, b in module._buffers.items() if b is not None]
+
+
+def valued_buffers(model) -> list[tuple[object, str, object]]:
+    """buffer_dicts of VALUED_BUFFERS."""
+    return buffer_dicts(model, VALUED_BUFFERS)
+
+
+def host_read_buffers(model) -> list[tuple[object, str, object]]:
+    """buffer_dicts of HOST_READ_BUFFERS."""
+    return buffer_dicts(model, HOST_READ_BUFFERS)
+
+
+def buffer_bytes(b: ParamInfo, setup: TrainingSetup) -> int:
+    """Bytes of an adapter's buffer (ModelAnatomy.buffers) on the device: its own dtype's (the anatomy is built
+    on a bf16 base), or the frozen base's where peft makes it in the base layer's dtype (BASE_DTYPE_BUFFERS)."""
+    if any(part in BASE_DTYPE_BUFFERS for part in b.name.split(".")):
+        return b.numel * setup.stored_bytes(False)
+    return b.own_bytes
+
+
 def _peft_name(name: str) -> str:
     """peft's wrapper names -> the base model's names (q_proj.base_layer.weight -> q_proj.weight)."""
     return name.replace(".base_layer.", ".")
@@ -305,8 +405,9 @@ def peft_anatomy(model: str, trust_remote_code: bool, config_text: str, upcast: 
         return _built_peft_anatomy(model, trust_remote_code, config_text, upcast)
 
     # (buffers: cached anatomies from before the adapters' buffers were read are not taken for these)
-    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart)
-    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=2,
+    # (peft_read 2: peft's host index tensors among the buffers, LoRA variants and data-free builds told apart;
+    # 3, 4: the buffers a tuner registers on itself, the host parameters and their note, FRoD's)
+    return read_or_build(model, trust_remote_code, build, shipped=False, upcast=upcast, buffers=True, peft_read=4,
                          peft_config_sha256=hashlib.sha256(config_text.encode()).hexdigest())
 
 
@@ -322,15 +423,19 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
     base = peft_model.get_base_model()
     anatomy = inventory(base, name)
     buffers = tuple(replace(b, name=_peft_name(b.name))
-                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base)))
+                    for b in added_buffers(base, own_buffers, extra=host_index_tensors(base))) \
+        + tuner_buffers(peft_model, own_buffers)
     grad: dict[str, bool] = {}
     seen: set[int] = set()
     for module_name, module in base.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             grad.setdefault(f"{module_name}.{pname}" if module_name else pname, p.requires_grad)
             seen.add(id(p))
+    host = {_peft_name(n) for n in host_offloaded_weights(base)}
     params = [replace(p, name=_peft_name(p.name), trainable=grad[p.name],
                       tied_to=_peft_name(p.tied_to) if p.tied_to else None) for p in anatomy.params]
+    host_params = tuple(p for p in params if p.name in host)
+    params = [p for p in params if p.name not in host]
     for module_name, module in peft_model.named_modules():   # prompt encoders live outside the base model
         for pname, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
@@ -360,10 +465,14 @@ def _built_peft_anatomy(model: str, trust_remote_code: bool, config_text: str, u
                      "estimate learns them from peft's real code, llmem.runtime.learn)")
     if data_free is not None:
         notes.append(data_free)
+    if host_params:      # FRoD's runtime_offload_base_weight (host_offloaded_weights)
+        notes.append(f"peft type {peft_type}: runtime_offload_base_weight keeps the base weights of the "
+                     f"{len(host_params)} adapted modules ({sum(p.numel for p in host_params):,} parameters) on the "
+                     "host while training: not counted on the GPU")
     if json.loads(config_text).get("prompt_tuning_init") == "TEXT":
         notes.append("prompt_tuning_init TEXT needs a tokenizer: RANDOM initialisation used (same memory)")
     info = PeftInfo(peft_type, lora_dropout=lora_dropout, use_dora=use_dora,
                     num_virtual_tokens=int(getattr(config, "num_virtual_tokens", 0) or 0)
                     if peft_type == "PROMPT_TUNING" else 0, exact=exact, notes=tuple(notes))
     return replace(anatomy, params=tuple(params), tied_names=tuple(_peft_name(n) for n in anatomy.tied_names),
-                   peft=info, buffers=buffers)
+                   peft=info, buffers=buffers, host_params=host_params)

@@ -17,7 +17,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 
-from llmem.model.peft import host_index_tensors
+from llmem.model.peft import host_index_tensors, host_offloaded_weights, host_read_buffers, valued_buffers
+from llmem.runtime.build import materialize
+from llmem.runtime.ledger import HOST
 from llmem.runtime.patches import patched
 from llmem.runtime.vision import index_tensors_stay_real
 
@@ -34,7 +36,8 @@ def _real_mask(ix) -> bool:
 def adapter_index_tensors(mode, model: nn.Module) -> Iterator[None]:
     """Under the fake mode `mode` (entered): the tuner layers' host index tensors (and what is computed from them
     alone) stay real, and a real boolean mask indexing a tensor is turned into its real positions first."""
-    seeds = tuple(t for _name, t, _kind in host_index_tensors(model))
+    seeds = tuple(t for _name, t, _kind in host_index_tensors(model)) \
+        + tuple(t for _module, _key, t in host_read_buffers(model))
     if not seeds:
         yield
         return
@@ -58,3 +61,38 @@ def hold_index_copies(model: nn.Module, stack: contextlib.ExitStack) -> None:
     the step's stack closes."""
     copies = [torch.empty(t.shape, dtype=t.dtype) for _name, t, _kind in host_index_tensors(model)]
     stack.callback(copies.clear)
+
+
+def materialize_keeping_host_reads(model: nn.Module) -> None:
+    """The model materialised on the fake device (llmem.runtime.build.materialize) but for the buffers whose values
+    peft's forward reads on the host (llmem.model.peft.HOST_READ_BUFFERS: FRoD's sparse sizes), kept real: the
+    ledger counts them with the weights as the GPU holds them."""
+    kept = host_read_buffers(model)
+    materialize(model, "cpu")
+    for module, key, t in kept:
+        module._buffers[key] = t
+
+
+def offload_base_weights(model: nn.Module, region) -> None:
+    """FRoD's runtime_offload_base_weight in the fake step: the adapted modules' base weights made again inside
+    `region(HOST)` (host tensors, no device event), where peft's Linear._apply leaves them after model.to(device)
+    (llmem.model.peft.host_offloaded_weights); the fake device is the host's type, so peft's own move is a no-op."""
+    names = host_offloaded_weights(model)
+    if not names or region is None:
+        return
+    with region(HOST):
+        for name in names:
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            old = module.weight
+            module._parameters["weight"] = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=False)
+
+
+@contextlib.contextmanager
+def valued_buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Around model.to_empty(device) for a real step: the buffers whose values peft's forward depends on
+    (llmem.model.peft.VALUED_BUFFERS: FRoD's sparse S's size and positions) get peft's values back."""
+    kept = valued_buffers(model)
+    yield
+    with torch.no_grad():
+        for module, key, t in kept:
+            module._buffers[key].copy_(t)

@@ -12,7 +12,13 @@ from torch import nn
 from llmem.errors import LlmemError
 from llmem.model.config import build_meta_model, resolve_config, training_config
 from llmem.model.families import text_config
-from llmem.model.peft import apply_peft_config, lora_target_names, read_peft_config
+from llmem.model.peft import (
+    BASE_DTYPE_BUFFERS,
+    apply_peft_config,
+    buffer_dicts,
+    lora_target_names,
+    read_peft_config,
+)
 from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
@@ -109,6 +115,10 @@ def cast_frozen(model: nn.Module, setup) -> None:
                     if id(p) not in cast:
                         cast[id(p)] = nn.Parameter(p.to(low), requires_grad=False)
                     module._parameters[name] = cast[id(p)]
+        # the buffers peft makes in the base layer's dtype (FRoD's U and V), as on the base loaded in it
+        for module, key, b in buffer_dicts(model, BASE_DTYPE_BUFFERS):
+            if b.is_floating_point():
+                module._buffers[key] = b.to(low)
 
 
 

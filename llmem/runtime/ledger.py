@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from llmem.memory.allocator import kMinBlockSize as ROUND  # CUDA rounds every request to 512 bytes
-from llmem.runtime.fake_sparse import SPARSE_MASK, fake_sparse_mask
+from llmem.runtime.fake_sparse import COALESCE, SPARSE_MASK, fake_coalesce, fake_sparse_mask
 from llmem.runtime.host_reads import answer_host_reads
 
 PHASE_CODES = {"setup": 0, "forward": 1, "backward": 2, "optimizer_step": 3,
@@ -300,6 +300,8 @@ class TracingFakeMode(FakeTensorMode):
             return args[0]
         if func is SPARSE_MASK:     # the fake kernel's result has no entries (llmem.runtime.fake_sparse)
             return fake_sparse_mask(self.__torch_dispatch__, types, *args)
+        if func is COALESCE:        # ... and its coalesce none either
+            return fake_coalesce(self.__torch_dispatch__, types, *args)
         led = self.ledger
         if led is None or self._depth:
             out = super().__torch_dispatch__(func, types, args, kwargs)

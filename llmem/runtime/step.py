@@ -34,7 +34,13 @@ from llmem.memory.activations.loss import loss_logits_bytes
 from llmem.memory.quant import is_quantised, quant_args, storage_bytes
 from llmem.model.resolved import ResolvedSetup, resolve
 from llmem.model.vision import frozen_parts
-from llmem.runtime.adapter_host_tensors import adapter_index_tensors, hold_index_copies
+from llmem.runtime.adapter_host_tensors import (
+    adapter_index_tensors,
+    hold_index_copies,
+    materialize_keeping_host_reads,
+    offload_base_weights,
+    valued_buffers_kept,
+)
 from llmem.runtime.build import (
     apply_peft,
     cast_frozen,
@@ -46,7 +52,6 @@ from llmem.runtime.build import (
     install_fused_ce,
     install_model_dtype_loss,
     low_dtype,
-    materialize,
     materialize_prompt_tokens,
     meta_model_for,
     packed_position_ids,
@@ -338,7 +343,8 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
                          mesh, region, device: torch.device, fake: bool, sharded: bool, real_pg: bool):
     """The model's parameters allocated (fake cpu, or real on `device`) and the method applied; the runner."""
     if fake:
-        materialize(model, "cpu")
+        materialize_keeping_host_reads(model)     # FRoD's sparse sizes stay real (read on the host)
+        offload_base_weights(model, region)       # FRoD's runtime_offload_base_weight: on the host
         if setup.float8_all_gather:     # torchao's float8 weights for FSDP2 (llmem.runtime.float8)
             from llmem.runtime.float8 import rewrap_float8_weights
             rewrap_float8_weights(model)
@@ -348,7 +354,7 @@ def _materialised_runner(stack: contextlib.ExitStack, model: nn.Module, setup: T
         return apply_method(model, layout, mesh, setup, region, fake_pg=True)
     if sharded:   # shard on meta, then allocate only the local shards
         apply_method(model, layout, mesh, setup, region, fake_pg=not real_pg)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), valued_buffers_kept(model):     # FRoD's sparse S: peft's positions
         warnings.simplefilter("ignore")
         model.to_empty(device=device)
     tie_if_needed(model)

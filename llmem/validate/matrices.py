@@ -24,7 +24,7 @@ from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, MLLAMA_CI_ROWS, VL_SHA
 # peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
 PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
                      "lokr-r32-q-v", "fourierft-q-v", "lora-mica-r32-q-v", "adaption-prompt-4", "tinylora-q-v",
-                     "unilora-q-v", "lora-bd-r14-mlp", "waveft-q-v", "shira-r32-q-v")
+                     "unilora-q-v", "lora-bd-r14-mlp", "waveft-q-v", "shira-r32-q-v", "frod-q-v")
 
 # Small enough for 2 CPU cores: GPT-2, OPT-125m/350m, small Llama / Mistral / Qwen2 / BLOOM shapes, a ~1B model;
 # all methods; fp32, bf16-mixed, bf16; checkpointing on and off; AdamW, SGD, Adafactor, Lion, Muon, bitsandbytes'
@@ -243,7 +243,8 @@ CI_MATRIX: list[TrainingSetup] = [
     # module-dropout draw (llmem.runtime.host_reads), FourierFT's host indices, MiCA built data-free
     # (llmem.model.peft_data_free), adaption prompt's layer count cut for the copy, TinyLoRA / UniLoRA's shared vectors,
     # BD-LoRA (a LoRA variant the hand recipe does not model), WaveFT's and SHiRA's host indices
-    # (llmem.runtime.adapter_host_tensors; SHiRA built data-free, its sparse delta: llmem.runtime.fake_sparse)
+    # (llmem.runtime.adapter_host_tensors; SHiRA built data-free, its sparse delta: llmem.runtime.fake_sparse), FRoD
+    # built data-free (its projections on meta), its sparse S's size read on the host and its coalesce
     *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, peft_config=bundled_peft_config(name))
       for name in PEFT_LEARNED_ROWS),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=384, grad_ckpt=True,

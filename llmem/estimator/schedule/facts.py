@@ -78,7 +78,14 @@ class StepFacts:
         compiled layer: its graph's own casts are learned with it)."""
         if not self.regime.autocast or self.act.compiled:
             return []
-        return [p for p in params if p.module_kind in MATMUL_KINDS and not p.name.endswith("bias") and self.casts(p)]
+        return [p for p in params if self.autocast_copied(p) and not p.name.endswith("bias")]
+
+    def autocast_copied(self, p: ParamInfo) -> bool:
+        """Autocast makes this matmul parameter's low-precision copy where its linear runs (casts), the schedule
+        laying it out: not a cross-layer adapter part one layer holds (ParamFacts.shared_parts), which every layer
+        reads through its own tuner layer's ops (Lily's `lily_B.weight.reshape(...)`, cast there, per layer): the
+        learned layer's blocks hold that copy already."""
+        return p.module_kind in MATMUL_KINDS and self.casts(p) and p.name not in self.params.shared_parts
 
     def cast_bytes(self, params: list[ParamInfo]) -> list[int]:
         """The autocast weight copies a block's linears keep for backward."""

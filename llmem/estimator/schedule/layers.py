@@ -18,7 +18,6 @@ from llmem.estimator.schedule.hooks import StepHooks
 from llmem.estimator.schedule.state import StepState
 from llmem.estimator.schedule.units import FsdpUnits
 from llmem.model.anatomy import ParamInfo
-from llmem.model.sharding import MATMUL_KINDS
 
 
 class LayerEvents:
@@ -102,7 +101,7 @@ class LayerEvents:
         if not regime.autocast or self.f.act.compiled:
             return kept
         for p in params:
-            if p.module_kind in MATMUL_KINDS and self.f.casts(p):
+            if self.f.autocast_copied(p):
                 k = sch.alloc(self.f.params.tp_local[p.name] * regime.mm, "gathered_weights")
                 if not p.name.endswith("bias"):
                     kept.append(k)              # linear keeps it for the input gradient

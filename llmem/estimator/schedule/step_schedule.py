@@ -35,6 +35,7 @@ from llmem.memory.activations.embedding_adapter import embedding_adapters
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.memory.quant import storage_tensors
 from llmem.model.anatomy import ParamInfo
+from llmem.model.peft import buffer_bytes
 from llmem.model.resolved import ResolvedSetup
 from llmem.model.sharding import is_embedding
 
@@ -111,7 +112,7 @@ class StepSchedule:
             elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
                 sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[p.name], "weights")
         for b in f.params.buffers:                  # an adapter's buffers: whole on every rank, in their own dtype
-            sch.alloc(b.own_bytes, "weights")
+            sch.alloc(buffer_bytes(b, f.setup), "weights")
         if f.layout.spec.gradient_buckets:
             self.ddp_buckets()
         self.vision.batch()
