@@ -232,3 +232,22 @@ def test_llamafactory_config_prescales_then_tiles(tmp_path):
     assert (setup.model, setup.lora_rank, setup.max_pixels) == (SCOUT, 8, 589_824)
     assert vision_inputs(setup, load_anatomy(SCOUT)).image.crops == 10
     assert image_grid("llama4", 1024, 1024, config=load_anatomy(SCOUT).config).crops == 17
+
+
+def test_all_linear_lora_leaves_the_router_alone():
+    """--lora-targets all-linear adapts each layer's q/k/v/o and shared expert's gate/up/down (nn.Linear), not its
+    Llama4Router (an nn.Linear subclass returning scores and logits, which LLaMA-Factory's find_all_linear_modules
+    skips: "Linear" is not in its class name; peft's LoRA layer would fail on its tuple) nor the experts' stacked
+    parameters. r8 on tiny-llama4, by hand: 8 x (256 + 256) for q, o, gate, up, down and 8 x (256 + 128) for k, v,
+    in 4 layers."""
+    from llmem.model.peft import with_lora
+    from llmem.runtime.build import meta_model_for
+    from llmem.runtime.vision import language_lora_targets
+    from llmem.setup.training import LORA_ALL_LINEAR, user_setup
+
+    setup = user_setup(model="tiny-llama4", images_per_sample=1, image_size="224x224", lora_rank=8,
+                       lora_targets=LORA_ALL_LINEAR)
+    targets = language_lora_targets(meta_model_for(setup), [LORA_ALL_LINEAR], LORA_ALL_LINEAR)
+    assert len(targets) == 4 * 7 and not any("router" in t or "experts" in t for t in targets)
+    assert with_lora(load_anatomy("tiny-llama4"), 8, LORA_ALL_LINEAR).trainable_params == \
+        4 * (5 * 8 * 512 + 2 * 8 * 384)
