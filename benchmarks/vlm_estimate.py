@@ -10,7 +10,8 @@ H100-80GB, bf16-mixed unless the row says otherwise. Each estimate learns its vi
         # benchmarks/results/vlm_estimate_gemma3.json (--family qwen3_vl: tiny-qwen3_vl, the Qwen3-VL-* rows;
         # --family llava_onevision: tiny-llava_onevision, the llava-onevision-qwen2-* rows; --family idefics3:
         # tiny-idefics3, the Idefics3-8B and SmolVLM v1 rows; --family smolvlm: tiny-smolvlm, the SmolVLM2 row;
-        # --family internvl: tiny-internvl, the InternVL3-*-hf rows)
+        # --family internvl: tiny-internvl, the InternVL3-*-hf rows; --family llama4: tiny-llama4, the
+        # Llama-4-Scout rows)
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/vlm_estimate.py --text-control
         # the tiny VLM's language model alone as a text model (hand recipe, then learned), at 4 x 1792 tokens
 """

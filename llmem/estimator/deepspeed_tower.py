@@ -35,7 +35,7 @@ from llmem.model.vision import PEFT_PREFIX, under
 
 def piece_path(vision: VisionStep, piece: LearnedPiece) -> str | None:
     """The module a piece of the vision side runs in (its full path in the model), None for the encoder's own ops."""
-    return f"{vision.root}.{piece.module}" if piece.module else None
+    return ".".join(p for p in (vision.root, piece.module) if p) if piece.module else None   # (Llama 4's root: "")
 
 
 def tower_units(vision: VisionStep, params: list[ParamInfo]) -> dict[str, list[ParamInfo]]:

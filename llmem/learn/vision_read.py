@@ -34,11 +34,12 @@ def read_vision(rd: VisionReading) -> LearnedVision | None:
     temps: set[int] = set()
 
     def piece_of(module: str) -> int:
+        inside = len(vision) + 1 if vision else 0                 # (Llama 4's root: the model itself, "")
         if under(module, rd.blocks) and module != rd.blocks:      # an encoder block: "blocks.3"
             index = module[len(rd.blocks) + 1:].split(".")[0]
-            key = f"{rd.blocks}.{index}"[len(vision) + 1:]
+            key = f"{rd.blocks}.{index}"[inside:]
         else:                                                     # the root's child holding it: "merger"
-            key = module[len(vision) + 1:].split(".")[0] if module != vision else ""
+            key = module[inside:].split(".")[0] if module != vision else ""
         if key not in kept:
             keys.append(key)
             kept[key] = []

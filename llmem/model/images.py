@@ -18,7 +18,10 @@ masked; one <|image|> token in the text, the features entering the language mode
 layers) and InternVL's crops (GotOcr2ImageProcessor under InternVLProcessor's crop_to_patches: the image resized to
 the grid of the tower's image_size tiles, min_patches..max_patches of them, whose aspect ratio is closest to its own,
 and a thumbnail of the whole image where the grid has more than one tile; image_seq_length <IMG_CONTEXT> tokens a
-tile between <img> and </img>).
+tile between <img> and </img>) and Llama 4's tiles (Llama4ImageProcessor: get_best_fit's canvas of up to max_patches
+tiles of the tower's image_size, 336, and a global tile where the canvas has more than one; (image_size /
+patch_size)^2 x pixel_shuffle_ratio^2 <|patch|> tokens a tile, with the separators, <|image|>, <|image_start|> and
+<|image_end|> around them).
 
 One row per processor (`PROCESSORS`), named by the model's row (llmem.model.vision). Its pixel bounds are read from
 the publisher's preprocessor_config.json, shipped in the catalog (catalog/processors/), so nothing is fetched. The
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from functools import cache
 
@@ -59,6 +63,18 @@ class ImageProcessorSpec:
     # InternVL's crops (GotOcr2ImageProcessor.crop_image_to_patches): tiles of the tower's image_size and a thumbnail,
     # every image's stacked into one [tiles, 3, size, size] pixel_values for the batch
     crop_tiled: bool = False
+    # Llama 4's tiles (Llama4ImageProcessor: get_best_fit's canvas of up to max_patches tiles and a global tile), every
+    # image's stacked into one [tiles, 3, size, size] pixel_values for the batch, as InternVL's crops are
+    best_fit_tiled: bool = False
+    # pixel_values' dtype as the processor hands them over (torch's name): float32, or bfloat16 where it casts them
+    # (Llama4ImageProcessor.rescale_and_normalize: `images.to(dtype=torch.bfloat16)`), which the patch embedding's
+    # linear then takes as they are (autocast casts them; a step without it needs bf16 weights)
+    pixel_dtype: str = "float32"
+
+    @property
+    def stacks_tiles(self) -> bool:
+        """Every image's tiles concatenated into one [tiles, 3, size, size] pixel_values (InternVL, Llama 4)."""
+        return self.crop_tiled or self.best_fit_tiled
 
 
 PROCESSORS: dict[str, ImageProcessorSpec] = {
@@ -86,6 +102,11 @@ PROCESSORS: dict[str, ImageProcessorSpec] = {
     # 1, max_patches 12, crop_to_patches false there but set true by InternVLProcessor's images_kwargs)
     "internvl": ImageProcessorSpec("internvl", "GotOcr2ImageProcessorFast", "OpenGVLab--InternVL3-1B-hf.json",
                                    crop_tiled=True),
+    # Llama 4's (Llama-4-Scout-17B-16E-Instruct's preprocessor_config.json: Llama4ImageProcessorFast, size 336x336,
+    # max_patches 16, resize_to_max_canvas false)
+    "llama4": ImageProcessorSpec("llama4", "Llama4ImageProcessorFast",
+                                 "meta-llama--Llama-4-Scout-17B-16E-Instruct.json", best_fit_tiled=True,
+                                 pixel_dtype="bfloat16"),
 }
 
 
@@ -183,7 +204,7 @@ def pixel_values_shape(processor: str, image: ImageGrid, images: int, per_sample
     image's crops; tiled: Idefics3's frames), [samples, per_sample, tiles, 3, height, width] (a canvas of tiles:
     MllamaImageProcessor's pad_batches_and_tiles), [images x tiles, 3, height, width] (InternVLProcessor's crops,
     concatenated over the batch's images) or [patches, patch values] (Qwen's flattened patches)."""
-    if PROCESSORS[processor].crop_tiled:
+    if PROCESSORS[processor].stacks_tiles:
         return (images * image.crops, 3, image.height, image.width)
     if PROCESSORS[processor].canvas_tiled:
         return (images // per_sample, per_sample, image.crops, 3, image.height, image.width)
@@ -210,6 +231,8 @@ def image_grid(processor: str, height: int, width: int, max_pixels: int | None =
         return canvas_grid(config or {}, height, width, max_pixels, min_pixels)
     if PROCESSORS[processor].crop_tiled:
         return crop_grid(config or {}, height, width, tile_bounds(processor), max_pixels, min_pixels)
+    if PROCESSORS[processor].best_fit_tiled:
+        return best_fit_grid(config or {}, height, width, max_tiles(processor), max_pixels, min_pixels)
     if PROCESSORS[processor].fixed_size:
         return fixed_grid(config or {})
     s = processor_settings(processor)
@@ -422,3 +445,59 @@ def crop_grid(config: dict, height: int, width: int, bounds: tuple[int, int], ma
     tiles = cols * rows + 1 if cols * rows > 1 else 1
     side, merge = size // patch, round(1 / config.get("downsample_ratio", 0.5))
     return ImageGrid(size, size, 1, side, side, merge, 3 * patch * patch, tiles, 0, (height, width), marker_tokens=2)
+
+
+@cache
+def max_tiles(processor: str) -> int:
+    """A best-fit tiling processor's max_patches (the tiles of its canvas) from its shipped preprocessor_config.json."""
+    return json.loads(catalog_file("processors", PROCESSORS[processor].config_file))["max_patches"]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32, as get_best_fit's int64 / int division makes it (torch's true division of an int64
+    tensor gives float32; the float64 quotient rounded once more is the same: 53 >= 2 x 24 + 2 bits)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def best_fit_resolutions(max_chunks: int) -> list[tuple[int, int]]:
+    """transformers' llama4 find_supported_resolutions in tiles: every (high, wide) of max_chunks down to 1 tiles,
+    grouped by aspect ratio in the order each ratio first appears, its pairs in their order within it."""
+    by_ratio: dict[float, list[tuple[int, int]]] = {}
+    for chunks in range(max_chunks, 0, -1):
+        for factor in sorted(f for f in range(1, chunks + 1) if chunks % f == 0):
+            by_ratio.setdefault(factor / (chunks // factor), []).append((factor, chunks // factor))
+    return [pair for pairs in by_ratio.values() for pair in pairs]
+
+
+def best_fit_tiles(height: int, width: int, tile: int, max_chunks: int) -> tuple[int, int]:
+    """transformers' llama4 get_best_fit (resize_to_max_canvas false), in tiles (high, wide): the smallest upscale
+    (scale >= 1) if any canvas allows one, else the largest downscale; among canvases of that scale the first of the
+    smallest area (torch.argmin). Scales in float32, as its tensors hold them."""
+    pairs = best_fit_resolutions(max_chunks)
+    scales = [min(_f32(h * tile / height), _f32(w * tile / width)) for h, w in pairs]
+    up = [x for x in scales if x >= 1]
+    chosen = min(up) if up else max(x for x in scales if x < 1)
+    return min((p for p, x in zip(pairs, scales, strict=True) if x == chosen), key=lambda p: p[0] * p[1])
+
+
+def best_fit_grid(config: dict, height: int, width: int, max_chunks: int, max_pixels: int | None = None,
+                  min_pixels: int | None = None) -> ImageGrid:
+    """One image as Llama 4's processor gives it to the model of `config` (its config.json): Llama4ImageProcessor
+    resizes it into best_fit_tiles' canvas of the tower's image_size tiles (the processor's size, 336), split into
+    them, and adds a global tile (the whole image resized to one) where the canvas has more than one
+    (get_number_of_image_patches). Each tile runs (image_size / patch_size)^2 patches (and the class token) through
+    the tower, whose pixel shuffle joins (1 / pixel_shuffle_ratio)^2 of them into one <|patch|> token; the processor
+    (Llama4Processor._prompt_split_image) writes <|image_start|>, each canvas tile's tokens followed by a
+    <|tile_x_separator|> or, closing its row, a <|tile_y_separator|> (where there is more than one tile), <|image|>,
+    the global (or only) tile's tokens, <|image_end|>: 3 marker tokens, plus one a tile of a canvas of several.
+    The pixel bounds scale the image first, as LLaMA-Factory's _preprocess_image does."""
+    vision = config["vision_config"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    height, width = prescaled(height, width, max_pixels, min_pixels)
+    high, wide = best_fit_tiles(height, width, size, max_chunks)
+    canvas = high * wide
+    tiles = canvas + 1 if canvas > 1 else 1
+    side, merge = size // patch, round(1 / vision.get("pixel_shuffle_ratio", 0.5))
+    markers = 3 + (canvas if canvas > 1 else 0)
+    return ImageGrid(size, size, 1, side, side, merge, 3 * patch * patch, tiles, 0, (height, width),
+                     marker_tokens=markers)

@@ -4,7 +4,8 @@ A VLM's class (transformers' AutoModelForImageTextToText) holds a vision encoder
 patches), a projector (Qwen's patch merger: 2x2 patches -> one token of the language model's width; Gemma 3's
 average pool of 4x4 patches, normed and projected; LLaVA-OneVision's two-layer MLP; Idefics3 / SmolVLM's connector,
 a pixel shuffle of scale_factor^2 patches into one token and a linear; Llama 3.2 Vision's linear from the tower's
-concatenated layers to the text width; InternVL's pixel shuffle of 2x2 patches, a LayerNorm and a two-layer MLP; Qwen3-VL's deepstack mergers, which feed the language model's first layers,
+concatenated layers to the text width; InternVL's pixel shuffle of 2x2 patches, a LayerNorm and a two-layer MLP; Llama 4's linear after the tower's own
+pixel shuffle and MLP; Qwen3-VL's deepstack mergers, which feed the language model's first layers,
 count with the tower, as LLaMA-Factory counts them) and a language model (a decoder stack, whose layers are the
 anatomy's decoder layers; Llama 3.2 Vision's are of two kinds, some attending the image features). Each parameter
 belongs to one part, read from its name by the row's prefixes. Adding a family: a row here, its processor in llmem.model.images.
@@ -189,6 +190,20 @@ VISION_LANGUAGE: dict[str, VisionLanguageSpec] = {
                                    language_layers="model.language_model.layers", processor="internvl",
                                    modeling="transformers.models.internvl.modeling_internvl",
                                    special_tokens=("image_token_id",), position_rows=0),
+    # transformers 5's Llama4ForConditionalGeneration (Llama 4 Scout / Maverick): vision_model (Llama4VisionModel:
+    # an unfolded-patch linear, a class token and learned positions, model.layers of Llama4VisionEncoderLayer with a
+    # 2-D complex rotary, layernorm_post, then vision_adapter: pixel_shuffle by pixel_shuffle_ratio and a two-layer
+    # MLP), multi_modal_projector (one bias-free linear to the text width), language_model (Llama4ForCausalLM: MoE
+    # layers, chunked attention with every 4th layer full and without RoPE, its own lm_head), at the model's top
+    # level (no `model.` prefix); the processor writes <|image_start|>, the tiles' <|patch|> tokens (the config's
+    # image_token_index) with <|tile_x_separator|> / <|tile_y_separator|> between them, <|image|> and the global
+    # tile's, <|image_end|>: only <|patch|> takes features, the rest are text tokens to the model. LLaMA-Factory's
+    # llama4 row: vision_model_keys vision_model, projector_key multi_modal_projector
+    "llama4": VisionLanguageSpec(architecture="Llama4ForConditionalGeneration", vision="vision_model",
+                                 vision_blocks="vision_model.model.layers", projector="multi_modal_projector",
+                                 language_layers="language_model.model.layers", processor="llama4",
+                                 modeling="transformers.models.llama4.modeling_llama4",
+                                 special_tokens=("image_token_id", "boi_token_id", "eoi_token_id"), position_rows=0),
 }
 
 
@@ -268,7 +283,8 @@ def _blocks(anatomy, blocks: str, inner: str = "") -> tuple[str, ...]:
 
 def vision_root(model_type: str) -> str:
     """The module the vision side's pieces are named from: the vision module itself when it holds the projector
-    (Qwen's visual), else the parent the two share (Gemma 3's model); "" for a text-only model."""
+    (Qwen's visual), else the parent the two share (Gemma 3's model; the model itself, "", where both are at its top:
+    Llama 4); "" for a text-only model too."""
     modules = vision_modules(model_type)
     if len(modules) < 2:
         return modules[0] if modules else ""

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.model.anatomy import ModelAnatomy
-from llmem.model.images import ImageGrid, image_grid, pixel_values_shape
+from llmem.model.images import PROCESSORS, ImageGrid, image_grid, pixel_values_shape
 from llmem.model.vision import VisionLanguageSpec, vision_spec
 from llmem.setup.images import parse_image_size, vision_options
 from llmem.setup.liger import applied_kernels
 from llmem.setup.methods import method_spec
 from llmem.setup.training import TrainingSetup
+
+PIXEL_BYTES = {"float32": 4, "bfloat16": 2}     # pixel_values' bytes an element, by the processor's pixel_dtype
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class VisionInputs:
 
     def batch_bytes(self, batch_size: int, spec: VisionLanguageSpec) -> tuple[int, ...]:
         """The micro-batch's tensors on the device, in bytes: the token ids [batch, tokens] int64, pixel_values
-        fp32 (as the processor makes them, of pixel_values_shape; the patch embedding casts its own copy), the
+        in its processor's pixel_dtype (as the processor makes them, of pixel_values_shape: fp32, Llama 4's bf16; the
+        patch embedding casts its own copy), the
         language model's position ids
         [rows, batch, tokens] int64 where the forward takes them (get_rope_index's 3-D positions for Qwen) and the
         token_type_ids [batch, tokens] int64 where it takes them (Gemma 3), the pixel_attention_mask int64 [batch,
@@ -58,7 +61,7 @@ class VisionInputs:
         tokens = batch_size * self.language_tokens
         pixels = math.prod(pixel_values_shape(spec.processor, self.image, batch_size * self.images_per_sample,
                                               self.images_per_sample))
-        return (tokens * 8, pixels * 4,
+        return (tokens * 8, pixels * PIXEL_BYTES[PROCESSORS[spec.processor].pixel_dtype],
                 *((spec.position_rows * tokens * 8,) if spec.position_rows else ()),
                 *((tokens * 8,) if spec.token_types else ()),
                 *((pixels // 3 * 8,) if spec.pixel_mask else ()))
@@ -169,6 +172,12 @@ def unwired_options(setup: TrainingSetup, model_type: str | None = None, any_met
                 f"{model_type}'s forward casts the image features to the tower's dtype and masked_scatter refuses "
                 "them in embeddings of the other (transformers' SmolVLMModel.forward); use --precision bf16 or "
                 "freeze both or neither")
+    pixels = PROCESSORS[vision_spec(model_type).processor].pixel_dtype if model_type is not None else "float32"
+    if not setup.mixed and setup.precision_spec.compute_dtype != pixels != "float32":
+        return (f"--precision {setup.precision}: {model_type}'s processor hands over "
+                f"{pixels} pixel values, which its patch embedding's linear takes as they "
+                "are (transformers' Llama4UnfoldConvolution; no autocast casts them): use --precision bf16-mixed, "
+                "fp16-mixed or bf16")
     if setup.lora_rank and setup.freeze_language_model:
         return ("--freeze-language-model with --lora-rank leaves nothing to train (LoRA adapts the language "
                 "model): drop one")

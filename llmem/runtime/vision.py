@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from llmem.model.images import pixel_values_shape
+from llmem.model.images import PROCESSORS, pixel_values_shape
+from llmem.model.sharding import MATMUL_KINDS
 from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
 from llmem.runtime.cuda import is_fake_tensor
@@ -72,10 +73,13 @@ def language_lora_targets(model: nn.Module, names: list[str], all_linear: str) -
     """--lora-targets on a vision-language model as peft's target_modules: the full names of the language model's
     layers' linears so named (every one for all-linear), as LLaMA-Factory targets them with the vision tower and
     projector frozen (its defaults: patch_target_modules leaves out their modules) and as the trained anatomy
-    counts them (llmem.model.peft.with_lora: the decoder layers' linears)."""
+    counts them (llmem.model.peft.with_lora: the decoder layers' linears). A module of a Linear subclass of its own
+    (Llama 4's Llama4Router, which returns the routing scores and logits) is not one: LLaMA-Factory's
+    find_all_linear_modules takes a class whose name holds "Linear", and peft's LoRA layer around the router would
+    fail on its tuple."""
     prefix = vision_spec(model.config.model_type).language_layers + "."
     return {name for name, module in model.named_modules()
-            if name.startswith(prefix) and isinstance(module, nn.Linear)
+            if name.startswith(prefix) and isinstance(module, nn.Linear) and type(module).__name__ in MATMUL_KINDS
             and (all_linear in names or name.rsplit(".", 1)[-1] in names)}
 
 
@@ -92,6 +96,7 @@ class VisionBatch:
     # the forward's inputs it reads on the host, by keyword, kept real (LLaVA-OneVision's image_sizes, batch_num_images)
     host: tuple[tuple[str, torch.Tensor], ...] = ()
     visual_tokens: int = 0         # the image tokens of the whole micro-batch
+    pixel_dtype: torch.dtype = torch.float32    # pixel_values' as the processor makes them (its pixel_dtype)
 
 
 def _token_ids(cfg, spec: VisionLanguageSpec, batch_size: int, inputs: VisionInputs) -> torch.Tensor:
@@ -146,7 +151,8 @@ def vision_batch(hf_model: nn.Module, batch_size: int, inputs: VisionInputs) -> 
         shape = (batch_size, images // batch_size * img.crops, *shape[2:])
         extra.append(("pixel_attention_mask", torch.ones((*shape[:2], *shape[3:]), dtype=torch.int64)))
     return VisionBatch(ids, shape, batch_size * inputs.patches, grid, tuple(extra), host,
-                       batch_size * inputs.visual_tokens)
+                       batch_size * inputs.visual_tokens,
+                       getattr(torch, PROCESSORS[spec.processor].pixel_dtype))
 
 
 def _tile_inputs(ids: torch.Tensor, image_token: int, inputs: VisionInputs) -> list[tuple[str, torch.Tensor]]:
@@ -188,7 +194,7 @@ def model_inputs(batch: VisionBatch, device: torch.device | None = None) -> tupl
             return t.to(device)
         grid = place(batch.image_grid_thw) if batch.image_grid_thw is not None else None
         host = {name: place(t) for name, t in batch.host}
-    pixel_values = torch.randn(batch.pixel_shape, device=device)
+    pixel_values = torch.randn(batch.pixel_shape, device=device, dtype=batch.pixel_dtype)
     ids = place(batch.input_ids)
     return ids, {"pixel_values": pixel_values, **({"image_grid_thw": grid} if grid is not None else {}),
                  **{name: place(t) for name, t in batch.extra}, **host}

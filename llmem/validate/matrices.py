@@ -19,7 +19,7 @@ from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa:
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
 from llmem.validate.trl_qlora_rows import TRL_QLORA_ROWS
-from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, MLLAMA_CI_ROWS, VL_SHAPE, VLM_MATRIX
+from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, LLAMA4_CI_ROWS, MLLAMA_CI_ROWS, VL_SHAPE, VLM_MATRIX
 
 # peft types learned from the real code with a CI row each (llmem/model/catalog/peft/NAME)
 PEFT_LEARNED_ROWS = ("vera-r256-q-v", "pvera-q-v", "randlora-q-v", "vblora-q-v", "lily-r140-mlp", "loha-r32-q-v",
@@ -549,7 +549,7 @@ CI_MATRIX: list[TrainingSetup] = [
     *(_s(m, method, 2, **_TINY_VL, **kw) for m, method, kw in (
         ("tiny-idefics3", "fsdp", {"freeze_vision_tower": True}), ("tiny-idefics3", "fsdp", {"lora_rank": 8}),
         ("tiny-idefics3", "zero2", {}), ("tiny-smolvlm", "fsdp", {"lora_rank": 8}))),
-    *INTERNVL_CI_ROWS, *MLLAMA_CI_ROWS]
+    *INTERNVL_CI_ROWS, *MLLAMA_CI_ROWS, *LLAMA4_CI_ROWS]
 OBJECTIVES_MATRIX = [s for s in CI_MATRIX if s.objective != "sft"]     # TRL's objectives alone
 
 

@@ -1,5 +1,5 @@
 """Vision-language rows llmem.validate.matrices imports: the vlm matrix (every family at real sizes, one GPU), and
-InternVL's CI rows (added once matrices.py was full).
+the CI rows of the families added once matrices.py was full (InternVL, Llama 3.2 Vision, Llama 4).
 
 - INTERNVL_CI_ROWS: tiny-internvl (112 px tiles of 8 x 8 patches and a class token, pixel-shuffled to 16 tokens a
   tile); 448x448 takes 3 x 3 tiles and the thumbnail (160 image tokens), 300x500 3 x 2 and the thumbnail. Each part
@@ -11,6 +11,11 @@ InternVL's CI rows (added once matrices.py was full).
   token. The full step, the tower or the language model frozen (the layers below the first cross-attention layer
   then run without a graph), LoRA, the frozen tower under checkpointing, two images a sample, DDP, FSDP2 (each
   encoder block of the local and the global transformer a unit), DeepSpeed ZeRO-3.
+- LLAMA4_CI_ROWS: tiny-llama4 (4 MoE decoder layers of 4 experts, chunked attention of 128 and a full-attention
+  NoPE layer; 112 px tiles of 8 x 8 patches and a class token, pixel-shuffled to 16 tokens a tile); 224x224 takes
+  2 x 2 tiles and the global one (80 image tokens, 144 a sample with the text: past the chunk). The full step, the
+  tower frozen, LoRA, and FSDP2 with LoRA (each Llama4VisionEncoderLayer a unit).
+- LLAMA4_VLM_ROWS: Llama-4-Scout-17B-16E-Instruct at 1024x768 (4 x 3 tiles and the global one: 1,872 tokens).
 - MLLAMA_VLM_ROWS: Llama-3.2-11B-Vision at 560x560 (one tile of 40 x 40 patches and a class token, padded to 4
   tiles: 6,404 vision tokens a cross-attention layer reads, 1 <|image|> token), and two 1120x1120 images a sample.
 """
@@ -45,6 +50,12 @@ MLLAMA_CI_ROWS: list[TrainingSetup] = [
     _s("tiny-mllama", "ds-zero3", 2, **_TINY),
 ]
 
+_TINY_L4 = {**_TINY, "image_size": "224x224"}
+LLAMA4_CI_ROWS: list[TrainingSetup] = [
+    *(_s("tiny-llama4", **{**_TINY_L4, **kw}) for kw in ({}, {"freeze_vision_tower": True}, {"lora_rank": 8})),
+    _s("tiny-llama4", "fsdp", 2, **_TINY_L4, lora_rank=8),
+]
+
 _VL = {"precision": "bf16-mixed", "seq_len": 512, "images_per_sample": 1, "image_size": "1024x768", "batch_size": 1}
 INTERNVL_VLM_ROWS: list[TrainingSetup] = [
     _s(f"OpenGVLab/InternVL3-{size}-hf", **{**_VL, **kw}) for size, kw in (
@@ -58,6 +69,10 @@ MLLAMA_VLM_ROWS: list[TrainingSetup] = [
         {"lora_rank": 16}, {"lora_rank": 16, "grad_ckpt": True}, {"freeze_vision_tower": True, "grad_ckpt": True},
         {"freeze_language_model": True, "grad_ckpt": True},
         {"lora_rank": 16, "grad_ckpt": True, "images_per_sample": 2, "image_size": "1120x1120", "batch_size": 2})]
+
+LLAMA4_VLM_ROWS: list[TrainingSetup] = [
+    _s("meta-llama/Llama-4-Scout-17B-16E-Instruct", **{**_VL, **kw}) for kw in (
+        {"lora_rank": 16, "grad_ckpt": True}, {"freeze_language_model": True, "grad_ckpt": True})]
 
 # Vision-language steps at real sizes, one GPU: the vlm matrix (benchmarks/vlm_estimate.md; images at and above
 # LLaMA-Factory's image_max_pixels 768 x 768)
@@ -94,4 +109,4 @@ VLM_MATRIX: list[TrainingSetup] = [
         ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", {"lora_rank": 16, "grad_ckpt": True}),
         ("HuggingFaceM4/Idefics3-8B-Llama3", {"lora_rank": 16, "grad_ckpt": True}),
         ("HuggingFaceM4/Idefics3-8B-Llama3", {"freeze_vision_tower": True, "grad_ckpt": True}))),
-    *INTERNVL_VLM_ROWS, *MLLAMA_VLM_ROWS]
+    *INTERNVL_VLM_ROWS, *MLLAMA_VLM_ROWS, *LLAMA4_VLM_ROWS]

@@ -26,7 +26,7 @@ from llmem.setup.training import user_setup
 
 TINY = {"qwen2_5_vl": "tiny-qwen2_5_vl", "qwen3_vl": "tiny-qwen3_vl", "gemma3": "tiny-gemma3",
         "llava_onevision": "tiny-llava_onevision", "idefics3": "tiny-idefics3", "smolvlm": "tiny-smolvlm",
-        "mllama": "tiny-mllama", "internvl": "tiny-internvl"}
+        "mllama": "tiny-mllama", "internvl": "tiny-internvl", "llama4": "tiny-llama4"}
 VL = dict(method="fsdp", gpus=2, precision="bf16-mixed", batch_size=4, seq_len=64, images_per_sample=1,
           image_size="448x448")
 

@@ -110,3 +110,18 @@ def test_internvl_measure_and_trace_agree(fields):
     real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
     assert (real.peak_allocated_bytes, real.peak_reserved_bytes) == (fake.peak_allocated_bytes,
                                                                      fake.peak_reserved_bytes)
+
+
+@pytest.mark.parametrize("fields", [{}, {"freeze_vision_tower": True, "grad_ckpt": True},
+                                    pytest.param({"lora_rank": 8}, marks=pytest.mark.slow),
+                                    pytest.param({"images_per_sample": 2, "image_size": "300x500"},
+                                                 marks=pytest.mark.slow)])
+def test_llama4_measure_and_trace_agree(fields):
+    """Llama 4 (tiny): the real CPU step (every image's tiles stacked into one bf16 pixel_values, as the processor
+    casts them; the tower's complex rotary, its pixel shuffle and MLP; MoE decoder layers, chunked attention of 128
+    over 144 tokens and a full-attention NoPE layer) against the trace on fake tensors."""
+    setup = TrainingSetup("tiny-llama4", **{"images_per_sample": 1, "image_size": "224x224", **fields},
+                          batch_size=2, seq_len=64)
+    real, fake = measure(setup, device="cpu"), trace(setup, cuda_kernels=False)
+    assert (real.peak_allocated_bytes, real.peak_reserved_bytes) == (fake.peak_allocated_bytes,
+                                                                     fake.peak_reserved_bytes)

@@ -132,7 +132,7 @@ class VisionStep:
         """The FSDP2 unit a piece runs in (its module is one, or holds one: Idefics3's blocks, whose attention is
         the unit), or None (the root unit's). A unit inside a piece is taken as gathered for the whole piece's
         forward and backward (its pre-forward at the piece's first allocation)."""
-        path = f"{self.root}.{piece.module}" if piece.module else self.root
+        path = ".".join(p for p in (self.root, piece.module) if p)     # (Llama 4's root: the model itself, "")
         if path in self.units:
             return path
         inner = f"{path}.{self.unit_in_block}" if self.unit_in_block and piece.module else ""
