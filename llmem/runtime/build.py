@@ -19,6 +19,7 @@ from llmem.model.peft import (
     lora_target_names,
     read_peft_config,
 )
+from llmem.model.sharding import MATMUL_KINDS
 from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
@@ -140,10 +141,34 @@ def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
         return language_lora_targets(model, names, LORA_ALL_LINEAR)
     if LORA_ALL_LINEAR not in names:
         return set(names)
+    expanded = _maybe_include_all_linear_layers(LoraConfig(target_modules=LORA_ALL_LINEAR), model).target_modules
+    linear = _linears_proper(model, set(expanded))
+    if linear is not None:
+        return linear | (set(names) - {LORA_ALL_LINEAR})
     if names == [LORA_ALL_LINEAR]:
         return LORA_ALL_LINEAR
-    expanded = _maybe_include_all_linear_layers(LoraConfig(target_modules=LORA_ALL_LINEAR), model).target_modules
     return set(expanded) | (set(names) - {LORA_ALL_LINEAR})
+
+
+def _linears_proper(model: nn.Module, expanded: set[str]) -> set[str] | None:
+    """The full names of the modules peft's all-linear takes (`expanded`: their names, full in peft 0.21) that are a
+    Linear or a Conv1D proper (llmem.model.sharding.MATMUL_KINDS, what the anatomy counts as adapted), where it
+    takes a subclass of its own too; None where it takes none. Llama 4's Llama4Router subclasses nn.Linear and returns the routing
+    scores and logits: peft's LoRA layer around it fails on the tuple (`result.dtype`), and LLaMA-Factory's
+    find_all_linear_modules (a class whose name holds "Linear") leaves it out."""
+    # peft matches a target to a module named so, or ending in "." and the target (check_target_module_exists)
+    taken = {name: type(module).__name__ for name, module in model.named_modules()
+             if (name in expanded or name.rsplit(".", 1)[-1] in expanded) and isinstance(module, nn.Linear | _conv1d())}
+    if all(kind in MATMUL_KINDS for kind in taken.values()):
+        return None
+    return {name for name, kind in taken.items() if kind in MATMUL_KINDS}
+
+
+def _conv1d() -> type:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
 
 def low_dtype(setup) -> torch.dtype | None:
     """The set-up's low-precision dtype (None under fp32)."""

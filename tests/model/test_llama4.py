@@ -251,3 +251,17 @@ def test_all_linear_lora_leaves_the_router_alone():
     assert len(targets) == 4 * 7 and not any("router" in t or "experts" in t for t in targets)
     assert with_lora(load_anatomy("tiny-llama4"), 8, LORA_ALL_LINEAR).trainable_params == \
         4 * (5 * 8 * 512 + 2 * 8 * 384)
+
+
+def test_all_linear_lora_on_the_text_model_leaves_the_router_alone_too(tmp_path):
+    """The text-only Llama 4 (llama4_text, tiny-llama4's language model as a local config): peft's own all-linear
+    would wrap each Llama4Router too and fail on its tuple, so the trace takes the Linear modules proper, as the
+    anatomy counts them; the traced adapters are those 106,496 parameters (the test above, by hand) and the trace
+    runs (it raised AttributeError before)."""
+    from llmem.runtime.trace import trace
+
+    text = json.loads(catalog_file("tiny", "tiny-llama4.json"))["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps({**text, "model_type": "llama4_text",
+                                                      "architectures": ["Llama4ForCausalLM"]}))
+    result = trace(TrainingSetup(model=str(tmp_path), lora_rank=8, lora_targets="all-linear", seq_len=64))
+    assert result.setup.trainable_params == 4 * (5 * 8 * 512 + 2 * 8 * 384) == 106_496
