@@ -577,7 +577,8 @@ class PreferenceEvents:
                 grad_weight = -1
             else:
                 s.make_grad(q, root_unit=True)
+        left = s.blocks.final_norm_backward(stream_grad)
         sch.free_all(self.head_keys)
         s.flush_steps(it)
-        free(stream_grad)
+        sch.free_all(left)
 

@@ -99,6 +99,7 @@ class ActivationProfile:
     layers: int
     embed_tensors: tuple[int, ...] = ()
     head_tensors: tuple[int, ...] = ()
+    head_back: tuple[tuple[int, int, int], ...] = ()   # the final norm's backward events (LayerRecipe.head_back)
     mask_bytes: int = 0        # --packing under SDPA: the boolean mask, live during the forward
     shared_tensors: tuple[int, ...] = ()
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
@@ -429,7 +430,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     if fused is not None:   # the lm_head's input (the recipe's last head tensor) is not kept: the loss keeps grads
         last = len(recipe.head) - 1
         recipe = LayerRecipe(recipe.blocks, recipe.embed, recipe.head[:last], recipe.shared,
-                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last))
+                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last), recipe.head_back)
     exact = anatomy.peft is None or anatomy.peft.exact
     adapted = adapter_regime(setup.quant_base, regime)    # what peft's bitsandbytes LoRA layers cast
     # fp32 adapters on a pure low-precision base (peft's bitsandbytes LoRA layers cast alike outside autocast)
@@ -467,7 +468,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         + (selective.kept_bytes(recipe.blocks) if selective is not None else 0),
         int8_kept=int8_kept,
         embed_saved=sum(embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
-        embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
+        embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared, head_back=recipe.head_back,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
                    loss.chunked.backward_peak_bytes if loss.chunked is not None else
                    loss_peak_bytes(d, loss.element_bytes, loss.nll_cast) + (d.t * d.vocab * regime.mm if config_value(
