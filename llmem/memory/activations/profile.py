@@ -91,7 +91,6 @@ class ActivationProfile:
     per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
     checkpoint_saved: int      # kept per layer under gradient checkpointing (the layer input)
     embed_saved: int           # kept by the embedding block (outside the layers)
-    head_saved: int            # kept by the final norm and the lm_head input
     shared_saved: int          # shared by every layer: rotary cos/sin, attention mask
     loss_peak: int             # logits, their fp32 upcast, log-softmax and their gradients at the loss backward
     blocks: tuple[Block, ...]  # one decoder layer, forward order
@@ -233,6 +232,11 @@ class ActivationProfile:
         if not self.offload:
             return self.embed_saved + self.head_saved + self.shared_saved
         return self.lm_head_input + (self.shared_saved + self.embed_leaf_bytes if self.grad_ckpt else 0)
+
+    @property
+    def head_saved(self) -> int:
+        """Kept by the final norm and the lm_head input (head_tensors' sum)."""
+        return sum(self.head_tensors)
 
     @property
     def device_head_saved(self) -> int:
@@ -467,7 +471,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
         + (selective.kept_bytes(recipe.blocks) if selective is not None else 0),
         int8_kept=int8_kept,
-        embed_saved=sum(embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
+        embed_saved=sum(embed), shared_saved=sum(recipe.shared),
         embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared, head_back=recipe.head_back,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
                    loss.chunked.backward_peak_bytes if loss.chunked is not None else
