@@ -454,7 +454,8 @@ class PreferenceEvents:
         if policy:
             s.unshard_forward(None, s.facts.root)
         ref_fetch("start")
-        stream = alloc(t * h * regime.res, "activations")
+        # the embedding's output: HF's model forward holds it (`inputs_embeds`) until it returns
+        stream = embeds = alloc(t * h * regime.res, "activations")
         if workspace:                                 # cuBLAS's, at the step's first matmul
             s.ensure_workspace()
         cached: list[int] = []
@@ -467,7 +468,8 @@ class PreferenceEvents:
             self.dequantise(pending, rows, adapters)
             out = alloc(t * h * regime.res, "activations")      # the layer's output, the next one's input
             sch.free_all(previous)
-            free(stream)
+            if stream != embeds:
+                free(stream)
             stream = out
             if policy and s.facts.reshard:
                 s.reshard_unit(i)
@@ -476,7 +478,7 @@ class PreferenceEvents:
             s.release_forward_gathers()
         ref_fetch("head")
         norm_out = alloc(t * h * head.out_bytes, "activations")
-        free(stream)
+        sch.free_all([stream] if stream == embeds else [stream, embeds])
         self.fused_forward(head, keep=False)
         ref_fetch("end")
         free(norm_out)
@@ -577,7 +579,8 @@ class PreferenceEvents:
                 grad_weight = -1
             else:
                 s.make_grad(q, root_unit=True)
+        left = s.blocks.final_norm_backward(stream_grad)
         sch.free_all(self.head_keys)
         s.flush_steps(it)
-        free(stream_grad)
+        sch.free_all(left)
 

@@ -219,7 +219,8 @@ class PairwiseEvents(PreferenceEvents):
         free(out)
 
     def head_grads(self, grad: int, it: int) -> None:
-        """The head's matmul backward (as the causal-LM step's): its input's gradient, the head parameters'."""
+        """The head's matmul backward (as the causal-LM step's): its input's gradient, the head parameters', then
+        the final norm's backward (StepHooks.blocks.final_norm_backward)."""
         s = self.s
         sch, alloc = s.sch, s.sch.alloc
         head = s.head_backward_params()
@@ -230,7 +231,7 @@ class PairwiseEvents(PreferenceEvents):
         sch.free_all(self.head_copy)
         sch.free_all(self.head_keys)
         s.flush_steps(it)
-        sch.free(grad_in)
+        sch.free_all(s.blocks.final_norm_backward(grad_in))
 
 
 def pairwise_moments(r, act, ms, sft_moments) -> list:

@@ -462,7 +462,10 @@ def _eager_mod_tracker():
     leaves its edges reach (an adapter's step with checkpointing: the embedding's output, made a leaf by
     enable_input_require_grads, and its .grad, one more kept each iteration, where the run without the tracker frees
     them with the graph). The pre-hook's handles are kept and removed once the backward is over
-    (`release_backward_hooks`), which breaks the cycles."""
+    (`release_backward_hooks`), which breaks the cycles. A module run under no_grad (TRL's reference and KL
+    forwards) gets none: no backward runs through it, and the hook would keep its inputs (the embedding's output,
+    a leaf that requires grad by enable_input_require_grads even under no_grad) until that release, where the run
+    without the tracker frees them when the forward returns."""
     import torch.distributed._tools.mod_tracker as mod_tracker
     from torch.distributed._tools.mod_tracker import ModTracker
 
@@ -477,6 +480,8 @@ def _eager_mod_tracker():
             register = mod_tracker.register_multi_grad_hook
 
             def kept(tensors, fn, **kwargs):
+                if not torch.is_grad_enabled():     # no graph through this module: no backward to track
+                    return None
                 handle = register(tensors, fn, **kwargs)
                 self.backward_hooks.append(handle)
                 return handle

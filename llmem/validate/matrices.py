@@ -330,6 +330,10 @@ CI_MATRIX: list[TrainingSetup] = [
     # and the reference); the reference as a copy, and as the policy with its adapters disabled
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="kto"),
     _s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective="kto", lora_rank=16),
+    # LoRA with checkpointing under TRL's trainers: the embedding's output a leaf (enable_input_require_grads) in the
+    # no_grad reference / KL forwards, HF's RMSNorm backward op by op on small-pool blocks
+    *(_s("tiny-llama", precision="bf16-mixed", batch_size=2, seq_len=256, objective=o, lora_rank=8, grad_ckpt=True)
+      for o in ("trl-sft", "dpo", "kto")),
     # trl.experimental's ORPOTrainer and CPOTrainer (simpo): no reference, the loss on full fp32 logits (the
     # chosen NLL and the log-prob kernel); TRL's RewardTrainer: the score head (llmem.estimator.pairwise)
     _s("tiny-llama", precision="bf16-mixed", optimizer="sgd", batch_size=2, seq_len=256, objective="orpo"),

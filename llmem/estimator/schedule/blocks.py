@@ -3,7 +3,8 @@ them (`block_plan`), a quantised base's dequantisation transients (bitsandbytes,
 block's backward transient.
 
 Known Limitations: a block's backward is one transient (the recipe's, llmem.memory.activations.blocks), laid out
-in pieces of at most [t, h] only under --sequence-parallel.
+in pieces of at most [t, h] only under --sequence-parallel; HF's RMSNorm's is its own events, op by op
+(Block.back_events), and so is the final norm's (final_norm_backward).
 """
 
 from __future__ import annotations
@@ -135,6 +136,16 @@ class BlockEvents:
             out = total
         sch.free(out)                                    # the recipe's tensors hold the output kept
 
+    def final_norm_backward(self, grad_in: int) -> list[int]:
+        """The final norm's backward (ActivationProfile.head_back, where known op by op) on the gradient of its output
+        `grad_in`, which dies once its first node has read it; the keys it leaves (the caller frees them)."""
+        back = self.f.act.head_back
+        if not back:
+            return [grad_in]
+        keys = self.play_tagged(back[:1], {})
+        self.sch.free(grad_in)
+        return list(self.play_tagged(back[1:], keys).values())
+
     def backward_transient(self, b: Block) -> list[int]:
         """A block's backward transient. Under --sequence-parallel it is made of full-sequence [t, h] tensors (each
         linear's input gradient of the all-gathered input, and the norm's gradient before its reduce-scatter and the
@@ -143,6 +154,9 @@ class BlockEvents:
         alloc, n = self.sch.alloc, b.transient
         before, after = b.back_casts        # Float8Linear's casts around it (llmem.memory.activations.float8)
         left = self.play_tagged(before, {})
+        if b.back_events:         # known op by op (HF's RMSNorm): what they leave is freed with the block
+            own = list(self.play_tagged(b.back_events, {}).values())
+            return own + list(self.play_tagged(after, left).values())
         piece = self.f.t * self.f.hidden_size * self.f.regime.mm if self.f.setup.sequence_parallel else n
         if piece <= 0 or n <= piece:
             keys = [alloc(n, "activations")]

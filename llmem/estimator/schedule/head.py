@@ -7,7 +7,7 @@ the matmul's node has released its inputs).
 Known Limitations: the loss's per-token scalars (a few KiB) are left out; the objectives' heads (TRL's fused head,
 the pairwise losses) are their own events (llmem.estimator.objectives, .pairwise); the lm_head's input gradient
 is made before its weight gradient (MmBackward0 makes the weight's first: a [tokens, hidden] tensor out of order);
-the final norm's backward temporaries are left out.
+the final norm's backward temporaries are laid out only for HF's RMSNorm (LayerRecipe.head_back).
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ class HeadEvents:
         if "head" in f.own_units:       # its post-backward hook, on the lm_head's input
             step.own_post_backward("head")
         step.flush_steps(it)
-        sch.free(grad_in)
+        sch.free_all(step.blocks.final_norm_backward(grad_in))
 
     def release_head(self, cast_grad: int) -> None:
         """The lm_head's node has run: the loss's gradient, the weight copies and the head's saved tensors die."""

@@ -148,9 +148,10 @@ def with_trainability(anatomy: ModelAnatomy, recipe: LayerRecipe, adapters_read:
                 moved[owner].append((b.tensors[i], at, at if cast else None))
     blocks = tuple(Block(b.name, kept, b.params, b.transient, temps=tuple(
                              (n, a, len(kept) + Frozen.BLOCK_END if f is None else f) for n, a, f in moved[j]),
-                         outputs=remap(b.outputs, b.for_weights, layer0))
+                         outputs=remap(b.outputs, b.for_weights, layer0), back_events=b.back_events)
                    for j, b in enumerate(recipe.blocks) for kept in [keep(b.tensors, b.for_weights, layer0)])
-    return LayerRecipe(blocks, recipe.embed, keep(recipe.head, recipe.head_for_weights, root), recipe.shared)
+    return LayerRecipe(blocks, recipe.embed, keep(recipe.head, recipe.head_for_weights, root), recipe.shared,
+                       head_back=recipe.head_back)
 
 
 def adapters_upcast(anatomy: ModelAnatomy, setup: TrainingSetup, r: Regime) -> bool:
@@ -199,9 +200,10 @@ def with_adapters(anatomy: ModelAnatomy, recipe: LayerRecipe, d: Dims, r: Regime
             forward(adapters, p, block_owner(recipe.blocks, p.name))
     taken = adapters.taken
     blocks = tuple(Block(b.name, tuple(n for x, n in enumerate(b.tensors) if (j, x) not in taken) + tuple(a.kept),
-                         b.params, b.transient + a.back, b.for_weights, b.temps + tuple(a.temps))
+                         b.params, b.transient + a.back, b.for_weights, b.temps + tuple(a.temps),
+                         back_events=b.back_events if not a.back else ())
                    for j, (b, a) in enumerate(zip(recipe.blocks, adapters.added, strict=True)))
-    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights, recipe.head_back)
 
 
 @dataclass

@@ -83,6 +83,9 @@ class Block:
     # torchao's Float8Linear casts in backward, as (+1/-1, tag, bytes) events (llmem.memory.activations.float8):
     # those before the block's transient is made, those after it
     back_casts: tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]] = ((), ())
+    # the backward as its own (+1/-1, tag, bytes) events, where they are known op by op (HF's RMSNorm:
+    # rmsnorm_backward); `transient` is then their peak. Empty: the backward is one allocation of `transient`
+    back_events: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def saved(self) -> int:
@@ -96,6 +99,7 @@ class LayerRecipe:
     head: Sizes
     shared: Sizes
     head_for_weights: tuple[tuple[int, tuple[str, ...], bool], ...] = ()
+    head_back: tuple[tuple[int, int, int], ...] = ()   # the final norm's backward events, where known (RMSNorm)
 
 
 def config_value(anatomy: ModelAnatomy, *names: str, default=0.0):
@@ -244,12 +248,56 @@ def sp_norm_transient(r: Regime, d: Dims) -> int:
     return 2 * d.t * d.h * r.mm if d.sp else 0
 
 
+def rmsnorm_backward(r: Regime, t: int, h: int) -> tuple[tuple[int, int, int], ...]:
+    """HF LlamaRMSNorm's backward on a low-precision stream as autograd runs it, op by op (torch's
+    derivatives.yaml), as (+1/-1, tag, bytes) events; what is left allocated at the end is the input's gradient.
+    `weight * y.to(dtype)`: MulBackward0 makes grad * weight (the stream dtype); ToCopyBackward0 casts it to fp32;
+    `x * rsqrt(v)`: MulBackward0 makes both gradients, [t, h] each, the rsqrt's summed to [t, 1] (validate_outputs'
+    sum_to) and its [t, h] product freed; RsqrtBackward0 `-0.5 * grad * result.pow(3)` on [t, 1]; MeanBackward0
+    expands the gradient to [t, h] / n; PowBackward0 `grad * (2 * x.pow(1))`: three [t, h]; the input buffer sums the
+    fp32 copy's two gradients into a new one (neither can be stolen), cast back to the stream's dtype. Empty on an
+    fp32 stream: there `x.to(fp32)` is x itself, the residual, whose gradient the input buffer sums with the residual
+    branch's as each arrives (a real layer's order, not the norm's alone): the block's backward stays one lump."""
+    if r.res == F32:
+        return ()
+    f, s, g = F32 * t * h, F32 * t, r.res * t * h
+    return ((1, 0, g), (1, 1, f), (-1, 0, g),                  # grad * weight, its .to(fp32)'s backward
+            (1, 2, f), (1, 3, f), (1, 4, s), (-1, 2, f), (-1, 1, f),                 # x * rsqrt's
+            (1, 5, s), (1, 6, s), (1, 7, s), (-1, 6, s), (-1, 5, s), (-1, 4, s),     # rsqrt's
+            (1, 8, f), (-1, 7, s),                                                    # mean's
+            (1, 9, f), (1, 10, f), (1, 11, f), (-1, 10, f), (-1, 9, f), (-1, 8, f),   # pow's
+            (1, 12, f), (-1, 3, f), (-1, 11, f),                # the copy's two gradients summed
+            (1, 13, g), (-1, 12, f))                            # x.to(fp32)'s backward: back to the stream dtype
+
+
+def events_peak_bytes(events: tuple[tuple[int, int, int], ...]) -> int:
+    """The largest sum of the bytes `events` hold at once."""
+    live = peak = 0
+    for sign, _tag, n in events:
+        live += sign * n
+        peak = max(peak, live)
+    return peak
+
+
+def rmsnorm_forward_temps(r: Regime, t: int, h: int) -> tuple[tuple[int, float, float], ...]:
+    """HF LlamaRMSNorm's forward temporaries on a low-precision stream among its kept tensors (norm_saved's: the
+    fp32 copy, the rsqrt, the normalised tensor in the stream dtype), as Block.temps: `x.pow(2)` [t, h] fp32 until
+    mean has read it; `variance` [t, 1], held by its local until forward returns; `variance + eps` until rsqrt has
+    read it; `x * rsqrt(...)` [t, h] fp32 until forward returns. Empty on an fp32 stream (with rmsnorm_backward)."""
+    if r.res == F32:
+        return ()
+    f, s = F32 * t * h, F32 * t
+    return (f, 0.2, 0.4), (s, 0.3, 3), (s, 0.5, 1), (f, 1.5, 3)
+
+
 def norm_block(name: str, kind: str, r: Regime, t: int, h: int, params: tuple[str, ...]) -> tuple[Block, int]:
     kept, out = norm_saved(kind, r, t, h)
-    transient = t * h * (2 * F32 if kind.startswith("rmsnorm") else r.res)
+    back = rmsnorm_backward(r, t, h) if kind == "rmsnorm" else ()      # op by op (a low-precision stream)
+    temps = rmsnorm_forward_temps(r, t, h) if back else ()
+    transient = events_peak_bytes(back) if back else t * h * (2 * F32 if kind.startswith("rmsnorm") else r.res)
     # HF RMSNorm's `weight * normalised`: the normalised tensor (last) is kept for the weight's gradient only
     for_weights = ((len(kept) - 1, params, False),) if kind.startswith("rmsnorm") else ()
-    return Block(name, kept, params, transient, for_weights), out
+    return Block(name, kept, params, transient, for_weights, temps=temps, back_events=back), out
 
 
 def proj_block(name: str, r: Regime, t: int, width: int, consumers: int, source_bytes: int,

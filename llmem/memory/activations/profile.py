@@ -91,7 +91,6 @@ class ActivationProfile:
     per_layer_saved: int       # kept for backward by one decoder layer (its input included), no checkpointing
     checkpoint_saved: int      # kept per layer under gradient checkpointing (the layer input)
     embed_saved: int           # kept by the embedding block (outside the layers)
-    head_saved: int            # kept by the final norm and the lm_head input
     shared_saved: int          # shared by every layer: rotary cos/sin, attention mask
     loss_peak: int             # logits, their fp32 upcast, log-softmax and their gradients at the loss backward
     blocks: tuple[Block, ...]  # one decoder layer, forward order
@@ -99,6 +98,7 @@ class ActivationProfile:
     layers: int
     embed_tensors: tuple[int, ...] = ()
     head_tensors: tuple[int, ...] = ()
+    head_back: tuple[tuple[int, int, int], ...] = ()   # the final norm's backward events (LayerRecipe.head_back)
     mask_bytes: int = 0        # --packing under SDPA: the boolean mask, live during the forward
     shared_tensors: tuple[int, ...] = ()
     int8_kept: tuple[int, ...] = ()   # checkpointing: inputs LLM.int8 keeps per layer (in checkpoint_saved)
@@ -232,6 +232,11 @@ class ActivationProfile:
         if not self.offload:
             return self.embed_saved + self.head_saved + self.shared_saved
         return self.lm_head_input + (self.shared_saved + self.embed_leaf_bytes if self.grad_ckpt else 0)
+
+    @property
+    def head_saved(self) -> int:
+        """Kept by the final norm and the lm_head input (head_tensors' sum)."""
+        return sum(self.head_tensors)
 
     @property
     def device_head_saved(self) -> int:
@@ -429,7 +434,7 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
     if fused is not None:   # the lm_head's input (the recipe's last head tensor) is not kept: the loss keeps grads
         last = len(recipe.head) - 1
         recipe = LayerRecipe(recipe.blocks, recipe.embed, recipe.head[:last], recipe.shared,
-                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last))
+                             tuple(tag for tag in recipe.head_for_weights if tag[0] < last), recipe.head_back)
     exact = anatomy.peft is None or anatomy.peft.exact
     adapted = adapter_regime(setup.quant_base, regime)    # what peft's bitsandbytes LoRA layers cast
     # fp32 adapters on a pure low-precision base (peft's bitsandbytes LoRA layers cast alike outside autocast)
@@ -466,8 +471,8 @@ def activation_profile(r: ResolvedSetup) -> ActivationProfile:
         checkpoint_saved=d.ts * d.h * regime.res + sum(int8_kept)
         + (selective.kept_bytes(recipe.blocks) if selective is not None else 0),
         int8_kept=int8_kept,
-        embed_saved=sum(embed), head_saved=sum(recipe.head), shared_saved=sum(recipe.shared),
-        embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared,
+        embed_saved=sum(embed), shared_saved=sum(recipe.shared),
+        embed_tensors=embed, head_tensors=recipe.head, shared_tensors=recipe.shared, head_back=recipe.head_back,
         loss_peak=(fused.grad_input_bytes + fused.grad_weight_bytes if fused is not None else
                    loss.chunked.backward_peak_bytes if loss.chunked is not None else
                    loss_peak_bytes(d, loss.element_bytes, loss.nll_cast) + (d.t * d.vocab * regime.mm if config_value(

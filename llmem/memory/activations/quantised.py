@@ -87,7 +87,8 @@ def with_fp32_mlp(recipe: LayerRecipe, d: Dims) -> LayerRecipe:
         if b.name == "mlp_act" and len(b.tensors) >= 4:
             b = replace(b, tensors=(d.t * d.i * F32,) * 3 + b.tensors[3:])
         blocks.append(b)
-    return LayerRecipe(tuple(blocks), recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+    return LayerRecipe(tuple(blocks), recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights,
+                       recipe.head_back)
 
 
 def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regime) -> LayerRecipe:
@@ -102,5 +103,6 @@ def with_int8_inputs(anatomy: ModelAnatomy, recipe: LayerRecipe, t: int, r: Regi
                 kept[i] = max(kept[i], t * p.in_features * F32)
     blocks = tuple(replace(b, tensors=b.tensors + ((kept[i],) if kept[i] else ()), for_weights=())
                    for i, b in enumerate(recipe.blocks))
-    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights)
+    return LayerRecipe(blocks, recipe.embed, recipe.head, recipe.shared, recipe.head_for_weights,
+                       recipe.head_back)
 

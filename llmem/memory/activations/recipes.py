@@ -15,12 +15,14 @@ from llmem.memory.activations.blocks import (
     config_value,
     dropout_saved,
     eager_attention_saved,
+    events_peak_bytes,
     gathered_input,
     linear_inputs_saved,
     norm_block,
     norm_saved,
     packed_bias_saved,
     proj_block,
+    rmsnorm_backward,
     sdpa_saved,
     sp_norm_transient,
 )
@@ -79,14 +81,20 @@ def _llama_like(a: ModelAnatomy, d: Dims, r: Regime, attn: AttentionSpec) -> Lay
     head = head_kept + linear_inputs_saved(r, t, d.h, 1, gathered_input(d, head_out)[0] if d.sp else head_out)
     head_tags = ((len(head_kept) - 1, ("norm",), False), (len(head) - 1, ("lm_head",), r.autocast))
     # the embedding output is layer 0's input, counted there (fp32) or copied to fp32 there (lowp)
-    return LayerRecipe(tuple(blocks), (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags)
+    return LayerRecipe(tuple(blocks), (), head, (d.pos_rows * d.s * a.head_dim * r.res,) * 2, head_tags,
+                       rmsnorm_backward(r, d.ts, d.h) if norm == "rmsnorm" else ())
 
 
 def sp_norm_block(name: str, kind: str, r: Regime, d: Dims, params: tuple[str, ...]) -> tuple[Block, int]:
     """A norm on the residual stream: under --sequence-parallel SequenceParallel (its tensors on the sequence
     shard, its backward's reduce-scatter of the incoming gradient); else on every token."""
     block, out = norm_block(name, kind, r, d.ts, d.h, params)
-    return replace(block, transient=block.transient + sp_norm_transient(r, d)), out
+    extra = sp_norm_transient(r, d)
+    if block.back_events and extra:    # the gradient and its rearranged copy live through the norm's backward
+        half = extra // 2
+        back = ((1, -2, half), (1, -3, extra - half), *block.back_events, (-1, -2, half), (-1, -3, extra - half))
+        return replace(block, transient=events_peak_bytes(back), back_events=back), out
+    return replace(block, transient=block.transient + extra), out
 
 
 def sp_proj_block(name: str, r: Regime, d: Dims, consumers: int, norm_out_bytes: int, params: tuple[str, ...],
