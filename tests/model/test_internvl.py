@@ -10,7 +10,7 @@ import json
 import warnings
 
 import pytest
-from llamafactory_vlm import estimate_from_yaml
+from llamafactory_vlm import capped_lora_sft, estimate_from_yaml
 
 from llmem.cli import main
 from llmem.memory.activations.learned import LEARN_ENV
@@ -27,7 +27,6 @@ from llmem.model.images import (
 )
 from llmem.model.vision import LANGUAGE, PROJECTOR, VISION, part_params
 from llmem.model.vision_inputs import vision_inputs
-from llmem.setup.sources import setup_from_file
 from llmem.setup.training import TrainingSetup
 
 np = pytest.importorskip("numpy")
@@ -208,11 +207,7 @@ def test_llamafactory_config_prescales_then_tiles(tmp_path):
     """A LLaMA-Factory InternVL3 config: image_max_pixels 768 x 768 scales a 1024x1024 image to 768x768 first
     (mm_plugin._preprocess_image), which takes 2x2 tiles and the thumbnail (589,824 is over half of 2x2's 802,816,
     not of 3x3's); unscaled it takes 3x3 and the thumbnail."""
-    path = tmp_path / "internvl3_lora_sft.yaml"
-    path.write_text(f"model_name_or_path: {IVL_2B}\nstage: sft\ndo_train: true\nfinetuning_type: lora\n"
-                    "lora_rank: 8\nlora_target: all\ntemplate: intern_vl\ncutoff_len: 2048\nimage_max_pixels: 589824\n"
-                    "per_device_train_batch_size: 1\nbf16: true\n")
-    setup = setup_from_file(path, images_per_sample=1, image_size="1024x1024").setup
+    setup = capped_lora_sft(tmp_path, IVL_2B, "intern_vl")
     assert (setup.model, setup.lora_rank, setup.max_pixels) == (IVL_2B, 8, 589_824)
     assert vision_inputs(setup, load_anatomy(IVL_2B)).image.crops == 5
     assert image_grid("internvl", 1024, 1024, config=load_anatomy(IVL_2B).config).crops == 10

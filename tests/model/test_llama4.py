@@ -14,6 +14,7 @@ import sys
 import types
 
 import pytest
+from llamafactory_vlm import capped_lora_sft
 
 from llmem.cli import main
 from llmem.memory.activations.profile import vision_batch_bytes
@@ -30,7 +31,6 @@ from llmem.model.images import (
 )
 from llmem.model.vision import LANGUAGE, PROJECTOR, VISION, part_params
 from llmem.model.vision_inputs import vision_inputs
-from llmem.setup.sources import setup_from_file
 from llmem.setup.training import TrainingSetup
 
 SCOUT = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
@@ -224,11 +224,7 @@ def test_llamafactory_config_prescales_then_tiles(tmp_path):
     """A LLaMA-Factory Scout LoRA config: image_max_pixels 768 x 768 scales a 1024x1024 image to 768x768 first
     (mm_plugin._preprocess_image), which takes 3 x 3 tiles (1008 / 768 = 1.3125, the smallest upscale) and the global
     one; unscaled it takes 4 x 4 (1344 / 1024) and the global one."""
-    path = tmp_path / "llama4_lora_sft.yaml"
-    path.write_text(f"model_name_or_path: {SCOUT}\nstage: sft\ndo_train: true\nfinetuning_type: lora\n"
-                    "lora_rank: 8\nlora_target: all\ntemplate: llama4\ncutoff_len: 2048\nimage_max_pixels: 589824\n"
-                    "per_device_train_batch_size: 1\nbf16: true\n")
-    setup = setup_from_file(path, images_per_sample=1, image_size="1024x1024").setup
+    setup = capped_lora_sft(tmp_path, SCOUT, "llama4")
     assert (setup.model, setup.lora_rank, setup.max_pixels) == (SCOUT, 8, 589_824)
     assert vision_inputs(setup, load_anatomy(SCOUT)).image.crops == 10
     assert image_grid("llama4", 1024, 1024, config=load_anatomy(SCOUT).config).crops == 17
