@@ -22,6 +22,14 @@ MATMUL_KINDS = ("Linear", "Conv1D")
 VOCAB_PARALLEL_MIN_ROWS = 8192   # an embedding this tall is split by vocabulary (RowwiseParallel on nn.Embedding)
 
 
+def linear_layer_class(class_name: str) -> bool:
+    """Whether a module of this class is a linear layer that all-linear LoRA adapts: LLaMA-Factory's
+    find_all_linear_modules rule (a class whose name holds "Linear": nn.Linear, a quantised base's Linear4bit /
+    Linear8bitLt), or transformers' Conv1D; not an nn.Linear subclass of a model's own such as Llama 4's
+    Llama4Router, which returns the routing scores and logits (peft's LoRA layer around it fails on the tuple)."""
+    return "Linear" in class_name or class_name == "Conv1D"
+
+
 def is_embedding(p: ParamInfo) -> bool:
     return p.module_kind.endswith("Embedding")
 

@@ -19,6 +19,7 @@ from llmem.model.peft import (
     lora_target_names,
     read_peft_config,
 )
+from llmem.model.sharding import linear_layer_class
 from llmem.model.vision import under, vision_spec
 from llmem.runtime.patches import FLASH_KERNEL, flash_kernel_attention, quiet
 from llmem.runtime.selective_ac import CONTEXT_FNS
@@ -151,14 +152,12 @@ def _peft_targets(model: nn.Module, targets: str) -> str | set[str]:
 
 def _linears_proper(model: nn.Module, expanded: set[str]) -> set[str] | None:
     """The full names of the modules peft's all-linear takes (`expanded`: their names, full in peft 0.21) that are
-    linear layers by LLaMA-Factory's rule (find_all_linear_modules: a class whose name holds "Linear", a quantised
-    base's Linear4bit / Linear8bitLt too) or a Conv1D, where it takes another nn.Linear subclass too; None where it
-    takes none. Llama 4's Llama4Router subclasses nn.Linear and returns the routing scores and logits: peft's LoRA
-    layer around it fails on the tuple (`result.dtype`); the anatomy does not count it as adapted either."""
+    linear layers (llmem.model.sharding.linear_layer_class), where it takes another nn.Linear subclass too (Llama
+    4's router); None where it takes none."""
     # peft matches a target to a module named so, or ending in "." and the target (check_target_module_exists)
     taken = {name: type(module).__name__ for name, module in model.named_modules()
              if (name in expanded or name.rsplit(".", 1)[-1] in expanded) and isinstance(module, nn.Linear | _conv1d())}
-    linear = {name for name, kind in taken.items() if "Linear" in kind or kind == "Conv1D"}
+    linear = {name for name, kind in taken.items() if linear_layer_class(kind)}
     return None if len(linear) == len(taken) else linear
 
 

@@ -46,7 +46,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from llmem.model.images import PROCESSORS, pixel_values_shape
-from llmem.model.sharding import MATMUL_KINDS
+from llmem.model.sharding import linear_layer_class
 from llmem.model.vision import VisionLanguageSpec, frozen_parts, part_of, vision_spec
 from llmem.model.vision_inputs import VisionInputs
 from llmem.runtime.cuda import is_fake_tensor
@@ -73,13 +73,11 @@ def language_lora_targets(model: nn.Module, names: list[str], all_linear: str) -
     """--lora-targets on a vision-language model as peft's target_modules: the full names of the language model's
     layers' linears so named (every one for all-linear), as LLaMA-Factory targets them with the vision tower and
     projector frozen (its defaults: patch_target_modules leaves out their modules) and as the trained anatomy
-    counts them (llmem.model.peft.with_lora: the decoder layers' linears). A module of a Linear subclass of its own
-    (Llama 4's Llama4Router, which returns the routing scores and logits) is not one: LLaMA-Factory's
-    find_all_linear_modules takes a class whose name holds "Linear", and peft's LoRA layer around the router would
-    fail on its tuple."""
+    counts them (llmem.model.peft.with_lora: the decoder layers' linears); a linear layer as
+    llmem.model.sharding.linear_layer_class says (not Llama 4's router)."""
     prefix = vision_spec(model.config.model_type).language_layers + "."
     return {name for name, module in model.named_modules()
-            if name.startswith(prefix) and isinstance(module, nn.Linear) and type(module).__name__ in MATMUL_KINDS
+            if name.startswith(prefix) and isinstance(module, nn.Linear) and linear_layer_class(type(module).__name__)
             and (all_linear in names or name.rsplit(".", 1)[-1] in names)}
 
 
