@@ -1,6 +1,8 @@
 """The validation matrices: named lists of set-ups the estimator is checked on.
 
-- ci: small enough for 2 CPU cores, checked against the trace on every CI run (tests/validate/test_validate.py).
+- ci: small enough for 2 CPU cores, checked against the trace by `make test-slow` and `llmem validate --matrix ci`;
+  ci-sample, its covering sample (llmem.validate.sample: every setting the matrix holds, shown once), on every CI
+  run (tests/validate/test_validate.py).
 - large: 7B-70B models under every method on 8 GPUs (benchmarks/accuracy_large.py, benchmarks/accuracy.md), and
   70B-405B scale-out rows (SCALEOUT_MATRIX: benchmarks/accuracy_scaleout.py, benchmarks/accuracy_scaleout.md); in
   llmem.validate.large_matrices.
@@ -18,6 +20,7 @@ from llmem.validate.labels import label  # noqa: F401 - re-exported: the reports
 from llmem.validate.large_matrices import LARGE_MATRIX, SCALEOUT_MATRIX  # noqa: F401 - re-exported
 from llmem.validate.rows import bundled_peft_config
 from llmem.validate.rows import row as _s
+from llmem.validate.sample import covering_sample
 from llmem.validate.trl_qlora_rows import TRL_QLORA_ROWS
 from llmem.validate.vlm_matrices import INTERNVL_CI_ROWS, LLAMA4_CI_ROWS, MLLAMA_CI_ROWS, VL_SHAPE, VLM_MATRIX
 
@@ -574,5 +577,5 @@ VLM_GPU_MATRIX: list[TrainingSetup] = [s for s in CI_MATRIX if s.images_per_samp
     _s("Qwen/Qwen2.5-VL-3B-Instruct", "fsdp", 2, batch_size=1, grad_ckpt=True, **VL_SHAPE, **kw)
     for kw in ({"lora_rank": 16}, {"freeze_language_model": True})]
 
-MATRICES = {"ci": CI_MATRIX, "objectives": OBJECTIVES_MATRIX, "large": LARGE_MATRIX, "gpu": GPU_MATRIX,
-            "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}
+MATRICES = {"ci": CI_MATRIX, "ci-sample": covering_sample(CI_MATRIX), "objectives": OBJECTIVES_MATRIX,
+            "large": LARGE_MATRIX, "gpu": GPU_MATRIX, "float8": FLOAT8_MATRIX, "vlm": VLM_MATRIX, "vlm-gpu": VLM_GPU_MATRIX}

@@ -67,6 +67,7 @@ def _estimate(cache, *flags) -> tuple[int, int]:
     return out["peak_allocated_bytes"], out["peak_reserved_bytes"]
 
 
+@pytest.mark.slow     # three processes that each learn a step: 40 s on 2 cores
 def test_a_trainer_learned_file_is_not_read_for_the_plain_step(tmp_path):
     """DPOTrainer's step in the learning copy (its collator, dropout off) learns other blocks than the plain step;
     both were one cache file before: a plain estimate after a DPO one read the DPO file (977 -> 1,015 MB reserved

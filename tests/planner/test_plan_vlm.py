@@ -38,6 +38,7 @@ def test_a_plan_that_only_fsdp2_fits():
     assert any("a vision-language step" in n for n in p.notes)
 
 
+@pytest.mark.slow     # every what-if of a vision-language plan, learned: 20-25 s on 2 cores
 def test_the_what_ifs_it_does_not_model_are_told():
     # nothing fits at 1,000 MiB: the what-ifs run, and those a vision-language step does not wire are told apart
     p = plan(TrainingSetup(**VL, gpu_memory=parse_bytes("1000MiB")), PlanOptions(batch_cap=2, layouts="dp-tp"))

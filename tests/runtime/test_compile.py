@@ -85,6 +85,7 @@ def test_a_compiled_layer_keeps_what_autograd_saves(monkeypatch):
     assert sum(kept) < sum(_saved_by_autograd(compiled=False))
 
 
+@pytest.mark.slow     # two compiles and a learning run: 45 s on 2 cores (its CI row runs in every CI run)
 def test_a_compiled_layer_over_torchao_nf4_keeps_what_autograd_saves(monkeypatch):
     """torchtune's QLoRA compiled: dynamo traces the NF4 dequantisation into the layer's graph, and the partitioner
     keeps each base linear's dequantised bf16 weight for backward (tiny-llama at 2 x 128 tokens: 4 x [512, 512] and

@@ -11,7 +11,14 @@ from llmem.runtime.trace import trace
 from llmem.setup.training import TrainingSetup
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_language_model": True}, {"lora_rank": 8, "grad_ckpt": True}])
+def _first_then_slow(first: dict, *rest: dict) -> list:
+    """One variant per model in every run (a real CPU step of a tiny VLM takes 10-50 s here); the rest under
+    `-m slow` (make test-slow)."""
+    return [first, *(pytest.param(fields, marks=pytest.mark.slow) for fields in rest)]
+
+
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True}, {},
+                                                    {"freeze_language_model": True}))
 def test_measure_and_trace_agree(fields):
     setup = TrainingSetup("tiny-qwen2_5_vl", images_per_sample=1, image_size="224x224", batch_size=2, seq_len=32,
                           **fields)
@@ -22,7 +29,7 @@ def test_measure_and_trace_agree(fields):
     assert real.peak_reserved_bytes == fake.peak_reserved_bytes
 
 
-@pytest.mark.parametrize("fields", [{}, {"lora_rank": 8, "grad_ckpt": True}])
+@pytest.mark.parametrize("fields", _first_then_slow({}, {"lora_rank": 8, "grad_ckpt": True}))
 def test_gemma3_measure_and_trace_agree(fields):
     """Gemma 3 (tiny): the real CPU step with the processor's token_type_ids (the image tokens' bidirectional mask)
     against the trace. The real step on the CPU never copies the collated ids to the device (`.to("cpu")` returns
@@ -36,7 +43,8 @@ def test_gemma3_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_language_model": True}, {"lora_rank": 8, "grad_ckpt": True}])
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True}, {},
+                                                    {"freeze_language_model": True}))
 def test_qwen3_vl_measure_and_trace_agree(fields):
     """Qwen3-VL (tiny): the real CPU step (its position table's resampling taps, the deepstack features indexed into
     the first layers' hidden states) against the trace, which answers the image mask's true count and makes the
@@ -50,8 +58,8 @@ def test_qwen3_vl_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_language_model": True}, {"lora_rank": 8, "grad_ckpt": True},
-                                    {"images_per_sample": 2}])
+@pytest.mark.parametrize("fields", _first_then_slow({"images_per_sample": 2}, {}, {"freeze_language_model": True},
+                                                    {"lora_rank": 8, "grad_ckpt": True}))
 def test_llava_onevision_measure_and_trace_agree(fields):
     """LLaVA-OneVision (tiny): the real CPU step (its anyres crops cut, unpadded and joined with newline features by
     the model from the real image_sizes and batch_num_images) against the trace, which keeps those two inputs real
@@ -64,7 +72,8 @@ def test_llava_onevision_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", [{"freeze_vision_tower": True, "grad_ckpt": True}, {"images_per_sample": 2}])
+@pytest.mark.parametrize("fields", _first_then_slow({"freeze_vision_tower": True, "grad_ckpt": True},
+                                                    {"images_per_sample": 2}))
 def test_idefics3_measure_and_trace_agree(fields):
     """Idefics3 (tiny): the real CPU step (the model drops padding frames by a real bool mask and splits the features
     by the real per-sample counts it reads) against the trace, which answers them as every frame real
@@ -84,8 +93,8 @@ def test_idefics3_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_vision_tower": True}, {"lora_rank": 8, "grad_ckpt": True},
-                                    {"images_per_sample": 2}])
+@pytest.mark.parametrize("fields", _first_then_slow({"freeze_vision_tower": True}, {},
+                                                    {"lora_rank": 8, "grad_ckpt": True}, {"images_per_sample": 2}))
 def test_mllama_measure_and_trace_agree(fields):
     """Llama 3.2 Vision (tiny): the real CPU step (its tiles through the local and global encoders, the projected
     states read by the cross-attention layers under the processor's cross_attention_mask, labels with the <|image|>
@@ -99,8 +108,9 @@ def test_mllama_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_vision_tower": True, "grad_ckpt": True}, {"lora_rank": 8},
-                                    {"images_per_sample": 2, "image_size": "300x500"}])
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8}, {},
+                                                    {"freeze_vision_tower": True, "grad_ckpt": True},
+                                                    {"images_per_sample": 2, "image_size": "300x500"}))
 def test_internvl_measure_and_trace_agree(fields):
     """InternVL (tiny): the real CPU step (every image's tiles stacked into one pixel_values, the class token dropped
     and the patches pixel-shuffled) against the trace: the model reads nothing on the host, and the two agree to the
@@ -112,10 +122,8 @@ def test_internvl_measure_and_trace_agree(fields):
                                                                      fake.peak_reserved_bytes)
 
 
-@pytest.mark.parametrize("fields", [{}, {"freeze_vision_tower": True, "grad_ckpt": True},
-                                    pytest.param({"lora_rank": 8}, marks=pytest.mark.slow),
-                                    pytest.param({"images_per_sample": 2, "image_size": "300x500"},
-                                                 marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fields", _first_then_slow({}, {"freeze_vision_tower": True, "grad_ckpt": True},
+                                                    {"lora_rank": 8}, {"images_per_sample": 2, "image_size": "300x500"}))
 def test_llama4_measure_and_trace_agree(fields):
     """Llama 4 (tiny): the real CPU step (every image's tiles stacked into one bf16 pixel_values, as the processor
     casts them; the tower's complex rotary, its pixel shuffle and MLP; MoE decoder layers, chunked attention of 128

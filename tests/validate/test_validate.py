@@ -1,5 +1,6 @@
 """The estimator against the trace over the CI matrix: every configuration within 2 % on peak allocated and peak
-reserved. The trace runs the real HF step on fake tensors, so this takes a few dozen seconds."""
+reserved. The trace runs the real HF step on fake tensors, a few seconds a row: every run checks the matrix's
+covering sample (every setting it holds, once: llmem.validate.sample), `make test-slow` the whole matrix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from llmem.cli import main
 from llmem.validate.compare import COUNTERS
-from llmem.validate.matrices import CI_MATRIX
+from llmem.validate.matrices import CI_MATRIX, MATRICES
 
 
 def test_ci_matrix_covers_the_required_space():
@@ -44,23 +45,52 @@ def test_ci_matrix_covers_the_required_space():
 
 
 SHARDS = 8     # the matrix in eight parts, so that test workers (pytest -n) share it without a long tail
+SAMPLE_SHARDS = 4
 
 
-@pytest.mark.parametrize("shard", range(1, SHARDS + 1))
-def test_estimate_agrees_with_trace_within_2_percent(tmp_path, shard):
+def test_the_sample_shows_every_setting_of_the_matrix():
+    """Worked out here by another path: each row's settings as the flat `to_dict()` of its --json differ from a
+    default set-up's; every such (key, value) of the matrix, and every model and method, is in some sampled row."""
+    from llmem.setup.training import TrainingSetup
+
+    sample, base = MATRICES["ci-sample"], TrainingSetup("gpt2").to_dict()
+
+    def shown(rows, key):
+        return {json.dumps(r.to_dict()[key], sort_keys=True, default=str) for r in rows}
+
+    for key in base:
+        if key in ("gpu", "gpu_memory"):     # resolved by the row helper: the same on every row
+            continue
+        assert shown(CI_MATRIX, key) == shown(sample, key), key
+    assert len(sample) < len(CI_MATRIX) / 2
+    assert [s for s in CI_MATRIX if s in sample] == sample          # in the matrix's order
+
+
+def _agrees_with_trace(tmp_path, matrix: str, shard: int, shards: int) -> None:
     out, png = tmp_path / "ci.json", tmp_path / "ci.png"
-    code = main(["validate", "--against", "trace", "--matrix", "ci", "--max-error", "2", "--shard",
-                 f"{shard}/{SHARDS}", "--out", str(out), "--plot", str(png), "--json"])
+    code = main(["validate", "--against", "trace", "--matrix", matrix, "--max-error", "2", "--shard",
+                 f"{shard}/{shards}", "--out", str(out), "--plot", str(png), "--json"])
     data = json.loads(out.read_text())
     worst = {r["setup"]["model"] + " " + r["setup"]["method"]: r.get("error_pct") for r in data["rows"]}
     assert code == 0, worst
     assert png.stat().st_size > 10_000
-    assert len(data["rows"]) == len(CI_MATRIX[shard - 1::SHARDS]) and data["shard"] == f"{shard}/{SHARDS}"
+    assert len(data["rows"]) == len(MATRICES[matrix][shard - 1::shards]) and data["shard"] == f"{shard}/{shards}"
     for row in data["rows"]:
         assert not row["error"], row["error"]
         for counter in COUNTERS[:2]:
             truth, est = row["truth"][counter], row["estimate"][counter]
             assert abs(est - truth) <= 0.02 * truth, (row["setup"], counter, est, truth)
+
+
+@pytest.mark.parametrize("shard", range(1, SAMPLE_SHARDS + 1))
+def test_the_sample_agrees_with_trace_within_2_percent(tmp_path, shard):
+    _agrees_with_trace(tmp_path, "ci-sample", shard, SAMPLE_SHARDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", range(1, SHARDS + 1))
+def test_estimate_agrees_with_trace_within_2_percent(tmp_path, shard):
+    _agrees_with_trace(tmp_path, "ci", shard, SHARDS)
 
 
 @pytest.mark.parametrize("bad", ["0/4", "5/4", "1-4", "a/b", "1/0"])
