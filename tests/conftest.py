@@ -35,6 +35,12 @@ def small_llama(tmp_path_factory):
     return str(path)
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Tests marked `first` (the CI matrix's sample, a minute or two each) run before the rest: the test workers
+    (pytest -n, --dist worksteal) then end on short tests instead of one of them waiting on a long one."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
+
+
 def pytest_report_header(config) -> str:
     from published_configs import CONFIGS, SKIP_REASON, present
 

@@ -10,14 +10,17 @@ from llmem.runtime.measure import measure
 from llmem.runtime.trace import trace
 from llmem.setup.training import TrainingSetup
 
+FP32 = {"precision": "fp32"}   # the CPU's bf16 kernels are slow (Conv3d's backward 2 s a call, fp32's 0.2 s)
+
 
 def _first_then_slow(first: dict, *rest: dict) -> list:
-    """One variant per model in every run (a real CPU step of a tiny VLM takes 10-50 s here); the rest under
-    `-m slow` (make test-slow)."""
+    """One variant per model in every run (a real CPU step of a tiny VLM takes 10-50 s here under bf16 autocast,
+    a quarter of that in fp32); the rest, bf16-mixed among them, under `-m slow` (make test-slow)."""
     return [first, *(pytest.param(fields, marks=pytest.mark.slow) for fields in rest)]
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True}, {},
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True, **FP32},
+                                                    {"lora_rank": 8, "grad_ckpt": True}, {},
                                                     {"freeze_language_model": True}))
 def test_measure_and_trace_agree(fields):
     setup = TrainingSetup("tiny-qwen2_5_vl", images_per_sample=1, image_size="224x224", batch_size=2, seq_len=32,
@@ -43,7 +46,8 @@ def test_gemma3_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True}, {},
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, "grad_ckpt": True, **FP32},
+                                                    {"lora_rank": 8, "grad_ckpt": True}, {},
                                                     {"freeze_language_model": True}))
 def test_qwen3_vl_measure_and_trace_agree(fields):
     """Qwen3-VL (tiny): the real CPU step (its position table's resampling taps, the deepstack features indexed into
@@ -58,7 +62,8 @@ def test_qwen3_vl_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({"images_per_sample": 2}, {}, {"freeze_language_model": True},
+@pytest.mark.parametrize("fields", _first_then_slow({"images_per_sample": 2, **FP32}, {"images_per_sample": 2}, {},
+                                                    {"freeze_language_model": True},
                                                     {"lora_rank": 8, "grad_ckpt": True}))
 def test_llava_onevision_measure_and_trace_agree(fields):
     """LLaVA-OneVision (tiny): the real CPU step (its anyres crops cut, unpadded and joined with newline features by
@@ -72,7 +77,8 @@ def test_llava_onevision_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({"freeze_vision_tower": True, "grad_ckpt": True},
+@pytest.mark.parametrize("fields", _first_then_slow({"freeze_vision_tower": True, "grad_ckpt": True, **FP32},
+                                                    {"freeze_vision_tower": True, "grad_ckpt": True},
                                                     {"images_per_sample": 2}))
 def test_idefics3_measure_and_trace_agree(fields):
     """Idefics3 (tiny): the real CPU step (the model drops padding frames by a real bool mask and splits the features
@@ -108,7 +114,7 @@ def test_mllama_measure_and_trace_agree(fields):
     assert abs(real.peak_reserved_bytes - fake.peak_reserved_bytes) <= 2 * 1024 ** 2
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8}, {},
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8, **FP32}, {"lora_rank": 8}, {},
                                                     {"freeze_vision_tower": True, "grad_ckpt": True},
                                                     {"images_per_sample": 2, "image_size": "300x500"}))
 def test_internvl_measure_and_trace_agree(fields):

@@ -82,12 +82,14 @@ def _agrees_with_trace(tmp_path, matrix: str, shard: int, shards: int) -> None:
             assert abs(est - truth) <= 0.02 * truth, (row["setup"], counter, est, truth)
 
 
+@pytest.mark.first
 @pytest.mark.parametrize("shard", range(1, SAMPLE_SHARDS + 1))
 def test_the_sample_agrees_with_trace_within_2_percent(tmp_path, shard):
     _agrees_with_trace(tmp_path, "ci-sample", shard, SAMPLE_SHARDS)
 
 
 @pytest.mark.slow
+@pytest.mark.first
 @pytest.mark.parametrize("shard", range(1, SHARDS + 1))
 def test_estimate_agrees_with_trace_within_2_percent(tmp_path, shard):
     _agrees_with_trace(tmp_path, "ci", shard, SHARDS)
