@@ -41,8 +41,30 @@ def moe_facts(anatomy: ModelAnatomy) -> MoeFacts | None:
 
 def routing_notes(anatomy: ModelAnatomy, learned: bool = False, ep: int = 1) -> list[str]:
     """The routing assumption an MoE result states (estimate and trace alike); with activations `learned` from the
-    copy's routed layer 1 (llmem.learn), how a model whose first layers are dense is read; under --ep
-    `ep` > 1 the rank's rows depend on the routing (the --ep note states the assumption)."""
+    copy's routed layer 1 (llmem.learn), how a model whose first layers are dense, or whose layers alternate dense
+    and MoE, is read; under --ep `ep` > 1 the rank's rows depend on the routing (the --ep note states the
+    assumption)."""
+    return _routing(anatomy, learned, ep) + (_interleaved_dense(anatomy) if learned else [])
+
+
+def _interleaved_dense(anatomy: ModelAnatomy) -> list[str]:
+    """Llama 4's `interleave_moe_layer_step` k > 1 (Maverick's 2: Llama4TextDecoderLayer is MoE where its index is in
+    config.moe_layers, range(k - 1, layers, k), and a dense MLP of intermediate_size_mlp elsewhere): the estimate
+    reads layer 1 (an MoE one) as every layer's activations. Measured on tiny-llama4 with k = 2 (4 layers, one
+    224x224 image, batch 4 x 64, bf16-mixed): a full fine-tune +5.35 % allocated / +5.03 % reserved over the trace,
+    LoRA under checkpointing +0.13 % / -1.04 %."""
+    text = anatomy.config.get("text_config") if isinstance(anatomy.config.get("text_config"), dict) else anatomy.config
+    step = text.get("interleave_moe_layer_step")
+    if not isinstance(step, int) or step <= 1:
+        return []
+    routed = len(text.get("moe_layers") or range(step - 1, anatomy.num_layers, step))
+    return [f"decoder layers alternate dense and MoE feed-forwards (interleave_moe_layer_step {step}: {routed} of "
+            f"{anatomy.num_layers} layers MoE): parameters are counted layer by layer, activations modelled as an "
+            "MoE layer's in every layer (a tiny copy of this kind measured the full fine-tune's peak about 5 % over "
+            "its trace, LoRA under checkpointing within 2 %)"]
+
+
+def _routing(anatomy: ModelAnatomy, learned: bool, ep: int) -> list[str]:
     facts = moe_facts(anatomy)
     if facts is None:
         return []

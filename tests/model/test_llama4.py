@@ -261,3 +261,21 @@ def test_all_linear_lora_on_the_text_model_leaves_the_router_alone_too(tmp_path)
                                                       "architectures": ["Llama4ForCausalLM"]}))
     result = trace(TrainingSetup(model=str(tmp_path), lora_rank=8, lora_targets="all-linear", seq_len=64))
     assert result.setup.trainable_params == 4 * (5 * 8 * 512 + 2 * 8 * 384) == 106_496
+
+
+def test_a_config_whose_layers_alternate_dense_and_moe_says_how_it_is_read(tmp_path):
+    """Maverick's interleave_moe_layer_step 2: transformers makes layers 1, 3 MoE and 0, 2 dense of a 4-layer copy
+    (Llama4TextConfig.moe_layers: range(step - 1, layers, step)); the estimate's learned activations read layer 1 as
+    every layer's and say so. Scout (every layer MoE) has no such note."""
+    from llmem.model.moe import routing_notes
+
+    config = json.loads(catalog_file("tiny", "tiny-llama4.json"))
+    config["text_config"]["interleave_moe_layer_step"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    anatomy = load_anatomy(str(tmp_path))
+    dense = [p.name for p in anatomy.layer0_params if "feed_forward" in p.name]
+    assert dense and not any("experts" in n for n in dense)          # layer 0 dense, as transformers builds it
+    notes = routing_notes(anatomy, learned=True)
+    assert any("interleave_moe_layer_step 2: 2 of 4 layers MoE" in n for n in notes), notes
+    assert not any("interleave" in n for n in routing_notes(anatomy, learned=False))
+    assert not any("interleave" in n for n in routing_notes(load_anatomy("tiny-llama4"), learned=True))
