@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("validate", "compare estimate against trace or measure over a matrix of set-ups",
                 commands.cmd_validate)
     p.add_argument("--against", default="trace", choices=("trace", "measure"), help="the truth engine")
-    p.add_argument("--matrix", default="ci", help="ci, large, gpu, float8, vlm or vlm-gpu "
-                   "(see llmem/validate/matrices.py)")
+    p.add_argument("--matrix", default="ci", help="ci, ci-sample (every setting of ci, once), objectives, large, "
+                   "gpu, float8, vlm or vlm-gpu (see llmem/validate/matrices.py)")
     p.add_argument("--max-error", type=float, default=2.0, metavar="PCT",
                    help="fail when any error exceeds this percentage")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th row from the I-th (split a matrix "

@@ -100,3 +100,11 @@ def test_a_bad_shard_is_one_line(bad, capsys):
     assert main(["validate", "--shard", bad]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--shard" in err
+
+
+def test_validate_help_names_every_matrix(capsys):
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in MATRICES:
+        assert f" {name}," in text or f" {name} " in text or f"{name} or" in text, name
