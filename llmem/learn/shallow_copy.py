@@ -26,7 +26,7 @@ from llmem.memory.activations.learned import (
 from llmem.model.families import LAYERS_FIELDS, family_of
 from llmem.model.peft import read_peft_config
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.vision import vision_spec
+from llmem.model.vision import text_section, vision_spec
 from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.generation import plain_setup
@@ -130,7 +130,7 @@ def shallow_config(config: dict, depth: int, text_fields: dict | None = None) ->
     nest it) and the per-layer lists as long as it (attention kinds per layer) cut to `depth`; `text_fields` set on
     the text config last (the copy's cross-attention layers)."""
     out = copy.deepcopy(config)
-    holder = out.get("text_config") if isinstance(out.get("text_config"), dict) else out
+    holder = text_section(out)
     name = next((n for n in LAYERS_FIELDS if isinstance(holder.get(n), int)), None)
     if name is None:
         raise LearnError("the model's config names no layer count (num_hidden_layers): no shallow copy to learn from")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmem.model.anatomy import ModelAnatomy
+from llmem.model.vision import text_section
 
 EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")   # Qwen3-MoE, Mixtral / gpt-oss, DeepSeek
 
@@ -53,7 +54,7 @@ def _interleaved_dense(anatomy: ModelAnatomy) -> list[str]:
     reads layer 1 (an MoE one) as every layer's activations. Measured on tiny-llama4 with k = 2 (4 layers, one
     224x224 image, batch 4 x 64, bf16-mixed): a full fine-tune +5.35 % allocated / +5.03 % reserved over the trace,
     LoRA under checkpointing +0.13 % / -1.04 %."""
-    text = anatomy.config.get("text_config") if isinstance(anatomy.config.get("text_config"), dict) else anatomy.config
+    text = text_section(anatomy.config)
     step = text.get("interleave_moe_layer_step")
     if not isinstance(step, int) or step <= 1:
         return []

@@ -212,14 +212,20 @@ def vision_spec(model_type: str) -> VisionLanguageSpec | None:
     return VISION_LANGUAGE.get(model_type)
 
 
+def text_section(config: dict) -> dict:
+    """The decoder's own part of a config as a dict: a multimodal config's text_config, else the config itself
+    (llmem.model.families.text_config reads a transformers config object so)."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def cross_attention_layers(anatomy) -> frozenset[int]:
     """The decoder layers of a ModelAnatomy that cross-attend to the image features (its row's cross_attention_layers,
     a list in the text config: Llama 3.2 Vision's MllamaCrossAttentionDecoderLayer); empty for one layer kind."""
     spec = vision_spec(anatomy.model_type)
     if spec is None or not spec.cross_attention_layers:
         return frozenset()
-    text = anatomy.config.get("text_config", anatomy.config)
-    return frozenset(int(i) for i in text.get(spec.cross_attention_layers) or ())
+    return frozenset(int(i) for i in text_section(anatomy.config).get(spec.cross_attention_layers) or ())
 
 
 def under(name: str, prefix: str) -> bool:

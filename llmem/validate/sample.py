@@ -19,7 +19,8 @@ from typing import Any
 
 from llmem.setup.training import TrainingSetup
 
-_ALWAYS = ("model",)       # shown even at their default: each model is its own code path (its family, its anatomy)
+# shown even at their default: each model is its own code path (its family, its anatomy), and so is each method
+_ALWAYS = ("model", "method")
 
 
 def _default(f) -> Any:
@@ -39,7 +40,7 @@ def settings(setup: TrainingSetup) -> frozenset[tuple[str, str]]:
             continue
         for g in fields(value):
             v = getattr(value, g.name)
-            if g.name == "method" or v != _default(g):
+            if g.name in _ALWAYS or v != _default(g):
                 out.add((f"{f.name}.{g.name}", repr(v)))
     return frozenset(out)
 
