@@ -18,15 +18,17 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from llmem.errors import LlmemError
+from llmem.estimator.deepen import alike_layers, whole_from_template
 from llmem.estimator.deepspeed import DeepSpeedSchedule
 from llmem.estimator.eval_phase import eval_notes, eval_phase
 from llmem.estimator.events import Replay, Schedule, built_within, extrapolate, replay, same_peak_phase
 from llmem.estimator.generation import check_vllm_starts, colocated_pool, vllm_note
+from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.job_phases import job_notes, job_phases
 from llmem.estimator.moments import step_moments
 from llmem.estimator.notes import estimate_notes
 from llmem.estimator.schedule import StepSchedule
-from llmem.estimator.shared_replays import SharedReplays
+from llmem.estimator.shared_replays import SharedReplays, schedule_key
 from llmem.estimator.states import ModelStates, model_states, offloaded_optimizer_host_bytes
 from llmem.memory.activations.context_parallel import rank_tokens
 from llmem.memory.activations.learned import (
@@ -178,7 +180,7 @@ def step_verdict(r: ResolvedSetup, limit_bytes: int) -> StepVerdict | None:
         return StepVerdict(Fit.OVER_CAPACITY, capacity)
 
     def decide() -> StepVerdict:
-        schedule = built_within(step_schedule(r, act), capacity)
+        schedule = whole_schedule_within(r, act, capacity)
         if schedule is None:
             return StepVerdict(Fit.OVER_CAPACITY, capacity)
         got = replay(schedule, r.setup.expandable_segments, capacity_bytes=capacity)
@@ -194,7 +196,7 @@ def step_replay(r: ResolvedSetup, act: ActivationProfile, draft: bool, verdict: 
     schedule is that one, and its replay at the capacity is the replay where no cudaMalloc failed there (the
     allocator then never differed from an unlimited one)."""
     built = verdict.schedule if verdict is not None else None
-    whole = functools.cache(lambda: built if built is not None else step_schedule(r, act).build())
+    whole = functools.cache(lambda: built if built is not None else whole_schedule(r, act))
     capped = verdict.capped if verdict is not None and not draft else None
     if capped is not None and capped.num_alloc_retries == 0 and capped.oom is None:
         return capped, whole
@@ -327,7 +329,10 @@ def replayed_step(r: ResolvedSetup, act: ActivationProfile, depths: tuple[int, i
     expandable = r.setup.expandable_segments
 
     def made(layers: int | None) -> Replay:
-        sched = whole() if layers is None and whole is not None else step_schedule(r, act, layers).build()
+        if layers is None:
+            sched = whole() if whole is not None else whole_schedule(r, act)
+        else:
+            sched = shallow_schedule(r, act, layers)
         return replay(sched, expandable_segments=expandable)
 
     def run(layers: int | None) -> Replay:
@@ -359,6 +364,48 @@ def step_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int | None =
     """The step's schedule: PyTorch's, or DeepSpeed's engine under a ds-zero method."""
     cls = DeepSpeedSchedule if r.method.zero_stage is not None else StepSchedule
     return cls(r, act, layers=layers)
+
+
+def whole_schedule(r: ResolvedSetup, act: ActivationProfile) -> Schedule:
+    """The step's whole-depth schedule: deepened from a shallow one's template layer where the model's layers are
+    alike and the rule reproduces a deeper build (llmem.estimator.deepen: the same events, about twice as fast at
+    80 layers), else built."""
+    got = from_template(r, act)
+    return got if got is not None else step_schedule(r, act).build()
+
+
+def whole_schedule_within(r: ResolvedSetup, act: ActivationProfile, stop_above_bytes: int) -> Schedule | None:
+    """whole_schedule, or None where its live tensor bytes pass `stop_above_bytes` (events.built_within: built
+    only that far)."""
+    got = from_template(r, act)
+    if got is None:
+        return built_within(step_schedule(r, act), stop_above_bytes)
+    return got if got.peak_live_bytes <= stop_above_bytes else None
+
+
+def from_template(r: ResolvedSetup, act: ActivationProfile) -> Schedule | None:
+    """The whole-depth schedule deepened from its template layer (llmem.estimator.deepen), or None where it is
+    built instead (layers unlike each other, DDP's buckets, too shallow to gain, the check failed)."""
+    if r.method.gradient_buckets or not alike_layers(r.anatomy, act):     # (DDP's buckets span the layers)
+        return None
+    # checked against the draft's deeper schedule: a search has often built it for this set-up already
+    return whole_from_template(lambda layers: shallow_schedule(r, act, layers), r.anatomy.num_layers,
+                               check_layers=DRAFT_FROM[1])
+
+
+def shallow_schedule(r: ResolvedSetup, act: ActivationProfile, layers: int) -> Schedule:
+    """The step's schedule over its first `layers` decoder layers, kept for the set-ups with the same schedule
+    (a draft's depths, a deepening's template and check: llmem.estimator.deepen)."""
+    key = (schedule_key(r.setup), r.layout, r.gpu, id(r.base), layers)
+    return _SHALLOW.get(r.anatomy, key, lambda: (r.base, step_schedule(r, act, layers).build()))[1]
+
+
+_SHALLOW: IdentityCache[tuple[object, Schedule]] = IdentityCache(16)
+
+
+def forget_shallow_schedules() -> None:
+    """Drop the kept shallow schedules (a timing of whole_schedule from nothing kept)."""
+    _SHALLOW.clear()
 
 
 def _without_gc(work: Callable[[], T]) -> T:

@@ -107,6 +107,9 @@ class Schedule(_LogBase):       # type: ignore[misc, valid-type]
         self.min_bytes = min_bytes
         self.phase_starts: list[tuple[int, str]] = []       # (first event index, phase)
         self.marks: list[tuple[int, str]] = []   # (first event index, where: "layer 3", "loss")
+        # (first event index, decoder layer or None): whose events the next ones are (llmem.estimator.deepen)
+        self.owners: list[tuple[int, int | None]] = []
+        self.owner: int | None = None        # the latest owner
 
     @property
     def phase(self) -> str:
@@ -115,15 +118,33 @@ class Schedule(_LogBase):       # type: ignore[misc, valid-type]
     @phase.setter
     def phase(self, name: str) -> None:
         self.phase_starts.append((len(self.events), name))
+        self.own(None)
 
     def mark(self, where: str) -> None:
         """Name the part of the step the next events belong to (a layer, the loss): where an OOM is reported."""
         self.marks.append((len(self.events), where))
 
+    def enter_layer(self, i: int, label: str = "layer") -> None:
+        """Decoder layer `i`'s part of a pass over the layers begins: marked "<label> <i>" and owned by it."""
+        self.mark(f"{label} {i}")
+        self.own(i)
+
+    def own(self, layer: int | None) -> None:
+        """The next events are decoder layer `layer`'s (None: the step's own). A free made outside a layer's part
+        is its tensor's layer's (llmem.estimator.deepen reads it so)."""
+        if self.owner != layer:
+            self.owners.append((len(self.events), layer))
+            self.owner = layer
+
     def where(self, index: int) -> str:
         """The mark in force at event `index` ("" before the first)."""
-        at = bisect.bisect_right(self.marks, (index, "\uffff")) - 1
-        return self.marks[at][1] if at >= 0 else ""
+        return mark_at(self.marks, index)
+
+
+def mark_at(marks: list[tuple[int, str]], index: int) -> str:
+    """The mark in force at event `index` of a schedule with `marks` ("" before the first)."""
+    at = bisect.bisect_right(marks, (index, "\uffff")) - 1
+    return marks[at][1] if at >= 0 else ""
 
 
 @dataclass(frozen=True)

@@ -358,8 +358,88 @@ static PyObject *set_live_bytes_over(PyObject *module, PyObject *cls) {
     Py_RETURN_NONE;
 }
 
+/* deepen.py's repeated(): for each shift in `shifts`, every event of `part` appended to `out` with its key k
+ * replaced by moved[k] + shift where k is in `moved` (the others kept): the middle copies of a template layer's
+ * run, whose keys all move by one layer's worth of keys from one copy to the next */
+static PyObject *repeat_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyDict_Check(args[1]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "repeat_events(part: list, moved: dict, shifts, out: list)");
+        return NULL;
+    }
+    PyObject *part = args[0], *moved = args[1], *out = args[3];
+    PyObject *shifts = PySequence_Fast(args[2], "repeat_events takes a sequence of shifts");
+    if (shifts == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(part);
+    for (Py_ssize_t s = 0; s < PySequence_Fast_GET_SIZE(shifts); s++) {
+        long long shift;
+        if (as_whole(PySequence_Fast_GET_ITEM(shifts, s), "shift", &shift) < 0)
+            goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *ev = PyList_GET_ITEM(part, i);
+            if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != 5) {
+                PyErr_SetString(PyExc_TypeError, "an event is a 5-tuple");
+                goto fail;
+            }
+            PyObject *base = PyDict_GetItemWithError(moved, PyTuple_GET_ITEM(ev, 1));    /* borrowed */
+            if (base == NULL) {
+                if (PyErr_Occurred() || PyList_Append(out, ev) < 0)
+                    goto fail;
+                continue;
+            }
+            long long key;
+            if (as_whole(base, "key", &key) < 0)
+                goto fail;
+            PyObject *key_obj = PyLong_FromLongLong(key + shift);
+            if (key_obj == NULL)
+                goto fail;
+            PyObject *copy = PyTuple_Pack(5, PyTuple_GET_ITEM(ev, 0), key_obj, PyTuple_GET_ITEM(ev, 2),
+                                          PyTuple_GET_ITEM(ev, 3), PyTuple_GET_ITEM(ev, 4));
+            Py_DECREF(key_obj);
+            if (copy == NULL)
+                goto fail;
+            PyObject_GC_UnTrack(copy);
+            int failed = PyList_Append(out, copy);
+            Py_DECREF(copy);
+            if (failed < 0)
+                goto fail;
+        }
+    }
+    Py_DECREF(shifts);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(shifts);
+    return NULL;
+}
+
+/* deepen.py's live_bytes(): the live tensor bytes' peak and their sum after the last of `events` (an EventLog's
+ * peak_live_bytes and live_bytes, for a schedule made without one) */
+static PyObject *live_bytes(PyObject *module, PyObject *events) {
+    if (!PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "live_bytes takes a list of events");
+        return NULL;
+    }
+    long long live = 0, peak = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        long long sign, size;
+        if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != 5) {
+            PyErr_SetString(PyExc_TypeError, "an event is a 5-tuple");
+            return NULL;
+        }
+        if (as_whole(PyTuple_GET_ITEM(ev, 0), "sign", &sign) < 0 || as_whole(PyTuple_GET_ITEM(ev, 2), "size", &size) < 0)
+            return NULL;
+        live += sign > 0 ? size : -size;
+        if (live > peak)
+            peak = live;
+    }
+    return Py_BuildValue("(LL)", peak, live);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_live_bytes_over", set_live_bytes_over, METH_O, NULL},
+    {"repeat_events", (PyCFunction)(void (*)(void))repeat_events, METH_FASTCALL, NULL},
+    {"live_bytes", live_bytes, METH_O, NULL},
     {NULL},
 };
 

@@ -460,7 +460,7 @@ class PreferenceEvents:
             s.ensure_workspace()
         cached: list[int] = []
         for i in range(s.facts.layers):
-            sch.mark(f"no_grad layer {i}")
+            sch.enter_layer(i, "no_grad layer")
             if policy:
                 s.unshard_forward(i, s.facts.unit(i))
             ref_fetch(i)
@@ -474,6 +474,7 @@ class PreferenceEvents:
             if policy and s.facts.reshard:
                 s.reshard_unit(i)
             ref_fetch(("done", i))
+        sch.own(None)
         if policy:
             s.release_forward_gathers()
         ref_fetch("head")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llmem.estimator.deepen import alike_layers, whole_from_template
 from llmem.estimator.events import REDUCE_SCATTER, Replay, Schedule, built_within, replay
 from llmem.estimator.identity_cache import IdentityCache
 from llmem.estimator.schedule import StepFacts, StepSchedule
@@ -157,6 +158,7 @@ class StageSchedule(StepSchedule):
             self.unshard_forward(None, self.facts.root)
         for i in self.chunk_layers[c]:
             self.forward_layer(i)
+        sch.own(None)
         self.release_forward_gathers()
         if split.head:
             self.head_forward()            # the logits stay: the stage's output, in fwd_cache until backward
@@ -177,6 +179,7 @@ class StageSchedule(StepSchedule):
             self.head_backward(it)
         for i in reversed(self.chunk_layers[c]):
             self.backward_layer(i, it)
+        sch.own(None)
         if split.embedding:
             embeds = [p for p in f.root if p.trainable and is_embedding(p)]
             stream_grad = alloc(f.t * f.hidden_size * f.regime.res, "activations") if embeds else -1
@@ -242,6 +245,7 @@ class StageSchedule(StepSchedule):
         units = ([None] if any(p.trainable for p in f.root) else []) + list(range(f.layers))
         pending: list[int] = []
         for u in units:
+            sch.own(u)
             params = f.unit(u)
             self.reshard_unit(u)
             sch.free_all(pending)
@@ -251,6 +255,7 @@ class StageSchedule(StepSchedule):
             self.units.sharded_grads(alloc(rs_bytes // f.shards, "gradients", REDUCE_SCATTER))
             sch.free_all([self.accumulated.pop(p.name) for p in params if p.name in self.accumulated])
             pending = [rs_in]
+        sch.own(None)
         sch.free_all(pending)
         for u in list(self.state.units.gathered):
             self.reshard_unit(u)
@@ -302,8 +307,22 @@ def stage_builder(r: ResolvedSetup, rank: int) -> StageSchedule:
 
 
 def stage_whole(r: ResolvedSetup, rank: int) -> Schedule:
-    """Stage `rank`'s schedule (for the replay at a device's capacity)."""
-    return stage_builder(r, rank).build()
+    """Stage `rank`'s schedule (for the replay at a device's capacity): deepened from its template layer where the
+    rank holds one stage of alike layers (llmem.estimator.deepen), else built."""
+    splits = splits_of(r, rank)
+    got = stage_from_template(r, splits[0], rank) if len(splits) == 1 else None
+    return got if got is not None else stage_builder(r, rank).build()
+
+
+def stage_from_template(r: ResolvedSetup, split: StageSplit, rank: int) -> Schedule | None:
+    """Rank `rank`'s one stage `split` deepened from its template layer, or None where it is built instead."""
+    if r.method.gradient_buckets or not alike_layers(stage_anatomy(r.anatomy, (split,)), activation_profile(r)):
+        return None
+
+    def build(layers: int) -> Schedule:
+        return StageSchedule(r, (replace(split, stop_layer=split.first_layer + layers),), rank).build()
+
+    return whole_from_template(build, len(split.layers))
 
 
 def pipeline_note(r: ResolvedSetup, top: int) -> str:

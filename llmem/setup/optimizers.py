@@ -90,6 +90,9 @@ class OptimizerSpec:
     # one part, `part_of(param)` (a ParamInfo) giving its index; the parts step one after the other
     parts: tuple[OptimizerSpec, ...] = ()
     part_of: Callable[[object], int] | None = None
+    # which parameter of the group (its index among step_events' shapes) an event's tag is of; None where the
+    # events do not say (a deep model's schedule is then built whole: llmem.estimator.deepen)
+    event_param: Callable[[int], int] | None = None
 
     def part(self, param) -> OptimizerSpec:
         """The row that steps `param` (a ParamInfo): itself, or the composite's part."""
@@ -125,6 +128,16 @@ def _foreach_copy_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[
     llmem's Lion's torch._foreach_mul(exp_avgs, beta1)."""
     ev: list[Event] = [(1, i, prod(s) * pb) for i, s in enumerate(shapes)]
     return ev + [(-1, i, prod(s) * pb) for i, s in enumerate(shapes)]
+
+
+def _tag_is_param(tag: int) -> int:
+    """_foreach_copy_events' tags: the parameter's index."""
+    return tag
+
+
+def _two_tags_a_param(tag: int) -> int:
+    """_forloop_adamw_events' tags: two per parameter."""
+    return tag // 2
 
 
 def _forloop_adamw_events(shapes: list[Shape], pb: int, shards: int = 1) -> list[Event]:
@@ -495,7 +508,7 @@ def _torchao_row(name: str, summary: str) -> OptimizerSpec:
 
 _ADAMW = OptimizerSpec(name="adamw", summary="torch AdamW, foreach (the CUDA default)", states=_adam_states,
                        step_events=_foreach_copy_events, step_scope=PER_GROUP, redistribute=AFTER_TEMPORARIES,
-                       adam=True)
+                       adam=True, event_param=_tag_is_param)
 _MUON_PART = OptimizerSpec(name="muon-matrices", summary="torch Muon over the hidden layers' matrices",
                            states=_one_state, step_events=_muon_events, step_scope=ALL_PARAMETERS)
 _MUON_NOTE = ("muon: torch.optim.Muon (single-tensor; Newton-Schulz in bf16) over the decoder layers' 2-D weights, "
@@ -511,7 +524,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {o.name: o for o in (
     OptimizerSpec(name="adamw-fused", summary="torch AdamW(fused=True)", states=_adam_states,
                   step_events=_no_events, step_scope=NO_TEMPORARIES, host_step_counters=False, adam=True),
     OptimizerSpec(name="adamw-forloop", summary="torch AdamW(foreach=False)", states=_adam_states,
-                  step_events=_forloop_adamw_events, step_scope=ALL_PARAMETERS, adam=True),
+                  step_events=_forloop_adamw_events, step_scope=ALL_PARAMETERS, adam=True,
+                  event_param=_two_tags_a_param),
     OptimizerSpec(name="sgd", summary="torch SGD without momentum", states=_no_states,
                   step_events=_no_events, step_scope=NO_TEMPORARIES),
     OptimizerSpec(name="sgd-momentum", summary="torch SGD(momentum=0.9)", states=_one_state,
@@ -524,7 +538,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {o.name: o for o in (
                   estimate_notes=(_ADAFACTOR_NOTE,), step_notes=(_ADAFACTOR_NOTE,)),
     OptimizerSpec(name="lion", summary="Lion (lion-pytorch's update, foreach kernels)", states=_one_state,
                   step_events=_foreach_copy_events, step_scope=PER_GROUP, redistribute=AT_FIRST_FREE,
-                  estimate_notes=(_LION_NOTE,), step_notes=(_LION_NOTE,)),
+                  event_param=_tag_is_param, estimate_notes=(_LION_NOTE,), step_notes=(_LION_NOTE,)),
     OptimizerSpec(name="muon", summary="torch Muon for the hidden layers' matrices, AdamW for the rest",
                   states=_one_state, step_events=_muon_events, step_scope=PER_GROUP,
                   parts=(_MUON_PART, _ADAMW), part_of=_muon_part_of,

@@ -32,7 +32,7 @@ class LayerEvents:
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, i: int) -> None:
         sch, act, fwd = self.sch, self.f.act, self.state.forward
-        sch.mark(f"layer {i}")
+        sch.enter_layer(i)
         self.step.unshard_forward(i, self.f.unit(i))
         self.units.prefetch_forward(i + 1)
         if self.f.own_units:       # cuBLAS's workspace at the first matmul: layer 0's, the embedding's unit freed
@@ -166,7 +166,7 @@ class LayerEvents:
     # ------------------------------------------------------------------------------------------ backward
     def backward(self, i: int, it: int) -> None:
         sch, act, fwd, step = self.sch, self.f.act, self.state.forward, self.step
-        sch.mark(f"layer {i}")
+        sch.enter_layer(i)
         blocks_params = self.f.params.layer_blocks[i]
         step.unshard_backward(i, self.f.unit(i))
         if i > 0:

@@ -31,11 +31,15 @@ class OptimizerEvents:
         states = self.live.states
         per_parameter = self.f.setup.optimizer_in_backward
         shared = spec.shared_state_bytes([shapes[p.name] for p in params], per_parameter)
+        owner = self.sch.owner
         for p in params:
+            if self.sch.owner != p.layer_index:
+                self.sch.own(p.layer_index)
             if shared and spec.shared_state_bytes([shapes[p.name]], per_parameter):
                 states.extend(alloc(shared // 2, "optimizer_states") for _ in range(2))
                 shared = 0
             states.extend(alloc(b, "optimizer_states") for b in spec.part(p).states(shapes[p.name], pb[p.name]))
+        self.sch.own(owner)
 
     def redistribute_vocab_grads(self, params: list[ParamInfo]) -> None:
         """DTensor: the replicated vocab-parallel embedding gradient is redistributed to the parameter's shards
@@ -52,16 +56,22 @@ class OptimizerEvents:
         # per dtype (foreach kernels group their tensors by dtype), then per part of a composite optimizer
         runs = [(part, ps, n) for n, same in by_bytes(params, self.f.params.element_bytes)
                 for part, ps in spec.split(same)]
+        owner = sch.owner
         for part, ps, n in runs:
             keys: dict[int, int] = {}
+            param_of = part.event_param      # (whose layer each temporary is: llmem.estimator.deepen)
             for sign, tag, size in part.step_events([self.f.params.shapes[p.name] for p in ps], n, self.f.shards):
                 if sign > 0:
+                    if param_of is not None and sch.owner != (layer := ps[param_of(tag)].layer_index):
+                        sch.own(layer)
                     keys[tag] = sch.alloc(size, "optimizer_temporaries")
                 else:
+                    sch.own(None)           # (a free outside a layer's part: its tensor's layer's)
                     if redistribute:
                         self.redistribute_vocab_grads(params)
                         redistribute = False
                     sch.free(keys.pop(tag))
+        sch.own(owner)
 
     def flush_steps(self, it: int) -> None:
         """The hooks fire once the gradient's node has run and released what it saved (the engine runs

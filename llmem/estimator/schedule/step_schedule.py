@@ -105,12 +105,15 @@ class StepSchedule:
         sch, f = self.sch, self.facts
         sch.phase = "setup:setup"
         for p in f.params.kept:
+            if sch.owner != p.layer_index:
+                sch.own(p.layer_index)
             if f.params.quantised[p.name]:   # the quantised storage: packed weight and quantisation constants
                 for n in storage_tensors(p.shape, f.setup.quant_base, f.quant_args, p.module_kind == "Conv1D",
                                          fsdp_shards(f.layout), offloaded=f.cpu_offload):
                     sch.alloc(n, "weights")
             elif not f.cpu_offload:          # CPUOffloadPolicy: every sharded parameter is on the host
                 sch.alloc(f.params.shard_numel[p.name] * f.params.element_bytes[p.name], "weights")
+        sch.own(None)
         for b in f.params.buffers:                  # an adapter's buffers: whole on every rank, in their own dtype
             sch.alloc(buffer_bytes(b, f.setup), "weights")
         if f.layout.spec.gradient_buckets:
@@ -157,6 +160,7 @@ class StepSchedule:
             self.ensure_workspace()
         for i in range(f.layers):
             self.forward_layer(i)
+        sch.own(None)
         if not f.own_units:             # (the lm_head's unit: its all-gather frees the last layer's)
             self.release_forward_gathers()
         sch.free(mask_key)              # the packed mask dies with the model's forward
@@ -191,6 +195,7 @@ class StepSchedule:
             self.state.units.pending_rs = []
         for i in reversed(range(layers)):
             self.backward_layer(i, it)
+        sch.own(None)
         fwd = self.state.forward
         if f.embed_leaf_apart and f.act.embed_leaf_bytes:   # AccumulateGrad: its .grad
             fwd.embed_keys.append(sch.alloc(f.act.embed_leaf_bytes, "activations"))
