@@ -128,8 +128,9 @@ def test_internvl_measure_and_trace_agree(fields):
                                                                      fake.peak_reserved_bytes)
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({}, {"freeze_vision_tower": True, "grad_ckpt": True},
-                                                    {"lora_rank": 8}, {"images_per_sample": 2, "image_size": "300x500"}))
+# LoRA first: the whole real step in half the full fine-tune's time (15 s against 28 s here)
+@pytest.mark.parametrize("fields", _first_then_slow({"lora_rank": 8}, {}, {"freeze_vision_tower": True, "grad_ckpt": True},
+                                                    {"images_per_sample": 2, "image_size": "300x500"}))
 def test_llama4_measure_and_trace_agree(fields):
     """Llama 4 (tiny): the real CPU step (every image's tiles stacked into one bf16 pixel_values, as the processor
     casts them; the tower's complex rotary, its pixel shuffle and MLP; MoE decoder layers, chunked attention of 128
