@@ -138,13 +138,8 @@ class Schedule(_LogBase):       # type: ignore[misc, valid-type]
 
     def where(self, index: int) -> str:
         """The mark in force at event `index` ("" before the first)."""
-        return mark_at(self.marks, index)
-
-
-def mark_at(marks: list[tuple[int, str]], index: int) -> str:
-    """The mark in force at event `index` of a schedule with `marks` ("" before the first)."""
-    at = bisect.bisect_right(marks, (index, "\uffff")) - 1
-    return marks[at][1] if at >= 0 else ""
+        at = bisect.bisect_right(self.marks, (index, "\uffff")) - 1
+        return self.marks[at][1] if at >= 0 else ""
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ class OptimizerEvents:
         shared = spec.shared_state_bytes([shapes[p.name] for p in params], per_parameter)
         owner = self.sch.owner
         for p in params:
-            if self.sch.owner != p.layer_index:
-                self.sch.own(p.layer_index)
+            self.sch.own(p.layer_index)
             if shared and spec.shared_state_bytes([shapes[p.name]], per_parameter):
                 states.extend(alloc(shared // 2, "optimizer_states") for _ in range(2))
                 shared = 0
@@ -62,8 +61,8 @@ class OptimizerEvents:
             param_of = part.event_param      # (whose layer each temporary is: llmem.estimator.deepen)
             for sign, tag, size in part.step_events([self.f.params.shapes[p.name] for p in ps], n, self.f.shards):
                 if sign > 0:
-                    if param_of is not None and sch.owner != (layer := ps[param_of(tag)].layer_index):
-                        sch.own(layer)
+                    if param_of is not None:
+                        sch.own(ps[param_of(tag)].layer_index)
                     keys[tag] = sch.alloc(size, "optimizer_temporaries")
                 else:
                     sch.own(None)           # (a free outside a layer's part: its tensor's layer's)

@@ -105,8 +105,7 @@ class StepSchedule:
         sch, f = self.sch, self.facts
         sch.phase = "setup:setup"
         for p in f.params.kept:
-            if sch.owner != p.layer_index:
-                sch.own(p.layer_index)
+            sch.own(p.layer_index)
             if f.params.quantised[p.name]:   # the quantised storage: packed weight and quantisation constants
                 for n in storage_tensors(p.shape, f.setup.quant_base, f.quant_args, p.module_kind == "Conv1D",
                                          fsdp_shards(f.layout), offloaded=f.cpu_offload):
