@@ -36,12 +36,14 @@ from llmem.setup.sources.trl import (
 
 # axolotl's RLType (utils/schemas/enums.py, axolotl 0.19) -> (llmem's objective, the TRL trainer its builder runs,
 # the loss_type it sets): core/builders/rl.py _get_trainer_cls / _build_training_arguments; ipo is DPO with
-# loss_type ["ipo"], simpo TRL's CPOTrainer with loss_type "simpo"; gdpo and ebft are not modelled. reward:
-# `reward_model: true` (TRL's RewardTrainer)
+# loss_type ["ipo"], simpo TRL's CPOTrainer with loss_type "simpo", gdpo GRPO's trainer with TRL's
+# multi_objective_aggregation "normalize_then_sum" (each reward normalised over its group before the sum: arithmetic
+# on the [batch, reward functions] rewards, nothing on the device that GRPO's step does not hold); ebft is not
+# modelled. reward: `reward_model: true` (TRL's RewardTrainer)
 AXOLOTL_RL = {"dpo": ("dpo", "DPOTrainer", None), "ipo": ("dpo", "DPOTrainer", "ipo"),
               "orpo": ("orpo", "ORPOTrainer", None), "kto": ("kto", "KTOTrainer", None),
               "simpo": ("simpo", "CPOTrainer", None), "grpo": ("grpo", "GRPOTrainer", None),
-              "reward": ("reward", "RewardTrainer", None)}
+              "gdpo": ("grpo", "GRPOTrainer", None), "reward": ("reward", "RewardTrainer", None)}
 # axolotl's LoraConfig keys (utils/schemas/peft.py) that loaders/adapter.py passes to peft's LoraConfig under these
 # names: only peft expresses them (an uneven set of adapted layers, per-module ranks)
 PEFT_FIELDS = {"peft_layers_to_transform": "layers_to_transform", "peft_layers_pattern": "layers_pattern",
@@ -133,8 +135,14 @@ def _objective(r: Reading, keys: Keys, batch: int, seq: int) -> None:
         raise r.error("rl", rl, f"runs a trainer llmem does not model (modelled: {', '.join(AXOLOTL_RL)})",
                       "estimate another trainer's config")
     objective, trainer, loss_type = AXOLOTL_RL[rl]
+    if rl == "gdpo" and keys.sub("trl").get("multi_objective_aggregation") == "sum_then_normalize":
+        # axolotl's check_gdpo (utils/schemas/validation.py) refuses the pair before training
+        raise r.error("rl", rl, "with trl.multi_objective_aggregation 'sum_then_normalize' is GRPO: axolotl refuses "
+                      "the pair", "write rl: grpo, or drop multi_objective_aggregation (gdpo normalises then sums)")
     if rl != "reward":
-        r.set("rl", rl, "objective", objective, f"axolotl runs TRL's {trainer}")
+        r.set("rl", rl, "objective", objective, f"axolotl runs TRL's {trainer}" + (
+            " with multi_objective_aggregation 'normalize_then_sum' (GDPO: the rewards' aggregation, no device "
+            "memory of its own)" if rl == "gdpo" else ""))
     else:
         r.set("reward_model", True, "objective", objective)
     r.set("micro_batch_size", batch, "batch_size", batch, batch_note(objective))

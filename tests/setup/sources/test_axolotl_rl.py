@@ -58,6 +58,25 @@ def test_grpo_reads_the_trl_block(tmp_path):
     assert s.seq_len == 512 + 256
 
 
+GDPO_TRL = ("trl:\n  num_generations: 2\n  max_completion_length: 128\n  beta: 0.001\n"
+            "  reward_weights: [1.0, 2.0]\n")
+
+
+def test_gdpo_is_grpos_trainer_with_rewards_normalised_apart(tmp_path):
+    """axolotl's RLType.GDPO runs GRPO's trainer with TRL's multi_objective_aggregation 'normalize_then_sum'
+    (core/builders/rl.py): the same step, so the same set-up as the file with rl: grpo."""
+    gdpo = _read(tmp_path, "rl: gdpo\n" + GDPO_TRL, batch=4)
+    grpo = _read(tmp_path, "rl: grpo\n" + GDPO_TRL, batch=4).setup
+    assert gdpo.setup == grpo and grpo.objective == "grpo"
+    assert any(u.key == "rl" and "normalize_then_sum" in u.note for u in gdpo.record.used)
+
+
+def test_gdpo_with_grpos_aggregation_is_refused_as_axolotl_refuses_it(tmp_path):
+    with pytest.raises(LlmemError, match="'sum_then_normalize' is GRPO: axolotl refuses the pair") as got:
+        _read(tmp_path, "rl: gdpo\n" + GDPO_TRL + "  multi_objective_aggregation: sum_then_normalize\n")
+    assert "\n" not in str(got.value)
+
+
 def test_reward_model(tmp_path):
     s = _read(tmp_path, "reward_model: true\n", lora=False).setup   # TRL's RewardTrainer: the score head in full
     assert (s.objective, s.batch_size, s.max_length) == ("reward", 2, 1024)
