@@ -36,9 +36,9 @@ def _learning(monkeypatch):
     monkeypatch.setenv(LEARN_ENV, "auto")
 
 
-@pytest.mark.parametrize("flags", [dict(), dict(freeze_vision_tower=True, grad_ckpt=True)])
-def test_the_trace_agrees_within_two_percent(flags):
-    s = user_setup(**VL, **flags)
+def test_the_trace_agrees_within_two_percent():
+    """The whole model trained; the tower frozen under checkpointing is checked below, on the same trace."""
+    s = user_setup(**VL)
     est, real = estimate(s), trace(s, iterations=2)
     for counter in ("peak_allocated_bytes", "peak_reserved_bytes"):
         assert abs(getattr(est, counter) / getattr(real, counter) - 1) < 0.02, counter
@@ -60,7 +60,9 @@ def test_the_frozen_towers_buckets_are_the_reducers_own():
     sch = step_schedule(*rank_step(r))
     sch.setup_phase()
     assert [size for _sign, _k, size, _s, comp in sch.sch.events if comp == "communication_buffers"] == [trained]
-    assert abs(estimate(s).peak_reserved_bytes / real.peak_reserved_bytes - 1) < 0.005
+    est = estimate(s)
+    assert abs(est.peak_reserved_bytes / real.peak_reserved_bytes - 1) < 0.005
+    assert abs(est.peak_allocated_bytes / real.peak_allocated_bytes - 1) < 0.02
 
 
 @pytest.mark.parametrize("argv, named", [

@@ -122,7 +122,7 @@ def test_plan_names_the_largest_batch_the_capacity_aware_replay_fits():
 
 
 def test_trace_and_estimate_decide_alike_at_a_capacity():
-    base = dict(model="gpt2", batch_size=2, seq_len=256)
+    base = dict(model="tiny-llama", batch_size=2, seq_len=128)
     t = trace(user_setup(**base))
     # a device between the allocated and the reserved peak, and one below the allocated peak
     for mem in ((t.peak_allocated_bytes + t.peak_reserved_bytes) // 2, t.peak_allocated_bytes - 64 * MIB):

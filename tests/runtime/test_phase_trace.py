@@ -122,6 +122,7 @@ def test_a_set_up_outside_the_traced_paths_says_so():
                for n in result.job_notes)
 
 
+@pytest.mark.slow      # three traces, one of ZeRO-3's engine (13 s on 2 cores)
 def test_a_trace_after_the_deepspeed_phases_is_unchanged():
     """zero.Init's global state, DeepSpeed's comm and the functions the phases patch are all restored: a trace run
     after ZeRO-3's traced loading and saving gives the numbers it gave before."""
@@ -133,7 +134,8 @@ def test_a_trace_after_the_deepspeed_phases_is_unchanged():
         (before.peak_allocated_bytes, before.peak_reserved_bytes, before.components, before.job_phases)
 
 
-@pytest.mark.parametrize("kw", [{"method": "fsdp", "gpus": 2}, {"method": "ds-zero3", "gpus": 2}], ids=str)
+@pytest.mark.parametrize("kw", [{"method": "fsdp", "gpus": 2},
+                                pytest.param({"method": "ds-zero3", "gpus": 2}, marks=pytest.mark.slow)], ids=str)
 def test_the_step_is_the_same_without_the_phases(kw):
     """job_phases=False (the validation matrix's) runs no loading or saving code: the same step, no phases."""
     setup = TrainingSetup(model="tiny-llama", seq_len=64, **kw)
