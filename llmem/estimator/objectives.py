@@ -47,7 +47,7 @@ from llmem.memory.activations.profile import ActivationProfile, activation_profi
 from llmem.model.families import family_of
 from llmem.model.peft import element_bytes
 from llmem.model.resolved import ResolvedSetup
-from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, fsdp_unit_numel, is_lm_head, is_saved_copy
 from llmem.setup.objectives import (
     FUSED_TOKEN_CHUNK,
     FUSED_VOCAB_CHUNK,
@@ -154,13 +154,18 @@ def fused_head(r: ResolvedSetup, regime: Regime, weight_bytes: int, outputs: tup
                      objective_spec(setup.objective).head_outputs if outputs is None else outputs)
 
 
-def lm_head_param(r: ResolvedSetup):
+def lm_head_param(r: ResolvedSetup, adapters: bool = True):
     """The lm_head weight, or the embedding tied to it. A head of another name (BioGPT's output_projection, which
     transformers' get_output_embeddings returns) is the root matrix tied to the input embedding, or, untied, the
-    root Linear of [vocab, hidden]."""
+    root Linear of [vocab, hidden]. Under peft's modules_to_save the head is two modules (ModulesToSaveWrapper):
+    the trained copy the policy's forward runs, and (`adapters` False: peft's disable_adapter(), the reference
+    forward of TRL's trainers) the frozen original."""
     a = r.anatomy
     root = [p for p in a.params if p.layer_index is None]
-    head = (next((p for p in root if is_lm_head(p)), None)
+    heads = [p for p in root if is_lm_head(p)]
+    if len(heads) > 1:
+        heads = [p for p in heads if is_saved_copy(p) == adapters] or heads
+    head = (next(iter(heads), None)
             or next((p for p in root if p.tied_to and len(p.shape) == 2), None)
             or next((p for p in root if p.module_kind == "Linear" and p.shape == (a.vocab_size, a.hidden_size)), None))
     if head is None:
@@ -169,10 +174,11 @@ def lm_head_param(r: ResolvedSetup):
     return head
 
 
-def policy_weight_bytes(r: ResolvedSetup) -> int:
+def policy_weight_bytes(r: ResolvedSetup, adapters: bool = True) -> int:
     """Bytes per element of the lm_head weight the head multiplies by: its stored dtype, or under FSDP2 the
-    unsharded parameter's, MixedPrecisionPolicy's param_dtype (FSDPParam casts every parameter it gathers)."""
-    p = lm_head_param(r)
+    unsharded parameter's, MixedPrecisionPolicy's param_dtype (FSDPParam casts every parameter it gathers);
+    `adapters` False: the head peft's disable_adapter() runs (lm_head_param)."""
+    p = lm_head_param(r, adapters)
     if r.layout.shards_model_states:
         return r.setup.gather_bytes
     if r.method.zero_stage is not None:       # DeepSpeed's engine casts the whole module (model_bytes)
@@ -201,7 +207,7 @@ def reference_head(r: ResolvedSetup) -> FusedHead:
     if reference_mode(r.setup) == REF_COPY:
         ref = reference_bytes(r)
         return fused_head(r, reference_regime(r.regime, ref), reference_gather_bytes(r), REF_HEAD_OUTPUTS)
-    return fused_head(r, r.regime, policy_weight_bytes(r))
+    return fused_head(r, r.regime, policy_weight_bytes(r, adapters=False))
 
 
 def preference_moments(r: ResolvedSetup, act: ActivationProfile, ms, sft_moments) -> list:

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 from llmem.errors import LlmemError
 from llmem.model.adapter_params import is_adapter_param
-from llmem.model.sharding import MATMUL_KINDS
+from llmem.model.sharding import MATMUL_KINDS, unwrapped_module
 from llmem.setup.precision import F32
 from llmem.setup.quant_bases import QUANTISED, quant_base_spec
 from llmem.units import ceil_div
@@ -296,7 +296,8 @@ def is_quantised(p, quant_base: str) -> bool:
     if not quant_base_spec(quant_base).quantised or not p.name.endswith(".weight") \
             or p.module_kind not in MATMUL_KINDS:
         return False
-    module = p.name.rsplit(".", 1)[0]
+    # (peft's modules_to_save wraps the module after loading: its original and its trained copy are the module's)
+    module = unwrapped_module(p.name)
     return not is_adapter_param(p.name) and p.tied_to is None and module.rsplit(".", 1)[-1] != "lm_head"
 
 

@@ -119,7 +119,10 @@ def model_support(anatomy: ModelAnatomy) -> ModelSupport:
                         tp_refusal_of(anatomy.model_type), head,
                         tuple(tp_style_refusal(anatomy.model_type).items()),
                         flash_refusal=flash_refusal_of(anatomy.model_type),
-                        tied_embeddings=anatomy.tie_word_embeddings)
+                        tied_embeddings=anatomy.tie_word_embeddings,
+                        peft_type=anatomy.peft.peft_type if anatomy.peft is not None else "",
+                        peft_hand_modelled=anatomy.peft is not None and anatomy.peft.exact
+                        and not anatomy.peft.num_virtual_tokens)
 
 
 def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> SetupRecord:

@@ -34,6 +34,30 @@ def is_embedding(p: ParamInfo) -> bool:
     return p.module_kind.endswith("Embedding")
 
 
+def unwrapped_module(name: str) -> str:
+    """The module path of a parameter `name` with peft's ModulesToSaveWrapper left out: lm_head.original_module.weight
+    and lm_head.modules_to_save.default.weight both -> lm_head (the module the base model names)."""
+    parts = name.split(".")[:-1]
+    if "original_module" in parts:
+        parts.remove("original_module")
+    elif "modules_to_save" in parts:
+        at = parts.index("modules_to_save")
+        del parts[at:at + 2]
+    return ".".join(parts)
+
+
+def is_saved_copy(p: ParamInfo) -> bool:
+    """A trained copy peft's ModulesToSaveWrapper makes of a whole module (modules_to_save):
+    <module>.modules_to_save.<adapter>.*, beside the frozen <module>.original_module.*."""
+    return ".modules_to_save." in f".{p.name}"
+
+
+def is_wrapped_original(p: ParamInfo) -> bool:
+    """The frozen original of a module peft's ModulesToSaveWrapper wraps: it runs only with the adapters disabled
+    (the wrapper's forward runs the trained copy otherwise)."""
+    return ".original_module." in f".{p.name}"
+
+
 def is_lm_head(p: ParamInfo) -> bool:
     """The lm_head weight, or the embedding tied to it."""
     return p.name.startswith("lm_head") or (p.tied_to or "").startswith("lm_head")

@@ -84,7 +84,6 @@ _NOT_WITH_GENERATION = (
     ("packing", False, "--packing", "GRPOTrainer and RLOOTrainer pad prompts and completions"),
     ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
     ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
-    ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
     ("precompute_ref_log_probs", False, "--precompute-ref-log-probs", "GRPOTrainer and RLOOTrainer score the reference per step"),
     ("ref_dtype", "policy", "--ref-dtype", "GRPOTrainer and RLOOTrainer load the reference in the policy's "
                                            "dtype"),

@@ -298,7 +298,6 @@ _NOT_WITH_PREFERENCE = (
     ("packing", False, "--packing", "DPOTrainer pads each pair (padding_free is disabled in trl 1.16)"),
     ("offload_activations", False, "--offload-activations", "TRL's activation_offloading is not modelled yet"),
     ("optimizer_in_backward", False, "--optimizer-in-backward", "TRL's trainers step the optimizer after backward"),
-    ("peft_config", None, "--peft-config", "give the adapters with --lora-rank"),
 )
 PREFERENCE_METHODS = TRL_METHODS          # the layouts the preference step is modelled under (FSDP2 included)
 PREFERENCE_ATTENTIONS = ("sdpa", "eager", "flash")

@@ -21,6 +21,7 @@ from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.liger import AUTO, LIGER_FAMILIES, liger_kernels
 from llmem.setup.methods import METHODS, MethodSpec
+from llmem.setup.objectives import objective_spec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
 from llmem.setup.precision import regime_for
 from llmem.setup.training import TrainingSetup
@@ -39,6 +40,10 @@ class ModelSupport:
     tp_style_refusals: tuple[tuple[str, str], ...] = ()
     flash_refusal: str | None = None  # why --attn flash is not modelled on it (its family row), or None
     tied_embeddings: bool = False    # the input and output embeddings share one weight
+    # --peft-config's peft type, and whether llmem has a hand activation model of it (LoRA, DoRA, IA3) and no virtual
+    # tokens ("": no --peft-config)
+    peft_type: str = ""
+    peft_hand_modelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,9 +128,28 @@ TP_STYLES = FeatureSupport("--sequence-parallel / --loss-parallel",
             "DTensor residual stream); drop one of them"),
 ))
 
+def _trl_trainer(c: Case) -> bool:
+    """A preference or generating objective: TRL's trainer with a reference forward (or none) of its own."""
+    spec = objective_spec(c.setup.objective)
+    return spec.runs_trainer and not spec.sft_step
+
+
 ADAPTERS = FeatureSupport("adapters (--lora-rank / --peft-config)", lambda c: c.setup.peft, (
     Refusal("tensor parallelism", lambda c: c.method.has_tp,
             "LoRA / peft with tensor parallelism is not modelled: use single, ddp, fsdp or zero2"),
+    # checked against the trace under DPO, KTO, ORPO, GRPO and RLOO: LoRA (modules_to_save included), DoRA and IA3
+    # within 1.1 %; a learned peft type's activations are learned from the plain step only, and TRL's trainers
+    # cannot run prompt tuning's virtual tokens through their masks
+    Refusal("--peft-config of a type without a hand model under TRL's trainers",
+            lambda c: bool(c.setup.peft_config) and c.model is not None and _trl_trainer(c)
+            and not c.model.peft_hand_modelled,
+            lambda c: f"--peft-config of peft type {c.model.peft_type} with --objective {c.setup.objective} is not "
+                      "modelled (under TRL's trainers: LoRA, DoRA and IA3 configs); give the adapters with "
+                      "--lora-rank, or estimate it with --objective sft"),
+    Refusal("--peft-config under TRL's trainers on DeepSpeed",
+            lambda c: bool(c.setup.peft_config) and _trl_trainer(c) and c.method.zero_stage is not None,
+            lambda c: f"--peft-config with --objective {c.setup.objective} on {c.method.name} is not modelled (not "
+                      "checked against the trace there); give the adapters with --lora-rank, or use fsdp"),
 ))
 
 FUSED_CE = FeatureSupport("--fused-ce", lambda c: c.setup.fused_ce, (

@@ -20,7 +20,7 @@ from llmem.memory.activations.blocks import MASK as MASK_BYTES
 from llmem.memory.activations.loss import FusedCE
 from llmem.model.adapter_params import LORA_A, LORA_B, adapter_part, is_adapter_param
 from llmem.model.anatomy import ParamInfo
-from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head
+from llmem.model.sharding import MATMUL_KINDS, is_embedding, is_lm_head, is_wrapped_original
 from llmem.setup.precision import F32
 
 
@@ -112,7 +112,7 @@ class HeadEvents:
         if regime.autocast:
             fwd.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
                              if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)
-                             and p.name not in f.vision_params]   # (the vision side's copies: its pieces')
+                             and p.name not in f.vision_params and not is_wrapped_original(p)]   # (the vision side's copies: its pieces')
         if f.setup.loss_parallel:   # ColwiseParallel(output_layouts=Shard(-1)): the logits stay vocab-sharded
             self.loss_parallel_forward()
             return

@@ -81,7 +81,9 @@ def test_each_documented_pair_reads_as_written(name):
 
 
 @pytest.mark.parametrize("name, refusal", [
-    ("gdpo.yml", "rl = 'gdpo' runs a trainer llmem does not model"),
+    # GDPO is GRPO's trainer (rewards normalised apart): one sample per GPU cannot hold GRPOConfig's default 8
+    # generations, which TRL refuses as well
+    ("gdpo.yml", "--num-generations 8 must divide the generation batch"),
     ("prm.yml", "process_reward_model = True runs TRL's PRMTrainer"),
     # ORPO on a 4-bit base in bf16: ORPOTrainer casts its embeddings and lm_head back to bf16 (not modelled)
     ("orpo-qlora.yml", "--qlora with --objective orpo in bf16 is not modelled"),
