@@ -36,6 +36,12 @@ def builders() -> dict[str, dict]:
 # torchtune's module names -> transformers' (torchtune's convert_weights mapping)
 MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
+# torchtune's builders that keep apart the projections transformers' class of the same model fuses: torchtune's phi3
+# (models/phi3/_component_builders.py: q_proj, k_proj, v_proj and FeedForward's w1 / w3 separate linears; its
+# _convert_weights.py splits Phi-3's checkpoint at loading) against transformers' Phi3Attention.qkv_proj and
+# Phi3MLP.gate_up_proj. LoRA on the fused module stands in for LoRA on any projection inside it.
+FUSED_IN_TRANSFORMERS = {"phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}}
 DTYPES = {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
 TORCHTUNE_VERSION = "0.6.1"     # the torchtune whose builders torchtune_builders.json holds
 TUNE_RUN = re.compile(r"^#\s*tune run\s+(?P<args>.*)$", re.MULTILINE)
@@ -125,7 +131,7 @@ def read(keys: Keys, r: Reading, text: str) -> None:
     if keys.get("ac_mode") == "selective" and isinstance(keys.get("ac_option"), int):
         r.set("ac_option", keys.get("ac_option"), "ckpt_every", r.integer("ac_option", keys.get("ac_option")))
     if lora:
-        _lora(r, model, qlora)
+        _lora(r, model, qlora, FUSED_IN_TRANSFORMERS.get(row["component"], {}) if row else {})
     _loss(r, keys.sub("loss"))
     _distributed(r, keys)
     _compile(r, keys, recipe)
@@ -213,13 +219,21 @@ def _optimizer(r: Reading, keys: Keys) -> None:
     r.set("optimizer._component_" + (" + fused" if fused else ""), component, "optimizer", name, row.note)
 
 
-def _lora(r: Reading, model: Keys, qlora: bool) -> None:
+def _lora(r: Reading, model: Keys, qlora: bool, fused: dict[str, str]) -> None:
     attn = [str(m) for m in model.get("lora_attn_modules", ["q_proj", "v_proj"])]
     names = [MODULES.get(m, m) for m in attn]
     if model.get("apply_lora_to_mlp", False):
         names += MLP
     if model.get("apply_lora_to_output", False):
         names.append("lm_head")
+    if any(n in fused for n in names):
+        split = [n for n in names if n in fused]
+        names = list(dict.fromkeys(fused.get(n, n) for n in names))
+        r.ignore("model.lora_attn_modules + apply_lora_to_mlp", split,
+                 "torchtune's model keeps these projections apart, transformers' fuses them: LoRA on "
+                 f"{', '.join(dict.fromkeys(fused[n] for n in split))} stands in (one adapter pair over the fused "
+                 "width, r x (in + fused out), instead of r x (in + out) per projection: fewer adapter parameters, "
+                 "the same frozen base)")
     rank = r.integer("model.lora_rank", model.get("lora_rank", 8), what="a LoRA rank")
     dora = "use_dora" in model and r.boolean("model.use_dora", model.get("use_dora"))
     lora = Lora(rank, float(model.get("lora_alpha", 16)), r.fraction("model.lora_dropout",

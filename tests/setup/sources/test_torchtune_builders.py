@@ -54,6 +54,25 @@ def test_a_recipe_reads_its_builders_model(tmp_path, component, hub_id, adapters
     assert setup.model == hub_id and (setup.lora_rank == 8) == adapters
 
 
+def test_phi3s_split_projections_stand_on_transformers_fused_ones(tmp_path):
+    """torchtune's phi3 keeps q / k / v and w1 / w3 apart where transformers' Phi-3 fuses them (qkv_proj,
+    gate_up_proj): LoRA on the fused modules stands in, and the answer says it is approximate. Adapters by hand
+    (hidden 3072, q / k / v 3072 wide each, MLP 8192, 32 layers, r8): qkv r x (3072 + 9216), o r x (3072 + 3072),
+    gate_up r x (3072 + 16384), down r x (8192 + 3072)."""
+    from llmem.model.resolved import resolve
+
+    path = tmp_path / "mini_qlora.yaml"
+    path.write_text("model:\n  _component_: torchtune.models.phi3.qlora_phi3_mini\n"
+                    "  lora_attn_modules: ['q_proj', 'v_proj', 'k_proj', 'output_proj']\n  apply_lora_to_mlp: True\n"
+                    "  lora_rank: 8\n  lora_alpha: 16\nbatch_size: 2\ndtype: bf16\ntokenizer:\n  max_seq_len: 1024\n")
+    read = setup_from_file(path)
+    assert read.setup.lora_targets == "qkv_proj,o_proj,gate_up_proj,down_proj"
+    assert read.setup.quant_base == "torchao-nf4" and not read.record.exact
+    assert any("qkv_proj, gate_up_proj stands in" in i.why for i in read.record.ignored)
+    per_layer = 8 * ((3072 + 9216) + (3072 + 3072) + (3072 + 16384) + (8192 + 3072))
+    assert resolve(read.setup).anatomy.trainable_params == 32 * per_layer
+
+
 def test_an_unknown_builder_asks_for_the_model(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("model:\n  _component_: torchtune.models.qwen3.qwen3_8b_instruct\nbatch_size: 1\n")
