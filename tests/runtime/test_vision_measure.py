@@ -32,7 +32,10 @@ def test_measure_and_trace_agree(fields):
     assert real.peak_reserved_bytes == fake.peak_reserved_bytes
 
 
-@pytest.mark.parametrize("fields", _first_then_slow({}, {"lora_rank": 8, "grad_ckpt": True}))
+# under slow: Gemma 3's CPU bf16 step is the slowest left (14 s on 2 cores, no faster in fp32); its estimate against
+# the trace is in the CI matrix's sample and tests/estimator/test_vlm_fsdp.py
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", [{}, {"lora_rank": 8, "grad_ckpt": True}])
 def test_gemma3_measure_and_trace_agree(fields):
     """Gemma 3 (tiny): the real CPU step with the processor's token_type_ids (the image tokens' bidirectional mask)
     against the trace. The real step on the CPU never copies the collated ids to the device (`.to("cpu")` returns
