@@ -112,7 +112,8 @@ class HeadEvents:
         if regime.autocast:
             fwd.head_copy = [alloc(f.params.tp_local[p.name] * regime.mm, "gathered_weights") for p in f.root
                              if (p.module_kind in MATMUL_KINDS or is_lm_head(p)) and f.casts(p)
-                             and p.name not in f.vision_params and not is_wrapped_original(p)]   # (the vision side's copies: its pieces')
+                             and p.name not in f.vision_params      # (the vision side's copies: its pieces')
+                             and not is_wrapped_original(p)]        # (peft runs modules_to_save's copy)
         if f.setup.loss_parallel:   # ColwiseParallel(output_layouts=Shard(-1)): the logits stay vocab-sharded
             self.loss_parallel_forward()
             return
