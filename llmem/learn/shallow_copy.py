@@ -30,7 +30,7 @@ from llmem.model.vision import text_section, vision_spec
 from llmem.runtime.expert_parallel import learning_ep
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.generation import plain_setup
-from llmem.setup.objectives import objective_spec
+from llmem.setup.objectives import ObjectiveSpec, objective_spec
 from llmem.setup.sections import DeepSpeedConfig, JobConfig, ParallelismConfig
 
 
@@ -75,7 +75,9 @@ def cross_attention_field(r: ResolvedSetup) -> str:
 
 def _learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None, config: dict) -> LearnedActivations:
     shape = own_shape(r.setup)
-    points = points or ((shape,) if shape is not None else POINTS)
+    copied = _copy_objective(r.setup)
+    # KTO's micro-batch is whole (desirable, undesirable) halves: its copy runs POINTS' batches in those units
+    points = points or ((shape,) if shape is not None else tuple((b * copied.batch_multiple, s) for b, s in POINTS))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmem-learn-") as folder:
         path = Path(folder) / "config.json"
@@ -89,9 +91,19 @@ def _learn(r: ResolvedSetup, points: tuple[tuple[int, int], ...] | None, config:
             with learning_ep(r.setup.ep, r.setup.ep_imbalance):   # --ep: the EP forward, all-to-alls emulated
                 readings.append(run_point(copy_setup, vision_checkpointing=vision_checkpointing(r)))
             check_alike(readings, points)
-    sizes = fit_sizes(readings, points)
-    return read_layer(readings[0], sizes, points, time.perf_counter() - t0,
+    # a paired objective's copy (DPO's chosen and rejected, concatenated in one forward) runs sequences_per_sample
+    # rows a sample: the sizes are fitted per row, the batch the schedule reads them at (the doubled batch of
+    # llmem.estimator.objectives.objective_view)
+    rows = tuple((b * copied.sequences_per_sample, s) for b, s in points)
+    sizes = fit_sizes(readings, rows)
+    return read_layer(readings[0], sizes, rows, time.perf_counter() - t0,
                       selective=AC_POLICIES[r.setup.ac_policy].selective)
+
+
+def _copy_objective(setup) -> ObjectiveSpec:
+    """The objective the learning copy's step runs (learning_setup: a generation objective's runs the plain step)."""
+    spec = objective_spec(setup.objective)
+    return objective_spec("sft") if spec.generates else spec
 
 
 # peft config fields that count the decoder layers an adapter spans: adaption prompt's adapter_layers (its

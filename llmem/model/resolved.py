@@ -13,7 +13,6 @@ from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
-from llmem.model.sharding import is_saved_copy
 from llmem.model.vision import frozen_parts, with_parts_frozen
 from llmem.model.vision_inputs import check_vision
 from llmem.setup.expert_parallel import check_ep_model
@@ -123,8 +122,7 @@ def model_support(anatomy: ModelAnatomy) -> ModelSupport:
                         tied_embeddings=anatomy.tie_word_embeddings,
                         peft_type=anatomy.peft.peft_type if anatomy.peft is not None else "",
                         peft_hand_modelled=anatomy.peft is not None and anatomy.peft.exact
-                        and not anatomy.peft.num_virtual_tokens,
-                        saved_copies=any(is_saved_copy(p) for p in anatomy.params))
+                        and not anatomy.peft.num_virtual_tokens)
 
 
 def setup_record(setup: TrainingSetup, anatomy: ModelAnatomy, layout: Layout, gpu: GpuSpec) -> SetupRecord:

@@ -30,8 +30,9 @@ from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.objectives import objective_spec
 
 # bump when what is learned, or how, changes: older cache files are not read (2: TRL's objectives, Liger's kernels
-# and float8 linears in the key; a file learned under them was read for the plain step before)
-LEARN_FORMAT = 2
+# and float8 linears in the key; a file learned under them was read for the plain step before. 3: a paired
+# objective's sizes fitted per row, not per pair: read at the doubled batch, they counted each pair twice)
+LEARN_FORMAT = 3
 # The TrainingSetup fields learning_key reads (some through what they resolve to: the model's config, the dtype
 # regime, the GPU's compute capability). Every other field is reset by the learning run
 # (llmem.learn.shallow_copy.learning_setup) or changes nothing a decoder layer keeps (LAYER_FREE_FIELDS):
