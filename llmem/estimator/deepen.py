@@ -26,12 +26,11 @@ extra layers do not show (a threshold crossed only deeper) would not be seen; th
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from itertools import accumulate
 
-from llmem.estimator.events import Schedule
+from llmem.estimator.events import NATIVE_EVENTS, Schedule
 from llmem.estimator.identity_cache import IdentityCache
 from llmem.memory.activations.profile import ActivationProfile
 from llmem.model.anatomy import ModelAnatomy
@@ -343,11 +342,7 @@ def _python_live_bytes(events: list[Event]) -> tuple[int, int]:
     return max([0, *live]), live[-1] if live else 0
 
 
-try:
-    from llmem.estimator import native_events as _native
-except ImportError:              # no C compiler at install time: the Python twins serve
-    _native = None               # type: ignore[assignment]
-if _native is not None and os.environ.get("LLMEM_NATIVE_EVENTS", "").lower() not in ("off", "0", "no"):
-    _repeat_events, _live_bytes = _native.repeat_events, _native.live_bytes
+if NATIVE_EVENTS is not None:     # (the event log's compiled module, where it is in use)
+    _repeat_events, _live_bytes = NATIVE_EVENTS.repeat_events, NATIVE_EVENTS.live_bytes
 else:
     _repeat_events, _live_bytes = _python_repeat_events, _python_live_bytes

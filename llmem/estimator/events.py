@@ -92,9 +92,13 @@ try:
     from llmem.estimator import native_events as _NATIVE
 except ImportError:          # no C compiler at install time: the Python reference serves
     _NATIVE = None           # type: ignore[assignment]
-if _NATIVE is not None and os.environ.get("LLMEM_NATIVE_EVENTS", "").lower() not in ("off", "0", "no"):
-    _NATIVE.set_live_bytes_over(LiveBytesOver)
-    _LogBase: type = _NATIVE.EventLog
+# the compiled event log and its helpers in use (None: not built, or LLMEM_NATIVE_EVENTS=off; the Python references
+# serve: EventLog here, llmem.estimator.deepen's twins)
+NATIVE_EVENTS = _NATIVE if _NATIVE is not None and os.environ.get("LLMEM_NATIVE_EVENTS", "").lower() not in (
+    "off", "0", "no") else None
+if NATIVE_EVENTS is not None:
+    NATIVE_EVENTS.set_live_bytes_over(LiveBytesOver)
+    _LogBase: type = NATIVE_EVENTS.EventLog
 else:
     _LogBase = EventLog
 
