@@ -13,6 +13,7 @@ from llmem.model.anatomy import ModelAnatomy, setup_anatomy
 from llmem.model.families import flash_refusal_of, tp_refusal_of, tp_style_refusal
 from llmem.model.moe import moe_facts
 from llmem.model.peft import trained_anatomy
+from llmem.model.sharding import is_saved_copy
 from llmem.model.vision import frozen_parts, with_parts_frozen
 from llmem.model.vision_inputs import check_vision
 from llmem.setup.expert_parallel import check_ep_model
@@ -160,7 +161,7 @@ def _adapters(anatomy: ModelAnatomy, setup: TrainingSetup
             continue
         at = parts.index("default")        # peft's adapter name: <module>.<adapter part>.default[.weight]
         # peft's ModulesToSaveWrapper: <module>.modules_to_save.default.*, a whole trained copy, not an adapter
-        names = saved if parts[at - 1] == "modules_to_save" else targets
+        names = saved if is_saved_copy(p) else targets
         if at >= 2 and parts[at - 2] not in names:
             names.append(parts[at - 2])
         if not rank and parts[at - 1] == "lora_A" and len(p.shape) == 2:

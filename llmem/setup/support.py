@@ -21,7 +21,6 @@ from llmem.errors import LlmemError
 from llmem.setup.checkpointing import AC_POLICIES
 from llmem.setup.liger import AUTO, LIGER_FAMILIES, liger_kernels
 from llmem.setup.methods import METHODS, MethodSpec
-from llmem.setup.objectives import objective_spec
 from llmem.setup.pipeline import PIPELINE_SCHEDULES, pipeline_schedule
 from llmem.setup.precision import regime_for
 from llmem.setup.training import TrainingSetup
@@ -130,7 +129,7 @@ TP_STYLES = FeatureSupport("--sequence-parallel / --loss-parallel",
 
 def _trl_trainer(c: Case) -> bool:
     """A preference or generating objective: TRL's trainer with a reference forward (or none) of its own."""
-    spec = objective_spec(c.setup.objective)
+    spec = c.setup.objective_spec
     return spec.runs_trainer and not spec.sft_step
 
 
